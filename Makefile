@@ -1,0 +1,22 @@
+# The two commands of the README: `make train` and `make test`. Both create .venv when missing.
+# torch is installed first, pinned (the CPU build on this machine), then the project without build
+# isolation, so pip never pulls a second, multi-GB CUDA torch into a build environment.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.moezero-installed
+
+.PHONY: install train test
+
+install: $(STAMP)
+
+$(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q setuptools wheel "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $@
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15

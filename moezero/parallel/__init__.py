@@ -1,0 +1,5 @@
+from moezero.parallel.expert_marker import ExpertShard, expert_shard_of, is_expert_parallel, mark_expert_parallel
+from moezero.parallel.groups import ParallelGroups, RankLayout, rank_layout
+
+__all__ = ["ParallelGroups", "RankLayout", "rank_layout", "ExpertShard", "mark_expert_parallel",
+           "expert_shard_of", "is_expert_parallel"]

@@ -1,0 +1,85 @@
+"""Collectives over an explicit group. `group=None` means a world of one: no communication.
+
+(This differs from torch.distributed, where None is the default world group: moezero never
+relies on the default group implicitly.)
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: Optional[Any]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[Any]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group = group
+        ctx.output_splits, ctx.input_splits = output_splits, input_splits
+        return _all_to_all_raw(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = _all_to_all_raw(grad_out.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group)
+        return grad_in, None, None, None
+
+
+def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
+                           input_split_sizes=list(input_splits), group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Optional[Any]) -> torch.Tensor:
+    """Send rows x[sum(input_splits[:j]) : ...] to rank j of `group`; autograd-aware.
+
+    `input_splits[j]` rows go to rank j; `output_splits[j]` rows arrive from rank j.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """All-to-all of an int64 tensor shaped (group size, n): row j goes to rank j, row i comes from rank i."""
+    if group_size(group) == 1:
+        return send_counts.clone()
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce; returns the work handle (None when nothing was launched)."""
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):
+    """Sum `input` (group size * output.numel()) over the group; rank r keeps slice r in `output`."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return None
+    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):
+    """Concatenate every rank's `input` into `output` (input may be a view of output's own slice)."""
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)

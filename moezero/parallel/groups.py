@@ -1,0 +1,128 @@
+"""Process groups for data and expert parallelism, built once and passed explicitly.
+
+Rank layout (world W, expert-parallel size ep):
+  ep  groups: ep consecutive ranks            e.g. W=4, ep=2 -> {0,1} {2,3}
+  edp groups: ranks with the same ep rank     e.g. W=4, ep=2 -> {0,2} {1,3}
+  dp  group : every rank (dense params are replicated everywhere)
+Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch.distributed as dist
+
+Ranks = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Pure description of who talks to whom; no processes needed."""
+
+    world_size: int
+    expert_parallel_size: int
+    ep_groups: Tuple[Ranks, ...]
+    edp_groups: Tuple[Ranks, ...]
+
+    def ep_group_of(self, rank: int) -> Ranks:
+        return self.ep_groups[rank // self.expert_parallel_size]
+
+    def edp_group_of(self, rank: int) -> Ranks:
+        return self.edp_groups[rank % self.expert_parallel_size]
+
+
+def rank_layout(world_size: int, expert_parallel_size: int) -> RankLayout:
+    """The ep/edp groups for a world; raises ValueError for impossible layouts."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if expert_parallel_size < 1:
+        raise ValueError(f"expert parallel size must be >= 1, got {expert_parallel_size}")
+    if world_size % expert_parallel_size != 0:
+        raise ValueError(f"world size ({world_size}) must be divisible by the expert parallel size "
+                         f"({expert_parallel_size})")
+    ep = expert_parallel_size
+    ep_groups = tuple(tuple(range(start, start + ep)) for start in range(0, world_size, ep))
+    edp_groups = tuple(tuple(range(offset, world_size, ep)) for offset in range(ep))
+    return RankLayout(world_size, ep, ep_groups, edp_groups)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The dp, ep and edp process groups of this rank (None groups in a world of one).
+
+    `dp` reduces dense gradients, `edp` reduces expert gradients, `ep` carries the token
+    all-to-all and `control` carries the optimizer's small step-time collectives. Each is a
+    distinct group object even when the members coincide, so collectives of one purpose never
+    pair up with another's when ranks reach them in different orders.
+    """
+
+    layout: RankLayout
+    rank: int
+    dp: Optional[Any] = None
+    ep: Optional[Any] = None
+    edp: Optional[Any] = None
+    control: Optional[Any] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.expert_parallel_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.world_size // self.ep_size
+
+    @property
+    def edp_rank(self) -> int:
+        return self.rank // self.ep_size
+
+    @classmethod
+    def single(cls) -> "ParallelGroups":
+        """A world of one: no communication anywhere."""
+        return cls(rank_layout(1, 1), rank=0)
+
+    @classmethod
+    def build(cls, expert_parallel_size: int = 1) -> "ParallelGroups":
+        """Create the groups; every rank must call this in the same order (after init_process_group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if expert_parallel_size != 1:
+                raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
+                                 "initialised (world of one)")
+            return cls.single()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = rank_layout(world, expert_parallel_size)
+        dp = dist.new_group(list(range(world)))
+        control = dist.new_group(list(range(world)))
+        ep = _new_subgroup(layout.ep_groups, rank)
+        edp = _new_subgroup(layout.edp_groups, rank)
+        return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control)
+
+    def destroy(self) -> None:
+        """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
+        seen = set()
+        for group in (self.dp, self.ep, self.edp, self.control):
+            if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
+                seen.add(id(group))
+                dist.destroy_process_group(group)
+
+
+def _new_subgroup(partition: Tuple[Ranks, ...], rank: int) -> Any:
+    """Every rank creates every group of the partition (new_group is collective); keep ours."""
+    mine = None
+    for members in partition:
+        group = dist.new_group(list(members))
+        if rank in members:
+            mine = group
+    return mine

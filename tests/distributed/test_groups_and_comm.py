@@ -1,0 +1,84 @@
+import torch
+import torch.distributed as dist
+
+from moezero.parallel import ParallelGroups, rank_layout
+from moezero.parallel import comm
+from tests.dist_utils import run_distributed
+
+
+def _members(group):
+    size = comm.group_size(group)
+    out = torch.zeros(size, dtype=torch.int64)
+    comm.all_gather(out, torch.tensor([dist.get_rank()]), group)
+    return tuple(out.tolist())
+
+
+def _check_groups():
+    seen = {}
+    for ep in (1, 2, 4):
+        groups = ParallelGroups.build(expert_parallel_size=ep)
+        layout = rank_layout(4, ep)
+        rank = dist.get_rank()
+        assert _members(groups.dp) == (0, 1, 2, 3)
+        assert _members(groups.control) == (0, 1, 2, 3)
+        assert _members(groups.ep) == layout.ep_group_of(rank)
+        assert _members(groups.edp) == layout.edp_group_of(rank)
+        assert groups.ep_rank == layout.ep_group_of(rank).index(rank)
+        assert groups.edp_rank == layout.edp_group_of(rank).index(rank)
+        assert len({id(groups.dp), id(groups.edp), id(groups.control)}) == 3
+        seen[ep] = (_members(groups.ep), _members(groups.edp))
+        groups.destroy()
+    return seen
+
+
+def test_groups_on_four_ranks():
+    results = run_distributed(_check_groups, 4)
+    assert results[1][2] == ((0, 1), (1, 3))
+    assert results[2][4] == ((0, 1, 2, 3), (2,))
+
+
+# send_counts[i][j]: rows rank i sends to rank j (zeros included, a rank sending nothing at all too)
+SEND_COUNTS = [[0, 3, 1, 2], [2, 0, 0, 1], [0, 0, 0, 0], [1, 4, 2, 0]]
+
+
+def _rows_from(i, hidden):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(sum(SEND_COUNTS[i]), hidden, generator=g, dtype=torch.float64)
+
+
+def _check_all_to_all(hidden):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = ParallelGroups.build(expert_parallel_size=world)
+    x = _rows_from(rank, hidden).requires_grad_(True)
+    counts = torch.tensor([SEND_COUNTS[rank]] * world)  # row j goes to rank j: the whole send vector
+    recv_counts = comm.exchange_counts(counts, groups.ep)   # row i: what rank i sends everyone
+    output_splits = recv_counts[:, rank].tolist()
+    assert output_splits == [SEND_COUNTS[i][rank] for i in range(world)]
+    y = comm.all_to_all(x, output_splits, SEND_COUNTS[rank], groups.ep)
+    # reference: every rank rebuilds every other rank's rows and picks what was sent to it
+    expected = []
+    for i in range(world):
+        rows = _rows_from(i, hidden)
+        start = sum(SEND_COUNTS[i][:rank])
+        expected.append(rows[start:start + SEND_COUNTS[i][rank]])
+    torch.testing.assert_close(y, torch.cat(expected), rtol=0, atol=0)
+    # gradient: d/dx of sum(y * w(rank)) is w(destination) on the rows sent there
+    (y * (rank + 1.0)).sum().backward()
+    dest = torch.repeat_interleave(torch.arange(world), torch.tensor(SEND_COUNTS[rank]))
+    expected_grad = (dest + 1.0).to(torch.float64)[:, None].expand(-1, hidden)
+    torch.testing.assert_close(x.grad, expected_grad, rtol=0, atol=0)
+    groups.destroy()
+    return y.shape[0]
+
+
+def test_all_to_all_uneven_splits_forward_and_backward():
+    sizes = run_distributed(_check_all_to_all, 4, 3)
+    assert sizes == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
+
+
+def test_world_of_one_is_identity():
+    x = torch.randn(5, 3, requires_grad=True)
+    assert comm.all_to_all(x, [5], [5], None) is x
+    out = torch.empty(5, 3)
+    comm.reduce_scatter(out, x.detach(), None)
+    torch.testing.assert_close(out, x.detach())
