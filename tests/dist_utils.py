@@ -178,3 +178,26 @@ def close_all_pools() -> None:
 
 
 atexit.register(close_all_pools)
+
+
+def assert_replicas_equal(module, groups) -> None:
+    """Inside a rank: every replicated param and buffer is bitwise equal on all its replicas.
+
+    Dense tensors are replicated over `dp`, routed-expert tensors over `edp`.
+    """
+    import torch
+
+    from moezero.parallel import comm, is_expert_parallel
+
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for name, tensor in tensors:
+        group = groups.edp if is_expert_parallel(tensor) else groups.dp
+        size = comm.group_size(group)
+        if size == 1:
+            continue
+        local = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        gathered = torch.empty(size * local.numel(), dtype=torch.uint8)
+        comm.all_gather(gathered, local, group)
+        for r, replica in enumerate(gathered.view(size, -1)):
+            if not torch.equal(replica, local):
+                raise AssertionError(f"{name} differs between this rank and rank {r} of its replica group")

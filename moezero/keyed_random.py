@@ -1,0 +1,94 @@
+"""Random numbers keyed by what they are for, never by a shared stream's position.
+
+Layout invariance needs every random draw to depend only on stable keys: a parameter's init
+on (seed, parameter name, global expert index); dropout and router jitter on (seed, iteration,
+global sample index, site). Then one process, two processes, ep 1 or ep 2 draw the same numbers
+for the same weights and samples, and activation recompute redraws the same masks for free.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from moezero.parallel.expert_marker import expert_shard_of
+
+
+def keyed_seed(*keys) -> int:
+    """A 63-bit seed that depends only on the keys (stable across processes and Python runs)."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def keyed_generator(*keys, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(keyed_seed(*keys))
+
+
+def keyed_normal_(tensor: torch.Tensor, std: float, *keys) -> torch.Tensor:
+    """Fill `tensor` in place from N(0, std^2) drawn in fp32 on the CPU (device- and dtype-independent)."""
+    values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=keyed_generator(*keys))
+    with torch.no_grad():
+        tensor.copy_(values)
+    return tensor
+
+
+def init_keyed_(module: nn.Module, seed: int, std_for: Callable[[str, torch.Tensor], Optional[float]],
+                prefix: str = "") -> None:
+    """Initialise every parameter of `module` from keys alone.
+
+    std_for(name, param) gives the normal std, or None to leave the param as the module built it
+    (norm weights, biases). A routed-expert tensor is filled one local expert at a time, each
+    keyed by its *global* expert index, so ep does not change any expert's initial weights.
+    """
+    for name, param in module.named_parameters():
+        full_name = prefix + name
+        std = std_for(full_name, param)
+        if std is None:
+            continue
+        shard = expert_shard_of(param)
+        if shard is None:
+            keyed_normal_(param, std, seed, full_name)
+            continue
+        for local in range(shard.num_local_experts):
+            keyed_normal_(param[local], std, seed, full_name, shard.global_index(local))
+
+
+@dataclass(frozen=True)
+class SampleKeys:
+    """Keys for per-sample random draws in one micro-batch: (seed, iteration, global sample index).
+
+    `sample_ids` are the global indices of the micro-batch's samples, in batch order.
+    """
+
+    seed: int
+    iteration: int
+    sample_ids: tuple
+
+    def _per_sample(self, site: str, shape, draw) -> torch.Tensor:
+        out = []
+        for sample in self.sample_ids:
+            g = keyed_generator(self.seed, self.iteration, int(sample), site)
+            out.append(draw(torch.empty(shape, dtype=torch.float32), g))
+        return torch.stack(out) if out else torch.empty((0,) + tuple(shape))
+
+    def uniform(self, site: str, shape_per_sample, low: float, high: float) -> torch.Tensor:
+        """(B, *shape) uniform numbers in [low, high), one independent stream per sample."""
+        return self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(low, high, generator=g))
+
+    def dropout_mask(self, site: str, shape_per_sample, p: float) -> torch.Tensor:
+        """(B, *shape) keep-mask already scaled by 1/(1-p), as nn.Dropout applies it."""
+        keep = self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(0.0, 1.0, generator=g)) >= p
+        return keep.to(torch.float32) / (1.0 - p)
+
+
+def keyed_dropout(x: torch.Tensor, p: float, training: bool, keys: Optional[SampleKeys], site: str) -> torch.Tensor:
+    """Dropout on x shaped (B, ...) whose mask depends only on the keys (torch's RNG without keys)."""
+    if not training or p == 0.0:
+        return x
+    if keys is None:
+        return nn.functional.dropout(x, p, training=True)
+    mask = keys.dropout_mask(site, x.shape[1:], p).to(device=x.device, dtype=x.dtype)
+    return x * mask

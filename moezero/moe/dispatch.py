@@ -1,0 +1,78 @@
+"""Expert-parallel token dispatcher: permute -> all-to-all -> (experts) -> all-to-all -> combine.
+
+Shapes: T local tokens, K top-k, D hidden, N = kept assignments of this rank (sorted by global
+expert), M = rows this rank's local experts receive (sorted by local expert, then source rank),
+P = ep size, L = local experts per rank (E = P * L).
+
+`dispatch()` returns a frozen `DispatchMeta` that `combine()` consumes: nothing is stored on
+`self` between the two, so recompute and several micro-batches in flight are safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from moezero import ops
+from moezero.parallel import comm
+
+
+@dataclass(frozen=True)
+class DispatchMeta:
+    row_map_TK: torch.Tensor          # permuted row of each (t, k) assignment, -1 if dropped
+    weights_TK: torch.Tensor          # combine weights (fp32, in the autograd graph)
+    send_splits: List[int]            # rows sent to each ep rank
+    recv_splits: List[int]            # rows received from each ep rank
+    unsort_index_M: Optional[torch.Tensor]  # (local expert, source) order -> (source, local expert) order
+
+
+class TokenDispatcher:
+    """Moves tokens to the ranks holding their experts and back, over the `ep` group."""
+
+    def __init__(self, num_experts: int, ep_group: Optional[Any]):
+        self.num_experts = num_experts
+        self.ep_group = ep_group
+        self.ep_size = comm.group_size(ep_group)
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor
+                 ) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
+        """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine)."""
+        x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
+        if self.ep_size == 1:
+            meta = DispatchMeta(row_map_TK, weights_TK, [x_ND.shape[0]], [x_ND.shape[0]], None)
+            return x_ND, counts_E.tolist(), meta
+        P, L = self.ep_size, self.num_local_experts
+        send_PL = counts_E.view(P, L)
+        recv_PL = comm.exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
+        send_splits = send_PL.sum(1).tolist()
+        recv_splits = recv_PL.sum(1).tolist()
+        x_MD = comm.all_to_all(x_ND, recv_splits, send_splits, self.ep_group)
+        sort_index, unsort_index = _chunk_transpose_indices(recv_PL)
+        x_MD = x_MD.index_select(0, sort_index)
+        meta = DispatchMeta(row_map_TK, weights_TK, send_splits, recv_splits, unsort_index)
+        return x_MD, recv_PL.sum(0).tolist(), meta
+
+    def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Expert outputs back in token order, summed over the top-k with their weights."""
+        if meta.unsort_index_M is not None:
+            y_MD = y_MD.index_select(0, meta.unsort_index_M)
+            y_MD = comm.all_to_all(y_MD, meta.send_splits, meta.recv_splits, self.ep_group)
+        return ops.unpermute_combine(y_MD, meta.row_map_TK, meta.weights_TK)
+
+
+def _chunk_transpose_indices(counts_PL: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row indices that reorder chunks laid out (source p, expert l) into (expert l, source p), and back."""
+    P, L = counts_PL.shape
+    device = counts_PL.device
+    counts = counts_PL.reshape(-1)
+    starts = torch.cumsum(counts, 0) - counts  # start of chunk (p, l) in the received buffer
+    order = torch.arange(P * L, device=device).view(P, L).t().reshape(-1)  # chunk ids in (l, p) order
+    counts_out = counts[order]
+    starts_out = torch.cumsum(counts_out, 0) - counts_out  # start of the same chunk after the reorder
+    shift = torch.repeat_interleave(starts[order] - starts_out, counts_out)
+    sort_index = shift + torch.arange(shift.numel(), device=device)
+    unsort_index = torch.empty_like(sort_index)
+    unsort_index[sort_index] = torch.arange(sort_index.numel(), device=device)
+    return sort_index, unsort_index

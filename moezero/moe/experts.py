@@ -1,0 +1,102 @@
+"""Local experts as stacked weights: a grouped GEMM fast path and a per-expert loop reference.
+
+Shapes: M rows for the local experts (sorted by expert), L local experts, D hidden, F expert
+FFN width (2F for the fused SwiGLU input projection).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moezero.config import MoEConfig
+from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def activation(h_MF: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "swiglu":
+        gate, up = h_MF.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h_MF)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (torch._grouped_mm's backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_supported(x_MD: torch.Tensor, w_LDF: torch.Tensor) -> bool:
+    """torch._grouped_mm needs fp32/bf16/fp16, rows on 16-byte strides and aligned storage, M > 0."""
+    if not hasattr(torch, "_grouped_mm") or x_MD.dtype not in _GROUPED_MM_DTYPES or w_LDF.dtype != x_MD.dtype:
+        return False
+    elt = x_MD.element_size()
+    sizes_ok = all((n * elt) % 16 == 0 for n in (x_MD.shape[1], w_LDF.shape[2]))
+    ptrs_ok = x_MD.data_ptr() % 16 == 0 and w_LDF.data_ptr() % 16 == 0
+    return x_MD.shape[0] > 0 and sizes_ok and ptrs_ok and x_MD.is_contiguous()
+
+
+def grouped_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """Rows of expert l (consecutive, counts[l] of them) times w_LDF[l], as one grouped GEMM."""
+    offs = torch.tensor(counts, dtype=torch.int32, device=x_MD.device).cumsum(0, dtype=torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x_MD, w_LDF, offs=offs))
+
+
+def loop_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    """The reference: one matmul per expert."""
+    chunks = torch.split(x_MD, counts, dim=0)
+    return torch.cat([chunk @ w_LDF[l] for l, chunk in enumerate(chunks)], dim=0)
+
+
+def expert_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int], use_grouped: bool) -> torch.Tensor:
+    if use_grouped and grouped_mm_supported(x_MD, w_LDF):
+        return grouped_mm(x_MD, w_LDF, counts)
+    return loop_mm(x_MD, w_LDF, counts)
+
+
+class GroupedExperts(nn.Module):
+    """The L = num_experts / ep experts this rank holds, stacked along dim 0 and tagged expert-parallel.
+
+    Args:
+        config: the layer's MoEConfig.
+        shard: which global experts these are (ep rank and size).
+    """
+
+    def __init__(self, config: MoEConfig, shard: ExpertShard):
+        super().__init__()
+        L, D, Fw = shard.num_local_experts, config.hidden_size, config.ffn_hidden_size
+        fan_out = 2 * Fw if config.activation == "swiglu" else Fw
+        self.activation = config.activation
+        self.use_grouped = config.grouped_gemm
+        self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
+        self.w2 = nn.Parameter(torch.empty(L, Fw, D))
+        for w in (self.w1, self.w2):
+            mark_expert_parallel(w, shard)
+
+    def forward(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        h = activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.activation)
+        return expert_mm(h, self.w2, counts, self.use_grouped)
+
+
+class DenseMLP(nn.Module):
+    """A plain MLP (the shared expert, and the dense layers of the GPT model)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation_kind: str, bias: bool = False):
+        super().__init__()
+        fan_out = 2 * ffn_hidden_size if activation_kind == "swiglu" else ffn_hidden_size
+        self.activation = activation_kind
+        self.fc1 = nn.Linear(hidden_size, fan_out, bias=bias)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(activation(self.fc1(x), self.activation))

@@ -1,0 +1,76 @@
+"""MoELayer: router + token dispatcher + grouped local experts (+ optional shared expert).
+
+Implements the top-k gated MoE of GShard/Switch (Lepikhin et al. 2020, Fedus et al. 2021) with
+expert parallelism over the `ep` group: each rank routes its own tokens, sends them to the ranks
+holding their experts, and combines the returned outputs with the routing weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from moezero.config import ConfigError, MoEConfig
+from moezero.keyed_random import SampleKeys, init_keyed_
+from moezero.moe.dispatch import TokenDispatcher
+from moezero.moe.experts import DenseMLP, GroupedExperts
+from moezero.moe.router import TopKRouter
+from moezero.parallel import ExpertShard, ParallelGroups
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """Per-forward statistics. The losses are graph tensors the caller adds to its loss."""
+
+    aux_loss: torch.Tensor            # load-balancing loss times its coefficient
+    z_loss: torch.Tensor              # router z-loss times its coefficient
+    tokens_per_expert: torch.Tensor   # int64 (E,): this rank's assignments per global expert, before dropping
+    dropped_fraction: torch.Tensor    # share of this rank's assignments dropped by capacity
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts MLP.
+
+    Args:
+        config: router, expert and capacity settings.
+        groups: the process groups; experts are split over `groups.ep`.
+        layer_number: keys this layer's init and jitter randomness (unique per layer in a model).
+
+    forward(x, keys=None) takes x shaped (B, S, D) or (T, D) and returns (y shaped like x, MoEStats).
+    `keys` makes router jitter depend only on (seed, iteration, global sample index).
+    """
+
+    def __init__(self, config: MoEConfig, groups: ParallelGroups, layer_number: int = 0):
+        super().__init__()
+        if config.num_experts % groups.ep_size != 0:
+            raise ConfigError(f"--num-experts={config.num_experts}: must be divisible by "
+                              f"--expert-model-parallel-size ({groups.ep_size})")
+        self.config = config
+        self.layer_number = layer_number
+        self.router = TopKRouter(config, site=f"layer{layer_number}.router")
+        shard = ExpertShard(config.num_experts // groups.ep_size, groups.ep_rank, groups.ep_size)
+        self.experts = GroupedExperts(config, shard)
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                          config.activation)
+        self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone."""
+        init_keyed_(self, self.config.init_seed, lambda name, p: self.config.init_std,
+                    prefix=f"layer{self.layer_number}.")
+
+    def forward(self, x: torch.Tensor, keys: Optional[SampleKeys] = None):
+        num_sequences = x.shape[0] if x.dim() == 3 else 1
+        x_TD = x.reshape(-1, x.shape[-1])
+        routing = self.router(x_TD, num_sequences=num_sequences, keys=keys)
+        x_MD, counts, meta = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, routing.topk_weights_TK)
+        y_TD = self.dispatcher.combine(self.experts(x_MD, counts), meta)
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
+        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction)
+        return y_TD.view(x.shape), stats

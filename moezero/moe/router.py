@@ -1,0 +1,175 @@
+"""Top-k router with gate `wg`, capacity dropping and load-balancing losses.
+
+Shapes: T tokens, E experts, K top-k, D hidden, B sequences, S tokens per sequence.
+
+The gate weight `wg.weight` stays a parameter of the model's dtype; the logits are computed in
+fp32 by casting *inside the matmul*. Casting the module (`self.wg = self.wg.float()` or `.data`
+swaps) would detach the parameter from its gradient hook and the optimizer's buffer - the bug
+that left DeepSpeed-MoE routers untrained under ZeRO-2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moezero.config import MoEConfig
+from moezero.keyed_random import SampleKeys
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the router decided for T tokens."""
+
+    topk_ids_TK: torch.Tensor        # int64 expert ids; -1 where capacity dropped the assignment
+    topk_weights_TK: torch.Tensor    # fp32 (fp64 for fp64 models) combine weights; 0 where dropped
+    tokens_per_expert_E: torch.Tensor  # int64 assignments per expert before dropping
+    aux_loss: torch.Tensor           # fp32 scalar, already multiplied by its coefficient
+    z_loss: torch.Tensor             # fp32 scalar, already multiplied by its coefficient
+    dropped_fraction: torch.Tensor   # fp32 scalar: dropped assignments / (T * K)
+
+
+def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch/GShard load-balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
+
+    f_e: fraction of the T*K assignments routed to e; P_e: mean router probability of e.
+    """
+    T, E = probs_TE.shape
+    if T == 0:
+        return probs_TE.sum() * 0.0
+    f_E = counts_E.to(probs_TE.dtype) / (T * top_k)
+    return E * torch.sum(f_E * probs_TE.mean(0))
+
+
+def sequence_aux_loss(probs_BSE: torch.Tensor, routing_map_BSE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch loss computed per sequence and averaged over the B sequences."""
+    B, S, E = probs_BSE.shape
+    f_BE = routing_map_BSE.to(probs_BSE.dtype).sum(1) / (S * top_k)
+    return E * torch.sum(f_BE * probs_BSE.mean(1), dim=-1).mean()
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0.0
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Assignments each expert accepts from one rank's micro-batch (Megatron's formula)."""
+    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+
+
+def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                       capacity: int, policy: str) -> torch.Tensor:
+    """Which (t, k) assignments an over-capacity expert keeps, decided from this rank's tokens.
+
+    policy "probs": each expert keeps its `capacity` highest-weight assignments (ties: earlier token).
+    policy "position": each expert keeps its first `capacity` assignments in token order.
+    """
+    T, K = topk_ids_TK.shape
+    one_hot_TKE = F.one_hot(topk_ids_TK, num_experts).bool()
+    if policy == "position":
+        rank_TKE = one_hot_TKE.reshape(T * K, num_experts).cumsum(0).view(T, K, num_experts)
+        return (one_hot_TKE & (rank_TKE <= capacity)).any(-1)
+    # "probs": order each expert's assignments by weight, descending, stable (earlier token wins a tie)
+    weights_ET = torch.where(one_hot_TKE, topk_weights_TK.unsqueeze(-1), -1.0).amax(1).t()
+    order_ET = torch.sort(weights_ET, dim=1, descending=True, stable=True).indices
+    kept_ET = torch.zeros_like(weights_ET, dtype=torch.bool)
+    kept_ET.scatter_(1, order_ET[:, :capacity], True)
+    kept_ET &= weights_ET >= 0  # experts with fewer than `capacity` assignments keep only real ones
+    return kept_ET.t().gather(1, topk_ids_TK)
+
+
+class TopKRouter(nn.Module):
+    """Scores tokens, picks top-k experts, applies capacity, and computes the router losses.
+
+    Args:
+        config: the layer's MoEConfig.
+        site: a name unique to this layer, used to key the jitter randomness.
+    """
+
+    def __init__(self, config: MoEConfig, site: str = "router"):
+        super().__init__()
+        self.config = config
+        self.site = site
+        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that only affects selection.
+        # Replicated on every rank and updated once per optimizer step (see expert_bias.py).
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32),
+                             persistent=config.enable_expert_bias)
+
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, keys: Optional[SampleKeys] = None) -> Routing:
+        cfg = self.config
+        x_TD = self._jitter(x_TD, num_sequences, keys)
+        # fp32 (fp64 for fp64 models) logits with the weight cast inside the op: wg.weight keeps
+        # its identity, its gradient hook and its place in the optimizer's buffer
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        logits_TE = torch.matmul(x_TD.to(dtype), self.wg.weight.to(dtype).t())
+        scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
+        topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
+        counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        aux_loss = self._aux_loss(scores_TE, topk_ids_TK, counts_E, num_sequences)
+        z_loss = router_z_loss(logits_TE) * cfg.z_loss_coeff if cfg.z_loss_coeff else logits_TE.new_zeros(())
+        topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK)
+        return Routing(topk_ids_TK, topk_weights_TK, counts_E, aux_loss, z_loss, dropped)
+
+    def _jitter(self, x_TD, num_sequences, keys):
+        eps = self.config.input_jitter_eps
+        if not (self.training and eps):
+            return x_TD
+        T, D = x_TD.shape
+        if keys is None:
+            noise = torch.empty_like(x_TD, dtype=torch.float32).uniform_(1.0 - eps, 1.0 + eps)
+        else:
+            noise = keys.uniform(self.site + ".jitter", (T // num_sequences, D), 1.0 - eps, 1.0 + eps)
+        return x_TD * noise.reshape(T, D).to(device=x_TD.device, dtype=x_TD.dtype)
+
+    def _select(self, logits_TE, scores_TE):
+        cfg = self.config
+        k = cfg.top_k
+        selection_TE = scores_TE + self.expert_bias if cfg.enable_expert_bias else scores_TE
+        topk_ids_TK = torch.topk(selection_TE, k, dim=-1).indices
+        if cfg.score_function == "softmax" and not cfg.pre_softmax:
+            # softmax over the selected logits == top-k of the full softmax, renormalised
+            weights_TK = torch.softmax(logits_TE.gather(1, topk_ids_TK), -1)
+        else:
+            weights_TK = scores_TE.gather(1, topk_ids_TK)
+            if cfg.score_function == "sigmoid" and k > 1:
+                weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        if cfg.topk_scaling_factor is not None:
+            weights_TK = weights_TK * cfg.topk_scaling_factor
+        return topk_ids_TK, weights_TK
+
+    def _aux_loss(self, scores_TE, topk_ids_TK, counts_E, num_sequences):
+        cfg = self.config
+        if cfg.load_balancing_type == "none" or cfg.aux_loss_coeff == 0:
+            return scores_TE.new_zeros(())
+        probs_TE = scores_TE
+        if cfg.score_function == "sigmoid":
+            probs_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+        if cfg.load_balancing_type == "aux_loss":
+            return switch_aux_loss(probs_TE, counts_E, cfg.top_k) * cfg.aux_loss_coeff
+        T, E = probs_TE.shape
+        routing_map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, topk_ids_TK, True)
+        S = T // num_sequences
+        loss = sequence_aux_loss(probs_TE.view(num_sequences, S, E), routing_map_TE.view(num_sequences, S, E),
+                                 cfg.top_k)
+        return loss * cfg.aux_loss_coeff
+
+    def _drop_over_capacity(self, topk_ids_TK, topk_weights_TK):
+        cfg = self.config
+        T, K = topk_ids_TK.shape
+        if cfg.capacity_factor is None or T == 0:
+            return topk_ids_TK, topk_weights_TK, topk_weights_TK.new_zeros(())
+        capacity = expert_capacity(T, cfg.num_experts, K, cfg.capacity_factor)
+        keep_TK = capacity_keep_mask(topk_ids_TK, topk_weights_TK.detach(), cfg.num_experts, capacity,
+                                     cfg.token_drop_policy)
+        ids = torch.where(keep_TK, topk_ids_TK, -1)
+        weights = torch.where(keep_TK, topk_weights_TK, 0.0)
+        dropped = (~keep_TK).sum().to(torch.float32) / (T * K)
+        return ids, weights, dropped

@@ -1,0 +1,98 @@
+"""Pure-PyTorch kernels: the fallback path and the oracle every compiled kernel is tested against.
+
+Shape letters: T tokens, K top-k, E experts, D hidden, N kept (token, expert) assignments.
+
+Ordering contract shared with the compiled kernels: permuted rows are sorted by expert id,
+and within one expert by flat assignment index t * K + k (a stable counting sort).
+`row_map_TK[t, k]` is the permuted row of assignment (t, k), or -1 when it was dropped
+(topk_ids_TK[t, k] == -1).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-sorted copy of the routed tokens.
+
+    Returns (x_ND, counts_E int64, row_map_TK int64).
+    """
+    T, K = topk_ids_TK.shape
+    ids = topk_ids_TK.reshape(-1).to(torch.int64)
+    kept = ids >= 0
+    counts_E = torch.bincount(ids[kept], minlength=num_experts)
+    # dropped assignments sort after every expert, then are cut off
+    sort_key = torch.where(kept, ids, torch.full_like(ids, num_experts))
+    order_N = torch.argsort(sort_key, stable=True)[: int(counts_E.sum())]
+    row_map = torch.full((T * K,), -1, dtype=torch.int64, device=ids.device)
+    row_map[order_N] = torch.arange(order_N.numel(), device=ids.device)
+    x_ND = x_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
+    return x_ND, counts_E, row_map.view(T, K)
+
+
+def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * y[row_map[t, k]] over kept k (w = 1 when weights is None).
+
+    Accumulates in fp32 (fp64 for fp64 inputs) and returns y's dtype.
+    """
+    T, K = row_map_TK.shape
+    acc_dtype = torch.promote_types(y_ND.dtype, torch.float32)
+    kept = row_map_TK >= 0
+    rows = torch.where(kept, row_map_TK, torch.zeros_like(row_map_TK)).reshape(-1)
+    w = kept.to(acc_dtype) if weights_TK is None else torch.where(kept, weights_TK.to(acc_dtype), 0.0)
+    gathered = y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1) if T * K else \
+        y_ND.new_zeros(T, K, y_ND.shape[1], dtype=acc_dtype)
+    return torch.einsum("tkd,tk->td", gathered, w).to(y_ND.dtype)
+
+
+def unpermute_combine_backward(grad_TD: torch.Tensor, y_ND: torch.Tensor, row_map_TK: torch.Tensor,
+                               weights_TK: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of unpermute_combine: (grad_y_ND in y's dtype, grad_weights_TK in weights' dtype or None)."""
+    T, K = row_map_TK.shape
+    acc_dtype = torch.promote_types(y_ND.dtype, torch.float32)
+    kept = row_map_TK.reshape(-1) >= 0
+    rows = row_map_TK.reshape(-1)[kept]
+    tokens = torch.arange(T * K, device=row_map_TK.device)[kept] // max(K, 1)
+    g = grad_TD.to(acc_dtype).index_select(0, tokens)
+    w = None if weights_TK is None else weights_TK.reshape(-1)[kept].to(acc_dtype)
+    grad_y = torch.zeros(y_ND.shape, dtype=acc_dtype, device=y_ND.device)
+    grad_y.index_copy_(0, rows, g if w is None else g * w[:, None])
+    grad_w = None
+    if weights_TK is not None:
+        dots = (y_ND.index_select(0, rows).to(acc_dtype) * g).sum(-1)
+        grad_w = torch.zeros(T * K, dtype=acc_dtype, device=y_ND.device)
+        grad_w[kept] = dots
+        grad_w = grad_w.view(T, K).to(weights_TK.dtype)
+    return grad_y.to(y_ND.dtype), grad_w
+
+
+def flatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+                 scale: float = 1.0, accumulate: bool = False) -> None:
+    """flat[o_i : o_i + n_i] (+)= scale * tensors[i].flatten(), cast to flat's dtype."""
+    views: List[torch.Tensor] = [flat[o:o + t.numel()] for t, o in zip(tensors, offsets)]
+    sources = [t.reshape(-1) for t in tensors]
+    if not views:
+        return
+    if accumulate:
+        if scale == 1.0:
+            torch._foreach_add_(views, [s.to(flat.dtype) for s in sources])
+        else:
+            torch._foreach_add_(views, [s.to(flat.dtype) for s in sources], alpha=scale)
+    else:
+        torch._foreach_copy_(views, sources)
+        if scale != 1.0:
+            torch._foreach_mul_(views, scale)
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum_i ||t_i||^2 as one fp32 scalar (fp64 when any input is fp64)."""
+    acc_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    nonempty = [t for t in tensors if t.numel()]
+    if not nonempty:
+        return torch.zeros((), dtype=acc_dtype)
+    norms = torch._foreach_norm([t.to(acc_dtype) if t.dtype != acc_dtype else t for t in nonempty])
+    return torch.stack(norms).square().sum()
