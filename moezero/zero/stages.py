@@ -1,0 +1,180 @@
+"""What each ZeRO stage does with a bucket's gradients: the reduction strategies.
+
+All three average over the data-parallel world (the sum over the family's group divided by
+the dp size: expert grads are summed over `edp` and divided by dp too, since every rank's
+tokens reach every expert), and all three hand the optimizer a reduced gradient per bucket.
+
+  Stage 0: a persistent full-size gradient buffer, all-reduced in place (data parallelism).
+  Stage 1: a persistent full-size gradient buffer, reduce-scattered into this rank's shard.
+  Stage 2: no full-size buffer between backwards: a bucket's gradients are copied into a
+           temporary buffer when ready, reduce-scattered, added to this rank's shard, freed.
+
+Stage 0/1 reductions are idempotent on accumulated gradients (stage 0 like DDP: a reduced
+buffer holds the same average everywhere; stage 1 re-reduces the whole local accumulation
+and overwrites the shard), so reducing after every backward that is not under `no_sync`, and
+once more at `step()` if needed, is always correct.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from moezero import ops
+from moezero.parallel import comm
+from moezero.zero.buckets import ParamFamily
+
+
+@dataclass
+class InFlight:
+    """A launched bucket reduction and what to do once it completed."""
+
+    bucket: int
+    work: Any
+    finish: Callable[[], None]
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.finish()
+
+
+class StageStrategy:
+    """Shared state: the family, dtypes and the dp size the average divides by."""
+
+    reduces_every_backward = False   # stage 2: no_sync does not defer its reductions
+    keeps_full_grads = True
+
+    def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int):
+        self.family = family
+        self.reduce_dtype = reduce_dtype
+        self.master_dtype = master_dtype
+        self.scale = 1.0 / dp_size
+
+    def optimizer_range(self, bucket: int) -> Tuple[int, int]:
+        """The part of a bucket whose master weights and optimizer state this rank holds."""
+        return self.family.own_range(bucket)
+
+    def _grad_offsets(self, bucket: int, fired: List[int]) -> List[int]:
+        return [self.family.slot(i).offset for i in fired]
+
+    def stage(self, bucket: int, fired: List[int], grads: List[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def launch(self, bucket: int) -> InFlight:
+        raise NotImplementedError
+
+    def reduced_grad(self, bucket: int) -> torch.Tensor:
+        """Averaged gradient over `optimizer_range(bucket)`, in the master dtype."""
+        raise NotImplementedError
+
+    def zero(self) -> None:
+        raise NotImplementedError
+
+
+class _FullBufferStage(StageStrategy):
+    """Stages 0 and 1: gradients accumulate in a persistent family-sized buffer."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        fam = self.family
+        self.grad_buffer = torch.zeros(fam.layout.total_numel, dtype=self.reduce_dtype, device=fam.buffer.device)
+
+    def stage(self, bucket, fired, grads):
+        region = self.family.bucket_region(self.grad_buffer, bucket)
+        ops.flatten_into(region, grads, self._grad_offsets(bucket, fired), accumulate=True)
+
+    def zero(self):
+        self.grad_buffer.zero_()
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """The accumulated local (or, after a reduction, averaged) gradient of one param."""
+        return self.family.param_view(self.grad_buffer, index)
+
+
+class Stage0AllReduce(_FullBufferStage):
+    """In-place all-reduce. The buffer holds the *group* average after each reduction, which is what
+    makes repeated reductions of an accumulating buffer exact (as in DDP); the optimizer's gradient
+    is that times group size / dp size (1 for dense params, 1/ep for experts reduced over edp)."""
+
+    def optimizer_range(self, bucket):
+        return 0, self.family.layout.buckets[bucket].numel
+
+    def launch(self, bucket):
+        region = self.family.bucket_region(self.grad_buffer, bucket)
+        work = comm.all_reduce(region, self.family.group, async_op=True)
+        return InFlight(bucket, work, lambda: region.mul_(1.0 / self.family.group_size))
+
+    def reduced_grad(self, bucket):
+        region = self.family.bucket_region(self.grad_buffer, bucket)
+        factor = self.family.group_size * self.scale
+        return region.to(self.master_dtype) if factor == 1.0 else region.to(self.master_dtype) * factor
+
+
+class Stage1ReduceScatterAtBoundary(_FullBufferStage):
+    def __init__(self, *args):
+        super().__init__(*args)
+        fam = self.family
+        self.shards = [torch.zeros(b.numel // fam.group_size, dtype=self.master_dtype, device=fam.buffer.device)
+                       for b in fam.layout.buckets]
+
+    def launch(self, bucket):
+        region = self.family.bucket_region(self.grad_buffer, bucket)
+        shard = self.shards[bucket]
+        out = shard if shard.dtype == self.reduce_dtype else torch.empty_like(shard, dtype=self.reduce_dtype)
+        work = comm.reduce_scatter(out, region, self.family.group, async_op=True)
+
+        def finish():
+            shard.copy_(out)  # overwrite: the buffer held the whole local accumulation
+            shard.mul_(self.scale)
+        return InFlight(bucket, work, finish)
+
+    def reduced_grad(self, bucket):
+        return self.shards[bucket]
+
+    def zero(self):
+        super().zero()
+        for shard in self.shards:
+            shard.zero_()
+
+
+class Stage2ReduceScatterEveryBackward(StageStrategy):
+    reduces_every_backward = True
+    keeps_full_grads = False
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        fam = self.family
+        self.shards = [torch.zeros(b.numel // fam.group_size, dtype=self.master_dtype, device=fam.buffer.device)
+                       for b in fam.layout.buckets]
+        self._staging: List[Optional[torch.Tensor]] = [None] * len(fam.layout.buckets)
+
+    def stage(self, bucket, fired, grads):
+        b = self.family.layout.buckets[bucket]
+        staging = torch.zeros(b.numel, dtype=self.reduce_dtype, device=self.family.buffer.device)
+        ops.flatten_into(staging, grads, self._grad_offsets(bucket, fired))
+        self._staging[bucket] = staging
+
+    def launch(self, bucket):
+        staging = self._staging[bucket]
+        if staging is None:  # no backward staged it (a rank catching up on a round): contribute zeros
+            staging = torch.zeros(self.family.layout.buckets[bucket].numel, dtype=self.reduce_dtype,
+                                  device=self.family.buffer.device)
+        self._staging[bucket] = None
+        shard = self.shards[bucket]
+        out = torch.empty(shard.shape, dtype=self.reduce_dtype, device=shard.device)
+        work = comm.reduce_scatter(out, staging, self.family.group, async_op=True)
+
+        # the work holds the full-size staging buffer until the reduction is done, then it is freed
+        return InFlight(bucket, work, lambda: shard.add_(out.to(shard.dtype), alpha=self.scale))
+
+    def reduced_grad(self, bucket):
+        return self.shards[bucket]
+
+    def zero(self):
+        for shard in self.shards:
+            shard.zero_()
+
+
+STAGES = {0: Stage0AllReduce, 1: Stage1ReduceScatterAtBoundary, 2: Stage2ReduceScatterEveryBackward}
