@@ -168,7 +168,7 @@ class GPTConfig(Validated):
     hidden_dropout: float = option(0.0, "dropout on residual branches", flag="--hidden-dropout")
     attention_dropout: float = option(0.0, "dropout on attention probabilities", flag="--attention-dropout")
     init_method_std: float = option(0.02, "std of the normal init", flag="--init-method-std")
-    moe_layer_freq: int = option(2, "every N-th layer (N-1, 2N-1, ...) has an MoE MLP; 1 = all layers",
+    moe_layer_freq: int = option(2, "layers 0, N, 2N, ... have an MoE MLP (Megatron's pattern); 1 = all layers",
                                  flag="--moe-layer-freq")
     recompute_activations: bool = option(False, "non-reentrant activation checkpointing of each layer",
                                          flag="--recompute-activations")
@@ -288,6 +288,8 @@ class TrainConfig(Validated):
     load: Optional[str] = option(None, "checkpoint directory to resume from", flag="--load")
     save_interval: int = option(0, "save every N steps (0 = only at the end when --save is set)",
                                 flag="--save-interval")
+    exit_interval: int = option(0, "stop (after saving, when --save is set) once the iteration is a multiple "
+                                "of N (0 = run to --train-iters)", flag="--exit-interval")
     dist_timeout_s: int = option(120, "seconds a collective may wait before a dead peer fails the job",
                                  flag="--distributed-timeout-seconds")
 
@@ -296,7 +298,7 @@ class TrainConfig(Validated):
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval",
                      "dist_timeout_s"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("lr_warmup_iters", "eval_interval", "save_interval"):
+        for name in ("lr_warmup_iters", "eval_interval", "save_interval", "exit_interval"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
         self._require(self.lr > 0, "lr", "must be > 0")
         self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")

@@ -11,6 +11,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.11 renamed the flat-tensor collectives; keep older torch working
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def group_size(group: Optional[Any]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -73,7 +78,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
     if group_size(group) == 1:
         output.copy_(input)
         return None
-    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):
@@ -82,4 +87,4 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], 
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return None
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)

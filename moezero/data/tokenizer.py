@@ -1,0 +1,97 @@
+"""Tokenizers: a built-in byte-level one, and a HuggingFace wrapper when that library is installed.
+
+Both expose what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
+`tokenize(text) -> list[int]`, `detokenize(ids) -> str` and `unique_identifiers` (megatron-core
+hashes it into the names of its cached sample indices, so a different tokenizer never reuses them).
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Iterable, List
+
+from moezero.data.errors import DataError
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus one end-of-document token (256).
+
+    Needs no vocabulary file and round-trips any text exactly, so the default run trains on
+    real text with nothing to download.
+    """
+
+    eod = 256
+    vocab_size = 257
+
+    def __init__(self):
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, vocab_size=self.vocab_size, eod=self.eod)
+
+    def tokenize(self, text: str) -> List[int]:
+        """The UTF-8 bytes of `text` as token ids (no EOD appended)."""
+        return list(text.encode("utf-8"))
+
+    def tokenize_bytes(self, data: bytes) -> List[int]:
+        """Raw bytes as token ids: the same ids `tokenize` gives for their UTF-8 decoding."""
+        return list(data)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text from token ids; EOD tokens are dropped, invalid UTF-8 is replaced."""
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HuggingFaceTokenizer:
+    """A local HuggingFace tokenizer (a `tokenizer.json` file, or a directory holding one).
+
+    Uses the `tokenizers` package when installed, else `transformers`; never downloads.
+    The end-of-document token is the tokenizer's EOS token.
+    """
+
+    _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+    def __init__(self, path: str):
+        if not os.path.exists(path):
+            raise DataError(f"--tokenizer-model={path!r}: no such file or directory (a local tokenizer path "
+                            "is needed; nothing is downloaded)")
+        self._encode, self._decode, vocab = _load_hf(path)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eod = next((vocab[t] for t in self._EOD_CANDIDATES if t in vocab), None)
+        if self.eod is None:
+            raise DataError(f"--tokenizer-model={path!r}: found no end-of-document token "
+                            f"(looked for {', '.join(self._EOD_CANDIDATES)})")
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, path=os.path.abspath(path),
+                                              vocab_size=self.vocab_size, eod=self.eod)
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of `text` without special tokens."""
+        return list(self._encode(text))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text from token ids."""
+        return self._decode([int(i) for i in ids])
+
+
+def _load_hf(path: str):
+    """(encode, decode, vocab dict) from the `tokenizers` or `transformers` package."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        Tokenizer = None
+    if Tokenizer is not None:
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        tok = Tokenizer.from_file(file)
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.decode,
+                tok.get_vocab(with_added_tokens=True))
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError("--tokenizer-type=HuggingFaceTokenizer needs the `tokenizers` or `transformers` "
+                        "package (pip install tokenizers), or use --tokenizer-type=ByteLevelTokenizer") from None
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return (lambda text: tok.encode(text, add_special_tokens=False), tok.decode, tok.get_vocab())
+
+
+def build_tokenizer(data_config) -> "ByteLevelTokenizer | HuggingFaceTokenizer":
+    """The tokenizer that `--tokenizer-type` / `--tokenizer-model` of a `DataConfig` select."""
+    if data_config.tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    return HuggingFaceTokenizer(data_config.tokenizer_model)

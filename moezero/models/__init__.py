@@ -1,0 +1,3 @@
+from moezero.models.gpt import GPTModel, language_model_loss
+
+__all__ = ["GPTModel", "language_model_loss"]

@@ -1,0 +1,193 @@
+"""A GPT decoder for one device; every `moe_layer_freq`-th MLP is an MoELayer.
+
+Shapes: B batch, S sequence, D hidden, H heads, h head dim, V vocabulary.
+
+The model never imports torch.distributed: expert parallelism enters only through the
+`ParallelGroups` handed to its MoE layers, and ZeRO wraps the finished model from outside.
+Dropout draws from keys (seed, iteration, global sample index, site) when `SampleKeys` are
+passed, so its masks do not depend on the parallel layout and recompute redraws them exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moezero.config import GPTConfig, MoEConfig
+from moezero.keyed_random import SampleKeys, init_keyed_, keyed_dropout
+from moezero.moe import MoELayer, MoEStats
+from moezero.moe.experts import DenseMLP
+from moezero.parallel import ParallelGroups
+
+
+def is_moe_layer(layer_number: int, moe_layer_freq: int) -> bool:
+    """Megatron's pattern: layers 0, N, 2N, ... are MoE (N = 1: all of them)."""
+    return layer_number % moe_layer_freq == 0
+
+
+def rotary_tables(seq_length: int, head_dim: int, base: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x_BHSh: torch.Tensor, cos_Sh2: torch.Tensor, sin_Sh2: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHSh.float().chunk(2, dim=-1)
+    cos, sin = cos_Sh2[: x_BHSh.shape[2]], sin_Sh2[: x_BHSh.shape[2]]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSh.dtype)
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=1e-5)
+    return nn.LayerNorm(config.hidden_size, eps=1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, site: str):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.dropout = config.attention_dropout
+        self.rope = config.position_embedding_type == "rope"
+        self.site = site
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        if self.rope:
+            head_dim = config.hidden_size // config.num_attention_heads
+            cos, sin = rotary_tables(config.max_position_embeddings, head_dim, config.rotary_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rope:
+            q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
+        if self.training and self.dropout > 0 and keys is not None:
+            y = self._attention_with_keyed_dropout(q, k, v, keys)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+    def _attention_with_keyed_dropout(self, q, k, v, keys):
+        """Explicit attention: SDPA's fused dropout draws from the global RNG, not from keys."""
+        S = q.shape[2]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1).to(q.dtype)
+        probs = keyed_dropout(probs, self.dropout, True, keys, self.site)
+        return probs @ v
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or MoE."""
+
+    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig], groups: ParallelGroups,
+                 layer_number: int):
+        super().__init__()
+        self.hidden_dropout = config.hidden_dropout
+        self.site = f"layer{layer_number}"
+        self.input_norm = _norm(config)
+        self.attention = CausalSelfAttention(config, site=f"{self.site}.attention")
+        self.mlp_norm = _norm(config)
+        activation = "swiglu" if config.swiglu else "gelu"
+        if moe_config is not None:
+            self.mlp = MoELayer(moe_config, groups, layer_number=layer_number)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.ffn_hidden_size, activation, bias=True)
+
+    def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]):
+        attn = self.attention(self.input_norm(x_BSD), keys)
+        x_BSD = x_BSD + keyed_dropout(attn, self.hidden_dropout, self.training, keys, self.site + ".attn_out")
+        h = self.mlp_norm(x_BSD)
+        stats = None
+        if isinstance(self.mlp, MoELayer):
+            out, stats = self.mlp(h, keys)
+        else:
+            out = self.mlp(h)
+        x_BSD = x_BSD + keyed_dropout(out, self.hidden_dropout, self.training, keys, self.site + ".mlp_out")
+        return x_BSD, stats
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model.
+
+    Args:
+        config: sizes, positions, norms, dropout, recompute.
+        moe_config: the MoE layers' settings (hidden size and activation are taken from `config`),
+            or None for a dense model.
+        groups: process groups for expert parallelism (default: a world of one).
+        seed: keys the layout-invariant init: each param from (seed, its name[, global expert]).
+
+    forward(tokens_BS, keys=None) -> (logits_BSV, [MoEStats of each MoE layer])
+    """
+
+    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig] = None,
+                 groups: Optional[ParallelGroups] = None, seed: int = 0):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
+        groups = groups or ParallelGroups.single()
+        self.config = config
+        if moe_config is not None:
+            moe_config = replace(moe_config, hidden_size=config.hidden_size,
+                                 ffn_hidden_size=moe_config.ffn_hidden_size or config.ffn_hidden_size,
+                                 activation="swiglu" if config.swiglu else "gelu",
+                                 init_std=config.init_method_std, init_seed=seed)
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embedding = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList([
+            TransformerLayer(config, moe_config if moe_config and is_moe_layer(i, config.moe_layer_freq) else None,
+                             groups, i)
+            for i in range(config.num_layers)])
+        self.final_norm = _norm(config)
+        self.output = None
+        if config.untie_embeddings_and_output_weights:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        init_keyed_(self, seed, self._init_std)
+
+    def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
+        """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); norms/biases as built."""
+        if param.ndim < 2 and "expert" not in name:
+            with torch.no_grad():  # biases zero; norm weights keep their ones
+                if name.endswith("bias"):
+                    param.zero_()
+            return None
+        std = self.config.init_method_std
+        if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.w2", "shared_expert.fc2.weight")):
+            std /= math.sqrt(2.0 * self.config.num_layers)
+        return std
+
+    def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None):
+        x = self.embedding(tokens_BS)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        x = keyed_dropout(x, self.config.hidden_dropout, self.training, keys, "embedding")
+        all_stats: List[MoEStats] = []
+        for layer in self.layers:
+            if self.config.recompute_activations and self.training and torch.is_grad_enabled():
+                x, stats = checkpoint(layer, x, keys, use_reentrant=False)
+            else:
+                x, stats = layer(x, keys)
+            if stats is not None:
+                all_stats.append(stats)
+        x = self.final_norm(x)
+        weight = self.embedding.weight if self.output is None else self.output.weight
+        return F.linear(x, weight), all_stats
+
+
+def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor
+                        ) -> torch.Tensor:
+    """Mean token cross-entropy of one micro-batch (fp32), over the positions the mask keeps."""
+    logits = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1), reduction="none")
+    mask = loss_mask_BS.reshape(-1).to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

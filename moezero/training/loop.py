@@ -1,0 +1,108 @@
+"""One training step (micro-batches with gradient accumulation) and one evaluation, in lockstep.
+
+Every rank runs the same number of micro-steps (each MoE forward is a collective under EP), and
+metrics are all-reduced on every rank before anyone writes them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from moezero.data import load_micro_batch
+from moezero.keyed_random import SampleKeys
+from moezero.models import language_model_loss
+from moezero.moe.expert_bias import ExpertBiasUpdater
+from moezero.parallel import comm
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Averages over the global batch (every micro-batch of every rank)."""
+
+    lm_loss: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    stepped: bool
+    tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
+    dropped_fraction: torch.Tensor    # (MoE layers,): mean over micro-batches and ranks
+
+
+def _micro_batch_losses(model, batch, keys):
+    logits, stats = model(batch["tokens"], keys)
+    lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
+    aux = sum((s.aux_loss for s in stats), torch.zeros(()))
+    z = sum((s.z_loss for s in stats), torch.zeros(()))
+    return lm, aux, z, stats
+
+
+def train_step(model, opt, dataset, iteration: int, micro_batches: Sequence[Sequence[int]], seed: int,
+               bias_updater: ExpertBiasUpdater, group) -> StepMetrics:
+    """Forward/backward every micro-batch (loss / n: the optimizer averages over ranks), then step."""
+    model.train()
+    n = len(micro_batches)
+    sums = torch.zeros(3, dtype=torch.float64)
+    layer_counts: Optional[torch.Tensor] = None
+    layer_dropped: Optional[torch.Tensor] = None
+    for j, indices in enumerate(micro_batches):
+        batch = load_micro_batch(dataset, indices)
+        keys = SampleKeys(seed, iteration, tuple(int(i) for i in indices))
+        # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
+        with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
+            lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
+            opt.backward((lm + aux + z) / n)
+        sums += torch.stack([lm.detach(), aux.detach(), z.detach()]).double().cpu()
+        bias_updater.accumulate(stats)
+        counts = torch.stack([s.tokens_per_expert.detach().double().cpu() for s in stats]) if stats else None
+        dropped = torch.stack([s.dropped_fraction.detach().double().cpu() for s in stats]) if stats else None
+        layer_counts = counts if layer_counts is None else layer_counts + counts
+        layer_dropped = dropped if layer_dropped is None else layer_dropped + dropped
+    stepped = opt.step()
+    opt.zero_grad()
+    bias_updater.step()
+    return _reduce_metrics(sums / n, layer_counts, None if layer_dropped is None else layer_dropped / n,
+                           opt.last_grad_norm, stepped, group)
+
+
+def _reduce_metrics(means, layer_counts, layer_dropped, grad_norm, stepped, group) -> StepMetrics:
+    """One all-reduce for everything; losses and drop fractions are averaged over ranks."""
+    layers = 0 if layer_counts is None else layer_counts.shape[0]
+    parts = [means]
+    if layers:
+        parts += [layer_counts.reshape(-1), layer_dropped]
+    flat = torch.cat(parts)
+    comm.all_reduce(flat, group)
+    size = comm.group_size(group)
+    lm, aux, z = (flat[:3] / size).tolist()
+    counts = flat[3:3 + layer_counts.numel()].view_as(layer_counts) if layers else torch.zeros(0, 0)
+    dropped = flat[3 + counts.numel():] / size if layers else torch.zeros(0)
+    return StepMetrics(lm, aux, z, grad_norm if grad_norm is not None else float("nan"), stepped, counts, dropped)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, micro_batches: Sequence[Sequence[int]], group) -> float:
+    """Mean lm loss over the given micro-batches of every rank (a collective: all ranks call it)."""
+    model.eval()
+    total = torch.zeros(1, dtype=torch.float64)
+    for indices in micro_batches:
+        batch = load_micro_batch(dataset, indices)
+        lm, _, _, _ = _micro_batch_losses(model, batch, None)
+        total += lm.double().cpu()
+    total /= max(len(micro_batches), 1)
+    comm.all_reduce(total, group)
+    model.train()
+    return float(total.item()) / comm.group_size(group)
+
+
+def expert_load_metrics(tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> List[dict]:
+    """Per MoE layer: tokens per expert, max/mean load ratio and dropped fraction (for logging)."""
+    out = []
+    for counts, drop in zip(tokens_per_expert, dropped):
+        mean = counts.mean().item()
+        out.append({"tokens_per_expert": counts.tolist(),
+                    "max_mean_load_ratio": counts.max().item() / mean if mean > 0 else 0.0,
+                    "dropped_fraction": drop.item()})
+    return out

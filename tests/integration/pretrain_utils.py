@@ -1,0 +1,29 @@
+"""Run the pretraining script in-process (inside a test rank, or the test process itself)."""
+import os
+
+from moezero.training.args import build_parser, configs_from_args
+from moezero.training.pretrain import CONFIG_CLASSES, DESCRIPTION, Configs, Pretraining
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+CORPUS = os.path.join(ASSETS, "corpus", "corpus_text_document")
+
+# a tiny model on the committed corpus, with every source of randomness switched on
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-layer-freq", "1", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-input-jitter-eps", "0.01",
+        "--moe-z-loss-coeff", "1e-3", "--moe-expert-capacity-factor", "1.5", "--log-interval", "1000",
+        "--eval-interval", "0", "--data-path", CORPUS, "--split", "98,2,0", "--seed", "7"]
+
+
+def configs(argv):
+    namespace = build_parser(CONFIG_CLASSES, DESCRIPTION).parse_args(argv)
+    return Configs(**configs_from_args(namespace, CONFIG_CLASSES))
+
+
+def train(argv, cache_dir):
+    """Run a pretraining job; returns its per-iteration history."""
+    run = Pretraining(configs(argv + ["--data-cache-path", cache_dir]))
+    run.train()
+    run.groups.destroy()
+    return run.history

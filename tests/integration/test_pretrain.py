@@ -1,0 +1,138 @@
+"""End-to-end pretraining: layout invariance, exact resume, TensorBoard, bad flags, golden losses."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moezero.config import ConfigError
+from moezero.data import DataError
+from moezero.training.pretrain import validate
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import ASSETS, TINY, configs, train
+
+ITERS = ["--train-iters", "20"]
+
+
+# ---- layout invariance ---------------------------------------------------------------------------
+def _layouts(cache_dir):
+    runs = {}
+    for ep in (1, 2):
+        for stage in (0, 1, 2):
+            if ep == 1 and stage != 2:
+                continue
+            argv = TINY + ITERS + ["--expert-model-parallel-size", str(ep), "--zero-stage", str(stage)]
+            runs[f"2 ranks ep{ep} stage{stage}"] = [h["lm_loss"] for h in train(argv, cache_dir)]
+    return runs
+
+
+def test_loss_curve_is_layout_invariant(tmp_path):
+    single = [h["lm_loss"] for h in train(TINY + ITERS, str(tmp_path))]
+    curves = run_distributed(_layouts, 2, str(tmp_path), timeout=400)[0]
+    assert single[-1] < single[0] - 0.2, "the loss must fall"
+    for name, curve in curves.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(curve, single))
+        assert worst < 1e-5, (name, worst, curve, single)
+
+
+# ---- exact resume ---------------------------------------------------------------------------------
+def _straight_and_resumed(cache_dir, save_dir):
+    straight = train(TINY + ITERS + ["--expert-model-parallel-size", "2"], cache_dir)
+    first = train(TINY + ITERS + ["--expert-model-parallel-size", "2", "--exit-interval", "10",
+                                  "--save", save_dir], cache_dir)
+    second = train(TINY + ITERS + ["--expert-model-parallel-size", "2", "--load", save_dir], cache_dir)
+    return straight, first, second
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    straight, first, second = run_distributed(_straight_and_resumed, 2, str(tmp_path),
+                                              str(tmp_path / "ckpt"), timeout=400)[0]
+    assert [h["iteration"] for h in second] == list(range(11, 21))
+    resumed = first + second
+    assert [h["lm_loss"] for h in resumed] == [h["lm_loss"] for h in straight]
+    assert [h["grad_norm"] for h in resumed] == [h["grad_norm"] for h in straight]
+
+
+# ---- TensorBoard ------------------------------------------------------------------------------------
+def test_tensorboard_scalars_are_written(tmp_path):
+    tb = str(tmp_path / "tb")
+    train(TINY + ["--train-iters", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+                  "--tensorboard-dir", tb], str(tmp_path))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("lm loss", "aux loss", "z loss", "learning-rate", "grad-norm", "tokens-per-sec", "step-time-ms",
+                "memory/max-rss-mb", "moe/layer0/max-mean-load-ratio", "moe/layer1/dropped-fraction",
+                "moe/layer0/tokens-per-expert/3", "validation/lm loss", "validation/lm loss ppl"):
+        assert tag in tags, tag
+    assert len(events.Scalars("lm loss")) == 3
+
+
+# ---- bad configurations -----------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,world,needle", [
+    (["--num-experts", "3", "--expert-model-parallel-size", "1"], 2, None),
+    (["--expert-model-parallel-size", "3"], 2, "--expert-model-parallel-size=3: must divide the number of processes"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--num-experts=6: must be divisible"),
+    (["--global-batch-size", "10"], 2, "--global-batch-size (10) must be divisible"),
+    (["--split", "100,0,0", "--eval-interval", "5"], 1, "--eval-interval=5: needs a validation split"),
+    (["--load", "/nonexistent/ckpt"], 1, "--load=/nonexistent/ckpt: no such directory"),
+])
+def test_flag_combinations_fail_with_one_clear_message(extra, world, needle):
+    cfg = configs(TINY + extra)
+    if needle is None:
+        validate(cfg, world)  # valid: 3 experts, no expert parallelism
+        return
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world)
+    assert needle in str(info.value)
+
+
+def test_bad_values_and_missing_data_exit_with_one_line(tmp_path):
+    script = os.path.join(os.path.dirname(ASSETS), "..", "examples_moe", "pretrain_gpt_moe.py")
+    cases = [(["--moe-router-topk", "9"], "--moe-router-topk=9: must be between 1 and --num-experts (4)"),
+             (["--zero-stage", "3"], "--zero-stage"),
+             (["--data-path", str(tmp_path / "missing")], "--data-path")]
+    for extra, needle in cases:
+        proc = subprocess.run([sys.executable, script] + TINY + extra + ["--data-cache-path", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and needle in errors[0], proc.stderr
+
+
+def test_missing_data_is_a_data_error(tmp_path):
+    from moezero.data import build_datasets
+
+    cfg = configs(TINY + ["--data-path", str(tmp_path / "nothing")])
+    with pytest.raises(DataError, match="--data-path"):
+        build_datasets(cfg.data, 32, 1, num_samples=(8, 0, 0))
+
+
+# ---- golden losses ------------------------------------------------------------------------------------
+GOLDEN = os.path.join(ASSETS, "golden_losses.json")
+GOLDEN_ARGS = TINY + ["--train-iters", "10"]
+
+
+def test_golden_loss_curve(tmp_path):
+    """Regenerate (after an intended change): python -m tests.integration.test_pretrain"""
+    losses = [h["lm_loss"] for h in train(GOLDEN_ARGS, str(tmp_path))]
+    with open(GOLDEN) as f:
+        golden = json.load(f)["lm_loss"]
+    assert len(losses) == len(golden)
+    for i, (a, b) in enumerate(zip(losses, golden)):
+        assert math.isclose(a, b, rel_tol=1e-4), (i, a, b)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        values = [h["lm_loss"] for h in train(GOLDEN_ARGS, cache)]
+    with open(GOLDEN, "w") as f:
+        args = [os.path.relpath(a) if a.startswith(ASSETS) else a for a in GOLDEN_ARGS]
+        json.dump({"args": args, "lm_loss": values}, f, indent=1)
+    print(f"wrote {GOLDEN}: {values}")

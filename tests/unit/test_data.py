@@ -1,0 +1,164 @@
+"""Data layer: tokenizers, indexed files and their errors, the layout-invariant batch order."""
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from moezero.config import ConfigError, DataConfig
+from moezero.data import (ByteLevelTokenizer, DataError, build_tokenizer, check_indexed_dataset, collate,
+                          eval_micro_batches, load_micro_batch, micro_batch_indices, num_micro_steps,
+                          open_indexed_dataset, parse_data_path, train_micro_batches, write_indexed_dataset)
+
+
+def random_docs(n, seed=0, max_len=300, eod=256):
+    rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(0, 256, int(rng.integers(1, max_len))), eod) for _ in range(n)]
+
+
+# ---- tokenizers -----------------------------------------------------------------------------
+
+def test_byte_level_round_trip():
+    tok = ByteLevelTokenizer()
+    text = "def f(x):\n    return x  # café, 数据, 🙂\n"
+    ids = tok.tokenize(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < 256
+    assert tok.detokenize(ids + [tok.eod]) == text
+    assert (tok.vocab_size, tok.eod) == (257, 256)
+    assert tok.tokenize_bytes(text.encode()) == ids
+
+
+def test_huggingface_tokenizer_needs_a_local_path_and_the_package(tmp_path, monkeypatch):
+    cfg = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing"))
+    with pytest.raises(DataError, match="--tokenizer-model=.*no such file"):
+        build_tokenizer(cfg)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)     # makes `import tokenizers` fail
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(DataError, match="pip install tokenizers"):
+        build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
+
+
+def test_huggingface_tokenizer_wraps_the_tokenizers_package(tmp_path, monkeypatch):
+    vocab = {"a": 0, "b": 1, "</s>": 2}
+
+    class FakeTokenizer:
+        @staticmethod
+        def from_file(path):
+            assert path == str(tmp_path / "tokenizer.json")
+            return FakeTokenizer()
+
+        def encode(self, text, add_special_tokens=True):
+            return types.SimpleNamespace(ids=[vocab[c] for c in text])
+
+        def decode(self, ids):
+            return "".join({v: k for k, v in vocab.items()}[i] for i in ids)
+
+        def get_vocab(self, with_added_tokens=True):
+            return vocab
+
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=FakeTokenizer))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    tok = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
+    assert (tok.vocab_size, tok.eod) == (3, 2)
+    assert tok.tokenize("abba") == [0, 1, 1, 0] and tok.detokenize([1, 0]) == "ba"
+
+
+# ---- indexed files --------------------------------------------------------------------------
+
+def test_indexed_dataset_round_trip(tmp_path):
+    docs = random_docs(20)
+    prefix = str(tmp_path / "d")
+    summary = write_indexed_dataset(prefix, docs, vocab_size=257)
+    assert (summary.num_documents, summary.num_tokens, summary.dtype) == (20, sum(map(len, docs)), np.uint16)
+    ds = open_indexed_dataset(prefix)
+    assert len(ds) == 20
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], doc)
+    np.testing.assert_array_equal(ds.get(3, offset=1, length=2), docs[3][1:3])
+    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]     # temporaries renamed away
+
+
+def test_missing_files_name_the_path_and_flag(tmp_path):
+    with pytest.raises(DataError, match=r"--data-path: .*nope\.idx does not exist"):
+        check_indexed_dataset(str(tmp_path / "nope"))
+    prefix = str(tmp_path / "d")
+    write_indexed_dataset(prefix, random_docs(3), vocab_size=257)
+    os.remove(prefix + ".bin")
+    with pytest.raises(DataError, match=r"d\.bin does not exist"):
+        open_indexed_dataset(prefix)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda p: open(p + ".idx", "r+b").write(b"GARBAGE!!"), "bad header"),
+    (lambda p: os.truncate(p + ".idx", os.path.getsize(p + ".idx") - 8), "truncated"),
+    (lambda p: os.truncate(p + ".idx", 5), "only 5 bytes"),
+    (lambda p: os.truncate(p + ".bin", os.path.getsize(p + ".bin") - 2), "truncated, or .bin and .idx"),
+])
+def test_corrupt_files_give_one_clear_error(tmp_path, damage, needle):
+    prefix = str(tmp_path / "d")
+    write_indexed_dataset(prefix, random_docs(5), vocab_size=257)
+    damage(prefix)
+    with pytest.raises(DataError, match=needle) as info:
+        open_indexed_dataset(prefix)
+    assert "\n" not in str(info.value)
+
+
+def test_parse_data_path():
+    assert parse_data_path("a").prefixes == ("a",) and parse_data_path("a b").weights is None
+    blend = parse_data_path("30 a 70 b")
+    assert blend.prefixes == ("a", "b") and blend.weights == (30.0, 70.0)
+    for bad in ("", "30 a b", "0 a 0 b", "30 a b 70"):
+        with pytest.raises(DataError, match="--data-path"):
+            parse_data_path(bad)
+
+
+# ---- batch order ----------------------------------------------------------------------------
+
+def micro_batches_of_step(step, gbs, mbs, world):
+    """{micro-batch number m: indices} over all ranks, from each rank's own schedule."""
+    out = {}
+    for rank in range(world):
+        for j, mb in enumerate(train_micro_batches(step, gbs, mbs, rank, world)):
+            out[j * world + rank] = tuple(mb)
+    return out
+
+
+def test_every_world_size_reads_the_same_micro_batches():
+    gbs, mbs = 16, 2
+    for step in (0, 3):
+        ref = micro_batches_of_step(step, gbs, mbs, 1)
+        assert [i for m in sorted(ref) for i in ref[m]] == list(range(step * gbs, (step + 1) * gbs))
+        for world in (2, 4):
+            assert micro_batches_of_step(step, gbs, mbs, world) == ref
+    # Megatron's order: rank r's micro-step j reads micro-batch j * dp + r
+    assert micro_batch_indices(32, 16, 2, 1, 4) == [[34, 35], [42, 43]]
+    assert num_micro_steps(16, 2, 4) == 2
+
+
+def test_eval_batches_are_layout_invariant():
+    ref = eval_micro_batches(3, 8, 2, 0, 1)
+    assert [i for mb in ref for i in mb] == list(range(24))
+    for world in (2, 4):
+        got = sorted(tuple(mb) for r in range(world) for mb in eval_micro_batches(3, 8, 2, r, world))
+        assert got == sorted(map(tuple, ref))
+        assert len({len(eval_micro_batches(3, 8, 2, r, world)) for r in range(world)}) == 1
+
+
+def test_batch_sizes_must_divide():
+    with pytest.raises(ConfigError, match=r"--global-batch-size \(12\).*--micro-batch-size \(2\).*size \(4\)"):
+        num_micro_steps(12, 2, 4)
+    with pytest.raises(ConfigError, match="must all be >= 1"):
+        num_micro_steps(8, 0, 1)
+
+
+def test_collate_returns_global_indices():
+    samples = {i: {"tokens": torch.full((4,), i), "labels": torch.full((4,), i + 1), "loss_mask": torch.ones(4)}
+               for i in range(10)}
+    batch = load_micro_batch(samples, [7, 3])
+    assert batch["tokens"].shape == (2, 4) and batch["tokens"].dtype == torch.long
+    assert batch["loss_mask"].dtype == torch.float32
+    assert batch["sample_index"].tolist() == [7, 3] and batch["labels"][:, 0].tolist() == [8, 4]
+    assert collate([samples[1]], [1])["tokens"].shape == (1, 4)

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Turn jsonl or plain-text files into Megatron indexed datasets (.bin + .idx).
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my --json-keys text \\
+        --append-eod --workers 4
+    -> data/my_text_document.bin, data/my_text_document.idx   (train with --data-path data/my_text_document)
+
+A `.jsonl`/`.json` input holds one JSON object per line, each key of --json-keys one document;
+any other input file is one document (key "text"). Tokenizer: the built-in byte-level one, or a
+local HuggingFace tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH).
+The output depends only on the inputs, their order and the tokenizer, not on --workers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from typing import Iterator, List, Tuple
+
+import numpy as np
+
+from moezero.config import ConfigError, DataConfig
+from moezero.data import build_tokenizer, write_indexed_dataset
+
+_worker_state = {}  # the tokenizer of a worker process, built once by _init_worker
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="jsonl or text files, read in the order given")
+    p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.{bin,idx}")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys to extract, one dataset each")
+    p.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
+                   help="auto: .jsonl/.json are jsonl, anything else is one text document per file")
+    p.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                   choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"))
+    p.add_argument("--tokenizer-model", default=None, help="local HuggingFace tokenizer path")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    return p.parse_args(argv)
+
+
+def _is_jsonl(path: str, fmt: str) -> bool:
+    return fmt == "jsonl" or (fmt == "auto" and path.endswith((".jsonl", ".json")))
+
+
+def read_texts(inputs: List[str], key: str, fmt: str) -> Iterator[str]:
+    """The documents of one key, in input order."""
+    for path in inputs:
+        if not _is_jsonl(path, fmt):
+            if key == "text":
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield f.read()
+            continue
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)[key]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ConfigError(f"--input {path}:{lineno}: not a JSON object with key {key!r} ({exc})") from None
+
+
+def _init_worker(tokenizer_type: str, tokenizer_model, append_eod: bool) -> None:
+    cfg = DataConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model)
+    _worker_state["tokenizer"], _worker_state["append_eod"] = build_tokenizer(cfg), append_eod
+
+
+def _encode(text: str) -> np.ndarray:
+    tok = _worker_state["tokenizer"]
+    ids = tok.tokenize(text) + ([tok.eod] if _worker_state["append_eod"] else [])
+    return np.asarray(ids, dtype=np.int64)
+
+
+def encode_all(texts: Iterator[str], args: argparse.Namespace) -> Iterator[np.ndarray]:
+    """Token arrays in input order (imap keeps the order whatever the worker count)."""
+    init = (args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    if args.workers <= 1:
+        _init_worker(*init)
+        yield from map(_encode, texts)
+        return
+    with multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=init) as pool:
+        yield from pool.imap(_encode, texts, chunksize=16)
+
+
+def preprocess(args: argparse.Namespace) -> List[Tuple[str, int, int]]:
+    """Write one dataset per key; returns (prefix, documents, tokens) for each."""
+    if args.workers < 1:
+        raise ConfigError(f"--workers={args.workers}: must be >= 1")
+    vocab_size = build_tokenizer(DataConfig(tokenizer_type=args.tokenizer_type,
+                                            tokenizer_model=args.tokenizer_model)).vocab_size
+    written = []
+    for key in args.json_keys:
+        prefix = f"{args.output_prefix}_{key}_document"
+        summary = write_indexed_dataset(prefix, encode_all(read_texts(args.input, key, args.input_format), args),
+                                        vocab_size)
+        written.append((prefix, summary.num_documents, summary.num_tokens))
+    return written
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    try:
+        written = preprocess(args)
+    except (ConfigError, OSError) as exc:
+        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
+        return 2
+    for prefix, docs, tokens in written:
+        print(f"{prefix}.{{bin,idx}}: {docs} documents, {tokens} tokens")
+    print(f"done in {time.time() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
