@@ -18,5 +18,11 @@ $(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
+# A short MoE GPT pretraining run on 2 local CPU processes (ep 2, ZeRO-2) on the default corpus
+# (the Python standard library's sources, tokenized on first use); TensorBoard events in runs/.
+train: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples_moe/pretrain_gpt_moe.py \
+		--expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
+
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15

@@ -149,11 +149,11 @@ class GPTConfig(Validated):
     """The GPT decoder."""
 
     section = "model"
-    num_layers: int = option(2, "transformer layers", flag="--num-layers")
-    hidden_size: int = option(64, "model width", flag="--hidden-size")
+    num_layers: int = option(4, "transformer layers", flag="--num-layers")
+    hidden_size: int = option(128, "model width", flag="--hidden-size")
     num_attention_heads: int = option(4, "attention heads", flag="--num-attention-heads")
     ffn_hidden_size: Optional[int] = option(None, "dense MLP width (default 4 * hidden)", flag="--ffn-hidden-size")
-    seq_length: int = option(128, "tokens per sample", flag="--seq-length")
+    seq_length: int = option(256, "tokens per sample", flag="--seq-length")
     max_position_embeddings: Optional[int] = option(None, "learned position table size (default --seq-length)",
                                                     flag="--max-position-embeddings")
     vocab_size: Optional[int] = option(None, "vocabulary size (default: the tokenizer's, padded to 128)",
@@ -262,10 +262,10 @@ class TrainConfig(Validated):
     section = "train"
     micro_batch_size: int = option(4, "samples per rank per micro-step", flag="--micro-batch-size")
     global_batch_size: int = option(16, "samples per optimizer step, over all ranks", flag="--global-batch-size")
-    train_iters: int = option(50, "optimizer steps", flag="--train-iters")
-    lr: float = option(1e-3, "peak learning rate", flag="--lr")
+    train_iters: int = option(200, "optimizer steps", flag="--train-iters")
+    lr: float = option(2e-3, "peak learning rate", flag="--lr")
     min_lr: float = option(1e-4, "learning rate at the end of the decay", flag="--min-lr")
-    lr_warmup_iters: int = option(5, "linear warmup steps", flag="--lr-warmup-iters")
+    lr_warmup_iters: int = option(20, "linear warmup steps", flag="--lr-warmup-iters")
     lr_decay_iters: Optional[int] = option(None, "decay length (default --train-iters)", flag="--lr-decay-iters")
     lr_decay_style: str = option("cosine", "decay after warmup", flag="--lr-decay-style",
                                  choices=("constant", "linear", "cosine"))
@@ -280,9 +280,9 @@ class TrainConfig(Validated):
     bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
     fp16: bool = option(False, "fp16 params with dynamic loss scaling, fp32 master weights", flag="--fp16")
     seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
-    eval_interval: int = option(25, "evaluate every N steps (0 = never)", flag="--eval-interval")
+    eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
     eval_iters: int = option(4, "global batches per evaluation", flag="--eval-iters")
-    log_interval: int = option(1, "console and TensorBoard every N steps", flag="--log-interval")
+    log_interval: int = option(10, "console and TensorBoard every N steps", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
     save: Optional[str] = option(None, "checkpoint directory to save to", flag="--save")
     load: Optional[str] = option(None, "checkpoint directory to resume from", flag="--load")

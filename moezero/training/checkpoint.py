@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moezero.zero.state import load_into, shard_state_dict
+from moezero.zero.state import global_placement, load_into, shard_state_dict
 
 POINTER = "latest_checkpointed_iteration.txt"
 _PIECE_KEY = re.compile(r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)/(?P<field>[^/]+)$")
@@ -129,6 +129,37 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, A
     return train_state
 
 
+def global_param_shapes(opt) -> Dict[str, tuple]:
+    """Global shape of every trainable param (experts stacked over all global experts)."""
+    return {name: global_placement(p)[0] for f in opt.families for name, p in zip(f.names, f.params)}
+
+
+def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
+    """One process, no process group: the full model (fp32 masters of trainable params, global expert
+    stacks, plus non-trainable state) from a sharded checkpoint of any layout."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    request: Dict[str, Any] = {"train_state": b""}
+    for key, meta in metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and (key.startswith("model_state/") or
+                                                        key.endswith("/master")):
+            request[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    shapes = _decode(request["train_state"])["param_shapes"]
+    model: Dict[str, torch.Tensor] = {}
+    for name, pieces in _pieces_from_entries(request).items():
+        flat = torch.zeros(int(torch.Size(shapes[name]).numel()), dtype=torch.float32)
+        for piece in pieces:
+            lo, hi = piece["range"]
+            flat[lo:hi] = piece["master"]
+        model[name] = flat.view(shapes[name])
+    for key, value in request.items():
+        if key.startswith("model_state/"):
+            model[key[len("model_state/"):]] = value
+    return model
+
+
 # ---- optimizer pieces ------------------------------------------------------------------------------
 def _optimizer_entries(opt) -> Dict[str, Any]:
     entries: Dict[str, Any] = {}
@@ -144,8 +175,6 @@ def _optimizer_entries(opt) -> Dict[str, Any]:
 
 def _wanted_piece_keys(opt, metadata) -> list:
     """Keys of the saved pieces that overlap this rank's optimizer views (global coordinates)."""
-    from moezero.zero.state import global_placement
-
     needed: Dict[str, list] = {}
     for view in opt.master.views:
         family = opt.families[view.family]

@@ -70,8 +70,6 @@ def validate(cfg: Configs, world_size: int) -> int:
             float(cfg.data.split.split(",")[1]) == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")
-    if cfg.train.load and not os.path.isdir(cfg.train.load):
-        raise ConfigError(f"--load={cfg.train.load}: no such directory")
     return num_micro_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
 
@@ -142,9 +140,9 @@ class Pretraining:
                              max_skipped_steps=z.max_skipped_steps, lr=t.lr, weight_decay=t.weight_decay, **kwargs)
 
     def _resume(self, root: str) -> None:
-        iteration = checkpoint.latest_iteration(root)
-        if iteration is None:
-            self.logger.print(f" no checkpoint in {root}; training from scratch")
+        iteration = checkpoint.latest_iteration(root) if os.path.isdir(root) else None
+        if iteration is None:  # Megatron's behaviour: --load and --save may name the same, new, directory
+            self.logger.print(f" WARNING: no checkpoint found in --load={root}; training from scratch")
             return
         state = checkpoint.load_checkpoint(checkpoint.iteration_dir(root, iteration), self.model, self.opt,
                                            self.groups.control)
@@ -228,7 +226,8 @@ class Pretraining:
         state = {"iteration": self.iteration, "param_groups": self.opt.user_group_hyperparams(),
                  "loss_scaler": self.opt.loss_scaler.state_dict() if self.opt.loss_scaler else None,
                  "skipped_steps": self.opt.skipped_steps, "consecutive_skips": self.opt.consecutive_skips,
-                 "world_size": self.world, "configs": {k: dataclasses.asdict(v) for k, v in vars(self.cfg).items()}}
+                 "world_size": self.world, "param_shapes": checkpoint.global_param_shapes(self.opt),
+                 "configs": {k: dataclasses.asdict(v) for k, v in vars(self.cfg).items()}}
         path = checkpoint.save_checkpoint(self.cfg.train.save, self.iteration, self.model, self.opt, state,
                                           self.groups.control)
         self.logger.print(f" saved checkpoint {path}")

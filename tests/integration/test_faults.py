@@ -1,0 +1,77 @@
+"""A rank killed mid-run ends the job with a clear message in bounded time; the last checkpoint loads."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from moezero.training import checkpoint
+from tests.integration.pretrain_utils import TINY, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _worker_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker whose environment holds RANK=<rank>."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == torchrun_pid:
+            continue
+        try:
+            if not _descends_from(int(entry), torchrun_pid):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return int(entry)
+        except OSError:
+            continue
+    raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().split()[3])
+    return False
+
+
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
+    save = str(tmp_path / "ckpt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
+        "--train-iters", "100000", "--expert-model-parallel-size", "2", "--save", save, "--save-interval", "2",
+        "--log-interval", "1", "--data-cache-path", str(tmp_path), "--distributed-timeout-seconds", "30"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if "saved checkpoint" in line and "iter_0000004" in line:
+                break
+        else:
+            raise AssertionError("the run ended before its second checkpoint:\n" + "".join(output))
+        killed_at = time.monotonic()
+        os.kill(_worker_pid(proc.pid, 1), signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(output) + rest
+    assert proc.returncode != 0
+    assert elapsed < 90, f"the job took {elapsed:.0f}s to end after a rank died"
+    assert "exitcode" in text and "-9" in text or "a collective failed" in text, text[-3000:]
+    last = checkpoint.latest_iteration(save)
+    assert last is not None and last >= 4
+    model = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(save, last))
+    assert model["layers.0.mlp.experts.w1"].shape[0] == 4  # all global experts, gathered from both ep ranks
+    # resume the 2-rank ep-2 checkpoint on one process (ep 1): a different layout
+    history = train(TINY + ["--train-iters", str(last + 1), "--load", save], str(tmp_path))
+    assert [h["iteration"] for h in history] == [last + 1]
+    assert torch.isfinite(torch.tensor(history[0]["lm_loss"]))
