@@ -11,6 +11,7 @@ rank in a step is skipped by the inner optimizer, as torch skips `grad is None`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -26,6 +27,10 @@ from moezero.zero.param_groups import check_elementwise, default_param_groups, g
 from moezero.zero.reducer import GradReducer
 from moezero.zero.stages import STAGES
 from moezero.zero.state import load_into, shard_state_dict
+
+
+def _supports_fused(optimizer_cls: type) -> bool:
+    return "fused" in inspect.signature(optimizer_cls.__init__).parameters
 
 
 class ParameterSetChanged(RuntimeError):
@@ -99,6 +104,11 @@ class ZeroOptimizer:
         if not kept[0]["params"]:
             kept = [dict(view_groups[0], params=[torch.zeros(0)])]
         self._num_user_groups = len(view_groups)
+        if "fused" not in kwargs and "foreach" not in kwargs and _supports_fused(optimizer_cls):
+            try:  # torch's fused kernels (CPU and CUDA) are 2-3x faster than the per-tensor loop
+                return optimizer_cls(kept, fused=True, **kwargs)
+            except (RuntimeError, ValueError, TypeError):
+                pass
         return optimizer_cls(kept, **kwargs)
 
     # ---- the training-loop API ---------------------------------------------------------------

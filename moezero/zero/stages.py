@@ -149,10 +149,18 @@ class Stage2ReduceScatterEveryBackward(StageStrategy):
         self.shards = [torch.zeros(b.numel // fam.group_size, dtype=self.master_dtype, device=fam.buffer.device)
                        for b in fam.layout.buckets]
         self._staging: List[Optional[torch.Tensor]] = [None] * len(fam.layout.buckets)
+        self._gaps = [_gaps(fam, b) for b in range(len(fam.layout.buckets))]
 
     def stage(self, bucket, fired, grads):
         b = self.family.layout.buckets[bucket]
-        staging = torch.zeros(b.numel, dtype=self.reduce_dtype, device=self.family.buffer.device)
+        device = self.family.buffer.device
+        if len(fired) == len(self.family.buckets[bucket].params):
+            # usual case: every param delivered; only alignment gaps and padding need zeros
+            staging = torch.empty(b.numel, dtype=self.reduce_dtype, device=device)
+            for lo, hi in self._gaps[bucket]:
+                staging[lo:hi].zero_()
+        else:
+            staging = torch.zeros(b.numel, dtype=self.reduce_dtype, device=device)
         ops.flatten_into(staging, grads, self._grad_offsets(bucket, fired))
         self._staging[bucket] = staging
 
@@ -175,6 +183,19 @@ class Stage2ReduceScatterEveryBackward(StageStrategy):
     def zero(self):
         for shard in self.shards:
             shard.zero_()
+
+
+def _gaps(family: ParamFamily, bucket: int) -> List[Tuple[int, int]]:
+    """Element ranges of a bucket that no param covers (alignment gaps and tail padding)."""
+    covered = sorted((family.slot(i).offset, family.slot(i).offset + family.slot(i).numel)
+                     for i in family.buckets[bucket].params)
+    gaps, position = [], 0
+    for lo, hi in covered:
+        if lo > position:
+            gaps.append((position, lo))
+        position = max(position, hi)
+    end = family.layout.buckets[bucket].numel
+    return gaps + ([(position, end)] if position < end else [])
 
 
 STAGES = {0: Stage0AllReduce, 1: Stage1ReduceScatterAtBoundary, 2: Stage2ReduceScatterEveryBackward}

@@ -30,14 +30,14 @@ def _peak_bytes(prof) -> int:
 
 def _wide_model():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
 
 
 def _peaks_for(stage, bucket_size):
     """(peak over construction + a first step, peak inside a second backward alone)."""
     groups = ParallelGroups.build()
     model = _wide_model()
-    x = torch.randn(2, 128)
+    x = torch.randn(2, 256)
     with profile(profile_memory=True) as first_step:
         opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, bucket_size=bucket_size, lr=0.1,
                             momentum=0.9)
