@@ -1,0 +1,166 @@
+"""Benchmark worker for DeepSpeed (run with DeepSpeed's venv under torchrun, DS_ACCELERATOR=cpu).
+
+The same GPT as moezero's worker: pre-norm blocks, learned positions, untied output layer, MLP
+4h with GELU, MoE (deepspeed.moe.layer.MoE) on layers 0, 2, ... with the same E, k and aux
+coefficient, dropless (drop_tokens=False) and random token selection off; torch AdamW under
+DeepSpeed ZeRO; the same synthetic data. Prints one RESULT json line.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from synthetic import batch, gemm_peak_flops, model_flops_per_token  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
+    p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--aux", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket", type=int, default=2_000_000)
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--peak", action="store_true")
+    p.add_argument("--tag", default="")
+    p.add_argument("--local_rank", type=int, default=-1)
+    return p.parse_args()
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
+def mlp(hidden, ffn):
+    return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+
+class Block(nn.Module):
+    def __init__(self, args, moe):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.norm1, self.norm2 = nn.LayerNorm(args.hidden), nn.LayerNorm(args.hidden)
+        self.attn = Attention(args.hidden, args.heads)
+        self.moe = moe
+        ffn = args.ffn_mult * args.hidden
+        self.mlp = MoE(hidden_size=args.hidden, expert=mlp(args.hidden, ffn), num_experts=args.experts,
+                       ep_size=args.ep, k=args.k, capacity_factor=1.0, eval_capacity_factor=1.0,
+                       drop_tokens=False, use_rts=False) if moe else mlp(args.hidden, ffn)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        if self.moe:
+            y, aux, _ = self.mlp(self.norm2(x))
+        else:
+            y, aux = self.mlp(self.norm2(x)), x.new_zeros(())
+        return x + y, aux
+
+
+class GPT(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.embed = nn.Embedding(args.vocab, args.hidden)
+        self.pos = nn.Embedding(args.seq, args.hidden)
+        self.blocks = nn.ModuleList([Block(args, moe=bool(args.experts) and i % 2 == 0) for i in range(args.layers)])
+        self.norm = nn.LayerNorm(args.hidden)
+        self.head = nn.Linear(args.hidden, args.vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, a = block(x)
+            aux = aux + a
+        return self.head(self.norm(x)), aux
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peak = gemm_peak_flops() if args.peak else None
+    torch.manual_seed(1234)
+    model = GPT(args)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters()], "name": "all", "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    config = {
+        "train_micro_batch_size_per_gpu": args.mb, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+        "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "bf16": {"enabled": args.dtype == "bf16"},
+        "zero_optimization": {"stage": args.stage, "reduce_bucket_size": args.bucket,
+                              "allgather_bucket_size": args.bucket, "overlap_comm": not args.no_overlap,
+                              "contiguous_gradients": True},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    losses, times = [], []
+    for step in range(args.steps):
+        tokens, labels = batch(args, step, rank)
+        dist.barrier()
+        start = time.perf_counter()
+        logits, aux = engine(tokens)
+        ce = F.cross_entropy(logits.float().view(-1, args.vocab), labels.view(-1))
+        engine.backward(ce + args.aux * aux)
+        engine.step()
+        times.append(time.perf_counter() - start)
+        loss = ce.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
+    rss = [None] * world
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    result = {"tag": args.tag, "system": "deepspeed", "stage": args.stage, "ep": args.ep, "world": world,
+              "step_s": step_s, "tokens_per_s": args.mb * args.seq * world / step_s, "peak_rss_mb": rss,
+              "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
+              "flops_per_token": model_flops_per_token(args)}
+    if peak is not None:
+        result["gemm_peak_flops"] = sum(peaks)
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # DeepSpeed's comm threads sometimes abort at interpreter teardown (see shared/peers)
+
+
+if __name__ == "__main__":
+    main()

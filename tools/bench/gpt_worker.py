@@ -1,0 +1,146 @@
+"""Benchmark worker (run under torchrun): train a GPT(-MoE) for N steps with one system, print RESULT json.
+
+Systems: moezero (ZeroOptimizer, stage 0/1/2, any ep), ddp (torch DDP + AdamW), torch_zero (DDP +
+torch's ZeroRedundancyOptimizer). The data is the same learnable synthetic stream the DeepSpeed
+worker uses (bench/synthetic.py), so losses compare across systems.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from synthetic import batch, gemm_peak_flops, model_flops_per_token  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=["moezero", "ddp", "torch_zero"], default="moezero")
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
+    p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--aux", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket", type=int, default=2_000_000)
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--peak", action="store_true", help="also measure the GEMM peak for MFU")
+    p.add_argument("--profile", default="", help="write a torch.profiler chrome trace of one step here")
+    p.add_argument("--tag", default="")
+    return p.parse_args()
+
+
+def build_model(args, groups):
+    from moezero.config import GPTConfig, MoEConfig
+    from moezero.models import GPTModel
+
+    gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                    seq_length=args.seq, vocab_size=args.vocab, ffn_hidden_size=args.ffn_mult * args.hidden,
+                    untie_embeddings_and_output_weights=True, moe_layer_freq=2)
+    moe = None
+    if args.experts:
+        moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux)
+    model = GPTModel(gpt, moe, groups, seed=1234)
+    return model.bfloat16() if args.dtype == "bf16" else model
+
+
+def build_optimizer(args, model, groups):
+    kwargs = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    if args.system == "moezero":
+        from moezero.zero import ZeroOptimizer
+
+        return model, ZeroOptimizer(model, torch.optim.AdamW, groups, stage=args.stage, bucket_size=args.bucket,
+                                    overlap_comm=not args.no_overlap, clip_grad=1.0, **kwargs)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+    if args.system == "ddp":
+        return ddp, torch.optim.AdamW(model.parameters(), **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+
+
+def train_step(args, model, opt, step, rank):
+    from moezero.models import language_model_loss
+
+    tokens, labels = batch(args, step, rank)
+    logits, stats = model(tokens)
+    ce = language_model_loss(logits, labels, torch.ones_like(labels, dtype=torch.float32))
+    loss = ce + sum((s.aux_loss for s in stats), torch.zeros(()))
+    loss.backward()
+    if args.system == "moezero":
+        opt.step()
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    opt.zero_grad()
+    return ce.detach()
+
+
+def main():
+    args = parse()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from moezero.parallel import ParallelGroups
+
+    groups = ParallelGroups.build(expert_parallel_size=args.ep)
+    peak = gemm_peak_flops() if args.peak else None
+    model, opt = build_optimizer(args, build_model(args, groups), groups)
+    losses, times = [], []
+    for step in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        if args.profile and step == args.steps - 1:
+            from torch.profiler import profile
+
+            with profile(record_shapes=False) as prof:
+                ce = train_step(args, model, opt, step, rank)
+            if rank == 0:
+                prof.export_chrome_trace(args.profile)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+        else:
+            ce = train_step(args, model, opt, step, rank)
+        times.append(time.perf_counter() - start)
+        dist.all_reduce(ce)
+        losses.append(ce.item() / world)
+    step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    rss_all = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(rss_all, rss)
+    peaks = None
+    if peak is not None:
+        peaks = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(peaks, torch.tensor([peak]))
+    tokens = args.mb * args.seq * world
+    result = {"tag": args.tag, "system": args.system, "stage": args.stage, "ep": args.ep, "world": world,
+              "step_s": step_s, "tokens_per_s": tokens / step_s, "peak_rss_mb": [r.item() for r in rss_all],
+              "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
+              "flops_per_token": model_flops_per_token(args)}
+    if peaks is not None:
+        result["gemm_peak_flops"] = sum(p.item() for p in peaks)
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    groups.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

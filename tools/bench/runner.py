@@ -1,0 +1,61 @@
+"""Launch benchmark workers under torchrun (moezero's venv or DeepSpeed's) and collect their RESULT lines."""
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PEER_DIR = os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/moezero-peers/deepspeed"))
+DEEPSPEED_VERSION = "0.19.8"
+_port = [29700]
+
+
+def deepspeed_python(install: bool = True) -> Optional[str]:
+    """DeepSpeed's venv python (the recipe of ../shared/peers/deepspeed), created when missing and allowed."""
+    python = os.path.join(PEER_DIR, "venv", "bin", "python")
+    if _imports(python, "deepspeed"):
+        return python
+    if not install:
+        return None
+    print(f"creating DeepSpeed {DEEPSPEED_VERSION} venv in {PEER_DIR}/venv (CPU torch 2.13.0, DS_BUILD_OPS=0)",
+          file=sys.stderr)
+    env = dict(os.environ, DS_BUILD_OPS="0")
+    subprocess.run([sys.executable, "-m", "venv", os.path.join(PEER_DIR, "venv")], check=True)
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0", "numpy", "einops", "psutil"], check=True, env=env)
+    subprocess.run(pip + [f"deepspeed=={DEEPSPEED_VERSION}"], check=True, env=env)
+    return python if _imports(python, "deepspeed") else None
+
+
+def _imports(python: str, module: str) -> bool:
+    if not os.path.exists(python):
+        return False
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int = 1800,
+               python: Optional[str] = None) -> Dict:
+    """Run one configuration; returns the worker's RESULT dict, or {"error": ...}."""
+    _port[0] += 1
+    deepspeed = system == "deepspeed"
+    script = os.path.join(HERE, "deepspeed_worker.py" if deepspeed else "gpt_worker.py")
+    python = python or (deepspeed_python() if deepspeed else sys.executable)
+    if python is None:
+        return {"error": "DeepSpeed is not installed"}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--master_port={_port[0]}", script] + worker_args
+    if not deepspeed:
+        cmd += ["--system", system]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
+    return {"error": (tail[-1] if tail else f"exit code {proc.returncode}")[:300]}
