@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from moezero.compression import QATConfig, QATController, apply_qat
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, TrainConfig,
                             ZeroConfig)
 from moezero.data import DataError, build_datasets, eval_micro_batches, num_micro_steps, train_micro_batches
@@ -32,7 +33,7 @@ from moezero.training.loop import evaluate, expert_load_metrics, train_step
 from moezero.training.schedule import learning_rate
 from moezero.zero import ZeroOptimizer
 
-CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig)
+CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, QATConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -50,6 +51,7 @@ class Configs:
     zero: ZeroConfig
     train: TrainConfig
     data: DataConfig
+    qat: QATConfig = dataclasses.field(default_factory=QATConfig)
 
 
 def validate(cfg: Configs, world_size: int) -> int:
@@ -122,6 +124,9 @@ class Pretraining:
             model = model.half()
         if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             model = model.cuda()
+        # fake quantization in forward; the params themselves stay where the optimizer will put them
+        self.qat: Optional[QATController] = apply_qat(model, self.cfg.qat, self.groups, self.cfg.train.seed) \
+            if self.cfg.qat.enabled else None
         return model
 
     def _build_optimizer(self) -> ZeroOptimizer:
@@ -137,7 +142,9 @@ class Pretraining:
         return ZeroOptimizer(self.model, cls, self.groups, stage=z.stage, bucket_size=z.bucket_size,
                              overlap_comm=z.overlap_comm, clip_grad=z.clip_grad or None,
                              grad_reduce_dtype=REDUCE_DTYPES[z.grad_reduce_dtype], loss_scaler=scaler,
-                             max_skipped_steps=z.max_skipped_steps, lr=t.lr, weight_decay=t.weight_decay, **kwargs)
+                             max_skipped_steps=z.max_skipped_steps, lr=t.lr, weight_decay=t.weight_decay,
+                             param_groups=self.qat.param_groups(self.model, t.weight_decay) if self.qat else None,
+                             **kwargs)
 
     def _resume(self, root: str) -> None:
         iteration = checkpoint.latest_iteration(root) if os.path.isdir(root) else None
@@ -147,6 +154,8 @@ class Pretraining:
         state = checkpoint.load_checkpoint(checkpoint.iteration_dir(root, iteration), self.model, self.opt,
                                            self.groups.control)
         self.iteration = state["iteration"]
+        if self.qat is not None:
+            self.qat.load_state_dict(state.get("qat") or {"step": self.iteration})
         self.logger.print(f" resumed from {checkpoint.iteration_dir(root, iteration)} at iteration {self.iteration}")
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -167,6 +176,8 @@ class Pretraining:
                                  self.bias_updater, self.groups.dp)
             step_time = timer.elapsed()
             self.iteration += 1
+            if self.qat is not None:
+                self.qat.advance()
             self.history.append({"iteration": self.iteration, "lm_loss": metrics.lm_loss,
                                  "aux_loss": metrics.aux_loss, "grad_norm": metrics.grad_norm})
             done = self.iteration - start_iteration
@@ -205,6 +216,8 @@ class Pretraining:
             scalars[f"moe/layer{layer}/dropped-fraction"] = load["dropped_fraction"]
             for expert, count in enumerate(load["tokens_per_expert"]):
                 scalars[f"moe/layer{layer}/tokens-per-expert/{expert}"] = count
+        if self.qat is not None:
+            scalars.update(self.qat.scalars())  # a collective over ep: every rank logs
         self.logger.log(scalars, self.iteration)
 
     def _moe_layer_numbers(self) -> List[int]:
@@ -227,6 +240,7 @@ class Pretraining:
                  "loss_scaler": self.opt.loss_scaler.state_dict() if self.opt.loss_scaler else None,
                  "skipped_steps": self.opt.skipped_steps, "consecutive_skips": self.opt.consecutive_skips,
                  "world_size": self.world, "param_shapes": checkpoint.global_param_shapes(self.opt),
+                 "qat": self.qat.state_dict() if self.qat is not None else None,
                  "configs": {k: dataclasses.asdict(v) for k, v in vars(self.cfg).items()}}
         path = checkpoint.save_checkpoint(self.cfg.train.save, self.iteration, self.model, self.opt, state,
                                           self.groups.control)

@@ -1,0 +1,181 @@
+"""Quantization-aware training on a model: `apply_qat` attaches it, `QATController` drives it.
+
+    qat = apply_qat(model, cfg.qat, groups, seed)     # before ZeroOptimizer(model, ...)
+    opt = ZeroOptimizer(model, ..., param_groups=qat.param_groups(weight_decay))
+    for step in ...: train_step(...); qat.advance()   # once per optimizer step
+    logger.log(qat.scalars(), step)                   # collective over ep
+    train_state["qat"] = qat.state_dict()
+
+Implements MoQ-style QAT (DeepSpeed's Mixture-of-Quantization: a bit schedule that lowers the
+precision during training) with fake quantization in the forward and straight-through gradients,
+so the optimizer's fp32 master shards stay full precision and keep accumulating small updates.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from moezero.compression.config import QATConfig
+from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight, QATState
+from moezero.compression.quantizer import quantize_rows, to_rows
+from moezero.compression.schedule import bits_at
+from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
+from moezero.moe.experts import GroupedExperts
+from moezero.parallel import ParallelGroups, comm
+from moezero.zero.param_groups import is_no_decay
+
+# groups whose quantized modules are called with their input (output/router/embedding read the weight directly)
+_ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
+
+
+class QATController:
+    """Owns the bit schedule of a QAT run and reports on it.
+
+    Args:
+        config: the QATConfig.
+        targets: the quantized weights (from `quant_targets`).
+        state: the QATState the model's fake-quant modules read.
+        ep_group: process group over which the experts are split (None: a world of one); the
+            quantization error of expert weights is summed over it.
+    """
+
+    def __init__(self, config: QATConfig, targets: Sequence[QuantTarget], state: QATState,
+                 ep_group: Optional[object] = None):
+        self.config = config
+        self.targets = list(targets)
+        self.state = state
+        self.ep_group = ep_group
+        self._set_step(0)
+
+    # ---- the schedule ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def bits(self) -> Optional[int]:
+        """Bits of the next forward (None: full precision, before --qat-schedule-offset)."""
+        return self.state.bits
+
+    def _set_step(self, step: int) -> None:
+        c = self.config
+        self.state.step = step
+        self.state.bits = bits_at(step, c.first_bits, c.weight_bits, c.bits_period, c.schedule_offset)
+
+    def advance(self) -> None:
+        """Call once after every optimizer step."""
+        self._set_step(self.state.step + 1)
+
+    def bits_by_group(self) -> Dict[str, int]:
+        """Current bits per module group (0 while still in full precision)."""
+        return {group: self.bits or 0 for group in self.module_groups()}
+
+    def module_groups(self) -> List[str]:
+        return list(dict.fromkeys(t.group for t in self.targets))
+
+    # ---- monitoring ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def quantization_error(self) -> Dict[str, float]:
+        """Mean relative error ||w_hat - w|| / ||w|| per module group, over its tensors (each global
+        expert counted as one tensor), at the current bits with nearest rounding. Collective over ep.
+        """
+        groups = self.module_groups()
+        sums = torch.zeros(2 * len(groups), dtype=torch.float64)     # dense part: identical on every rank
+        expert_sums = torch.zeros_like(sums)                          # expert part: summed over ep
+        if self.bits is not None:
+            for t in self.targets:
+                ratios = _relative_errors(t, self.bits, self.config)
+                target = expert_sums if t.shard is not None else sums
+                i = groups.index(t.group)
+                target[2 * i] += ratios.sum()
+                target[2 * i + 1] += ratios.numel()
+        if any(t.shard is not None for t in self.targets):
+            comm.all_reduce(expert_sums, self.ep_group)
+        total = sums + expert_sums
+        return {g: float(total[2 * i] / total[2 * i + 1]) if total[2 * i + 1] > 0 else 0.0
+                for i, g in enumerate(groups)}
+
+    def scalars(self) -> Dict[str, float]:
+        """TensorBoard scalars: qat/bits/<group> and qat/quant-error/<group> (collective over ep)."""
+        out: Dict[str, float] = {f"qat/bits/{g}": float(b) for g, b in self.bits_by_group().items()}
+        out.update({f"qat/quant-error/{g}": e for g, e in self.quantization_error().items()})
+        return out
+
+    # ---- optimizer and checkpoints --------------------------------------------------------------
+    def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict]:
+        """ZeroOptimizer's default decay groups, seeing through the parametrizations: a quantized
+        embedding's `m.weight` is a computed tensor, so its Parameter is found as `original`."""
+        embeddings = {id(_parameter_of(m, "weight")) for m in model.modules() if isinstance(m, nn.Embedding)}
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (no_decay if is_no_decay(name, p, embeddings) else decay).append(p)
+        return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+    def state_dict(self) -> Dict:
+        return {"step": self.step, "bits": self.bits}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Resume the schedule at the saved step (bits follow from the current config)."""
+        self._set_step(int(state["step"]))
+
+
+def _parameter_of(module: nn.Module, attr: str) -> torch.Tensor:
+    if parametrize.is_parametrized(module, attr):
+        return module.parametrizations[attr].original
+    return getattr(module, attr)
+
+
+def _relative_errors(t: QuantTarget, bits: int, config: QATConfig) -> torch.Tensor:
+    """||w_hat - w|| / ||w|| of each unit (the tensor, or each local expert) of one target."""
+    w_RN = to_rows(t.parameter().detach(), t.units, config.groups)
+    err_RN = quantize_rows(w_RN, bits, config.symmetric).dequantize() - w_RN
+    err_U = err_RN.view(t.units, -1).double().norm(dim=1)
+    norm_U = w_RN.view(t.units, -1).double().norm(dim=1)
+    return torch.where(norm_U > 0, err_U / norm_U.clamp(min=1e-30), torch.zeros_like(err_U))
+
+
+def apply_qat(model: nn.Module, config: QATConfig, groups: Optional[ParallelGroups] = None,
+              seed: int = 0) -> QATController:
+    """Register fake quantization on the selected weights of `model` (before building the optimizer).
+
+    Raises ConfigError for a module group the model cannot quantize or groups that do not divide
+    a tensor; RuntimeError if the parametrization did not keep a Parameter object and its storage.
+    """
+    groups = groups or ParallelGroups.single()
+    targets = quant_targets(model, config.module_groups)
+    check_groups_divide(targets, config.groups)
+    state = QATState()
+    controller = QATController(config, targets, state, groups.ep)
+    for t in targets:
+        _register(t, config, seed, state)
+    if config.activation_bits is not None:
+        add_activation_quant(targets, config.activation_bits, state)
+    return controller
+
+
+def _register(t: QuantTarget, config: QATConfig, seed: int, state: QATState) -> None:
+    param = getattr(t.module, t.attr)
+    storage = param.data_ptr()
+    fq = FakeQuantWeight(t.name, t.units, config.groups, config.symmetric, config.rounding == "stochastic",
+                         seed, t.shard, state)
+    parametrize.register_parametrization(t.module, t.attr, fq)
+    kept = t.module.parametrizations[t.attr].original
+    if kept is not param or kept.data_ptr() != storage:
+        raise RuntimeError(f"QAT on {t.name}: the parametrization replaced the Parameter or its storage; "
+                           "the optimizer would train a detached copy")
+
+
+def add_activation_quant(targets: Sequence[QuantTarget], bits: int, state: QATState) -> None:
+    """Per-token fake quantization of the inputs of the quantized linear layers and expert stacks."""
+    seen = set()
+    for t in targets:
+        if t.group not in _ACTIVATION_GROUPS or id(t.module) in seen:
+            continue
+        if isinstance(t.module, (nn.Linear, GroupedExperts)):
+            t.module.register_forward_pre_hook(ActivationFakeQuant(bits, state))
+            seen.add(id(t.module))

@@ -1,0 +1,91 @@
+"""QAT in the pretraining script: schedule through a checkpoint resume, TensorBoard scalars, the export
+and evaluation tools, and one-line errors for bad QAT flags."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moezero.config import ConfigError
+from moezero.training.pretrain import Pretraining
+from tests.integration.pretrain_utils import ASSETS, CORPUS, TINY, configs
+
+ROOT = os.path.dirname(os.path.dirname(ASSETS))
+QAT = ["--qat-weight-bits", "4", "--qat-groups", "16"]
+SCHEDULE = QAT + ["--qat-start-bits", "6", "--qat-bits-period", "2", "--qat-schedule-offset", "1"]
+
+
+def _run(argv, cache_dir):
+    run = Pretraining(configs(argv + ["--data-cache-path", cache_dir]))
+    run.train()
+    run.groups.destroy()
+    return run
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bit_schedule_survives_a_checkpoint_resume_and_is_logged(tmp_path):
+    cache, ckpt, tb = str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    argv = TINY + ["--train-iters", "8"] + SCHEDULE
+    straight = _run(argv + ["--log-interval", "2", "--tensorboard-dir", tb], cache)
+    first = _run(argv + ["--exit-interval", "4", "--save", ckpt], cache)
+    assert (first.qat.step, first.qat.bits) == (4, 5)
+    second = _run(argv + ["--load", ckpt], cache)
+    assert (second.qat.step, second.qat.bits) == (straight.qat.step, straight.qat.bits) == (8, 4)
+    resumed = [h["lm_loss"] for h in first.history + second.history]
+    assert resumed == [h["lm_loss"] for h in straight.history]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert {"qat/bits/attention", "qat/bits/experts", "qat/quant-error/experts"} <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("qat/bits/experts")] == [6.0, 5.0, 4.0, 4.0]
+    errors = [e.value for e in events.Scalars("qat/quant-error/experts")]
+    assert 0 < errors[0] < errors[-1] < 0.5  # fewer bits, larger error
+
+
+def test_export_and_eval_tools(tmp_path, capsys):
+    cache = str(tmp_path)
+    ckpt, plain = str(tmp_path / "qat"), str(tmp_path / "plain")
+    _run(TINY + QAT + ["--train-iters", "2", "--save", ckpt], cache)
+    _run(TINY + ["--train-iters", "2", "--save", plain], cache)
+    export, evaluate = _tool("export_quantized"), _tool("eval_quantized")
+    out = str(tmp_path / "qat.mzq")
+    assert export.main(["--load", ckpt, "--output", out]) == 0
+    blob = torch.load(out, weights_only=True)
+    w1 = blob["quantized"]["layers.0.mlp.experts.w1"]
+    assert w1["codes"].dtype == torch.uint8 and w1["codes"].numel() * 2 == w1["units"] * 32 * 256
+    assert export.main(["--load", plain, "--output", str(tmp_path / "ptq.mzq"), "--weight-bits", "8",
+                        "--no-symmetric", "--modules", "attention,experts,router,embedding"]) == 0
+    with pytest.raises(SystemExit):
+        export.main(["--load", plain, "--output", str(tmp_path / "x.mzq")])  # no QAT, no --weight-bits
+    assert "--weight-bits" in capsys.readouterr().err
+    data = ["--data-path", CORPUS, "--split", "98,2,0", "--data-cache-path", cache, "--eval-samples", "8"]
+    assert evaluate.main(["--quantized", out, "--load", ckpt] + data) == 0
+    report = capsys.readouterr().out
+    losses = {line.split("|")[0].split("(")[0].strip(): float(line.split("lm loss:")[1].split("|")[0])
+              for line in report.splitlines() if "lm loss:" in line}
+    assert set(losses) == {"fp model", "fake-quant model", "exported model"}
+    assert losses["fake-quant model"] == pytest.approx(losses["exported model"], rel=1e-6)
+    assert losses["fp model"] != losses["exported model"]
+
+
+def test_bad_qat_flags_fail_with_one_clear_message(tmp_path):
+    with pytest.raises(ConfigError, match="--qat-weight-bits=17: must be between 2 and 16"):
+        configs(TINY + ["--qat-weight-bits", "17"])
+    script = os.path.join(ROOT, "examples_moe", "pretrain_gpt_moe.py")
+    proc = subprocess.run([sys.executable, script] + TINY + ["--qat-weight-bits", "4", "--qat-groups", "5",
+                                                             "--data-cache-path", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--qat-groups=5: does not divide layers.0.attention.qkv.weight" in errors[0], \
+        proc.stderr

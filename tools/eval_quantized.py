@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Loss and perplexity of a quantized export and of the checkpoint it came from, on any number of ranks.
+
+    python tools/eval_quantized.py --quantized model.mzq --load checkpoints/gpt_moe_qat
+    torchrun --nproc_per_node=2 tools/eval_quantized.py --quantized model.mzq --expert-model-parallel-size 2
+
+Reports the fp model (the checkpoint's fp32 masters), the fake-quantized model (those weights
+quantized in the forward, as QAT does) and the exported model (packed integers, dequantized), on
+the validation split of the default corpus or of --data-path. Reads only the model description:
+no training batch settings.
+"""
+import argparse
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch.distributed as dist  # noqa: E402
+
+from moezero.compression.inference import read_exported  # noqa: E402
+from moezero.compression.report import evaluate_models, format_report  # noqa: E402
+from moezero.config import ConfigError, DataConfig  # noqa: E402
+from moezero.data import DataError  # noqa: E402
+from moezero.parallel import ParallelGroups  # noqa: E402
+from moezero.training.args import add_config_arguments, configs_from_args  # noqa: E402
+from moezero.training.pretrain import init_distributed  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--quantized", default=None, help="the file tools/export_quantized.py wrote")
+    parser.add_argument("--load", default=None, help="checkpoint (--save directory or iter_N folder)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="ranks sharing one copy of the experts")
+    parser.add_argument("--eval-samples", type=int, default=256, help="samples from the start of the split")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per forward")
+    parser.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (the training default)")
+    add_config_arguments(parser, DataConfig)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.quantized or args.load):
+        parser.error("give --quantized, --load, or both")
+    if args.eval_samples < 1 or args.micro_batch_size < 1:
+        parser.error("--eval-samples and --micro-batch-size must be >= 1")
+    try:
+        data = configs_from_args(args, [DataConfig])["data"]
+        init_distributed(120)
+        groups = ParallelGroups.build(expert_parallel_size=args.expert_model_parallel_size)
+        losses = evaluate_models(data, args.seed, args.eval_samples, args.micro_batch_size,
+                                 quantized=args.quantized, checkpoint=args.load, groups=groups)
+        bits = read_exported(args.quantized)["quantization"]["weight_bits"] if args.quantized else None
+        if groups.rank == 0:
+            print(f" evaluation on {args.eval_samples} samples, world {groups.world_size}, ep {groups.ep_size}")
+            print(format_report(losses, bits), flush=True)
+        return 0
+    except (ConfigError, DataError, ValueError) as exc:
+        parser.error(str(exc))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
