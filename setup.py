@@ -28,16 +28,17 @@ def _extensions():
     if not cpu_sources:
         return [], {}
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    # no -std flag: cpp_extension adds the standard the installed torch's headers need
     exts = [cpp_extension.CppExtension(
         EXT_NAME, cpu_sources,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + openmp},
+        extra_compile_args={"cxx": ["-O3"] + openmp},
         extra_link_args=openmp)]
     if torch.cuda.is_available() or os.environ.get("MOEZERO_BUILD_CUDA") == "1":
         if torch.version.cuda and cpp_extension.CUDA_HOME:
             cu_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
             exts.append(cpp_extension.CUDAExtension(
                 CUDA_EXT_NAME, cu_sources,
-                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]}))
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}))
     return exts, {"build_ext": _optional_build_ext(cpp_extension.BuildExtension)}
 
 

@@ -44,7 +44,8 @@ def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: 
     kept = row_map_TK >= 0
     rows = torch.where(kept, row_map_TK, torch.zeros_like(row_map_TK)).reshape(-1)
     w = kept.to(acc_dtype) if weights_TK is None else torch.where(kept, weights_TK.to(acc_dtype), 0.0)
-    gathered = y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1) if T * K else \
+    # no rows at all (T = 0, or every assignment dropped): index_select cannot address y
+    gathered = y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1) if T * K and y_ND.shape[0] else \
         y_ND.new_zeros(T, K, y_ND.shape[1], dtype=acc_dtype)
     return torch.einsum("tkd,tk->td", gathered, w).to(y_ND.dtype)
 

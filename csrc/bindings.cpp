@@ -1,0 +1,25 @@
+// Python bindings of the CPU kernels (module moezero._C). The torch.library registration
+// (schemas, fake kernels, autograd) lives in moezero/ops/_library.py, on top of these functions
+// and their CUDA twins in moezero._C_cuda, which have the same names and signatures.
+#include <torch/extension.h>
+
+#include "moezero_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moezero CPU kernels: permute / unpermute_combine / flatten_into / sum_of_squares";
+  m.def("permute", &moezero::permute, "(x_ND, counts_E, row_map_TK) sorted by expert",
+        py::arg("x_TD"), py::arg("topk_ids_TK"), py::arg("num_experts"));
+  m.def("unpermute_combine", &moezero::unpermute_combine, "weighted top-k sum back in token order",
+        py::arg("y_ND"), py::arg("row_map_TK"), py::arg("weights_TK"));
+  m.def("unpermute_combine_backward", &moezero::unpermute_combine_backward,
+        "(grad_y_ND, grad_weights_TK or None)", py::arg("grad_TD"), py::arg("y_ND"), py::arg("row_map_TK"),
+        py::arg("weights_TK"));
+  m.def("flatten_into", &moezero::flatten_into, "flat[o_i:o_i+n_i] (+)= scale * tensors[i]",
+        py::arg("flat"), py::arg("tensors"), py::arg("offsets"), py::arg("scale"), py::arg("accumulate"));
+  m.def("sum_of_squares", &moezero::sum_of_squares, "sum_i ||t_i||^2 in fp32 (fp64)", py::arg("tensors"));
+#ifdef _OPENMP
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
+}

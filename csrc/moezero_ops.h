@@ -1,0 +1,39 @@
+// Signatures of the moezero CPU kernels (one family per .cpp file), bound in bindings.cpp.
+//
+// Shape letters: T tokens, K top-k, E experts, D hidden, N kept (token, expert) assignments.
+// The ordering contract is the one of moezero/ops/reference.py: permuted rows are sorted by
+// expert and, within an expert, by flat assignment index t * K + k; row_map_TK is -1 for a
+// dropped assignment (negative expert id).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace moezero {
+
+// permute.cpp: stable counting sort of the assignments by expert, then one row copy each.
+// Returns (x_ND, counts_E int64, row_map_TK int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> permute(
+    const at::Tensor& x_TD, const at::Tensor& topk_ids_TK, int64_t num_experts);
+
+// combine.cpp: out[t] = sum_k w[t, k] * y[row_map[t, k]], fp32 (fp64) accumulation.
+at::Tensor unpermute_combine(
+    const at::Tensor& y_ND, const at::Tensor& row_map_TK, const std::optional<at::Tensor>& weights_TK);
+
+// combine.cpp: (grad_y_ND, grad_weights_TK or None) of unpermute_combine.
+std::tuple<at::Tensor, std::optional<at::Tensor>> unpermute_combine_backward(
+    const at::Tensor& grad_TD, const at::Tensor& y_ND, const at::Tensor& row_map_TK,
+    const std::optional<at::Tensor>& weights_TK);
+
+// flatten.cpp: flat[o_i : o_i + n_i] (+)= scale * tensors[i], cast to flat's dtype.
+void flatten_into(at::Tensor flat, const std::vector<at::Tensor>& tensors,
+                  const std::vector<int64_t>& offsets, double scale, bool accumulate);
+
+// sum_of_squares.cpp: sum_i ||t_i||^2 as a 0-dim fp32 tensor (fp64 when any input is fp64).
+at::Tensor sum_of_squares(const std::vector<at::Tensor>& tensors);
+
+}  // namespace moezero

@@ -1,0 +1,135 @@
+"""The public ops (torch.ops.moezero.*): autograd, torch.library checks, FakeTensor/meta, compile.
+
+Each test runs on the reference path and, when moezero._C is built, with every compiled CPU
+kernel forced in (whether or not tools/bench_ops.py found it faster).
+"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moezero import ops
+from moezero.ops import _library
+from tests.ops.helpers import CASES, Case, bucket_tensors, make_ids, offsets_of, rand
+
+ALL_OPS = frozenset(_library.OPS)
+GRAD_CASES = [c for c in CASES if 0 < c.T <= 50]
+
+
+@pytest.fixture(params=["reference", "compiled"])
+def backend(request, monkeypatch):
+    monkeypatch.delenv("MOEZERO_DISABLE_EXT", raising=False)
+    if request.param == "reference":
+        monkeypatch.setenv("MOEZERO_DISABLE_EXT", "1")
+    else:
+        request.getfixturevalue("cpu_ext")  # skips when not built
+        monkeypatch.setattr(_library, "WIRED", {"cpu": ALL_OPS})
+    return request.param
+
+
+def moe_like(x_TD, weights_TK, ids_TK, num_experts):
+    """permute -> a row-wise 'expert' -> weighted combine, the dispatcher's round trip."""
+    x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, ids_TK, num_experts)
+    scale_N = torch.arange(1, x_ND.shape[0] + 1, dtype=x_ND.dtype, device=x_ND.device).unsqueeze(1)
+    return ops.unpermute_combine(torch.tanh(x_ND) * scale_N, row_map_TK, weights_TK)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=str)
+def test_gradcheck_fp64(backend, case):
+    x = rand((case.T, case.D), torch.float64, "cpu", 0).requires_grad_()
+    w = rand((case.T, case.K), torch.float64, "cpu", 1).requires_grad_()
+    ids = make_ids(case)
+    assert torch.autograd.gradcheck(lambda x, w: moe_like(x, w, ids, case.E), (x, w))
+
+
+def test_backward_empty_input(backend):
+    case = Case(0, 2, 4, 13)
+    x = torch.zeros(0, 13, requires_grad=True)
+    w = torch.zeros(0, 2, requires_grad=True)
+    moe_like(x, w, make_ids(case), case.E).sum().backward()
+    assert x.grad.shape == (0, 13) and w.grad.shape == (0, 2)
+
+
+def test_compiled_and_reference_paths_agree(monkeypatch, cpu_ext):
+    case = Case(200, 2, 8, 24, drop=0.2)
+    ids = make_ids(case)
+    results = []
+    for wired in (frozenset(), ALL_OPS):
+        monkeypatch.setattr(_library, "WIRED", {"cpu": wired})
+        x = rand((case.T, case.D), torch.float32, "cpu", 0).requires_grad_()
+        w = rand((case.T, case.K), torch.float32, "cpu", 1).requires_grad_()
+        out = moe_like(x, w, ids, case.E)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad, w.grad))
+    for got, want in zip(*results):  # fp32 dot products of rows scaled up to N: summation order shows
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck(backend):
+    case = Case(12, 2, 4, 5, drop=0.25)
+    x = rand((case.T, case.D), torch.float32, "cpu", 0).requires_grad_()
+    ids = make_ids(case)
+    y, _, row_map = torch.ops.moezero.permute(x.detach(), ids, case.E)
+    w = rand((case.T, case.K), torch.float32, "cpu", 1).requires_grad_()
+    tensors = bucket_tensors()
+    offsets, size = offsets_of(tensors)
+    samples = [
+        (torch.ops.moezero.permute.default, (x, ids, case.E)),
+        (torch.ops.moezero.unpermute_combine.default, (y.requires_grad_(), row_map, w)),
+        (torch.ops.moezero.unpermute_combine.default, (y, row_map, None)),
+        (torch.ops.moezero.unpermute_combine_backward.default, (torch.randn(case.T, case.D), y.detach(), row_map, w.detach())),
+        (torch.ops.moezero.flatten_into.default, (torch.zeros(size), tensors, offsets, 0.5, True)),
+        (torch.ops.moezero.sum_of_squares.default, ([t for t in tensors if t.numel()],)),
+    ]
+    for op, args in samples:
+        torch.library.opcheck(op, args)
+
+
+def test_meta_tensors():
+    y = torch.empty(10, 7, device="meta", dtype=torch.bfloat16)
+    row_map = torch.empty(6, 2, device="meta", dtype=torch.int64)
+    w = torch.empty(6, 2, device="meta")
+    out = ops.unpermute_combine(y, row_map, w)
+    assert out.shape == (6, 7) and out.device.type == "meta" and out.dtype == torch.bfloat16
+    grad_y, grad_w = torch.ops.moezero.unpermute_combine_backward(out, y, row_map, w)
+    assert grad_y.shape == y.shape and grad_w.shape == w.shape
+    norm = ops.sum_of_squares([torch.empty(3, device="meta"), torch.empty(2, device="meta", dtype=torch.float64)])
+    assert norm.shape == () and norm.dtype == torch.float64
+    ops.flatten_into(torch.empty(9, device="meta"), [torch.empty(3, 3, device="meta")], [0])
+
+
+def test_permute_fake_tensor_has_dynamic_rows():
+    # the row count depends on the ids (drops), so permute needs FakeTensors, not meta tensors
+    with FakeTensorMode(shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv()) as mode:
+        x = mode.from_tensor(torch.randn(8, 5))
+        ids = mode.from_tensor(torch.zeros(8, 2, dtype=torch.int64))
+        x_ND, counts, row_map = ops.permute_tokens(x, ids, 4)
+    assert isinstance(x_ND.shape[0], torch.SymInt) and x_ND.shape[1] == 5
+    assert counts.shape == (4,) and row_map.shape == (8, 2)
+
+
+def test_torch_compile_fullgraph(backend):
+    case = Case(40, 2, 4, 8, drop=0.2)
+    ids = make_ids(case)
+    compiled = torch.compile(moe_like, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (moe_like, compiled):
+        x = rand((case.T, case.D), torch.float32, "cpu", 0).requires_grad_()
+        w = rand((case.T, case.K), torch.float32, "cpu", 1).requires_grad_()
+        out = fn(x, w, ids, case.E)
+        out.sum().backward()
+        results.append((out.detach(), x.grad, w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
+def test_public_bucket_ops(backend):
+    tensors = bucket_tensors()
+    offsets, size = offsets_of(tensors)
+    flat = torch.zeros(size)
+    ops.flatten_into(flat, tensors, offsets, scale=2.0)
+    ops.flatten_into(flat, tensors, offsets, scale=-1.0, accumulate=True)
+    want = sum(float(t.double().square().sum()) for t in tensors)
+    torch.testing.assert_close(float(ops.sum_of_squares([flat])), want, rtol=1e-2, atol=0)
+    assert ops.sum_of_squares(tensors).dtype == torch.float64
+    assert ops.sum_of_squares([]).item() == 0.0
+    assert ops.sum_of_squares([torch.zeros(0, dtype=torch.float64)]).dtype == torch.float64
