@@ -44,12 +44,19 @@ def _extensions():
 
 def _optional_build_ext(base):
     class OptionalBuildExt(base):
-        """Build each extension, but let a compile failure leave the package usable."""
+        """Build the extensions, but let a missing or broken compiler leave the package usable."""
+
+        def run(self):
+            try:  # torch's BuildExtension also probes the compiler before any extension is built
+                super().run()
+            except Exception as exc:
+                print(f"moezero: building the C++/CUDA extensions failed ({exc}); the pure-PyTorch "
+                      "reference kernels will be used", file=sys.stderr)
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
-            except Exception as exc:  # compiler missing or broken: fall back to reference ops
+            except Exception as exc:  # one extension failing (e.g. CUDA) keeps the others
                 print(f"moezero: building {ext.name} failed ({exc}); the pure-PyTorch reference "
                       "kernels will be used", file=sys.stderr)
 
