@@ -152,10 +152,14 @@ _POOLS: Dict[int, RankPool] = {}
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-                    **kwargs) -> List[Any]:
-    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return each rank's result, in rank order."""
+                    fresh: bool = False, **kwargs) -> List[Any]:
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return each rank's result, in rank order.
+
+    fresh=True starts new processes (for tests sensitive to what earlier tests left behind, such as
+    the profiler's memory accounting).
+    """
     pool = _POOLS.get(world_size)
-    if pool is None or not all(p.is_alive() for p in pool.procs):
+    if pool is None or fresh or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = RankPool(world_size)

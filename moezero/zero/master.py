@@ -72,8 +72,8 @@ class MasterShards:
                 region = family.bucket_region(family.buffer, b)
                 if not self.aliased[f]:
                     region[lo:hi].copy_(self.masters[f][b])
-                if hi - lo < region.numel():  # sharded: collect every rank's slice
-                    works.append(comm.all_gather(region, region[lo:hi].clone(), family.group, async_op=True))
+                if hi - lo < region.numel():  # sharded: collect every rank's slice (in place, as NCCL and
+                    works.append(comm.all_gather(region, region[lo:hi], family.group, async_op=True))  # gloo allow)
         for work in works:
             if work is not None:
                 work.wait()

@@ -78,6 +78,10 @@ class GradReducer:
         self._dirty = False   # stage 0/1: local gradients not reduced yet (a no_sync backward)
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(s, i))
                          for s in self.states for i, p in enumerate(s.family.params)]
+        # where the dtypes match, autograd accumulates straight into the bucket (no copy afterwards)
+        self._handles += [p.register_hook(self._make_pre_hook(s, i))
+                          for s in self.states if s.strategy.accumulates_in_place
+                          for i, p in enumerate(s.family.params)]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -89,6 +93,22 @@ class GradReducer:
         def hook(param: torch.Tensor) -> None:
             self._on_gradient(state, index)
         return hook
+
+    def _make_pre_hook(self, state: _FamilyState, index: int):
+        def pre_hook(grad: torch.Tensor) -> None:
+            self._point_grads_at_bucket(state, index)
+        return pre_hook
+
+    def _point_grads_at_bucket(self, state: _FamilyState, index: int) -> None:
+        """Before a param's gradient is accumulated: make .grad a view of its bucket, if it is unset."""
+        family = state.family
+        if family.params[index].grad is not None:
+            return
+        bucket = family.buckets[family.slot(index).bucket]
+        views = state.strategy.accumulation_views(bucket.layout.index)
+        for i, view in zip(bucket.params, views):
+            if family.params[i].grad is None:
+                family.params[i].grad = view
 
     def _on_gradient(self, state: _FamilyState, index: int) -> None:
         family = state.family
@@ -130,11 +150,15 @@ class GradReducer:
 
     def _stage(self, state: _FamilyState, bucket: int) -> None:
         family = state.family
-        fired = [i for i in family.buckets[bucket].params if state.fired[i]]
-        grads = [family.params[i].grad for i in fired]
-        state.strategy.stage(bucket, fired, grads)
-        for i in fired:
-            family.params[i].grad = None
+        members = family.buckets[bucket].params
+        fired = [i for i in members if state.fired[i]]
+        state.strategy.stage(bucket, fired, [family.params[i].grad for i in fired])
+        views = state.strategy.accumulation_views(bucket) if state.strategy.keeps_full_grads else None
+        for position, i in enumerate(members):
+            if views is not None:
+                family.params[i].grad = views[position]  # the accumulated gradient stays visible (as DDP)
+            elif state.fired[i] or not state.strategy.keeps_full_grads:
+                family.params[i].grad = None  # stage 2: no full-size gradient outlives its bucket
         family.buckets[bucket].staged = True
 
     def _launch_ready(self, state: _FamilyState) -> None:

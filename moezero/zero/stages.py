@@ -17,13 +17,16 @@ once more at `step()` if needed, is always correct.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from moezero import ops
 from moezero.parallel import comm
 from moezero.zero.buckets import ParamFamily
+
+
+STAGING_POOL_BUCKETS = 4  # stage 2 keeps at most this many largest-bucket staging buffers for reuse
 
 
 @dataclass
@@ -59,6 +62,21 @@ class StageStrategy:
     def _grad_offsets(self, bucket: int, fired: List[int]) -> List[int]:
         return [self.family.slot(i).offset for i in fired]
 
+    @property
+    def accumulates_in_place(self) -> bool:
+        """Params' .grad can be views of the bucket (same dtype), so autograd adds into it directly."""
+        return self.family.dtype == self.reduce_dtype
+
+    def accumulation_views(self, bucket: int) -> Optional[List[torch.Tensor]]:
+        """Views for the .grad of the bucket's params (in bucket order), or None: copy them instead."""
+        return None
+
+    def _foreign(self, bucket: int, fired: List[int], grads: List[torch.Tensor], region: torch.Tensor):
+        """The (indices, grads) that are not already views of `region` and must be copied in."""
+        base, size = region.data_ptr(), region.numel() * region.element_size()
+        keep = [(i, g) for i, g in zip(fired, grads) if not base <= g.data_ptr() < base + size]
+        return [i for i, _ in keep], [g for _, g in keep]
+
     def stage(self, bucket: int, fired: List[int], grads: List[torch.Tensor]) -> None:
         raise NotImplementedError
 
@@ -74,23 +92,27 @@ class StageStrategy:
 
 
 class _FullBufferStage(StageStrategy):
-    """Stages 0 and 1: gradients accumulate in a persistent family-sized buffer."""
+    """Stages 0 and 1: gradients accumulate in a persistent family-sized buffer (params' .grad are
+    views of it when the dtypes match, as DDP's gradient_as_bucket_view)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         fam = self.family
         self.grad_buffer = torch.zeros(fam.layout.total_numel, dtype=self.reduce_dtype, device=fam.buffer.device)
 
+    def accumulation_views(self, bucket):
+        if not self.accumulates_in_place:
+            return None
+        return [self.family.param_view(self.grad_buffer, i) for i in self.family.buckets[bucket].params]
+
     def stage(self, bucket, fired, grads):
         region = self.family.bucket_region(self.grad_buffer, bucket)
-        ops.flatten_into(region, grads, self._grad_offsets(bucket, fired), accumulate=True)
+        fired, grads = self._foreign(bucket, fired, grads, region)
+        if grads:
+            ops.flatten_into(region, grads, self._grad_offsets(bucket, fired), accumulate=True)
 
     def zero(self):
         self.grad_buffer.zero_()
-
-    def grad_view(self, index: int) -> torch.Tensor:
-        """The accumulated local (or, after a reduction, averaged) gradient of one param."""
-        return self.family.param_view(self.grad_buffer, index)
 
 
 class Stage0AllReduce(_FullBufferStage):
@@ -150,32 +172,60 @@ class Stage2ReduceScatterEveryBackward(StageStrategy):
                        for b in fam.layout.buckets]
         self._staging: List[Optional[torch.Tensor]] = [None] * len(fam.layout.buckets)
         self._gaps = [_gaps(fam, b) for b in range(len(fam.layout.buckets))]
+        # reduced staging buffers are kept for reuse (fresh allocations cost page faults every
+        # backward), at most a few buckets' worth, so memory stays O(shard + in-flight buckets)
+        self._pool: Dict[int, List[torch.Tensor]] = {}
+        self._pool_limit = STAGING_POOL_BUCKETS * max(b.numel for b in fam.layout.buckets)
+
+    def accumulation_views(self, bucket):
+        """Allocated when the bucket's first gradient is about to arrive, freed after its reduction."""
+        if not self.accumulates_in_place:
+            return None
+        if self._staging[bucket] is None:
+            self._staging[bucket] = self._new_staging(bucket, zeroed=True)
+        staging = self._staging[bucket]
+        fam = self.family
+        return [staging[fam.slot(i).offset:fam.slot(i).offset + fam.slot(i).numel].view(fam.params[i].shape)
+                for i in fam.buckets[bucket].params]
+
+    def _new_staging(self, bucket: int, zeroed: bool) -> torch.Tensor:
+        numel = self.family.layout.buckets[bucket].numel
+        pooled = self._pool.get(numel)
+        staging = pooled.pop() if pooled else \
+            torch.empty(numel, dtype=self.reduce_dtype, device=self.family.buffer.device)
+        if zeroed:
+            return staging.zero_()
+        for lo, hi in self._gaps[bucket]:  # every param is about to be copied in: only gaps need zeros
+            staging[lo:hi].zero_()
+        return staging
+
+    def _release(self, staging: torch.Tensor) -> None:
+        pooled = sum(t.numel() for buffers in self._pool.values() for t in buffers)
+        if pooled + staging.numel() <= self._pool_limit:
+            self._pool.setdefault(staging.numel(), []).append(staging)
 
     def stage(self, bucket, fired, grads):
-        b = self.family.layout.buckets[bucket]
-        device = self.family.buffer.device
-        if len(fired) == len(self.family.buckets[bucket].params):
-            # usual case: every param delivered; only alignment gaps and padding need zeros
-            staging = torch.empty(b.numel, dtype=self.reduce_dtype, device=device)
-            for lo, hi in self._gaps[bucket]:
-                staging[lo:hi].zero_()
-        else:
-            staging = torch.zeros(b.numel, dtype=self.reduce_dtype, device=device)
-        ops.flatten_into(staging, grads, self._grad_offsets(bucket, fired))
-        self._staging[bucket] = staging
+        staging = self._staging[bucket]
+        if staging is None:
+            everyone = len(fired) == len(self.family.buckets[bucket].params)
+            staging = self._staging[bucket] = self._new_staging(bucket, zeroed=not everyone)
+        fired, grads = self._foreign(bucket, fired, grads, staging)
+        if grads:
+            ops.flatten_into(staging, grads, self._grad_offsets(bucket, fired))
 
     def launch(self, bucket):
         staging = self._staging[bucket]
         if staging is None:  # no backward staged it (a rank catching up on a round): contribute zeros
-            staging = torch.zeros(self.family.layout.buckets[bucket].numel, dtype=self.reduce_dtype,
-                                  device=self.family.buffer.device)
+            staging = self._new_staging(bucket, zeroed=True)
         self._staging[bucket] = None
         shard = self.shards[bucket]
         out = torch.empty(shard.shape, dtype=self.reduce_dtype, device=shard.device)
         work = comm.reduce_scatter(out, staging, self.family.group, async_op=True)
 
-        # the work holds the full-size staging buffer until the reduction is done, then it is freed
-        return InFlight(bucket, work, lambda: shard.add_(out.to(shard.dtype), alpha=self.scale))
+        def finish():
+            shard.add_(out.to(shard.dtype), alpha=self.scale)
+            self._release(staging)  # the reduction is done with it
+        return InFlight(bucket, work, finish)
 
     def reduced_grad(self, bucket):
         return self.shards[bucket]

@@ -60,7 +60,7 @@ def _memory_by_stage():
 
 
 def test_stage2_drops_the_full_gradient_buffer():
-    numel, stage1, stage2, stage2_one_bucket = run_distributed(_memory_by_stage, 2)[0]
+    numel, stage1, stage2, stage2_one_bucket = run_distributed(_memory_by_stage, 2, fresh=True)[0]
     grad_bytes = 4 * numel
     # stage 1 keeps a full fp32 gradient buffer; stage 2 keeps only its shard and in-flight buckets
     assert stage1[0] - stage2[0] >= 0.5 * grad_bytes, (stage1, stage2, grad_bytes)

@@ -108,6 +108,18 @@ class GPT(nn.Module):
         return self.head(self.norm(x)), aux
 
 
+def megatron_init(model, layers, std=0.02):
+    """The init moezero's GPT uses (Megatron's): N(0, std) weights, output projections scaled by
+    1/sqrt(2L), zero biases, unit norms - so both sides start from equally scaled models."""
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            continue
+        scale = std / (2.0 * layers) ** 0.5 if name.endswith(("attn.proj.weight", "2.weight")) else std
+        nn.init.normal_(p, 0.0, scale)
+
+
 def main():
     args = parse()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -120,6 +132,7 @@ def main():
     peak = gemm_peak_flops() if args.peak else None
     torch.manual_seed(1234)
     model = GPT(args)
+    megatron_init(model, args.layers)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters()], "name": "all", "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
