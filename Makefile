@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moezero-installed
 
-.PHONY: install train test
+.PHONY: install train test bench
 
 install: $(STAMP)
 
@@ -26,3 +26,8 @@ train: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15
+
+# moezero vs DeepSpeed-MoE on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use)
+bench: $(STAMP)
+	$(PY) -m pip install -q matplotlib
+	OMP_NUM_THREADS=1 $(PY) tools/bench_vs_peers.py

@@ -80,7 +80,7 @@ setup(
         "megatron-core>=0.16.1,<0.18",
         "psutil",
     ],
-    extras_require={"dev": ["pytest", "ninja"]},
+    extras_require={"dev": ["pytest", "ninja"], "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -53,7 +53,9 @@ def main():
             continue
         tps = r["tokens_per_s_per_rank"]
         peer = by_label.get(f"DeepSpeed MoE ep {r['world']}" + (" (2 processes)" if r["world"] == 2 else ""), {})
-        vs_ds = f"{tps / peer['tokens_per_s_per_rank']:.2f}x" if "tokens_per_s_per_rank" in peer else "n/a"
+        vs_ds = "n/a"
+        if r["system"] != "dense" and "tokens_per_s_per_rank" in peer:
+            vs_ds = f"{tps / peer['tokens_per_s_per_rank']:.2f}x"
         print(f"| {label} | {tps:.0f} | {tps / dense:.2f}x | {vs_ds} |")
 
 

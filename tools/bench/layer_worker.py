@@ -41,6 +41,7 @@ def build(args, world):
                                nn.Linear(args.ffn, args.hidden, bias=False))
         layer = MoE(hidden_size=args.hidden, expert=expert, num_experts=args.experts, ep_size=world, k=args.k,
                     drop_tokens=False, use_rts=False)
+        layer.set_deepspeed_parallelism()  # what deepspeed.initialize would do: create and attach the ep group
         return layer, lambda out: out[0]
     from moezero.moe import MoEConfig, MoELayer
     from moezero.parallel import ParallelGroups
