@@ -25,7 +25,7 @@ from moezero.compression.schedule import bits_at
 from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
 from moezero.moe.experts import GroupedExperts
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.param_groups import is_no_decay
+from moezero.zero.param_groups import default_param_groups
 
 # groups whose quantized modules are called with their input (output/router/embedding read the weight directly)
 _ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
@@ -106,15 +106,8 @@ class QATController:
 
     # ---- optimizer and checkpoints --------------------------------------------------------------
     def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict]:
-        """ZeroOptimizer's default decay groups, seeing through the parametrizations: a quantized
-        embedding's `m.weight` is a computed tensor, so its Parameter is found as `original`."""
-        embeddings = {id(_parameter_of(m, "weight")) for m in model.modules() if isinstance(m, nn.Embedding)}
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                (no_decay if is_no_decay(name, p, embeddings) else decay).append(p)
-        return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        """ZeroOptimizer's default decay groups (they see through the parametrizations)."""
+        return default_param_groups(model, weight_decay)
 
     def state_dict(self) -> Dict:
         return {"step": self.step, "bits": self.bits}
@@ -122,12 +115,6 @@ class QATController:
     def load_state_dict(self, state: Dict) -> None:
         """Resume the schedule at the saved step (bits follow from the current config)."""
         self._set_step(int(state["step"]))
-
-
-def _parameter_of(module: nn.Module, attr: str) -> torch.Tensor:
-    if parametrize.is_parametrized(module, attr):
-        return module.parametrizations[attr].original
-    return getattr(module, attr)
 
 
 def _relative_errors(t: QuantTarget, bits: int, config: QATConfig) -> torch.Tensor:

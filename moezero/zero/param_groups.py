@@ -5,6 +5,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 # Optimizers whose update of an element depends only on that element's gradient and state:
 # they give the same result on any slice of a param, so they can run on this rank's shard.
@@ -30,9 +31,16 @@ def is_no_decay(name: str, param: nn.Parameter, embedding_params: set) -> bool:
     return param.ndim < 2 or id(param) in embedding_params or name.endswith(".bias")
 
 
+def _weight_parameter(module: nn.Module) -> torch.Tensor:
+    """module.weight's Parameter, also when a parametrization (e.g. fake quantization) computes .weight."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight
+
+
 def default_param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     """Two torch-style groups: decayed weights, and biases/norms/embeddings with weight_decay 0."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embeddings = {id(_weight_parameter(m)) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -5,7 +5,6 @@ The same GPT as moezero's worker: pre-norm blocks, learned positions, untied out
 coefficient, dropless (drop_tokens=False) and random token selection off; torch AdamW under
 DeepSpeed ZeRO; the same synthetic data. Prints one RESULT json line.
 """
-import argparse
 import json
 import os
 import resource
@@ -21,32 +20,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from synthetic import batch, gemm_peak_flops, model_flops_per_token  # noqa: E402
+from synthetic import batch, common_parser, gemm_peak_flops, model_flops_per_token  # noqa: E402
 
 
 def parse():
-    p = argparse.ArgumentParser()
-    p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--mb", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
-    p.add_argument("--ffn-mult", type=int, default=4)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--aux", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--bucket", type=int, default=2_000_000)
-    p.add_argument("--no-overlap", action="store_true")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--peak", action="store_true")
-    p.add_argument("--tag", default="")
-    p.add_argument("--local_rank", type=int, default=-1)
+    p = common_parser()
+    p.add_argument("--local_rank", type=int, default=-1)  # the DeepSpeed launcher passes it
     return p.parse_args()
 
 

@@ -4,7 +4,6 @@ Systems: moezero (ZeroOptimizer, stage 0/1/2, any ep), ddp (torch DDP + AdamW), 
 torch's ZeroRedundancyOptimizer). The data is the same learnable synthetic stream the DeepSpeed
 worker uses (bench/synthetic.py), so losses compare across systems.
 """
-import argparse
 import json
 import os
 import resource
@@ -18,35 +17,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from synthetic import batch, gemm_peak_flops, model_flops_per_token  # noqa: E402
+from synthetic import batch, common_parser, gemm_peak_flops, model_flops_per_token  # noqa: E402
 
 
 def parse():
-    p = argparse.ArgumentParser()
+    p = common_parser()
     p.add_argument("--system", choices=["moezero", "ddp", "torch_zero"], default="moezero")
-    p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--mb", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
-    p.add_argument("--ffn-mult", type=int, default=4)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--aux", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--bucket", type=int, default=2_000_000)
-    p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--late-first-bucket", action="store_true",
                    help="add a param registered last (so it lands in bucket 0) but used first in forward")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--peak", action="store_true", help="also measure the GEMM peak for MFU")
     p.add_argument("--profile", default="", help="write a torch.profiler chrome trace of one step here")
-    p.add_argument("--tag", default="")
     return p.parse_args()
 
 

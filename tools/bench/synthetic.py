@@ -2,9 +2,36 @@
 
 No moezero import here, so the DeepSpeed worker can use it from its own environment.
 """
+import argparse
 import time
 
 import torch
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """The model, run and ZeRO flags every training worker shares (same meaning on every system)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
+    p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--aux", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket", type=int, default=2_000_000)
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--peak", action="store_true", help="also measure the GEMM peak for MFU")
+    p.add_argument("--tag", default="")
+    return p
 
 
 def batch(args, step, rank, seed=1234):
