@@ -79,6 +79,7 @@ setup(
         "tensorboard",
         "megatron-core>=0.16.1,<0.18",
         "psutil",
+        "filelock",
     ],
     extras_require={"dev": ["pytest", "ninja"], "bench": ["matplotlib"]},
     ext_modules=ext_modules,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from moezero.parallel import ParallelGroups, expert_shard_of
 from moezero.zero import ZeroOptimizer
 from moezero.zero.state import consolidate
-from tests.dist_utils import run_distributed
+from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel, micro_batch
 
 MICRO_BATCHES = 4  # global micro-batches per step, on every layout
@@ -61,6 +61,7 @@ def _save_and_resume(ep, stage, path):
     opt.load_state_dict(shard)
     _train(model, opt, range(3, 5))
     resumed = _full_params(model, groups)
+    assert_replicas_equal(model, groups)
     assert all(torch.equal(straight[n], resumed[n]) for n in straight), "same-layout resume must be bit-exact"
 
     full = consolidate(shards)

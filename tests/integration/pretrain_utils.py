@@ -3,6 +3,7 @@ import os
 
 from moezero.training.args import build_parser, configs_from_args
 from moezero.training.pretrain import CONFIG_CLASSES, DESCRIPTION, Configs, Pretraining
+from tests.dist_utils import assert_replicas_equal
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 CORPUS = os.path.join(ASSETS, "corpus", "corpus_text_document")
@@ -25,5 +26,6 @@ def train(argv, cache_dir):
     """Run a pretraining job; returns its per-iteration history."""
     run = Pretraining(configs(argv + ["--data-cache-path", cache_dir]))
     run.train()
+    assert_replicas_equal(run.model, run.groups)  # dense params and buffers bitwise equal on every rank
     run.groups.destroy()
     return run.history
