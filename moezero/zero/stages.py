@@ -16,6 +16,7 @@ once more at `step()` if needed, is always correct.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -43,8 +44,9 @@ class InFlight:
         self.finish()
 
 
-class StageStrategy:
-    """Shared state: the family, dtypes and the dp size the average divides by."""
+class StageStrategy(abc.ABC):
+    """Shared state: the family, dtypes and the dp size the average divides by; each stage
+    implements how a bucket's gradients are staged, reduced, read back and zeroed."""
 
     reduces_every_backward = False   # stage 2: no_sync does not defer its reductions
     keeps_full_grads = True
@@ -77,18 +79,21 @@ class StageStrategy:
         keep = [(i, g) for i, g in zip(fired, grads) if not base <= g.data_ptr() < base + size]
         return [i for i, _ in keep], [g for _, g in keep]
 
+    @abc.abstractmethod
     def stage(self, bucket: int, fired: List[int], grads: List[torch.Tensor]) -> None:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def launch(self, bucket: int) -> InFlight:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def reduced_grad(self, bucket: int) -> torch.Tensor:
         """Averaged gradient over `optimizer_range(bucket)`, in the master dtype."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def zero(self) -> None:
-        raise NotImplementedError
+        """See the module docstring."""
 
 
 class _FullBufferStage(StageStrategy):
