@@ -32,10 +32,12 @@ class StepMetrics:
 
 
 def _micro_batch_losses(model, batch, keys):
+    device = model.embedding.weight.device
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     logits, stats = model(batch["tokens"], keys)
     lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
-    aux = sum((s.aux_loss for s in stats), torch.zeros(()))
-    z = sum((s.z_loss for s in stats), torch.zeros(()))
+    aux = sum((s.aux_loss for s in stats), lm.new_zeros(()))
+    z = sum((s.z_loss for s in stats), lm.new_zeros(()))
     return lm, aux, z, stats
 
 
@@ -44,9 +46,7 @@ def train_step(model, opt, dataset, iteration: int, micro_batches: Sequence[Sequ
     """Forward/backward every micro-batch (loss / n: the optimizer averages over ranks), then step."""
     model.train()
     n = len(micro_batches)
-    sums = torch.zeros(3, dtype=torch.float64)
-    layer_counts: Optional[torch.Tensor] = None
-    layer_dropped: Optional[torch.Tensor] = None
+    per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     for j, indices in enumerate(micro_batches):
         batch = load_micro_batch(dataset, indices)
         keys = SampleKeys(seed, iteration, tuple(int(i) for i in indices))
@@ -54,17 +54,19 @@ def train_step(model, opt, dataset, iteration: int, micro_batches: Sequence[Sequ
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
             lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
             opt.backward((lm + aux + z) / n)
-        sums += torch.stack([lm.detach(), aux.detach(), z.detach()]).double().cpu()
         bias_updater.accumulate(stats)
-        counts = torch.stack([s.tokens_per_expert.detach().double().cpu() for s in stats]) if stats else None
-        dropped = torch.stack([s.dropped_fraction.detach().double().cpu() for s in stats]) if stats else None
-        layer_counts = counts if layer_counts is None else layer_counts + counts
-        layer_dropped = dropped if layer_dropped is None else layer_dropped + dropped
+        per_micro.append(torch.cat([torch.stack([lm, aux, z]).detach().double()] +
+                                   [s.tokens_per_expert.detach().double() for s in stats] +
+                                   [torch.stack([s.dropped_fraction for s in stats]).detach().double()
+                                    if stats else lm.new_zeros(0, dtype=torch.float64)]))
     stepped = opt.step()
     opt.zero_grad()
     bias_updater.step()
-    return _reduce_metrics(sums / n, layer_counts, None if layer_dropped is None else layer_dropped / n,
-                           opt.last_grad_norm, stepped, group)
+    totals = torch.stack(per_micro).sum(0).cpu()
+    layers = len(stats)
+    counts = totals[3:-layers].view(layers, -1) if layers else None
+    dropped = totals[-layers:] / n if layers else None
+    return _reduce_metrics(totals[:3] / n, counts, dropped, opt.last_grad_norm, stepped, group)
 
 
 def _reduce_metrics(means, layer_counts, layer_dropped, grad_norm, stepped, group) -> StepMetrics:
@@ -87,10 +89,10 @@ def evaluate(model, dataset, micro_batches: Sequence[Sequence[int]], group) -> f
     """Mean lm loss over the given micro-batches of every rank (a collective: all ranks call it)."""
     model.eval()
     total = torch.zeros(1, dtype=torch.float64)
-    for indices in micro_batches:
-        batch = load_micro_batch(dataset, indices)
-        lm, _, _, _ = _micro_batch_losses(model, batch, None)
-        total += lm.double().cpu()
+    losses = [_micro_batch_losses(model, load_micro_batch(dataset, indices), None)[0].double()
+              for indices in micro_batches]
+    if losses:
+        total += torch.stack(losses).sum().cpu()
     total /= max(len(micro_batches), 1)
     comm.all_reduce(total, group)
     model.train()
