@@ -72,31 +72,19 @@ def consolidate(shards: List[Dict[str, Any]]) -> Dict[str, Any]:
     Raises ValueError if the shards do not cover every element exactly once.
     """
     first = shards[0]
-    params, state, covered = {}, {}, {}
+    pieces: Dict[str, List[Piece]] = {}
+    for shard in shards:
+        for name, owned in shard["pieces"].items():
+            pieces.setdefault(name, []).extend(owned)
+    params, state = {}, {}
     for name, shape in first["shapes"].items():
         numel = int(torch.Size(shape).numel())
-        params[name] = None
-        covered[name] = torch.zeros(numel, dtype=torch.int32)
-    for shard in shards:
-        for name, pieces in shard["pieces"].items():
-            shape = first["shapes"][name]
-            for piece in pieces:
-                lo, hi = piece["range"]
-                if params[name] is None:
-                    params[name] = torch.zeros(int(torch.Size(shape).numel()), dtype=piece["master"].dtype)
-                params[name][lo:hi] = piece["master"]
-                covered[name][lo:hi] += 1
-                _merge_state(state.setdefault(name, {}), piece["state"], lo, hi, params[name].numel())
-    for name, count in covered.items():
-        if not bool((count == 1).all()):
-            raise ValueError(f"the shards cover parameter '{name}' {int(count.min())}..{int(count.max())} times; "
-                             "pass the shards of every rank of one checkpoint")
-    shapes = first["shapes"]
+        _check_covered_once(pieces.get(name, []), name, numel)
+        master, merged = _gather_range(pieces, name, 0, numel)
+        params[name] = master.view(shape)
+        state[name] = {k: (v.view(shape) if _is_elementwise(v, numel) else v) for k, v in merged.items()}
     return {
-        "format": FORMAT + "-consolidated",
-        "params": {n: t.view(shapes[n]) for n, t in params.items()},
-        "state": {n: {k: (v.view(shapes[n]) if _is_elementwise(v, params[n].numel()) else v) for k, v in s.items()}
-                  for n, s in state.items()},
+        "format": FORMAT + "-consolidated", "params": params, "state": state,
         "param_groups": [next((s["param_groups"][i] for s in shards if s["param_groups"][i] is not None), None)
                          for i in range(len(first["param_groups"]))],
         "loss_scaler": first["loss_scaler"],
@@ -104,14 +92,14 @@ def consolidate(shards: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def _merge_state(merged: Dict[str, Any], piece_state: Dict[str, Any], lo: int, hi: int, numel: int) -> None:
-    for key, value in piece_state.items():
-        if _is_elementwise(value, hi - lo):
-            if key not in merged:
-                merged[key] = torch.zeros(numel, dtype=value.dtype)
-            merged[key][lo:hi] = value
-        else:
-            merged.setdefault(key, value)
+def _check_covered_once(pieces: List[Piece], name: str, numel: int) -> None:
+    count = torch.zeros(numel, dtype=torch.int32)
+    for piece in pieces:
+        lo, hi = piece["range"]
+        count[lo:hi] += 1
+    if not bool((count == 1).all()):
+        raise ValueError(f"the shards cover parameter '{name}' {int(count.min())}..{int(count.max())} times; "
+                         "pass the shards of every rank of one checkpoint")
 
 
 def load_into(opt, source: Dict[str, Any]) -> None:
@@ -154,7 +142,7 @@ def _gather_range(pieces: Dict[str, List[Piece]], name: str, lo: int, hi: int):
     """Master values and optimizer state for global elements [lo, hi) of `name`, from covering pieces."""
     if name not in pieces:
         raise KeyError(f"the checkpoint has no optimizer state for parameter '{name}'")
-    master = torch.empty(hi - lo, dtype=torch.float64)
+    master = torch.empty(hi - lo, dtype=pieces[name][0]["master"].dtype if pieces[name] else torch.float32)
     state: Dict[str, Any] = {}
     filled = 0
     for piece in pieces[name]:
