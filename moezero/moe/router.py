@@ -120,7 +120,7 @@ class TopKRouter(nn.Module):
 
     def _jitter(self, x_TD, num_sequences, keys):
         eps = self.config.input_jitter_eps
-        if not (self.training and eps):
+        if not (self.training and eps) or x_TD.shape[0] == 0:
             return x_TD
         T, D = x_TD.shape
         if keys is None:
@@ -149,6 +149,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         if cfg.load_balancing_type == "none" or cfg.aux_loss_coeff == 0:
             return scores_TE.new_zeros(())
+        if scores_TE.shape[0] == 0:  # an empty micro-batch: nothing to balance (and no sequence to average)
+            return scores_TE.sum() * 0.0
         probs_TE = scores_TE
         if cfg.score_function == "sigmoid":
             probs_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)

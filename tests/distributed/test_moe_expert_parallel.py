@@ -104,3 +104,21 @@ def _expert_bias_step():
 def test_expert_bias_update_uses_every_rank_and_micro_batch():
     biases = run_distributed(_expert_bias_step, 2)
     assert biases[0] == biases[1] and any(b != 0 for b in biases[0])
+
+
+def _one_rank_empty():
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    out = []
+    for balancing in ("aux_loss", "seq_aux_loss", "none"):
+        layer = MoELayer(_config(load_balancing_type=balancing, z_loss_coeff=1e-3), groups).double()
+        x = _tokens(rank, layer.config, torch.float64)[:, :0 if rank == 0 else None].requires_grad_(True)
+        y, stats = layer(x)
+        (y.sum() + stats.aux_loss + stats.z_loss).backward()
+        out.append(bool(torch.isfinite(stats.aux_loss)) and y.shape == x.shape)
+    groups.destroy()
+    return all(out)
+
+
+def test_an_empty_micro_batch_on_one_ep_rank():
+    assert all(run_distributed(_one_rank_empty, 2))

@@ -215,3 +215,16 @@ def test_bad_config_fails_at_construction(kw, needle):
     with pytest.raises(ConfigError) as info:
         MoELayer(MoEConfig(**cfg), fake_ep2)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "none"])
+@pytest.mark.parametrize("shape", [(0, 12), (0, 5, 12), (3, 0, 12)])
+def test_an_empty_micro_batch_works_for_every_loss_type(balancing, shape):
+    layer = _layer(load_balancing_type=balancing, aux_loss_coeff=0.01, z_loss_coeff=1e-3, capacity_factor=1.0)
+    x = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    y, stats = layer(x)
+    assert y.shape == x.shape
+    for loss in (stats.aux_loss, stats.z_loss, stats.dropped_fraction):
+        assert torch.isfinite(loss) and loss.item() == 0.0
+    (y.sum() + stats.aux_loss + stats.z_loss).backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
