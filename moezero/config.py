@@ -279,6 +279,7 @@ class TrainConfig(Validated):
     sgd_momentum: float = option(0.9, "SGD momentum", flag="--sgd-momentum")
     bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
     fp16: bool = option(False, "fp16 params with dynamic loss scaling, fp32 master weights", flag="--fp16")
+    fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
     seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
     eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
     eval_iters: int = option(4, "global batches per evaluation", flag="--eval-iters")
@@ -304,5 +305,6 @@ class TrainConfig(Validated):
         self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
+        self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
         if self.lr_decay_iters is not None:
             self._require(self.lr_decay_iters >= 1, "lr_decay_iters", "must be >= 1")

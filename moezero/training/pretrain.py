@@ -31,7 +31,7 @@ from moezero.training.args import parse_configs
 from moezero.training.logging import Timer, build_logger, format_train_line
 from moezero.training.loop import evaluate, expert_load_metrics, train_step
 from moezero.training.schedule import learning_rate
-from moezero.zero import ZeroOptimizer
+from moezero.zero import ZeroOptimizer, weight_decay_groups
 
 CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, QATConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
@@ -122,6 +122,8 @@ class Pretraining:
             model = model.bfloat16()
         elif self.cfg.train.fp16:
             model = model.half()
+        elif self.cfg.train.fp64:
+            model = model.double()
         if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             model = model.cuda()
         # fake quantization in forward; the params themselves stay where the optimizer will put them
@@ -143,7 +145,7 @@ class Pretraining:
                              overlap_comm=z.overlap_comm, clip_grad=z.clip_grad or None,
                              grad_reduce_dtype=REDUCE_DTYPES[z.grad_reduce_dtype], loss_scaler=scaler,
                              max_skipped_steps=z.max_skipped_steps, lr=t.lr, weight_decay=t.weight_decay,
-                             param_groups=self.qat.param_groups(self.model, t.weight_decay) if self.qat else None,
+                             param_groups=weight_decay_groups(self.model, t.weight_decay),
                              **kwargs)
 
     def _resume(self, root: str) -> None:
@@ -236,9 +238,7 @@ class Pretraining:
         self.logger.log({"validation/lm loss": loss, "validation/lm loss ppl": ppl}, self.iteration)
 
     def _save(self) -> None:
-        state = {"iteration": self.iteration, "param_groups": self.opt.user_group_hyperparams(),
-                 "loss_scaler": self.opt.loss_scaler.state_dict() if self.opt.loss_scaler else None,
-                 "skipped_steps": self.opt.skipped_steps, "consecutive_skips": self.opt.consecutive_skips,
+        state = {"iteration": self.iteration, **self.opt.scalar_state(),
                  "world_size": self.world, "param_shapes": checkpoint.global_param_shapes(self.opt),
                  "qat": self.qat.state_dict() if self.qat is not None else None,
                  "configs": {k: dataclasses.asdict(v) for k, v in vars(self.cfg).items()}}
