@@ -25,7 +25,6 @@ from moezero.compression.schedule import bits_at
 from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
 from moezero.moe.experts import GroupedExperts
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.param_groups import default_param_groups
 
 # groups whose quantized modules are called with their input (output/router/embedding read the weight directly)
 _ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
@@ -105,10 +104,6 @@ class QATController:
         return out
 
     # ---- optimizer and checkpoints --------------------------------------------------------------
-    def param_groups(self, model: nn.Module, weight_decay: float) -> List[Dict]:
-        """ZeroOptimizer's default decay groups (they see through the parametrizations)."""
-        return default_param_groups(model, weight_decay)
-
     def state_dict(self) -> Dict:
         return {"step": self.step, "bits": self.bits}
 

@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moezero.zero.state import global_placement, load_into, shard_state_dict
 
 POINTER = "latest_checkpointed_iteration.txt"
 _PIECE_KEY = re.compile(r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)/(?P<field>[^/]+)$")
@@ -118,9 +117,9 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, A
         dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
                  no_dist=not dist.is_initialized(), process_group=group)
     train_state = _decode(request["train_state"])
-    load_into(opt, {"pieces": _pieces_from_entries(request), "param_groups": train_state["param_groups"],
-                    "loss_scaler": train_state.get("loss_scaler"), "skipped_steps": train_state["skipped_steps"],
-                    "consecutive_skips": train_state["consecutive_skips"]})
+    opt.load_state_dict({"pieces": _pieces_from_entries(request), "param_groups": train_state["param_groups"],
+                         "loss_scaler": train_state.get("loss_scaler"), "skipped_steps": train_state["skipped_steps"],
+                         "consecutive_skips": train_state["consecutive_skips"]})
     with torch.no_grad():
         for name, tensor in non_trainable.items():
             tensor.copy_(request[f"model_state/{name}"])
@@ -131,7 +130,7 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, A
 
 def global_param_shapes(opt) -> Dict[str, tuple]:
     """Global shape of every trainable param (experts stacked over all global experts)."""
-    return {name: global_placement(p)[0] for f in opt.families for name, p in zip(f.names, f.params)}
+    return opt.state_dict()["shapes"]
 
 
 def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
@@ -163,7 +162,7 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
 # ---- optimizer pieces ------------------------------------------------------------------------------
 def _optimizer_entries(opt) -> Dict[str, Any]:
     entries: Dict[str, Any] = {}
-    for name, pieces in shard_state_dict(opt)["pieces"].items():
+    for name, pieces in opt.state_dict()["pieces"].items():
         for piece in pieces:
             lo, hi = piece["range"]
             prefix = f"optimizer/{name}/{lo}-{hi}"
@@ -175,12 +174,7 @@ def _optimizer_entries(opt) -> Dict[str, Any]:
 
 def _wanted_piece_keys(opt, metadata) -> list:
     """Keys of the saved pieces that overlap this rank's optimizer views (global coordinates)."""
-    needed: Dict[str, list] = {}
-    for view in opt.master.views:
-        family = opt.families[view.family]
-        _, offset = global_placement(family.params[view.index])
-        needed.setdefault(family.names[view.index], []).append(
-            (offset + view.param_range[0], offset + view.param_range[1]))
+    needed = opt.held_ranges()
     keys = []
     for key in metadata:
         match = _PIECE_KEY.match(key)

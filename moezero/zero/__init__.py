@@ -1,5 +1,9 @@
 from moezero.zero.loss_scaler import DynamicLossScaler
-from moezero.zero.optimizer import ParameterSetChanged, ZeroOptimizer
+from moezero.zero.model_guard import ParameterSetChanged
+from moezero.zero.optimizer import ZeroOptimizer
+from moezero.zero.param_groups import weight_decay_groups
 from moezero.zero.reducer import GradientHookError
+from moezero.zero.state import consolidate
 
-__all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged"]
+__all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "weight_decay_groups",
+           "consolidate"]

@@ -1,51 +1,61 @@
-"""This rank's master weights: an fp32 copy of its slice of every bucket, and per-param views of it.
+"""This rank's master weights: a copy (fp32 or wider) of its optimizer range of every bucket, and
+per-param views of it.
 
 The inner torch optimizer runs on the views (one leaf tensor per param piece), so its per-param
 semantics stay torch's: a view whose param got no gradient on any rank gets `grad = None` and is
 skipped. When a family's params are already in the master dtype, the master *is* the param
-buffer's slice (no copy, no write-back).
+storage (no copy, no write-back). Each family has its own master dtype: the wider of its param
+dtype and fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
-from moezero.parallel import comm
-from moezero.zero.buckets import ParamFamily
-from moezero.zero.stages import StageStrategy
+from moezero.zero.families import ParamFamily, Range
+from moezero.zero.grad_strategies import GradStrategy
+from moezero.zero.param_storage import ParamStorage
+
+
+def master_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(param_dtype, torch.float32)
 
 
 @dataclass
 class ShardView:
-    """One param's piece of this rank's optimizer range."""
+    """One param's piece of this rank's optimizer range of one bucket."""
 
     family: int
     index: int                     # param index in the family
     bucket: int
-    param_range: Tuple[int, int]   # elements of the param's flat storage
+    param_range: Range             # elements of the param's flat storage
     offset: int                    # where the piece starts in the bucket's optimizer range
     master: torch.Tensor           # the leaf tensor the inner optimizer updates
 
+    @property
+    def numel(self) -> int:
+        return self.param_range[1] - self.param_range[0]
+
 
 class MasterShards:
-    def __init__(self, families: Sequence[ParamFamily], strategies: Sequence[StageStrategy],
-                 master_dtype: torch.dtype):
-        self.families = list(families)
-        self.strategies = list(strategies)
+    def __init__(self, families: Sequence[ParamFamily], storages: Sequence[ParamStorage],
+                 strategies: Sequence[GradStrategy]):
+        self.families, self.storages, self.strategies = list(families), list(storages), list(strategies)
         self.masters: List[List[torch.Tensor]] = []   # [family][bucket] -> flat master over the optimizer range
         self.aliased: List[bool] = []
         self.views: List[ShardView] = []
-        for f, (family, strategy) in enumerate(zip(families, strategies)):
-            self.aliased.append(family.dtype == master_dtype)
+        for f, (family, storage, strategy) in enumerate(zip(families, storages, strategies)):
+            dtype = master_dtype_of(family.dtype)
+            self.aliased.append(family.dtype == dtype)
             masters = []
-            for b in range(len(family.buckets)):
-                lo, hi = strategy.optimizer_range(b)
-                region = family.bucket_region(family.buffer, b)[lo:hi]
-                master = region if self.aliased[f] else region.detach().to(master_dtype)
+            for b in range(family.num_buckets):
+                span = strategy.optimizer_range(b)
+                values = storage.values(b, span)
+                master = values if self.aliased[f] else values.detach().to(dtype)
                 masters.append(master)
-                for index, param_range, offset in family.pieces(b, (lo, hi)):
+                for index, param_range, offset in family.pieces(b, span):
                     n = param_range[1] - param_range[0]
                     self.views.append(ShardView(f, index, b, param_range, offset, master[offset:offset + n]))
             self.masters.append(masters)
@@ -54,8 +64,7 @@ class MasterShards:
         """Point each view's .grad at its slice of the reduced bucket gradient (None: skip the param)."""
         for v in self.views:
             if took_grad[v.family][v.index]:
-                n = v.param_range[1] - v.param_range[0]
-                v.master.grad = reduced[v.family][v.bucket][v.offset:v.offset + n]
+                v.master.grad = reduced[v.family][v.bucket][v.offset:v.offset + v.numel]
             else:
                 v.master.grad = None
 
@@ -64,16 +73,19 @@ class MasterShards:
             v.master.grad = None
 
     def publish(self) -> None:
-        """Write the updated masters into the params (cast) and all-gather sharded buckets."""
-        works = []
-        for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
-            for b in range(len(family.buckets)):
-                lo, hi = strategy.optimizer_range(b)
-                region = family.bucket_region(family.buffer, b)
+        """Write the updated masters into the param storage (cast) and let every replica see them."""
+        for f, (family, storage, strategy) in enumerate(zip(self.families, self.storages, self.strategies)):
+            spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
+            if not self.aliased[f]:
+                with torch.no_grad():
+                    for b, span in enumerate(spans):
+                        storage.values(b, span).copy_(self.masters[f][b])
+            storage.publish(spans)
+
+    def refresh_from_params(self) -> None:
+        """Copy the param values into non-aliased masters (after params were written from outside)."""
+        with torch.no_grad():
+            for f, (family, storage, strategy) in enumerate(zip(self.families, self.storages, self.strategies)):
                 if not self.aliased[f]:
-                    region[lo:hi].copy_(self.masters[f][b])
-                if hi - lo < region.numel():  # sharded: collect every rank's slice (in place, as NCCL and
-                    works.append(comm.all_gather(region, region[lo:hi], family.group, async_op=True))  # gloo allow)
-        for work in works:
-            if work is not None:
-                work.wait()
+                    for b in range(family.num_buckets):
+                        self.masters[f][b].copy_(storage.values(b, strategy.optimizer_range(b)))

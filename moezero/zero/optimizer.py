@@ -1,4 +1,4 @@
-"""ZeroOptimizer: ZeRO stage 0/1/2 around any element-wise torch optimizer, correct for MoE.
+"""ZeroOptimizer: ZeRO stage 0/1/2/3 around any element-wise torch optimizer, correct for MoE.
 
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups=groups, stage=2, lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()
@@ -7,191 +7,192 @@ Semantics are plain PyTorch's on the global batch: gradients are averaged over t
 world (expert gradients summed over `edp` and divided by the dp size), a param that got a
 gradient on some ranks is averaged with zeros from the others, and a param that got none on any
 rank in a step is skipped by the inner optimizer, as torch skips `grad is None`.
+
+It is a `torch.optim.Optimizer`: `param_groups` are the user's groups (same count and order on
+every rank; set "lr" there, or hand the optimizer to a torch lr scheduler), `zero_grad()` and
+`model.zero_grad()` both clear, and the inner optimizer's defaults are torch's.
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-from typing import Dict, Iterator, List, Optional, Sequence
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from moezero import ops
-from moezero.parallel import ParallelGroups, comm
-from moezero.zero.buckets import ParamFamily, build_families
+from moezero.parallel import ParallelGroups
+from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
+from moezero.zero.families import Range
 from moezero.zero.loss_scaler import DynamicLossScaler
-from moezero.zero.master import MasterShards
-from moezero.zero.param_groups import check_elementwise, default_param_groups, group_index_of_params
-from moezero.zero.reducer import GradReducer
-from moezero.zero.stages import STAGES
-from moezero.zero.state import load_into, shard_state_dict
+from moezero.zero.model_guard import ModelGuard, storage_replaced_error, unknown_param_error
+from moezero.zero.param_groups import check_elementwise, normalize_param_groups, trainable
+from moezero.zero.state import load_state, shard_state
+
+_OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (a weakref), so a new one can retire it
 
 
-def _supports_fused(optimizer_cls: type) -> bool:
-    return "fused" in inspect.signature(optimizer_cls.__init__).parameters
+def resolve_groups(groups: Optional[ParallelGroups]) -> ParallelGroups:
+    if groups is not None:
+        return groups
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"ZeroOptimizer needs groups= in a world of {dist.get_world_size()} processes (without it "
+                         "nothing would be averaged): pass the ParallelGroups the model's MoE layers were built "
+                         "with, e.g. groups=ParallelGroups.build(expert_parallel_size=...)")
+    return ParallelGroups.single()
 
 
-class ParameterSetChanged(RuntimeError):
-    """The model's trainable parameters are not the ones the optimizer was built for."""
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """Sharded data-parallel optimizer for models with (and without) expert parallelism.
 
     Args:
-        model: the model; every param with requires_grad is trained (routed-expert params, tagged
-            by the MoE layer, are reduced over `groups.edp`, all others over `groups.dp`).
+        model: the model; routed-expert params (tagged by the MoE layer) are reduced over `groups.edp`,
+            all others over `groups.dp`.
         optimizer_cls: an element-wise torch.optim class (SGD, Adam, AdamW, ...).
-        groups: ParallelGroups (default: a world of one).
-        stage: 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients).
+        groups: ParallelGroups (required when torch.distributed runs more than one process).
+        stage: 0 (data parallel), 1 (sharded optimizer state), 2 (+ sharded gradients) or
+            3 (+ sharded parameters, gathered per unit around its forward and backward).
         bucket_size: elements per gradient bucket.
         overlap_comm: reduce buckets during backward as they become ready.
         clip_grad: clip the global grad norm to this value (None or 0: no clipping).
-        grad_reduce_dtype: dtype gradients are accumulated and reduced in (fp64 models use fp64).
-        param_groups: torch-style groups of model params; default: no weight decay for biases,
-            norms and embeddings.
+        grad_reduce_dtype: dtype gradients are accumulated and reduced in (fp64 params use fp64).
+        param_groups: torch-style params or groups (default: every trainable param in one group);
+            `weight_decay_groups(model, wd)` gives Megatron's no-decay rule for biases/norms/embeddings.
         loss_scaler: fp16 dynamic loss scaler (created automatically for fp16 models).
         max_skipped_steps: raise after this many non-finite steps in a row.
-        **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...).
+        **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups] = None, *,
                  stage: int = 2, bucket_size: int = 2_000_000, overlap_comm: bool = True,
                  clip_grad: Optional[float] = None, grad_reduce_dtype: torch.dtype = torch.float32,
-                 param_groups: Optional[Sequence[Dict]] = None, loss_scaler: Optional[DynamicLossScaler] = None,
+                 param_groups: Any = None, loss_scaler: Optional[DynamicLossScaler] = None,
                  max_skipped_steps: int = 20, **optimizer_kwargs):
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of 0, 1, 2, got {stage}")
         check_elementwise(optimizer_cls)
         self.model = model
-        self.groups = groups or ParallelGroups.single()
-        self.stage = stage
+        self.groups = resolve_groups(groups)
+        self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype)
         self.clip_grad = clip_grad or None
         self.max_skipped_steps = max_skipped_steps
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not self._named:
-            raise ValueError("the model has no trainable parameters")
-        param_dtype = self._named[0][1].dtype
-        self.master_dtype = torch.promote_types(param_dtype, torch.float32)
-        reduce_dtype = torch.promote_types(grad_reduce_dtype, param_dtype) if param_dtype == torch.float64 \
-            else grad_reduce_dtype
-        self.families: List[ParamFamily] = build_families(self._named, self.groups, bucket_size)
-        self.strategies = [STAGES[stage](f, reduce_dtype, self.master_dtype, self.groups.dp_size)
-                           for f in self.families]
-        self.reducer = GradReducer(self.families, self.strategies, self.groups.control, overlap_comm)
-        self.master = MasterShards(self.families, self.strategies, self.master_dtype)
-        self.inner = self._build_inner(optimizer_cls, param_groups, optimizer_kwargs)
-        fp16 = any(p.dtype == torch.float16 for _, p in self._named)
-        self.loss_scaler = loss_scaler or (DynamicLossScaler() if fp16 else None)
+        self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
+        self._building = True
+        self._retired = False
+        user_groups = normalize_param_groups(trainable(model.parameters()) if param_groups is None else param_groups)
+        _retire_previous_owner(model)
+        self.engine, self.inner = self._build_engine(user_groups)
+        self.engine.inner_state = self.inner.state
+        super().__init__(user_groups, self.inner.defaults)
+        self._building = False
+        fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
+        self.loss_scaler = loss_scaler if loss_scaler is not None else (DynamicLossScaler() if fp16 else None)
         self.last_grad_norm: Optional[float] = None
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._param_ids = {id(p) for _, p in self._named}
+        self._guard = ModelGuard(model, self)
+        object.__setattr__(model, _OWNER, weakref.ref(self))
 
-    def _build_inner(self, optimizer_cls, param_groups, kwargs) -> torch.optim.Optimizer:
-        if param_groups is None:
-            param_groups = default_param_groups(self.model, kwargs.get("weight_decay", 0.0))
-        group_of = group_index_of_params(param_groups, self._named)
-        view_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in param_groups]
-        for v in self.master.views:
-            param = self.families[v.family].params[v.index]
-            view_groups[group_of[id(param)]]["params"].append(v.master)
-        # torch optimizers refuse empty groups; a rank may own no piece of some group
-        self._group_sources = [i for i, g in enumerate(view_groups) if g["params"]] or [0]
-        kept = [view_groups[i] for i in self._group_sources]
-        if not kept[0]["params"]:
-            kept = [dict(view_groups[0], params=[torch.zeros(0)])]
-        self._num_user_groups = len(view_groups)
-        if "fused" not in kwargs and "foreach" not in kwargs and _supports_fused(optimizer_cls):
-            try:  # torch's fused kernels (CPU and CUDA) are 2-3x faster than the per-tensor loop
-                return optimizer_cls(kept, fused=True, **kwargs)
-            except (RuntimeError, ValueError, TypeError):
-                pass
-        return optimizer_cls(kept, **kwargs)
+    # ---- construction --------------------------------------------------------------------------
+    def _build_engine(self, user_groups: List[Dict]):
+        group_of = {id(p): g for g, group in enumerate(user_groups) for p in group["params"]}
+        named = [(n, p) for n, p in self.model.named_parameters() if id(p) in group_of]
+        if len(named) != len(group_of):
+            raise ValueError("param_groups hold a tensor that is not a parameter of the model")
+        engine = ZeroEngine(named, self.groups, self.settings)
+        view_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in user_groups]
+        for v in engine.master.views:
+            view_groups[group_of[id(engine.families[v.family].params[v.index])]]["params"].append(v.master)
+        self._locate = {id(p): (f, i) for f, fam in enumerate(engine.families) for i, p in enumerate(fam.params)}
+        self._outside = {id(p) for p in self.model.parameters() if id(p) not in group_of}
+        return engine, _inner_optimizer(self.optimizer_cls, view_groups, self.optimizer_kwargs)
+
+    def add_param_group(self, param_group: Dict) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError("ZeroOptimizer shards a fixed set of params: add or swap params inside "
+                               "`with opt.modify_model():` (new params get a group of their own there)")
+        super().add_param_group(param_group)
 
     # ---- the training-loop API ---------------------------------------------------------------
-    @property
-    def param_groups(self) -> List[Dict]:
-        """The inner optimizer's groups (set 'lr' here for schedules)."""
-        return self.inner.param_groups
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside are not the last micro-step: stage 0/1 accumulate without reducing."""
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
+        """Backwards inside are not the last micro-step: stages 0/1 accumulate without reducing."""
+        reducer = self.engine.reducer
+        previous = reducer.sync_enabled
+        reducer.sync_enabled = False
         try:
             yield
         finally:
-            self.reducer.sync_enabled = previous
+            reducer.sync_enabled = previous
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the fp16 loss scale when there is one."""
-        if self.loss_scaler is not None:
-            loss = loss * self.loss_scaler.scale
-        loss.backward()
+        self._check_live()
+        reducer = self.engine.reducer
+        reducer.scaled_backward = True
+        try:
+            (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
+        finally:
+            reducer.scaled_backward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.reducer.new_step()
-        self.master.clear_grads()
+        """Forget the step's gradients (`model.zero_grad()` and `p.grad = None` clear them too)."""
+        self._check_live()
+        self._recover_aborted_backward()
+        self.engine.reducer.clear_step(set_to_none)
+        self.engine.master.clear_grads()
 
     def reduce_gradients(self) -> None:
-        """Finish every bucket reduction (collective; `step()` calls it, tests may call it first)."""
-        self.reducer.finish_reductions()
+        """Collective: finish every bucket reduction (`step()` calls it; tests may call it first)."""
+        self._check_live()
+        self._recover_aborted_backward()
+        if self.loss_scaler is not None and self.engine.reducer.unscaled_passes:
+            raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
+                               "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
+        self.engine.reducer.finish_reductions()
 
-    def step(self) -> bool:
-        """Reduce, clip and update; returns False when a non-finite gradient skipped the step."""
-        self.check_parameters()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Collective: torch.nn.utils.clip_grad_norm_ for sharded gradients; returns the global norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type={norm_type}: only the 2-norm is supported")
         self.reduce_gradients()
-        took_grad = self._took_gradient_anywhere()
-        reduced = [[s.reduced_grad(b) for b in range(len(f.buckets))] for f, s in zip(self.families, self.strategies)]
-        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        norm = math.sqrt(self._owned_sum_of_squares(reduced)) * inv_scale
-        self.last_grad_norm = norm
+        reduced = self.engine.reduced_grads()
+        norm = self._global_norm(reduced)
+        if math.isfinite(norm):
+            self.engine.scale_reduced(reduced, min(1.0, max_norm / (norm + 1e-6)))
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Reduce, clip and update; returns False when a non-finite gradient skipped the step."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure (no element-wise optimizer needs one)")
+        self.reduce_gradients()
+        engine = self.engine
+        took_grad = engine.took_gradient_anywhere()
+        reduced = engine.reduced_grads()
+        norm = self.last_grad_norm = self._global_norm(reduced)
+        engine.reducer.mark_consumed()
         if not math.isfinite(norm):
             return self._skip()
-        coefficient = inv_scale
+        coefficient = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         if self.clip_grad is not None:
             coefficient *= min(1.0, self.clip_grad / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-        if coefficient != 1.0:
-            torch._foreach_mul_([g for buckets in reduced for g in buckets], coefficient)
-        self.master.assign_grads(reduced, took_grad)
+        engine.scale_reduced(reduced, coefficient)
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+        engine.master.assign_grads(reduced, took_grad)
         self.inner.step()
-        self.master.clear_grads()
-        self.master.publish()
+        engine.master.clear_grads()
+        engine.master.publish()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0
         return True
 
-    # ---- internals ---------------------------------------------------------------------------
-    def _took_gradient_anywhere(self) -> List[List[bool]]:
-        """Per family, per param: did any rank of the family's group get a gradient this step."""
-        out = []
-        for i, family in enumerate(self.families):
-            flags = torch.tensor(self.reducer.took_gradient(i), dtype=torch.int32)
-            comm.all_reduce(flags, family.group, op=torch.distributed.ReduceOp.MAX)
-            out.append([bool(f) for f in flags.tolist()])
-        return out
-
-    def _owned_sum_of_squares(self, reduced) -> float:
-        """Sum of squared gradients over the elements this rank owns, summed over all ranks.
-
-        Each element of a dense bucket is owned by one dp rank and each element of an expert
-        bucket by one rank of its edp group (and the ep ranks hold different experts), so every
-        element of the model is counted exactly once.
-        """
-        owned = []
-        for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
-            for b in range(len(family.buckets)):
-                lo, hi = family.own_range(b)
-                base = strategy.optimizer_range(b)[0]
-                owned.append(reduced[f][b][lo - base:hi - base])
-        total = ops.sum_of_squares(owned).to(torch.float64).reshape(1)
-        comm.all_reduce(total, self.groups.control)
-        return float(total.item())
+    def _global_norm(self, reduced) -> float:
+        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return math.sqrt(self.engine.owned_sum_of_squares(reduced)) * inv_scale
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
@@ -204,45 +205,114 @@ class ZeroOptimizer:
                                      "--max-consecutive-skipped-steps)")
         return False
 
-    def check_parameters(self) -> None:
-        """Every trainable param is one the optimizer owns, still trainable, in its buffer."""
-        current = dict(self.model.named_parameters())
-        for name, p in current.items():
-            if p.requires_grad and id(p) not in self._param_ids:
-                raise ParameterSetChanged(f"parameter '{name}' is trainable but was not when ZeroOptimizer was "
-                                          "built (a new or swapped-in module?); rebuild the optimizer")
-        for family in self.families:
-            for index, (name, p) in enumerate(zip(family.names, family.params)):
-                if current.get(name) is not p:
-                    raise ParameterSetChanged(f"parameter '{name}' was replaced or removed after ZeroOptimizer "
-                                              "was built; rebuild the optimizer")
-                if not p.requires_grad:
-                    raise ParameterSetChanged(f"parameter '{name}' was frozen after ZeroOptimizer was built; "
-                                              "rebuild the optimizer to exclude it")
-                if not family.storage_intact(index):
-                    raise ParameterSetChanged(f"parameter '{name}' no longer lives in the optimizer's buffer "
-                                              "(its storage was replaced, e.g. by module.float() or a .data swap)")
+    # ---- reading state -------------------------------------------------------------------------
+    def owned_gradients(self) -> GradientPieces:
+        """{name: [(global element range, averaged gradient)]} of the elements this rank owns.
 
-    def state_dict(self) -> Dict:
-        """This rank's shard of master weights and optimizer state (see `moezero.zero.state`)."""
-        return shard_state_dict(self)
+        Valid after `reduce_gradients()` and before `step()` (which unscales and clips in place).
+        """
+        return self.engine.owned_gradients()
 
-    def load_state_dict(self, state: Dict) -> None:
-        """Load a shard saved with the same layout, or a consolidated state (any dp/ep layout)."""
-        load_into(self, state)
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every param full inside (stages 0-2 always are; read them, do not write)."""
+        yield
 
-    def user_group_hyperparams(self) -> List[Optional[Dict]]:
-        """Hyperparameters per user-level param group (None for a group this rank holds no piece of)."""
-        out: List[Optional[Dict]] = [None] * self._num_user_groups
-        for source, group in zip(self._group_sources, self.inner.param_groups):
-            out[source] = {k: v for k, v in group.items() if k != "params"}
+    def held_ranges(self) -> Dict[str, List[Range]]:
+        """{name: global element ranges} this rank's optimizer holds (what a checkpoint load must supply)."""
+        out: Dict[str, List[Range]] = {}
+        for view in self.engine.master.views:
+            family = self.engine.families[view.family]
+            out.setdefault(family.names[view.index], []).append(family.global_range(view.index, view.param_range))
         return out
 
-    def set_user_group_hyperparams(self, saved: Sequence[Optional[Dict]]) -> None:
-        for source, group in zip(self._group_sources, self.inner.param_groups):
-            if source < len(saved) and saved[source] is not None:
-                group.update(saved[source])
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for training, by kind: params, grads, master, optimizer_state."""
+        return self.engine.memory_bytes()
 
     @property
     def counters(self):
-        return self.reducer.counters
+        return self.engine.reducer.counters
+
+    def state_dict(self) -> Dict:
+        """This rank's shard of master weights and optimizer state (see `moezero.zero.state`)."""
+        return shard_state(self)
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Collective: load this rank's shard saved on the same layout, or a consolidated state (any layout)."""
+        load_state(self, state)
+
+    def scalar_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps besides the pieces: hyperparams per group, loss scale, skip counts."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+
+    def load_scalar_state(self, state: Dict[str, Any]) -> None:
+        saved = state.get("param_groups") or []
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the state has {len(saved)} param groups, this optimizer has {len(self.param_groups)}")
+        for group, hyper in zip(self.param_groups, saved):
+            group.update({k: v for k, v in hyper.items() if k != "params"})
+        if self.loss_scaler is not None and state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+
+    # ---- the model guard (root forward hooks) ---------------------------------------------------
+    def _before_forward(self) -> None:
+        self._recover_aborted_backward()
+        self._check_model(during_forward=False)
+
+    def _after_forward(self) -> None:
+        self._check_model(during_forward=True)
+
+    def _check_model(self, during_forward: bool) -> None:
+        for name, p in self.model.named_parameters():
+            where = self._locate.get(id(p))
+            if where is None:
+                if p.requires_grad and id(p) not in self._outside:
+                    raise unknown_param_error(name, during_forward)
+            elif not self.engine.storages[where[0]].storage_intact(where[1]):
+                raise storage_replaced_error(name)
+
+    def _recover_aborted_backward(self) -> None:
+        """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
+        if self.engine.reducer.pass_open and torch._C._current_graph_task_id() == -1:
+            self.engine.reducer.recover_aborted_pass()
+            self.engine.master.clear_grads()
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def _retire(self) -> None:
+        """A newer ZeroOptimizer takes over the model: let go of its params and hooks."""
+        self.engine.detach()
+        self._guard.remove()
+        self._retired = True
+
+    def _check_live(self) -> None:
+        if self._retired:
+            raise RuntimeError("this ZeroOptimizer was replaced by a newer one built for the same model; "
+                               "use the new one")
+
+
+def _retire_previous_owner(model: nn.Module) -> None:
+    previous = getattr(model, _OWNER, None)
+    opt = previous() if previous is not None else None
+    if opt is not None and not opt._retired:
+        opt._retire()
+
+
+def _inner_optimizer(optimizer_cls: type, view_groups: List[Dict], kwargs: Dict) -> torch.optim.Optimizer:
+    """The torch optimizer stepping this rank's master views; fused kernels where torch has them."""
+    if "fused" not in kwargs and "foreach" not in kwargs and "fused" in _init_parameters(optimizer_cls):
+        try:  # torch's fused kernels (CPU and CUDA) are 2-3x faster than the per-tensor loop
+            return optimizer_cls(view_groups, fused=True, **kwargs)
+        except (RuntimeError, ValueError, TypeError):
+            pass
+    return optimizer_cls(view_groups, **kwargs)
+
+
+def _init_parameters(optimizer_cls: type):
+    import inspect
+
+    return inspect.signature(optimizer_cls.__init__).parameters

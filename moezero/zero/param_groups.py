@@ -1,7 +1,7 @@
-"""Which params get weight decay, and which optimizers can run on flat shards."""
+"""Param groups in the forms torch accepts, the opt-in no-decay rule, and which optimizers shard."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List
 
 import torch
 from torch import nn
@@ -26,6 +26,31 @@ def check_elementwise(optimizer_cls: type) -> None:
                      "parameters or a closure (Adafactor, Muon, Shampoo, LBFGS, SparseAdam) are not supported.")
 
 
+def normalize_param_groups(param_groups: Any) -> List[Dict]:
+    """torch's accepted forms (tensors, a generator, dicts whose "params" is a tensor or an iterable)
+    as a list of dicts with a list of params each."""
+    if isinstance(param_groups, torch.Tensor):
+        raise TypeError("param_groups should be an iterable of Tensors or dicts, but got a Tensor "
+                        "(wrap it in a list)")
+    groups = list(param_groups)
+    if not groups:
+        raise ValueError("param_groups is empty: the optimizer got no parameters")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for group in groups:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        out.append(dict(group, params=params))
+    seen = set()
+    for group in out:
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError("a parameter appears more than once in param_groups")
+            seen.add(id(p))
+    return out
+
+
 def is_no_decay(name: str, param: nn.Parameter, embedding_params: set) -> bool:
     """Biases, norm weights (1-D) and embedding tables are not decayed (Megatron's and GPT-2's rule)."""
     return param.ndim < 2 or id(param) in embedding_params or name.endswith(".bias")
@@ -38,8 +63,11 @@ def _weight_parameter(module: nn.Module) -> torch.Tensor:
     return module.weight
 
 
-def default_param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
-    """Two torch-style groups: decayed weights, and biases/norms/embeddings with weight_decay 0."""
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
+    """Opt-in (Megatron's rule): decayed weights, and biases/norms/embeddings with weight_decay 0.
+
+    ZeroOptimizer's default is torch's (one group, the optimizer's own weight decay for all).
+    """
     embeddings = {id(_weight_parameter(m)) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -49,16 +77,5 @@ def default_param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-def group_index_of_params(param_groups: Sequence[Dict], named_params: Sequence[Tuple[str, nn.Parameter]]
-                          ) -> Dict[int, int]:
-    """id(param) -> index of its group; every trainable param in exactly one group."""
-    index: Dict[int, int] = {}
-    for g, group in enumerate(param_groups):
-        for p in group["params"]:
-            if id(p) in index:
-                raise ValueError("a parameter appears in more than one param group")
-            index[id(p)] = g
-    missing = [name for name, p in named_params if id(p) not in index]
-    if missing:
-        raise ValueError(f"trainable parameters missing from param_groups: {', '.join(missing[:5])}")
-    return index
+def trainable(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    return [p for p in params if p.requires_grad]

@@ -11,7 +11,7 @@ bucket. The layout depends only on the params' sizes, never on the order hooks f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,13 +50,14 @@ class FlatLayout:
     def total_numel(self) -> int:
         return sum(b.numel for b in self.buckets)
 
-    def shard_numel(self) -> int:
-        """Elements a rank owns over all buckets."""
-        return self.total_numel // self.group_size
 
+def plan_buckets(numels: Sequence[int], bucket_size: int, group_size: int, align: int = 16,
+                 breaks: Collection[int] = ()) -> FlatLayout:
+    """Assign params (given in layout order) to aligned offsets in padded buckets.
 
-def plan_buckets(numels: Sequence[int], bucket_size: int, group_size: int, align: int = 16) -> FlatLayout:
-    """Assign params (given in layout order) to aligned offsets in padded buckets."""
+    A param whose index is in `breaks` starts a new bucket (stage 3: a bucket never spans two
+    gather units, so a unit is gathered as whole buckets).
+    """
     if bucket_size < 1 or group_size < 1 or align < 1:
         raise ValueError(f"bucket_size ({bucket_size}), group_size ({group_size}) and align ({align}) must be >= 1")
     slots: List[ParamSlot] = []
@@ -73,7 +74,7 @@ def plan_buckets(numels: Sequence[int], bucket_size: int, group_size: int, align
         used, members = 0, []
 
     for index, numel in enumerate(numels):
-        if members and used + numel > bucket_size:
+        if members and (used + numel > bucket_size or index in breaks):
             close_bucket()
         slots.append(ParamSlot(len(buckets), used, numel))
         members.append(index)

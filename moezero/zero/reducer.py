@@ -1,24 +1,30 @@
-"""GradReducer: a post-accumulate-grad hook on every trainable param, buckets reduced in order.
+"""GradReducer: a hook on every param of the optimizer, buckets reduced in one order on every rank.
 
-Every trainable param gets a hook, whatever path its gradient takes (an fp32 cast of the gate
-weight, a param used twice, tied embeddings, a skipped branch, an expert without tokens). The
-first hook of a backward queues an end-of-backward callback; there, params that got no
-gradient are zero-filled (they add nothing) and the remaining buckets are completed, so every
-rank issues the same collectives in the same order. A bucket is launched once it and every
-bucket before it are ready (strictly in index order, per family), asynchronously, overlapping
-the rest of backward; the optimizer waits for them at `step()`.
+Every param gets a post-accumulate-grad hook, whatever path its gradient takes (an fp32 cast of
+the gate weight, a param used twice, tied embeddings, a skipped branch, an expert without
+tokens), and a pre-accumulation hook that points its `.grad` at its slice of the bucket, so
+autograd adds straight into the bucket. The first hook of a backward (or the model's output
+hook, see `model_guard.py`) queues an end-of-backward callback; there, params that got no
+gradient are zero-filled, every remaining bucket is launched, and the backward's reductions are
+waited for, as DDP does: when `backward()` returns, no reduction is in flight, so no gradient is
+ever added into a bucket whose reduction is running.
+
+Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
+on every rank, `launch.py`) and completed reductions are only polled.
 """
 from __future__ import annotations
 
-import collections
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
 from moezero.parallel import comm
-from moezero.zero.buckets import ParamFamily
-from moezero.zero.stages import InFlight, StageStrategy
+from moezero.zero.families import ParamFamily
+from moezero.zero.grad_strategies import GradStrategy
+from moezero.zero.launch import build_queues
+from moezero.zero.param_storage import ParamStorage
 
 
 class GradientHookError(RuntimeError):
@@ -35,53 +41,57 @@ class ReducerCounters:
     zero_fills: Dict[str, int] = field(default_factory=dict)
 
 
-class _FamilyState:
-    """Per-family bookkeeping of one backward pass and one optimizer step."""
+class FamilyPass:
+    """Per-family bookkeeping of one backward pass (and of one optimizer step: `got_grad`)."""
 
-    def __init__(self, family: ParamFamily, strategy: StageStrategy):
-        self.family = family
-        self.strategy = strategy
-        self.fired = [False] * len(family.params)      # this backward
-        self.got_grad = [False] * len(family.params)   # this optimizer step
-        self.next_launch = 0
-        self.inflight: Deque[InFlight] = collections.deque()
+    def __init__(self, family: ParamFamily, storage: ParamStorage, strategy: GradStrategy):
+        self.family, self.storage, self.strategy = family, storage, strategy
+        n = len(family.params)
+        self.position = [0] * n     # a param's position in its bucket's param list
+        for b in range(family.num_buckets):
+            for pos, index in enumerate(family.bucket_params[b]):
+                self.position[index] = pos
+        self.got_grad = [False] * n  # this optimizer step
+        self.exposed = [False] * n   # .grad was set to one of our views (None now: the user cleared it)
         self.reset_pass()
 
     def reset_pass(self) -> None:
         self.fired = [False] * len(self.family.params)
-        self.next_launch = 0
-        for bucket in self.family.buckets:
-            bucket.pending = len(bucket.params)
-            bucket.staged = False
+        self.pending = [len(p) for p in self.family.bucket_params]
+        self.staged = [False] * self.family.num_buckets
+        self.touched = [False] * self.family.num_buckets
 
 
 class GradReducer:
     """Hooks, per-backward bookkeeping and bucket launches for a list of param families.
 
     Args:
-        families / strategies: the flat-buffer families and their stage strategy, index-aligned.
-        control_group: carries the small step-time agreement collective.
+        states: one FamilyPass per family (family, param storage, grad strategy).
+        control_group: carries the small step-time agreements.
         overlap_comm: launch buckets as they become ready (else at the end of backward).
-        max_inflight: buckets of one family in flight before the oldest is waited for (bounds memory).
     """
 
-    def __init__(self, families: Sequence[ParamFamily], strategies: Sequence[StageStrategy],
-                 control_group: Optional[Any], overlap_comm: bool = True, max_inflight: int = 4):
-        self.states = [_FamilyState(f, s) for f, s in zip(families, strategies)]
+    def __init__(self, states: Sequence[FamilyPass], control_group: Optional[Any], overlap_comm: bool = True):
+        self.states = list(states)
+        self.queues = build_queues(self.states)
+        self._queue_of = {id(s): q for q in self.queues for s, _ in q.entries}
         self.control_group = control_group
         self.overlap_comm = overlap_comm
-        self.max_inflight = max_inflight
         self.sync_enabled = True
+        self.scaled_backward = False   # set by ZeroOptimizer.backward around loss.backward()
+        self.unscaled_passes = 0
         self.counters = ReducerCounters()
+        self._always_reduce = bool(self.states) and self.states[0].strategy.reduces_under_no_sync
         self._pass_task: Optional[int] = None
-        self._rounds = 0      # reduction rounds launched since the last step
-        self._dirty = False   # stage 0/1: local gradients not reduced yet (a no_sync backward)
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(s, i))
-                         for s in self.states for i, p in enumerate(s.family.params)]
-        # where the dtypes match, autograd accumulates straight into the bucket (no copy afterwards)
-        self._handles += [p.register_hook(self._make_pre_hook(s, i))
-                          for s in self.states if s.strategy.accumulates_in_place
-                          for i, p in enumerate(s.family.params)]
+        self._pass_synced = False
+        self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
+        self._consumed = False   # step() used the gradients: the next backward starts from zero
+        ref = weakref.ref(self)  # hooks must not keep a discarded optimizer alive
+        self._handles = []
+        for state in self.states:
+            for index, p in enumerate(state.family.params):
+                self._handles.append(p.register_hook(_pre_hook(ref, state, index)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_post_hook(ref, state, index)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -89,105 +99,107 @@ class GradReducer:
         self._handles = []
 
     # ---- during backward -------------------------------------------------------------------
-    def _make_hook(self, state: _FamilyState, index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._on_gradient(state, index)
-        return hook
+    def begin_pass(self, name: Optional[str] = None) -> None:
+        """Called by every hook; the first of a backward sets the pass up."""
+        task = torch._C._current_graph_task_id()
+        if self._pass_task is not None:
+            if task == self._pass_task:
+                return
+            who = f"parameter '{name}' received its gradient" if name else "a gradient arrived"
+            raise GradientHookError(
+                f"{who} from a nested backward while another was running (reentrant activation "
+                "checkpointing?). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+        if self._consumed:
+            self.clear_step()
+        self._pass_task = task
+        self._pass_synced = self.sync_enabled or self._always_reduce
+        if not self.scaled_backward:
+            self.unscaled_passes += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
-    def _make_pre_hook(self, state: _FamilyState, index: int):
-        def pre_hook(grad: torch.Tensor) -> None:
-            self._point_grads_at_bucket(state, index)
-        return pre_hook
-
-    def _point_grads_at_bucket(self, state: _FamilyState, index: int) -> None:
-        """Before a param's gradient is accumulated: make .grad a view of its bucket, if it is unset."""
-        family = state.family
-        if family.params[index].grad is not None:
+    def _before_accumulate(self, state: FamilyPass, index: int) -> None:
+        """Before autograd adds a param's gradient: make .grad its view of the bucket."""
+        self.begin_pass(state.family.names[index])
+        bucket = state.family.bucket_of(index)
+        self._touch(state, bucket)
+        views = state.strategy.accumulation_views(bucket)
+        if views is None:
             return
-        bucket = family.buckets[family.slot(index).bucket]
-        views = state.strategy.accumulation_views(bucket.layout.index)
-        for i, view in zip(bucket.params, views):
-            if family.params[i].grad is None:
-                family.params[i].grad = view
+        param, view = state.family.params[index], views[state.position[index]]
+        if param.grad is None:
+            if state.exposed[index]:
+                view.zero_()  # the user cleared this gradient (model.zero_grad(), p.grad = None)
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)  # a gradient the user assigned: accumulate on top of it, as torch does
+        param.grad = view
+        state.exposed[index] = True
 
-    def _on_gradient(self, state: _FamilyState, index: int) -> None:
+    def _on_gradient(self, state: FamilyPass, index: int) -> None:
         family = state.family
         name = family.names[index]
-        self._enter_pass(name)
+        self.begin_pass(name)
         if state.fired[index]:
             raise GradientHookError(
                 f"parameter '{name}' received a gradient twice in one backward: its gradient was "
                 "accumulated by a nested backward (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
-        if not family.storage_intact(index):
+        if not state.storage.storage_intact(index):
             raise GradientHookError(
                 f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced "
                 "(module.float()/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op "
-                "instead (e.g. x.float() @ w.float().t()) or build the optimizer after converting the model.")
+                "instead (e.g. x.float() @ w.float().t()) or change the model inside opt.modify_model().")
         state.fired[index] = state.got_grad[index] = True
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
-        bucket = family.buckets[family.slot(index).bucket]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._stage(state, bucket.layout.index)
-            if self.overlap_comm and self._launching():
-                self._launch_ready(state)
+        bucket = family.bucket_of(index)
+        state.pending[bucket] -= 1
+        if state.pending[bucket] == 0:
+            self._stage(state, bucket)
+            if self.overlap_comm and self._pass_synced:
+                self._queue_of[id(state)].launch_ready()
+        for queue in self.queues:  # release what finished (staging buffers back to the pool); never blocks
+            queue.poll()
 
-    def _enter_pass(self, name: str) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._pass_task is None:
-            self._wait_inflight()  # the previous backward's reductions must not race this one's staging
-            self._pass_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        elif task != self._pass_task:
-            raise GradientHookError(
-                f"parameter '{name}' received its gradient from a nested backward while another was running "
-                "(reentrant activation checkpointing?). Use torch.utils.checkpoint.checkpoint(..., "
-                "use_reentrant=False).")
+    def _touch(self, state: FamilyPass, bucket: int) -> None:
+        if not state.touched[bucket]:
+            state.strategy.before_accumulate(bucket)
+            state.touched[bucket] = True
 
-    def _launching(self) -> bool:
-        return self.sync_enabled or self.states[0].strategy.reduces_every_backward
-
-    def _stage(self, state: _FamilyState, bucket: int) -> None:
-        family = state.family
-        members = family.buckets[bucket].params
+    def _stage(self, state: FamilyPass, bucket: int) -> None:
+        family, strategy = state.family, state.strategy
+        self._touch(state, bucket)
+        members = family.bucket_params[bucket]
+        views = strategy.accumulation_views(bucket)
+        for pos, i in enumerate(members):
+            if views is not None and not state.fired[i] and state.exposed[i] and family.params[i].grad is None:
+                views[pos].zero_()  # cleared by the user and not reached by this backward
         fired = [i for i in members if state.fired[i]]
-        state.strategy.stage(bucket, fired, [family.params[i].grad for i in fired])
-        views = state.strategy.accumulation_views(bucket) if state.strategy.keeps_full_grads else None
-        for position, i in enumerate(members):
-            if views is not None:
-                family.params[i].grad = views[position]  # the accumulated gradient stays visible (as DDP)
-            elif state.fired[i] or not state.strategy.keeps_full_grads:
-                family.params[i].grad = None  # stage 2: no full-size gradient outlives its bucket
-        family.buckets[bucket].staged = True
+        strategy.stage(bucket, fired, [family.params[i].grad for i in fired])
+        visible = strategy.visible_grads(bucket, self._pass_synced)
+        for pos, i in enumerate(members):
+            param = family.params[i]
+            if visible is not None:
+                param.grad = visible[pos]
+                state.exposed[i] = True
+            elif state.fired[i] or state.exposed[i]:
+                param.grad = None  # no full-size gradient outlives its bucket (stages 1-3)
+                state.exposed[i] = False
+        state.staged[bucket] = True
 
-    def _launch_ready(self, state: _FamilyState) -> None:
-        buckets = state.family.buckets
-        while state.next_launch < len(buckets) and buckets[state.next_launch].staged:
-            self._launch(state, state.next_launch)
-            state.next_launch += 1
-
-    def _launch(self, state: _FamilyState, bucket: int) -> None:
-        while state.inflight and (len(state.inflight) >= self.max_inflight or _completed(state.inflight[0])):
-            state.inflight.popleft().wait()
-        state.inflight.append(state.strategy.launch(bucket))
-
-    def _finish_backward(self) -> None:
-        """End-of-backward callback: zero-fill params without gradient, complete and launch buckets."""
+    def _end_pass(self) -> None:
+        """End-of-backward callback: zero-fill, launch every bucket, wait for this backward's reductions."""
         for state in self.states:
-            family = state.family
-            for bucket in family.buckets:
-                if bucket.staged:
+            for bucket in range(state.family.num_buckets):
+                if state.staged[bucket]:
                     continue
-                for i in bucket.params:
+                for i in state.family.bucket_params[bucket]:
                     if not state.fired[i]:
-                        name = family.names[i]
+                        name = state.family.names[i]
                         self.counters.zero_fills[name] = self.counters.zero_fills.get(name, 0) + 1
-                self._stage(state, bucket.layout.index)
-        if self._launching():
-            for state in self.states:
-                self._launch_ready(state)
-            self._rounds += 1
+                self._stage(state, bucket)
+        if self._pass_synced:
+            for queue in self.queues:
+                queue.launch_ready()
+            self._finish_round()
             self._dirty = False
         else:
             self._dirty = True
@@ -196,38 +208,78 @@ class GradReducer:
         self.counters.backward_passes += 1
         self._pass_task = None
 
-    # ---- at step() -------------------------------------------------------------------------
+    def _finish_round(self) -> None:
+        for queue in self.queues:
+            queue.wait_all()
+        for queue in self.queues:
+            queue.rewind()
+        self.counters.reduction_rounds += 1
+
+    # ---- between backwards -------------------------------------------------------------------
+    @property
+    def pass_open(self) -> bool:
+        return self._pass_task is not None
+
     def finish_reductions(self) -> None:
-        """Make every rank issue the same reductions, then wait for all of them (collective).
-
-        A rank whose backward reached none of its params got no callback and launched nothing;
-        ranks agree on the number of rounds (and on a final round for no_sync accumulations).
-        """
-        agreement = torch.tensor([self._rounds, int(self._dirty)], dtype=torch.int64)
-        comm.all_reduce(agreement, self.control_group, op=torch.distributed.ReduceOp.MAX)
-        rounds, dirty = agreement.tolist()
-        for _ in range(rounds - self._rounds + dirty):
+        """Collective: reduce what no_sync backwards left local (on every rank if on any)."""
+        flag = torch.tensor([int(self._dirty)], dtype=torch.int64)
+        comm.all_reduce(flag, self.control_group, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
             for state in self.states:
-                for bucket in range(len(state.family.buckets)):
-                    self._launch(state, bucket)
-            self.counters.reduction_rounds += 1
-        self.counters.reduction_rounds += self._rounds
-        self._wait_inflight()
-        self._rounds, self._dirty = 0, False
+                for bucket in range(state.family.num_buckets):
+                    state.strategy.before_accumulate(bucket)
+            for queue in self.queues:
+                queue.launch_up_to(len(queue.entries))
+            self._finish_round()
+        self._dirty = False
 
-    def _wait_inflight(self) -> None:
+    def recover_aborted_pass(self) -> bool:
+        """Collective: a backward raised before its end. Launch on every rank what any rank launched
+        (so the collectives pair up), finish it, and forget the step's gradients."""
+        if self._pass_task is None:
+            return False
+        launched = torch.tensor([q.next for q in self.queues], dtype=torch.int64)
+        comm.all_reduce(launched, self.control_group, op=torch.distributed.ReduceOp.MAX)
+        for queue, count in zip(self.queues, launched.tolist()):
+            queue.launch_up_to(count)
+        for queue in self.queues:
+            queue.rewind()
         for state in self.states:
-            while state.inflight:
-                state.inflight.popleft().wait()
+            state.strategy.discard_pass()
+            state.reset_pass()
+        self._pass_task = None
+        self.clear_step()
+        return True
 
-    def took_gradient(self, state_index: int) -> List[bool]:
-        return self.states[state_index].got_grad
-
-    def new_step(self) -> None:
+    def clear_step(self, set_to_none: bool = False) -> None:
+        """Forget every gradient of the step (zero_grad, or a new step after step() consumed them)."""
         for state in self.states:
-            state.got_grad = [False] * len(state.family.params)
             state.strategy.zero()
+            state.got_grad = [False] * len(state.family.params)
+            if set_to_none:
+                for i, p in enumerate(state.family.params):
+                    if state.exposed[i]:
+                        p.grad = None
+                        state.exposed[i] = False
+        self._dirty = False
+        self._consumed = False
+        self.unscaled_passes = 0
+
+    def mark_consumed(self) -> None:
+        self._consumed = True
 
 
-def _completed(inflight: InFlight) -> bool:
-    return inflight.work is None or inflight.work.is_completed()
+def _pre_hook(ref, state: FamilyPass, index: int):
+    def hook(grad):
+        reducer = ref()
+        if reducer is not None:
+            reducer._before_accumulate(state, index)
+    return hook
+
+
+def _post_hook(ref, state: FamilyPass, index: int):
+    def hook(param):
+        reducer = ref()
+        if reducer is not None:
+            reducer._on_gradient(state, index)
+    return hook

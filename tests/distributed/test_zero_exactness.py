@@ -1,125 +1,92 @@
-"""The central test: N ranks of ZeRO 0/1/2 reproduce single-process PyTorch on the same global batch.
+"""The central test: N ranks of ZeRO reproduce single-process PyTorch on the same global batch.
 
 float64 on the reference path, so agreement is ~1e-12. Compared every step: the reduced gradient
 of every element this rank owns, the global grad norm (clipping engaged), and all parameters.
 AdamW alone would hide a constant gradient-scale bug, so SGD with momentum runs too.
+
+The matrix is the full product of ep x stage x accumulation x optimizer x no_sync (accumulating
+with plain `loss.backward()` calls is as valid as marking earlier micro-steps with `no_sync`),
+and every configuration also cycles through overlap on/off and tiny (many buckets, dozens in
+flight), medium and huge (one bucket) bucket sizes. The model has a branch only rank 0 uses, a
+branch used by data, one skipped on odd steps, experts without tokens, tied weights and a
+checkpointed block.
 """
-import copy
 import itertools
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import ParallelGroups, comm, expert_shard_of
+from moezero.parallel import ParallelGroups
 from moezero.zero import ZeroOptimizer
-from moezero.zero.param_groups import default_param_groups
-from moezero.zero.state import global_placement, owned_gradient_pieces
 from tests.dist_utils import assert_replicas_equal, run_distributed
-from tests.zero_model import ZeroTestModel, micro_batch
+from tests.zero_model import ZeroTestModel
+from tests.zero_reference import OPTIMIZERS, ZERO_STAGES, assert_params_match, reference_run, train_step
 
 STEPS, CLIP, TOL = 5, 0.05, 1e-10
-OPTIMIZERS = {
-    "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95))),
-    "sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
-}
+VARIANTS = [(True, 16), (False, 150), (True, 10 ** 9), (False, 16), (True, 150), (False, 10 ** 9)]
 
 
-def _reference_run(optimizer, world, accumulation):
-    """Single process, all experts, every global micro-batch in order: grads, norms and params per step."""
-    model = ZeroTestModel(ParallelGroups.single()).double()
-    cls, kwargs = OPTIMIZERS[optimizer]
-    opt = cls(default_param_groups(model, kwargs["weight_decay"]), **kwargs)
-    micro_batches = world * accumulation
-    history = []
-    for step in range(STEPS):
-        for index in range(micro_batches):
-            tokens, targets = micro_batch(step, index)
-            (model(tokens, targets, step) / micro_batches).backward()
-        grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
-        opt.step()
-        opt.zero_grad()
-        history.append((grads, norm.item(), {n: p.detach().clone() for n, p in model.named_parameters()}))
-    return history
-
-
-def _check_config(ep, stage, accumulation, optimizer, use_no_sync, references):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references):
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups).double()
     frozen_before = model.frozen.weight.detach().clone()
     cls, kwargs = OPTIMIZERS[optimizer]
-    opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=150, clip_grad=CLIP,
-                        grad_reduce_dtype=torch.float64, **kwargs)
+    opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=bucket_size, overlap_comm=overlap,
+                        clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs)
     reference = references[(optimizer, accumulation)]
     for step in range(STEPS):
-        for micro in range(accumulation):
-            tokens, targets = micro_batch(step, micro * world + rank)
-            last = micro == accumulation - 1
-            with (opt.no_sync() if use_no_sync and not last else _nothing()):
-                (model(tokens, targets, step) / accumulation).backward()
-        if stage == 2:
-            assert all(p.grad is None for p in model.parameters()), "stage 2 keeps no full gradients"
+        train_step(model, opt, step, accumulation, use_no_sync)
+        if stage >= 1:
+            assert all(p.grad is None for p in model.parameters()), "stages 1-3 hold no full gradients after a sync"
         opt.reduce_gradients()
-        ref_grads, ref_norm, ref_params = reference[step]
-        _compare_owned_grads(opt, ref_grads)
+        _compare_owned_grads(opt, reference[step]["grads"])
         opt.step()
         opt.zero_grad()
+        ref_norm = reference[step]["norm"]
         assert abs(opt.last_grad_norm - ref_norm) <= TOL * ref_norm, (opt.last_grad_norm, ref_norm)
         assert ref_norm > CLIP  # clipping engaged
-        _compare_params(model, ref_params)
+        with opt.full_parameters():
+            assert_params_match(model, reference[step]["params"], rtol=TOL, atol=1e-13)
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert opt.counters.fires.get(name, 0) + opt.counters.zero_fills.get(name, 0) == STEPS * accumulation
     assert opt.counters.zero_fills.get("odd_step_branch.weight", 0) >= (STEPS // 2) * accumulation
     assert torch.equal(model.frozen.weight, frozen_before)
-    assert_replicas_equal(model, groups)
+    with opt.full_parameters():
+        assert_replicas_equal(model, groups)
     groups.destroy()
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _compare_owned_grads(opt, ref_grads):
-    for name, pieces in owned_gradient_pieces(opt).items():
+    """The averaged gradient of every element this rank owns (global coordinates) against torch's."""
+    for name, pieces in opt.owned_gradients().items():
         ref = ref_grads[name]
-        ref_flat = torch.zeros(0) if ref is None else ref.reshape(-1)
         for (lo, hi), grad in pieces:
-            expected = torch.zeros_like(grad) if ref is None else ref_flat[lo:hi]
+            expected = torch.zeros_like(grad) if ref is None else ref.reshape(-1)[lo:hi]
             torch.testing.assert_close(grad, expected, rtol=TOL, atol=1e-13, msg=lambda m: f"{name} grad: {m}")
-
-
-def _compare_params(model, ref_params):
-    for name, p in model.named_parameters():
-        expected = ref_params[name]
-        shard = expert_shard_of(p)
-        if shard is not None:
-            expected = expected[shard.first_global_expert:shard.first_global_expert + shard.num_local_experts]
-        torch.testing.assert_close(p.detach(), expected, rtol=TOL, atol=1e-13, msg=lambda m: f"{name}: {m}")
 
 
 def _matrix():
     world = dist.get_world_size()
-    references = {(o, a): _reference_run(o, world, a) for o in OPTIMIZERS for a in (1, 4)}
+    references = {(o, a): reference_run(o, world, a, STEPS, clip=CLIP) for o in OPTIMIZERS for a in (1, 4)}
     done = []
-    for ep, stage, accumulation, optimizer in itertools.product((1, 2), (0, 1, 2), (1, 4), OPTIMIZERS):
-        use_no_sync = optimizer == "adamw"  # sgd runs accumulate without no_sync (reduce every backward)
+    combos = itertools.product((1, 2), ZERO_STAGES, (1, 4), OPTIMIZERS, (True, False))
+    for i, (ep, stage, accumulation, optimizer, use_no_sync) in enumerate(combos):
+        if accumulation == 1 and not use_no_sync:
+            continue  # one micro-batch: no_sync has nothing to mark
+        overlap, bucket_size = VARIANTS[i % len(VARIANTS)]
         try:
-            _check_config(ep, stage, accumulation, optimizer, use_no_sync, references)
+            _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references)
         except AssertionError as exc:
-            raise AssertionError(f"ep={ep} stage={stage} accumulation={accumulation} {optimizer}: {exc}") from None
+            raise AssertionError(f"ep={ep} stage={stage} accumulation={accumulation} {optimizer} "
+                                 f"no_sync={use_no_sync} overlap={overlap} bucket={bucket_size}: {exc}") from None
         done.append((ep, stage, accumulation, optimizer))
     return len(done)
 
 
 def test_exactness_matrix_two_ranks():
-    assert run_distributed(_matrix, 2, timeout=600) == [24, 24]
+    assert run_distributed(_matrix, 2, timeout=900) == [12 * len(ZERO_STAGES)] * 2
 
 
 def test_exactness_matrix_four_ranks():
-    assert run_distributed(_matrix, 4, timeout=900) == [24] * 4
+    assert run_distributed(_matrix, 4, timeout=1200) == [12 * len(ZERO_STAGES)] * 4

@@ -1,0 +1,144 @@
+"""ZeroEngine: the sharding machinery for one set of params, wired together.
+
+    families (families.py)          which param sits where, which slice this rank owns
+      x param side (param_storage)  where param values live: replicated (0-2) or sharded (3)
+      x grad side (grad_strategies) how gradients are accumulated and reduced (per stage)
+    reducer (reducer.py)            hooks, per-backward bookkeeping, launch order
+    master (master.py)              this rank's master weights and the views the inner optimizer steps
+
+`ZeroOptimizer` owns one engine and builds a new one when the model changes (`modify_model`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from moezero import ops
+from moezero.parallel import ParallelGroups, comm
+from moezero.zero.families import ParamFamily, Range, build_families
+from moezero.zero.grad_strategies import GRAD_STRATEGIES
+from moezero.zero.master import MasterShards, master_dtype_of
+from moezero.zero.param_storage import ReplicatedParams
+from moezero.zero.reducer import FamilyPass, GradReducer
+
+GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """How params are sharded and gradients reduced (plain data; see ZeroOptimizer for each field)."""
+
+    stage: int = 2
+    bucket_size: int = 2_000_000
+    overlap_comm: bool = True
+    grad_reduce_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.stage not in GRAD_STRATEGIES:
+            raise ValueError(f"stage must be one of {', '.join(map(str, GRAD_STRATEGIES))}, got {self.stage}")
+        if self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
+
+    def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """fp64 params reduce in fp64; everything else in grad_reduce_dtype."""
+        return torch.float64 if param_dtype == torch.float64 else self.grad_reduce_dtype
+
+
+class ZeroEngine:
+    def __init__(self, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
+                 settings: ZeroSettings, unit_of: Optional[Mapping[int, int]] = None, storage_factory=None):
+        self.groups, self.settings = groups, settings
+        self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size, unit_of)
+        factory = storage_factory or ReplicatedParams
+        self.storages = [factory(f) for f in self.families]
+        self.strategies = [GRAD_STRATEGIES[settings.stage](f, settings.reduce_dtype(f.dtype),
+                                                           master_dtype_of(f.dtype), groups.dp_size)
+                           for f in self.families]
+        self.reducer = GradReducer([FamilyPass(f, s, g) for f, s, g in zip(self.families, self.storages,
+                                                                              self.strategies)],
+                                   groups.control, settings.overlap_comm)
+        self.master = MasterShards(self.families, self.storages, self.strategies)
+        self.inner_state = None  # the inner optimizer's state dict, set by ZeroOptimizer (for memory_bytes)
+
+    def params(self) -> List[nn.Parameter]:
+        return [p for f in self.families for p in f.params]
+
+    def detach(self) -> None:
+        """Remove the hooks and give the params storage of their own (the engine is discarded)."""
+        self.reducer.remove_hooks()
+        for storage in self.storages:
+            storage.release()
+
+    # ---- at step() -------------------------------------------------------------------------------
+    def took_gradient_anywhere(self) -> List[List[bool]]:
+        """Per family, per param: did any rank of the family's group get a gradient this step."""
+        out = []
+        for state in self.reducer.states:
+            flags = torch.tensor(state.got_grad, dtype=torch.int32)
+            comm.all_reduce(flags, state.family.group, op=torch.distributed.ReduceOp.MAX)
+            out.append([bool(f) for f in flags.tolist()])
+        return out
+
+    def reduced_grads(self) -> List[List[torch.Tensor]]:
+        return [[s.reduced_grad(b) for b in range(f.num_buckets)] for f, s in zip(self.families, self.strategies)]
+
+    def owned_sum_of_squares(self, reduced: List[List[torch.Tensor]]) -> float:
+        """Sum of squared gradients over the elements this rank owns, summed over all ranks.
+
+        Each element of a dense bucket is owned by one dp rank and each element of an expert bucket
+        by one rank of its edp group (and the ep ranks hold different experts), so every element of
+        the model is counted exactly once.
+        """
+        owned = []
+        for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
+            for b in range(family.num_buckets):
+                lo, hi = family.owned[b]
+                base = strategy.optimizer_range(b)[0]
+                owned.append(reduced[f][b][lo - base:hi - base])
+        total = ops.sum_of_squares(owned).to(torch.float64).reshape(1)
+        comm.all_reduce(total, self.groups.control)
+        return float(total.item())
+
+    def owned_pieces(self):
+        """(view, slice of the view, global range, name) for the part of each master view this rank owns."""
+        for view in self.master.views:
+            family = self.families[view.family]
+            base = self.strategies[view.family].optimizer_range(view.bucket)[0] + view.offset
+            own_lo, own_hi = family.owned[view.bucket]
+            lo, hi = max(base, own_lo), min(base + view.numel, own_hi)
+            if lo < hi:
+                start = view.param_range[0] + lo - base
+                yield view, slice(lo - base, hi - base), family.global_range(view.index, (start, start + hi - lo)), \
+                    family.names[view.index]
+
+    def owned_gradients(self) -> GradientPieces:
+        """Averaged gradients of the elements this rank owns, in global coordinates (after reduction)."""
+        out: GradientPieces = {}
+        for view, part, global_range, name in self.owned_pieces():
+            reduced = self.strategies[view.family].reduced_grad(view.bucket)
+            grad = reduced[view.offset:view.offset + view.numel][part].clone()
+            out.setdefault(name, []).append((global_range, grad))
+        return out
+
+    def global_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {name: f.placements[i][0] for f in self.families for i, name in enumerate(f.names)}
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank's optimizer holds, by kind (params: the storage it manages for the model)."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        state = [v for s in self._inner_states() for v in s.values() if torch.is_tensor(v)]
+        masters = [m for f, ms in enumerate(self.master.masters) if not self.master.aliased[f] for m in ms]
+        return {"params": sum(s.nbytes() for s in self.storages),
+                "grads": sum(g.nbytes() for g in self.strategies),
+                "master": size(masters), "optimizer_state": size(state)}
+
+    def _inner_states(self):
+        return [self.inner_state.get(v.master, {}) for v in self.master.views] if self.inner_state is not None else []
+
+    def scale_reduced(self, reduced: List[List[torch.Tensor]], coefficient: float) -> None:
+        if coefficient != 1.0:
+            torch._foreach_mul_([g for buckets in reduced for g in buckets], coefficient)

@@ -1,0 +1,273 @@
+"""The grad side of a family: how each ZeRO stage accumulates, reduces and hands over gradients.
+
+All strategies average over the data-parallel world: the sum over the family's group divided
+by the dp size (expert grads are summed over `edp` and divided by dp too, since every rank's
+tokens reach every expert), and all hand the optimizer a reduced gradient per bucket.
+
+  AllReduceGrads (stage 0): a persistent full-size buffer (params' .grad are views of it, as
+      DDP's gradient_as_bucket_view), all-reduced in place: after a synced backward it holds
+      the averaged gradient, which is what .grad shows.
+  ReduceScatterAtBoundary (stage 1): a persistent full-size buffer of *local* gradients,
+      reduce-scattered into this rank's shard at every synced backward and then cleared.
+  ReduceScatterEveryBackward (stages 2 and 3): no full-size buffer between backwards: a
+      bucket's gradients land in a temporary buffer, are reduce-scattered, added to this rank's
+      shard, and the buffer is reused.
+
+A bucket's reduction is always finished before any gradient is accumulated into it again:
+the reducer waits for a backward's reductions at its end (as DDP does).
+"""
+from __future__ import annotations
+
+import abc
+from typing import Dict, List, Optional
+
+import torch
+
+from moezero import ops
+from moezero.parallel import comm
+from moezero.zero.families import ParamFamily, Range
+from moezero.zero.launch import InFlight
+
+STAGING_POOL_BUCKETS = 4  # stages 2/3 keep at most this many largest-bucket staging buffers for reuse
+
+
+class GradStrategy(abc.ABC):
+    """Shared state: the family, the dtypes and the dp size the average divides by."""
+
+    reduces_under_no_sync = False   # stages 2/3 reduce every backward; no_sync does not defer them
+
+    def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int):
+        self.family = family
+        self.reduce_dtype = reduce_dtype
+        self.master_dtype = master_dtype
+        self.dp_size = dp_size
+        self.in_place = family.dtype == reduce_dtype  # .grad can be a view of the reduction buffer
+
+    def optimizer_range(self, bucket: int) -> Range:
+        """The part of a bucket whose master weights and optimizer state this rank holds."""
+        return self.family.owned[bucket]
+
+    def accumulation_views(self, bucket: int) -> Optional[List[torch.Tensor]]:
+        """Views for the .grad of the bucket's params (bucket order), or None: grads are copied in."""
+        return None
+
+    def before_accumulate(self, bucket: int) -> None:
+        """Called once per backward per bucket, before any gradient is added into it."""
+
+    def visible_grads(self, bucket: int, synced: bool) -> Optional[List[torch.Tensor]]:
+        """What the params' .grad point to once the bucket is staged (None: .grad is None)."""
+        return None
+
+    def stage(self, bucket: int, fired: List[int], grads: List[torch.Tensor]) -> None:
+        """Every param of the bucket delivered (or was zero-filled): bring the grads into the bucket."""
+        target = self._staging_target(bucket)
+        base, size = target.data_ptr(), target.numel() * target.element_size()
+        foreign = [(i, g) for i, g in zip(fired, grads) if not base <= g.data_ptr() < base + size]
+        if foreign:
+            offsets = [self.family.slot(i).offset for i, _ in foreign]
+            ops.flatten_into(target, [g for _, g in foreign], offsets, accumulate=True)
+
+    @abc.abstractmethod
+    def _staging_target(self, bucket: int) -> torch.Tensor:
+        """The bucket-sized tensor gradients accumulate in."""
+
+    @abc.abstractmethod
+    def launch(self, bucket: int) -> InFlight:
+        """Start the bucket's reduction (async)."""
+
+    @abc.abstractmethod
+    def reduced_grad(self, bucket: int) -> torch.Tensor:
+        """Averaged gradient over `optimizer_range(bucket)`, in the master dtype."""
+
+    @abc.abstractmethod
+    def zero(self) -> None:
+        """Forget every gradient of the step."""
+
+    def discard_pass(self) -> None:
+        """Drop per-backward buffers of a backward that did not finish."""
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of gradient storage held on this rank (buffers, shards, staging and its pool)."""
+
+
+def _size(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _PersistentBuffer(GradStrategy):
+    """Stages 0 and 1: gradients accumulate in a persistent family-sized buffer."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        fam = self.family
+        self.grad_buffer = torch.zeros(fam.layout.total_numel, dtype=self.reduce_dtype, device=fam.params[0].device)
+        self._views = [[fam.param_view(self.grad_buffer, i) for i in fam.bucket_params[b]] if self.in_place else None
+                       for b in range(fam.num_buckets)]
+
+    def accumulation_views(self, bucket):
+        return self._views[bucket]
+
+    def _staging_target(self, bucket):
+        return self.family.bucket_region(self.grad_buffer, bucket)
+
+    def zero(self):
+        self.grad_buffer.zero_()
+
+
+class AllReduceGrads(_PersistentBuffer):
+    """Stage 0. After a reduction the buffer holds the averaged gradient R (sum / dp). Accumulating
+    a later backward's local gradient L on top and reducing again must give R + sum(L) / dp: a
+    group of g ranks sums g copies of R, so R is first scaled by dp / g (1 for dense params)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._rescale = self.dp_size / self.family.group_size
+        self._holds_average = [False] * self.family.num_buckets
+
+    def optimizer_range(self, bucket):
+        return 0, self.family.bucket_numel(bucket)
+
+    def before_accumulate(self, bucket):
+        if self._holds_average[bucket]:
+            if self._rescale != 1.0:
+                self._staging_target(bucket).mul_(self._rescale)
+            self._holds_average[bucket] = False
+
+    def visible_grads(self, bucket, synced):
+        return self._views[bucket]
+
+    def launch(self, bucket):
+        region = self._staging_target(bucket)
+        work = comm.all_reduce(region, self.family.group, async_op=True)
+
+        def finish():
+            region.mul_(1.0 / self.dp_size)
+            self._holds_average[bucket] = True
+        return InFlight(work, finish)
+
+    def reduced_grad(self, bucket):
+        region = self._staging_target(bucket)
+        return region if region.dtype == self.master_dtype else region.to(self.master_dtype)
+
+    def zero(self):
+        super().zero()
+        self._holds_average = [False] * self.family.num_buckets
+
+    def nbytes(self):
+        return _size([self.grad_buffer])
+
+
+class _ShardAccumulator:
+    """This rank's reduced gradient shard of every bucket, summed over synced backwards."""
+
+    def __init__(self, family: ParamFamily, dtype: torch.dtype):
+        device = family.params[0].device
+        self.shards = [torch.zeros(family.bucket_numel(b) // family.group_size, dtype=dtype, device=device)
+                       for b in range(family.num_buckets)]
+
+    def reduce_into(self, bucket: int, source: torch.Tensor, group, reduce_dtype, scale: float, after=None):
+        shard = self.shards[bucket]
+        out = torch.empty(shard.shape, dtype=reduce_dtype, device=shard.device)
+        work = comm.reduce_scatter(out, source, group, async_op=True)
+
+        def finish():
+            shard.add_(out.to(shard.dtype), alpha=scale)
+            if after is not None:
+                after()
+        return InFlight(work, finish)
+
+    def zero(self):
+        for shard in self.shards:
+            shard.zero_()
+
+    def nbytes(self) -> int:
+        return _size(self.shards)
+
+
+class ReduceScatterAtBoundary(_PersistentBuffer):
+    """Stage 1: .grad shows the local accumulation under no_sync (as DDP) and is None once reduced."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.accumulator = _ShardAccumulator(self.family, self.master_dtype)
+
+    def visible_grads(self, bucket, synced):
+        return None if synced else self._views[bucket]
+
+    def launch(self, bucket):
+        region = self._staging_target(bucket)
+        return self.accumulator.reduce_into(bucket, region, self.family.group, self.reduce_dtype,
+                                            1.0 / self.dp_size, after=region.zero_)
+
+    def reduced_grad(self, bucket):
+        return self.accumulator.shards[bucket]
+
+    def zero(self):
+        super().zero()
+        self.accumulator.zero()
+
+    def nbytes(self):
+        return _size([self.grad_buffer]) + self.accumulator.nbytes()
+
+
+class ReduceScatterEveryBackward(GradStrategy):
+    """Stages 2 and 3: per-rank gradient memory is the shard plus the buckets of one backward."""
+
+    reduces_under_no_sync = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        fam = self.family
+        self.accumulator = _ShardAccumulator(fam, self.master_dtype)
+        self._staging: List[Optional[torch.Tensor]] = [None] * fam.num_buckets
+        # staging buffers are reused (fresh allocations cost page faults every backward): at most a few
+        # buckets' worth and never more than a quarter of the family, so no full gradient outlives a backward
+        self._pool: Dict[int, List[torch.Tensor]] = {}
+        self._pool_limit = min(STAGING_POOL_BUCKETS * max(fam.bucket_numel(b) for b in range(fam.num_buckets)),
+                               fam.layout.total_numel // 4)
+
+    def accumulation_views(self, bucket):
+        if not self.in_place:
+            return None
+        staging = self._staging_target(bucket)
+        return [self.family.view_in_bucket(staging, i) for i in self.family.bucket_params[bucket]]
+
+    def _staging_target(self, bucket):
+        if self._staging[bucket] is None:
+            numel = self.family.bucket_numel(bucket)
+            pooled = self._pool.get(numel)
+            staging = pooled.pop() if pooled else \
+                torch.empty(numel, dtype=self.reduce_dtype, device=self.family.params[0].device)
+            self._staging[bucket] = staging.zero_()
+        return self._staging[bucket]
+
+    def launch(self, bucket):
+        staging = self._staging_target(bucket)  # zeros when no gradient reached this rank's bucket
+        self._staging[bucket] = None
+        return self.accumulator.reduce_into(bucket, staging, self.family.group, self.reduce_dtype,
+                                            1.0 / self.dp_size, after=lambda: self._release(staging))
+
+    def _release(self, staging: torch.Tensor) -> None:
+        pooled = sum(t.numel() for buffers in self._pool.values() for t in buffers)
+        if pooled + staging.numel() <= self._pool_limit:
+            self._pool.setdefault(staging.numel(), []).append(staging)
+
+    def reduced_grad(self, bucket):
+        return self.accumulator.shards[bucket]
+
+    def zero(self):
+        self.accumulator.zero()
+
+    def nbytes(self):
+        pooled = [t for buffers in self._pool.values() for t in buffers]
+        return self.accumulator.nbytes() + _size(self._staging) + _size(pooled)
+
+    def discard_pass(self):
+        for bucket, staging in enumerate(self._staging):
+            if staging is not None:
+                self._release(staging)
+                self._staging[bucket] = None
+
+
+GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward}
