@@ -24,8 +24,12 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples_moe/pretrain_gpt_moe.py \
 		--expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
 
+# The whole suite (with the C++ kernels when they built), then the ZeRO and MoE tests again on the
+# pure-PyTorch reference kernels.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15
+	MOEZERO_DISABLE_EXT=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_zero_torch_habits.py \
+		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py
 
 # moezero vs DeepSpeed-MoE on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use)
 bench: $(STAMP)

@@ -36,7 +36,6 @@ from moezero.zero import ZeroOptimizer, weight_decay_groups
 CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, QATConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class PeerFailure(RuntimeError):
@@ -137,16 +136,9 @@ class Pretraining:
             cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
         else:
             cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)
-        from moezero.zero import DynamicLossScaler
-
-        scaler = DynamicLossScaler(z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale) \
-            if t.fp16 else None
-        return ZeroOptimizer(self.model, cls, self.groups, stage=z.stage, bucket_size=z.bucket_size,
-                             overlap_comm=z.overlap_comm, clip_grad=z.clip_grad or None,
-                             grad_reduce_dtype=REDUCE_DTYPES[z.grad_reduce_dtype], loss_scaler=scaler,
-                             max_skipped_steps=z.max_skipped_steps, lr=t.lr, weight_decay=t.weight_decay,
-                             param_groups=weight_decay_groups(self.model, t.weight_decay),
-                             **kwargs)
+        return ZeroOptimizer.from_config(self.model, cls, self.groups, z,
+                                         param_groups=weight_decay_groups(self.model, t.weight_decay),
+                                         fp16=t.fp16, lr=t.lr, **kwargs)
 
     def _resume(self, root: str) -> None:
         iteration = checkpoint.latest_iteration(root) if os.path.isdir(root) else None

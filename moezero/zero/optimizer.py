@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.config import ZeroConfig
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.families import Range
@@ -31,6 +32,7 @@ from moezero.zero.model_guard import ModelGuard, storage_replaced_error, unknown
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups, trainable
 from moezero.zero.state import load_state, shard_state
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 _OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (a weakref), so a new one can retire it
 
 
@@ -92,6 +94,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self._guard = ModelGuard(model, self)
         object.__setattr__(model, _OWNER, weakref.ref(self))
+
+    @classmethod
+    def from_config(cls, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups],
+                    config: ZeroConfig, param_groups: Any = None, fp16: bool = False,
+                    **optimizer_kwargs) -> "ZeroOptimizer":
+        """Built from the command line's ZeroConfig (the loss scaler only for an fp16 model)."""
+        scaler = DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window, config.hysteresis,
+                                   config.min_loss_scale) if fp16 else None
+        return cls(model, optimizer_cls, groups, stage=config.stage, bucket_size=config.bucket_size,
+                   overlap_comm=config.overlap_comm, clip_grad=config.clip_grad or None,
+                   grad_reduce_dtype=REDUCE_DTYPES[config.grad_reduce_dtype], loss_scaler=scaler,
+                   max_skipped_steps=config.max_skipped_steps, param_groups=param_groups, **optimizer_kwargs)
 
     # ---- construction --------------------------------------------------------------------------
     def _build_engine(self, user_groups: List[Dict]):
