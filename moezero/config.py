@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,13 @@ def flag_of(cls_or_obj: Any, name: str) -> str:
                 return name
             return flag or "--" + name.replace("_", "-")
     raise KeyError(name)
+
+
+def check_experts_divide(num_experts: int, expert_parallel_size: int) -> None:
+    """Each ep rank holds num_experts / ep experts (the one check of it: training, MoELayer, inference)."""
+    if num_experts % expert_parallel_size:
+        raise ConfigError(f"--num-experts={num_experts}: must be divisible by "
+                          f"--expert-model-parallel-size ({expert_parallel_size})")
 
 
 class Validated:
@@ -242,17 +250,24 @@ class DataConfig(Validated):
 
     def __post_init__(self):
         self._check_all_choices()
-        parts = self.split.replace("/", ",").split(",")
+        parts = [p.strip() for p in re.split("[,/]", self.split)]
+        self.split = ",".join(parts)  # Megatron accepts "," and "/"; everything downstream reads commas
         try:
-            weights = [float(p) for p in parts]
+            weights = self.split_weights if len(parts) <= 3 else ()
         except ValueError:
-            weights = []
-        self._require(len(weights) in (1, 2, 3) and all(w >= 0 for w in weights) and sum(weights) > 0,
+            weights = ()
+        self._require(bool(weights) and all(w >= 0 for w in weights) and sum(weights) > 0,
                       "split", "must be up to three non-negative weights like 969,30,1")
         if self.tokenizer_type == "HuggingFaceTokenizer":
             self._require(self.tokenizer_model is not None, "tokenizer_type",
                           "HuggingFaceTokenizer needs --tokenizer-model (a local path)")
         self._require(self.default_corpus_max_files >= 1, "default_corpus_max_files", "must be >= 1")
+
+    @property
+    def split_weights(self) -> Tuple[float, float, float]:
+        """(train, valid, test) weights of --split; missing trailing ones are 0, as in Megatron."""
+        weights = [float(p) for p in self.split.split(",")]
+        return tuple(weights + [0.0] * (3 - len(weights)))
 
 
 @dataclass

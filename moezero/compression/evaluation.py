@@ -20,8 +20,7 @@ from moezero.parallel import ParallelGroups, comm
 
 def eval_dataset(data: DataConfig, seq_length: int, seed: int, num_samples: int):
     """The validation split (the test split when the validation split is empty), `num_samples` long."""
-    weights = [float(w) for w in data.split.replace("/", ",").split(",")] + [0.0, 0.0]
-    split = 1 if weights[1] > 0 else 2
+    split = 1 if data.split_weights[1] > 0 else 2
     sizes = [0, 0, 0]
     sizes[split] = num_samples
     datasets = build_datasets(data, seq_length, seed, num_samples=tuple(sizes))

@@ -22,7 +22,7 @@ from moezero.compression.fake_quant import QATState
 from moezero.compression.qat import add_activation_quant, apply_qat
 from moezero.compression.source import CheckpointModel
 from moezero.compression.targets import quant_targets
-from moezero.config import ConfigError
+from moezero.config import ConfigError, check_experts_divide
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups, expert_shard_of
 
@@ -35,10 +35,7 @@ def read_exported(path: str) -> Dict[str, Any]:
 
 
 def _check_ep(description: ModelDescription, groups: ParallelGroups) -> None:
-    experts = (description.moe or {}).get("num_experts", 1)
-    if experts % groups.ep_size:
-        raise ConfigError(f"--expert-model-parallel-size={groups.ep_size}: must divide the model's "
-                          f"{experts} experts")
+    check_experts_divide((description.moe or {}).get("num_experts", 1), groups.ep_size)
 
 
 def _expert_shards(model: nn.Module) -> Dict[str, Any]:

@@ -127,7 +127,7 @@ def build_datasets(data_config, seq_length: int, seed: int,
     cache = os.path.join(default_cache_dir(data_config.data_cache_path), "indices")
     config = mg.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(list(blend.prefixes), _list(blend.weights)),
-        split=data_config.split.replace("/", ","), path_to_cache=cache, tokenizer=tokenizer,
+        split=data_config.split, path_to_cache=cache, tokenizer=tokenizer,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
     config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split)
     builder = _quiet_builder_class(mg)(mg.GPTDataset, sizes, lambda: True, config)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from moezero.config import ConfigError, MoEConfig
+from moezero.config import MoEConfig, check_experts_divide
 from moezero.keyed_random import SampleKeys, init_keyed_
 from moezero.moe.dispatch import TokenDispatcher
 from moezero.moe.experts import DenseMLP, GroupedExperts
@@ -44,9 +44,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, groups: ParallelGroups, layer_number: int = 0):
         super().__init__()
-        if config.num_experts % groups.ep_size != 0:
-            raise ConfigError(f"--num-experts={config.num_experts}: must be divisible by "
-                              f"--expert-model-parallel-size ({groups.ep_size})")
+        check_experts_divide(config.num_experts, groups.ep_size)
         self.config = config
         self.layer_number = layer_number
         self.router = TopKRouter(config, site=f"layer{layer_number}.router")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moezero.compression import QATConfig, QATController, apply_qat
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, TrainConfig,
-                            ZeroConfig)
+                            ZeroConfig, check_experts_divide)
 from moezero.data import DataError, build_datasets, eval_micro_batches, num_micro_steps, train_micro_batches
 from moezero.models import GPTModel
 from moezero.models.gpt import is_moe_layer
@@ -60,15 +60,12 @@ def validate(cfg: Configs, world_size: int) -> int:
         rank_layout(world_size, ep)
     except ValueError:
         raise ConfigError(f"--expert-model-parallel-size={ep}: must divide the number of processes ({world_size})")
-    if cfg.moe.num_experts % ep:
-        raise ConfigError(f"--num-experts={cfg.moe.num_experts}: must be divisible by "
-                          f"--expert-model-parallel-size ({ep})")
+    check_experts_divide(cfg.moe.num_experts, ep)
     if cfg.model.moe_layer_freq > cfg.model.num_layers:
         raise ConfigError(f"--moe-layer-freq={cfg.model.moe_layer_freq}: larger than --num-layers "
                           f"({cfg.model.num_layers}) is fine in Megatron's pattern only if >= 1 layer is MoE; "
                           "layer 0 always is, so use a value <= --num-layers")
-    if cfg.train.eval_interval > 0 and len(cfg.data.split.split(",")) > 1 and \
-            float(cfg.data.split.split(",")[1]) == 0:
+    if cfg.train.eval_interval > 0 and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")
     return num_micro_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)

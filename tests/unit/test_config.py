@@ -1,6 +1,7 @@
 import pytest
 
-from moezero.config import ConfigError, GPTConfig, MoEConfig, TrainConfig, ZeroConfig, flag_of
+from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, TrainConfig, ZeroConfig, check_experts_divide,
+                            flag_of)
 
 
 def test_flags_come_from_field_metadata():
@@ -29,3 +30,22 @@ def test_defaults_fill_derived_sizes():
     assert cfg.ffn_hidden_size == 192
     gpt = GPTConfig(seq_length=96)
     assert gpt.max_position_embeddings == 96 and gpt.ffn_hidden_size == 4 * gpt.hidden_size
+
+
+@pytest.mark.parametrize("split,weights", [("969,30,1", (969.0, 30.0, 1.0)), ("98/2/0", (98.0, 2.0, 0.0)),
+                                          ("6, 2", (6.0, 2.0, 0.0)), ("1", (1.0, 0.0, 0.0))])
+def test_split_has_one_parser_for_both_separators(split, weights):
+    cfg = DataConfig(split=split)
+    assert cfg.split_weights == weights and "/" not in cfg.split
+
+
+@pytest.mark.parametrize("split", ["1,2,3,4", "a,b", "0,0", "1,-1", "1,,2"])
+def test_bad_split_names_the_flag(split):
+    with pytest.raises(ConfigError, match="--split="):
+        DataConfig(split=split)
+
+
+def test_experts_must_divide_over_ep():
+    check_experts_divide(8, 4)
+    with pytest.raises(ConfigError, match=r"--num-experts=6: must be divisible by --expert-model-parallel-size \(4\)"):
+        check_experts_divide(6, 4)
