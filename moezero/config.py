@@ -200,6 +200,14 @@ class GPTConfig(Validated):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
 
 
+def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
+    """The MoE layers' config inside a GPT: `moe` with the fields the model decides (width, activation, init)."""
+    return dataclasses.replace(moe, hidden_size=gpt.hidden_size,
+                               ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
+                               activation="swiglu" if gpt.swiglu else "gelu", init_std=gpt.init_method_std,
+                               init_seed=seed)
+
+
 @dataclass
 class ZeroConfig(Validated):
     """The ZeRO optimizer wrapper and mixed precision."""

@@ -14,6 +14,7 @@ import torch
 
 from moezero.config import GPTConfig, MoEConfig
 from moezero.models import GPTModel
+from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -52,5 +53,6 @@ class ModelDescription:
 
     def build(self, groups: Optional[ParallelGroups] = None) -> GPTModel:
         """The model with this rank's experts (weights still from the init; load them next)."""
-        model = GPTModel(self.gpt_config(), self.moe_config(), groups or ParallelGroups.single())
+        model = GPTModel(self.gpt_config(), self.moe_config(),
+                         moe_layer=expert_parallel(groups or ParallelGroups.single()))
         return model.to(self.torch_dtype)

@@ -2,27 +2,29 @@
 
 Shapes: B batch, S sequence, D hidden, H heads, h head dim, V vocabulary.
 
-The model never imports torch.distributed: expert parallelism enters only through the
-`ParallelGroups` handed to its MoE layers, and ZeRO wraps the finished model from outside.
+The model is built from its configs alone and knows no parallel layout: expert parallelism comes
+in from outside as the factory that builds its MoE layers (`moezero.moe.expert_parallel(groups)`),
+and ZeRO wraps the finished model.
 Dropout draws from keys (seed, iteration, global sample index, site) when `SampleKeys` are
 passed, so its masks do not depend on the parallel layout and recompute redraws them exactly.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moezero.config import GPTConfig, MoEConfig
+from moezero.config import GPTConfig, MoEConfig, moe_layer_config
 from moezero.keyed_random import SampleKeys, init_keyed_, keyed_dropout
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
-from moezero.parallel import ParallelGroups
+
+MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
 
 
 def is_moe_layer(layer_number: int, moe_layer_freq: int) -> bool:
@@ -64,8 +66,7 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
-        B, S, D = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = rearrange(self.qkv(x_BSD), "B S (three H h) -> three B H S h", three=3, H=self.heads)
         if self.rope:
             q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
         if self.training and self.dropout > 0 and keys is not None:
@@ -73,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+        return self.proj(rearrange(y, "B H S h -> B S (H h)"))
 
     def _attention_with_keyed_dropout(self, q, k, v, keys):
         """Explicit attention: SDPA's fused dropout draws from the global RNG, not from keys."""
@@ -88,19 +89,14 @@ class CausalSelfAttention(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or MoE."""
 
-    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig], groups: ParallelGroups,
-                 layer_number: int):
+    def __init__(self, config: GPTConfig, mlp: nn.Module, layer_number: int):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.site = f"layer{layer_number}"
         self.input_norm = _norm(config)
         self.attention = CausalSelfAttention(config, site=f"{self.site}.attention")
         self.mlp_norm = _norm(config)
-        activation = "swiglu" if config.swiglu else "gelu"
-        if moe_config is not None:
-            self.mlp = MoELayer(moe_config, groups, layer_number=layer_number)
-        else:
-            self.mlp = DenseMLP(config.hidden_size, config.ffn_hidden_size, activation, bias=True)
+        self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]):
         attn = self.attention(self.input_norm(x_BSD), keys)
@@ -122,37 +118,37 @@ class GPTModel(nn.Module):
         config: sizes, positions, norms, dropout, recompute.
         moe_config: the MoE layers' settings (hidden size and activation are taken from `config`),
             or None for a dense model.
-        groups: process groups for expert parallelism (default: a world of one).
         seed: keys the layout-invariant init: each param from (seed, its name[, global expert]).
+        moe_layer: builds each MoE layer (default: all experts on this device); expert parallelism
+            passes `moezero.moe.expert_parallel(groups)`.
 
     forward(tokens_BS, keys=None) -> (logits_BSV, [MoEStats of each MoE layer])
     """
 
-    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig] = None,
-                 groups: Optional[ParallelGroups] = None, seed: int = 0):
+    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig] = None, seed: int = 0,
+                 moe_layer: MoELayerFactory = MoELayer):
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
-        groups = groups or ParallelGroups.single()
         self.config = config
-        if moe_config is not None:
-            moe_config = replace(moe_config, hidden_size=config.hidden_size,
-                                 ffn_hidden_size=moe_config.ffn_hidden_size or config.ffn_hidden_size,
-                                 activation="swiglu" if config.swiglu else "gelu",
-                                 init_std=config.init_method_std, init_seed=seed)
+        layer_moe = moe_layer_config(config, moe_config, seed) if moe_config is not None else None
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList([
-            TransformerLayer(config, moe_config if moe_config and is_moe_layer(i, config.moe_layer_freq) else None,
-                             groups, i)
-            for i in range(config.num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i)
+                                     for i in range(config.num_layers)])
         self.final_norm = _norm(config)
         self.output = None
         if config.untie_embeddings_and_output_weights:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         init_keyed_(self, seed, self._init_std)
+
+    def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory) -> nn.Module:
+        if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
+            return moe_layer(moe_config, layer_number=layer_number)
+        activation = "swiglu" if self.config.swiglu else "gelu"
+        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, activation, bias=True)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
         """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); norms/biases as built."""

@@ -1,4 +1,4 @@
 from moezero.config import MoEConfig
-from moezero.moe.layer import MoELayer, MoEStats
+from moezero.moe.layer import MoELayer, MoEStats, expert_parallel
 
-__all__ = ["MoEConfig", "MoELayer", "MoEStats"]
+__all__ = ["MoEConfig", "MoELayer", "MoEStats", "expert_parallel"]

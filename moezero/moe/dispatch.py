@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
+from einops import rearrange
 
 from moezero import ops
 from moezero.parallel import comm
@@ -68,7 +69,7 @@ def _chunk_transpose_indices(counts_PL: torch.Tensor) -> Tuple[torch.Tensor, tor
     device = counts_PL.device
     counts = counts_PL.reshape(-1)
     starts = torch.cumsum(counts, 0) - counts  # start of chunk (p, l) in the received buffer
-    order = torch.arange(P * L, device=device).view(P, L).t().reshape(-1)  # chunk ids in (l, p) order
+    order = rearrange(torch.arange(P * L, device=device), "(P L) -> (L P)", P=P)  # chunk ids in (l, p) order
     counts_out = counts[order]
     starts_out = torch.cumsum(counts_out, 0) - counts_out  # start of the same chunk after the reorder
     shift = torch.repeat_interleave(starts[order] - starts_out, counts_out)

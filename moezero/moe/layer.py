@@ -6,8 +6,9 @@ holding their experts, and combines the returned outputs with the routing weight
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -35,15 +36,16 @@ class MoELayer(nn.Module):
 
     Args:
         config: router, expert and capacity settings.
-        groups: the process groups; experts are split over `groups.ep`.
+        groups: the process groups; experts are split over `groups.ep` (default: a world of one).
         layer_number: keys this layer's init and jitter randomness (unique per layer in a model).
 
     forward(x, keys=None) takes x shaped (B, S, D) or (T, D) and returns (y shaped like x, MoEStats).
     `keys` makes router jitter depend only on (seed, iteration, global sample index).
     """
 
-    def __init__(self, config: MoEConfig, groups: ParallelGroups, layer_number: int = 0):
+    def __init__(self, config: MoEConfig, groups: Optional[ParallelGroups] = None, layer_number: int = 0):
         super().__init__()
+        groups = groups or ParallelGroups.single()
         check_experts_divide(config.num_experts, groups.ep_size)
         self.config = config
         self.layer_number = layer_number
@@ -72,3 +74,8 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self.shared_expert(x_TD)
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction)
         return y_TD.view(x.shape), stats
+
+
+def expert_parallel(groups: ParallelGroups) -> Callable[..., MoELayer]:
+    """The MoE-layer factory a model is built with to split its experts over `groups.ep`."""
+    return functools.partial(MoELayer, groups=groups)

@@ -24,6 +24,7 @@ from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, Paral
 from moezero.data import DataError, build_datasets, eval_micro_batches, num_micro_steps, train_micro_batches
 from moezero.models import GPTModel
 from moezero.models.gpt import is_moe_layer
+from moezero.moe import expert_parallel
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups, rank_layout
 from moezero.training import checkpoint
@@ -113,7 +114,7 @@ class Pretraining:
         if vocab < self.data.tokenizer.vocab_size:
             raise ConfigError(f"--vocab-size={vocab}: smaller than the tokenizer's ({self.data.tokenizer.vocab_size})")
         gpt = dataclasses.replace(self.cfg.model, vocab_size=vocab)
-        model = GPTModel(gpt, self.cfg.moe, self.groups, seed=self.cfg.train.seed)
+        model = GPTModel(gpt, self.cfg.moe, seed=self.cfg.train.seed, moe_layer=expert_parallel(self.groups))
         if self.cfg.train.bf16:
             model = model.bfloat16()
         elif self.cfg.train.fp16:

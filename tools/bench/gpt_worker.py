@@ -32,6 +32,7 @@ def parse():
 def build_model(args, groups):
     from moezero.config import GPTConfig, MoEConfig
     from moezero.models import GPTModel
+    from moezero.moe import expert_parallel
 
     gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, ffn_hidden_size=args.ffn_mult * args.hidden,
@@ -39,7 +40,7 @@ def build_model(args, groups):
     moe = None
     if args.experts:
         moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux)
-    model = GPTModel(gpt, moe, groups, seed=1234)
+    model = GPTModel(gpt, moe, seed=1234, moe_layer=expert_parallel(groups))
     if args.late_first_bucket:
         # its gradient arrives at the very end of backward, and buckets launch strictly in order
         model.late = torch.nn.Parameter(torch.zeros(args.hidden))
