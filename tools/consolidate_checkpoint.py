@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from moezero.training import checkpoint
+from moezero import checkpoint
 
 
 def main(argv=None) -> int:

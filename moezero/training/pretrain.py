@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from moezero import checkpoint
 from moezero.compression import QATConfig, QATController, apply_qat
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, TrainConfig,
                             ZeroConfig, check_experts_divide)
@@ -27,7 +28,6 @@ from moezero.models.gpt import is_moe_layer
 from moezero.moe import expert_parallel
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups, rank_layout
-from moezero.training import checkpoint
 from moezero.training.args import parse_configs
 from moezero.training.logging import Timer, build_logger, format_train_line
 from moezero.training.loop import evaluate, expert_load_metrics, train_step
@@ -228,9 +228,7 @@ class Pretraining:
         self.logger.log({"validation/lm loss": loss, "validation/lm loss ppl": ppl}, self.iteration)
 
     def _save(self) -> None:
-        state = {"iteration": self.iteration, **self.opt.scalar_state(),
-                 "world_size": self.world, "param_shapes": checkpoint.global_param_shapes(self.opt),
-                 "qat": self.qat.state_dict() if self.qat is not None else None,
+        state = {"qat": self.qat.state_dict() if self.qat is not None else None,
                  "configs": {k: dataclasses.asdict(v) for k, v in vars(self.cfg).items()}}
         path = checkpoint.save_checkpoint(self.cfg.train.save, self.iteration, self.model, self.opt, state,
                                           self.groups.control)

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from moezero.training import checkpoint
+from moezero import checkpoint
 from tests.integration.pretrain_utils import TINY, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

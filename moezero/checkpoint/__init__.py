@@ -1,0 +1,11 @@
+"""Training checkpoints: the one owner of their format (DCP keys, train state, consolidation).
+
+    save_checkpoint(root, iteration, model, opt, run_state, group)   # collective, atomic
+    train_state = load_checkpoint(path, model, opt, group)           # collective, any layout
+    read_train_state(path); consolidate_checkpoint(path)             # one process, offline
+"""
+from moezero.checkpoint.layout import POINTER, iteration_dir, latest_iteration, resolve_checkpoint
+from moezero.checkpoint.store import consolidate_checkpoint, load_checkpoint, read_train_state, save_checkpoint
+
+__all__ = ["POINTER", "iteration_dir", "latest_iteration", "resolve_checkpoint", "save_checkpoint",
+           "load_checkpoint", "read_train_state", "consolidate_checkpoint"]

@@ -1,0 +1,96 @@
+"""The DCP keys of a checkpoint, and the conversions between them and what they hold.
+
+    optimizer/<param>/<lo>-<hi>/master     fp32 master weights of global flat elements [lo, hi) of <param>
+    optimizer/<param>/<lo>-<hi>/<state>    the optimizer state of those elements (exp_avg, step, ...)
+    model_state/<name>[@experts<first>]    a buffer or frozen param (expert-parallel ones keyed by first expert)
+    train_state                            pickled dict: iteration, world size, global param shapes,
+                                           optimizer scalars (param groups, loss scaler, skips) and the run's own
+    rng/rank<r>                            pickled RNG states of rank r
+
+Routed experts are stacked over the global experts, so every element has one global coordinate
+whatever the dp/ep/stage layout that wrote it.
+"""
+from __future__ import annotations
+
+import pickle
+import re
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from moezero.parallel import expert_shard_of
+
+TRAIN_STATE = "train_state"
+MODEL_STATE = "model_state/"
+_PIECE = re.compile(r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)/(?P<field>[^/]+)$")
+
+Piece = Dict[str, Any]   # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
+
+
+def rng_key(rank: int) -> str:
+    return f"rng/rank{rank}"
+
+
+def piece_entries(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
+    """{key: tensor} of an optimizer's pieces (scalars such as Adam's step become 0-d tensors)."""
+    entries: Dict[str, torch.Tensor] = {}
+    for name, owned in pieces.items():
+        for piece in owned:
+            lo, hi = piece["range"]
+            prefix = f"optimizer/{name}/{lo}-{hi}"
+            entries[f"{prefix}/master"] = piece["master"]
+            for key, value in piece["state"].items():
+                entries[f"{prefix}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return entries
+
+
+def pieces_from_entries(entries: Dict[str, Any]) -> Dict[str, List[Piece]]:
+    """The pieces among loaded entries (the inverse of `piece_entries`); other keys are ignored."""
+    pieces: Dict[str, Dict[tuple, Piece]] = {}
+    for key, value in entries.items():
+        match = _PIECE.match(key)
+        if not match:
+            continue
+        rng = (int(match["lo"]), int(match["hi"]))
+        piece = pieces.setdefault(match["name"], {}).setdefault(rng, {"range": rng, "master": None, "state": {}})
+        if match["field"] == "master":
+            piece["master"] = value
+        else:
+            piece["state"][match["field"]] = value
+    return {name: list(by_range.values()) for name, by_range in pieces.items()}
+
+
+def piece_keys(keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]],
+               masters_only: bool = False) -> List[str]:
+    """The piece keys among `keys` that overlap `wanted` ({param: global ranges}; None: every piece)."""
+    out = []
+    for key in keys:
+        match = _PIECE.match(key)
+        if not match or (masters_only and match["field"] != "master"):
+            continue
+        lo, hi = int(match["lo"]), int(match["hi"])
+        if wanted is None or any(a < hi and lo < b for a, b in wanted.get(match["name"], [])):
+            out.append(key)
+    return out
+
+
+def non_trainable_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """{key: tensor} of the buffers and frozen params, what the optimizer does not hold."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in trainable:
+            continue
+        shard = expert_shard_of(tensor)
+        key = name if shard is None else f"{name}@experts{shard.first_global_expert}"
+        out[MODEL_STATE + key] = tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
+    return out
+
+
+def encode(obj: Any) -> bytes:
+    return pickle.dumps(obj)
+
+
+def decode(blob: Any) -> Any:
+    return pickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob

@@ -1,0 +1,71 @@
+"""Where checkpoints live on disk, and the atomic switch to a new one.
+
+    DIR/iter_0000100/                         one DCP checkpoint: .metadata + one __<rank>_0.distcp per rank
+    DIR/latest_checkpointed_iteration.txt     Megatron's pointer file, replaced last
+
+A save writes `iter_N.tmp`, renames it to `iter_N` only after every rank finished, then replaces the
+pointer; a crash or Ctrl-C at any point leaves the previous checkpoint and pointer intact (stale
+`.tmp` folders are ignored and removed by the next save).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from moezero.config import ConfigError
+
+POINTER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the pointer file names, or None when there is no checkpoint."""
+    path = os.path.join(root, POINTER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
+        raise FileNotFoundError(f"--load={root}: {POINTER} names iteration {text!r}, which has no checkpoint folder")
+    return int(text)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """An `iter_N` folder, or a --save root whose pointer file names the latest one."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    iteration = latest_iteration(path) if os.path.isdir(path) else None
+    if iteration is None:
+        raise ConfigError(f"--load={path}: not a checkpoint (no .metadata) and no {POINTER} in it")
+    return iteration_dir(path, iteration)
+
+
+def staging_dir(root: str, iteration: int) -> str:
+    """The folder a save writes into before `publish` renames it."""
+    return iteration_dir(root, iteration) + ".tmp"
+
+
+def remove_stale(root: str) -> None:
+    """Rank 0, before a save: create `root`, remove the staging folders of crashed saves."""
+    os.makedirs(root, exist_ok=True)
+    for stale in (p for p in os.listdir(root) if p.endswith(".tmp")):
+        shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+
+
+def publish(root: str, iteration: int) -> str:
+    """Rank 0, after every rank wrote: rename the staged folder into place, then replace the pointer."""
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(staging_dir(root, iteration), final)
+    pointer_tmp = os.path.join(root, POINTER + ".tmp")
+    with open(pointer_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, os.path.join(root, POINTER))
+    return final

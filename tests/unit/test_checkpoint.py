@@ -1,0 +1,65 @@
+"""The checkpoint format on one process: save, offline reads (train state, consolidation with its
+coverage check) and a resume into a fresh model and optimizer."""
+import pytest
+import torch
+
+from moezero import checkpoint
+from moezero.config import GPTConfig, MoEConfig
+from moezero.models import GPTModel, language_model_loss
+from moezero.zero import ZeroOptimizer
+
+GPT = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
+                moe_layer_freq=1, untie_embeddings_and_output_weights=True)
+MOE = MoEConfig(num_experts=4, top_k=2, enable_expert_bias=True)
+
+
+def _trained(steps):
+    model = GPTModel(GPT, MOE, seed=3)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-2)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        logits, stats = model(tokens[:, :-1])
+        loss = language_model_loss(logits, tokens[:, 1:], torch.ones(2, 8)) + sum(s.aux_loss for s in stats)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_save_consolidate_and_resume(tmp_path):
+    model, opt = _trained(2)
+    root = str(tmp_path / "ckpt")
+    path = checkpoint.save_checkpoint(root, 2, model, opt, {"configs": {"note": "mine"}})
+    assert checkpoint.latest_iteration(root) == 2 and checkpoint.resolve_checkpoint(root) == path
+    state = checkpoint.read_train_state(path)
+    assert (state["iteration"], state["world_size"], state["configs"]) == (2, 1, {"note": "mine"})
+    full = checkpoint.consolidate_checkpoint(path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+    fresh, fresh_opt = _trained(0)
+    assert checkpoint.load_checkpoint(path, fresh, fresh_opt)["iteration"] == 2
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh_opt.scalar_state() == opt.scalar_state()
+
+
+class _LostPieces:
+    """An optimizer whose saved pieces miss one param, as if a rank's pieces were never written."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def state_dict(self):
+        shard = self.opt.state_dict()
+        shard["pieces"].pop("embedding.weight")
+        return shard
+
+    def scalar_state(self):
+        return self.opt.scalar_state()
+
+
+def test_consolidation_checks_coverage(tmp_path):
+    model, opt = _trained(1)
+    path = checkpoint.save_checkpoint(str(tmp_path), 1, model, _LostPieces(opt), {})
+    with pytest.raises(ValueError, match="embedding.weight"):
+        checkpoint.consolidate_checkpoint(path)
