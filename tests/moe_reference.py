@@ -1,6 +1,5 @@
 """A naive per-token MoE: the oracle for the MoE layer tests."""
 import torch
-import torch.nn.functional as F
 
 from moezero.moe.experts import activation
 

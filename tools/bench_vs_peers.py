@@ -12,7 +12,6 @@ run on the same processes. DeepSpeed's venv is created on first use (../shared/p
 """
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
