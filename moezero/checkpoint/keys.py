@@ -3,8 +3,9 @@
     optimizer/<param>/<lo>-<hi>/master     fp32 master weights of global flat elements [lo, hi) of <param>
     optimizer/<param>/<lo>-<hi>/<state>    the optimizer state of those elements (exp_avg, step, ...)
     model_state/<name>[@experts<first>]    a buffer or frozen param (expert-parallel ones keyed by first expert)
-    train_state                            pickled dict: iteration, world size, global param shapes,
-                                           optimizer scalars (param groups, loss scaler, skips) and the run's own
+    train_state                            pickled dict: iteration, world_size, param_shapes (global),
+                                           optimizer (scalars: param groups, loss scaler, skip counts),
+                                           configs ({section: fields}), plugins ({name: state})
     rng/rank<r>                            pickled RNG states of rank r
 
 Routed experts are stacked over the global experts, so every element has one global coordinate

@@ -25,19 +25,18 @@ from moezero.checkpoint import keys, layout
 from moezero.zero import consolidate
 
 
-def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, run_state: Dict[str, Any],
-                    group=None) -> str:
+def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
+                    plugins: Dict[str, Any], group=None) -> str:
     """Collective: write iteration `iteration` atomically and point the pointer file at it.
 
-    `run_state` (picklable: configs, plug-in states, ...) is stored in the train state next to what the
-    checkpoint records itself: iteration, world size, global param shapes and the optimizer's scalars.
+    `configs` ({section: dict}) and `plugins` ({name: state}) go into the train state (see `keys`).
     """
     if _rank() == 0:
         layout.remove_stale(root)
     _barrier(group)
     shard = opt.state_dict()
-    train_state = dict(run_state, iteration=iteration, world_size=_world_size(), param_shapes=shard["shapes"],
-                       optimizer=opt.scalar_state())
+    train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
+                   "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins}
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
     state.update(keys.non_trainable_state(model))
     state[keys.TRAIN_STATE] = keys.encode(train_state)

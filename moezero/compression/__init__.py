@@ -4,6 +4,6 @@
     qat = apply_qat(model, QATConfig(weight_bits=4, groups=64), groups, seed)   # before the optimizer
 """
 from moezero.compression.config import MODULE_GROUPS, QATConfig
-from moezero.compression.qat import QATController, apply_qat
+from moezero.compression.qat import PLUGIN_NAME, QATController, apply_qat
 
-__all__ = ["MODULE_GROUPS", "QATConfig", "QATController", "apply_qat"]
+__all__ = ["MODULE_GROUPS", "PLUGIN_NAME", "QATConfig", "QATController", "apply_qat"]

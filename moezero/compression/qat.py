@@ -1,10 +1,12 @@
 """Quantization-aware training on a model: `apply_qat` attaches it, `QATController` drives it.
 
-    qat = apply_qat(model, cfg.qat, groups, seed)     # before ZeroOptimizer(model, ...)
-    opt = ZeroOptimizer(model, ..., param_groups=qat.param_groups(weight_decay))
-    for step in ...: train_step(...); qat.advance()   # once per optimizer step
-    logger.log(qat.scalars(), step)                   # collective over ep
-    train_state["qat"] = qat.state_dict()
+    qat = apply_qat(model, qat_config, groups, seed)   # before ZeroOptimizer(model, ...)
+    opt = ZeroOptimizer(model, ...)
+    for step in ...: train_step(...); qat.on_step_end(step + 1)   # after every optimizer step
+    logger.log(qat.scalars(), step)                    # collective over ep
+    saved["qat"] = qat.state_dict()
+
+`QATController` is a training plug-in (`moezero.training.plugin`); `moezero.recipe` plugs it in.
 
 Implements MoQ-style QAT (DeepSpeed's Mixture-of-Quantization: a bit schedule that lowers the
 precision during training) with fake quantization in the forward and straight-through gradients,
@@ -23,8 +25,11 @@ from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight,
 from moezero.compression.quantizer import quantize_rows, to_rows
 from moezero.compression.schedule import bits_at
 from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
+from moezero.metrics import tag
 from moezero.moe.experts import GroupedExperts
 from moezero.parallel import ParallelGroups, comm
+
+PLUGIN_NAME = "qat"   # its state's name in a checkpoint's plug-in states
 
 # groups whose quantized modules are called with their input (output/router/embedding read the weight directly)
 _ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
@@ -64,9 +69,9 @@ class QATController:
         self.state.step = step
         self.state.bits = bits_at(step, c.first_bits, c.weight_bits, c.bits_period, c.schedule_offset)
 
-    def advance(self) -> None:
-        """Call once after every optimizer step."""
-        self._set_step(self.state.step + 1)
+    def on_step_end(self, iteration: int) -> None:
+        """After an optimizer step: the schedule stands at `iteration` steps."""
+        self._set_step(iteration)
 
     def bits_by_group(self) -> Dict[str, int]:
         """Current bits per module group (0 while still in full precision)."""
@@ -98,9 +103,9 @@ class QATController:
                 for i, g in enumerate(groups)}
 
     def scalars(self) -> Dict[str, float]:
-        """TensorBoard scalars: qat/bits/<group> and qat/quant-error/<group> (collective over ep)."""
-        out: Dict[str, float] = {f"qat/bits/{g}": float(b) for g, b in self.bits_by_group().items()}
-        out.update({f"qat/quant-error/{g}": e for g, e in self.quantization_error().items()})
+        """TensorBoard scalars: bits and quantization error per module group (collective over ep)."""
+        out: Dict[str, float] = {tag("qat_bits", group=g): float(b) for g, b in self.bits_by_group().items()}
+        out.update({tag("qat_quant_error", group=g): e for g, e in self.quantization_error().items()})
         return out
 
     # ---- optimizer and checkpoints --------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from moezero import checkpoint
 from moezero.compression.config import QATConfig
 from moezero.compression.description import ModelDescription
+from moezero.compression.qat import PLUGIN_NAME
 from moezero.compression.targets import canonical_name
 from moezero.config import GPTConfig, MoEConfig
 
@@ -43,6 +44,6 @@ def load_checkpoint_model(path: str) -> CheckpointModel:
     # the params' dtype only (fake quantization saw the masters rounded to it); no batch settings are read
     dtype = torch.bfloat16 if train.get("bf16") else torch.float16 if train.get("fp16") else torch.float32
     qat_cfg = QATConfig(**configs["qat"]) if configs.get("qat") and configs["qat"].get("weight_bits") else None
-    qat_state = train_state.get("qat") or {}
+    qat_state = train_state["plugins"].get(PLUGIN_NAME) or {}
     return CheckpointModel(path, state, ModelDescription.from_configs(gpt, moe, dtype), qat_cfg,
                            qat_state.get("step"), int(train_state["iteration"]))

@@ -1,18 +1,20 @@
 """Console lines in Megatron's format and TensorBoard scalars; a null logger on non-writing ranks.
 
-Metrics are reduced on every rank before they get here; only the writing is rank 0's.
+Metrics are reduced on every rank before they get here; only the writing is rank 0's. Labels, formats
+and tags come from `moezero.metrics`.
 """
 from __future__ import annotations
 
-import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional, Union
+
+from moezero.metrics import console_fields
 
 
-class MetricsLogger:
+class NullLogger:
     """Writes nothing (every rank but 0)."""
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, scalars: Dict[str, float], step: int) -> None:
         pass
 
     def print(self, line: str) -> None:
@@ -22,8 +24,8 @@ class MetricsLogger:
         pass
 
 
-class Rank0Logger(MetricsLogger):
-    """Console to stdout, scalars to TensorBoard when a directory is given."""
+class TensorBoardLogger:
+    """Console lines to stdout; scalars ({tag: value}) to TensorBoard when a directory is given."""
 
     def __init__(self, tensorboard_dir: Optional[str]):
         self.writer = None
@@ -32,10 +34,10 @@ class Rank0Logger(MetricsLogger):
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
 
-    def log(self, metrics: Dict[str, float], step: int) -> None:
+    def log(self, scalars: Dict[str, float], step: int) -> None:
         if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
 
     def print(self, line: str) -> None:
         print(line, flush=True)
@@ -46,32 +48,26 @@ class Rank0Logger(MetricsLogger):
             self.writer.close()
 
 
-def build_logger(rank: int, tensorboard_dir: Optional[str]) -> MetricsLogger:
-    return Rank0Logger(tensorboard_dir) if rank == 0 else MetricsLogger()
+Logger = Union[NullLogger, TensorBoardLogger]
 
 
-def format_train_line(iteration: int, train_iters: int, metrics: Dict[str, float], eta_s: float) -> str:
-    """Megatron-style: ' iteration   10/ 100 | consumed samples: ... | lm loss: ... |'."""
+def build_logger(rank: int, tensorboard_dir: Optional[str]) -> Logger:
+    return TensorBoardLogger(tensorboard_dir) if rank == 0 else NullLogger()
+
+
+def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float) -> str:
+    """Megatron-style: ' iteration   10/ 100 | consumed samples: ... | lm loss: ... | ETA: ... |'."""
     width = len(str(train_iters))
-    parts = [
-        f" iteration {iteration:>{width}}/{train_iters:>{width}}",
-        f"consumed samples: {int(metrics['consumed_samples']):>8}",
-        f"elapsed time per iteration (ms): {metrics['step_time_s'] * 1000:.1f}",
-        f"learning rate: {metrics['lr']:.6E}",
-        f"global batch size: {int(metrics['global_batch_size']):>4}",
-        f"lm loss: {metrics['lm_loss']:.6E}",
-        f"aux loss: {metrics['aux_loss']:.4E}",
-        f"z loss: {metrics['z_loss']:.4E}",
-        f"grad norm: {metrics['grad_norm']:.4f}",
-    ]
-    if "loss_scale" in metrics:
-        parts.append(f"loss scale: {metrics['loss_scale']:.1f}")
-    parts += [
-        f"tokens/s: {metrics['tokens_per_s']:.0f}",
-        f"skipped iterations: {int(metrics['skipped_iterations'])}",
-        f"ETA: {format_duration(eta_s)}",
-    ]
+    parts = [f" iteration {iteration:>{width}}/{train_iters:>{width}}", *console_fields(values),
+             f"ETA: {format_duration(eta_s)}"]
     return " | ".join(parts) + " |"
+
+
+def format_validation_line(iteration: int, values: Mapping[str, float]) -> str:
+    """Megatron-style, framed by dashes: ' validation loss at iteration 50 | lm loss value: ... |'."""
+    line = " | ".join([f" validation loss at iteration {iteration}", *console_fields(values)]) + " |"
+    bar = "-" * len(line)
+    return f"{bar}\n{line}\n{bar}"
 
 
 def format_duration(seconds: float) -> str:
@@ -85,7 +81,3 @@ class Timer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
-
-
-def warn(message: str) -> None:
-    print(f"WARNING: {message}", file=sys.stderr, flush=True)

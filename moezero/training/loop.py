@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
 from moezero.data import load_micro_batch
 from moezero.keyed_random import SampleKeys
+from moezero.metrics import tag
 from moezero.models import language_model_loss
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import comm
@@ -29,6 +30,10 @@ class StepMetrics:
     stepped: bool
     tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
     dropped_fraction: torch.Tensor    # (MoE layers,): mean over micro-batches and ranks
+
+    def values(self) -> Dict[str, float]:
+        """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
+        return {"lm_loss": self.lm_loss, "aux_loss": self.aux_loss, "z_loss": self.z_loss, "grad_norm": self.grad_norm}
 
 
 def _micro_batch_losses(model, batch, keys):
@@ -99,12 +104,14 @@ def evaluate(model, dataset, micro_batches: Sequence[Sequence[int]], group) -> f
     return float(total.item()) / comm.group_size(group)
 
 
-def expert_load_metrics(tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> List[dict]:
-    """Per MoE layer: tokens per expert, max/mean load ratio and dropped fraction (for logging)."""
-    out = []
-    for counts, drop in zip(tokens_per_expert, dropped):
+def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.Tensor, dropped: torch.Tensor
+                        ) -> Dict[str, float]:
+    """TensorBoard scalars per MoE layer: tokens per expert, max/mean load ratio and dropped fraction."""
+    out: Dict[str, float] = {}
+    for layer, counts, drop in zip(layer_numbers, tokens_per_expert, dropped):
         mean = counts.mean().item()
-        out.append({"tokens_per_expert": counts.tolist(),
-                    "max_mean_load_ratio": counts.max().item() / mean if mean > 0 else 0.0,
-                    "dropped_fraction": drop.item()})
+        out[tag("max_mean_load_ratio", layer=layer)] = counts.max().item() / mean if mean > 0 else 0.0
+        out[tag("dropped_fraction", layer=layer)] = drop.item()
+        for expert, count in enumerate(counts.tolist()):
+            out[tag("tokens_per_expert", layer=layer, expert=expert)] = count
     return out

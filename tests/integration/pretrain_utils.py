@@ -1,8 +1,9 @@
 """Run the pretraining script in-process (inside a test rank, or the test process itself)."""
 import os
 
+from moezero.recipe import CONFIG_CLASSES, RecipeConfigs, pretraining
 from moezero.training.args import build_parser, configs_from_args
-from moezero.training.pretrain import CONFIG_CLASSES, DESCRIPTION, Configs, Pretraining
+from moezero.training.configs import DESCRIPTION
 from tests.dist_utils import assert_replicas_equal
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -19,12 +20,12 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
 
 def configs(argv):
     namespace = build_parser(CONFIG_CLASSES, DESCRIPTION).parse_args(argv)
-    return Configs(**configs_from_args(namespace, CONFIG_CLASSES))
+    return RecipeConfigs(**configs_from_args(namespace, CONFIG_CLASSES))
 
 
 def train(argv, cache_dir):
     """Run a pretraining job; returns its per-iteration history."""
-    run = Pretraining(configs(argv + ["--data-cache-path", cache_dir]))
+    run = pretraining(configs(argv + ["--data-cache-path", cache_dir]))
     run.train()
     assert_replicas_equal(run.model, run.groups)  # dense params and buffers bitwise equal on every rank
     run.groups.destroy()

@@ -9,7 +9,7 @@ import pytest
 
 from moezero.config import ConfigError
 from moezero.data import DataError
-from moezero.training.pretrain import validate
+from moezero.training.configs import validate
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import ASSETS, TINY, configs, train
 

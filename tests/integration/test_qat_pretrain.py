@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moezero.config import ConfigError
-from moezero.training.pretrain import Pretraining
+from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import ASSETS, CORPUS, TINY, configs
 
 ROOT = os.path.dirname(os.path.dirname(ASSETS))
@@ -18,10 +18,15 @@ SCHEDULE = QAT + ["--qat-start-bits", "6", "--qat-bits-period", "2", "--qat-sche
 
 
 def _run(argv, cache_dir):
-    run = Pretraining(configs(argv + ["--data-cache-path", cache_dir]))
+    run = pretraining(configs(argv + ["--data-cache-path", cache_dir]))
     run.train()
     run.groups.destroy()
     return run
+
+
+def _schedule(run):
+    qat = run.plugins["qat"]
+    return qat.step, qat.bits
 
 
 def _tool(name):
@@ -36,9 +41,9 @@ def test_bit_schedule_survives_a_checkpoint_resume_and_is_logged(tmp_path):
     argv = TINY + ["--train-iters", "8"] + SCHEDULE
     straight = _run(argv + ["--log-interval", "2", "--tensorboard-dir", tb], cache)
     first = _run(argv + ["--exit-interval", "4", "--save", ckpt], cache)
-    assert (first.qat.step, first.qat.bits) == (4, 5)
+    assert _schedule(first) == (4, 5)
     second = _run(argv + ["--load", ckpt], cache)
-    assert (second.qat.step, second.qat.bits) == (straight.qat.step, straight.qat.bits) == (8, 4)
+    assert _schedule(second) == _schedule(straight) == (8, 4)
     resumed = [h["lm_loss"] for h in first.history + second.history]
     assert resumed == [h["lm_loss"] for h in straight.history]
 

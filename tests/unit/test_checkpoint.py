@@ -29,10 +29,11 @@ def _trained(steps):
 def test_save_consolidate_and_resume(tmp_path):
     model, opt = _trained(2)
     root = str(tmp_path / "ckpt")
-    path = checkpoint.save_checkpoint(root, 2, model, opt, {"configs": {"note": "mine"}})
+    path = checkpoint.save_checkpoint(root, 2, model, opt, configs={"model": {"seed": 3}}, plugins={"p": {"n": 1}})
     assert checkpoint.latest_iteration(root) == 2 and checkpoint.resolve_checkpoint(root) == path
     state = checkpoint.read_train_state(path)
-    assert (state["iteration"], state["world_size"], state["configs"]) == (2, 1, {"note": "mine"})
+    assert (state["iteration"], state["world_size"], state["configs"], state["plugins"]) == \
+        (2, 1, {"model": {"seed": 3}}, {"p": {"n": 1}})
     full = checkpoint.consolidate_checkpoint(path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(full[name], tensor), name
@@ -60,6 +61,6 @@ class _LostPieces:
 
 def test_consolidation_checks_coverage(tmp_path):
     model, opt = _trained(1)
-    path = checkpoint.save_checkpoint(str(tmp_path), 1, model, _LostPieces(opt), {})
+    path = checkpoint.save_checkpoint(str(tmp_path), 1, model, _LostPieces(opt), configs={}, plugins={})
     with pytest.raises(ValueError, match="embedding.weight"):
         checkpoint.consolidate_checkpoint(path)

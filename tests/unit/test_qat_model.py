@@ -71,7 +71,7 @@ def test_training_under_zero_quantizes_the_forward_and_keeps_fp32_masters():
         opt.backward(_loss(model, seed=step))
         opt.step()
         opt.zero_grad()
-        qat.advance()
+        qat.on_step_end(step + 1)
         for t in qat.targets:  # the trained Parameter is the parametrization's original, and it moves
             p = t.parameter()
             assert id(p) in trained
@@ -101,9 +101,9 @@ def test_quantization_really_changes_the_loss():
 def test_bit_schedule_advances_with_steps_and_restores():
     qat = _qat(_model(), start_bits=8, bits_period=2, schedule_offset=1)
     seen = []
-    for _ in range(12):
+    for step in range(12):
         seen.append(qat.bits)
-        qat.advance()
+        qat.on_step_end(step + 1)
     assert seen == [None, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 4]
     other = _qat(_model(), start_bits=8, bits_period=2, schedule_offset=1)
     other.load_state_dict(qat.state_dict())
@@ -126,7 +126,7 @@ def test_stochastic_rounding_is_keyed_by_step_and_eval_rounds_to_nearest():
     w1 = model.layers[0].mlp.experts.w1
     first, again = w1.detach().clone(), model.layers[0].mlp.experts.w1.detach()
     assert torch.equal(first, again)  # same step: micro-batches and recompute see the same weights
-    qat.advance()
+    qat.on_step_end(1)
     assert not torch.equal(first, model.layers[0].mlp.experts.w1.detach())
     model.eval()
     nearest = _model()
@@ -137,7 +137,7 @@ def test_stochastic_rounding_is_keyed_by_step_and_eval_rounds_to_nearest():
 
 def test_quantized_embedding_keeps_no_weight_decay():
     model = _model()
-    qat = _qat(model, modules="embedding")
+    _qat(model, modules="embedding")
     groups = weight_decay_groups(model, 0.1)
     no_decay = next(g for g in groups if g["weight_decay"] == 0.0)["params"]
     assert any(p is model.embedding.parametrizations.weight.original for p in no_decay)

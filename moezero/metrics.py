@@ -1,0 +1,72 @@
+"""Every metric moezero reports, named once: its console label and format, and its TensorBoard tag.
+
+Producers hand values keyed by the names below (`lm_loss`, ...); the console line and the TensorBoard
+writer look the names up here. Adding a metric is one line in this table (plus producing its value).
+Tags with {fields} are families (one scalar per MoE layer, expert or QAT module group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class Metric:
+    console: Optional[str]      # label on the console line (None: TensorBoard only)
+    tensorboard: Optional[str]  # TensorBoard tag, may name {fields} (None: console only)
+    fmt: str = ""               # format spec of the console value ("d" ones are printed as integers)
+
+
+METRICS: Dict[str, Metric] = {
+    # the training line, in console order (Megatron's labels)
+    "consumed_samples": Metric("consumed samples", "consumed-samples", ">8d"),
+    "step_time_ms": Metric("elapsed time per iteration (ms)", "step-time-ms", ".1f"),
+    "lr": Metric("learning rate", "learning-rate", ".6E"),
+    "global_batch_size": Metric("global batch size", None, ">4d"),
+    "lm_loss": Metric("lm loss", "lm loss", ".6E"),
+    "aux_loss": Metric("aux loss", "aux loss", ".4E"),
+    "z_loss": Metric("z loss", "z loss", ".4E"),
+    "grad_norm": Metric("grad norm", "grad-norm", ".4f"),
+    "loss_scale": Metric("loss scale", "loss-scale", ".1f"),
+    "tokens_per_s": Metric("tokens/s", "tokens-per-sec", ".0f"),
+    "skipped_iterations": Metric("skipped iterations", "skipped-iterations", "d"),
+    "max_rss_mb": Metric(None, "memory/max-rss-mb"),
+    # per MoE layer
+    "max_mean_load_ratio": Metric(None, "moe/layer{layer}/max-mean-load-ratio"),
+    "dropped_fraction": Metric(None, "moe/layer{layer}/dropped-fraction"),
+    "tokens_per_expert": Metric(None, "moe/layer{layer}/tokens-per-expert/{expert}"),
+    # evaluation
+    "validation_loss": Metric("lm loss value", "validation/lm loss", ".6E"),
+    "validation_ppl": Metric("lm loss PPL", "validation/lm loss ppl", ".6E"),
+    # quantization-aware training, per module group
+    "qat_bits": Metric(None, "qat/bits/{group}"),
+    "qat_quant_error": Metric(None, "qat/quant-error/{group}"),
+}
+
+
+def tag(name: str, **fields) -> str:
+    """The TensorBoard tag of metric `name` (KeyError for a metric the table does not name)."""
+    return METRICS[name].tensorboard.format(**fields)
+
+
+def tensorboard_scalars(values: Mapping[str, float]) -> Dict[str, float]:
+    """{tag: value} of the metrics in `values` that go to TensorBoard."""
+    _check_named(values)
+    return {tag(name): value for name, value in values.items() if METRICS[name].tensorboard is not None}
+
+
+def console_fields(values: Mapping[str, float]) -> List[str]:
+    """'label: value' of the console metrics in `values`, in the table's order."""
+    _check_named(values)
+    out = []
+    for name, metric in METRICS.items():
+        if name in values and metric.console is not None:
+            value = int(values[name]) if metric.fmt.endswith("d") else values[name]
+            out.append(f"{metric.console}: {value:{metric.fmt}}")
+    return out
+
+
+def _check_named(values: Mapping[str, float]) -> None:
+    unnamed = set(values) - set(METRICS)
+    if unnamed:
+        raise KeyError(f"metrics missing from moezero.metrics.METRICS: {sorted(unnamed)}")

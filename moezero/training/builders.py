@@ -1,0 +1,70 @@
+"""What a pretraining run is made of, each built by one function from the configs.
+
+    data  = build_data(cfg)
+    model = build_model(cfg, groups, data.tokenizer.vocab_size)    # built, expert-parallel, cast, placed
+    opt   = build_optimizer(model, cfg, groups)                     # after any plug-in reparametrized it
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from moezero.config import ConfigError, GPTConfig, TrainConfig
+from moezero.data import build_datasets
+from moezero.models import GPTModel
+from moezero.moe import expert_parallel
+from moezero.parallel import ParallelGroups
+from moezero.training.configs import Configs
+from moezero.zero import ZeroOptimizer, weight_decay_groups
+
+VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+
+
+def build_data(cfg: Configs):
+    """Train and (when evaluating) validation samples for every step of the run."""
+    t = cfg.train
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    valid = t.eval_iters * t.global_batch_size if evals else 0
+    return build_datasets(cfg.data, cfg.model.seq_length, t.seed,
+                          num_samples=(t.train_iters * t.global_batch_size, valid, 0))
+
+
+def padded_vocab_size(model: GPTConfig, tokenizer_vocab: int) -> int:
+    """--vocab-size, or the tokenizer's rounded up to a multiple of 128 (Megatron's padding)."""
+    vocab = model.vocab_size or math.ceil(tokenizer_vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"--vocab-size={vocab}: smaller than the tokenizer's ({tokenizer_vocab})")
+    return vocab
+
+
+def param_dtype(train: TrainConfig) -> torch.dtype:
+    if train.bf16:
+        return torch.bfloat16
+    if train.fp16:
+        return torch.float16
+    return torch.float64 if train.fp64 else torch.float32
+
+
+def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int) -> GPTModel:
+    """The GPT-MoE with this rank's experts, in the params' dtype, on the device the backend uses."""
+    gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg.model, tokenizer_vocab))
+    model = GPTModel(gpt, cfg.moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
+    model = model.to(param_dtype(cfg.train))
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        model = model.cuda()
+    return model
+
+
+def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
+    """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
+    t = cfg.train
+    if t.optimizer == "adam":
+        cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    else:
+        cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)
+    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero,
+                                     param_groups=weight_decay_groups(model, t.weight_decay), fp16=t.fp16, lr=t.lr,
+                                     **kwargs)

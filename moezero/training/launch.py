@@ -1,0 +1,66 @@
+"""Process-group setup and the exit codes of a pretraining job.
+
+    sys.exit(run(cfg, plugins))   # 0 done, 2 bad configuration or data, 130 Ctrl-C, 1 a peer died
+
+Launched by `torchrun --nproc_per_node=N ...`; one process without torchrun works too (a world of one).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from moezero.config import ConfigError
+from moezero.data import DataError
+from moezero.training.configs import Configs
+from moezero.training.plugin import PluginFactory
+from moezero.training.pretrain import Pretraining
+
+
+def init_distributed(timeout_s: int) -> None:
+    """Join the torchrun world (no-op for a single process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:
+    """Train with `cfg` and `plugins`; returns the process exit code, with one clear line on failure."""
+    try:
+        init_distributed(cfg.train.dist_timeout_s)
+        Pretraining(cfg, plugins).train()
+        return 0
+    except (ConfigError, DataError) as exc:
+        _report(f"error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        _report("interrupted; nothing half-written was left (checkpoints are written atomically)", every_rank=True)
+        return 130
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if not dist.is_initialized() or not _looks_like_peer_failure(exc):
+            raise
+        _report(f"error: a collective failed ({str(exc).splitlines()[0][:200]}); another rank probably died or "
+                "stopped answering. Exiting.", every_rank=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _looks_like_peer_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("connection", "timed out", "timeout", "peer", "gloo", "nccl", "broken pipe"))
+
+
+def _report(message: str, every_rank: bool = False) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank:
+        print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
