@@ -1,0 +1,108 @@
+"""The package graph, read from the source with ast: no import cycle between moezero's packages, the
+layering the design promises, and only the public API of zero/ used outside it."""
+import ast
+import importlib
+import os
+from typing import Dict, Iterator, Set, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ZERO_INTERNALS = {"engine", "inner", "master", "families"}   # attributes only zero/ may touch
+FORBIDDEN = {("moezero.training", "moezero.compression"),   # QAT plugs into training from above
+             ("moezero.compression", "moezero.training"),
+             ("moezero.models", "moezero.parallel"),         # the model knows no parallel layout
+             ("moezero.checkpoint", "moezero.training")}
+
+
+def _sources(*folders) -> Iterator[Tuple[str, ast.Module]]:
+    for folder in folders:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    with open(path) as f:
+                        yield os.path.relpath(path, REPO), ast.parse(f.read(), path)
+
+
+def _imported_modules(tree: ast.Module) -> Iterator[str]:
+    """Absolute names of the moezero modules a file imports ('from moezero import x' -> moezero.x)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("moezero"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moezero"):
+            yield node.module
+            if node.module == "moezero":
+                yield from (f"moezero.{a.name}" for a in node.names)
+
+
+def _package(module: str) -> str:
+    """The graph node: moezero.<first part> (a package, or a top-level module such as moezero.config)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_of_file(path: str) -> str:
+    return _package(os.path.splitext(path)[0].replace(os.sep, ".").removesuffix(".__init__"))
+
+
+def _graph() -> Dict[str, Set[str]]:
+    graph: Dict[str, Set[str]] = {}
+    for path, tree in _sources("moezero"):
+        source = _package_of_file(path)
+        for module in _imported_modules(tree):
+            target = _package(module)
+            if target not in (source, "moezero"):
+                graph.setdefault(source, set()).add(target)
+    return graph
+
+
+def _cycle(graph: Dict[str, Set[str]]):
+    """One cycle as a list of nodes, or None."""
+    state: Dict[str, int] = {}   # 1: on the stack, 2: done
+    stack = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_imports():
+    for path, _ in _sources("moezero"):
+        importlib.import_module(os.path.splitext(path)[0].replace(os.sep, ".").removesuffix(".__init__"))
+
+
+def test_no_import_cycle_between_packages():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+
+
+def test_layering():
+    graph = _graph()
+    broken = [(a, b) for a, b in FORBIDDEN if b in graph.get(a, ())]
+    assert not broken, broken
+
+
+def test_only_the_public_api_of_zero_is_used_outside_it():
+    for path, tree in _sources("moezero", "tools", "examples_moe"):
+        if path.startswith(os.path.join("moezero", "zero")):
+            continue
+        for module in _imported_modules(tree):
+            assert not module.startswith("moezero.zero."), f"{path} imports {module}: use moezero.zero"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ZERO_INTERNALS:
+                raise AssertionError(f"{path}:{node.lineno} reads .{node.attr} (the optimizer's internals)")
