@@ -1,10 +1,4 @@
-import os
-
 import pytest
-
-# The reference path is the oracle for every kernel test; tests that exercise the compiled
-# ops ask for them explicitly.
-os.environ.setdefault("MOEZERO_LOG_LEVEL", "WARNING")
 
 
 def pytest_configure(config):
