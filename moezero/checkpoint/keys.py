@@ -89,6 +89,16 @@ def non_trainable_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def train_state_sections(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The train state with its sections. Checkpoints written before it had them kept the optimizer
+    scalars at the top level and QAT's state under "qat" (now the plug-in "qat"); they still load."""
+    if "optimizer" in state:
+        return state
+    scalars = ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips")
+    return dict(state, optimizer={k: state.get(k) for k in scalars},
+                plugins={"qat": state["qat"]} if state.get("qat") else {})
+
+
 def encode(obj: Any) -> bytes:
     return pickle.dumps(obj)
 

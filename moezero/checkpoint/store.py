@@ -66,7 +66,7 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, A
     if rng_key in metadata:
         request[rng_key] = b""
     _load(request, path, collective=True, group=group)
-    train_state = keys.decode(request[keys.TRAIN_STATE])
+    train_state = keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
     opt.load_state_dict({"pieces": keys.pieces_from_entries(request), **train_state["optimizer"]})
     with torch.no_grad():
         for key, tensor in non_trainable.items():
@@ -80,7 +80,7 @@ def read_train_state(path: str) -> Dict[str, Any]:
     """One process, no process group: the train state of checkpoint `path` (see `save_checkpoint`)."""
     request: Dict[str, Any] = {keys.TRAIN_STATE: b""}
     _load(request, path)
-    return keys.decode(request[keys.TRAIN_STATE])
+    return keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
 
 
 def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:

@@ -64,3 +64,15 @@ def test_consolidation_checks_coverage(tmp_path):
     path = checkpoint.save_checkpoint(str(tmp_path), 1, model, _LostPieces(opt), configs={}, plugins={})
     with pytest.raises(ValueError, match="embedding.weight"):
         checkpoint.consolidate_checkpoint(path)
+
+
+def test_train_state_of_older_checkpoints_reads_in_sections():
+    from moezero.checkpoint.keys import train_state_sections
+
+    old = {"iteration": 4, "world_size": 2, "param_shapes": {}, "configs": {}, "qat": {"step": 4, "bits": 5},
+           "param_groups": [{"lr": 0.1}], "loss_scaler": None, "skipped_steps": 1, "consecutive_skips": 0}
+    state = train_state_sections(old)
+    assert state["optimizer"] == {"param_groups": [{"lr": 0.1}], "loss_scaler": None, "skipped_steps": 1,
+                                  "consecutive_skips": 0}
+    assert state["plugins"] == {"qat": {"step": 4, "bits": 5}}
+    assert train_state_sections(state) is state
