@@ -16,7 +16,7 @@ import torch.distributed as dist
 from moezero.parallel import ParallelGroups, expert_shard_of
 from tests.zero_model import ZeroTestModel, micro_batch, uses_rank0_branch
 
-ZERO_STAGES = (0, 1, 2)  # every stage the tests run
+ZERO_STAGES = (0, 1, 2, 3)  # every stage the tests run
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95))),

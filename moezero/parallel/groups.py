@@ -8,8 +8,8 @@ Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -63,6 +63,7 @@ class ParallelGroups:
     ep: Optional[Any] = None
     edp: Optional[Any] = None
     control: Optional[Any] = None
+    _gather: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -109,10 +110,23 @@ class ParallelGroups:
         edp = _new_subgroup(layout.edp_groups, rank)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control)
 
+    def gather_groups(self) -> Tuple[Optional[Any], Optional[Any]]:
+        """(dp, edp)-shaped groups for ZeRO-3 parameter gathers, made on first use (collective: every
+        rank asks in the same order). Gathers get groups of their own because they interleave with
+        gradient reductions in an order that differs between ranks."""
+        if not self._gather:
+            if self.dp is None:
+                self._gather.update(dp=None, edp=None)
+            else:
+                world = self.layout.world_size
+                self._gather["dp"] = dist.new_group(list(range(world)))
+                self._gather["edp"] = _new_subgroup(self.layout.edp_groups, self.rank)
+        return self._gather["dp"], self._gather["edp"]
+
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
-        for group in (self.dp, self.ep, self.edp, self.control):
+        for group in (self.dp, self.ep, self.edp, self.control, *self._gather.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
                 dist.destroy_process_group(group)

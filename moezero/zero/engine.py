@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ from moezero.zero.grad_strategies import GRAD_STRATEGIES
 from moezero.zero.master import MasterShards, master_dtype_of
 from moezero.zero.param_storage import ReplicatedParams
 from moezero.zero.reducer import FamilyPass, GradReducer
+from moezero.zero.sharded_params import ShardedParams
+from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
 
@@ -48,12 +50,13 @@ class ZeroSettings:
 
 
 class ZeroEngine:
-    def __init__(self, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
-                 settings: ZeroSettings, unit_of: Optional[Mapping[int, int]] = None, storage_factory=None):
+    def __init__(self, model: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
+                 settings: ZeroSettings):
         self.groups, self.settings = groups, settings
-        self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size, unit_of)
-        factory = storage_factory or ReplicatedParams
-        self.storages = [factory(f) for f in self.families]
+        plan = plan_units(model, [p for _, p in named_params]) if settings.stage == 3 else None
+        self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size,
+                                                          plan.unit_of if plan else None)
+        self.storages = [self._param_storage(f) for f in self.families]
         self.strategies = [GRAD_STRATEGIES[settings.stage](f, settings.reduce_dtype(f.dtype),
                                                            master_dtype_of(f.dtype), groups.dp_size)
                            for f in self.families]
@@ -62,13 +65,37 @@ class ZeroEngine:
                                    groups.control, settings.overlap_comm)
         self.master = MasterShards(self.families, self.storages, self.strategies)
         self.inner_state = None  # the inner optimizer's state dict, set by ZeroOptimizer (for memory_bytes)
+        self.gatherer = self._unit_gatherer(plan) if plan else None
+
+    def _param_storage(self, family: ParamFamily):
+        if self.settings.stage != 3:
+            return ReplicatedParams(family)
+        dp, edp = self.groups.gather_groups()
+        return ShardedParams(family, edp if family.kind == "expert" else dp)
+
+    def _unit_gatherer(self, plan: UnitPlan) -> UnitGatherer:
+        parts: Dict[int, list] = {}
+        per_unit: Dict[int, int] = {}
+        for family, storage in zip(self.families, self.storages):
+            for unit in storage.unit_buckets:
+                parts.setdefault(unit, []).append((storage, unit))
+            for unit in family.units:
+                per_unit[unit] = per_unit.get(unit, 0) + 1
+        gatherer = UnitGatherer(plan, parts, per_unit)
+        self.reducer.on_pass_begin = gatherer.begin_backward
+        self.reducer.on_param_done = lambda state, index: gatherer.param_done(state.family.units[index])
+        return gatherer
 
     def params(self) -> List[nn.Parameter]:
         return [p for f in self.families for p in f.params]
 
     def detach(self) -> None:
-        """Remove the hooks and give the params storage of their own (the engine is discarded)."""
+        """Collective at stage 3. Remove the hooks and give the params full values in storage of their
+        own (the engine is discarded)."""
         self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+            self.gatherer.gather_all()
         for storage in self.storages:
             storage.release()
 

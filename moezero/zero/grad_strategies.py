@@ -270,4 +270,5 @@ class ReduceScatterEveryBackward(GradStrategy):
                 self._staging[bucket] = None
 
 
-GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward}
+GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward,
+                   3: ReduceScatterEveryBackward}

@@ -31,7 +31,7 @@ class ModelGuard:
         def after(module, args, output):
             opt = ref()
             if opt is not None:
-                opt._after_forward()
+                opt._after_forward(output)
 
         self._handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
 

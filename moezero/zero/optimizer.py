@@ -28,6 +28,7 @@ from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.families import Range
 from moezero.zero.loss_scaler import DynamicLossScaler
+from moezero.zero.modify import modify_model
 from moezero.zero.model_guard import ModelGuard, storage_replaced_error, unknown_param_error
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups, trainable
 from moezero.zero.state import load_state, shard_state
@@ -81,10 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
         self._building = True
         self._retired = False
+        self._modifying = False
         user_groups = normalize_param_groups(trainable(model.parameters()) if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
-        self.engine.inner_state = self.inner.state
         super().__init__(user_groups, self.inner.defaults)
         self._building = False
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
@@ -113,13 +114,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in self.model.named_parameters() if id(p) in group_of]
         if len(named) != len(group_of):
             raise ValueError("param_groups hold a tensor that is not a parameter of the model")
-        engine = ZeroEngine(named, self.groups, self.settings)
+        engine = ZeroEngine(self.model, named, self.groups, self.settings)
         view_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in user_groups]
         for v in engine.master.views:
             view_groups[group_of[id(engine.families[v.family].params[v.index])]]["params"].append(v.master)
         self._locate = {id(p): (f, i) for f, fam in enumerate(engine.families) for i, p in enumerate(fam.params)}
         self._outside = {id(p) for p in self.model.parameters() if id(p) not in group_of}
-        return engine, _inner_optimizer(self.optimizer_cls, view_groups, self.optimizer_kwargs)
+        inner = _inner_optimizer(self.optimizer_cls, view_groups, self.optimizer_kwargs)
+        engine.inner_state = inner.state
+        return engine, inner
+
+    def rebuild(self, user_groups: List[Dict]) -> None:
+        """A new engine for these groups (modify_model's adoption); state is loaded afterwards."""
+        self.engine, self.inner = self._build_engine(user_groups)
+        self.param_groups = user_groups
+
+    def param_name(self, param: torch.Tensor) -> str:
+        f, i = self._locate[id(param)]
+        return self.engine.families[f].names[i]
 
     def add_param_group(self, param_group: Dict) -> None:
         if not getattr(self, "_building", False):
@@ -183,6 +195,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure (no element-wise optimizer needs one)")
         self.reduce_gradients()
         engine = self.engine
+        if engine.gatherer is not None:
+            engine.gatherer.free_all()  # a gathered unit would be stale after the update
         took_grad = engine.took_gradient_anywhere()
         reduced = engine.reduced_grads()
         norm = self.last_grad_norm = self._global_norm(reduced)
@@ -229,8 +243,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
-        """Every param full inside (stages 0-2 always are; read them, do not write)."""
-        yield
+        """Collective at stage 3: every param full inside, to read (stages 0-2 always are). To write,
+        or to change the model, use modify_model()."""
+        gatherer = self.engine.gatherer
+        if gatherer is None:
+            yield
+            return
+        gatherer.gather_all()
+        try:
+            yield
+        finally:
+            gatherer.free_all()
+
+    def modify_model(self):
+        """Collective context: every param full and plain inside; on exit the optimizer adopts the
+        model's trainable params (see `moezero.zero.modify`)."""
+        self._check_live()
+        self._recover_aborted_backward()
+        return modify_model(self)
 
     def held_ranges(self) -> Dict[str, List[Range]]:
         """{name: global element ranges} this rank's optimizer holds (what a checkpoint load must supply)."""
@@ -275,11 +305,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- the model guard (root forward hooks) ---------------------------------------------------
     def _before_forward(self) -> None:
+        if self._modifying:
+            return
         self._recover_aborted_backward()
         self._check_model(during_forward=False)
+        if self.engine.gatherer is not None:
+            self.engine.gatherer.root_pre_forward()
 
-    def _after_forward(self) -> None:
+    def _after_forward(self, output) -> None:
+        if self._modifying:
+            return
         self._check_model(during_forward=True)
+        if self.engine.gatherer is not None:
+            self.engine.gatherer.root_post_forward(output)
 
     def _check_model(self, during_forward: bool) -> None:
         for name, p in self.model.named_parameters():
@@ -292,9 +330,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _recover_aborted_backward(self) -> None:
         """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
-        if self.engine.reducer.pass_open and torch._C._current_graph_task_id() == -1:
-            self.engine.reducer.recover_aborted_pass()
-            self.engine.master.clear_grads()
+        engine = self.engine
+        gatherer_open = engine.gatherer is not None and engine.gatherer.backward_open
+        if (engine.reducer.pass_open or gatherer_open) and torch._C._current_graph_task_id() == -1:
+            engine.reducer.recover_aborted_pass()
+            if engine.gatherer is not None:
+                engine.gatherer.recover(self.groups.control)
+            engine.master.clear_grads()
 
     # ---- lifetime ------------------------------------------------------------------------------
     def _retire(self) -> None:
@@ -316,17 +358,17 @@ def _retire_previous_owner(model: nn.Module) -> None:
         opt._retire()
 
 
+# torch's fused kernels (CPU and CUDA) are 2-3x faster than the per-tensor loop. Only where each param's
+# state starts on its own first gradient: fused SGD fails once some params have momentum buffers and a
+# param that got its first gradient later (a data-dependent branch) does not.
+FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
+
+
 def _inner_optimizer(optimizer_cls: type, view_groups: List[Dict], kwargs: Dict) -> torch.optim.Optimizer:
-    """The torch optimizer stepping this rank's master views; fused kernels where torch has them."""
-    if "fused" not in kwargs and "foreach" not in kwargs and "fused" in _init_parameters(optimizer_cls):
-        try:  # torch's fused kernels (CPU and CUDA) are 2-3x faster than the per-tensor loop
+    """The torch optimizer stepping this rank's master views (fused Adam/AdamW unless told otherwise)."""
+    if "fused" not in kwargs and "foreach" not in kwargs and issubclass(optimizer_cls, FUSED_BY_DEFAULT):
+        try:
             return optimizer_cls(view_groups, fused=True, **kwargs)
         except (RuntimeError, ValueError, TypeError):
             pass
     return optimizer_cls(view_groups, **kwargs)
-
-
-def _init_parameters(optimizer_cls: type):
-    import inspect
-
-    return inspect.signature(optimizer_cls.__init__).parameters

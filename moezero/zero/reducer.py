@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -86,6 +86,8 @@ class GradReducer:
         self._pass_synced = False
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
+        self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
+        self.on_param_done: Optional[Callable[[FamilyPass, int], None]] = None
         ref = weakref.ref(self)  # hooks must not keep a discarded optimizer alive
         self._handles = []
         for state in self.states:
@@ -116,6 +118,8 @@ class GradReducer:
         if not self.scaled_backward:
             self.unscaled_passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        if self.on_pass_begin is not None:
+            self.on_pass_begin()
 
     def _before_accumulate(self, state: FamilyPass, index: int) -> None:
         """Before autograd adds a param's gradient: make .grad its view of the bucket."""
@@ -150,6 +154,8 @@ class GradReducer:
                 "instead (e.g. x.float() @ w.float().t()) or change the model inside opt.modify_model().")
         state.fired[index] = state.got_grad[index] = True
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
+        if self.on_param_done is not None:
+            self.on_param_done(state, index)
         bucket = family.bucket_of(index)
         state.pending[bucket] -= 1
         if state.pending[bucket] == 0:

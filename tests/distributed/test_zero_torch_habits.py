@@ -544,3 +544,29 @@ def test_step_consumes_the_gradients():
     assert torch.equal(model.weight, ref.weight)
     assert math.isfinite(opt.last_grad_norm)
 
+
+
+class _LateBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.main, self.late = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+    def forward(self, x, step):
+        return (self.late(self.main(x)) if step >= 2 else self.main(x)).square().mean()
+
+
+def test_sgd_momentum_with_a_param_whose_first_gradient_comes_late():
+    """torch's fused SGD fails once some params have momentum buffers and one gets its first gradient
+    later; the default inner SGD must train like torch's."""
+    model, ref = _LateBranch(), _LateBranch()
+    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for step in range(4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x, step).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -1,0 +1,106 @@
+"""The param side of stage 3: each rank keeps only its slice of every bucket.
+
+A family's buckets never span two gather units (`build_families` breaks buckets at unit
+boundaries), so a unit is a contiguous run of whole buckets. Each unit has one full-size
+tensor whose params are views; freeing the unit resizes its storage to zero and gathering
+resizes it back and all-gathers every bucket's slices into it (FSDP's trick: the params keep
+their identity and storage object, so tensors autograd saved in forward see the gathered
+values again in backward, and no version counter moves).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from moezero.parallel import comm
+from moezero.zero.families import ParamFamily
+from moezero.zero.param_storage import ParamStorage, storage_id
+
+
+class ShardedParams(ParamStorage):
+    def __init__(self, family: ParamFamily, gather_group: Optional[Any]):
+        super().__init__(family)
+        self.gather_group = gather_group
+        g = family.group_size
+        numels = [family.bucket_numel(b) for b in range(family.num_buckets)]
+        self._shard_start = [sum(numels[:b]) // g for b in range(family.num_buckets)]
+        device = family.params[0].device
+        self.shard = torch.empty(sum(numels) // g, dtype=family.dtype, device=device)
+        self.unit_buckets: Dict[int, List[int]] = {}
+        for b in range(family.num_buckets):
+            unit = family.units[family.bucket_params[b][0]] if family.bucket_params[b] else 0
+            self.unit_buckets.setdefault(unit, []).append(b)
+        self._full: Dict[int, torch.Tensor] = {}
+        self._nbytes: Dict[int, int] = {}
+        self._fill_shard_and_adopt(device)
+
+    def _fill_shard_and_adopt(self, device) -> None:
+        family = self.family
+        self.shard.zero_()
+        with torch.no_grad():
+            for b in range(family.num_buckets):
+                shard = self.values(b, family.owned[b])
+                for index, (lo, hi), offset in family.pieces(b, family.owned[b]):
+                    shard[offset:offset + hi - lo].copy_(family.params[index].detach().reshape(-1)[lo:hi])
+            for unit, buckets in self.unit_buckets.items():
+                first = family.layout.buckets[buckets[0]].start
+                numel = sum(family.bucket_numel(b) for b in buckets)
+                full = torch.empty(numel, dtype=family.dtype, device=device)
+                for b in buckets:
+                    start = family.layout.buckets[b].start - first
+                    for index in family.bucket_params[b]:
+                        slot = family.slot(index)
+                        p = family.params[index]
+                        p.data = full[start + slot.offset:start + slot.offset + slot.numel].view(p.shape)
+                self._full[unit] = full
+                self._nbytes[unit] = full.untyped_storage().nbytes()
+                full.untyped_storage().resize_(0)  # stored as shards only from now on
+
+    def _bucket_in_unit(self, unit: int, bucket: int) -> torch.Tensor:
+        first = self.family.layout.buckets[self.unit_buckets[unit][0]].start
+        b = self.family.layout.buckets[bucket]
+        return self._full[unit][b.start - first:b.start - first + b.numel]
+
+    # ---- gather / free (driven by units.UnitGatherer) ---------------------------------------------
+    def gather(self, unit: int) -> List[Any]:
+        """Start all-gathering the unit's buckets into its full tensor; returns the work handles."""
+        self._full[unit].untyped_storage().resize_(self._nbytes[unit])
+        works = []
+        for b in self.unit_buckets[unit]:
+            works.append(comm.all_gather(self._bucket_in_unit(unit, b), self.values(b, self.family.owned[b]),
+                                         self.gather_group, async_op=True))
+        return [w for w in works if w is not None]
+
+    def free(self, unit: int) -> None:
+        self._full[unit].untyped_storage().resize_(0)
+
+    def is_gathered(self, unit: int) -> bool:
+        return self._full[unit].untyped_storage().nbytes() > 0
+
+    # ---- ParamStorage -----------------------------------------------------------------------------
+    def values(self, bucket, span):
+        lo, hi = span
+        if (lo, hi) != self.family.owned[bucket]:
+            raise ValueError(f"stage 3 holds only its own slice {self.family.owned[bucket]} of bucket {bucket}")
+        start = self._shard_start[bucket]
+        return self.shard[start:start + hi - lo]
+
+    def publish(self, spans):
+        pass  # units gather the updated shards when they next run
+
+    def storage_intact(self, index):
+        unit = self.family.units[index]
+        return storage_id(self.family.params[index]) == storage_id(self._full[unit])
+
+    def nbytes(self):
+        gathered = sum(self._nbytes[u] for u in self._full if self.is_gathered(u))
+        return self.shard.numel() * self.shard.element_size() + gathered
+
+    def release(self):
+        """Params become plain full tensors; every unit must be gathered (the gatherer does it first)."""
+        for index, p in enumerate(self.family.params):
+            if self.storage_intact(index):
+                p.data = p.data.clone()
+        for unit in self._full:
+            self.free(unit)
