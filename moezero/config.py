@@ -131,10 +131,9 @@ class MoEConfig(Validated):
 
     def __post_init__(self):
         self._check_all_choices()
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
         self._require(self.hidden_size >= 1, "hidden_size", "must be >= 1")
-        self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size", "must be >= 1")
+        if self.ffn_hidden_size is not None:  # None: derived (a GPT's dense width, else 4 * hidden)
+            self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size", "must be >= 1")
         self._require(self.num_experts >= 1, "num_experts", "must be >= 1")
         self._require(1 <= self.top_k <= self.num_experts, "top_k",
                       f"must be between 1 and --num-experts ({self.num_experts})")
@@ -200,6 +199,11 @@ class GPTConfig(Validated):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
 
 
+def expert_ffn_size(moe: MoEConfig) -> int:
+    """The experts' FFN width: --moe-ffn-hidden-size, else 4 * hidden (inside a GPT: its dense width)."""
+    return moe.ffn_hidden_size or 4 * moe.hidden_size
+
+
 def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
     """The MoE layers' config inside a GPT: `moe` with the fields the model decides (width, activation, init)."""
     return dataclasses.replace(moe, hidden_size=gpt.hidden_size,
@@ -213,8 +217,8 @@ class ZeroConfig(Validated):
     """The ZeRO optimizer wrapper and mixed precision."""
 
     section = "zero"
-    stage: int = option(2, "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients",
-                        flag="--zero-stage", choices=(0, 1, 2))
+    stage: int = option(2, "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients, "
+                        "3 = + sharded params", flag="--zero-stage", choices=(0, 1, 2, 3))
     bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moezero.config import MoEConfig
+from moezero.config import MoEConfig, expert_ffn_size
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,7 +74,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, config: MoEConfig, shard: ExpertShard):
         super().__init__()
-        L, D, Fw = shard.num_local_experts, config.hidden_size, config.ffn_hidden_size
+        L, D, Fw = shard.num_local_experts, config.hidden_size, expert_ffn_size(config)
         fan_out = 2 * Fw if config.activation == "swiglu" else Fw
         self.activation = config.activation
         self.use_grouped = config.grouped_gemm

@@ -67,7 +67,7 @@ def test_export_and_eval_tools(tmp_path, capsys):
     assert export.main(["--load", ckpt, "--output", out]) == 0
     blob = torch.load(out, weights_only=True)
     w1 = blob["quantized"]["layers.0.mlp.experts.w1"]
-    assert w1["codes"].dtype == torch.uint8 and w1["codes"].numel() * 2 == w1["units"] * 32 * 256
+    assert w1["codes"].dtype == torch.uint8 and w1["codes"].numel() * 2 == w1["units"] * 32 * 128
     assert export.main(["--load", plain, "--output", str(tmp_path / "ptq.mzq"), "--weight-bits", "8",
                         "--no-symmetric", "--modules", "attention,experts,router,embedding"]) == 0
     with pytest.raises(SystemExit):

@@ -1,7 +1,7 @@
 import pytest
 
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, TrainConfig, ZeroConfig, check_experts_divide,
-                            flag_of)
+                            expert_ffn_size, flag_of, moe_layer_config)
 
 
 def test_flags_come_from_field_metadata():
@@ -15,7 +15,7 @@ def test_flags_come_from_field_metadata():
     (MoEConfig, dict(capacity_factor=0.0), "--moe-expert-capacity-factor=0.0"),
     (MoEConfig, dict(score_function="relu"), "softmax, sigmoid"),
     (GPTConfig, dict(hidden_size=30, num_attention_heads=4), "--hidden-size=30"),
-    (ZeroConfig, dict(stage=3), "--zero-stage=3: must be one of 0, 1, 2"),
+    (ZeroConfig, dict(stage=4), "--zero-stage=4: must be one of 0, 1, 2, 3"),
     (TrainConfig, dict(bf16=True, fp16=True), "--fp16"),
     (TrainConfig, dict(lr_decay_style="step"), "constant, linear, cosine"),
 ])
@@ -26,8 +26,11 @@ def test_bad_values_name_the_flag(cls, kwargs, needle):
 
 
 def test_defaults_fill_derived_sizes():
-    cfg = MoEConfig(hidden_size=48)
-    assert cfg.ffn_hidden_size == 192
+    assert expert_ffn_size(MoEConfig(hidden_size=48)) == 192
+    # inside a GPT the experts default to the dense MLP's width, as --moe-ffn-hidden-size's help says
+    gpt = GPTConfig(hidden_size=32, num_attention_heads=2, ffn_hidden_size=100)
+    assert expert_ffn_size(moe_layer_config(gpt, MoEConfig(), seed=0)) == 100
+    assert expert_ffn_size(moe_layer_config(gpt, MoEConfig(ffn_hidden_size=64), seed=0)) == 64
     gpt = GPTConfig(seq_length=96)
     assert gpt.max_position_embeddings == 96 and gpt.ffn_hidden_size == 4 * gpt.hidden_size
 

@@ -170,7 +170,7 @@ def test_groups_that_do_not_divide_a_tensor_name_it_and_the_flag():
     with pytest.raises(ConfigError, match=r"--qat-groups=7: does not divide layers\.0\.attention\.qkv\.weight "
                                           r"\(3072 elements\)"):
         apply_qat(_model(), QATConfig(weight_bits=4, groups=7))
-    with pytest.raises(ConfigError, match=r"experts\.w1 \(8192 elements per expert\)"):
+    with pytest.raises(ConfigError, match=r"experts\.w1 \(4096 elements per expert\)"):
         apply_qat(_model(), QATConfig(weight_bits=4, groups=3, modules="experts"))
     with pytest.raises(ConfigError, match="--qat-modules=output: the output layer shares its weight"):
         apply_qat(_model(), QATConfig(weight_bits=4, modules="output"))
