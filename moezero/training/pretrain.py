@@ -110,8 +110,9 @@ class Pretraining:
         self.logger.print(format_train_line(self.iteration, t.train_iters, values, eta))
         scalars = tensorboard_scalars(values)
         scalars.update(expert_load_scalars(self._moe_layer_numbers(), m.tokens_per_expert, m.dropped_fraction))
-        for plugin in self.plugins.values():
-            scalars.update(plugin.scalars())  # may be a collective: every rank logs
+        with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
+            for plugin in self.plugins.values():
+                scalars.update(plugin.scalars())  # may be a collective: every rank logs
         self.logger.log(scalars, self.iteration)
 
     def _moe_layer_numbers(self) -> List[int]:

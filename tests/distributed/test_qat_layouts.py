@@ -25,7 +25,7 @@ def _curve(argv, cache_dir):
 
 def _two_rank_curves(cache_dir, extra):
     runs = {}
-    for ep, stage in ((1, 2), (2, 0), (2, 1), (2, 2)):
+    for ep, stage in ((1, 2), (2, 0), (2, 1), (2, 2), (1, 3), (2, 3)):
         argv = TINY + ITERS + QAT + extra + ["--expert-model-parallel-size", str(ep), "--zero-stage", str(stage)]
         runs[f"2 ranks ep{ep} stage{stage}"] = _curve(argv, cache_dir)
     return runs

@@ -21,8 +21,8 @@ FP64 = ["--fp64"]  # exactness claims run in float64: a capacity or rounding dec
 def _layouts(cache_dir):
     runs = {}
     for ep in (1, 2):
-        for stage in (0, 1, 2):
-            if ep == 1 and stage != 2:
+        for stage in (0, 1, 2, 3):
+            if ep == 1 and stage not in (2, 3):
                 continue
             argv = TINY + ITERS + FP64 + ["--expert-model-parallel-size", str(ep), "--zero-stage", str(stage)]
             runs[f"2 ranks ep{ep} stage{stage}"] = [h["lm_loss"] for h in train(argv, cache_dir)]
@@ -55,6 +55,27 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     resumed = first + second
     assert [h["lm_loss"] for h in resumed] == [h["lm_loss"] for h in straight]
     assert [h["grad_norm"] for h in resumed] == [h["grad_norm"] for h in straight]
+
+
+def _resume_across_stages(cache_dir, save_dir):
+    ep2 = ["--expert-model-parallel-size", "2"]
+    straight = train(TINY + ITERS + FP64 + ep2, cache_dir)
+    curves = {}
+    for first_stage, second_stage in ((2, 3), (3, 2)):
+        path = f"{save_dir}/{first_stage}to{second_stage}"
+        first = train(TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(first_stage), "--exit-interval", "10",
+                                                   "--save", path], cache_dir)
+        second = train(TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(second_stage), "--load", path], cache_dir)
+        curves[(first_stage, second_stage)] = [h["lm_loss"] for h in first + second]
+    return [h["lm_loss"] for h in straight], curves
+
+
+def test_a_stage2_checkpoint_resumes_at_stage3_and_back(tmp_path):
+    straight, curves = run_distributed(_resume_across_stages, 2, str(tmp_path), str(tmp_path / "ckpt"),
+                                       timeout=400)[0]
+    for name, curve in curves.items():
+        assert len(curve) == len(straight)
+        assert max(abs(a - b) / b for a, b in zip(curve, straight)) < 1e-10, (name, curve, straight)
 
 
 # ---- TensorBoard ------------------------------------------------------------------------------------
@@ -95,7 +116,7 @@ def test_flag_combinations_fail_with_one_clear_message(extra, world, needle):
 def test_bad_values_and_missing_data_exit_with_one_line(tmp_path):
     script = os.path.join(os.path.dirname(ASSETS), "..", "examples_moe", "pretrain_gpt_moe.py")
     cases = [(["--moe-router-topk", "9"], "--moe-router-topk=9: must be between 1 and --num-experts (4)"),
-             (["--zero-stage", "3"], "--zero-stage"),
+             (["--zero-stage", "4"], "--zero-stage"),
              (["--data-path", str(tmp_path / "missing")], "--data-path")]
     for extra, needle in cases:
         proc = subprocess.run([sys.executable, script] + TINY + extra + ["--data-cache-path", str(tmp_path)],
