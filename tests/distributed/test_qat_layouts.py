@@ -93,3 +93,26 @@ def test_exported_model_matches_the_fake_quant_model_on_1_and_2_ranks(tmp_path):
             assert torch.allclose(q, fake1, rtol=0, atol=1e-5), (ep, (q - fake1).abs().max())
             assert torch.allclose(fake, fake1, rtol=0, atol=1e-5)
             assert abs(loss - loss1) < 1e-6 * loss1
+
+
+def test_quantized_export_from_a_stage3_checkpoint(tmp_path):
+    """The export reads the checkpoint's master weights, whatever stage wrote them: stage 3 and stage 2
+    runs (float64) export the same codes and scales."""
+    exports = []
+    for stage in (2, 3):
+        ckpt = str(tmp_path / f"ckpt{stage}")
+        run_distributed(train, 2, TINY + QAT + ["--train-iters", "3", "--fp64", "--zero-stage", str(stage),
+                                                "--expert-model-parallel-size", "2", "--save", ckpt],
+                        str(tmp_path), timeout=300)
+        source = load_checkpoint_model(ckpt)
+        exports.append(export_quantized(source, source.qat))
+    stage2, stage3 = exports
+    assert stage2["quantized"].keys() == stage3["quantized"].keys() and len(stage2["quantized"]) > 0
+    for name, entry in stage2["quantized"].items():  # integer codes equal; scales to float64 reassociation
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tol = dict(rtol=0, atol=0) if not value.is_floating_point() else dict(rtol=1e-9, atol=1e-13)
+                torch.testing.assert_close(stage3["quantized"][name][key], value, **tol,
+                                           msg=lambda m: f"{name}.{key}: {m}")
+    for name, value in stage2["tensors"].items():
+        torch.testing.assert_close(stage3["tensors"][name], value, rtol=1e-9, atol=1e-13)
