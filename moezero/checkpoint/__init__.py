@@ -2,10 +2,14 @@
 
     save_checkpoint(root, iteration, model, opt, run_state, group)   # collective, atomic
     train_state = load_checkpoint(path, model, opt, group)           # collective, any layout
+    CheckpointError                                                  # missing, damaged: one line naming the file
     read_train_state(path); consolidate_checkpoint(path)             # one process, offline
 """
-from moezero.checkpoint.layout import POINTER, iteration_dir, latest_iteration, resolve_checkpoint
+from moezero.checkpoint.errors import CheckpointError
+from moezero.checkpoint.layout import (POINTER, iteration_dir, latest_iteration, resolve_checkpoint, saved_iterations,
+                                       unfinished_saves)
 from moezero.checkpoint.store import consolidate_checkpoint, load_checkpoint, read_train_state, save_checkpoint
 
-__all__ = ["POINTER", "iteration_dir", "latest_iteration", "resolve_checkpoint", "save_checkpoint",
-           "load_checkpoint", "read_train_state", "consolidate_checkpoint"]
+__all__ = ["CheckpointError", "POINTER", "iteration_dir", "latest_iteration", "resolve_checkpoint",
+           "saved_iterations", "unfinished_saves", "save_checkpoint", "load_checkpoint", "read_train_state",
+           "consolidate_checkpoint"]

@@ -10,12 +10,14 @@ pointer; a crash or Ctrl-C at any point leaves the previous checkpoint and point
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from typing import Optional
+from typing import List, Optional
 
-from moezero.config import ConfigError
+from moezero.checkpoint.errors import CheckpointError
 
 POINTER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"^iter_(\d+)$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -30,17 +32,34 @@ def latest_iteration(root: str) -> Optional[int]:
     with open(path) as f:
         text = f.read().strip()
     if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
-        raise FileNotFoundError(f"--load={root}: {POINTER} names iteration {text!r}, which has no checkpoint folder")
+        raise CheckpointError(f"{path}: names iteration {text!r}, which has no checkpoint folder (saved: "
+                              f"{saved_iterations(root) or 'none'}; pick one with --ckpt-step)")
     return int(text)
 
 
-def resolve_checkpoint(path: str) -> str:
+def saved_iterations(root: str) -> List[int]:
+    """The iterations of the complete checkpoints in `root`, oldest first (staging folders excluded)."""
+    if not os.path.isdir(root):
+        return []
+    found = (_ITER.match(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def unfinished_saves(root: str) -> List[str]:
+    """Staging folders a save left behind (interrupted before its rename); ignored by loads."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for name in os.listdir(root) if name.endswith(".tmp") and name.startswith("iter_"))
+
+
+def resolve_checkpoint(path: str, flag: str = "--load") -> str:
     """An `iter_N` folder, or a --save root whose pointer file names the latest one."""
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     iteration = latest_iteration(path) if os.path.isdir(path) else None
     if iteration is None:
-        raise ConfigError(f"--load={path}: not a checkpoint (no .metadata) and no {POINTER} in it")
+        what = "does not exist" if not os.path.exists(path) else f"is not a checkpoint (no .metadata, no {POINTER})"
+        raise CheckpointError(f"{flag}={path}: {what}")
     return iteration_dir(path, iteration)
 
 
@@ -52,8 +71,18 @@ def staging_dir(root: str, iteration: int) -> str:
 def remove_stale(root: str) -> None:
     """Rank 0, before a save: create `root`, remove the staging folders of crashed saves."""
     os.makedirs(root, exist_ok=True)
-    for stale in (p for p in os.listdir(root) if p.endswith(".tmp")):
+    for stale in unfinished_saves(root):
         shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+
+
+def prune(root: str, keep: int) -> List[int]:
+    """Rank 0, after a publish: remove all but the newest `keep` checkpoints (never the one the pointer
+    names); returns the removed iterations."""
+    latest = latest_iteration(root)
+    old = [i for i in saved_iterations(root)[:-keep] if i != latest] if keep > 0 else []
+    for iteration in old:
+        shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+    return old
 
 
 def publish(root: str, iteration: int) -> str:

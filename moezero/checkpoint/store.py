@@ -6,10 +6,14 @@ files in parallel and deduplicates replicated entries. Loading is a planned part
 that overlap this rank's `opt.held_ranges()`, so a checkpoint of one dp/ep/stage layout resumes on
 another. Offline, `consolidate_checkpoint` merges every rank's pieces with `moezero.zero.consolidate`
 (which checks that they cover every element exactly once).
+
+Every read first checks the files (a readable .metadata, every shard file as long as the index says),
+so a damaged checkpoint is a `CheckpointError` naming the file, on every rank alike, before any collective.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import warnings
 from typing import Any, Dict
@@ -19,15 +23,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from moezero.checkpoint import keys, layout
+from moezero.checkpoint.errors import CheckpointError, first_line
 from moezero.zero import consolidate
 
 
 def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
-                    plugins: Dict[str, Any], group=None) -> str:
-    """Collective: write iteration `iteration` atomically and point the pointer file at it.
+                    plugins: Dict[str, Any], group=None, keep_last: int = 0) -> str:
+    """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
+    `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
     `configs` ({section: dict}) and `plugins` ({name: state}) go into the train state (see `keys`).
     """
@@ -45,29 +52,36 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
         dcp.save(state, checkpoint_id=layout.staging_dir(root, iteration), no_dist=not dist.is_initialized(),
                  process_group=group)
     _barrier(group)
-    final = layout.publish(root, iteration) if _rank() == 0 else layout.iteration_dir(root, iteration)
+    final = layout.iteration_dir(root, iteration)
+    if _rank() == 0:
+        layout.publish(root, iteration)
+        layout.prune(root, keep_last)
     _barrier(group)
     return final
 
 
-def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, Any]:
-    """Collective: restore the optimizer, the model's non-trainable state and (same world size) the RNG
+def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bool = True,
+                    load_rng: bool = True) -> Dict[str, Any]:
+    """Collective: restore the weights (fp32 masters), the model's non-trainable state, with `load_optim`
+    the optimizer state and scalars (else they stay fresh) and with `load_rng` (same world size) the RNG
     states; returns the train state."""
     metadata = _metadata(path)
+    wanted = keys.piece_keys(metadata, opt.held_ranges(), masters_only=not load_optim)
     request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-                               for key in keys.piece_keys(metadata, opt.held_ranges())}
+                               for key in wanted}
     non_trainable = keys.non_trainable_state(model)
     for key, tensor in non_trainable.items():
         if key not in metadata:
-            raise KeyError(f"checkpoint {path} lacks '{key[len(keys.MODEL_STATE):]}' (a different model?)")
+            raise CheckpointError(f"{path}: has no '{key[len(keys.MODEL_STATE):]}' (saved from another model?)")
         request[key] = torch.empty_like(tensor)
     request[keys.TRAIN_STATE] = b""
     rng_key = keys.rng_key(_rank())
-    if rng_key in metadata:
+    if load_rng and rng_key in metadata:
         request[rng_key] = b""
     _load(request, path, collective=True, group=group)
-    train_state = keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
-    opt.load_state_dict({"pieces": keys.pieces_from_entries(request), **train_state["optimizer"]})
+    train_state = _train_state(request, path)
+    scalars = train_state["optimizer"] if load_optim else opt.scalar_state()
+    opt.load_state_dict({"pieces": keys.pieces_from_entries(request), **scalars})
     with torch.no_grad():
         for key, tensor in non_trainable.items():
             tensor.copy_(request[key])
@@ -78,9 +92,11 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None) -> Dict[str, A
 
 def read_train_state(path: str) -> Dict[str, Any]:
     """One process, no process group: the train state of checkpoint `path` (see `save_checkpoint`)."""
+    if keys.TRAIN_STATE not in _metadata(path):
+        raise CheckpointError(f"{path}: has no train state (not a moezero checkpoint)")
     request: Dict[str, Any] = {keys.TRAIN_STATE: b""}
     _load(request, path)
-    return keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
+    return _train_state(request, path)
 
 
 def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
@@ -93,9 +109,16 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
                                for key in keys.piece_keys(metadata, None, masters_only=True) + model_keys}
     request[keys.TRAIN_STATE] = b""
     _load(request, path)
-    shapes = keys.decode(request[keys.TRAIN_STATE])["param_shapes"]
+    shapes = _train_state(request, path)["param_shapes"]
     full = consolidate([{"pieces": keys.pieces_from_entries(request), "shapes": shapes}])
     return dict(full["params"], **{key[len(keys.MODEL_STATE):]: request[key] for key in model_keys})
+
+
+def _train_state(request: Dict[str, Any], path: str) -> Dict[str, Any]:
+    try:
+        return keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
+    except Exception as exc:  # unpickling damaged bytes raises anything
+        raise CheckpointError(f"{path}: its train state is damaged ({first_line(exc, 80)})") from None
 
 
 # ---- DCP calls ---------------------------------------------------------------------------------------
@@ -110,15 +133,56 @@ def _quiet():
 
 
 def _metadata(path: str):
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """The checkpoint's index, after checking that it and every shard file it names are whole."""
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        what = "does not exist" if not os.path.exists(path) else "has no .metadata (not a checkpoint folder)"
+        raise CheckpointError(f"{path}: {what}")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a damaged pickle raises whatever its bytes decode to
+        raise CheckpointError(f"{index}: unreadable, the file is damaged ({first_line(exc, 80)}); resume from "
+                              "another checkpoint with --ckpt-step N") from None
+    _check_shard_files(path, metadata.storage_data or {})
+    return metadata.state_dict_metadata
+
+
+def _check_shard_files(path: str, storage: Dict[Any, Any]) -> None:
+    """Each .distcp file exists and is at least as long as the entries the index places in it."""
+    needed: Dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < length:
+            state = "is missing" if size is None else f"is truncated ({size:,} of {length:,} bytes)"
+            raise CheckpointError(f"{file}: {state}; the checkpoint is incomplete, resume from another one "
+                                  "with --ckpt-step N")
 
 
 def _load(request: Dict[str, Any], path: str, collective: bool = False, group=None) -> None:
     """Fill `request` in place from `path`, reading only its keys; `collective`: every rank of `group`
-    calls it (a resume), else this process reads alone (offline, or each rank on its own)."""
-    with _quiet():
-        dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=not (collective and dist.is_initialized()), process_group=group)
+    calls it (a resume), else this process reads alone (offline, or each rank on its own). DCP gathers a
+    failed read from every rank, so all raise the same CheckpointError."""
+    try:
+        with _quiet():
+            dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=not (collective and dist.is_initialized()), process_group=group)
+    except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) gathers every rank's error
+        raise CheckpointError(f"{path}: reading it failed, the shard files are damaged ({_cause(exc)}); "
+                              "resume from another checkpoint with --ckpt-step N") from None
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost error DCP reports, in one short line."""
+    failures = getattr(exc, "failures", None)
+    if failures:  # {rank: (exception, traceback)}
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return first_line(inner, 80)
+    return first_line(exc, 80)
 
 
 # ---- ranks and RNG -----------------------------------------------------------------------------------
