@@ -9,11 +9,11 @@ from moezero.data.gpt_dataset import Blend, GPTDatasets, GPTSamples, build_datas
 from moezero.data.indexed import check_indexed_dataset, open_indexed_dataset, write_indexed_dataset
 from moezero.data.sampler import (collate, eval_micro_batches, load_micro_batch, micro_batch_indices,
                                   num_micro_steps, train_micro_batches)
-from moezero.data.tokenizer import ByteLevelTokenizer, HuggingFaceTokenizer, build_tokenizer
+from moezero.data.tokenizer import ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, build_tokenizer
 
 __all__ = [
     "DataError", "Blend", "GPTDatasets", "GPTSamples", "build_datasets", "parse_data_path",
     "check_indexed_dataset", "open_indexed_dataset", "write_indexed_dataset", "collate",
     "eval_micro_batches", "load_micro_batch", "micro_batch_indices", "num_micro_steps",
-    "train_micro_batches", "ByteLevelTokenizer", "HuggingFaceTokenizer", "build_tokenizer",
+    "train_micro_batches", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "build_tokenizer",
 ]

@@ -1,4 +1,5 @@
-"""Tokenizers: a built-in byte-level one, and a HuggingFace wrapper when that library is installed.
+"""Tokenizers: a built-in byte-level one, GPT-2's BPE (Megatron's GPT2BPETokenizer, from --vocab-file and
+--merge-file) and a local HuggingFace tokenizer; the last two run on the `tokenizers` package.
 
 Both expose what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
 `tokenize(text) -> list[int]`, `detokenize(ids) -> str` and `unique_identifiers` (megatron-core
@@ -70,6 +71,49 @@ class HuggingFaceTokenizer:
         return self._decode([int(i) for i in ids])
 
 
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from a vocab.json and a merges.txt (Megatron's `--tokenizer-type
+    GPT2BPETokenizer --vocab-file --merge-file`); the end-of-document token is <|endoftext|>."""
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not os.path.isfile(path):
+                raise DataError(f"{flag}={path!r}: no such file")
+        tokenizers = _tokenizers_package("GPT2BPETokenizer")
+        try:
+            tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(vocab_file, merge_file))
+        except Exception as exc:  # the package's errors carry no type of their own
+            raise DataError(f"--vocab-file={vocab_file!r} / --merge-file={merge_file!r}: not GPT-2 BPE files "
+                            f"({str(exc).splitlines()[0][:200]})") from None
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        vocab = tok.get_vocab(with_added_tokens=True)
+        if self.EOD_TOKEN not in vocab:
+            raise DataError(f"--vocab-file={vocab_file!r}: has no {self.EOD_TOKEN} token (GPT-2's end of document)")
+        self._tok, self.eod, self.vocab_size = tok, vocab[self.EOD_TOKEN], max(vocab.values()) + 1
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, vocab_file=os.path.abspath(vocab_file),
+                                              merge_file=os.path.abspath(merge_file), vocab_size=self.vocab_size)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _tokenizers_package(user: str):
+    try:
+        import tokenizers
+        import tokenizers.decoders
+        import tokenizers.models
+        import tokenizers.pre_tokenizers
+    except ImportError:
+        raise DataError(f"--tokenizer-type={user} needs the `tokenizers` package (pip install tokenizers)") from None
+    return tokenizers
+
+
 def _load_hf(path: str):
     """(encode, decode, vocab dict) from the `tokenizers` or `transformers` package."""
     try:
@@ -90,8 +134,10 @@ def _load_hf(path: str):
     return (lambda text: tok.encode(text, add_special_tokens=False), tok.decode, tok.get_vocab())
 
 
-def build_tokenizer(data_config) -> "ByteLevelTokenizer | HuggingFaceTokenizer":
-    """The tokenizer that `--tokenizer-type` / `--tokenizer-model` of a `DataConfig` select."""
+def build_tokenizer(data_config) -> "ByteLevelTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer":
+    """The tokenizer that `--tokenizer-type` (and its files) of a `DataConfig` select."""
     if data_config.tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
+    if data_config.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
     return HuggingFaceTokenizer(data_config.tokenizer_model)
