@@ -1,4 +1,7 @@
-"""Configuration dataclasses.
+"""Configuration dataclasses of the model, the MoE layers, the parallel layout, ZeRO and the data.
+
+(The sections only a training run has, TrainConfig and CheckpointConfig, are in
+`moezero.training.configs`; QAT's is in `moezero.compression.config`.)
 
 Each field declares its command-line flag once, in its metadata (`option(...)`), with a
 one-line help that doubles as the field's documentation. `moezero.training.args` builds
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
@@ -22,13 +26,16 @@ class ConfigError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = "",
-           choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING) -> Any:
+           choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING,
+           defines_model: bool = False) -> Any:
     """A config field with its command-line flag.
 
     flag="" derives the flag from the field name (`top_k` -> `--top-k`); flag=None keeps the
     field off the command line (it is filled in by code, e.g. MoEConfig.hidden_size).
+    defines_model=True: the field decides what a checkpoint's weights mean, so a resume checks it
+    against the checkpoint's value and --use-checkpoint-args takes it from there.
     """
-    metadata = {"flag": flag, "help": help, "choices": choices}
+    metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -43,6 +50,11 @@ def flag_of(cls_or_obj: Any, name: str) -> str:
                 return name
             return flag or "--" + name.replace("_", "-")
     raise KeyError(name)
+
+
+def model_defining_fields(cls_or_obj: Any) -> Tuple[str, ...]:
+    """The names of the fields declared with defines_model=True."""
+    return tuple(f.name for f in dataclasses.fields(cls_or_obj) if f.metadata.get("defines_model"))
 
 
 def check_experts_divide(num_experts: int, expert_parallel_size: int) -> None:
@@ -82,9 +94,18 @@ class ParallelConfig(Validated):
     section = "parallel"
     expert_parallel_size: int = option(1, "ranks that share one copy of the experts (all-to-all group)",
                                        flag="--expert-model-parallel-size")
+    # Megatron's other parallelisms: accepted at 1 so launch scripts run unchanged
+    tensor_parallel_size: int = option(1, "Megatron's tensor parallelism: only 1 (moezero shards with ZeRO and "
+                                       "experts instead)", flag="--tensor-model-parallel-size")
+    pipeline_parallel_size: int = option(1, "Megatron's pipeline parallelism: only 1",
+                                         flag="--pipeline-model-parallel-size")
+    context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
 
     def __post_init__(self):
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+            self._require(getattr(self, name) == 1, name, "moezero has no such parallelism, only 1 is accepted "
+                          "(split experts with --expert-model-parallel-size, shard the rest with --zero-stage)")
 
 
 @dataclass
@@ -94,15 +115,15 @@ class MoEConfig(Validated):
     section = "moe"
     hidden_size: int = option(64, "model width (taken from --hidden-size)", flag=None)
     ffn_hidden_size: Optional[int] = option(None, "expert FFN width (default: the dense --ffn-hidden-size)",
-                                            flag="--moe-ffn-hidden-size")
-    num_experts: int = option(8, "number of routed experts", flag="--num-experts")
-    top_k: int = option(2, "experts per token", flag="--moe-router-topk")
+                                            flag="--moe-ffn-hidden-size", defines_model=True)
+    num_experts: int = option(8, "number of routed experts", flag="--num-experts", defines_model=True)
+    top_k: int = option(2, "experts per token", flag="--moe-router-topk", defines_model=True)
     score_function: str = option("softmax", "router score function", flag="--moe-router-score-function",
-                                 choices=("softmax", "sigmoid"))
+                                 choices=("softmax", "sigmoid"), defines_model=True)
     pre_softmax: bool = option(False, "softmax over all experts before top-k (no top-k renormalisation)",
-                               flag="--moe-router-pre-softmax")
+                               flag="--moe-router-pre-softmax", defines_model=True)
     topk_scaling_factor: Optional[float] = option(None, "scale applied to the top-k weights",
-                                                  flag="--moe-router-topk-scaling-factor")
+                                                  flag="--moe-router-topk-scaling-factor", defines_model=True)
     load_balancing_type: str = option("aux_loss", "aux loss scope: micro-batch, per sequence, or none",
                                       flag="--moe-router-load-balancing-type",
                                       choices=("aux_loss", "seq_aux_loss", "none"))
@@ -116,12 +137,12 @@ class MoEConfig(Validated):
     input_jitter_eps: Optional[float] = option(None, "multiplicative uniform jitter on router input in training",
                                                flag="--moe-input-jitter-eps")
     enable_expert_bias: bool = option(False, "aux-loss-free load balancing with a per-expert routing bias",
-                                      flag="--moe-router-enable-expert-bias")
+                                      flag="--moe-router-enable-expert-bias", defines_model=True)
     bias_update_rate: float = option(1e-3, "expert bias update rate per optimizer step",
                                      flag="--moe-router-bias-update-rate")
     shared_expert_intermediate_size: Optional[int] = option(
         None, "FFN width of the shared expert(s) every token passes through",
-        flag="--moe-shared-expert-intermediate-size")
+        flag="--moe-shared-expert-intermediate-size", defines_model=True)
     activation: str = option("gelu", "expert activation (taken from --swiglu)", flag=None,
                              choices=("gelu", "swiglu"))
     grouped_gemm: bool = option(True, "run local experts as one grouped GEMM (else a per-expert loop)",
@@ -156,27 +177,30 @@ class GPTConfig(Validated):
     """The GPT decoder."""
 
     section = "model"
-    num_layers: int = option(4, "transformer layers", flag="--num-layers")
-    hidden_size: int = option(128, "model width", flag="--hidden-size")
-    num_attention_heads: int = option(4, "attention heads", flag="--num-attention-heads")
-    ffn_hidden_size: Optional[int] = option(None, "dense MLP width (default 4 * hidden)", flag="--ffn-hidden-size")
+    num_layers: int = option(4, "transformer layers", flag="--num-layers", defines_model=True)
+    hidden_size: int = option(128, "model width", flag="--hidden-size", defines_model=True)
+    num_attention_heads: int = option(4, "attention heads", flag="--num-attention-heads", defines_model=True)
+    ffn_hidden_size: Optional[int] = option(None, "dense MLP width (default 4 * hidden)", flag="--ffn-hidden-size",
+                                            defines_model=True)
     seq_length: int = option(256, "tokens per sample", flag="--seq-length")
     max_position_embeddings: Optional[int] = option(None, "learned position table size (default --seq-length)",
-                                                    flag="--max-position-embeddings")
+                                                    flag="--max-position-embeddings", defines_model=True)
     vocab_size: Optional[int] = option(None, "vocabulary size (default: the tokenizer's, padded to 128)",
-                                       flag="--vocab-size")
+                                       flag="--vocab-size", defines_model=True)
     position_embedding_type: str = option("learned_absolute", "position encoding",
-                                          flag="--position-embedding-type", choices=("learned_absolute", "rope"))
-    rotary_base: float = option(10000.0, "RoPE base", flag="--rotary-base")
+                                          flag="--position-embedding-type", choices=("learned_absolute", "rope"),
+                                          defines_model=True)
+    rotary_base: float = option(10000.0, "RoPE base", flag="--rotary-base", defines_model=True)
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of tied embeddings",
-                                                       flag="--untie-embeddings-and-output-weights")
-    normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"))
-    swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU", flag="--swiglu")
+                                                       flag="--untie-embeddings-and-output-weights", defines_model=True)
+    normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),
+                                defines_model=True)
+    swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU", flag="--swiglu", defines_model=True)
     hidden_dropout: float = option(0.0, "dropout on residual branches", flag="--hidden-dropout")
     attention_dropout: float = option(0.0, "dropout on attention probabilities", flag="--attention-dropout")
     init_method_std: float = option(0.02, "std of the normal init", flag="--init-method-std")
     moe_layer_freq: int = option(2, "layers 0, N, 2N, ... have an MoE MLP (Megatron's pattern); 1 = all layers",
-                                 flag="--moe-layer-freq")
+                                 flag="--moe-layer-freq", defines_model=True)
     recompute_activations: bool = option(False, "non-reentrant activation checkpointing of each layer",
                                          flag="--recompute-activations")
 
@@ -217,8 +241,11 @@ class ZeroConfig(Validated):
     """The ZeRO optimizer wrapper and mixed precision."""
 
     section = "zero"
-    stage: int = option(2, "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients, "
-                        "3 = + sharded params", flag="--zero-stage", choices=(0, 1, 2, 3))
+    stage: Optional[int] = option(None, "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients, "
+                                  "3 = + sharded params (default 2, or 1 with --use-distributed-optimizer)",
+                                  flag="--zero-stage", choices=(0, 1, 2, 3))
+    use_distributed_optimizer: bool = option(False, "Megatron's distributed optimizer: ZeRO-1 unless --zero-stage "
+                                             "says otherwise", flag="--use-distributed-optimizer")
     bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
@@ -233,6 +260,8 @@ class ZeroConfig(Validated):
     hysteresis: int = option(2, "fp16 overflows tolerated before the scale halves", flag="--hysteresis")
 
     def __post_init__(self):
+        if self.stage is None:
+            self.stage = 1 if self.use_distributed_optimizer else 2
         self._check_all_choices()
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
         self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
@@ -253,8 +282,12 @@ class DataConfig(Validated):
                                       flag="--data-path")
     split: str = option("969,30,1", "train,valid,test split weights", flag="--split")
     tokenizer_type: str = option("ByteLevelTokenizer", "tokenizer", flag="--tokenizer-type",
-                                 choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"))
-    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer path", flag="--tokenizer-model")
+                                 choices=("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
+                                 defines_model=True)
+    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder)",
+                                            flag="--tokenizer-model")
+    vocab_file: Optional[str] = option(None, "GPT-2 BPE vocabulary (vocab.json)", flag="--vocab-file")
+    merge_file: Optional[str] = option(None, "GPT-2 BPE merges (merges.txt)", flag="--merge-file")
     data_cache_path: Optional[str] = option(None, "where dataset indices and the default corpus are cached",
                                             flag="--data-cache-path")
     default_corpus_max_files: int = option(400, "files of the standard library in the default corpus",
@@ -273,6 +306,16 @@ class DataConfig(Validated):
         if self.tokenizer_type == "HuggingFaceTokenizer":
             self._require(self.tokenizer_model is not None, "tokenizer_type",
                           "HuggingFaceTokenizer needs --tokenizer-model (a local path)")
+        bpe = self.tokenizer_type == "GPT2BPETokenizer"
+        for name in ("vocab_file", "merge_file"):
+            if bpe:
+                self._require(getattr(self, name) is not None, "tokenizer_type",
+                              "GPT2BPETokenizer needs --vocab-file and --merge-file")
+            else:
+                self._require(getattr(self, name) is None, name, "only --tokenizer-type GPT2BPETokenizer reads it")
+        for name in ("tokenizer_model", "vocab_file", "merge_file"):  # stored in checkpoints: any cwd reads them
+            if getattr(self, name) is not None:
+                setattr(self, name, os.path.abspath(getattr(self, name)))
         self._require(self.default_corpus_max_files >= 1, "default_corpus_max_files", "must be >= 1")
 
     @property
@@ -280,58 +323,3 @@ class DataConfig(Validated):
         """(train, valid, test) weights of --split; missing trailing ones are 0, as in Megatron."""
         weights = [float(p) for p in self.split.split(",")]
         return tuple(weights + [0.0] * (3 - len(weights)))
-
-
-@dataclass
-class TrainConfig(Validated):
-    """Batching, schedule, precision, evaluation, logging and checkpoints."""
-
-    section = "train"
-    micro_batch_size: int = option(4, "samples per rank per micro-step", flag="--micro-batch-size")
-    global_batch_size: int = option(16, "samples per optimizer step, over all ranks", flag="--global-batch-size")
-    train_iters: int = option(200, "optimizer steps", flag="--train-iters")
-    lr: float = option(2e-3, "peak learning rate", flag="--lr")
-    min_lr: float = option(1e-4, "learning rate at the end of the decay", flag="--min-lr")
-    lr_warmup_iters: int = option(20, "linear warmup steps", flag="--lr-warmup-iters")
-    lr_decay_iters: Optional[int] = option(None, "decay length (default --train-iters)", flag="--lr-decay-iters")
-    lr_decay_style: str = option("cosine", "decay after warmup", flag="--lr-decay-style",
-                                 choices=("constant", "linear", "cosine"))
-    optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
-                            flag="--optimizer", choices=("adam", "sgd"))
-    weight_decay: float = option(0.01, "weight decay (not applied to biases, norms, embeddings)",
-                                 flag="--weight-decay")
-    adam_beta1: float = option(0.9, "Adam beta1", flag="--adam-beta1")
-    adam_beta2: float = option(0.95, "Adam beta2", flag="--adam-beta2")
-    adam_eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps")
-    sgd_momentum: float = option(0.9, "SGD momentum", flag="--sgd-momentum")
-    bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
-    fp16: bool = option(False, "fp16 params with dynamic loss scaling, fp32 master weights", flag="--fp16")
-    fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
-    seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
-    eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
-    eval_iters: int = option(4, "global batches per evaluation", flag="--eval-iters")
-    log_interval: int = option(10, "console and TensorBoard every N steps", flag="--log-interval")
-    tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
-    save: Optional[str] = option(None, "checkpoint directory to save to", flag="--save")
-    load: Optional[str] = option(None, "checkpoint directory to resume from", flag="--load")
-    save_interval: int = option(0, "save every N steps (0 = only at the end when --save is set)",
-                                flag="--save-interval")
-    exit_interval: int = option(0, "stop (after saving, when --save is set) once the iteration is a multiple "
-                                "of N (0 = run to --train-iters)", flag="--exit-interval")
-    dist_timeout_s: int = option(120, "seconds a collective may wait before a dead peer fails the job",
-                                 flag="--distributed-timeout-seconds")
-
-    def __post_init__(self):
-        self._check_all_choices()
-        for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval",
-                     "dist_timeout_s"):
-            self._require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("lr_warmup_iters", "eval_interval", "save_interval", "exit_interval"):
-            self._require(getattr(self, name) >= 0, name, "must be >= 0")
-        self._require(self.lr > 0, "lr", "must be > 0")
-        self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")
-        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
-        self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
-        if self.lr_decay_iters is not None:
-            self._require(self.lr_decay_iters >= 1, "lr_decay_iters", "must be >= 1")

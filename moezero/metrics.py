@@ -30,7 +30,10 @@ METRICS: Dict[str, Metric] = {
     "loss_scale": Metric("loss scale", "loss-scale", ".1f"),
     "tokens_per_s": Metric("tokens/s", "tokens-per-sec", ".0f"),
     "skipped_iterations": Metric("skipped iterations", "skipped-iterations", "d"),
-    "max_rss_mb": Metric(None, "memory/max-rss-mb"),
+    "max_rss_mb": Metric("max rss (MB)", "memory/max-rss-mb", ".0f"),
+    "cuda_max_allocated_mb": Metric("max allocated (MB)", "memory/max-allocated-mb", ".0f"),
+    "zero_held_mb": Metric("zero held (MB)", "memory/zero-held-mb", ".1f"),
+    "moe_max_mean_load": Metric("moe max/mean load", "moe/max-mean-load-ratio", ".2f"),
     # per MoE layer
     "max_mean_load_ratio": Metric(None, "moe/layer{layer}/max-mean-load-ratio"),
     "dropped_fraction": Metric(None, "moe/layer{layer}/dropped-fraction"),
@@ -38,6 +41,8 @@ METRICS: Dict[str, Metric] = {
     # evaluation
     "validation_loss": Metric("lm loss value", "validation/lm loss", ".6E"),
     "validation_ppl": Metric("lm loss PPL", "validation/lm loss ppl", ".6E"),
+    "test_loss": Metric("lm loss value", "test/lm loss", ".6E"),
+    "test_ppl": Metric("lm loss PPL", "test/lm loss ppl", ".6E"),
     # quantization-aware training, per module group
     "qat_bits": Metric(None, "qat/bits/{group}"),
     "qat_quant_error": Metric(None, "qat/quant-error/{group}"),

@@ -2,17 +2,61 @@
 
 Each config field declares its flag once (`moezero.config.option`); the argparse dest is
 "<section>.<field>", so turning parsed arguments into configs is a loop with no renames.
+
+Megatron's conventions: `@args.txt` reads flags from a file (whitespace-separated, `#` comments, any
+number per line), and a bad command line costs one line: the error, a did-you-mean for a misspelled
+flag, and "see --help" (no 80-line usage dump).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
+import shlex
 import sys
 import typing
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Type
 
 from moezero.config import ConfigError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with @file arguments and one-line errors; under torchrun only rank 0 prints them."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [--flag value ...] [@flags.txt ...]")
+        super().__init__(fromfile_prefix_chars="@", allow_abbrev=False, **kwargs)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> List[str]:
+        return shlex.split(arg_line, comments=True)
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        hints = {}
+        for word in message.split(":", 1)[1].split():
+            flag = word.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith("--") else []
+            if close:
+                hints[flag] = close[0]
+        if len(hints) == 1:
+            return f"; did you mean {next(iter(hints.values()))}?"
+        return f"; did you mean {', '.join(f'{v} (for {k})' for k, v in hints.items())}?" if hints else ""
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """--flag / --no-flag with the default in its help once (Python 3.10 appends one of its own)."""
+
+    def __init__(self, *args, help: str = "", default: bool = False, **kwargs):
+        super().__init__(*args, default=default, help=help, **kwargs)
+        self.help = f"{help} (default: {'on' if default else 'off'})"
 
 
 def _base_type(annotation: Any) -> Any:
@@ -23,28 +67,38 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type) -> None:
-    """One argument per field that has a flag, in a group named after the config."""
-    group = parser.add_argument_group(config_cls.__name__, (config_cls.__doc__ or "").strip().splitlines()[0])
-    hints = typing.get_type_hints(config_cls)
+def flag_fields(config_cls: Type) -> Iterable[tuple]:
+    """(field, flag) of every field of `config_cls` that is on the command line."""
     for f in dataclasses.fields(config_cls):
         flag = f.metadata.get("flag", "")
-        if flag is None:
+        if flag is not None:
+            yield f, flag or "--" + f.name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
+                         only: Optional[Sequence[str]] = None) -> None:
+    """One argument per field that has a flag (or the fields named in `only`), in a group named after the config."""
+    group = parser.add_argument_group(config_cls.__name__, (config_cls.__doc__ or "").strip().splitlines()[0])
+    hints = typing.get_type_hints(config_cls)
+    for f, flag in flag_fields(config_cls):
+        if only is not None and f.name not in only:
             continue
-        flag = flag or "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         dest = f"{config_cls.section}.{f.name}"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            group.add_argument(flag, dest=dest, type=kind, default=default, choices=f.metadata.get("choices"),
-                               help=f"{help_text} (default: {default})")
+            group.add_argument(flag, dest=dest, action=_Switch, default=default, help=help_text)
+            continue
+        if default is not None and "default" not in help_text:
+            help_text += f" (default: {default})"
+        metavar = None if f.metadata.get("choices") else flag.lstrip("-").replace("-", "_").upper()
+        group.add_argument(flag, dest=dest, type=kind, default=default, choices=f.metadata.get("choices"),
+                           metavar=metavar, help=help_text)
 
 
-def build_parser(config_classes: Sequence[Type], description: str) -> argparse.ArgumentParser:
-    parser = _Rank0ArgumentParser(description=description, allow_abbrev=False)
+def build_parser(config_classes: Sequence[Type], description: str) -> ArgumentParser:
+    parser = ArgumentParser(description=description)
     for cls in config_classes:
         add_config_arguments(parser, cls)
     return parser
@@ -60,17 +114,13 @@ def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Ty
     return {cls.section: cls(**values[cls.section]) for cls in config_classes}
 
 
-class _Rank0ArgumentParser(argparse.ArgumentParser):
-    """Under torchrun every rank parses the same flags; only rank 0 prints the usage error."""
-
-    def error(self, message):
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(2)
-        super().error(message)
+def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
+    """{flag: value} of every command-line field of the given config objects (what a run was given)."""
+    return {flag: getattr(cfg, f.name) for cfg in configs for f, flag in flag_fields(type(cfg))}
 
 
 def parse_configs(argv: Optional[List[str]], config_classes: Sequence[Type], description: str) -> Dict[str, Any]:
-    """Parse argv into configs; a bad value exits with one line naming the flag (argparse's usage error)."""
+    """Parse argv into configs; a bad value exits with one line naming the flag."""
     parser = build_parser(config_classes, description)
     namespace = parser.parse_args(argv)
     try:

@@ -12,24 +12,25 @@ import math
 import torch
 import torch.distributed as dist
 
-from moezero.config import ConfigError, GPTConfig, TrainConfig
+from moezero.config import ConfigError, GPTConfig
 from moezero.data import build_datasets
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
-from moezero.training.configs import Configs
+from moezero.training.configs import Configs, TrainConfig
 from moezero.zero import ZeroOptimizer, weight_decay_groups
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 
 
 def build_data(cfg: Configs):
-    """Train and (when evaluating) validation samples for every step of the run."""
+    """Train samples for every step of the run; validation ones when evaluating; test ones for the final
+    evaluation when --split gives the test split a weight."""
     t = cfg.train
-    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
-    valid = t.eval_iters * t.global_batch_size if evals else 0
+    valid = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    test = t.eval_iters * t.global_batch_size if cfg.data.split_weights[2] > 0 else 0
     return build_datasets(cfg.data, cfg.model.seq_length, t.seed,
-                          num_samples=(t.train_iters * t.global_batch_size, valid, 0))
+                          num_samples=(t.train_iters * t.global_batch_size, valid, test))
 
 
 def padded_vocab_size(model: GPTConfig, tokenizer_vocab: int) -> int:

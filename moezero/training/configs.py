@@ -6,13 +6,139 @@ that plugs more features in extends `Configs` with their sections (see `moezero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, TrainConfig, ZeroConfig,
-                            check_experts_divide)
+from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, Validated, ZeroConfig,
+                            check_experts_divide, option)
 from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
 
-CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig)
+
+@dataclass
+class TrainConfig(Validated):
+    """Batching, schedule, precision, evaluation, logging and checkpoints."""
+
+    section = "train"
+    micro_batch_size: int = option(4, "samples per rank per micro-step", flag="--micro-batch-size")
+    global_batch_size: int = option(16, "samples per optimizer step, over all ranks", flag="--global-batch-size")
+    train_iters: Optional[int] = option(None, "optimizer steps (default 200, or --train-samples / "
+                                        "--global-batch-size)", flag="--train-iters")
+    train_samples: Optional[int] = option(None, "samples to train on instead of --train-iters; the lr schedule "
+                                          "then counts samples (Megatron's sample-based runs)", flag="--train-samples")
+    lr: float = option(2e-3, "peak learning rate", flag="--lr")
+    min_lr: float = option(1e-4, "learning rate at the end of the decay", flag="--min-lr")
+    lr_warmup_iters: Optional[int] = option(None, "linear warmup steps (default 20; 0 with --train-samples)",
+                                            flag="--lr-warmup-iters")
+    lr_warmup_fraction: Optional[float] = option(None, "warmup as a fraction of the decay length",
+                                                 flag="--lr-warmup-fraction")
+    lr_warmup_samples: Optional[int] = option(None, "warmup samples (with --train-samples)",
+                                              flag="--lr-warmup-samples")
+    lr_decay_iters: Optional[int] = option(None, "decay length (default --train-iters)", flag="--lr-decay-iters")
+    lr_decay_samples: Optional[int] = option(None, "decay length in samples (with --train-samples; default "
+                                             "--train-samples)", flag="--lr-decay-samples")
+    lr_decay_style: str = option("cosine", "decay after warmup", flag="--lr-decay-style",
+                                 choices=("constant", "linear", "cosine"))
+    optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
+                            flag="--optimizer", choices=("adam", "sgd"))
+    weight_decay: float = option(0.01, "weight decay (not applied to biases, norms, embeddings)",
+                                 flag="--weight-decay")
+    adam_beta1: float = option(0.9, "Adam beta1", flag="--adam-beta1")
+    adam_beta2: float = option(0.95, "Adam beta2", flag="--adam-beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps")
+    sgd_momentum: float = option(0.9, "SGD momentum", flag="--sgd-momentum")
+    bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
+    fp16: bool = option(False, "fp16 params with dynamic loss scaling, fp32 master weights", flag="--fp16")
+    fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
+    seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
+    eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
+    eval_iters: int = option(4, "global batches per evaluation", flag="--eval-iters")
+    log_interval: int = option(10, "console and TensorBoard every N steps", flag="--log-interval")
+    tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
+    exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
+                                       "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
+    exit_duration_in_mins: Optional[float] = option(None, "save (with --save) and exit 0 once the run has taken "
+                                                    "this long", flag="--exit-duration-in-mins")
+    exit_interval: int = option(0, "stop (after saving, when --save is set) once the iteration is a multiple "
+                                "of N (0 = run to --train-iters)", flag="--exit-interval")
+    dist_timeout_s: int = option(120, "seconds a collective may wait before a dead peer fails the job",
+                                 flag="--distributed-timeout-seconds")
+
+    def __post_init__(self):
+        self._check_all_choices()
+        self._check_schedule_flags()
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval",
+                     "dist_timeout_s"):
+            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "exit_interval"):
+            self._require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("lr_decay_iters", "lr_decay_samples"):
+            self._require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be >= 1")
+        if self.lr_warmup_fraction is not None:
+            self._require(0.0 <= self.lr_warmup_fraction <= 1.0, "lr_warmup_fraction", "must be in [0, 1]")
+        if self.exit_duration_in_mins is not None:
+            self._require(self.exit_duration_in_mins > 0, "exit_duration_in_mins", "must be > 0")
+        self._require(self.lr > 0, "lr", "must be > 0")
+        self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")
+        self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
+        self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
+
+    def _check_schedule_flags(self) -> None:
+        """Megatron's rules: a run counts iterations or samples; one warmup flag; defaults filled in here."""
+        warmups = [n for n in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction") if getattr(self, n)]
+        self._require(len(warmups) <= 1, warmups[-1] if warmups else "lr_warmup_iters",
+                      "give one of --lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction")
+        if self.train_samples is None:
+            for name in ("lr_warmup_samples", "lr_decay_samples"):
+                self._require(getattr(self, name) is None, name, "needs --train-samples (or use the *-iters flag)")
+            self.train_iters = 200 if self.train_iters is None else self.train_iters
+            if self.lr_warmup_iters is None and self.lr_warmup_fraction is None:
+                self.lr_warmup_iters = 20
+            return
+        self._require(self.train_samples >= self.global_batch_size, "train_samples",
+                      f"must be >= --global-batch-size ({self.global_batch_size})")
+        iters = self.train_samples // self.global_batch_size
+        self._require(self.train_iters in (None, iters), "train_iters", "give --train-iters or --train-samples")
+        self.train_iters = iters
+        for name in ("lr_decay_iters", "lr_warmup_iters"):
+            self._require(not getattr(self, name), name, "counts iterations; with --train-samples use the "
+                          "*-samples flag or --lr-warmup-fraction")
+
+
+@dataclass
+class CheckpointConfig(Validated):
+    """Checkpoints: where to save and resume, what to load, how many to keep."""
+
+    section = "checkpoint"
+    save: Optional[str] = option(None, "checkpoint directory to save to", flag="--save")
+    load: Optional[str] = option(None, "checkpoint directory (or one iter_N folder) to resume from; it must hold "
+                                 "a checkpoint unless it is also --save (a first run)", flag="--load")
+    save_interval: int = option(0, "save every N steps (0 = only at the end when --save is set)",
+                                flag="--save-interval")
+    ckpt_step: Optional[int] = option(None, "resume from this iteration's checkpoint instead of the latest",
+                                      flag="--ckpt-step")
+    no_load_optim: bool = option(False, "load the weights only: fresh optimizer state, loss scale and skip counts",
+                                 flag="--no-load-optim")
+    no_load_rng: bool = option(False, "do not restore the saved random number generator states",
+                               flag="--no-load-rng")
+    finetune: bool = option(False, "start a new run from the checkpoint's weights: iteration 0, fresh optimizer, "
+                            "no RNG states, no plug-in states", flag="--finetune")
+    use_checkpoint_args: bool = option(False, "take the model-defining flags (sizes, experts, tokenizer type) from "
+                                       "the checkpoint instead of the command line", flag="--use-checkpoint-args")
+    keep_last: int = option(0, "keep only the newest N checkpoints in --save (0 = keep all; Megatron has no such "
+                            "flag)", flag="--keep-last-checkpoints")
+
+    def __post_init__(self):
+        self._require(self.save_interval >= 0, "save_interval", "must be >= 0")
+        self._require(self.keep_last >= 0, "keep_last", "must be >= 0")
+        if self.ckpt_step is not None:
+            self._require(self.ckpt_step >= 0, "ckpt_step", "must be >= 0")
+        for name in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune", "use_checkpoint_args"):
+            if getattr(self, name) not in (None, False):
+                self._require(self.load is not None, name, "needs --load")
+
+
+CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, CheckpointConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
 
 
@@ -24,6 +150,7 @@ class Configs:
     zero: ZeroConfig
     train: TrainConfig
     data: DataConfig
+    checkpoint: CheckpointConfig
 
 
 def validate(cfg: Configs, world_size: int) -> int:

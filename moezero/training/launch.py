@@ -1,6 +1,8 @@
 """Process-group setup and the exit codes of a pretraining job.
 
-    sys.exit(run(cfg, plugins))   # 0 done, 2 bad configuration or data, 130 Ctrl-C, 1 a peer died
+    sys.exit(run(cfg, plugins))   # 0 done (or stopped and saved: a signal with --exit-signal-handler,
+                                  # --exit-duration-in-mins, --exit-interval; or nothing left to train),
+                                  # 2 bad configuration, data or checkpoint, 130 Ctrl-C, 1 a peer died
 
 Launched by `torchrun --nproc_per_node=N ...`; one process without torchrun works too (a world of one).
 """
@@ -15,11 +17,14 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from moezero import checkpoint
+from moezero.checkpoint import CheckpointError
 from moezero.config import ConfigError
 from moezero.data import DataError
 from moezero.training.configs import Configs
 from moezero.training.plugin import PluginFactory
 from moezero.training.pretrain import Pretraining
+from moezero.training.resume import NothingToTrain
 
 
 def init_distributed(timeout_s: int) -> None:
@@ -38,11 +43,14 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
         init_distributed(cfg.train.dist_timeout_s)
         Pretraining(cfg, plugins).train()
         return 0
-    except (ConfigError, DataError) as exc:
+    except NothingToTrain as exc:
+        _report(str(exc))
+        return 0
+    except (ConfigError, DataError, CheckpointError) as exc:
         _report(f"error: {exc}")
         return 2
     except KeyboardInterrupt:
-        _report("interrupted; nothing half-written was left (checkpoints are written atomically)", every_rank=True)
+        _report(interrupt_message(cfg.checkpoint.save), every_rank=True)
         return 130
     except (RuntimeError, dist.DistBackendError) as exc:
         if not dist.is_initialized() or not _looks_like_peer_failure(exc):
@@ -53,6 +61,22 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def interrupt_message(save_dir) -> str:
+    """What an interrupted run left on disk, as it is (read back, not assumed)."""
+    if not save_dir:
+        return "interrupted; nothing was saved (no --save)"
+    try:
+        latest = checkpoint.latest_iteration(save_dir)
+    except CheckpointError:
+        latest = None
+    last = (f"the last complete checkpoint is {checkpoint.iteration_dir(save_dir, latest)}" if latest is not None
+            else f"no complete checkpoint in {save_dir}")
+    unfinished = checkpoint.unfinished_saves(save_dir)
+    partial = (f"; the unfinished save {', '.join(unfinished)} is ignored by --load and removed by the next save"
+               if unfinished else "")
+    return f"interrupted; {last}{partial} (--exit-signal-handler saves before exiting)"
 
 
 def _looks_like_peer_failure(exc: BaseException) -> bool:

@@ -6,7 +6,7 @@ and tags come from `moezero.metrics`.
 from __future__ import annotations
 
 import time
-from typing import Dict, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
 from moezero.metrics import console_fields
 
@@ -18,6 +18,9 @@ class NullLogger:
         pass
 
     def print(self, line: str) -> None:
+        pass
+
+    def log_run_config(self, flags: Mapping[str, Any], metric_tags: Iterable[str]) -> None:
         pass
 
     def close(self) -> None:
@@ -42,6 +45,18 @@ class TensorBoardLogger:
     def print(self, line: str) -> None:
         print(line, flush=True)
 
+    def log_run_config(self, flags: Mapping[str, Any], metric_tags: Iterable[str]) -> None:
+        """The run's flags as a text table ("arguments") and as hparams, next to `metric_tags`."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        rows = "\n".join(f"| {flag} | {value} |" for flag, value in flags.items())
+        self.writer.add_text("arguments", "| flag | value |\n|---|---|\n" + rows, 0)
+        values = {flag: v if isinstance(v, (bool, int, float, str)) else str(v) for flag, v in flags.items()}
+        for summary in hparams(values, {tag: 0.0 for tag in metric_tags}):
+            self.writer.file_writer.add_summary(summary)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
@@ -63,9 +78,11 @@ def format_train_line(iteration: int, train_iters: int, values: Mapping[str, flo
     return " | ".join(parts) + " |"
 
 
-def format_validation_line(iteration: int, values: Mapping[str, float]) -> str:
-    """Megatron-style, framed by dashes: ' validation loss at iteration 50 | lm loss value: ... |'."""
-    line = " | ".join([f" validation loss at iteration {iteration}", *console_fields(values)]) + " |"
+def format_validation_line(iteration: int, values: Mapping[str, float], split: str = "") -> str:
+    """Megatron-style, framed by dashes: ' validation loss at iteration 50 | lm loss value: ... |'
+    (' ... at iteration 50 on test set | ...' for the test split)."""
+    where = f" on {split} set" if split else ""
+    line = " | ".join([f" validation loss at iteration {iteration}{where}", *console_fields(values)]) + " |"
     bar = "-" * len(line)
     return f"{bar}\n{line}\n{bar}"
 

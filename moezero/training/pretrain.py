@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import resource
 from types import MappingProxyType
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from moezero import checkpoint
@@ -20,54 +20,98 @@ from moezero.metrics import tensorboard_scalars
 from moezero.models.gpt import is_moe_layer
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
+from moezero.training.args import flag_values
 from moezero.training.builders import build_data, build_model, build_optimizer
 from moezero.training.configs import Configs, validate
 from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
 from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, train_step
 from moezero.training.plugin import PluginFactory, attach_plugins
+from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
+                                     find_resume_point, start_iteration)
 from moezero.training.schedule import learning_rate
+from moezero.training.stopping import StopConditions
 
 
 class Pretraining:
-    """The whole run; `train()` runs it. `plugins` ({name: factory}) join it from above (QAT, ...)."""
+    """The whole run; `train()` runs it. `plugins` ({name: factory}) join it from above (QAT, ...).
+
+    Construction decides the checkpoint to resume from before building anything, so a refused resume
+    (missing, damaged, another model, nothing left to train) costs no data or model build.
+    """
 
     def __init__(self, cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})):
-        self.cfg = cfg
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        notices: List[str] = []
+        point = find_resume_point(cfg.checkpoint)
+        if point is not None and cfg.checkpoint.use_checkpoint_args:
+            cfg = apply_checkpoint_args(cfg, point, notices.append)
+        elif point is not None:
+            check_same_model(cfg, point)
+        elif cfg.checkpoint.load:
+            notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
+                           "from scratch")
+        self.cfg = cfg
         self.micro_steps = validate(cfg, self.world)
+        self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
         self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size)
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train.tensorboard_dir)
+        for line in notices:
+            self.logger.print(line)
         self.data = build_data(cfg)
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
+        if point is not None:
+            check_shapes(self.model, point)
         self.opt = build_optimizer(self.model, cfg, self.groups)
         self.bias_updater = ExpertBiasUpdater(self.model, self.groups.dp)
-        self.iteration = 0
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
-        if cfg.train.load:
-            self._resume(cfg.train.load)
+        self.stop_reason: Optional[str] = None
+        self._saved_at: Optional[int] = None
+        self._saved_path: Optional[str] = None
+        if point is not None:
+            self._resume(point)
 
-    def _resume(self, root: str) -> None:
-        iteration = checkpoint.latest_iteration(root) if os.path.isdir(root) else None
-        if iteration is None:  # Megatron's behaviour: --load and --save may name the same, new, directory
-            self.logger.print(f" WARNING: no checkpoint found in --load={root}; training from scratch")
+    def _resume(self, point: ResumePoint) -> None:
+        ck = self.cfg.checkpoint
+        state = checkpoint.load_checkpoint(point.path, self.model, self.opt, self.groups.control,
+                                           load_optim=not (ck.no_load_optim or ck.finetune),
+                                           load_rng=not (ck.no_load_rng or ck.finetune))
+        if ck.finetune:  # a new run from these weights: iteration 0, plug-ins start fresh
+            self.logger.print(f" --finetune: weights from {point.path} (iteration {point.iteration}); starting at 0")
             return
-        path = checkpoint.iteration_dir(root, iteration)
-        state = checkpoint.load_checkpoint(path, self.model, self.opt, self.groups.control)
-        self.iteration = state["iteration"]
         for name, plugin in self.plugins.items():
             if state["plugins"].get(name) is not None:
                 plugin.load_state_dict(state["plugins"][name])
             else:  # saved without it: it joins where the run stands
                 plugin.on_step_end(self.iteration)
-        self.logger.print(f" resumed from {path} at iteration {self.iteration}")
+        fresh = [flag for flag, on in (("optimizer state", ck.no_load_optim), ("RNG states", ck.no_load_rng)) if on]
+        self.logger.print(f" resumed from {point.path} at iteration {self.iteration}"
+                          + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> None:
+        """Train to --train-iters, or until a stop condition (signal, duration, --exit-interval); save at the
+        end with --save. `stop_reason` says why it stopped early (None: it finished)."""
         t = self.cfg.train
         self._print_header()
+        stop = StopConditions(t, self.groups.control)
+        try:
+            self._loop(stop)
+        finally:
+            stop.close()
+        if self.stop_reason is None and self.data.test is not None:
+            self._evaluate("test")
+        if self.cfg.checkpoint.save and self._saved_at != self.iteration:
+            self._save()
+        if self.stop_reason is not None:
+            saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
+            self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
+        self.logger.close()
+
+    def _loop(self, stop: StopConditions) -> None:
+        t, ck = self.cfg.train, self.cfg.checkpoint
         run_timer = Timer()
         start_iteration = self.iteration
         while self.iteration < t.train_iters:
@@ -89,50 +133,65 @@ class Pretraining:
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
                 self._log_step(metrics, lr, step_time, eta)
             if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                self._evaluate()
-            if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+                self._evaluate("valid")
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self._save()
-            if t.exit_interval and self.iteration % t.exit_interval == 0:
-                break
-        if t.save and not (t.save_interval and self.iteration % t.save_interval == 0):
-            self._save()
-        self.logger.close()
+            self.stop_reason = stop.reason(self.iteration)
+            if self.stop_reason is not None:
+                return
 
     def _log_step(self, m: StepMetrics, lr: float, step_time: float, eta: float) -> None:
         t = self.cfg.train
         values = dict(m.values(), consumed_samples=self.iteration * t.global_batch_size, step_time_ms=step_time * 1000,
                       lr=lr, global_batch_size=t.global_batch_size,
                       tokens_per_s=t.global_batch_size * self.cfg.model.seq_length / step_time,
-                      skipped_iterations=self.opt.skipped_steps,
-                      max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+                      skipped_iterations=self.opt.skipped_steps, **self._memory_values())
         if self.opt.loss_scaler is not None:
             values["loss_scale"] = self.opt.loss_scaler.scale
+        layer_loads = expert_load_scalars(self._moe_layer_numbers(), m.tokens_per_expert, m.dropped_fraction)
+        ratios = [v for k, v in layer_loads.items() if k.endswith("max-mean-load-ratio")]
+        if ratios:
+            values["moe_max_mean_load"] = max(ratios)
         self.logger.print(format_train_line(self.iteration, t.train_iters, values, eta))
         scalars = tensorboard_scalars(values)
-        scalars.update(expert_load_scalars(self._moe_layer_numbers(), m.tokens_per_expert, m.dropped_fraction))
+        scalars.update(layer_loads)
         with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
             for plugin in self.plugins.values():
                 scalars.update(plugin.scalars())  # may be a collective: every rank logs
         self.logger.log(scalars, self.iteration)
 
+    def _memory_values(self) -> Dict[str, float]:
+        """This rank's peak process memory, what the optimizer holds, and (CUDA) the peak allocation."""
+        values = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                  "zero_held_mb": sum(self.opt.memory_bytes().values()) / 2 ** 20}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            values["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+        return values
+
     def _moe_layer_numbers(self) -> List[int]:
         return [i for i in range(self.cfg.model.num_layers) if is_moe_layer(i, self.cfg.model.moe_layer_freq)]
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, split: str) -> None:
+        """Mean lm loss over --eval-iters global batches of the validation split, or of the test split."""
         t = self.cfg.train
         batches = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
                                      self.world)
-        loss = evaluate(self.model, self.data.valid, batches, self.groups.dp)
-        self.history[-1]["validation_loss"] = loss
-        values = {"validation_loss": loss, "validation_ppl": math.exp(min(loss, 20.0))}
-        self.logger.print(format_validation_line(self.iteration, values))
+        dataset = self.data.valid if split == "valid" else self.data.test
+        loss = evaluate(self.model, dataset, batches, self.groups.dp)
+        name = "validation" if split == "valid" else "test"
+        if self.history:
+            self.history[-1][f"{name}_loss"] = loss
+        values = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 20.0))}
+        self.logger.print(format_validation_line(self.iteration, values, "" if split == "valid" else "test"))
         self.logger.log(tensorboard_scalars(values), self.iteration)
 
     def _save(self) -> None:
         path = checkpoint.save_checkpoint(
-            self.cfg.train.save, self.iteration, self.model, self.opt,
+            self.cfg.checkpoint.save, self.iteration, self.model, self.opt,
             configs={f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)},
-            plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()}, group=self.groups.control)
+            plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()}, group=self.groups.control,
+            keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_at, self._saved_path = self.iteration, path
         self.logger.print(f" saved checkpoint {path}")
 
     def _print_header(self) -> None:
@@ -141,3 +200,5 @@ class Pretraining:
             f" moezero pretraining: world {self.world}, ep {self.groups.ep_size}, ZeRO stage {self.cfg.zero.stage}, "
             f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank 0, "
             f"{len(self.data.train)} train samples")
+        sections = [getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)]
+        self.logger.log_run_config(flag_values(sections), tensorboard_scalars({"lm_loss": 0, "validation_loss": 0}))

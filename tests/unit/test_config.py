@@ -1,7 +1,8 @@
 import pytest
 
-from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, TrainConfig, ZeroConfig, check_experts_divide,
+from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ZeroConfig, check_experts_divide,
                             expert_ffn_size, flag_of, moe_layer_config)
+from moezero.training.configs import TrainConfig
 
 
 def test_flags_come_from_field_metadata():

@@ -1,0 +1,154 @@
+"""Which checkpoint a run resumes from, and whether it fits the run, decided before anything is built.
+
+    point = find_resume_point(cfg.checkpoint)        # None: start from scratch (or a CheckpointError)
+    cfg = apply_checkpoint_args(cfg, point, print)   # --use-checkpoint-args
+    check_same_model(cfg, point)                     # else: each differing flag, old and new value
+    check_shapes(model, point)                       # the built model against the saved global shapes
+
+Every rank reads the same files and decides the same, so a refusal is raised on all ranks alike
+before any collective. A model-defining flag is one declared with `option(..., defines_model=True)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from moezero import checkpoint
+from moezero.checkpoint import CheckpointError
+from moezero.config import ConfigError, flag_of, model_defining_fields
+from moezero.parallel import expert_shard_of
+
+TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")   # taken from a checkpoint only when not given
+
+
+class NothingToTrain(Exception):
+    """The checkpoint already reached --train-iters: the job is done (a requeued finished job exits 0)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: str                              # the iter_N folder
+    iteration: int
+    configs: Dict[str, Dict[str, Any]]     # the sections the saving run stored
+    param_shapes: Dict[str, Tuple[int, ...]]
+
+
+def find_checkpoint(ckpt) -> Optional[str]:
+    """The iter_N folder that --load / --ckpt-step name, or None when --load is also --save and holds no
+    checkpoint yet (Megatron's first-run idiom). Anything else that holds no checkpoint is an error."""
+    load = ckpt.load
+    if load is None:
+        return None
+    if os.path.isfile(os.path.join(load, ".metadata")):
+        if ckpt.ckpt_step is not None:
+            raise ConfigError(f"--ckpt-step={ckpt.ckpt_step}: --load={load} is one checkpoint folder already")
+        return load
+    saved = checkpoint.saved_iterations(load)
+    if ckpt.ckpt_step is not None:
+        if ckpt.ckpt_step not in saved:
+            raise CheckpointError(f"--ckpt-step={ckpt.ckpt_step}: --load={load} has no iter_{ckpt.ckpt_step:07d} "
+                                  f"(saved iterations: {', '.join(map(str, saved)) or 'none'})")
+        return checkpoint.iteration_dir(load, ckpt.ckpt_step)
+    latest = checkpoint.latest_iteration(load) if os.path.isdir(load) else None
+    if latest is not None:
+        return checkpoint.iteration_dir(load, latest)
+    if ckpt.save is not None and os.path.abspath(ckpt.save) == os.path.abspath(load):
+        return None
+    if not os.path.exists(load):
+        raise CheckpointError(f"--load={load}: does not exist (for a first run, give the same path to --save)")
+    listed = f"; it has iter folders {saved}, pick one with --ckpt-step" if saved else ""
+    raise CheckpointError(f"--load={load}: holds no checkpoint (no {checkpoint.POINTER}){listed}")
+
+
+def find_resume_point(ckpt) -> Optional[ResumePoint]:
+    path = find_checkpoint(ckpt)
+    if path is None:
+        return None
+    state = checkpoint.read_train_state(path)
+    return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {})
+
+
+def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool) -> int:
+    """Where the run starts; NothingToTrain at --train-iters, a ConfigError beyond it."""
+    if point is None or finetune:
+        return 0
+    if point.iteration == train_iters:
+        raise NothingToTrain(f"the checkpoint {point.path} is at iteration {point.iteration} = --train-iters: "
+                             "nothing to train (raise --train-iters to go on)")
+    if point.iteration > train_iters:
+        raise ConfigError(f"--train-iters={train_iters}: below the iteration of the checkpoint {point.path} "
+                          f"({point.iteration}); raise it to go on, or --finetune to start a new run from its weights")
+    return point.iteration
+
+
+def _model_sections(cfg) -> List[str]:
+    return [f.name for f in dataclasses.fields(cfg) if model_defining_fields(getattr(cfg, f.name))]
+
+
+def model_differences(cfg, point: ResumePoint) -> List[str]:
+    """'--flag: X in the checkpoint, Y now' for each model-defining flag whose values differ (a value the
+    checkpoint did not store, or left unset for the code to derive, is not compared)."""
+    out = []
+    for section in _model_sections(cfg):
+        current, saved = getattr(cfg, section), point.configs.get(section) or {}
+        for name in model_defining_fields(current):
+            old, new = saved.get(name), getattr(current, name)
+            if old is not None and new is not None and old != new:
+                out.append(f"{flag_of(current, name)}: {old} in the checkpoint, {new} now")
+    return out
+
+
+def check_same_model(cfg, point: ResumePoint) -> None:
+    differences = model_differences(cfg, point)
+    if differences:
+        raise CheckpointError(f"--load: {point.path} holds another model ({'; '.join(differences)}); give the "
+                              "checkpoint's values or --use-checkpoint-args")
+
+
+def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]):
+    """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
+    where the command line gives none); reports the flags that changed."""
+    changes, sections = [], {}
+    for section in _model_sections(cfg):
+        current, saved = getattr(cfg, section), point.configs.get(section) or {}
+        names = model_defining_fields(current)
+        values = {n: saved[n] for n in names if n in saved}
+        values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
+                       and getattr(current, n) is None})
+        changes += [f"{flag_of(current, n)} {v} (command line: {getattr(current, n)})"
+                    for n, v in values.items() if v != getattr(current, n)]
+        sections[section] = dataclasses.replace(current, **values)
+    if changes:
+        report(f" --use-checkpoint-args: {', '.join(changes)}")
+    return dataclasses.replace(cfg, **sections)
+
+
+def _plain_name(name: str) -> str:
+    """A parametrized weight under torch's plain name ('a.parametrizations.w.original' -> 'a.w')."""
+    return name.replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def check_shapes(model: nn.Module, point: ResumePoint) -> None:
+    """The model's trainable params (global shapes: experts over all ranks) against the saved ones."""
+    saved = {_plain_name(n): tuple(s) for n, s in point.param_shapes.items()}
+    problems = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = list(param.shape)
+        shard = expert_shard_of(param)
+        if shard is not None:
+            shape[0] = shard.num_global_experts
+        old = saved.get(_plain_name(name))
+        if old is None:
+            problems.append(f"{name} is not in it")
+        elif old != tuple(shape):
+            problems.append(f"{name} is {old} there, {tuple(shape)} here")
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(f"--load: the weights of {point.path} do not fit this model ({'; '.join(problems[:3])}"
+                              f"{more}); check the model flags, the tokenizer and --vocab-size")
