@@ -80,6 +80,7 @@ setup(
         "megatron-core>=0.16.1,<0.18",
         "psutil",
         "filelock",
+        "tokenizers",  # GPT-2 BPE (--vocab-file/--merge-file) and local HuggingFace tokenizers
     ],
     extras_require={"dev": ["pytest", "ninja"], "bench": ["matplotlib"]},
     ext_modules=ext_modules,

@@ -6,8 +6,10 @@
     -> data/my_text_document.bin, data/my_text_document.idx   (train with --data-path data/my_text_document)
 
 A `.jsonl`/`.json` input holds one JSON object per line, each key of --json-keys one document;
-any other input file is one document (key "text"). Tokenizer: the built-in byte-level one, or a
-local HuggingFace tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH).
+any other input file is one document (key "text"). Tokenizer: the built-in byte-level one, GPT-2's BPE
+(--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt) or a local
+HuggingFace tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH); train with the same
+tokenizer flags.
 The output depends only on the inputs, their order and the tokenizer, not on --workers.
 """
 from __future__ import annotations
@@ -22,24 +24,30 @@ from typing import Iterator, List, Tuple
 import numpy as np
 
 from moezero.config import ConfigError, DataConfig
-from moezero.data import build_tokenizer, write_indexed_dataset
+from moezero.data import DataError, build_tokenizer, write_indexed_dataset
+from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args
+
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 _worker_state = {}  # the tokenizer of a worker process, built once by _init_worker
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="jsonl or text files, read in the order given")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.{bin,idx}")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys to extract, one dataset each")
     p.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
                    help="auto: .jsonl/.json are jsonl, anything else is one text document per file")
-    p.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"))
-    p.add_argument("--tokenizer-model", default=None, help="local HuggingFace tokenizer path")
+    add_config_arguments(p, DataConfig, only=TOKENIZER_FIELDS)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.data = configs_from_args(args, [DataConfig])["data"]
+    except ConfigError as exc:
+        p.error(str(exc))
+    return args
 
 
 def _is_jsonl(path: str, fmt: str) -> bool:
@@ -64,9 +72,8 @@ def read_texts(inputs: List[str], key: str, fmt: str) -> Iterator[str]:
                     raise ConfigError(f"--input {path}:{lineno}: not a JSON object with key {key!r} ({exc})") from None
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model, append_eod: bool) -> None:
-    cfg = DataConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model)
-    _worker_state["tokenizer"], _worker_state["append_eod"] = build_tokenizer(cfg), append_eod
+def _init_worker(data: DataConfig, append_eod: bool) -> None:
+    _worker_state["tokenizer"], _worker_state["append_eod"] = build_tokenizer(data), append_eod
 
 
 def _encode(text: str) -> np.ndarray:
@@ -77,7 +84,7 @@ def _encode(text: str) -> np.ndarray:
 
 def encode_all(texts: Iterator[str], args: argparse.Namespace) -> Iterator[np.ndarray]:
     """Token arrays in input order (imap keeps the order whatever the worker count)."""
-    init = (args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    init = (args.data, args.append_eod)
     if args.workers <= 1:
         _init_worker(*init)
         yield from map(_encode, texts)
@@ -90,8 +97,7 @@ def preprocess(args: argparse.Namespace) -> List[Tuple[str, int, int]]:
     """Write one dataset per key; returns (prefix, documents, tokens) for each."""
     if args.workers < 1:
         raise ConfigError(f"--workers={args.workers}: must be >= 1")
-    vocab_size = build_tokenizer(DataConfig(tokenizer_type=args.tokenizer_type,
-                                            tokenizer_model=args.tokenizer_model)).vocab_size
+    vocab_size = build_tokenizer(args.data).vocab_size
     written = []
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
@@ -106,7 +112,7 @@ def main(argv=None) -> int:
     start = time.time()
     try:
         written = preprocess(args)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, DataError, OSError) as exc:
         print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
         return 2
     for prefix, docs, tokens in written:

@@ -1,7 +1,6 @@
 """Data layer: tokenizers, indexed files and their errors, the layout-invariant batch order."""
 import os
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from moezero.config import ConfigError, DataConfig
 from moezero.data import (ByteLevelTokenizer, DataError, build_tokenizer, check_indexed_dataset, collate,
                           eval_micro_batches, load_micro_batch, micro_batch_indices, num_micro_steps,
                           open_indexed_dataset, parse_data_path, train_micro_batches, write_indexed_dataset)
+from tests.bpe_files import write_bpe_files
 
 
 def random_docs(n, seed=0, max_len=300, eod=256):
@@ -41,29 +41,26 @@ def test_huggingface_tokenizer_needs_a_local_path_and_the_package(tmp_path, monk
         build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
 
 
-def test_huggingface_tokenizer_wraps_the_tokenizers_package(tmp_path, monkeypatch):
-    vocab = {"a": 0, "b": 1, "</s>": 2}
+def test_gpt2_bpe_and_huggingface_tokenizers_read_files_a_trained_tokenizer_wrote(tmp_path):
+    files = write_bpe_files(str(tmp_path))
+    text = "def f(x):\n    return x  # café, 数据\n"
+    bpe = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=files["vocab"],
+                                     merge_file=files["merges"]))
+    hf = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=files["tokenizer_json"]))
+    ids = bpe.tokenize(text)
+    assert len(ids) < len(text.encode()) and hf.tokenize(text) == ids  # merges applied, the same BPE
+    assert bpe.detokenize(ids) == text == hf.detokenize(ids)
+    assert (bpe.vocab_size, bpe.eod) == (400, 0) and hf.eod == 0       # <|endoftext|>, the first special token
 
-    class FakeTokenizer:
-        @staticmethod
-        def from_file(path):
-            assert path == str(tmp_path / "tokenizer.json")
-            return FakeTokenizer()
 
-        def encode(self, text, add_special_tokens=True):
-            return types.SimpleNamespace(ids=[vocab[c] for c in text])
-
-        def decode(self, ids):
-            return "".join({v: k for k, v in vocab.items()}[i] for i in ids)
-
-        def get_vocab(self, with_added_tokens=True):
-            return vocab
-
-    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=FakeTokenizer))
-    (tmp_path / "tokenizer.json").write_text("{}")
-    tok = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
-    assert (tok.vocab_size, tok.eod) == (3, 2)
-    assert tok.tokenize("abba") == [0, 1, 1, 0] and tok.detokenize([1, 0]) == "ba"
+def test_gpt2_bpe_flags_go_together(tmp_path):
+    with pytest.raises(ConfigError, match="--tokenizer-type=.GPT2BPETokenizer.: GPT2BPETokenizer needs --vocab"):
+        DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json")
+    with pytest.raises(ConfigError, match="--vocab-file=.*only --tokenizer-type GPT2BPETokenizer reads it"):
+        DataConfig(vocab_file="v.json")
+    with pytest.raises(DataError, match="--vocab-file=.*no such file"):
+        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"),
+                                   merge_file=str(tmp_path / "m.txt")))
 
 
 # ---- indexed files --------------------------------------------------------------------------
