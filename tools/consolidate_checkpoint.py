@@ -3,9 +3,11 @@
 
     python tools/consolidate_checkpoint.py --load checkpoints/gpt_moe_small [--iteration N] --output model.pt
 
-The output is a plain `torch.save` dict {param name: tensor}: trainable params are the fp32 master
-weights, routed-expert tensors are stacked over all global experts (shape (E, ...)), and buffers
-(e.g. the router expert bias) are included. It loads into a GPTModel built with ep = 1.
+The output (`torch.load(path)`) is a dict: "model" {param name: tensor} holds the fp32 master weights
+(routed-expert tensors stacked over all global experts, shape (E, ...); QAT's parametrized weights under
+their plain names) and the buffers (e.g. the router expert bias), and loads into a GPTModel built with
+ep = 1; "configs" holds the run's configs (every section), so tools/generate.py, export_quantized.py
+and eval_quantized.py rebuild the model from the file alone; "iteration" says where the run stood.
 """
 import argparse
 import os
@@ -14,24 +16,29 @@ import sys
 import torch
 
 from moezero import checkpoint
+from moezero.compression.source import consolidated_file, load_checkpoint_model
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--load", required=True, help="checkpoint directory (the training run's --save)")
     parser.add_argument("--iteration", type=int, default=None, help="default: the latest")
     parser.add_argument("--output", required=True, help="path of the consolidated .pt file")
     args = parser.parse_args(argv)
-    iteration = args.iteration if args.iteration is not None else checkpoint.latest_iteration(args.load)
-    if iteration is None:
-        parser.error(f"--load={args.load}: no checkpoint found (no {checkpoint.POINTER})")
-    path = checkpoint.iteration_dir(args.load, iteration)
-    if not os.path.isdir(path):
-        parser.error(f"--iteration={iteration}: {path} does not exist")
-    model = checkpoint.consolidate_checkpoint(path)
-    torch.save(model, args.output)
-    total = sum(t.numel() for t in model.values())
-    print(f"wrote {args.output}: {len(model)} tensors, {total:,} elements, from {path}")
+    try:
+        if args.iteration is None:
+            path = checkpoint.resolve_checkpoint(args.load)
+        else:
+            path = checkpoint.iteration_dir(args.load, args.iteration)
+            if not os.path.isdir(path):
+                raise checkpoint.CheckpointError(f"--iteration={args.iteration}: {path} does not exist (saved: "
+                                                 f"{checkpoint.saved_iterations(args.load)})")
+        source = load_checkpoint_model(path)
+    except ValueError as exc:  # CheckpointError, and an incomplete set of shards
+        parser.error(str(exc))
+    torch.save(consolidated_file(source), args.output)
+    total = sum(t.numel() for t in source.state.values())
+    print(f"wrote {args.output}: {len(source.state)} tensors, {total:,} elements, with the run's configs, from {path}")
     return 0
 
 
