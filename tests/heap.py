@@ -13,10 +13,20 @@ class _MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap_bytes() -> int:
+def _mallinfo() -> _MallInfo2:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if not hasattr(libc, "mallinfo2"):
-        raise RuntimeError("heap_bytes() needs glibc >= 2.33 (mallinfo2)")
+        raise RuntimeError("heap accounting needs glibc >= 2.33 (mallinfo2)")
     libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    return libc.mallinfo2()
+
+
+def heap_bytes() -> int:
+    """Bytes in use (heap chunks and mmapped blocks)."""
+    info = _mallinfo()
     return info.uordblks + info.hblkhd
+
+
+def heap_free_bytes() -> int:
+    """Bytes the heap holds but does not use (free holes: what fragmentation costs in RSS)."""
+    return _mallinfo().fordblks

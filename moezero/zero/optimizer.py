@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moezero.config import ZeroConfig
+from moezero.host_memory import pin_mmap_threshold
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.families import Range
@@ -74,6 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  param_groups: Any = None, loss_scaler: Optional[DynamicLossScaler] = None,
                  max_skipped_steps: int = 20, **optimizer_kwargs):
         check_elementwise(optimizer_cls)
+        pin_mmap_threshold()  # MoE's variable-size tensors fragment glibc's heap otherwise (host_memory.py)
         self.model = model
         self.groups = resolve_groups(groups)
         self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from memtrace import sample as memory_sample  # noqa: E402
 from synthetic import batch, common_parser, gemm_peak_flops, model_flops_per_token  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def main():
     groups = ParallelGroups.build(expert_parallel_size=args.ep)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
-    losses, times, opt_times = [], [], []
+    losses, times, opt_times, memory = [], [], [], []
     for step in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
@@ -105,6 +106,7 @@ def main():
             ce, opt_s = train_step(args, model, opt, step, rank)
         times.append(time.perf_counter() - start)
         opt_times.append(opt_s)
+        memory.append(memory_sample())
         dist.all_reduce(ce)
         losses.append(ce.item() / world)
     step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
@@ -120,7 +122,9 @@ def main():
     result = {"tag": args.tag, "system": args.system, "stage": args.stage, "ep": args.ep, "world": world,
               "step_s": step_s, "optimizer_s": opt_s, "tokens_per_s": tokens / step_s, "peak_rss_mb": [r.item() for r in rss_all],
               "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
-              "flops_per_token": model_flops_per_token(args)}
+              "flops_per_token": model_flops_per_token(args), "times": times,
+              "memory": memory if rank == 0 else None,
+              "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None}
     if peaks is not None:
         result["gemm_peak_flops"] = sum(p.item() for p in peaks)
     if rank == 0:
