@@ -176,8 +176,9 @@ class GPTModel(nn.Module):
             if stats is not None:
                 all_stats.append(stats)
         x = self.final_norm(x)
-        weight = self.embedding.weight if self.output is None else self.output.weight
-        return F.linear(x, weight), all_stats
+        # an untied head is called as a module, so whatever wraps modules (ZeRO-3 engines) sees it run
+        logits = F.linear(x, self.embedding.weight) if self.output is None else self.output(x)
+        return logits, all_stats
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor
