@@ -9,7 +9,6 @@ their plain names) and the buffers (e.g. the router expert bias), and loads into
 ep = 1; "configs" holds the run's configs (every section), so tools/generate.py, export_quantized.py
 and eval_quantized.py rebuild the model from the file alone; "iteration" says where the run stood.
 """
-import argparse
 import os
 import sys
 
@@ -17,10 +16,11 @@ import torch
 
 from moezero import checkpoint
 from moezero.compression.source import consolidated_file, load_checkpoint_model
+from moezero.training.args import ArgumentParser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser = ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--load", required=True, help="checkpoint directory (the training run's --save)")
     parser.add_argument("--iteration", type=int, default=None, help="default: the latest")
     parser.add_argument("--output", required=True, help="path of the consolidated .pt file")

@@ -22,12 +22,12 @@ from moezero.compression.report import evaluate_models, format_report  # noqa: E
 from moezero.config import ConfigError, DataConfig  # noqa: E402
 from moezero.data import DataError  # noqa: E402
 from moezero.parallel import ParallelGroups  # noqa: E402
-from moezero.training.args import add_config_arguments, configs_from_args  # noqa: E402
+from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args  # noqa: E402
 from moezero.training.launch import init_distributed  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser = ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--quantized", default=None, help="the file tools/export_quantized.py wrote")
     parser.add_argument("--load", default=None, help="checkpoint (--save directory or iter_N folder)")
     parser.add_argument("--expert-model-parallel-size", type=int, default=1,

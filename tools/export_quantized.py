@@ -20,10 +20,11 @@ from moezero.compression.config import QATConfig
 from moezero.compression.export import export_quantized, packed_bytes
 from moezero.compression.source import load_checkpoint_model
 from moezero.config import ConfigError
+from moezero.training.args import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser = ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--load", required=True, help="checkpoint: the run's --save directory or an iter_N folder")
     parser.add_argument("--output", required=True, help="path of the quantized model file")
     parser.add_argument("--weight-bits", type=int, default=None, help="bits (default: the run's --qat-weight-bits)")

@@ -86,7 +86,7 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
         for key, tensor in non_trainable.items():
             tensor.copy_(request[key])
     if rng_key in request and train_state["world_size"] == _world_size():
-        _set_rng_state(keys.decode(request[rng_key]))
+        _set_rng_state(_decoded(request[rng_key], path, "RNG state"))
     return train_state
 
 
@@ -115,10 +115,15 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
 
 
 def _train_state(request: Dict[str, Any], path: str) -> Dict[str, Any]:
+    return keys.train_state_sections(_decoded(request[keys.TRAIN_STATE], path, "train state"))
+
+
+def _decoded(blob: Any, path: str, what: str) -> Any:
     try:
-        return keys.train_state_sections(keys.decode(request[keys.TRAIN_STATE]))
+        return keys.decode(blob)
     except Exception as exc:  # unpickling damaged bytes raises anything
-        raise CheckpointError(f"{path}: its train state is damaged ({first_line(exc, 80)})") from None
+        raise CheckpointError(f"{path}: its {what} is damaged ({first_line(exc, 80)}); resume from another "
+                              "checkpoint with --ckpt-step N") from None
 
 
 # ---- DCP calls ---------------------------------------------------------------------------------------

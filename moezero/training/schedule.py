@@ -26,7 +26,7 @@ def learning_rate(iteration: int, config) -> float:
     unit, warmup, decay = schedule_lengths(config)
     position = iteration * unit
     if warmup > 0 and position < warmup:
-        return config.lr * (position + unit) / warmup
+        return config.lr * min(1.0, (position + unit) / warmup)
     if config.lr_decay_style == "constant":
         return config.lr
     span = max(decay - warmup, 1)

@@ -1,0 +1,42 @@
+"""The real scripts as subprocesses: the pretraining script (alone or under torchrun) and the tools.
+
+Every run has a timeout and runs in its own session, so a test that fails half-way still kills the
+whole process tree (torchrun and its workers)."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from typing import Iterator, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRETRAIN = os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def tool(name: str) -> str:
+    return os.path.join(REPO, "tools", f"{name}.py")
+
+
+def torchrun(nproc: int, script: str) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+
+
+def run(cmd: List[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run to the end (killed with its children after `timeout`); stdout and stderr captured apart."""
+    with started(cmd, stderr=subprocess.PIPE) as proc:
+        out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def started(cmd: List[str], stderr=subprocess.STDOUT) -> Iterator[subprocess.Popen]:
+    """A running process (text stdout pipe); on exit from the block its session is killed if still alive."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=ENV, cwd=REPO,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,57 @@
+"""SIGTERM to torchrun with --exit-signal-handler: the workers finish the iteration, save it and exit;
+resuming gives exactly the weights of a run that was never stopped."""
+import re
+import signal
+
+import torch
+
+from moezero import checkpoint
+from tests.integration.pretrain_utils import TINY
+from tests.integration.scripts import PRETRAIN, run, started, torchrun
+
+# 1000 planned iterations with a fixed decay length: the schedule and the data order do not depend on
+# where a run stops, so runs stopped at different points are comparable
+PLAN = TINY + ["--train-iters", "1000", "--lr-decay-iters", "40", "--expert-model-parallel-size", "2",
+               "--log-interval", "1"]
+
+
+def _launch(extra, cache):
+    return torchrun(2, PRETRAIN) + PLAN + extra + ["--data-cache-path", cache]
+
+
+def _losses(text):
+    return dict(re.findall(r"iteration +(\d+)/ *\d+ .*?\| lm loss: (\S+) \|", text))
+
+
+def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(tmp_path):
+    cache, ckpt, straight = str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "straight")
+    cmd = _launch(["--save", ckpt, "--exit-signal-handler"], cache)
+    with started(cmd) as proc:
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if re.match(r" iteration +3/", line):
+                proc.send_signal(signal.SIGTERM)   # to torchrun only: it forwards SIGTERM to its workers
+                break
+        output.append(proc.communicate(timeout=120)[0])
+    text = "".join(output)
+    stopped = checkpoint.latest_iteration(ckpt)
+    assert stopped is not None and stopped >= 3, text[-3000:]
+    assert f"stopped after iteration {stopped} (received SIGTERM); saved {checkpoint.iteration_dir(ckpt, stopped)}" \
+        in text, text[-3000:]
+    assert not checkpoint.unfinished_saves(ckpt)
+
+    end = str(stopped + 2)   # --exit-interval: both runs stop (and save) at the first multiple after `stopped`
+    resumed = run(_launch(["--load", ckpt, "--save", ckpt, "--exit-interval", end], cache), timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint.iteration_dir(ckpt, stopped)} at iteration {stopped}" in resumed.stdout
+    reference = run(_launch(["--save", straight, "--exit-interval", end], cache), timeout=180)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    a = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(ckpt, int(end)))
+    b = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(straight, int(end)))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name   # bitwise: masters after the same steps
+    losses, reference_losses = {**_losses(text), **_losses(resumed.stdout)}, _losses(reference.stdout)
+    assert [losses[str(i)] for i in range(1, int(end) + 1)] == [reference_losses[str(i)] for i in range(1, int(end) + 1)]

@@ -1,0 +1,105 @@
+"""The Megatron flags of the training script in one process: parsing, one-line errors, the sample-based
+schedule, stop conditions and the interrupt message."""
+import os
+import re
+import signal
+
+import pytest
+
+from moezero.config import ConfigError, ParallelConfig, ZeroConfig
+from moezero.recipe import CONFIG_CLASSES
+from moezero.training.args import build_parser, parse_configs
+from moezero.training.configs import DESCRIPTION, TrainConfig
+from moezero.training.launch import interrupt_message
+from moezero.training.schedule import learning_rate
+from moezero.training.stopping import StopConditions
+
+
+def _error_of(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_configs(argv, CONFIG_CLASSES, DESCRIPTION)
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
+    lines = _error_of(["--hiden-size", "64", "--num-layers", "2"], capsys)
+    assert len(lines) == 1 and "did you mean --hidden-size?" in lines[0] and "see --help" in lines[0], lines
+    lines = _error_of(["--tensor-model-parallel-size", "2"], capsys)
+    assert len(lines) == 1 and "--tensor-model-parallel-size=2: moezero has no such parallelism" in lines[0]
+
+
+def test_help_has_no_placeholders_and_each_default_once():
+    text = build_parser(CONFIG_CLASSES, DESCRIPTION).format_help()
+    assert "MODEL." not in text and "TRAIN." not in text and "--num-layers NUM_LAYERS" in text
+    assert "(default: None)" not in text
+    entries = re.split(r"\n  (?=--)", text)   # one entry per flag: its name line(s) and help
+    for flag in ("--moe-grouped-gemm", "--seq-length", "--lr-warmup-iters", "--num-experts"):
+        entry = next(e for e in entries if e.startswith(flag + " ") or e.startswith(flag + ","))
+        assert entry.count("default") == 1, entry
+
+
+def test_args_file_reads_megatron_style_lines(tmp_path):
+    args = tmp_path / "flags.txt"
+    args.write_text("# a launch script's flags\n--num-layers 3 --hidden-size 48\n--use-distributed-optimizer\n")
+    cfg = parse_configs([f"@{args}", "--num-attention-heads", "3"], CONFIG_CLASSES, DESCRIPTION)
+    assert (cfg["model"].num_layers, cfg["model"].hidden_size, cfg["zero"].stage) == (3, 48, 1)
+
+
+def test_megatron_parallel_and_optimizer_flags():
+    assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=1, context_parallel_size=1)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+        with pytest.raises(ConfigError, match="only 1 is accepted"):
+            ParallelConfig(**{name: 2})
+    assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
+    assert ZeroConfig(use_distributed_optimizer=True, stage=3).stage == 3
+
+
+def test_sample_based_schedule_is_megatrons():
+    t = TrainConfig(global_batch_size=8, train_samples=800, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1,
+                    lr_decay_style="linear")
+    assert t.train_iters == 100
+    # warmup 80 samples = 10 iterations, then linear decay over the remaining 720 samples
+    assert learning_rate(0, t) == pytest.approx(0.1) and learning_rate(9, t) == pytest.approx(1.0)
+    assert learning_rate(55, t) == pytest.approx(1 - (55 * 8 - 80) / 720)
+    iters = TrainConfig(train_iters=100, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1, lr_decay_style="linear")
+    assert [learning_rate(i, iters) for i in (0, 9, 55)] == pytest.approx([learning_rate(i, t) for i in (0, 9, 55)])
+    assert TrainConfig().lr_warmup_iters == 20 and TrainConfig().train_iters == 200
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(train_samples=64, train_iters=3), "--train-iters=3: give --train-iters or --train-samples"),
+    (dict(train_samples=64, lr_warmup_iters=5), "--lr-warmup-iters=5: counts iterations"),
+    (dict(lr_warmup_samples=8), "--lr-warmup-samples=8: needs --train-samples"),
+    (dict(lr_warmup_iters=5, lr_warmup_fraction=0.1), "give one of --lr-warmup-iters"),
+    (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction=1.5: must be in [0, 1]"),
+])
+def test_schedule_flags_conflicts_name_the_flag(kwargs, needle):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_stop_conditions_record_a_signal_and_the_duration():
+    stop = StopConditions(TrainConfig(exit_signal_handler=True), None)
+    try:
+        assert stop.reason(1) is None
+        signal.raise_signal(signal.SIGTERM)  # recorded, not fatal: the iteration in flight finishes
+        assert stop.reason(2) == "received SIGTERM"
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    stop = StopConditions(TrainConfig(exit_duration_in_mins=1e-9), None)
+    assert "--exit-duration-in-mins" in stop.reason(1)
+    assert StopConditions(TrainConfig(exit_interval=5, train_iters=20), None).reason(5) == "--exit-interval=5"
+
+
+def test_the_interrupt_message_says_what_is_on_disk(tmp_path):
+    assert "nothing was saved (no --save)" in interrupt_message(None)
+    assert f"no complete checkpoint in {tmp_path}" in interrupt_message(str(tmp_path))
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    (tmp_path / "iter_0000004.tmp").mkdir()
+    message = interrupt_message(str(tmp_path))
+    assert f"the last complete checkpoint is {os.path.join(tmp_path, 'iter_0000002')}" in message
+    assert "the unfinished save iter_0000004.tmp is ignored by --load" in message
