@@ -1,0 +1,69 @@
+"""A Megatron-style launch line runs unchanged: its flags from an @file, GPT-2 BPE data that
+tools/preprocess_data.py wrote, a sample-based schedule, the distributed optimizer, 2 ranks with ep 2."""
+import re
+import sys
+
+from moezero import checkpoint
+from tests.bpe_files import CORPUS_JSONL, write_bpe_files
+from tests.integration.scripts import PRETRAIN, run, tool, torchrun
+
+MEGATRON_FLAGS = """
+# the parallelism Megatron scripts spell out
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
+--expert-model-parallel-size 2 --use-distributed-optimizer
+# model
+--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32
+--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-router-load-balancing-type aux_loss
+# schedule in samples
+--micro-batch-size 2 --global-batch-size 8 --train-samples 48 --lr 3e-3 --min-lr 3e-4
+--lr-decay-style cosine --lr-warmup-fraction 0.1 --weight-decay 0.1 --clip-grad 1.0
+# data
+--tokenizer-type GPT2BPETokenizer --vocab-file {vocab} --merge-file {merges} --data-path {data} --split 90,5,5
+# logging, evaluation, checkpoints
+--log-interval 1 --eval-interval 3 --eval-iters 1 --tensorboard-dir {tb}
+--save {ckpt} --load {ckpt} --save-interval 3 --exit-signal-handler --exit-duration-in-mins 30
+"""
+
+
+def test_a_megatron_launch_line_runs_unchanged(tmp_path):
+    files = write_bpe_files(str(tmp_path / "bpe"))
+    prefix = str(tmp_path / "corpus")
+    prep = run([sys.executable, tool("preprocess_data"), "--input", CORPUS_JSONL, "--output-prefix", prefix,
+                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file",
+                files["merges"], "--append-eod"])
+    assert prep.returncode == 0, prep.stderr
+    args = tmp_path / "megatron_args.txt"
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    args.write_text(MEGATRON_FLAGS.format(vocab=files["vocab"], merges=files["merges"], data=prefix + "_text_document",
+                                          tb=tb, ckpt=ckpt))
+    proc = run(torchrun(2, PRETRAIN) + [f"@{args}", "--data-cache-path", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"no checkpoint in --load={ckpt} yet (it is also --save)" in out
+    assert "world 2, ep 2, ZeRO stage 1" in out                      # --use-distributed-optimizer
+    assert re.search(r"iteration 6/6 \| consumed samples: +48 ", out)  # 48 samples / 8 per iteration
+    # warmup 4.8 samples < one iteration: the first step runs at the peak lr (Megatron's sample schedule)
+    assert re.search(r"iteration 1/6 .*learning rate: 3\.000000E-03", out)
+    for label in ("max rss (MB)", "zero held (MB)", "moe max/mean load"):
+        assert label in out
+    assert "validation loss at iteration 6 on test set" in out      # the final test-split evaluation
+    assert checkpoint.saved_iterations(ckpt) == [3, 6]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb, size_guidance={"tensors": 0})
+    events.Reload()
+    assert {"lm loss", "moe/max-mean-load-ratio", "test/lm loss", "memory/zero-held-mb"} <= set(events.Tags()["scalars"])
+    text = events.Tensors("arguments/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| --train-samples | 48 |" in text and "| --tokenizer-type | GPT2BPETokenizer |" in text
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(events.PluginTagToContent("hparams"))
+
+    again = run(torchrun(2, PRETRAIN) + [f"@{args}", "--data-cache-path", str(tmp_path)], timeout=240)
+    assert again.returncode == 0 and "is at iteration 6 = --train-iters: nothing to train" in again.stderr
+
+
+def test_a_typo_costs_a_line(tmp_path):
+    proc = run([sys.executable, PRETRAIN, "--num-layers", "2", "--moe-router-top-k", "2"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "unrecognized arguments: --moe-router-top-k 2; did you mean --moe-router-topk? (see --help)" in lines[0]
