@@ -17,5 +17,5 @@ torchrun --standalone --nproc_per_node="$NPROC" examples_moe/pretrain_gpt_moe.py
     --expert-model-parallel-size 8 --zero-stage 2 --bf16 \
     --data-path "$DATA_PATH" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" \
     --eval-interval 1000 --eval-iters 10 --log-interval 10 \
-    --save checkpoints/gpt_moe_125m_e8 --load checkpoints/gpt_moe_125m_e8 --save-interval 1000 \
+    --save checkpoints/gpt_moe_125m_e8 --load checkpoints/gpt_moe_125m_e8 --save-interval 1000 --exit-signal-handler \
     --tensorboard-dir runs/gpt_moe_125m_e8 "$@"

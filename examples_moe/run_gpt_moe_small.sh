@@ -13,6 +13,6 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} torchrun --standalone --nproc_per_node="$N
     --num-experts 8 --moe-router-topk 2 --moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 \
     --expert-model-parallel-size 2 --zero-stage 2 \
     --eval-interval 50 --eval-iters 4 --log-interval 10 \
-    --save checkpoints/gpt_moe_small --load checkpoints/gpt_moe_small --save-interval 100 \
+    --save checkpoints/gpt_moe_small --load checkpoints/gpt_moe_small --save-interval 100 --exit-signal-handler \
     --tensorboard-dir runs/gpt_moe_small \
     "${DATA_ARGS[@]}" "$@"
