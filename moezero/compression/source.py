@@ -79,5 +79,5 @@ def _read_consolidated(path: str) -> CheckpointModel:
         raise CheckpointError(f"{path}: not a readable consolidated checkpoint ({type(exc).__name__})") from None
     if not isinstance(blob, dict) or blob.get("format") != CONSOLIDATED_FORMAT:
         raise CheckpointError(f"{path}: not a consolidated moezero checkpoint with its configs (one written before "
-                              "they were stored? consolidate the checkpoint again with tools/consolidate_checkpoint.py)")
+                              "they were stored? consolidate again with tools/consolidate_checkpoint.py)")
     return _checkpoint_model(path, blob["model"], blob["configs"], blob.get("qat_step"), int(blob["iteration"]))

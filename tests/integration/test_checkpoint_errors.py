@@ -17,8 +17,8 @@ RUN = TINY + ["--log-interval", "1"]
 def saved(tmp_path_factory):
     """A checkpoint of iteration 2 (and of 1), one process."""
     root = tmp_path_factory.mktemp("ckpt")
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--save", str(root / "ckpt"), "--save-interval",
-                                            "1", "--data-cache-path", str(root)])
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--save", str(root / "ckpt"),
+                                                   "--save-interval", "1", "--data-cache-path", str(root)])
     assert proc.returncode == 0, proc.stderr
     return root
 
@@ -63,8 +63,8 @@ def test_a_bad_resume_exits_with_one_line(case, saved, tmp_path):
     path = _copy(saved, tmp_path)
     if damage:
         damage(path)
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path, "--data-cache-path", str(saved)]
-               + extra)
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path,
+                                                   "--data-cache-path", str(saved)] + extra)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

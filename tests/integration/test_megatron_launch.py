@@ -53,7 +53,8 @@ def test_a_megatron_launch_line_runs_unchanged(tmp_path):
 
     events = EventAccumulator(tb, size_guidance={"tensors": 0})
     events.Reload()
-    assert {"lm loss", "moe/max-mean-load-ratio", "test/lm loss", "memory/zero-held-mb"} <= set(events.Tags()["scalars"])
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "moe/max-mean-load-ratio", "test/lm loss", "memory/zero-held-mb"} <= tags
     text = events.Tensors("arguments/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| --train-samples | 48 |" in text and "| --tokenizer-type | GPT2BPETokenizer |" in text
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(events.PluginTagToContent("hparams"))

@@ -54,4 +54,5 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     for name in a:
         assert torch.equal(a[name], b[name]), name   # bitwise: masters after the same steps
     losses, reference_losses = {**_losses(text), **_losses(resumed.stdout)}, _losses(reference.stdout)
-    assert [losses[str(i)] for i in range(1, int(end) + 1)] == [reference_losses[str(i)] for i in range(1, int(end) + 1)]
+    steps = [str(i) for i in range(1, int(end) + 1)]
+    assert [losses[i] for i in steps] == [reference_losses[i] for i in steps]
