@@ -31,7 +31,12 @@ test: $(STAMP)
 	MOEZERO_DISABLE_EXT=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_zero_torch_habits.py \
 		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py
 
-# moezero vs DeepSpeed-MoE on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use)
+# The fair benchmarks on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use; about
+# 1.5 hours on 2 cores): end to end vs DeepSpeed, the optimizer alone, one MoE layer, expert scaling,
+# memory over 200 steps. Every table is medians over alternating rounds with [min-max].
 bench: $(STAMP)
-	$(PY) -m pip install -q matplotlib
-	OMP_NUM_THREADS=1 $(PY) tools/bench_vs_peers.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_vs_peers.py --large
+	OMP_NUM_THREADS=1 $(PY) tools/bench_zero.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_moe_layer.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_scaling.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_memory.py

@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""moezero vs DeepSpeed-MoE training throughput on the same GPT-MoE, in one run (2 CPU processes).
+"""moezero vs DeepSpeed-MoE, end to end: the same GPT-MoE trained by each, fp32 and bf16, on 2 processes.
 
-    python tools/bench_vs_peers.py                 # the comparison, MFU, scaling tables and a PNG chart
-    python tools/bench_vs_peers.py --quick         # fewer steps and rounds
+    python tools/bench_vs_peers.py [--rounds 5] [--quick]
 
-Systems alternate round by round (these machines are noisy; ratios within one run are what count):
-moezero ZeRO-2 at ep 1 and 2, DeepSpeed ZeRO-2 with its MoE layer at ep 1 and 2 (dropless,
-random token selection off, same k and aux coefficient, same data), and moezero stage 0 as the
-no-ZeRO baseline. MFU divides achieved training FLOP/s by the torch.mm peak measured in the same
-run on the same processes. DeepSpeed's venv is created on first use (../shared/peers recipe).
+What each side runs (the fairness rules of these benchmarks):
+- the same GPT (pre-norm, learned positions, untied head, GELU MLP 4h, MoE on every other layer, E=8,
+  k=2, aux coefficient 0.01), the same init rule (Megatron's), the same synthetic data;
+- the same optimizer implementation: torch AdamW with fused=True (moezero's ZeroOptimizer, and the
+  client optimizer DeepSpeed wraps);
+- dropless routing with true top-2 on both (DeepSpeed: drop_tokens=False, use_rts=False,
+  top2_2nd_expert_sampling=False). DeepSpeed's dropless MoE computes every expert padded to the
+  largest expert's load (bench_moe_layer.py measures that); moezero computes the real rows;
+- ZeRO-2, gradient bucket 2e6 elements, DeepSpeed without overlap_comm (on CPU it has no reduction
+  stream; moezero reduces during backward as it does everywhere).
+Systems alternate round by round; each number is the median over rounds with [min-max]; a ratio is
+the median of per-round ratios. The kernel paths of the machine (bf16 units or emulated bf16 GEMM)
+are printed with the tables.
 """
 import argparse
 import os
@@ -16,144 +23,80 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from runner import REPO, run_worker  # noqa: E402
-
-SYSTEMS = [  # (label, system, extra worker args)
-    ("moezero ZeRO-2 ep1", "moezero", ["--stage", "2", "--ep", "1"]),
-    ("moezero ZeRO-2 ep2", "moezero", ["--stage", "2", "--ep", "2"]),
-    ("DeepSpeed ZeRO-2 ep1", "deepspeed", ["--stage", "2", "--ep", "1"]),
-    ("DeepSpeed ZeRO-2 ep2", "deepspeed", ["--stage", "2", "--ep", "2"]),
-    ("moezero stage 0 ep2 (no ZeRO)", "moezero", ["--stage", "0", "--ep", "2"]),
-]
+from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from runner import run_worker  # noqa: E402
 
 
-def model_args(args):
+def model_args(args, dtype):
+    steps = args.steps if dtype == "fp32" else args.bf16_steps
     return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.hidden // 64),
             "--seq", str(args.seq), "--mb", str(args.mb), "--experts", "8", "--k", "2", "--vocab", "1024",
-            "--steps", str(args.steps), "--warmup", "2"]
+            "--steps", str(steps), "--warmup", "2", "--dtype", dtype, "--bucket", "2000000"]
 
 
-def comparison(args):
-    runs = {label: [] for label, _, _ in SYSTEMS}
-    for round_index in range(args.rounds):
-        order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
-        for label, system, extra in order:
-            result = run_worker(system, model_args(args) + extra + ["--peak"])
-            runs[label].append(result)
-            status = result.get("error") or f"{result['tokens_per_s']:.0f} tokens/s"
-            print(f"  round {round_index + 1}: {label:32s} {status}", file=sys.stderr, flush=True)
-    return {label: _best(results) for label, results in runs.items()}
+def systems(args, dtype, eps):
+    out = []
+    for ep in eps:
+        out.append((f"moezero ZeRO-2 ep{ep}", lambda ep=ep: run_worker(
+            "moezero", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep)])))
+        out.append((f"DeepSpeed ZeRO-2 ep{ep}", lambda ep=ep: run_worker(
+            "deepspeed", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep), "--no-overlap"])))
+    if dtype == "fp32":
+        out.append(("moezero stage 0 ep2 (no ZeRO)", lambda: run_worker(
+            "moezero", model_args(args, dtype) + ["--stage", "0", "--ep", "2"])))
+    return out
 
 
-def _best(results):
-    ok = [r for r in results if "error" not in r]
-    if not ok:
-        return results[-1]
-    best = max(ok, key=lambda r: r["tokens_per_s"])
-    best = dict(best, tokens_per_s_all=[r["tokens_per_s"] for r in ok])
-    return best
-
-
-def print_comparison(best):
-    print("\n## moezero vs DeepSpeed (GPT-MoE, 2 CPU processes, fp32)\n")
-    print("| system | tokens/s | step time (s) | peak RSS/rank (MB) | final loss | vs DeepSpeed (same ep) | MFU |")
-    print("|---|---|---|---|---|---|---|")
-    # one peak for every row: the best torch.mm FLOP/s any run measured (both processes, 1 thread each)
-    peak = max((r.get("gemm_peak_flops", 0) for r in best.values() if "error" not in r), default=0)
-    for label, r in best.items():
-        if "error" in r:
-            print(f"| {label} | failed: {r['error']} | | | | | |")
+def print_table(title, results):
+    print(f"\n#### {title}\n")
+    print("| system | tokens/s | vs DeepSpeed (same ep) | step time (s) | RSS/rank at end (MB) | final loss |")
+    print("|---|---|---|---|---|---|")
+    for label, runs in results.items():
+        good = ok(runs)
+        if not good:
+            print(f"| {label} | failed: {error_of(runs)} | | | | |")
             continue
-        ep = r["ep"]
-        ds = best.get(f"DeepSpeed ZeRO-2 ep{ep}", {})
-        ratio = f"{r['tokens_per_s'] / ds['tokens_per_s']:.2f}x" if "tokens_per_s" in ds else "n/a"
-        mfu = r["flops_per_token"] * r["tokens_per_s"] / peak if peak else 0
-        print(f"| {label} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {max(r['peak_rss_mb']):.0f} | "
-              f"{r['final_loss']:.4f} | {ratio} | {mfu:.1%} |")
-    print(f"\nMFU = training FLOP/s (model FLOPs per token x tokens/s) / {peak / 1e9:.0f} GFLOP/s, the torch.mm "
-          "fp32 peak of the 2 processes measured in this run.")
+        ep = good[0]["ep"]
+        peer = results.get(f"DeepSpeed ZeRO-2 ep{ep}", [])
+        ratio = "1.00x" if label.startswith("DeepSpeed") else spread(ratios(runs, peer), 2, "x")
+        print(f"| {label} | {spread([r['tokens_per_s'] for r in good])} | {ratio} | "
+              f"{spread([r['step_s'] for r in good], 3)} | {spread([r['rss_end_mb'] for r in good])} | "
+              f"{good[-1]['final_loss']:.4f} |")
 
 
-def scaling(args):
-    """Step time as experts grow at constant active FLOPs, and as tokens grow (moezero ZeRO-2 ep2)."""
-    print("\n## Scaling (moezero ZeRO-2, ep 2)\n")
-    print("| experts (k=2, same expert size) | step time (s) | vs E=4 | forward+backward (s) | optimizer step (s) |")
-    print("|---|---|---|---|---|")
-    base = None
-    for experts in (4, 8, 16, 32):
-        extra = ["--stage", "2", "--ep", "2", "--experts", str(experts)]
-        r = run_worker("moezero", model_args(args) + extra)
-        if "error" in r:
-            print(f"| {experts} | failed: {r['error']} | | | |")
-            continue
-        base = base or r["step_s"]
-        print(f"| {experts} | {r['step_s']:.3f} | {r['step_s'] / base:.2f}x | {r['step_s'] - r['optimizer_s']:.3f} "
-              f"| {r['optimizer_s']:.3f} |")
-    print("\n| tokens per rank per step | step time (s) | time per token vs smallest |")
-    print("|---|---|---|")
-    base = None
-    for mb in (1, 2, 4):
-        extra = ["--stage", "2", "--ep", "2", "--mb", str(mb)]
-        r = run_worker("moezero", model_args(args) + extra)
-        if "error" in r:
-            print(f"| {mb * args.seq} | failed: {r['error']} | |")
-            continue
-        per_token = r["step_s"] / (mb * args.seq)
-        base = base or per_token
-        print(f"| {mb * args.seq} | {r['step_s']:.3f} | {per_token / base:.2f}x |")
-
-
-def overlap(args):
-    """Communication overlap: ZeRO-2 with buckets reduced during backward vs only at its end."""
-    print("\n## Gradient-reduction overlap (moezero ZeRO-2 ep2, 8 buckets)\n")
-    print("| overlap | step time (s) |")
-    print("|---|---|")
-    bucket = ["--bucket", "500000"]
-    for flag, label in (([], "during backward"), (["--no-overlap"], "after backward"),
-                        (["--late-first-bucket"], "during backward, but bucket 0 is ready last")):
-        r = run_worker("moezero", model_args(args) + ["--stage", "2", "--ep", "2"] + bucket + flag)
-        print(f"| {label} | {r.get('step_s', float('nan')):.3f} |")
-
-
-def chart(best, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [label for label, r in best.items() if "error" not in r]
-    values = [best[label]["tokens_per_s"] for label in labels]
-    colors = ["tab:orange" if label.startswith("DeepSpeed") else "tab:blue" for label in labels]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.barh(labels, values, color=colors)
-    ax.set_xlabel("training tokens/s (2 CPU processes, higher is better)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"\nchart: {os.path.relpath(path, REPO)}")
+def print_kernel_paths(results):
+    paths = next((r["kernel_paths"] for runs in results.values() for r in ok(runs)), None)
+    if paths:
+        units = ", ".join(paths["bf16_units"]) if paths["bf16_units"] else "none (bf16 GEMMs are emulated)"
+        print(f"\nKernel paths: CPU capability {paths['cpu_capability']}; bf16 GEMM units: {units}; a bf16 "
+              f"torch.mm takes {paths['bf16_gemm_slowdown']:.1f}x the fp32 time here.")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--mb", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="smaller model, fewer steps, one round")
-    p.add_argument("--skip-scaling", action="store_true")
-    p.add_argument("--chart", default=os.path.join(REPO, "docs", "bench_vs_peers.png"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--bf16-steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--large", action="store_true", help="also hidden 1024, seq 1024 (fp32, ep 2)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (a smoke test)")
     args = p.parse_args()
     if args.quick:
-        args.layers, args.hidden, args.seq, args.steps, args.rounds = 4, 256, 128, 6, 1
-    best = comparison(args)
-    print_comparison(best)
-    os.makedirs(os.path.dirname(args.chart), exist_ok=True)
-    chart(best, args.chart)
-    if not args.skip_scaling:
-        scaling(args)
-        overlap(args)
+        args.layers, args.hidden, args.seq, args.steps, args.bf16_steps, args.rounds = 2, 128, 64, 4, 3, 2
+    fp32 = alternate(systems(args, "fp32", (1, 2)), args.rounds, "fp32")
+    print_table(f"GPT-MoE {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mb}, "
+                f"E=8 k=2, fp32, 2 processes, {args.rounds} rounds", fp32)
+    bf16 = alternate(systems(args, "bf16", (2,)), args.rounds, "bf16")
+    print_table(f"the same, bf16 (fp32 masters), ep 2, {args.rounds} rounds", bf16)
+    print_kernel_paths(fp32)
+    if args.large:
+        args.hidden, args.seq, args.mb, args.layers, args.steps = 1024, 1024, 1, 2, 5
+        large = alternate(systems(args, "fp32", (2,))[:2], args.rounds, "large")
+        print_table(f"GPT-MoE 2 layers, hidden 1024, seq 1024, micro-batch 1, E=8 k=2, fp32, ep 2, "
+                    f"{args.rounds} rounds", large)
 
 
 if __name__ == "__main__":

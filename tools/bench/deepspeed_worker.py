@@ -1,9 +1,12 @@
 """Benchmark worker for DeepSpeed (run with DeepSpeed's venv under torchrun, DS_ACCELERATOR=cpu).
 
-The same GPT as moezero's worker: pre-norm blocks, learned positions, untied output layer, MLP
-4h with GELU, MoE (deepspeed.moe.layer.MoE) on layers 0, 2, ... with the same E, k and aux
-coefficient, dropless (drop_tokens=False) and random token selection off; torch AdamW under
-DeepSpeed ZeRO; the same synthetic data. Prints one RESULT json line.
+--model native (end to end): the same GPT as moezero's worker (pre-norm blocks, learned positions,
+untied output layer, MLP 4h with GELU, the same init rule) with DeepSpeed's MoE layer
+(deepspeed.moe.layer.MoE) on layers 0, 2, ... with the same E, k and aux coefficient, dropless
+(drop_tokens=False), true top-k (no random token selection, no sampled second expert).
+--model moezero (ZeRO only): moezero's own GPTModel and MoE layer (ep 1), so only the optimizer differs.
+Either way torch AdamW (fused unless --no-fused, as on every system) under DeepSpeed ZeRO, the same
+synthetic data. Prints one RESULT json line.
 """
 import json
 import os
@@ -20,12 +23,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from synthetic import batch, common_parser, gemm_peak_flops, model_flops_per_token  # noqa: E402
+from memtrace import sample as memory_sample  # noqa: E402
+from synthetic import (adamw_kwargs, batch, common_parser, gemm_peak_flops, kernel_paths,  # noqa: E402
+                       model_flops_per_token)
 
 
 def parse():
     p = common_parser()
     p.add_argument("--local_rank", type=int, default=-1)  # the DeepSpeed launcher passes it
+    p.add_argument("--model", choices=["native", "moezero"], default="native")
     return p.parse_args()
 
 
@@ -56,9 +62,12 @@ class Block(nn.Module):
         self.attn = Attention(args.hidden, args.heads)
         self.moe = moe
         ffn = args.ffn_mult * args.hidden
-        self.mlp = MoE(hidden_size=args.hidden, expert=mlp(args.hidden, ffn), num_experts=args.experts,
-                       ep_size=args.ep, k=args.k, capacity_factor=1.0, eval_capacity_factor=1.0,
-                       drop_tokens=False, use_rts=False) if moe else mlp(args.hidden, ffn)
+        if moe:
+            self.mlp = MoE(hidden_size=args.hidden, expert=mlp(args.hidden, args.expert_ffn or ffn),
+                           num_experts=args.experts, ep_size=args.ep, k=args.k, capacity_factor=1.0,
+                           eval_capacity_factor=1.0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+        else:
+            self.mlp = mlp(args.hidden, ffn)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -99,22 +108,39 @@ def megatron_init(model, layers, std=0.02):
         nn.init.normal_(p, 0.0, scale)
 
 
+def build(args):
+    """(model, loss function (model output, labels) -> (ce, loss), param groups for the optimizer)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    if args.model == "moezero":
+        from moezero_gpt import build_moezero_gpt, lm_loss
+
+        model = build_moezero_gpt(args)
+        return model, lm_loss, [{"params": list(model.parameters())}]
+    torch.manual_seed(1234)
+    model = GPT(args)
+    megatron_init(model, args.layers)
+
+    def loss_fn(output, labels):
+        logits, aux = output
+        ce = F.cross_entropy(logits.float().view(-1, args.vocab), labels.view(-1))
+        return ce, ce + args.aux * aux
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all", "weight_decay": 0.0})
+    return model, loss_fn, groups
+
+
 def main():
     args = parse()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     import deepspeed
     import torch.distributed as dist
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     peak = gemm_peak_flops() if args.peak else None
-    torch.manual_seed(1234)
-    model = GPT(args)
-    megatron_init(model, args.layers)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": [p for p in model.parameters()], "name": "all", "weight_decay": 0.0})
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    model, loss_fn, groups = build(args)
+    opt = torch.optim.AdamW(groups, **adamw_kwargs(args))
     config = {
         "train_micro_batch_size_per_gpu": args.mb, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
         "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "bf16": {"enabled": args.dtype == "bf16"},
@@ -123,28 +149,31 @@ def main():
                               "contiguous_gradients": True},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    losses, times = [], []
+    losses, times, memory = [], [], []
     for step in range(args.steps):
         tokens, labels = batch(args, step, rank)
         dist.barrier()
         start = time.perf_counter()
-        logits, aux = engine(tokens)
-        ce = F.cross_entropy(logits.float().view(-1, args.vocab), labels.view(-1))
-        engine.backward(ce + args.aux * aux)
+        ce, loss = loss_fn(engine(tokens), labels)
+        engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - start)
-        loss = ce.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
+        memory.append(memory_sample())
+        ce = ce.detach().float().clone()
+        dist.all_reduce(ce)
+        losses.append(ce.item() / world)
     step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
     rss = [None] * world
     dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    rss_end = [None] * world
+    dist.all_gather_object(rss_end, memory[-1]["rss_mb"])
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
-    result = {"tag": args.tag, "system": "deepspeed", "stage": args.stage, "ep": args.ep, "world": world,
-              "step_s": step_s, "tokens_per_s": args.mb * args.seq * world / step_s, "peak_rss_mb": rss,
-              "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
-              "flops_per_token": model_flops_per_token(args)}
+    result = {"tag": args.tag, "system": "deepspeed", "model": args.model, "stage": args.stage, "ep": args.ep,
+              "world": world, "step_s": step_s, "tokens_per_s": args.mb * args.seq * world / step_s,
+              "peak_rss_mb": rss, "rss_end_mb": max(rss_end), "first_loss": losses[0], "final_loss": losses[-1],
+              "losses": losses, "times": times, "memory": memory if rank == 0 else None,
+              "flops_per_token": model_flops_per_token(args), "kernel_paths": kernel_paths()}
     if peak is not None:
         result["gemm_peak_flops"] = sum(peaks)
     if rank == 0:

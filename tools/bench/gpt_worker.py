@@ -18,7 +18,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from memtrace import sample as memory_sample  # noqa: E402
-from synthetic import batch, common_parser, gemm_peak_flops, model_flops_per_token  # noqa: E402
+from moezero_gpt import build_moezero_gpt, lm_loss  # noqa: E402
+from synthetic import (adamw_kwargs, batch, common_parser, gemm_peak_flops, kernel_paths,  # noqa: E402
+                       model_flops_per_token)
 
 
 def parse():
@@ -31,26 +33,16 @@ def parse():
 
 
 def build_model(args, groups):
-    from moezero.config import GPTConfig, MoEConfig
-    from moezero.models import GPTModel
-    from moezero.moe import expert_parallel
-
-    gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                    seq_length=args.seq, vocab_size=args.vocab, ffn_hidden_size=args.ffn_mult * args.hidden,
-                    untie_embeddings_and_output_weights=True, moe_layer_freq=2)
-    moe = None
-    if args.experts:
-        moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux)
-    model = GPTModel(gpt, moe, seed=1234, moe_layer=expert_parallel(groups))
+    model = build_moezero_gpt(args, groups)
     if args.late_first_bucket:
         # its gradient arrives at the very end of backward, and buckets launch strictly in order
-        model.late = torch.nn.Parameter(torch.zeros(args.hidden))
+        model.late = torch.nn.Parameter(torch.zeros(args.hidden, dtype=model.embedding.weight.dtype))
         model.embedding.register_forward_hook(lambda module, inputs, out: out + model.late)
-    return model.bfloat16() if args.dtype == "bf16" else model
+    return model
 
 
 def build_optimizer(args, model, groups):
-    kwargs = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    kwargs = adamw_kwargs(args)
     if args.system == "moezero":
         from moezero.zero import ZeroOptimizer
 
@@ -65,12 +57,8 @@ def build_optimizer(args, model, groups):
 
 
 def train_step(args, model, opt, step, rank):
-    from moezero.models import language_model_loss
-
     tokens, labels = batch(args, step, rank)
-    logits, stats = model(tokens)
-    ce = language_model_loss(logits, labels, torch.ones_like(labels, dtype=torch.float32))
-    loss = ce + sum((s.aux_loss for s in stats), torch.zeros(()))
+    ce, loss = lm_loss(model(tokens), labels)
     loss.backward()
     backward_done = time.perf_counter()
     if args.system != "moezero":
@@ -78,6 +66,12 @@ def train_step(args, model, opt, step, rank):
     opt.step()
     opt.zero_grad()
     return ce.detach(), time.perf_counter() - backward_done
+
+
+def max_over_ranks(value, world):
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return max(v.item() for v in values)
 
 
 def main():
@@ -120,11 +114,13 @@ def main():
         dist.all_gather(peaks, torch.tensor([peak]))
     tokens = args.mb * args.seq * world
     result = {"tag": args.tag, "system": args.system, "stage": args.stage, "ep": args.ep, "world": world,
-              "step_s": step_s, "optimizer_s": opt_s, "tokens_per_s": tokens / step_s, "peak_rss_mb": [r.item() for r in rss_all],
+              "step_s": step_s, "optimizer_s": opt_s, "tokens_per_s": tokens / step_s,
+              "peak_rss_mb": [r.item() for r in rss_all],
               "first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
               "flops_per_token": model_flops_per_token(args), "times": times,
               "memory": memory if rank == 0 else None,
-              "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None}
+              "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None,
+              "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths()}
     if peaks is not None:
         result["gemm_peak_flops"] = sum(p.item() for p in peaks)
     if rank == 0:

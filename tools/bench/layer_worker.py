@@ -25,7 +25,34 @@ def parse():
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="imbalanced routing as a trained router has: expert e's logit gets skew * (1 - e/(E-1))")
     return p.parse_args()
+
+
+def gate_weight(layer, system):
+    if system == "deepspeed":
+        return layer.deepspeed_moe.gate.wg.weight
+    return layer.router.wg.weight
+
+
+def skew_router(layer, system, args, direction):
+    """Tokens share a direction; adding it to the gate rows with decreasing weight makes the first experts
+    popular (the same rule on both systems, so both see the same load pattern)."""
+    with torch.no_grad():
+        bonus = args.skew * (1 - torch.arange(args.experts, dtype=torch.float32) / max(args.experts - 1, 1))
+        gate_weight(layer, system).add_(bonus[:, None].to(gate_weight(layer, system).dtype) * direction)
+
+
+def load_stats(layer, system, x, args, world):
+    """max/mean expert load over the ep group, and DeepSpeed's dropless padding factor (every expert runs
+    as many rows as the most loaded one: E * max load / assignments)."""
+    logits = x.float() @ gate_weight(layer, system).float().t()
+    counts = torch.bincount(logits.topk(args.k, dim=-1).indices.reshape(-1), minlength=args.experts).float()
+    if world > 1:
+        dist.all_reduce(counts)
+    return {"max_mean_load": (counts.max() / counts.mean()).item(),
+            "deepspeed_padding": (args.experts * counts.max() / counts.sum()).item()}
 
 
 def build(args, world):
@@ -62,7 +89,15 @@ def main():
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     layer = layer.to(dtype)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    direction = torch.randn(args.hidden, generator=torch.Generator().manual_seed(9))
+    direction = direction / direction.norm()
     x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank), dtype=dtype)
+    x = x + (4.0 * direction).to(dtype) if args.skew else x
+    loads = {}
+    if args.system != "dense":
+        if args.skew:
+            skew_router(layer, args.system, args, direction)
+        loads = load_stats(layer, args.system, x, args, world)
     times = []
     for _ in range(args.reps + 1):
         if dist.is_initialized():
@@ -73,8 +108,8 @@ def main():
         times.append(time.perf_counter() - start)
     step = statistics.median(times[1:])
     if rank == 0:
-        print("RESULT " + json.dumps({"system": args.system, "world": world, "step_s": step,
-                                      "tokens_per_s_per_rank": args.tokens / step}), flush=True)
+        print("RESULT " + json.dumps({"system": args.system, "world": world, "step_s": step, "times": times[1:],
+                                      "tokens_per_s_per_rank": args.tokens / step, **loads}), flush=True)
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()

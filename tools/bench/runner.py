@@ -36,7 +36,7 @@ def _imports(python: str, module: str) -> bool:
 
 
 def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int = 1800,
-               python: Optional[str] = None) -> Dict:
+               python: Optional[str] = None, env_extra: Optional[Dict[str, str]] = None) -> Dict:
     """Run one configuration; returns the worker's RESULT dict, or {"error": ...}."""
     _port[0] += 1
     deepspeed = system == "deepspeed"
@@ -45,7 +45,7 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
     if python is None:
         return {"error": "DeepSpeed is not installed"}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--master_port={_port[0]}", script] + worker_args
     if not deepspeed:

@@ -21,6 +21,7 @@ def common_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8, help="0 = dense GPT")
     p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--expert-ffn", type=int, default=0, help="routed experts' FFN width (0: ffn-mult x hidden)")
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--aux", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=12)
@@ -29,9 +30,37 @@ def common_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket", type=int, default=2_000_000)
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--no-fused", action="store_true", help="the per-tensor AdamW loop instead of torch's fused "
+                   "kernel (every system gets the same one)")
     p.add_argument("--peak", action="store_true", help="also measure the GEMM peak for MFU")
     p.add_argument("--tag", default="")
     return p
+
+
+def adamw_kwargs(args) -> dict:
+    """torch AdamW's settings on every system: the same implementation everywhere (fused unless --no-fused)."""
+    return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=not args.no_fused)
+
+
+def kernel_paths() -> dict:
+    """Which GEMM paths this CPU has: bf16 runs on dedicated units (AVX-512 BF16 / AMX) or is emulated."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    hardware = [name for name in ("avx512_bf16", "amx_bf16") if name in flags.split()]
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
+        torch.mm(a, b)
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b)
+        seconds[dtype] = time.perf_counter() - start
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_units": hardware or None,
+            "bf16_gemm_slowdown": seconds[torch.bfloat16] / seconds[torch.float32]}
 
 
 def batch(args, step, rank, seed=1234):
@@ -49,7 +78,7 @@ def model_flops_per_token(args) -> float:
     attention = 2 * 4 * D * D + 2 * 2 * S * D  # qkv + proj, then QK^T and AV (causal counted in full)
     dense_mlp = 2 * 2 * D * F
     moe_layers = (args.layers + 1) // 2 if args.experts else 0
-    routed = args.k * 2 * 2 * D * F + 2 * D * args.experts
+    routed = args.k * 2 * 2 * D * (args.expert_ffn or F) + 2 * D * args.experts
     forward = args.layers * attention + (args.layers - moe_layers) * dense_mlp + moe_layers * routed + 2 * D * V
     return 3.0 * forward
 
