@@ -28,7 +28,7 @@ from moezero.parallel import comm
 from moezero.zero.families import ParamFamily, Range
 from moezero.zero.launch import InFlight
 
-STAGING_POOL_BUCKETS = 4  # stages 2/3 keep at most this many largest-bucket staging buffers for reuse
+STAGING_POOL_BUCKETS = 2  # stages 2/3 keep at most this many largest-bucket staging buffers for reuse
 
 
 class GradStrategy(abc.ABC):
@@ -211,6 +211,19 @@ class ReduceScatterAtBoundary(_PersistentBuffer):
         return _size([self.grad_buffer]) + self.accumulator.nbytes()
 
 
+class _Staging:
+    """A temporary bucket buffer and, per bucket it served, the params' views into it (built once)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._views: Dict[int, List[torch.Tensor]] = {}
+
+    def views(self, family: ParamFamily, bucket: int) -> List[torch.Tensor]:
+        if bucket not in self._views:
+            self._views[bucket] = [family.view_in_bucket(self.tensor, i) for i in family.bucket_params[bucket]]
+        return self._views[bucket]
+
+
 class ReduceScatterEveryBackward(GradStrategy):
     """Stages 2 and 3: per-rank gradient memory is the shard plus the buckets of one backward."""
 
@@ -220,38 +233,38 @@ class ReduceScatterEveryBackward(GradStrategy):
         super().__init__(*args)
         fam = self.family
         self.accumulator = _ShardAccumulator(fam, self.master_dtype)
-        self._staging: List[Optional[torch.Tensor]] = [None] * fam.num_buckets
-        # staging buffers are reused (fresh allocations cost page faults every backward): at most a few
-        # buckets' worth and never more than a quarter of the family, so no full gradient outlives a backward
-        self._pool: Dict[int, List[torch.Tensor]] = {}
-        self._pool_limit = min(STAGING_POOL_BUCKETS * max(fam.bucket_numel(b) for b in range(fam.num_buckets)),
-                               fam.layout.total_numel // 4)
+        self._live: List[Optional[_Staging]] = [None] * fam.num_buckets
+        # reduced buffers are reused (a fresh one costs page faults every backward), at most two buckets'
+        # worth, as DeepSpeed keeps two reduction buffers
+        self._pool: Dict[int, List[_Staging]] = {}
+        self._pool_limit = STAGING_POOL_BUCKETS * max(fam.bucket_numel(b) for b in range(fam.num_buckets))
 
-    def accumulation_views(self, bucket):
-        if not self.in_place:
-            return None
-        staging = self._staging_target(bucket)
-        return [self.family.view_in_bucket(staging, i) for i in self.family.bucket_params[bucket]]
-
-    def _staging_target(self, bucket):
-        if self._staging[bucket] is None:
+    def _staging(self, bucket: int) -> _Staging:
+        if self._live[bucket] is None:
             numel = self.family.bucket_numel(bucket)
             pooled = self._pool.get(numel)
             staging = pooled.pop() if pooled else \
-                torch.empty(numel, dtype=self.reduce_dtype, device=self.family.params[0].device)
-            self._staging[bucket] = staging.zero_()
-        return self._staging[bucket]
+                _Staging(torch.empty(numel, dtype=self.reduce_dtype, device=self.family.params[0].device))
+            staging.tensor.zero_()
+            self._live[bucket] = staging
+        return self._live[bucket]
+
+    def accumulation_views(self, bucket):
+        return self._staging(bucket).views(self.family, bucket) if self.in_place else None
+
+    def _staging_target(self, bucket):
+        return self._staging(bucket).tensor
 
     def launch(self, bucket):
-        staging = self._staging_target(bucket)  # zeros when no gradient reached this rank's bucket
-        self._staging[bucket] = None
-        return self.accumulator.reduce_into(bucket, staging, self.family.group, self.reduce_dtype,
+        staging = self._staging(bucket)  # zeros when no gradient reached this rank's bucket
+        self._live[bucket] = None
+        return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, self.reduce_dtype,
                                             1.0 / self.dp_size, after=lambda: self._release(staging))
 
-    def _release(self, staging: torch.Tensor) -> None:
-        pooled = sum(t.numel() for buffers in self._pool.values() for t in buffers)
-        if pooled + staging.numel() <= self._pool_limit:
-            self._pool.setdefault(staging.numel(), []).append(staging)
+    def _release(self, staging: _Staging) -> None:
+        pooled = sum(s.tensor.numel() for buffers in self._pool.values() for s in buffers)
+        if pooled + staging.tensor.numel() <= self._pool_limit:
+            self._pool.setdefault(staging.tensor.numel(), []).append(staging)
 
     def reduced_grad(self, bucket):
         return self.accumulator.shards[bucket]
@@ -260,14 +273,15 @@ class ReduceScatterEveryBackward(GradStrategy):
         self.accumulator.zero()
 
     def nbytes(self):
-        pooled = [t for buffers in self._pool.values() for t in buffers]
-        return self.accumulator.nbytes() + _size(self._staging) + _size(pooled)
+        held = [s.tensor for s in self._live if s is not None]
+        held += [s.tensor for buffers in self._pool.values() for s in buffers]
+        return self.accumulator.nbytes() + _size(held)
 
     def discard_pass(self):
-        for bucket, staging in enumerate(self._staging):
+        for bucket, staging in enumerate(self._live):
             if staging is not None:
                 self._release(staging)
-                self._staging[bucket] = None
+                self._live[bucket] = None
 
 
 GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward,

@@ -284,10 +284,10 @@ def test_stage3_keeps_one_nth_plus_the_working_set():
         stage0, _ = run_distributed(_bytes_and_working_set, world, 0)[0]
         stage3, working = run_distributed(_bytes_and_working_set, world, 3)[0]
         # persistent: params, grads and AdamW state all 1/N of stage 0's (buckets padded by at most
-        # 16 * N elements per unit), plus at most 4 pooled gradient buckets (a quarter of the model);
+        # 16 * N elements per unit), plus at most 2 gradient buckets kept for reuse (one unit each here);
         # while a block runs: the param shard plus at most two units full (running + prefetched)
         padding = 8 * 16 * world * 4 * 4
-        pool = min(4 * unit_bytes, stage0["grads"] // 4)
+        pool = 2 * unit_bytes
         for kind in ("params", "optimizer_state"):
             assert stage3[kind] <= stage0[kind] / world + padding, (world, kind, stage0, stage3)
         assert stage3["grads"] <= stage0["grads"] / world + pool + padding, (world, stage0, stage3)
