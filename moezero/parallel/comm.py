@@ -67,8 +67,17 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Te
 
 
 def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place all-reduce; returns the work handle (None when nothing was launched)."""
+    """In-place all-reduce; returns the work handle (None when nothing was launched).
+
+    NCCL reduces only device tensors: a small CPU tensor (a flag, a metric) is reduced through the
+    current CUDA device and copied back (synchronous calls only).
+    """
     if group_size(group) == 1:
+        return None
+    if x.device.type == "cpu" and not async_op and dist.get_backend(group) == "nccl":
+        staged = x.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(staged, op=op, group=group)
+        x.copy_(staged)
         return None
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
