@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moezero.config import ZeroConfig
-from moezero.host_memory import pin_mmap_threshold
+from moezero.host_memory import HeapTrimmer
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.families import Range
@@ -75,7 +75,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  param_groups: Any = None, loss_scaler: Optional[DynamicLossScaler] = None,
                  max_skipped_steps: int = 20, **optimizer_kwargs):
         check_elementwise(optimizer_cls)
-        pin_mmap_threshold()  # MoE's variable-size tensors fragment glibc's heap otherwise (host_memory.py)
         self.model = model
         self.groups = resolve_groups(groups)
         self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype)
@@ -96,6 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self._guard = ModelGuard(model, self)
+        self._trimmer = HeapTrimmer()  # host RSS must not creep over a long run (host_memory.py)
         object.__setattr__(model, _OWNER, weakref.ref(self))
 
     @classmethod
@@ -195,6 +195,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce, clip and update; returns False when a non-finite gradient skipped the step."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (no element-wise optimizer needs one)")
+        stepped = self._step()
+        self._trimmer.after_step()
+        return stepped
+
+    def _step(self) -> bool:
         self.reduce_gradients()
         engine = self.engine
         if engine.gatherer is not None:
