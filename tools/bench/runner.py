@@ -1,6 +1,7 @@
 """Launch benchmark workers under torchrun (moezero's venv or DeepSpeed's) and collect their RESULT lines."""
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, List, Optional
@@ -57,5 +58,16 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
-    return {"error": (tail[-1] if tail else f"exit code {proc.returncode}")[:300]}
+    return {"error": _exception_line(proc.stdout + proc.stderr) or f"exit code {proc.returncode}"}
+
+
+_EXCEPTION = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception)\b: .*)")
+
+
+def _exception_line(output: str) -> str:
+    """The first worker exception ("RuntimeError: ..."), not torchrun's summary of the failure."""
+    for line in output.splitlines():
+        found = _EXCEPTION.match(line)
+        if found and "ChildFailedError" not in found.group(1):
+            return found.group(1)[:300]
+    return ""
