@@ -13,7 +13,8 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import ParameterSetChanged, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel
-from tests.zero_reference import OPTIMIZERS, ZERO_STAGES, assert_params_match, reference_run, train_step
+from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes_on_every_stage,
+                                  reference_run, train_step)
 
 TOL = 1e-10
 STEPS = 5
@@ -101,8 +102,7 @@ def _edits_inside_modify_model(stage):
 
 
 def test_writes_and_freezing_inside_modify_model():
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_edits_inside_modify_model, 2, stage))
+    assert_passes_on_every_stage(_edits_inside_modify_model)
 
 
 # ---- params made in forward; modules swapped by hand ---------------------------------------------------
@@ -170,8 +170,7 @@ def _positions_rebuilt_in_forward(stage):
 
 
 def test_a_non_trainable_parameter_rebuilt_in_forward_just_works():
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_positions_rebuilt_in_forward, 2, stage))
+    assert_passes_on_every_stage(_positions_rebuilt_in_forward)
 
 
 def _named_errors(stage):

@@ -15,8 +15,8 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import DynamicLossScaler, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel, micro_batch
-from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, local_reference_slice,
-                                  rank_micro_batches, reference_run, train_step)
+from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes_on_every_stage,
+                                  local_reference_slice, rank_micro_batches, reference_run, train_step)
 
 TOL = 1e-10
 STEPS = 4
@@ -102,8 +102,7 @@ def _model_zero_grad(stage, set_to_none):
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_model_zero_grad_clears_on_every_stage(set_to_none):
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_model_zero_grad, 2, stage, set_to_none))
+    assert_passes_on_every_stage(_model_zero_grad, set_to_none)
 
 
 def _clear_between_micro_batches(stage):
@@ -240,8 +239,7 @@ def _state_round_trip(stage):
 
 
 def test_state_dict_round_trip_on_the_same_layout():
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_state_round_trip, 2, stage))
+    assert_passes_on_every_stage(_state_round_trip)
 
 
 # ---- 7: a second ZeroOptimizer for the same model just works ----------------------------------------
@@ -316,8 +314,7 @@ CLEARS = {"opt.zero_grad": lambda model, opt: opt.zero_grad(), "model.zero_grad"
 
 @pytest.mark.parametrize("clear", list(CLEARS))
 def test_a_backward_that_raises_does_not_break_the_optimizer(clear):
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_raising_backward, 2, stage, clear))
+    assert_passes_on_every_stage(_raising_backward, clear)
 
 
 # ---- 9: what p.grad holds ---------------------------------------------------------------------------
@@ -384,8 +381,7 @@ def _clip_method(stage):
 
 
 def test_opt_clip_grad_norm_matches_torch_on_every_stage():
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_clip_method, 2, stage))
+    assert_passes_on_every_stage(_clip_method)
 
 
 def _local_grads_under_no_sync(stage):
@@ -410,8 +406,7 @@ def _local_grads_under_no_sync(stage):
 
 
 def test_grads_under_no_sync_are_local_and_hidden_after_a_sharded_reduction():
-    for stage in ZERO_STAGES:
-        assert all(run_distributed(_local_grads_under_no_sync, 2, stage))
+    assert_passes_on_every_stage(_local_grads_under_no_sync)
 
 
 # ---- 10, 12, 13: torch's defaults, master dtype per family, the param_groups forms torch takes ---------
@@ -433,8 +428,7 @@ def _torch_defaults(stage):
 
 
 def test_inner_optimizer_defaults_are_torchs():
-    for stage in ZERO_STAGES[::2]:
-        assert all(run_distributed(_torch_defaults, 2, stage))
+    assert_passes_on_every_stage(_torch_defaults, stages=ZERO_STAGES[::2])
 
 
 class _TwoDtypes(nn.Module):
