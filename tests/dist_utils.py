@@ -152,14 +152,15 @@ _POOLS: Dict[int, RankPool] = {}
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-                    fresh: bool = False, **kwargs) -> List[Any]:
+                    fresh: bool = False, isolated: bool = False, **kwargs) -> List[Any]:
     """Run fn(*args, **kwargs) on `world_size` gloo ranks; return each rank's result, in rank order.
 
     fresh=True starts new processes (for tests sensitive to what earlier tests left behind, such as
-    the profiler's memory accounting).
+    the profiler's memory accounting); isolated=True also kills them afterwards (for tests that leave
+    collectives no peer will ever join, such as ranks made to disagree).
     """
     pool = _POOLS.get(world_size)
-    if pool is None or fresh or not all(p.is_alive() for p in pool.procs):
+    if pool is None or fresh or isolated or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = RankPool(world_size)
@@ -168,6 +169,9 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAU
     except DistributedTestError:
         _POOLS.pop(world_size, None)
         raise
+    finally:
+        if isolated and _POOLS.get(world_size) is pool:
+            _POOLS.pop(world_size).close()
 
 
 def live_pool_pids(world_size: int) -> List[int]:

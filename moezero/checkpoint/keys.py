@@ -2,7 +2,9 @@
 
     optimizer/<param>/<lo>-<hi>/master     fp32 master weights of global flat elements [lo, hi) of <param>
     optimizer/<param>/<lo>-<hi>/<state>    the optimizer state of those elements (exp_avg, step, ...)
-    model_state/<name>[@experts<first>]    a buffer or frozen param (expert-parallel ones keyed by first expert)
+    model_state/<name>[@experts<first>]    a buffer, or a param left out of the optimizer's groups (expert-
+                                           parallel ones keyed by first expert; frozen params before the
+                                           optimizer held them)
     train_state                            pickled dict: iteration, world_size, param_shapes (global),
                                            optimizer (scalars: param groups, loss scaler, skip counts),
                                            configs ({section: fields}), plugins ({name: state})
@@ -76,17 +78,45 @@ def piece_keys(keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, i
     return out
 
 
-def non_trainable_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """{key: tensor} of the buffers and frozen params, what the optimizer does not hold."""
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+def model_state(model: nn.Module, held: Iterable[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """{key: tensor} of what the optimizer does not hold: the buffers, and the params left out of its
+    param groups (the optimizer holds its frozen params too, with their master and state)."""
+    held_ids = {id(p) for p in held}
     out = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in trainable:
+        if id(tensor) in held_ids:
             continue
         shard = expert_shard_of(tensor)
         key = name if shard is None else f"{name}@experts{shard.first_global_expert}"
         out[MODEL_STATE + key] = tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
     return out
+
+
+def model_state_name(key: str) -> str:
+    """The param or buffer name of a model_state/ key."""
+    return key[len(MODEL_STATE):].partition("@experts")[0]
+
+
+def legacy_model_state_keys(keys: Iterable[str], held: Dict[str, Any]) -> List[str]:
+    """model_state/ keys of params the optimizer holds but the checkpoint has no pieces for."""
+    keys = list(keys)
+    with_pieces = {match["name"] for match in map(_PIECE.match, keys) if match}
+    return [key for key in keys if key.startswith(MODEL_STATE) and model_state_name(key) in held
+            and model_state_name(key) not in with_pieces]
+
+
+def pieces_from_model_state(entries: Dict[str, torch.Tensor], name: str) -> List[Piece]:
+    """A param an older checkpoint kept under model_state/ (frozen params, before the optimizer held them)
+    as optimizer pieces with fresh state: the whole tensor, or each saved expert stack at its global place."""
+    pieces = []
+    for key, tensor in entries.items():
+        if model_state_name(key) != name:
+            continue
+        first = key.partition("@experts")[2]
+        flat = tensor.reshape(-1)
+        lo = int(first) * (flat.numel() // tensor.shape[0]) if first else 0
+        pieces.append({"range": (lo, lo + flat.numel()), "master": flat, "state": {}})
+    return pieces
 
 
 def train_state_sections(state: Dict[str, Any]) -> Dict[str, Any]:

@@ -45,7 +45,7 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
                    "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins}
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
-    state.update(keys.non_trainable_state(model))
+    state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)
     state[keys.rng_key(_rank())] = keys.encode(_rng_state())
     with _quiet():
@@ -62,15 +62,17 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
 
 def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bool = True,
                     load_rng: bool = True) -> Dict[str, Any]:
-    """Collective: restore the weights (fp32 masters), the model's non-trainable state, with `load_optim`
+    """Collective: restore the weights (fp32 masters), the model's other state (buffers), with `load_optim`
     the optimizer state and scalars (else they stay fresh) and with `load_rng` (same world size) the RNG
     states; returns the train state."""
     metadata = _metadata(path)
-    wanted = keys.piece_keys(metadata, opt.held_ranges(), masters_only=not load_optim)
+    held = opt.held_ranges()
+    wanted = keys.piece_keys(metadata, held, masters_only=not load_optim)
+    legacy = keys.legacy_model_state_keys(metadata, held)
     request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-                               for key in wanted}
-    non_trainable = keys.non_trainable_state(model)
-    for key, tensor in non_trainable.items():
+                               for key in wanted + legacy}
+    other_state = keys.model_state(model, _held_params(opt))
+    for key, tensor in other_state.items():
         if key not in metadata:
             raise CheckpointError(f"{path}: has no '{key[len(keys.MODEL_STATE):]}' (saved from another model?)")
         request[key] = torch.empty_like(tensor)
@@ -81,13 +83,20 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
     _load(request, path, collective=True, group=group)
     train_state = _train_state(request, path)
     scalars = train_state["optimizer"] if load_optim else opt.scalar_state()
-    opt.load_state_dict({"pieces": keys.pieces_from_entries(request), **scalars})
+    pieces = keys.pieces_from_entries(request)
+    for name in {keys.model_state_name(key) for key in legacy}:
+        pieces[name] = keys.pieces_from_model_state({key: request[key] for key in legacy}, name)
+    opt.load_state_dict({"pieces": pieces, **scalars})
     with torch.no_grad():
-        for key, tensor in non_trainable.items():
+        for key, tensor in other_state.items():
             tensor.copy_(request[key])
     if rng_key in request and train_state["world_size"] == _world_size():
         _set_rng_state(_decoded(request[rng_key], path, "RNG state"))
     return train_state
+
+
+def _held_params(opt):
+    return [p for group in opt.param_groups for p in group["params"]]
 
 
 def read_train_state(path: str) -> Dict[str, Any]:

@@ -63,7 +63,7 @@ class ParallelGroups:
     ep: Optional[Any] = None
     edp: Optional[Any] = None
     control: Optional[Any] = None
-    _gather: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _lazy: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -114,19 +114,29 @@ class ParallelGroups:
         """(dp, edp)-shaped groups for ZeRO-3 parameter gathers, made on first use (collective: every
         rank asks in the same order). Gathers get groups of their own because they interleave with
         gradient reductions in an order that differs between ranks."""
-        if not self._gather:
+        if "dp" not in self._lazy:
             if self.dp is None:
-                self._gather.update(dp=None, edp=None)
+                self._lazy.update(dp=None, edp=None)
             else:
                 world = self.layout.world_size
-                self._gather["dp"] = dist.new_group(list(range(world)))
-                self._gather["edp"] = _new_subgroup(self.layout.edp_groups, self.rank)
-        return self._gather["dp"], self._gather["edp"]
+                self._lazy["dp"] = dist.new_group(list(range(world)))
+                self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank)
+        return self._lazy["dp"], self._lazy["edp"]
+
+    def agreement_group(self) -> Optional[Any]:
+        """A gloo group over every rank that carries only the ranks' agreement records
+        (`parallel/agreement.py`), made on first use (collective: every rank asks in the same order).
+        gloo also under NCCL: a record is a few integers on the CPU, checked without a device sync."""
+        if "agreement" not in self._lazy:
+            world = self.layout.world_size
+            self._lazy["agreement"] = None if self.dp is None else dist.new_group(list(range(world)),
+                                                                                    backend="gloo")
+        return self._lazy["agreement"]
 
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
-        for group in (self.dp, self.ep, self.edp, self.control, *self._gather.values()):
+        for group in (self.dp, self.ep, self.edp, self.control, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
                 dist.destroy_process_group(group)

@@ -1,9 +1,11 @@
+from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.model_guard import ParameterSetChanged
 from moezero.zero.optimizer import ZeroOptimizer
 from moezero.zero.param_groups import weight_decay_groups
+from moezero.zero.param_guard import ParamNotGathered
 from moezero.zero.reducer import GradientHookError
 from moezero.zero.state import consolidate
 
-__all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "weight_decay_groups",
-           "consolidate"]
+__all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "ParamNotGathered",
+           "RanksDisagree", "weight_decay_groups", "consolidate"]

@@ -1,6 +1,6 @@
 """ZeroEngine: the sharding machinery for one set of params, wired together.
 
-    families (families.py)          which param sits where, which slice this rank owns
+    families (families.py)          which param sits where, which slice this rank owns (frozen ones apart)
       x param side (param_storage)  where param values live: replicated (0-2) or sharded (3)
       x grad side (grad_strategies) how gradients are accumulated and reduced (per stage)
     reducer (reducer.py)            hooks, per-backward bookkeeping, launch order
@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -19,8 +20,10 @@ from torch import nn
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
 from moezero.zero.families import ParamFamily, Range, build_families
-from moezero.zero.grad_strategies import GRAD_STRATEGIES
+from moezero.zero.agreement import RankAgreement
+from moezero.zero.grad_strategies import GRAD_STRATEGIES, GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, master_dtype_of
+from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.param_storage import ReplicatedParams
 from moezero.zero.reducer import FamilyPass, GradReducer
 from moezero.zero.sharded_params import ShardedParams
@@ -57,12 +60,12 @@ class ZeroEngine:
         self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size,
                                                           plan.unit_of if plan else None)
         self.storages = [self._param_storage(f) for f in self.families]
-        self.strategies = [GRAD_STRATEGIES[settings.stage](f, settings.reduce_dtype(f.dtype),
-                                                           master_dtype_of(f.dtype), groups.dp_size)
-                           for f in self.families]
-        self.reducer = GradReducer([FamilyPass(f, s, g) for f, s, g in zip(self.families, self.storages,
-                                                                              self.strategies)],
-                                   groups.control, settings.overlap_comm)
+        self.strategies = [self._grad_strategy(f) for f in self.families]
+        self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
+        trainable = [f for f, family in enumerate(self.families) if family.trainable]
+        self.reducer = GradReducer([FamilyPass(self.families[f], self.storages[f], self.strategies[f])
+                                    for f in trainable], groups.control, settings.overlap_comm, self.agreement)
+        self._pass_of = dict(zip(trainable, self.reducer.states))   # family index -> its reducer state
         self.master = MasterShards(self.families, self.storages, self.strategies)
         self.inner_state = None  # the inner optimizer's state dict, set by ZeroOptimizer (for memory_bytes)
         self.gatherer = self._unit_gatherer(plan) if plan else None
@@ -73,17 +76,27 @@ class ZeroEngine:
         dp, edp = self.groups.gather_groups()
         return ShardedParams(family, edp if family.kind == "expert" else dp)
 
+    def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
+        dtypes = (self.settings.reduce_dtype(family.dtype), master_dtype_of(family.dtype), self.groups.dp_size)
+        if not family.trainable:
+            return NoGradients(family, *dtypes, whole_buckets=self.settings.stage == 0)
+        return GRAD_STRATEGIES[self.settings.stage](family, *dtypes)
+
     def _unit_gatherer(self, plan: UnitPlan) -> UnitGatherer:
         parts: Dict[int, list] = {}
-        per_unit: Dict[int, int] = {}
+        per_unit: Dict[int, Optional[int]] = {}
         for family, storage in zip(self.families, self.storages):
             for unit in storage.unit_buckets:
                 parts.setdefault(unit, []).append((storage, unit))
             for unit in family.units:
-                per_unit[unit] = per_unit.get(unit, 0) + 1
-        gatherer = UnitGatherer(plan, parts, per_unit)
+                count = per_unit.get(unit, 0)
+                per_unit[unit] = None if count is None or not family.trainable else count + 1
+        gatherer = UnitGatherer(plan, parts, per_unit, self.agreement)
         self.reducer.on_pass_begin = gatherer.begin_backward
         self.reducer.on_param_done = lambda state, index: gatherer.param_done(state.family.units[index])
+        for family in self.families:   # reads outside the unit's forward and backward are guarded
+            for name, p, unit in zip(family.names, family.params, family.units):
+                shard_param_type(p, ShardInfo(name, unit, weakref.ref(gatherer)))
         return gatherer
 
     def params(self) -> List[nn.Parameter]:
@@ -96,6 +109,8 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
             self.gatherer.gather_all()
+            for p in self.params():
+                unshard_param_type(p)
         for storage in self.storages:
             storage.release()
 
@@ -103,14 +118,20 @@ class ZeroEngine:
     def took_gradient_anywhere(self) -> List[List[bool]]:
         """Per family, per param: did any rank of the family's group get a gradient this step."""
         out = []
-        for state in self.reducer.states:
+        for f, family in enumerate(self.families):
+            state = self._pass_of.get(f)
+            if state is None:   # a frozen family
+                out.append([False] * len(family.params))
+                continue
             flags = torch.tensor(state.got_grad, dtype=torch.int32)
-            comm.all_reduce(flags, state.family.group, op=torch.distributed.ReduceOp.MAX)
-            out.append([bool(f) for f in flags.tolist()])
+            comm.all_reduce(flags, family.group, op=torch.distributed.ReduceOp.MAX)
+            out.append([bool(flag) for flag in flags.tolist()])
         return out
 
-    def reduced_grads(self) -> List[List[torch.Tensor]]:
-        return [[s.reduced_grad(b) for b in range(f.num_buckets)] for f, s in zip(self.families, self.strategies)]
+    def reduced_grads(self) -> List[List[Optional[torch.Tensor]]]:
+        """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family)."""
+        return [[s.reduced_grad(b) if f.trainable else None for b in range(f.num_buckets)]
+                for f, s in zip(self.families, self.strategies)]
 
     def owned_sum_of_squares(self, reduced: List[List[torch.Tensor]]) -> float:
         """Sum of squared gradients over the elements this rank owns, summed over all ranks.
@@ -121,7 +142,7 @@ class ZeroEngine:
         """
         owned = []
         for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
-            for b in range(family.num_buckets):
+            for b in range(family.num_buckets if family.trainable else 0):
                 lo, hi = family.owned[b]
                 base = strategy.optimizer_range(b)[0]
                 owned.append(reduced[f][b][lo - base:hi - base])
@@ -145,6 +166,8 @@ class ZeroEngine:
         """Averaged gradients of the elements this rank owns, in global coordinates (after reduction)."""
         out: GradientPieces = {}
         for view, part, global_range, name in self.owned_pieces():
+            if not self.families[view.family].trainable:
+                continue
             reduced = self.strategies[view.family].reduced_grad(view.bucket)
             grad = reduced[view.offset:view.offset + view.numel][part].clone()
             out.setdefault(name, []).append((global_range, grad))
@@ -168,4 +191,4 @@ class ZeroEngine:
 
     def scale_reduced(self, reduced: List[List[torch.Tensor]], coefficient: float) -> None:
         if coefficient != 1.0:
-            torch._foreach_mul_([g for buckets in reduced for g in buckets], coefficient)
+            torch._foreach_mul_([g for buckets in reduced for g in buckets if g is not None], coefficient)

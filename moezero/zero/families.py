@@ -1,6 +1,9 @@
 """Parameter families: params reduced over one group in one dtype, laid out in one flat space.
 
-Dense params form families over `dp`, routed-expert params over `edp`, one family per dtype.
+Dense params form families over `dp`, routed-expert params over `edp`, one family per dtype, and
+params frozen when the optimizer adopted them form families of their own (stored, sharded and held
+with their optimizer state like the others, but never reduced: a frozen model part costs no
+communication).
 A family is pure bookkeeping: which param sits where in the flat layout, which bucket slice
 this rank owns, and where each param sits in its *global* tensor (routed experts stacked over
 the global experts). Storage is the param side's business (`param_storage.py`), gradients the
@@ -35,6 +38,7 @@ class ParamFamily:
 
     kind: str                         # "dense" or "expert"
     dtype: torch.dtype
+    trainable: bool                   # False: frozen when adopted; no gradient hooks, never reduced
     group: Optional[Any]              # the reduce group (dp or edp)
     names: List[str]
     params: List[nn.Parameter]
@@ -90,8 +94,8 @@ class ParamFamily:
         return offset + param_range[0], offset + param_range[1]
 
 
-def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype]:
-    return ("expert" if expert_shard_of(param) is not None else "dense"), param.dtype
+def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype, bool]:
+    return ("expert" if expert_shard_of(param) is not None else "dense"), param.dtype, param.requires_grad
 
 
 def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups, bucket_size: int,
@@ -101,11 +105,12 @@ def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: Par
     `unit_of` (stage 3: id(param) -> gather unit) keeps each unit's params contiguous, in
     reverse unit order, and starts a new bucket at every unit boundary.
     """
-    by_key: Dict[Tuple[str, torch.dtype], List[Tuple[str, nn.Parameter]]] = {}
+    by_key: Dict[Tuple[str, torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         by_key.setdefault(family_key(p), []).append((name, p))
     families = []
-    for (kind, dtype), members in sorted(by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    for (kind, dtype, trainable), members in sorted(by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]),
+                                                                                      not kv[0][2])):
         members = list(reversed(members))
         units = [0] * len(members)
         if unit_of is not None:
@@ -114,6 +119,6 @@ def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: Par
         breaks = {i for i in range(1, len(units)) if units[i] != units[i - 1]}
         group = groups.edp if kind == "expert" else groups.dp
         layout = plan_buckets([p.numel() for _, p in members], bucket_size, comm.group_size(group), breaks=breaks)
-        families.append(ParamFamily(kind, dtype, group, [n for n, _ in members], [p for _, p in members],
-                                    layout, units))
+        families.append(ParamFamily(kind, dtype, trainable, group, [n for n, _ in members],
+                                    [p for _, p in members], layout, units))
     return families

@@ -284,5 +284,34 @@ class ReduceScatterEveryBackward(GradStrategy):
                 self._live[bucket] = None
 
 
+class NoGradients(GradStrategy):
+    """A family of params frozen when the optimizer adopted them: nothing is accumulated or reduced;
+    the optimizer holds their master and state over the same range a trainable family's would
+    (the whole bucket at stage 0, the owned slice otherwise), and skips them while they are frozen."""
+
+    def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int,
+                 whole_buckets: bool):
+        super().__init__(family, reduce_dtype, master_dtype, dp_size)
+        self.whole_buckets = whole_buckets
+
+    def optimizer_range(self, bucket):
+        return (0, self.family.bucket_numel(bucket)) if self.whole_buckets else self.family.owned[bucket]
+
+    def _staging_target(self, bucket):
+        raise RuntimeError("a frozen family accumulates no gradients")
+
+    def launch(self, bucket):
+        raise RuntimeError("a frozen family reduces no gradients")
+
+    def reduced_grad(self, bucket):
+        raise RuntimeError("a frozen family has no gradients")
+
+    def zero(self):
+        pass
+
+    def nbytes(self):
+        return 0
+
+
 GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward,
                    3: ReduceScatterEveryBackward}

@@ -72,9 +72,12 @@ class MasterShards:
         for v in self.views:
             v.master.grad = None
 
-    def publish(self) -> None:
-        """Write the updated masters into the param storage (cast) and let every replica see them."""
+    def publish(self, trainable_only: bool = False) -> None:
+        """Write the updated masters into the param storage (cast) and let every replica see them
+        (`trainable_only`: after a step, which never changes a frozen family)."""
         for f, (family, storage, strategy) in enumerate(zip(self.families, self.storages, self.strategies)):
+            if trainable_only and not family.trainable:
+                continue
             spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
             if not self.aliased[f]:
                 with torch.no_grad():

@@ -3,16 +3,16 @@
 Root-module forward hooks call back into the optimizer (held weakly, so a discarded optimizer
 does not stay alive through its model):
   before the forward: a backward that raised half-way is cleaned up (collectively), and a
-      trainable param the optimizer does not know (a module swapped in by hand) or a param whose
-      storage was replaced (a `.data` swap, `module.float()`) is an error naming it, before the
-      model runs on it;
+      trainable param the optimizer does not know (a module swapped in by hand), a param whose
+      storage was replaced (a `.data` swap, `module.float()`) or a param frozen at adoption and
+      unfrozen by hand is an error naming it, before the model runs on it;
   after the forward: a trainable `nn.Parameter` created during forward is an error naming it.
 """
 from __future__ import annotations
 
-import weakref
-
 from torch import nn
+
+from moezero.zero.hooks import WeakHook
 
 
 class ParameterSetChanged(RuntimeError):
@@ -21,19 +21,8 @@ class ParameterSetChanged(RuntimeError):
 
 class ModelGuard:
     def __init__(self, model: nn.Module, owner):
-        ref = weakref.ref(owner)
-
-        def before(module, args):
-            opt = ref()
-            if opt is not None:
-                opt._before_forward()
-
-        def after(module, args, output):
-            opt = ref()
-            if opt is not None:
-                opt._after_forward(output)
-
-        self._handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        self._handles = [model.register_forward_pre_hook(WeakHook(owner, "_before_forward")),
+                         model.register_forward_hook(WeakHook(owner, "_after_forward", pass_last=True))]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -50,6 +39,12 @@ def unknown_param_error(name: str, during_forward: bool) -> ParameterSetChanged:
     return ParameterSetChanged(
         f"parameter '{name}' is trainable but the optimizer was not built with it (a module swapped in by hand?); "
         "make the change inside `with opt.modify_model():`, so the optimizer adopts it")
+
+
+def unfrozen_by_hand_error(name: str) -> ParameterSetChanged:
+    return ParameterSetChanged(
+        f"parameter '{name}' was frozen when the optimizer adopted it and was unfrozen by hand; its gradient would "
+        "not be reduced. Unfreeze it inside `with opt.modify_model():`, so the optimizer trains it again")
 
 
 def storage_replaced_error(name: str) -> ParameterSetChanged:

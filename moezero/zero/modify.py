@@ -2,31 +2,41 @@
 
 On entry every param is full and plain (stage 3 gathers them; no param lives in an optimizer
 buffer), so the user may read, write in place, replace modules or params, freeze or unfreeze.
-On exit the optimizer adopts the model's current trainable set:
-  - a param still present keeps its optimizer state, and its values as written: an element that
-    still equals what the optimizer published keeps its wider master value (a bf16 model does not
-    lose its fp32 masters), a written element takes the new value;
+On exit the optimizer adopts the model's current params (all of them but those the user left out
+of every param group, as torch.optim would hold them):
+  - a param still present keeps its group, its optimizer state, and its values as written: an
+    element that still equals what the optimizer published keeps its wider master value (a bf16
+    model does not lose its fp32 masters), a written element takes the new value;
   - a new param starts with fresh state, in the group of the param it replaced (same name), or else
     in a new group with the optimizer's defaults (torch's add_param_group);
-  - a param that is gone (or frozen) is dropped.
-Collective: every rank must make the same change. The state of every param is consolidated on
-every rank for the duration (all_gather_object), which is the price of a layout that changes.
+  - a param that is gone is dropped; a frozen one stays (skipped while frozen, trained again once
+    unfrozen here).
+Collective: every rank must make the same change. Before adopting, the ranks compare what they
+adopted (names, global shapes, dtypes, frozen or not, group, kept/replaced/new, and the values
+over each replica group) and all raise `RanksDisagree` naming the first difference. The state of
+every param is consolidated on every rank for the duration (all_gather_object), which is the
+price of a layout that changes.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Tuple
+import hashlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.parallel import expert_shard_of
+from moezero.parallel.agreement import RanksDisagree
+from moezero.zero.agreement import Activity
 from moezero.zero.families import global_placement
 from moezero.zero.state import consolidate
 
 
 @contextlib.contextmanager
 def modify_model(opt) -> Iterator[None]:
+    opt.engine.agreement.check(Activity.MODIFY_MODEL)
     full = _consolidated_state(opt)
     before = {id(p): (opt.param_name(p), g) for g, group in enumerate(opt.param_groups) for p in group["params"]}
     opt.engine.detach()
@@ -49,11 +59,12 @@ def _consolidated_state(opt) -> Dict[str, Any]:
 
 
 def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]]) -> None:
-    current = [(n, p) for n, p in opt.model.named_parameters() if p.requires_grad and id(p) not in opt._outside]
+    current = [(n, p) for n, p in opt.model.named_parameters() if id(p) not in opt._outside]
     removed_groups = {name: g for pid, (name, g) in before.items() if pid not in {id(p) for _, p in current}}
     groups = [dict(g, params=[]) for g in opt.param_groups]
     fresh_group = None
     pieces: Dict[str, list] = {}
+    adopted: List[_Adopted] = []
     for name, p in current:
         if id(p) in before:
             g = before[id(p)][1]
@@ -66,10 +77,64 @@ def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]]) -> Non
             g = fresh_group
         groups[g]["params"].append(p)
         pieces[name] = [_piece(p, full, before.get(id(p), (None,))[0])]
+        origin = "kept" if id(p) in before else "replaced" if name in removed_groups else "new"
+        adopted.append(_Adopted(name, p, g, origin))
+    _check_every_rank_adopted_the_same(opt, adopted)
     opt.rebuild(groups)
     opt.load_state_dict({"pieces": pieces, **{k: full[k] for k in ("loss_scaler", "skipped_steps",
                                                                       "consecutive_skips")},
                          "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]})
+
+
+class _Adopted:
+    """What this rank adopts for one param: its description (which every rank must share) and a
+    digest of its values (which every rank holding the same replica must share)."""
+
+    def __init__(self, name: str, p: nn.Parameter, group: int, origin: str):
+        shape, _ = global_placement(p)
+        frozen = "" if p.requires_grad else ", frozen"
+        self.description = f"'{name}' {tuple(shape)} {str(p.dtype).removeprefix('torch.')}{frozen}, group {group}, {origin}"
+        shard = expert_shard_of(p)
+        self.ep_rank = -1 if shard is None else shard.ep_rank   # dense params: one replica everywhere
+        self.name = name
+        values = p.detach().contiguous().reshape(-1).cpu()
+        self.digest = hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+
+    def summary(self) -> Tuple[str, str, int, str]:
+        return self.name, self.description, self.ep_rank, self.digest
+
+
+def _check_every_rank_adopted_the_same(opt, adopted: List["_Adopted"]) -> None:
+    """Collective: every rank raises RanksDisagree, naming the first difference, unless all adopted
+    the same params (same descriptions in the same order) with the same values on every replica."""
+    control = opt.groups.control
+    if control is None:
+        return
+    every: List[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(every, [a.summary() for a in adopted], group=control)
+    problem = _first_difference(every)
+    if problem is not None:
+        opt._stop(f"this ZeroOptimizer let go of the model when opt.modify_model() failed: {problem}")
+        raise RanksDisagree(f"opt.modify_model(): the ranks made different changes: {problem}. Every rank must make "
+                            "the same change (seed the random init of a new module the same way on every rank)")
+
+
+def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[str]:
+    first = every[0]
+    for rank, summaries in enumerate(every[1:], start=1):
+        for i in range(max(len(first), len(summaries))):
+            a = first[i][1] if i < len(first) else "nothing more"
+            b = summaries[i][1] if i < len(summaries) else "nothing more"
+            if a != b:
+                return f"rank 0 adopted {a} where rank {rank} adopted {b}"
+    holder: Dict[Tuple[str, int], Tuple[int, str]] = {}
+    for rank, summaries in enumerate(every):
+        for name, _, ep_rank, digest in summaries:
+            seen = holder.setdefault((name, ep_rank), (rank, digest))
+            if seen[1] != digest:
+                return (f"'{name}' holds different values on rank {seen[0]} and rank {rank}, which must hold the same "
+                        "replica")
+    return None
 
 
 def _piece(p: nn.Parameter, full: Dict[str, Any], old_name) -> Dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -30,12 +29,15 @@ from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.families import Range
 from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.modify import modify_model
-from moezero.zero.model_guard import ModelGuard, storage_replaced_error, unknown_param_error
-from moezero.zero.param_groups import check_elementwise, normalize_param_groups, trainable
+from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfrozen_by_hand_error,
+                                      unknown_param_error)
+from moezero.zero.hooks import OwnerMark
+from moezero.zero.param_groups import check_elementwise, normalize_param_groups
+from moezero.zero.param_guard import COMPILE_REFUSED
 from moezero.zero.state import load_state, shard_state
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-_OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (a weakref), so a new one can retire it
+_OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (hooks.OwnerMark), so a new one can retire it
 
 
 def resolve_groups(groups: Optional[ParallelGroups]) -> ParallelGroups:
@@ -62,7 +64,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overlap_comm: reduce buckets during backward as they become ready.
         clip_grad: clip the global grad norm to this value (None or 0: no clipping).
         grad_reduce_dtype: dtype gradients are accumulated and reduced in (fp64 params use fp64).
-        param_groups: torch-style params or groups (default: every trainable param in one group);
+        param_groups: torch-style params or groups (default: `model.parameters()` in one group, frozen
+            ones included: they keep their place and state, are skipped while frozen, and train again
+            once unfrozen inside `modify_model()`);
             `weight_decay_groups(model, wd)` gives Megatron's no-decay rule for biases/norms/embeddings.
         loss_scaler: fp16 dynamic loss scaler (created automatically for fp16 models).
         max_skipped_steps: raise after this many non-finite steps in a row.
@@ -82,9 +86,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.max_skipped_steps = max_skipped_steps
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
         self._building = True
-        self._retired = False
+        self._retired = ""   # why this optimizer no longer manages the model (see _stop())
         self._modifying = False
-        user_groups = normalize_param_groups(trainable(model.parameters()) if param_groups is None else param_groups)
+        _refuse_compiled(model, stage)
+        user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
         super().__init__(user_groups, self.inner.defaults)
@@ -96,7 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self._guard = ModelGuard(model, self)
         self._trimmer = HeapTrimmer()  # host RSS must not creep over a long run (host_memory.py)
-        object.__setattr__(model, _OWNER, weakref.ref(self))
+        object.__setattr__(model, _OWNER, OwnerMark(self))
 
     @classmethod
     def from_config(cls, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups],
@@ -122,6 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             view_groups[group_of[id(engine.families[v.family].params[v.index])]]["params"].append(v.master)
         self._locate = {id(p): (f, i) for f, fam in enumerate(engine.families) for i, p in enumerate(fam.params)}
         self._outside = {id(p) for p in self.model.parameters() if id(p) not in group_of}
+        self._frozen = {id(p) for fam in engine.families if not fam.trainable for p in fam.params}
         inner = _inner_optimizer(self.optimizer_cls, view_groups, self.optimizer_kwargs)
         engine.inner_state = inner.state
         return engine, inner
@@ -219,7 +225,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.master.assign_grads(reduced, took_grad)
         self.inner.step()
         engine.master.clear_grads()
-        engine.master.publish()
+        engine.master.publish(trainable_only=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0
@@ -334,6 +340,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     raise unknown_param_error(name, during_forward)
             elif not self.engine.storages[where[0]].storage_intact(where[1]):
                 raise storage_replaced_error(name)
+            elif p.requires_grad and id(p) in self._frozen:
+                raise unfrozen_by_hand_error(name)
 
     def _recover_aborted_backward(self) -> None:
         """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
@@ -349,13 +357,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _retire(self) -> None:
         """A newer ZeroOptimizer takes over the model: let go of its params and hooks."""
         self.engine.detach()
+        self._stop("this ZeroOptimizer was replaced by a newer one built for the same model; use the new one")
+
+    def _stop(self, reason: str) -> None:
+        """This optimizer no longer manages the model (its engine is detached); any use raises `reason`."""
         self._guard.remove()
-        self._retired = True
+        self._retired = reason
 
     def _check_live(self) -> None:
         if self._retired:
-            raise RuntimeError("this ZeroOptimizer was replaced by a newer one built for the same model; "
-                               "use the new one")
+            raise RuntimeError(self._retired)
+
+
+def _refuse_compiled(model: nn.Module, stage: int) -> None:
+    """Stage 3 gathers params in module hooks and guards every read of them, which torch.compile
+    cannot trace: build the optimizer on the plain model and do not compile it."""
+    if stage == 3 and (isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+                       or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())):
+        raise ValueError(COMPILE_REFUSED)
 
 
 def _retire_previous_owner(model: nn.Module) -> None:

@@ -1,7 +1,7 @@
 """Param groups in the forms torch accepts, the opt-in no-decay rule, and which optimizers shard."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -66,16 +66,12 @@ def _weight_parameter(module: nn.Module) -> torch.Tensor:
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     """Opt-in (Megatron's rule): decayed weights, and biases/norms/embeddings with weight_decay 0.
 
+    Every param is placed, frozen ones too (they train again once unfrozen inside modify_model).
     ZeroOptimizer's default is torch's (one group, the optimizer's own weight decay for all).
     """
     embeddings = {id(_weight_parameter(m)) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if is_no_decay(name, p, embeddings) else decay).append(p)
+        (no_decay if is_no_decay(name, p, embeddings) else decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": weight_decay},
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-
-
-def trainable(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
-    return [p for p in params if p.requires_grad]

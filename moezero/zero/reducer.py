@@ -10,7 +10,9 @@ waited for, as DDP does: when `backward()` returns, no reduction is in flight, s
 ever added into a bucket whose reduction is running.
 
 Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
-on every rank, `launch.py`) and completed reductions are only polled.
+on every rank, `launch.py`) and completed reductions are only polled. Before the end-of-backward
+wait, and before step() reduces, every rank states an agreement record (`agreement.py`), so a
+rank whose backward reached no param (its peers would wait for it forever) makes every rank raise.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from moezero.parallel import comm
+from moezero.zero.agreement import Activity, RankAgreement
 from moezero.zero.families import ParamFamily
 from moezero.zero.grad_strategies import GradStrategy
 from moezero.zero.launch import build_queues
@@ -66,13 +69,17 @@ class GradReducer:
     """Hooks, per-backward bookkeeping and bucket launches for a list of param families.
 
     Args:
-        states: one FamilyPass per family (family, param storage, grad strategy).
-        control_group: carries the small step-time agreements.
+        states: one FamilyPass per trainable family (family, param storage, grad strategy).
+        control_group: carries the small step-time collectives.
         overlap_comm: launch buckets as they become ready (else at the end of backward).
+        agreement: the records every rank states before it waits for a backward's reductions and
+            before step() reduces (a rank whose backward reached no param would leave its peers waiting).
     """
 
-    def __init__(self, states: Sequence[FamilyPass], control_group: Optional[Any], overlap_comm: bool = True):
+    def __init__(self, states: Sequence[FamilyPass], control_group: Optional[Any], overlap_comm: bool = True,
+                 agreement: Optional[RankAgreement] = None):
         self.states = list(states)
+        self.agreement = agreement if agreement is not None else RankAgreement(None)
         self.queues = build_queues(self.states)
         self._queue_of = {id(s): q for q in self.queues for s, _ in q.entries}
         self.control_group = control_group
@@ -84,6 +91,7 @@ class GradReducer:
         self._always_reduce = bool(self.states) and self.states[0].strategy.reduces_under_no_sync
         self._pass_task: Optional[int] = None
         self._pass_synced = False
+        self._end_record = None   # the agreement record of this backward's end (launched when it begins)
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
         self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
@@ -115,6 +123,8 @@ class GradReducer:
             self.clear_step()
         self._pass_task = task
         self._pass_synced = self.sync_enabled or self._always_reduce
+        if self._pass_synced:   # launched now, settled before the end-of-backward wait: no waiting then
+            self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
@@ -205,6 +215,9 @@ class GradReducer:
         if self._pass_synced:
             for queue in self.queues:
                 queue.launch_ready()
+            # before waiting for the reductions: a peer whose backward reached no param never joins them
+            self.agreement.settle(self._end_record)
+            self.agreement.progress.reducing_backwards += 1
             self._finish_round()
             self._dirty = False
         else:
@@ -228,6 +241,7 @@ class GradReducer:
 
     def finish_reductions(self) -> None:
         """Collective: reduce what no_sync backwards left local (on every rank if on any)."""
+        self.agreement.check(Activity.REDUCE)
         flag = torch.tensor([int(self._dirty)], dtype=torch.int64)
         comm.all_reduce(flag, self.control_group, op=torch.distributed.ReduceOp.MAX)
         if flag.item():
@@ -250,6 +264,7 @@ class GradReducer:
             queue.launch_up_to(count)
         for queue in self.queues:
             queue.rewind()
+        self.agreement.realign(self.control_group)
         for state in self.states:
             state.strategy.discard_pass()
             state.reset_pass()

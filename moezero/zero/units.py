@@ -15,11 +15,21 @@ backward, in one schedule: module (pre-)order in forward, reverse post-order in 
 a rank skips (a branch some ranks do not take) is gathered and freed at once when that rank
 reaches the next unit of the schedule, or at the end; a unit run out of schedule order is
 gathered on demand (every rank must then run the same order). The next unit of the schedule is
-prefetched (async) when a unit starts. In backward a unit is freed once all its params got their
-gradient, or at the end of backward.
+prefetched (async) when a unit starts. In backward a unit is freed once all its trainable params
+got their gradient (a unit holding frozen params: at the end of backward, since autograd still
+reads them for the input gradient), or at the end of backward.
+
+Every gather waits for an agreement record (`agreement.py`: the unit, why, this rank's forward
+and backward counts), so ranks that run different forwards or another unit order raise instead of
+hanging or mixing units. The records of a pass's schedule positions are launched two positions
+ahead, so ranks in step find them settled; a gather outside the schedule states its record then.
+A read of a param whose unit is free (`param_guard.py`) gathers it on demand while the model's
+forward or a backward runs, and raises outside them.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -28,8 +38,18 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, is_expert_parallel
+from moezero.parallel.agreement import Agreement
+from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.hooks import WeakHook
+from moezero.zero.param_guard import COMPILE_REFUSED
 
 UnitPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]
+
+
+class UnitState(enum.Enum):
+    FREE = "free"           # storage resized to zero
+    INFLIGHT = "inflight"   # all-gather launched, not waited for
+    READY = "ready"         # full values here
 
 
 def default_unit_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
@@ -78,18 +98,40 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], policy: UnitPol
     return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used])
 
 
-class _Schedule:
-    """One pass (forward or backward) over the units in schedule order, with catch-up."""
+RECORDS_AHEAD = 2   # a schedule position's agreement record is launched this many positions before its gather
 
-    def __init__(self, order: List[int]):
+
+class _Schedule:
+    """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
+    agreement record of each position, launched ahead so that checking it costs no wait."""
+
+    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement):
         self.order = order
         self.position = {u: i for i, u in enumerate(order)}
-        self.reset()
+        self.activity, self.agreement = activity, agreement
+        self.reset(launch_records=False)
 
-    def reset(self) -> None:
+    def reset(self, launch_records: bool = True) -> None:
+        """A new pass (launch_records=False: a pass that gathers nothing, after a failed one)."""
         self.visited: Set[int] = set()
         self.cursor = 0
         self.issued = 0  # schedule positions whose gather was started (visited or prefetched), in order
+        self.records: Dict[int, Agreement] = {}
+        self.recorded = 0
+        if launch_records:
+            self._launch_records(RECORDS_AHEAD)
+
+    def settle_record(self, unit: int) -> None:
+        """Before the gather of `unit`'s position: its record must agree on every rank (RanksDisagree)."""
+        position = self.position[unit]
+        self._launch_records(position + 1)
+        self.agreement.settle(self.records.pop(position))
+        self._launch_records(position + 1 + RECORDS_AHEAD)
+
+    def _launch_records(self, stop: int) -> None:
+        while self.recorded < min(stop, len(self.order)):
+            self.records[self.recorded] = self.agreement.launch(self.activity, self.order[self.recorded])
+            self.recorded += 1
 
     def skipped_before(self, unit: Optional[int]) -> List[int]:
         """Units the schedule reaches before `unit` (None: the end) that this pass has not visited."""
@@ -117,26 +159,31 @@ class UnitGatherer:
     Args:
         plan: the units.
         parts: per unit, the (ShardedParams, unit) pairs that hold its params (one per family).
-        params_per_unit: how many optimizer params each unit has (frees a unit after its backward).
+        params_per_unit: per unit, how many trainable params must get their gradient before the unit is
+            freed in backward (None: the unit holds frozen params and stays until the end of backward).
+        agreement: the records every rank states before a gather.
     """
 
-    def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]], params_per_unit: Dict[int, int]):
+    def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
+                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement):
         self.plan = plan
         self.parts = parts
         self.params_per_unit = params_per_unit
+        self.agreement = agreement
         n = len(plan.modules)
-        self.state = ["free"] * n                  # free / inflight / ready
+        self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
-        self.forward = _Schedule(plan.forward_order)
-        self.backward = _Schedule(plan.backward_order)
+        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement)
+        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, agreement)
+        self.forward_active = False        # between the root's forward pre-hook and its end
+        self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
-        self._pending: Dict[int, int] = {}
-        ref = weakref.ref(self)
-        self._handles = []
+        self._pending: Dict[int, Optional[int]] = {}
+        self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
         for unit in plan.forward_order:
             module = plan.modules[unit]
-            self._handles.append(module.register_forward_pre_hook(_pre_forward_hook(ref, unit)))
-            self._handles.append(module.register_forward_hook(_post_forward_hook(ref, unit)))
+            self._handles.append(module.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
+            self._handles.append(module.register_forward_hook(WeakHook(self, "_post_forward", unit, pass_last=True)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -144,53 +191,85 @@ class UnitGatherer:
         self._handles = []
 
     # ---- gather and free -----------------------------------------------------------------------
-    def start(self, unit: int) -> None:
-        if self.state[unit] == "free" and unit in self.parts:
-            self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
-            self.state[unit] = "inflight"
+    def start(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None) -> None:
+        """Launch the unit's gather once every rank agreed: on the record of its position in `schedule`
+        (launched ahead), or on a record for `activity` stated now (None: already agreed)."""
+        if self.state[unit] is not UnitState.FREE or unit not in self.parts:
+            return
+        if schedule is not None:
+            schedule.settle_record(unit)
+        elif activity is not None:
+            self.agreement.check(activity, unit)
+        self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
+        self.state[unit] = UnitState.INFLIGHT
 
-    def ensure(self, unit: int) -> None:
-        self.start(unit)
-        if self.state[unit] == "inflight":
+    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None) -> None:
+        self.start(unit, activity, schedule)
+        if self.state[unit] is UnitState.INFLIGHT:
             for work in self.works[unit]:
                 work.wait()
             self.works[unit] = []
-            self.state[unit] = "ready"
+            self.state[unit] = UnitState.READY
 
     def free(self, unit: int) -> None:
-        if self.state[unit] == "free":
+        if self.state[unit] is UnitState.FREE:
             return
-        self.ensure(unit)  # an in-flight gather must finish before its buffer goes
+        self.ensure(unit, None)  # an in-flight gather must finish before its buffer goes
         for storage, key in self.parts.get(unit, []):
             storage.free(key)
-        self.state[unit] = "free"
+        self.state[unit] = UnitState.FREE
 
     def _visit(self, schedule: _Schedule, unit: int) -> None:
         for skipped in schedule.skipped_before(unit):  # keep the collectives paired with ranks that ran it
-            self.ensure(skipped)
+            self.ensure(skipped, None, schedule)
             self.free(skipped)
             schedule.visited.add(skipped)
-        self.ensure(unit)
+        self.ensure(unit, None, schedule)
         schedule.visited.add(unit)
         schedule.issued = max(schedule.issued, schedule.position[unit] + 1)
         upcoming = schedule.next_after(unit)
         if upcoming is not None:
-            self.start(upcoming)
+            self.start(upcoming, None, schedule)
             schedule.issued = max(schedule.issued, schedule.position[upcoming] + 1)
+
+    # ---- reads of a free unit's params (param_guard.py) ------------------------------------------
+    def is_ready(self, unit: int) -> bool:
+        return self.state[unit] is UnitState.READY
+
+    def may_gather_on_demand(self) -> bool:
+        """Inside the model's forward or a backward every rank runs the same code (else the records
+        differ); elsewhere a read may be one rank's alone, and waiting for peers would hang."""
+        return self.forward_active or _in_backward()
+
+    def gather_on_demand(self, unit: int) -> None:
+        if _in_backward():
+            self._pre_backward(unit)
+            return
+        self.ensure(unit, Activity.ON_DEMAND_GATHER)
+        self._on_demand.add(unit)   # freed when the forward ends; backward gathers it again
+
+    def ensure_before_backward(self, unit: int) -> None:
+        """Autograd is about to run the backward of an op that read a param of `unit`: the unit's
+        backward starts here if it did not yet (through the schedule, so skipped units stay paired)."""
+        self._pre_backward(unit)
 
     # ---- forward -------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_REFUSED)
         if _in_backward():
             return
+        self.agreement.progress.forwards += 1
         self.forward.reset()
-        self.ensure(0)
+        self.forward_active = True
+        self.ensure(0, Activity.FORWARD_GATHER)
 
     def _pre_forward(self, unit: int) -> None:
         if _in_backward():  # recompute of a checkpointed block inside backward
             self._pre_backward(unit)
             return
         if unit in self.forward.visited:
-            self.ensure(unit)  # a unit run twice, or out of schedule order
+            self.ensure(unit, Activity.FORWARD_GATHER)  # a unit run twice, or out of schedule order
             return
         self._visit(self.forward, unit)
 
@@ -208,10 +287,19 @@ class UnitGatherer:
         if _in_backward():
             return
         for skipped in self.forward.skipped_before(None):
-            self.ensure(skipped)
+            self.ensure(skipped, None, self.forward)
             self.free(skipped)
         if not any(t.requires_grad for t in _tensors(output)):
             self.free(0)  # no backward follows; otherwise the root stays for it
+
+    def _root_done(self) -> None:
+        """The root's forward ended, normally or by an exception: reads no longer gather on demand."""
+        if _in_backward():
+            return
+        self.forward_active = False
+        for unit in self._on_demand - {0}:
+            self.free(unit)
+        self._on_demand.clear()
 
     # ---- backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -219,21 +307,22 @@ class UnitGatherer:
         if self._backward_task == task:
             return
         self._backward_task = task
+        self.agreement.progress.backwards += 1
         self.backward.reset()
         self._pending = dict(self.params_per_unit)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.ensure(0)
+        self.ensure(0, Activity.BACKWARD_GATHER)
 
     def _pre_backward(self, unit: int) -> None:
         self.begin_backward()
-        if unit in self.backward.visited:
-            self.ensure(unit)
+        if unit in self.backward.visited or unit not in self.backward.position:   # again, or the root
+            self.ensure(unit, Activity.BACKWARD_GATHER)
             return
         self._visit(self.backward, unit)
 
     def param_done(self, unit: int) -> None:
-        """A param of `unit` got its gradient in this backward (the reducer calls this)."""
-        if self._backward_task is None or unit == 0:
+        """A trainable param of `unit` got its gradient in this backward (the reducer calls this)."""
+        if self._backward_task is None or unit == 0 or self._pending.get(unit) is None:
             return
         self._pending[unit] -= 1
         if self._pending[unit] == 0:
@@ -241,7 +330,7 @@ class UnitGatherer:
 
     def _end_backward(self) -> None:
         for skipped in self.backward.skipped_before(None):
-            self.ensure(skipped)
+            self.ensure(skipped, None, self.backward)
             self.free(skipped)
         self.free_all()
         self._backward_task = None
@@ -256,10 +345,12 @@ class UnitGatherer:
             self.free(unit)
 
     def gather_all(self) -> None:
+        """Collective: every unit full (opt.full_parameters(), and before the optimizer lets go)."""
+        self.agreement.check(Activity.FULL_PARAMETERS)
         for unit in [0] + self.plan.forward_order:
-            self.start(unit)
+            self.start(unit, None)
         for unit in [0] + self.plan.forward_order:
-            self.ensure(unit)
+            self.ensure(unit, None)
 
     def recover(self, control_group) -> None:
         """Collective, after a backward raised: every rank starts the gathers any rank started (in
@@ -268,10 +359,11 @@ class UnitGatherer:
         comm.all_reduce(issued, control_group, op=torch.distributed.ReduceOp.MAX)
         for schedule, count in zip((self.forward, self.backward), issued.tolist()):
             for unit in schedule.order[schedule.issued:count]:
-                self.start(unit)
+                self.start(unit, None)
         self.free_all()
-        self.forward.reset()
-        self.backward.reset()
+        self.agreement.realign(control_group)
+        self.forward.reset(launch_records=False)
+        self.backward.reset(launch_records=False)
         self._backward_task = None
 
 
@@ -282,27 +374,13 @@ def _in_backward() -> bool:
 def _tensors(output: Any) -> List[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):   # MoEStats, say
+        return [t for f in dataclasses.fields(output) for t in _tensors(getattr(output, f.name))]
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in _tensors(item)]
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
-
-
-def _pre_forward_hook(ref, unit: int):
-    def hook(module, args):
-        gatherer = ref()
-        if gatherer is not None:
-            gatherer._pre_forward(unit)
-    return hook
-
-
-def _post_forward_hook(ref, unit: int):
-    def hook(module, args, output):
-        gatherer = ref()
-        if gatherer is not None:
-            gatherer._post_forward(unit, output)
-    return hook
 
 
 def _pre_backward_hook(ref, unit: int):

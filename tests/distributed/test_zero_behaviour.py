@@ -139,8 +139,7 @@ BF16_STEPS = 4
 
 def _bf16_reference():
     model = ZeroTestModel(ParallelGroups.single()).bfloat16()
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()
-               if p.requires_grad}
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
     by_id = {id(p): n for n, p in model.named_parameters()}
     groups = [{**g, "params": [masters[by_id[id(p)]] for p in g["params"]]}
               for g in weight_decay_groups(model, 0.1)]
@@ -283,19 +282,26 @@ def test_freezing_after_construction_trains_like_torch():
     """A param frozen mid-run keeps its value, as with a torch optimizer; the others train on."""
     model, opt = _model_and_opt()
     ref = ZeroTestModel(ParallelGroups.single()).double()
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for step in range(3):
         if step == 1:
             for m in (model, ref):
                 m.data_branch.weight.requires_grad_(False)
                 m.data_branch.weight.grad = None
-                m.frozen.weight.requires_grad_(True)  # not given to either optimizer: never updated
         for m, o in ((model, opt), (ref, ref_opt)):
             m(*micro_batch(step, 0), step).backward()
             o.step()
             o.zero_grad()
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
+def test_unfreezing_by_hand_what_was_frozen_at_construction_is_an_error_naming_it():
+    model, opt = _model_and_opt()
+    model.frozen.weight.requires_grad_(True)   # its gradient would bypass the buckets: refused, not ignored
+    with pytest.raises(ParameterSetChanged, match="'frozen.weight' was frozen when the optimizer adopted it.*"
+                                                  "modify_model"):
+        model(*micro_batch(0, 0), 0)
 
 
 def test_a_module_swapped_by_hand_fails_before_it_runs():

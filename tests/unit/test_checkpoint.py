@@ -58,6 +58,10 @@ class _LostPieces:
     def scalar_state(self):
         return self.opt.scalar_state()
 
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
 
 def test_consolidation_checks_coverage(tmp_path):
     model, opt = _trained(1)
@@ -76,3 +80,43 @@ def test_train_state_of_older_checkpoints_reads_in_sections():
                                   "consecutive_skips": 0}
     assert state["plugins"] == {"qat": {"step": 4, "bits": 5}}
     assert train_state_sections(state) is state
+
+
+def _with_frozen(stage, hold_frozen, steps):
+    """A GPT whose final norm and experts of layer 1 are frozen; the optimizer holds them or not."""
+    model = GPTModel(GPT, MOE, seed=3)
+    frozen = [model.final_norm.weight, model.layers[1].mlp.experts.w1]
+    for p in frozen:
+        p.requires_grad_(False)
+    groups = model.parameters() if hold_frozen else [p for p in model.parameters() if p.requires_grad]
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, param_groups=groups)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        logits, _ = model(tokens[:, :-1])
+        language_model_loss(logits, tokens[:, 1:], torch.ones(2, 8)).backward()
+        opt.step()
+        opt.zero_grad()
+    if steps == 0:   # a fresh model: the frozen values must come from the checkpoint
+        with opt.modify_model(), torch.no_grad():
+            for p in frozen:
+                p.zero_()
+    return model, opt
+
+
+def _full_state(model, opt):
+    with opt.full_parameters():
+        return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def test_frozen_params_held_by_a_stage3_optimizer_save_and_resume(tmp_path):
+    for saved_held in (True, False):   # False: frozen params kept beside the optimizer (older checkpoints)
+        model, opt = _with_frozen(3, saved_held, 2)
+        path = checkpoint.save_checkpoint(str(tmp_path / str(saved_held)), 2, model, opt, configs={}, plugins={})
+        expected = _full_state(model, opt)
+        full = checkpoint.consolidate_checkpoint(path)
+        for name, tensor in expected.items():   # a param beside the optimizer keeps its expert suffix there
+            assert torch.equal(full.get(name, full.get(f"{name}@experts0")), tensor), name
+        fresh, fresh_opt = _with_frozen(3, True, 0)
+        checkpoint.load_checkpoint(path, fresh, fresh_opt)
+        for name, tensor in _full_state(fresh, fresh_opt).items():
+            assert torch.equal(tensor, expected[name]), (saved_held, name)

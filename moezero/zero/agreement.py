@@ -1,0 +1,106 @@
+"""The optimizer's agreement points: what every rank states before a collective that pairs by order.
+
+    a stage-3 unit gather   (forward schedule, backward schedule, on demand, full_parameters)
+    the end of a backward that reduces gradients (its reductions are then waited for)
+    reduce_gradients() / step()
+    modify_model()
+
+Each record carries the activity, the unit and this rank's counts of forwards and of reducing
+backwards, so a rank that ran an extra forward, gathered units in another order or had a backward
+that reached no parameter meets its peers at differing records and every rank raises
+`RanksDisagree` (`parallel/agreement.py`) naming what each was doing, instead of hanging.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass
+from typing import Any, Deque, List, Optional, Sequence
+
+import torch
+
+from moezero.parallel import comm
+from moezero.parallel.agreement import Agreement
+
+
+class Activity(enum.IntEnum):
+    FORWARD_GATHER = 1
+    BACKWARD_GATHER = 2
+    ON_DEMAND_GATHER = 3
+    FULL_PARAMETERS = 4
+    END_OF_BACKWARD = 5
+    REDUCE = 6
+    MODIFY_MODEL = 7
+    RECOVERY = 8
+
+
+@dataclass
+class Progress:
+    """This rank's counts, as its records state them."""
+
+    forwards: int = 0           # root forwards of a stage-3 model (not recomputes inside backward)
+    backwards: int = 0          # backwards that gathered units (stage 3)
+    reducing_backwards: int = 0  # backwards whose gradients were reduced (every stage)
+
+
+class RankAgreement:
+    """Makes and checks the records of one optimizer (group None: a world of one, nothing to check).
+
+    Records pair by launch order on the agreement group, so they are checked in that order too:
+    settling one first settles every record launched before it (a mismatch already paired is found
+    without waiting on a later record that may never pair).
+    """
+
+    def __init__(self, group: Optional[Any], unit_names: Optional[List[str]] = None):
+        self.group = group
+        self.unit_names = list(unit_names or [])
+        self.progress = Progress()
+        self.launched = 0
+        self._pending: Deque[Agreement] = collections.deque()
+
+    def check(self, activity: Activity, unit: int = -1) -> None:
+        """Collective: every rank states this; raises RanksDisagree on every rank if any states otherwise."""
+        self.settle(self.launch(activity, unit))
+
+    def launch(self, activity: Activity, unit: int = -1) -> Agreement:
+        """The same, launched now and settled later: a record ahead of the gather it guards."""
+        p = self.progress
+        record = (int(activity), unit, p.forwards, p.backwards, p.reducing_backwards, int(torch.is_grad_enabled()))
+        agreement = Agreement(record, self.group, self.describe)
+        self._pending.append(agreement)
+        self.launched += 1
+        return agreement
+
+    def settle(self, agreement: Agreement) -> None:
+        while self._pending:
+            first = self._pending.popleft()
+            first.check()
+            if first is agreement:
+                return
+
+    def realign(self, control_group: Optional[Any]) -> None:
+        """Collective, after a pass failed part-way on every rank (at different points): launch the records
+        the others launched and this rank did not, and drop the failed pass's unchecked records."""
+        count = torch.tensor([self.launched], dtype=torch.int64)
+        comm.all_reduce(count, control_group, op=torch.distributed.ReduceOp.MAX)
+        while self.launched < int(count.item()):
+            self.launch(Activity.RECOVERY)
+        while self._pending:
+            self._pending.popleft().wait()
+
+    def describe(self, record: Sequence[int]) -> str:
+        activity, unit, forwards, backwards, reducing, grad = record[:6]
+        where = f"unit '{self.unit_names[unit] or '<root>'}'" if 0 <= unit < len(self.unit_names) else ""
+        text = {
+            Activity.FORWARD_GATHER: f"was gathering {where} for a forward ({'with' if grad else 'without'} grad)",
+            Activity.BACKWARD_GATHER: f"was gathering {where} for a backward",
+            Activity.ON_DEMAND_GATHER: f"was gathering {where} on demand (a read outside its module's forward)",
+            Activity.FULL_PARAMETERS: "was entering opt.full_parameters()",
+            Activity.END_OF_BACKWARD: "was ending a backward (reducing its gradients)",
+            Activity.REDUCE: "was in step() / reduce_gradients()",
+            Activity.MODIFY_MODEL: "was entering opt.modify_model()",
+            Activity.RECOVERY: "was cleaning up after a backward that raised",
+        }.get(activity, f"was doing activity {activity}")
+        if activity in (Activity.END_OF_BACKWARD, Activity.REDUCE):
+            return f"{text}, after {reducing} reducing backwards"
+        return f"{text}, after {forwards} forwards and {backwards} backwards of the stage-3 model"

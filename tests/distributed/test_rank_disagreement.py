@@ -1,0 +1,147 @@
+"""Ranks that disagree get an error on every rank naming what each was doing: never a hang, a gloo
+abort or a silent divergence.
+
+Every scenario runs on both ranks of one isolated world (its pending collectives are never joined,
+so the world is killed afterwards) and returns each rank's error message.
+"""
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moezero.parallel import ParallelGroups
+from moezero.parallel.agreement import agree
+from moezero.zero import RanksDisagree, ZeroOptimizer
+from tests.dist_utils import run_distributed
+
+
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 2)
+        self.order = [0, 1, 2]
+        self.fail_in_block = None
+
+    def forward(self, x):
+        x = self.embed(x)
+        for i in self.order:
+            x = torch.tanh(self.blocks[i](x))
+            if self.fail_in_block == i:
+                self.fail_in_block = None
+                raise ValueError("a data error on this rank")
+        return self.head(x)
+
+
+def _extra_forward(model, opt, rank):
+    if rank == 0:   # an evaluation (or a generation that stops later) on rank 0 alone
+        with torch.no_grad():
+            model(torch.ones(2, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def _block_order(model, opt, rank):
+    model.order = [0, 1, 2] if rank == 0 else [0, 2, 1]
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def _retried_forward(model, opt, rank):
+    model.fail_in_block = 1 if rank == 0 else None
+    try:
+        out = model(torch.ones(2, 4))
+    except ValueError:
+        out = model(torch.ones(2, 4))   # the loop retries on this rank only
+    out.sum().backward()
+    opt.step()
+
+
+def _backward_reaching_no_param(model, opt, rank):
+    out = model(torch.ones(2, 4))
+    loss = out.sum() if rank == 0 else out.detach().sum().requires_grad_()   # e.g. a rank whose batch was empty
+    loss.backward()
+    opt.step()
+
+
+def _swap_on_one_rank(model, opt, rank):
+    with opt.modify_model():
+        if rank == 0:
+            model.blocks[1] = nn.Linear(4, 4)   # same shape, on one rank only
+
+
+def _different_shapes(model, opt, rank):
+    with opt.modify_model():
+        model.head = nn.Linear(4, 2 + rank)
+
+
+def _unseeded_init(model, opt, rank):
+    with opt.modify_model():
+        torch.manual_seed(rank)   # each rank draws its own init: the replicas would silently diverge
+        model.blocks[1] = nn.Linear(4, 4)
+
+
+SCENARIOS = {
+    "extra forward": (_extra_forward, (3,)),
+    "block order": (_block_order, (3,)),
+    "retried forward": (_retried_forward, (3,)),
+    "backward reaching no param": (_backward_reaching_no_param, (0, 1, 2, 3)),
+    "swap on one rank": (_swap_on_one_rank, (0, 3)),
+    "different shapes": (_different_shapes, (0, 3)),
+    "unseeded init": (_unseeded_init, (0, 2)),
+}
+
+
+def _disagreements():
+    rank = dist.get_rank()
+    out = {}
+    for name, (scenario, stages) in SCENARIOS.items():
+        for stage in stages:
+            groups = ParallelGroups.build()
+            model = _Tower()
+            opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
+            try:
+                scenario(model, opt, rank)
+                out[name, stage] = "no error"
+            except RanksDisagree as exc:
+                out[name, stage] = str(exc)
+    out["timeout"] = _peer_never_arrives(rank)
+    return out
+
+
+def _peer_never_arrives(rank):
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        return "skipped"
+    try:
+        agree([5, 0, 0, 0, 0, 0], group, lambda record: "was ending a backward")
+        return "no error"
+    except RanksDisagree as exc:
+        return str(exc)
+
+
+def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
+    results = run_distributed(_disagreements, 2, isolated=True, timeout=300)
+    for rank, out in enumerate(results):
+        for (name, stage), message in ((k, v) for k, v in out.items() if k != "timeout"):
+            if name in ("swap on one rank", "different shapes", "unseeded init"):
+                assert message.startswith("opt.modify_model(): the ranks made different changes"), message
+                assert "rank 0" in message and "rank 1" in message, (name, stage, message)
+            else:
+                assert message.startswith("the ranks are not doing the same thing"), (rank, name, stage, message)
+                assert f"this rank ({rank})" in message and "another rank" in message, (name, stage, message)
+        assert "forward (without grad)" in out["extra forward", 3] and "(with grad)" in out["extra forward", 3]
+        assert "unit 'blocks.2'" in out["block order", 3] and "unit 'blocks.1'" in out["block order", 3]
+        assert "after 2 forwards" in out["retried forward", 3] and "after 1 forwards" in out["retried forward", 3]
+        for stage in (0, 1, 2):
+            assert "ending a backward" in out["backward reaching no param", stage]
+            assert "step()" in out["backward reaching no param", stage]
+        for stage in (0, 3):
+            assert "'blocks.1.weight'" in out["swap on one rank", stage] and "replaced" in out["swap on one rank", stage]
+            assert "(2, 4)" in out["different shapes", stage] and "(3, 4)" in out["different shapes", stage]
+        for stage in (0, 2):
+            assert "'blocks.1.weight' holds different values" in out["unseeded init", stage]
+    assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
