@@ -96,12 +96,15 @@ class GradReducer:
         self._consumed = False   # step() used the gradients: the next backward starts from zero
         self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
         self.on_param_done: Optional[Callable[[FamilyPass, int], None]] = None
-        ref = weakref.ref(self)  # hooks must not keep a discarded optimizer alive
+        # the hooks hold the reducer weakly and its state by position: a hook that held the state would close
+        # a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded optimizer
+        # would stay alive with its buffers and process groups
+        ref = weakref.ref(self)
         self._handles = []
-        for state in self.states:
+        for f, state in enumerate(self.states):
             for index, p in enumerate(state.family.params):
-                self._handles.append(p.register_hook(_pre_hook(ref, state, index)))
-                self._handles.append(p.register_post_accumulate_grad_hook(_post_hook(ref, state, index)))
+                self._handles.append(p.register_hook(_pre_hook(ref, f, index)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_post_hook(ref, f, index)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -290,17 +293,17 @@ class GradReducer:
         self._consumed = True
 
 
-def _pre_hook(ref, state: FamilyPass, index: int):
+def _pre_hook(ref, family: int, index: int):
     def hook(grad):
         reducer = ref()
         if reducer is not None:
-            reducer._before_accumulate(state, index)
+            reducer._before_accumulate(reducer.states[family], index)
     return hook
 
 
-def _post_hook(ref, state: FamilyPass, index: int):
+def _post_hook(ref, family: int, index: int):
     def hook(param):
         reducer = ref()
         if reducer is not None:
-            reducer._on_gradient(state, index)
+            reducer._on_gradient(reducer.states[family], index)
     return hook
