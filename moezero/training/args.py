@@ -87,6 +87,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
         dest = f"{config_cls.section}.{f.name}"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
+        if kind is bool and flag.startswith("--no-"):
+            # a negative switch (Megatron's --no-load-optim): on when given. As a --flag/--no-flag pair its own
+            # name would read as the negation and set it off (argparse's BooleanOptionalAction)
+            group.add_argument(flag, dest=dest, action="store_true", default=default, help=f"{help_text} (default: off)")
+            continue
         if kind is bool:
             group.add_argument(flag, dest=dest, action=_Switch, default=default, help=help_text)
             continue

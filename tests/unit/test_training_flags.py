@@ -39,6 +39,23 @@ def test_help_has_no_placeholders_and_each_default_once():
         assert entry.count("default") == 1, entry
 
 
+def test_every_boolean_flag_sets_its_field():
+    """Each bool flag, given alone, turns its field on (and off where it defaults on), whatever its name:
+    --no-load-optim and --no-load-rng once parsed as their own negation and silently did nothing."""
+    from moezero.training.args import flag_fields
+
+    parser = build_parser(CONFIG_CLASSES, DESCRIPTION)
+    checked = 0
+    for cls in CONFIG_CLASSES:
+        for f, flag in flag_fields(cls):
+            if f.type not in (bool, "bool"):
+                continue
+            namespace = parser.parse_args([flag])
+            assert getattr(namespace, f"{cls.section}.{f.name}") is True, flag
+            checked += 1
+    assert checked > 10
+
+
 def test_args_file_reads_megatron_style_lines(tmp_path):
     args = tmp_path / "flags.txt"
     args.write_text("# a launch script's flags\n--num-layers 3 --hidden-size 48\n--use-distributed-optimizer\n")
