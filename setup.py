@@ -82,7 +82,8 @@ setup(
         "filelock",
         "tokenizers",  # GPT-2 BPE (--vocab-file/--merge-file) and local HuggingFace tokenizers
     ],
-    extras_require={"dev": ["pytest", "ninja"], "bench": ["matplotlib"]},
+    # transformers: the test oracle for model logits (tests/unit/test_gpt_oracle.py), never a runtime dependency
+    extras_require={"dev": ["pytest", "ninja", "transformers"], "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
