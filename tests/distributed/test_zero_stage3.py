@@ -302,3 +302,67 @@ def test_full_parameters_gathers_for_the_block_and_frees_after():
         inside = opt.memory_bytes()["params"]
         assert model[2].weight.shape == (16, 16) and torch.isfinite(model[2].weight).all()
     assert inside >= shard + 3 * (16 * 16 + 16) * 4 and opt.memory_bytes()["params"] == shard
+
+
+# ---- a block one rank skips, and a branch inside a block ---------------------------------------------------
+class _BranchyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)   # inside the block's unit: used only when the data says so
+
+    def forward(self, x, use_branch):
+        y = torch.tanh(self.fc(x))
+        return x + (self.branch(y) if use_branch else y)
+
+
+class _SkippingTower(nn.Module):
+    """Stage-3 units in a ModuleList; block 1 runs only for the micro-batches of rank 0 (the others skip the
+    whole unit), and each block's branch runs when the micro-batch's first tokens say so."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(21)
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_BranchyBlock() for _ in range(3))
+        self.head = nn.Linear(8, 16)
+        self.double()
+
+    def forward(self, tokens, skip_block_1):
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            if i == 1 and skip_block_1:
+                continue
+            x = block(x, use_branch=int(tokens[0, i]) % 2 == 0)
+        return self.head(x)
+
+
+def _tower_loss(model, step, rank):
+    tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(31 * step + rank))
+    return F.cross_entropy(model(tokens, rank != 0).reshape(-1, 16), tokens.reshape(-1))
+
+
+def _skipped_unit_stays_paired(stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = ParallelGroups.build()
+    model, ref = _SkippingTower(), _SkippingTower()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=40, lr=0.05,
+                        grad_reduce_dtype=torch.float64)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(4):
+        _tower_loss(model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        sum(_tower_loss(ref, step, r) for r in range(world)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with opt.full_parameters():
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=TOL, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    groups.destroy()
+    return True
+
+
+def test_a_unit_one_rank_skips_stays_paired_and_trains_like_torch():
+    assert_passes_on_every_stage(_skipped_unit_stays_paired)
+    assert all(run_distributed(_skipped_unit_stays_paired, 4, 3))
