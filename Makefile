@@ -25,11 +25,12 @@ train: $(STAMP)
 		--expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
 
 # The whole suite (with the C++ kernels when they built), then the ZeRO and MoE tests again on the
-# pure-PyTorch reference kernels.
+# pure-PyTorch reference kernels (the exactness matrix on 2 ranks included).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15
 	MOEZERO_DISABLE_EXT=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_zero_torch_habits.py \
-		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py
+		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py \
+		tests/distributed/test_zero_exactness.py::test_exactness_matrix_two_ranks
 
 # The fair benchmarks on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use; about
 # 1.5 hours on 2 cores): end to end vs DeepSpeed, the optimizer alone, one MoE layer, expert scaling,

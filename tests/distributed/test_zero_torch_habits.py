@@ -94,13 +94,17 @@ def _model_zero_grad(stage, set_to_none):
     for step in range(STEPS):
         train_step(model, opt, step, 2, use_no_sync=False)
         opt.step()
-        model.zero_grad(set_to_none=set_to_none)  # the torch habit, instead of opt.zero_grad()
+        if set_to_none == "p.grad = None":
+            for p in model.parameters():
+                p.grad = None
+        else:
+            model.zero_grad(set_to_none=set_to_none)  # the torch habit, instead of opt.zero_grad()
     _compare(model, opt, reference[-1]["params"], groups)
     groups.destroy()
     return True
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("set_to_none", [True, False, "p.grad = None"])
 def test_model_zero_grad_clears_on_every_stage(set_to_none):
     assert_passes_on_every_stage(_model_zero_grad, set_to_none)
 
@@ -134,6 +138,39 @@ def _clear_between_micro_batches(stage):
 def test_clearing_local_gradients_between_micro_batches():
     for stage in (0, 1):
         run_distributed(_clear_between_micro_batches, 2, stage)
+
+
+def _clear_after_a_synced_micro_batch(stage):
+    """At stages 1-3 a synced backward reduces into this rank's shard at once: clearing p.grad before the next
+    micro-batch of the step (model.zero_grad()) keeps it, so both micro-batches count, as in torch."""
+    world = dist.get_world_size()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model = ZeroTestModel(groups).double()
+    opt = _zero(model, groups, stage)
+    reference = reference_run("adamw", world, 2, STEPS)
+    for step in range(STEPS):
+        for tokens, targets, branch in rank_micro_batches(step, 2):
+            (model(tokens, targets, step, branch) / 2).backward()
+            model.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    _compare(model, opt, reference[-1]["params"], groups)
+    groups.destroy()
+    return True
+
+
+def test_what_stages_1_to_3_reduced_stays_when_the_user_clears_between_micro_batches():
+    assert_passes_on_every_stage(_clear_after_a_synced_micro_batch, stages=(1, 2, 3))
+
+
+def test_bf16_params_reduced_in_fp32_show_no_grad():
+    """The fp32 gradient has no bf16 tensor to show, at stage 0 too (whose fp32 params show DDP's)."""
+    for dtype, shown in ((torch.bfloat16, False), (torch.float32, True)):
+        model = ZeroTestModel(ParallelGroups.single()).to(dtype)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=0, lr=1e-3)
+        model(*micro_batch(0, 0), 0).backward()
+        assert all((p.grad is not None) == shown for p in model.parameters() if p.requires_grad), dtype
+        opt.step()
 
 
 # ---- 5: param_groups are the user's groups; torch lr schedulers take the optimizer -----------------

@@ -2,6 +2,7 @@
 resuming gives exactly the weights of a run that was never stopped."""
 import re
 import signal
+import sys
 
 import torch
 
@@ -56,3 +57,23 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     losses, reference_losses = {**_losses(text), **_losses(resumed.stdout)}, _losses(reference.stdout)
     steps = [str(i) for i in range(1, int(end) + 1)]
     assert [losses[i] for i in steps] == [reference_losses[i] for i in steps]
+
+
+def test_ctrl_c_without_the_handler_stops_at_once_with_exit_code_130(tmp_path):
+    """One process, no --exit-signal-handler: SIGINT interrupts the iteration, the run says what is on disk and
+    exits 130 (the shell's code for Ctrl-C)."""
+    ckpt = str(tmp_path / "ckpt")
+    cmd = [sys.executable, PRETRAIN] + TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", ckpt,
+                                               "--save-interval", "2", "--data-cache-path", str(tmp_path)]
+    with started(cmd) as proc:
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if re.match(r" iteration +3/", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        output.append(proc.communicate(timeout=60)[0])
+    text = "".join(output)
+    assert proc.returncode == 130, text[-2000:]
+    assert f"interrupted; the last complete checkpoint is {checkpoint.iteration_dir(ckpt, 2)}" in text, text[-2000:]
+    assert "Traceback" not in text

@@ -1,5 +1,8 @@
 """The checkpoint format on one process: save, offline reads (train state, consolidation with its
 coverage check) and a resume into a fresh model and optimizer."""
+import os
+import re
+
 import pytest
 import torch
 
@@ -120,3 +123,31 @@ def test_frozen_params_held_by_a_stage3_optimizer_save_and_resume(tmp_path):
         checkpoint.load_checkpoint(path, fresh, fresh_opt)
         for name, tensor in _full_state(fresh, fresh_opt).items():
             assert torch.equal(tensor, expected[name]), (saved_held, name)
+
+
+def test_an_unfinished_save_is_ignored_by_a_load_and_removed_by_the_next_save(tmp_path):
+    model, opt = _trained(1)
+    root = str(tmp_path / "ckpt")
+    checkpoint.save_checkpoint(root, 2, model, opt, configs={}, plugins={})
+    os.makedirs(os.path.join(root, "iter_0000005.tmp"))   # a save interrupted before its rename
+    with open(os.path.join(root, "iter_0000005.tmp", "__0_0.distcp"), "wb") as f:
+        f.write(b"partial")
+    assert checkpoint.latest_iteration(root) == 2 and checkpoint.saved_iterations(root) == [2]
+    assert checkpoint.resolve_checkpoint(root) == checkpoint.iteration_dir(root, 2)
+    fresh, fresh_opt = _trained(0)
+    assert checkpoint.load_checkpoint(checkpoint.resolve_checkpoint(root), fresh, fresh_opt)["iteration"] == 2
+    checkpoint.save_checkpoint(root, 3, model, opt, configs={}, plugins={})
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", checkpoint.POINTER]
+
+
+@pytest.mark.parametrize("remove,needle", [(".metadata", "has no .metadata (not a checkpoint folder)"),
+                                           ("__0_0.distcp", "__0_0.distcp: is missing; the checkpoint is incomplete")])
+def test_a_missing_index_or_shard_file_is_a_checkpoint_error_naming_it(tmp_path, remove, needle):
+    model, opt = _trained(1)
+    path = checkpoint.save_checkpoint(str(tmp_path), 1, model, opt, configs={}, plugins={})
+    os.remove(os.path.join(path, remove))
+    fresh, fresh_opt = _trained(0)
+    for read in (lambda: checkpoint.read_train_state(path), lambda: checkpoint.consolidate_checkpoint(path),
+                 lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(needle)):
+            read()

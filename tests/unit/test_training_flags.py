@@ -5,6 +5,7 @@ import re
 import signal
 
 import pytest
+import torch.distributed as dist
 
 from moezero.config import ConfigError, ParallelConfig, ZeroConfig
 from moezero.recipe import CONFIG_CLASSES
@@ -13,6 +14,7 @@ from moezero.training.configs import DESCRIPTION, TrainConfig
 from moezero.training.launch import interrupt_message
 from moezero.training.schedule import learning_rate
 from moezero.training.stopping import StopConditions
+from tests.dist_utils import run_distributed
 
 
 def _error_of(argv, capsys):
@@ -109,6 +111,25 @@ def test_stop_conditions_record_a_signal_and_the_duration():
     stop = StopConditions(TrainConfig(exit_duration_in_mins=1e-9), None)
     assert "--exit-duration-in-mins" in stop.reason(1)
     assert StopConditions(TrainConfig(exit_interval=5, train_iters=20), None).reason(5) == "--exit-interval=5"
+
+
+def _signal_on_rank_0_only():
+    from moezero.parallel import ParallelGroups
+
+    groups = ParallelGroups.build()
+    stop = StopConditions(TrainConfig(exit_signal_handler=True), groups.control)
+    try:
+        first = stop.reason(1)
+        if dist.get_rank() == 0:   # a scheduler's SIGTERM that reached one rank
+            signal.raise_signal(signal.SIGTERM)
+        return first, stop.reason(2)
+    finally:
+        stop.close()
+        groups.destroy()
+
+
+def test_a_signal_reaching_some_ranks_stops_every_rank_after_the_same_iteration():
+    assert run_distributed(_signal_on_rank_0_only, 2) == [(None, "received SIGTERM")] * 2
 
 
 def test_the_interrupt_message_says_what_is_on_disk(tmp_path):
