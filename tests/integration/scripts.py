@@ -33,10 +33,16 @@ def run(cmd: List[str], timeout: float = 180) -> subprocess.CompletedProcess:
 def started(cmd: List[str], stderr=subprocess.STDOUT) -> Iterator[subprocess.Popen]:
     """A running process (text stdout pipe); on exit from the block its session is killed if still alive."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=ENV, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     try:
         yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _default_sigint() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt:
+    the scripts under test get the default disposition, as from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
