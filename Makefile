@@ -20,9 +20,16 @@ $(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 
 # A short MoE GPT pretraining run on 2 local CPU processes (ep 2, ZeRO-2) on the default corpus
 # (the Python standard library's sources, tokenized on first use); TensorBoard events in runs/.
+# The flags are spelled out: the script's defaults are Megatron's (no experts, dropout 0.1, ...).
+SMALL_GPT_MOE = --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
+	--micro-batch-size 4 --global-batch-size 16 --train-iters 200 \
+	--lr 2e-3 --min-lr 1e-4 --lr-warmup-iters 20 --lr-decay-style cosine --adam-beta2 0.95 \
+	--hidden-dropout 0 --attention-dropout 0 \
+	--num-experts 8 --moe-router-topk 2 --moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 \
+	--eval-interval 50 --eval-iters 4 --log-interval 10
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples_moe/pretrain_gpt_moe.py \
-		--expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
+		$(SMALL_GPT_MOE) --expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
 
 # The whole suite (with the C++ kernels when they built), then the ZeRO and MoE tests again on the
 # pure-PyTorch reference kernels (the exactness matrix on 2 ranks included).

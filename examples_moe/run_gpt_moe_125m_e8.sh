@@ -11,7 +11,8 @@ torchrun --standalone --nproc_per_node="$NPROC" examples_moe/pretrain_gpt_moe.py
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 \
     --position-embedding-type rope --normalization RMSNorm --swiglu --ffn-hidden-size 2048 \
     --micro-batch-size 8 --global-batch-size 256 --train-iters 20000 \
-    --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 2000 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+    --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 2000 --lr-decay-style cosine --adam-beta2 0.95 \
+    --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 \
     --num-experts 8 --moe-router-topk 2 --moe-layer-freq 2 --moe-ffn-hidden-size 2048 \
     --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 \
     --expert-model-parallel-size 8 --zero-stage 2 --bf16 \

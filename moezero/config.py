@@ -18,7 +18,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 
 class ConfigError(ValueError):
@@ -27,15 +27,16 @@ class ConfigError(ValueError):
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = "",
            choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING,
-           defines_model: bool = False) -> Any:
+           defines_model: bool = False, parse: Optional[Any] = None) -> Any:
     """A config field with its command-line flag.
 
     flag="" derives the flag from the field name (`top_k` -> `--top-k`); flag=None keeps the
     field off the command line (it is filled in by code, e.g. MoEConfig.hidden_size).
     defines_model=True: the field decides what a checkpoint's weights mean, so a resume checks it
     against the checkpoint's value and --use-checkpoint-args takes it from there.
+    parse: how the command line's text becomes the value (default: the field's type).
     """
-    metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model}
+    metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model, "parse": parse}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -116,7 +117,8 @@ class MoEConfig(Validated):
     hidden_size: int = option(64, "model width (taken from --hidden-size)", flag=None)
     ffn_hidden_size: Optional[int] = option(None, "expert FFN width (default: the dense --ffn-hidden-size)",
                                             flag="--moe-ffn-hidden-size", defines_model=True)
-    num_experts: int = option(8, "number of routed experts", flag="--num-experts", defines_model=True)
+    num_experts: Optional[int] = option(None, "number of routed experts (default: none, a dense model)",
+                                        flag="--num-experts", defines_model=True)
     top_k: int = option(2, "experts per token", flag="--moe-router-topk", defines_model=True)
     score_function: str = option("softmax", "router score function", flag="--moe-router-score-function",
                                  choices=("softmax", "sigmoid"), defines_model=True)
@@ -127,7 +129,7 @@ class MoEConfig(Validated):
     load_balancing_type: str = option("aux_loss", "aux loss scope: micro-batch, per sequence, or none",
                                       flag="--moe-router-load-balancing-type",
                                       choices=("aux_loss", "seq_aux_loss", "none"))
-    aux_loss_coeff: float = option(1e-2, "load-balancing aux loss coefficient", flag="--moe-aux-loss-coeff")
+    aux_loss_coeff: float = option(0.0, "load-balancing aux loss coefficient", flag="--moe-aux-loss-coeff")
     z_loss_coeff: Optional[float] = option(None, "router z-loss coefficient", flag="--moe-z-loss-coeff")
     capacity_factor: Optional[float] = option(None, "expert capacity factor; None = dropless",
                                               flag="--moe-expert-capacity-factor")
@@ -145,6 +147,9 @@ class MoEConfig(Validated):
         flag="--moe-shared-expert-intermediate-size", defines_model=True)
     activation: str = option("gelu", "expert activation (taken from --swiglu)", flag=None,
                              choices=("gelu", "swiglu"))
+    bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
+                                  "--disable-bias-linear decides; a layer built alone has none)", flag=None,
+                                  defines_model=True)
     grouped_gemm: bool = option(True, "run local experts as one grouped GEMM (else a per-expert loop)",
                                 flag="--moe-grouped-gemm")
     init_std: float = option(0.02, "std of the normal init (taken from --init-method-std)", flag=None)
@@ -155,9 +160,10 @@ class MoEConfig(Validated):
         self._require(self.hidden_size >= 1, "hidden_size", "must be >= 1")
         if self.ffn_hidden_size is not None:  # None: derived (a GPT's dense width, else 4 * hidden)
             self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size", "must be >= 1")
-        self._require(self.num_experts >= 1, "num_experts", "must be >= 1")
-        self._require(1 <= self.top_k <= self.num_experts, "top_k",
-                      f"must be between 1 and --num-experts ({self.num_experts})")
+        if self.num_experts is not None:
+            self._require(self.num_experts >= 1, "num_experts", "must be >= 1")
+            self._require(1 <= self.top_k <= self.num_experts, "top_k",
+                          f"must be between 1 and --num-experts ({self.num_experts})")
         if self.capacity_factor is not None:
             self._require(self.capacity_factor > 0 and math.isfinite(self.capacity_factor), "capacity_factor",
                           "must be > 0 (or unset for dropless routing)")
@@ -170,6 +176,27 @@ class MoEConfig(Validated):
             self._require(self.shared_expert_intermediate_size >= 1, "shared_expert_intermediate_size",
                           "must be >= 1")
         self._require(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+
+
+def moe_layer_pattern(text: Any) -> Union[int, List[int]]:
+    """--moe-layer-freq as Megatron reads it: "N", or a list expression of 0/1 per layer, e.g. "([0]*1+[1]*3)"."""
+    if isinstance(text, (int, list)):
+        return text
+    if "[" not in text:
+        return int(text)
+    if re.search(r"[^,\d\[\]()+* ]", text):   # Megatron's rule: digits, brackets, commas, + and * only
+        raise ValueError(f"not a list expression of digits, [ ] ( ) , + *: {text}")
+    value = eval(text, {"__builtins__": {}})  # nothing but literals and + * can reach here
+    if not isinstance(value, list):
+        raise ValueError(f"not a list: {text}")
+    return value
+
+
+def is_moe_layer(layer_number: int, moe_layer_freq: Union[int, List[int]]) -> bool:
+    """Megatron's pattern: N means layers 0, N, 2N, ... (1: all of them); a list says it per layer."""
+    if isinstance(moe_layer_freq, int):
+        return layer_number % moe_layer_freq == 0
+    return moe_layer_freq[layer_number] == 1
 
 
 @dataclass
@@ -195,32 +222,56 @@ class GPTConfig(Validated):
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
     normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),
                                 defines_model=True)
-    swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU", flag="--swiglu", defines_model=True)
-    hidden_dropout: float = option(0.0, "dropout on residual branches", flag="--hidden-dropout")
-    attention_dropout: float = option(0.0, "dropout on attention probabilities", flag="--attention-dropout")
+    swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU (default width int(8h/3/64)*64)",
+                          flag="--swiglu", defines_model=True)
+    disable_bias_linear: bool = option(False, "no biases in the linear layers (attention, MLPs, experts, router)",
+                                       flag="--disable-bias-linear", defines_model=True)
+    hidden_dropout: float = option(0.1, "dropout on residual branches", flag="--hidden-dropout")
+    attention_dropout: float = option(0.1, "dropout on attention probabilities", flag="--attention-dropout")
     init_method_std: float = option(0.02, "std of the normal init", flag="--init-method-std")
-    moe_layer_freq: int = option(2, "layers 0, N, 2N, ... have an MoE MLP (Megatron's pattern); 1 = all layers",
-                                 flag="--moe-layer-freq", defines_model=True)
+    moe_layer_freq: Union[int, List[int]] = option(
+        1, "N: layers 0, N, 2N, ... have an MoE MLP (1 = all); or Megatron's list expression, one 0/1 per layer, "
+        "e.g. \"([0]*1+[1]*3)\"", flag="--moe-layer-freq", defines_model=True, parse=moe_layer_pattern)
     recompute_activations: bool = option(False, "non-reentrant activation checkpointing of each layer",
                                          flag="--recompute-activations")
 
     def __post_init__(self):
         self._check_all_choices()
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "moe_layer_freq"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        if isinstance(self.moe_layer_freq, int):
+            self._require(self.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1")
+        else:
+            self._require(len(self.moe_layer_freq) == self.num_layers and set(self.moe_layer_freq) <= {0, 1},
+                          "moe_layer_freq", f"a list needs one 0 or 1 per layer ({self.num_layers})")
         self._require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                       f"must be divisible by --num-attention-heads ({self.num_attention_heads})")
         if self.position_embedding_type == "rope":
             self._require((self.hidden_size // self.num_attention_heads) % 2 == 0, "hidden_size",
                           "rope needs an even head dimension (--hidden-size / --num-attention-heads)")
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:   # Megatron's widths: 4h, or 2/3 of it rounded down to 64 for SwiGLU
+            self.ffn_hidden_size = int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size",
+                          f"--swiglu's default width int(8h/3/64)*64 is 0 for --hidden-size {self.hidden_size}: give it")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         self._require(self.max_position_embeddings >= self.seq_length, "max_position_embeddings",
                       f"must be >= --seq-length ({self.seq_length})")
         for name in ("hidden_dropout", "attention_dropout"):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
+
+
+def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Configs a checkpoint or export stored before a field existed, as the model they describe. Before
+    --disable-bias-linear the attention and dense MLPs had biases and the MoE layers (experts, router, shared
+    expert) had none."""
+    model, moe = configs.get("model"), configs.get("moe")
+    if not model or "num_layers" not in model or "disable_bias_linear" in model:
+        return configs
+    out = dict(configs, model=dict(model, disable_bias_linear=False))
+    if moe is not None:
+        out["moe"] = dict(moe, bias=False)
+    return out
 
 
 def expert_ffn_size(moe: MoEConfig) -> int:
@@ -233,7 +284,7 @@ def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
     return dataclasses.replace(moe, hidden_size=gpt.hidden_size,
                                ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
                                activation="swiglu" if gpt.swiglu else "gelu", init_std=gpt.init_method_std,
-                               init_seed=seed)
+                               init_seed=seed, bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias)
 
 
 @dataclass
@@ -253,7 +304,7 @@ class ZeroConfig(Validated):
     clip_grad: float = option(1.0, "clip the global grad norm to this (0 = off)", flag="--clip-grad")
     max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row",
                                     flag="--max-consecutive-skipped-steps")
-    initial_loss_scale: float = option(2.0 ** 16, "fp16 initial dynamic loss scale", flag="--initial-loss-scale")
+    initial_loss_scale: float = option(2.0 ** 32, "fp16 initial dynamic loss scale", flag="--initial-loss-scale")
     min_loss_scale: float = option(1.0, "fp16 minimum loss scale", flag="--min-loss-scale")
     loss_scale_window: int = option(1000, "fp16 steps without overflow before the scale doubles",
                                     flag="--loss-scale-window")

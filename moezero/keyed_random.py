@@ -39,14 +39,18 @@ def init_keyed_(module: nn.Module, seed: int, std_for: Callable[[str, torch.Tens
                 prefix: str = "") -> None:
     """Initialise every parameter of `module` from keys alone.
 
-    std_for(name, param) gives the normal std, or None to leave the param as the module built it
-    (norm weights, biases). A routed-expert tensor is filled one local expert at a time, each
-    keyed by its *global* expert index, so ep does not change any expert's initial weights.
+    std_for(name, param) gives the normal std, 0.0 for zeros (biases), or None to leave the param as
+    the module built it (norm weights). A routed-expert tensor is filled one local expert at a time,
+    each keyed by its *global* expert index, so ep does not change any expert's initial weights.
     """
     for name, param in module.named_parameters():
         full_name = prefix + name
         std = std_for(full_name, param)
         if std is None:
+            continue
+        if std == 0.0:
+            with torch.no_grad():
+                param.zero_()
             continue
         shard = expert_shard_of(param)
         if shard is None:
@@ -54,6 +58,11 @@ def init_keyed_(module: nn.Module, seed: int, std_for: Callable[[str, torch.Tens
             continue
         for local in range(shard.num_local_experts):
             keyed_normal_(param[local], std, seed, full_name, shard.global_index(local))
+
+
+def is_bias(name: str) -> bool:
+    """A linear layer's bias (`.bias`, an expert stack's `b1` / `b2`): zero at init, as Megatron's."""
+    return name.endswith(("bias", ".b1", ".b2"))
 
 
 @dataclass(frozen=True)

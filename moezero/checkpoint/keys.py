@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from moezero.config import upgrade_stored_configs
 from moezero.parallel import expert_shard_of
 
 TRAIN_STATE = "train_state"
@@ -121,7 +122,10 @@ def pieces_from_model_state(entries: Dict[str, torch.Tensor], name: str) -> List
 
 def train_state_sections(state: Dict[str, Any]) -> Dict[str, Any]:
     """The train state with its sections. Checkpoints written before it had them kept the optimizer
-    scalars at the top level and QAT's state under "qat" (now the plug-in "qat"); they still load."""
+    scalars at the top level and QAT's state under "qat" (now the plug-in "qat"); they still load. Their
+    configs are read as the model they describe (`upgrade_stored_configs`)."""
+    if state.get("configs"):
+        state = dict(state, configs=upgrade_stored_configs(state["configs"]))
     if "optimizer" in state:
         return state
     scalars = ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips")

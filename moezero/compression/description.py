@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from moezero.config import GPTConfig, MoEConfig
+from moezero.config import GPTConfig, MoEConfig, upgrade_stored_configs
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
@@ -39,7 +39,9 @@ class ModelDescription:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "ModelDescription":
-        return cls(dict(d["model"]), dict(d["moe"]) if d.get("moe") else None, d.get("dtype", "float32"))
+        configs = upgrade_stored_configs({"model": d["model"], "moe": d.get("moe")})
+        return cls(dict(configs["model"]), dict(configs["moe"]) if configs.get("moe") else None,
+                   d.get("dtype", "float32"))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,7 +21,7 @@ from moezero.compression.config import QATConfig
 from moezero.compression.description import ModelDescription
 from moezero.compression.qat import PLUGIN_NAME
 from moezero.compression.targets import canonical_name
-from moezero.config import GPTConfig, MoEConfig
+from moezero.config import GPTConfig, MoEConfig, upgrade_stored_configs
 
 CONSOLIDATED_FORMAT = "moezero-consolidated-v1"
 
@@ -53,9 +53,10 @@ def load_checkpoint_model(path: str) -> CheckpointModel:
 
 def _checkpoint_model(path: str, state: Dict[str, torch.Tensor], configs: Dict[str, Any], qat_step: Optional[int],
                       iteration: int) -> CheckpointModel:
+    configs = upgrade_stored_configs(configs)
     vocab = state["embedding.weight"].shape[0]
     gpt = GPTConfig(**dict(configs["model"], vocab_size=vocab))
-    moe = MoEConfig(**configs["moe"]) if configs.get("moe") else None
+    moe = MoEConfig(**configs["moe"]) if (configs.get("moe") or {}).get("num_experts") else None
     train = configs.get("train", {})
     # the params' dtype only (fake quantization saw the masters rounded to it); no batch settings are read
     dtype = (torch.bfloat16 if train.get("bf16") else torch.float16 if train.get("fp16")

@@ -19,17 +19,12 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moezero.config import GPTConfig, MoEConfig, moe_layer_config
-from moezero.keyed_random import SampleKeys, init_keyed_, keyed_dropout
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
+from moezero.keyed_random import SampleKeys, init_keyed_, is_bias, keyed_dropout
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
 
 MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
-
-
-def is_moe_layer(layer_number: int, moe_layer_freq: int) -> bool:
-    """Megatron's pattern: layers 0, N, 2N, ... are MoE (N = 1: all of them)."""
-    return layer_number % moe_layer_freq == 0
 
 
 def rotary_tables(seq_length: int, head_dim: int, base: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +52,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.rope = config.position_embedding_type == "rope"
         self.site = site
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        bias = not config.disable_bias_linear
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=bias)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
         if self.rope:
             head_dim = config.hidden_size // config.num_attention_heads
             cos, sin = rotary_tables(config.max_position_embeddings, head_dim, config.rotary_base)
@@ -148,14 +144,15 @@ class GPTModel(nn.Module):
         if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
             return moe_layer(moe_config, layer_number=layer_number)
         activation = "swiglu" if self.config.swiglu else "gelu"
-        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, activation, bias=True)
+        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, activation,
+                        bias=not self.config.disable_bias_linear)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
-        """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); norms/biases as built."""
-        if param.ndim < 2 and "expert" not in name:
-            with torch.no_grad():  # biases zero; norm weights keep their ones
-                if name.endswith("bias"):
-                    param.zero_()
+        """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); biases zero, norm
+        weights their ones."""
+        if is_bias(name):
+            return 0.0
+        if param.ndim < 2:
             return None
         std = self.config.init_method_std
         if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.w2", "shared_expert.fc2.weight")):

@@ -5,7 +5,7 @@ FFN width (2F for the fused SwiGLU input projection).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +82,23 @@ class GroupedExperts(nn.Module):
         self.use_grouped = config.grouped_gemm
         self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
         self.w2 = nn.Parameter(torch.empty(L, Fw, D))
-        for w in (self.w1, self.w2):
-            mark_expert_parallel(w, shard)
+        self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None   # Megatron's add_bias_linear
+        self.b2 = nn.Parameter(torch.zeros(L, D)) if config.bias else None
+        for w in (self.w1, self.w2, self.b1, self.b2):
+            if w is not None:
+                mark_expert_parallel(w, shard)
 
     def forward(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        h = activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.activation)
-        return expert_mm(h, self.w2, counts, self.use_grouped)
+        h = _add_bias(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts)
+        return _add_bias(expert_mm(activation(h, self.activation), self.w2, counts, self.use_grouped), self.b2, counts)
+
+
+def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:
+    """Each expert's bias added to its rows (rows are grouped by expert, counts[l] of them)."""
+    if b_LF is None:
+        return y_MF
+    repeats = torch.tensor(counts, device=y_MF.device)
+    return y_MF + torch.repeat_interleave(b_LF, repeats, dim=0, output_size=y_MF.shape[0]).to(y_MF.dtype)
 
 
 class DenseMLP(nn.Module):

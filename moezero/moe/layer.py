@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moezero.config import MoEConfig, check_experts_divide
-from moezero.keyed_random import SampleKeys, init_keyed_
+from moezero.keyed_random import SampleKeys, init_keyed_, is_bias
 from moezero.moe.dispatch import TokenDispatcher
 from moezero.moe.experts import DenseMLP, GroupedExperts
 from moezero.moe.router import TopKRouter
@@ -55,13 +55,13 @@ class MoELayer(nn.Module):
         self.shared_expert = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                          config.activation)
+                                          config.activation, bias=bool(config.bias))
         self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone."""
-        init_keyed_(self, self.config.init_seed, lambda name, p: self.config.init_std,
+        """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone; biases zero."""
+        init_keyed_(self, self.config.init_seed, lambda name, p: 0.0 if is_bias(name) else self.config.init_std,
                     prefix=f"layer{self.layer_number}.")
 
     def forward(self, x: torch.Tensor, keys: Optional[SampleKeys] = None):

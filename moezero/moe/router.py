@@ -97,7 +97,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         self.site = site
-        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=bool(config.bias))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that only affects selection.
         # Replicated on every rank and updated once per optimizer step (see expert_bias.py).
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32),
@@ -110,6 +110,8 @@ class TopKRouter(nn.Module):
         # its identity, its gradient hook and its place in the optimizer's buffer
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
         logits_TE = torch.matmul(x_TD.to(dtype), self.wg.weight.to(dtype).t())
+        if self.wg.bias is not None:
+            logits_TE = logits_TE + self.wg.bias.to(dtype)
         scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
         topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)

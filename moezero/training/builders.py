@@ -50,9 +50,10 @@ def param_dtype(train: TrainConfig) -> torch.dtype:
 
 
 def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int) -> GPTModel:
-    """The GPT-MoE with this rank's experts, in the params' dtype, on the device the backend uses."""
+    """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses."""
     gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg.model, tokenizer_vocab))
-    model = GPTModel(gpt, cfg.moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
+    moe = cfg.moe if cfg.moe.num_experts is not None else None   # no --num-experts: a dense GPT, as Megatron's
+    model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
     model = model.to(param_dtype(cfg.train))
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         model = model.cuda()

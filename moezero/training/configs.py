@@ -26,24 +26,22 @@ class TrainConfig(Validated):
     train_samples: Optional[int] = option(None, "samples to train on instead of --train-iters; the lr schedule "
                                           "then counts samples (Megatron's sample-based runs)", flag="--train-samples")
     lr: float = option(2e-3, "peak learning rate", flag="--lr")
-    min_lr: float = option(1e-4, "learning rate at the end of the decay", flag="--min-lr")
-    lr_warmup_iters: Optional[int] = option(None, "linear warmup steps (default 20; 0 with --train-samples)",
-                                            flag="--lr-warmup-iters")
+    min_lr: float = option(0.0, "learning rate at the end of the decay", flag="--min-lr")
+    lr_warmup_iters: int = option(0, "linear warmup steps", flag="--lr-warmup-iters")
     lr_warmup_fraction: Optional[float] = option(None, "warmup as a fraction of the decay length",
                                                  flag="--lr-warmup-fraction")
-    lr_warmup_samples: Optional[int] = option(None, "warmup samples (with --train-samples)",
-                                              flag="--lr-warmup-samples")
+    lr_warmup_samples: int = option(0, "warmup samples (with --train-samples)", flag="--lr-warmup-samples")
     lr_decay_iters: Optional[int] = option(None, "decay length (default --train-iters)", flag="--lr-decay-iters")
     lr_decay_samples: Optional[int] = option(None, "decay length in samples (with --train-samples; default "
                                              "--train-samples)", flag="--lr-decay-samples")
-    lr_decay_style: str = option("cosine", "decay after warmup", flag="--lr-decay-style",
+    lr_decay_style: str = option("linear", "decay after warmup", flag="--lr-decay-style",
                                  choices=("constant", "linear", "cosine"))
     optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
                             flag="--optimizer", choices=("adam", "sgd"))
     weight_decay: float = option(0.01, "weight decay (not applied to biases, norms, embeddings)",
                                  flag="--weight-decay")
     adam_beta1: float = option(0.9, "Adam beta1", flag="--adam-beta1")
-    adam_beta2: float = option(0.95, "Adam beta2", flag="--adam-beta2")
+    adam_beta2: float = option(0.999, "Adam beta2", flag="--adam-beta2")
     adam_eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps")
     sgd_momentum: float = option(0.9, "SGD momentum", flag="--sgd-momentum")
     bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
@@ -51,8 +49,8 @@ class TrainConfig(Validated):
     fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
     seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
     eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
-    eval_iters: int = option(4, "global batches per evaluation", flag="--eval-iters")
-    log_interval: int = option(10, "console and TensorBoard every N steps", flag="--log-interval")
+    eval_iters: int = option(100, "global batches per evaluation", flag="--eval-iters")
+    log_interval: int = option(100, "console and TensorBoard every N steps", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
     exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
                                        "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
@@ -70,7 +68,7 @@ class TrainConfig(Validated):
                      "dist_timeout_s"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "exit_interval"):
-            self._require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0")
+            self._require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("lr_decay_iters", "lr_decay_samples"):
             self._require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be >= 1")
         if self.lr_warmup_fraction is not None:
@@ -90,10 +88,8 @@ class TrainConfig(Validated):
                       "give one of --lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction")
         if self.train_samples is None:
             for name in ("lr_warmup_samples", "lr_decay_samples"):
-                self._require(getattr(self, name) is None, name, "needs --train-samples (or use the *-iters flag)")
+                self._require(not getattr(self, name), name, "needs --train-samples (or use the *-iters flag)")
             self.train_iters = 200 if self.train_iters is None else self.train_iters
-            if self.lr_warmup_iters is None and self.lr_warmup_fraction is None:
-                self.lr_warmup_iters = 20
             return
         self._require(self.train_samples >= self.global_batch_size, "train_samples",
                       f"must be >= --global-batch-size ({self.global_batch_size})")
@@ -160,11 +156,12 @@ def validate(cfg: Configs, world_size: int) -> int:
         rank_layout(world_size, ep)
     except ValueError:
         raise ConfigError(f"--expert-model-parallel-size={ep}: must divide the number of processes ({world_size})")
-    check_experts_divide(cfg.moe.num_experts, ep)
-    if cfg.model.moe_layer_freq > cfg.model.num_layers:
-        raise ConfigError(f"--moe-layer-freq={cfg.model.moe_layer_freq}: larger than --num-layers "
-                          f"({cfg.model.num_layers}) is fine in Megatron's pattern only if >= 1 layer is MoE; "
-                          "layer 0 always is, so use a value <= --num-layers")
+    if cfg.moe.num_experts is None:
+        if ep > 1:
+            raise ConfigError(f"--expert-model-parallel-size={ep}: needs --num-experts (without it the model is a "
+                              "dense GPT)")
+    else:
+        check_experts_divide(cfg.moe.num_experts, ep)
     if cfg.train.eval_interval > 0 and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moezero import checkpoint
 from moezero.data import eval_micro_batches, train_micro_batches
 from moezero.metrics import tensorboard_scalars
-from moezero.models.gpt import is_moe_layer
+from moezero.config import is_moe_layer
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
@@ -169,6 +169,8 @@ class Pretraining:
         return values
 
     def _moe_layer_numbers(self) -> List[int]:
+        if self.cfg.moe.num_experts is None:
+            return []
         return [i for i in range(self.cfg.model.num_layers) if is_moe_layer(i, self.cfg.model.moe_layer_freq)]
 
     def _evaluate(self, split: str) -> None:

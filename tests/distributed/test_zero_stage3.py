@@ -209,7 +209,7 @@ def _gpt(groups):
     from moezero.moe import expert_parallel
 
     cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
-                    moe_layer_freq=1)
+                    moe_layer_freq=1, hidden_dropout=0.0, attention_dropout=0.0)
     return GPTModel(cfg, MoEConfig(num_experts=4, top_k=2), seed=3, moe_layer=expert_parallel(groups)).double()
 
 

@@ -14,7 +14,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--micro-batch-size", "2", "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-layer-freq", "1", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-input-jitter-eps", "0.01",
-        "--moe-z-loss-coeff", "1e-3", "--moe-expert-capacity-factor", "1.5", "--log-interval", "1000",
+        "--moe-z-loss-coeff", "1e-3", "--moe-aux-loss-coeff", "1e-2", "--moe-expert-capacity-factor", "1.5",
+        "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "1000",
         "--eval-interval", "0", "--data-path", CORPUS, "--split", "98,2,0", "--seed", "7"]
 
 

@@ -15,7 +15,7 @@ GROUPS = 8
 
 def _model(seed=5, **gpt):
     cfg = GPTConfig(**dict(dict(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64,
-                                moe_layer_freq=2), **gpt))
+                                moe_layer_freq=2, hidden_dropout=0.0, attention_dropout=0.0), **gpt))
     return GPTModel(cfg, MoEConfig(num_experts=4, top_k=2), seed=seed)
 
 

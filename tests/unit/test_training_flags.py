@@ -83,7 +83,7 @@ def test_sample_based_schedule_is_megatrons():
     assert learning_rate(55, t) == pytest.approx(1 - (55 * 8 - 80) / 720)
     iters = TrainConfig(train_iters=100, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1, lr_decay_style="linear")
     assert [learning_rate(i, iters) for i in (0, 9, 55)] == pytest.approx([learning_rate(i, t) for i in (0, 9, 55)])
-    assert TrainConfig().lr_warmup_iters == 20 and TrainConfig().train_iters == 200
+    assert TrainConfig().lr_warmup_iters == 0 and TrainConfig().train_iters == 200   # Megatron: no warmup
 
 
 @pytest.mark.parametrize("kwargs,needle", [
