@@ -105,8 +105,8 @@ class ParallelConfig(Validated):
     def __post_init__(self):
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-            self._require(getattr(self, name) == 1, name, "moezero has no such parallelism, only 1 is accepted "
-                          "(split experts with --expert-model-parallel-size, shard the rest with --zero-stage)")
+            self._require(getattr(self, name) == 1, name, "not supported by moezero, only 1 is accepted (it splits "
+                          "experts with --expert-model-parallel-size and shards the rest with --zero-stage)")
 
 
 @dataclass
@@ -214,9 +214,13 @@ class GPTConfig(Validated):
                                                     flag="--max-position-embeddings", defines_model=True)
     vocab_size: Optional[int] = option(None, "vocabulary size (default: the tokenizer's, padded to 128)",
                                        flag="--vocab-size", defines_model=True)
-    position_embedding_type: str = option("learned_absolute", "position encoding",
-                                          flag="--position-embedding-type", choices=("learned_absolute", "rope"),
+    position_embedding_type: str = option("learned_absolute", "position encoding (none: no positions, NoPE)",
+                                          flag="--position-embedding-type",
+                                          choices=("learned_absolute", "rope", "none"),
                                           defines_model=True)
+    no_position_embedding: bool = option(False, "Megatron's older switch for no learned position table: with rope "
+                                         "nothing more, else --position-embedding-type none",
+                                         flag="--no-position-embedding")
     rotary_base: float = option(10000.0, "RoPE base", flag="--rotary-base", defines_model=True)
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of tied embeddings",
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
@@ -246,6 +250,8 @@ class GPTConfig(Validated):
                           "moe_layer_freq", f"a list needs one 0 or 1 per layer ({self.num_layers})")
         self._require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                       f"must be divisible by --num-attention-heads ({self.num_attention_heads})")
+        if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
+            self.position_embedding_type = "none"
         if self.position_embedding_type == "rope":
             self._require((self.hidden_size // self.num_attention_heads) % 2 == 0, "hidden_size",
                           "rope needs an even head dimension (--hidden-size / --num-attention-heads)")

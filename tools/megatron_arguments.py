@@ -1,13 +1,15 @@
 """Megatron-LM's command-line flags and defaults as JSON, read from its own argument parser: the oracle of
-tests/unit/test_megatron_flags.py (every flag moezero shares with Megatron has Megatron's default).
+tests/unit/test_megatron_flags.py (every flag moezero shares with Megatron has Megatron's default), and the
+training script's list of Megatron flags it does not support (a one-line error naming them).
 
 megatron-core 0.19 (whose wheel carries megatron/training/arguments.py) installs on Python >= 3.12 only, and
 moezero's venv is 3.11; its Python files are read directly, with two stand-ins the parser never calls:
 
     pip download "megatron-core==0.19.2" --no-deps -d /tmp/mcore && unzip -q /tmp/mcore/*.whl -d /tmp/mcore/x
-    PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_arguments.py > tests/assets/megatron_arguments.json
+    PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_arguments.py > moezero/training/megatron_arguments.json
 """
 import argparse
+import enum
 import json
 import sys
 import types
@@ -24,6 +26,8 @@ from megatron.training import arguments  # noqa: E402
 
 
 def _plain(value):
+    if isinstance(value, enum.Enum):   # an enum choice is typed by its name
+        return value.name
     return value if isinstance(value, (int, float, str, bool, type(None), list)) else repr(value)
 
 

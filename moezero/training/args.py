@@ -13,12 +13,14 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import shlex
 import sys
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Type
 
 from moezero.config import ConfigError
+from moezero.training.megatron_flags import megatron_table
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -34,14 +36,36 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         if os.environ.get("RANK", "0") != "0":
             sys.exit(2)
-        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {self._explained(message)} (see --help)\n")
 
-    def _did_you_mean(self, message: str) -> str:
+    def _explained(self, message: str) -> str:
+        """Megatron-LM flags (or values) moezero lacks are named as such; a misspelling gets a did-you-mean."""
+        choice = re.match(r"argument (--[\w-]+).*: invalid choice: '?([^' ]+)'?", message)
+        if choice and choice[2] in [str(c) for c in megatron_table()["flags"].get(choice[1], {}).get("choices") or []]:
+            return f"{choice[1]} {choice[2]}: not supported by moezero ({message.split('(', 1)[-1].rstrip(')')})"
         if not message.startswith("unrecognized arguments:"):
-            return ""
+            return message
+        megatron = megatron_table()["flags"]
+        unsupported, unknown, owner_is_megatron = [], [], False
+        for word in message.split(":", 1)[1].split():   # a value belongs to the flag before it
+            if word.startswith("--"):
+                owner_is_megatron = word.split("=", 1)[0] in megatron
+                (unsupported if owner_is_megatron else unknown).append(word.split("=", 1)[0] if owner_is_megatron
+                                                                       else word)
+            elif not owner_is_megatron:
+                unknown.append(word)
+        parts = []
+        if unsupported:
+            parts.append(f"not supported by moezero: {', '.join(unsupported)} (Megatron-LM flags; see the README, "
+                         "'Coming from Megatron-LM')")
+        if unknown:
+            parts.append(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
+        return "; ".join(parts)
+
+    def _did_you_mean(self, words: List[str]) -> str:
         known = [s for s in self._option_string_actions if s.startswith("--")]
         hints = {}
-        for word in message.split(":", 1)[1].split():
+        for word in words:
             flag = word.split("=", 1)[0]
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith("--") else []
             if close:

@@ -5,13 +5,14 @@ that plugs more features in extends `Configs` with their sections (see `moezero.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, Validated, ZeroConfig,
                             check_experts_divide, option)
 from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
+from moezero.training.megatron_flags import ImplementationConfig
 
 
 @dataclass
@@ -134,7 +135,8 @@ class CheckpointConfig(Validated):
                 self._require(self.load is not None, name, "needs --load")
 
 
-CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, CheckpointConfig)
+CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, CheckpointConfig,
+                  ImplementationConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
 
 
@@ -147,6 +149,7 @@ class Configs:
     train: TrainConfig
     data: DataConfig
     checkpoint: CheckpointConfig
+    implementation: ImplementationConfig = field(default_factory=ImplementationConfig)
 
 
 def validate(cfg: Configs, world_size: int) -> int:

@@ -2,20 +2,16 @@
 Megatron's default, takes its value the same way, and the widths Megatron derives are derived alike.
 
 The oracle is megatron-core 0.19.2's `megatron/training/arguments.py`, read into
-tests/assets/megatron_arguments.json by tools/megatron_arguments.py (the version is recorded there).
+moezero/training/megatron_arguments.json by tools/megatron_arguments.py (the version is recorded there).
 """
-import json
-import os
-
 from moezero.config import MoEConfig
 from moezero.recipe import CONFIG_CLASSES
 from moezero.training.args import build_parser
 from moezero.training.configs import DESCRIPTION
+from moezero.training.megatron_flags import megatron_table
 from tests.integration.pretrain_utils import configs
 
-ASSET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "megatron_arguments.json")
-with open(ASSET) as f:
-    MEGATRON = json.load(f)
+MEGATRON = megatron_table()
 SWITCHES = ("storetrue", "storefalse", "booleanoptional")
 
 # Megatron requires a value for these (its default is None); moezero keeps a small one so a bare run works

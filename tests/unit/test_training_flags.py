@@ -28,7 +28,17 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     lines = _error_of(["--hiden-size", "64", "--num-layers", "2"], capsys)
     assert len(lines) == 1 and "did you mean --hidden-size?" in lines[0] and "see --help" in lines[0], lines
     lines = _error_of(["--tensor-model-parallel-size", "2"], capsys)
-    assert len(lines) == 1 and "--tensor-model-parallel-size=2: moezero has no such parallelism" in lines[0]
+    assert len(lines) == 1 and "--tensor-model-parallel-size=2: not supported by moezero" in lines[0]
+    lines = _error_of(["--group-query-attention", "--num-query-groups", "8", "--hiden-size", "64"], capsys)
+    assert len(lines) == 1 and lines[0].endswith(
+        "error: not supported by moezero: --group-query-attention, --num-query-groups (Megatron-LM flags; see the "
+        "README, 'Coming from Megatron-LM'); unrecognized arguments: --hiden-size 64; did you mean --hidden-size? "
+        "(see --help)"), lines
+    lines = _error_of(["--moe-router-num-groups", "4"], capsys)   # once a did-you-mean of --moe-router-topk
+    assert len(lines) == 1 and "not supported by moezero: --moe-router-num-groups" in lines[0] and "mean" not in lines[0]
+    lines = _error_of(["--moe-token-dispatcher-type", "flex"], capsys)
+    assert lines[0].endswith("--moe-token-dispatcher-type flex: not supported by moezero (choose from 'allgather', "
+                             "'alltoall') (see --help)"), lines
 
 
 def test_help_has_no_placeholders_and_each_default_once():
@@ -68,7 +78,7 @@ def test_args_file_reads_megatron_style_lines(tmp_path):
 def test_megatron_parallel_and_optimizer_flags():
     assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=1, context_parallel_size=1)
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-        with pytest.raises(ConfigError, match="only 1 is accepted"):
+        with pytest.raises(ConfigError, match="not supported by moezero, only 1 is accepted"):
             ParallelConfig(**{name: 2})
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
     assert ZeroConfig(use_distributed_optimizer=True, stage=3).stage == 3

@@ -1,0 +1,70 @@
+"""What the training script knows of Megatron-LM's command line besides the flags it honours.
+
+  ImplementationConfig  flags that pick one of Megatron's implementations of the same numbers (a fused
+                        kernel, an attention backend, a dispatcher, Transformer Engine): accepted so launch
+                        scripts run unchanged, recorded with the run's flags, and nothing to do (moezero has
+                        one implementation of each, with the same numbers);
+  megatron_table()      every flag of Megatron's parser (megatron_arguments.json, written by
+                        tools/megatron_arguments.py from megatron-core 0.19.2), so a Megatron flag moezero
+                        lacks is "not supported by moezero" in one line, not a misleading did-you-mean.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict
+
+from moezero.config import Validated, option
+
+_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_arguments.json")
+SAME_NUMBERS = "accepted: Megatron's choice of implementation, with the same numbers here"
+
+
+@dataclass
+class ImplementationConfig(Validated):
+    """Megatron flags that choose an implementation of the same numbers (accepted; nothing to do here)."""
+
+    section = "implementation"
+    use_mcore_models: bool = option(False, SAME_NUMBERS, flag="--use-mcore-models")
+    transformer_impl: str = option("transformer_engine", SAME_NUMBERS, flag="--transformer-impl",
+                                   choices=("local", "transformer_engine", "inference_optimized"))
+    attention_backend: str = option("auto", SAME_NUMBERS, flag="--attention-backend",
+                                    choices=("flash", "fused", "unfused", "local", "auto"))
+    use_flash_attn: bool = option(False, SAME_NUMBERS, flag="--use-flash-attn")
+    attention_softmax_in_fp32: bool = option(False, "accepted: the softmax runs in fp32 here anyway",
+                                             flag="--attention-softmax-in-fp32")
+    no_masked_softmax_fusion: bool = option(False, SAME_NUMBERS, flag="--no-masked-softmax-fusion")
+    no_bias_gelu_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-gelu-fusion")
+    no_bias_swiglu_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-swiglu-fusion")
+    no_bias_dropout_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-dropout-fusion")
+    no_rope_fusion: bool = option(False, SAME_NUMBERS, flag="--no-rope-fusion")
+    no_persist_layer_norm: bool = option(False, SAME_NUMBERS, flag="--no-persist-layer-norm")
+    no_gradient_accumulation_fusion: bool = option(False, SAME_NUMBERS, flag="--no-gradient-accumulation-fusion")
+    moe_permute_fusion: bool = option(False, SAME_NUMBERS, flag="--moe-permute-fusion")
+    moe_token_dispatcher_type: str = option("allgather", "accepted: moezero's dispatcher is an all-to-all, with "
+                                            "the same numbers as either", flag="--moe-token-dispatcher-type",
+                                            choices=("allgather", "alltoall"))
+    moe_shared_expert_overlap: bool = option(False, SAME_NUMBERS, flag="--moe-shared-expert-overlap")
+    overlap_param_gather: bool = option(False, "accepted: stage 3 prefetches its gathers anyway",
+                                        flag="--overlap-param-gather")
+    sequence_parallel: bool = option(False, "accepted at tensor parallel size 1, where it changes nothing",
+                                     flag="--sequence-parallel")
+    use_dist_ckpt: bool = option(False, "accepted: checkpoints are torch.distributed.checkpoint's",
+                                 flag="--use-dist-ckpt")
+    ckpt_format: str = option("torch_dist", "accepted: checkpoints are torch.distributed.checkpoint's, "
+                              "Megatron's torch_dist", flag="--ckpt-format", choices=("torch_dist",))
+    timing_log_level: int = option(0, "accepted: moezero logs the iteration time", flag="--timing-log-level",
+                                   choices=(0, 1, 2))
+    trust_remote_code: bool = option(False, "accepted: the tokenizers here read local files only",
+                                     flag="--trust-remote-code")
+    manual_gc: bool = option(False, "accepted: Python's garbage collector is left as it is", flag="--manual-gc")
+
+    def __post_init__(self):
+        self._check_all_choices()
+
+
+def megatron_table() -> Dict:
+    """{"megatron_core": version, "flags": {flag: {"dest", "default", "action", "choices"}}} of Megatron's parser."""
+    with open(_TABLE) as f:
+        return json.load(f)
