@@ -83,8 +83,10 @@ setup(
         "filelock",
         "tokenizers",  # GPT-2 BPE (--vocab-file/--merge-file) and local HuggingFace tokenizers
     ],
-    # transformers: the test oracle for model logits (tests/unit/test_gpt_oracle.py), never a runtime dependency
-    extras_require={"dev": ["pytest", "ninja", "transformers"], "bench": ["matplotlib"]},
+    # transformers: the test oracle for model logits (tests/unit/test_gpt_oracle.py), never a runtime dependency;
+    # sentencepiece: --tokenizer-type Llama2Tokenizer only
+    extras_require={"dev": ["pytest", "ninja", "transformers", "sentencepiece"], "sentencepiece": ["sentencepiece"],
+                    "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

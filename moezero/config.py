@@ -101,8 +101,11 @@ class ParallelConfig(Validated):
     pipeline_parallel_size: int = option(1, "Megatron's pipeline parallelism: only 1",
                                          flag="--pipeline-model-parallel-size")
     context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
+    distributed_backend: str = option("nccl", "collectives backend (nccl on a machine without CUDA runs gloo, and "
+                                      "says so)", flag="--distributed-backend", choices=("nccl", "gloo"))
 
     def __post_init__(self):
+        self._check_all_choices()
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
             self._require(getattr(self, name) == 1, name, "not supported by moezero, only 1 is accepted (it splits "
@@ -150,6 +153,8 @@ class MoEConfig(Validated):
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
                                   "--disable-bias-linear decides; a layer built alone has none)", flag=None,
                                   defines_model=True)
+    router_dtype: Optional[str] = option(None, "router logits and scores in fp32 or fp64 (default: the input's "
+                                         "dtype, at least fp32)", flag="--moe-router-dtype", choices=("fp32", "fp64"))
     grouped_gemm: bool = option(True, "run local experts as one grouped GEMM (else a per-expert loop)",
                                 flag="--moe-grouped-gemm")
     init_std: float = option(0.02, "std of the normal init (taken from --init-method-std)", flag=None)
@@ -212,8 +217,11 @@ class GPTConfig(Validated):
     seq_length: int = option(256, "tokens per sample", flag="--seq-length")
     max_position_embeddings: Optional[int] = option(None, "learned position table size (default --seq-length)",
                                                     flag="--max-position-embeddings", defines_model=True)
-    vocab_size: Optional[int] = option(None, "vocabulary size (default: the tokenizer's, padded to 128)",
-                                       flag="--vocab-size", defines_model=True)
+    vocab_size: Optional[int] = option(None, "the model's vocabulary (filled in by the training script: the "
+                                       "tokenizer's, padded to --make-vocab-size-divisible-by)", flag=None,
+                                       defines_model=True)
+    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this",
+                                               flag="--make-vocab-size-divisible-by")
     position_embedding_type: str = option("learned_absolute", "position encoding (none: no positions, NoPE)",
                                           flag="--position-embedding-type",
                                           choices=("learned_absolute", "rope", "none"),
@@ -236,12 +244,21 @@ class GPTConfig(Validated):
     moe_layer_freq: Union[int, List[int]] = option(
         1, "N: layers 0, N, 2N, ... have an MoE MLP (1 = all); or Megatron's list expression, one 0/1 per layer, "
         "e.g. \"([0]*1+[1]*3)\"", flag="--moe-layer-freq", defines_model=True, parse=moe_layer_pattern)
-    recompute_activations: bool = option(False, "non-reentrant activation checkpointing of each layer",
-                                         flag="--recompute-activations")
+    recompute_activations: bool = option(False, "recompute the core attention in backward (Megatron's "
+                                         "--recompute-granularity selective)", flag="--recompute-activations")
+    recompute_granularity: Optional[str] = option(None, "full: recompute whole layers (see --recompute-method); "
+                                                  "selective: only the core attention", flag="--recompute-granularity",
+                                                  choices=("full", "selective"))
+    recompute_method: Optional[str] = option(None, "with full: uniform recomputes chunks of --recompute-num-layers "
+                                             "layers, block the first --recompute-num-layers layers one by one",
+                                             flag="--recompute-method", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = option(None, "layers per chunk (uniform) or layers recomputed (block)",
+                                                 flag="--recompute-num-layers")
+    moe_layer_recompute: bool = option(False, "recompute each MoE layer in backward", flag="--moe-layer-recompute")
 
     def __post_init__(self):
         self._check_all_choices()
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         if isinstance(self.moe_layer_freq, int):
             self._require(self.moe_layer_freq >= 1, "moe_layer_freq", "must be >= 1")
@@ -265,6 +282,21 @@ class GPTConfig(Validated):
                       f"must be >= --seq-length ({self.seq_length})")
         for name in ("hidden_dropout", "attention_dropout"):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        """Megatron's rules: --recompute-activations is selective; full needs a method and a layer count."""
+        if self.recompute_activations:
+            self._require(self.recompute_granularity in (None, "selective"), "recompute_granularity",
+                          "--recompute-activations is --recompute-granularity selective")
+            self.recompute_granularity = "selective"
+        if self.recompute_granularity == "full":
+            self._require(self.recompute_method is not None, "recompute_granularity",
+                          "full needs --recompute-method uniform or block")
+            self._require(self.recompute_num_layers is not None and 1 <= self.recompute_num_layers <= self.num_layers,
+                          "recompute_num_layers", f"full needs a count between 1 and --num-layers ({self.num_layers})")
+        else:
+            self._require(self.recompute_method is None, "recompute_method", "needs --recompute-granularity full")
 
 
 def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -338,11 +370,16 @@ class DataConfig(Validated):
                                       "(default: the Python standard library tokenized into a cache)",
                                       flag="--data-path")
     split: str = option("969,30,1", "train,valid,test split weights", flag="--split")
+    mock_data: bool = option(False, "Megatron's synthetic data (megatron-core's MockGPTDataset) instead of "
+                             "--data-path, for benchmarks", flag="--mock-data")
     tokenizer_type: str = option("ByteLevelTokenizer", "tokenizer", flag="--tokenizer-type",
-                                 choices=("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
-                                 defines_model=True)
-    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder)",
-                                            flag="--tokenizer-model")
+                                 choices=("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                          "Llama2Tokenizer", "NullTokenizer"), defines_model=True)
+    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder), or "
+                                            "a SentencePiece tokenizer.model (Llama2Tokenizer)", flag="--tokenizer-model")
+    vocab_size: Optional[int] = option(None, "the tokenizer's vocabulary before the end-of-document token and "
+                                       "padding: NullTokenizer's size; with another tokenizer, a floor",
+                                       flag="--vocab-size")
     vocab_file: Optional[str] = option(None, "GPT-2 BPE vocabulary (vocab.json)", flag="--vocab-file")
     merge_file: Optional[str] = option(None, "GPT-2 BPE merges (merges.txt)", flag="--merge-file")
     data_cache_path: Optional[str] = option(None, "where dataset indices and the default corpus are cached",
@@ -360,9 +397,14 @@ class DataConfig(Validated):
             weights = ()
         self._require(bool(weights) and all(w >= 0 for w in weights) and sum(weights) > 0,
                       "split", "must be up to three non-negative weights like 969,30,1")
-        if self.tokenizer_type == "HuggingFaceTokenizer":
+        if self.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer"):
             self._require(self.tokenizer_model is not None, "tokenizer_type",
-                          "HuggingFaceTokenizer needs --tokenizer-model (a local path)")
+                          f"{self.tokenizer_type} needs --tokenizer-model (a local path)")
+        if self.tokenizer_type == "NullTokenizer":
+            self._require(self.vocab_size is not None, "tokenizer_type", "NullTokenizer needs --vocab-size")
+        if self.vocab_size is not None:
+            self._require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+        self._require(not (self.mock_data and self.data_path), "mock_data", "replaces --data-path: give one of them")
         bpe = self.tokenizer_type == "GPT2BPETokenizer"
         for name in ("vocab_file", "merge_file"):
             if bpe:

@@ -33,12 +33,12 @@ def megatron_datasets() -> types.SimpleNamespace:
         try:
             from megatron.core.datasets import helpers
             from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
             from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
         except ImportError as exc:
             raise DataError(f"the data layer needs megatron-core with its compiled dataset helpers "
                             f"(pip install 'megatron-core>=0.16.1,<0.18'): {exc}") from exc
     return types.SimpleNamespace(
-        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder, GPTDataset=GPTDataset,
+        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder, GPTDataset=GPTDataset, MockGPTDataset=MockGPTDataset,
         GPTDatasetConfig=GPTDatasetConfig, IndexedDataset=IndexedDataset,
         IndexedDatasetBuilder=IndexedDatasetBuilder, DType=DType, helpers=helpers)

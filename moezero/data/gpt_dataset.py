@@ -117,6 +117,8 @@ def build_datasets(data_config, seq_length: int, seed: int,
     if seq_length < 1:
         raise DataError(f"--seq-length={seq_length}: must be >= 1")
     tokenizer = build_tokenizer(data_config)
+    if data_config.mock_data:
+        return _mock_datasets(data_config, tokenizer, seq_length, seed, num_samples)
     if data_config.data_path:
         blend = parse_data_path(data_config.data_path)
     else:
@@ -134,6 +136,21 @@ def build_datasets(data_config, seq_length: int, seed: int,
     splits = _build_locked(builder, cache)
     wrapped = [GPTSamples(ds, name) if ds is not None else None for ds, name in zip(splits, SPLIT_NAMES)]
     return GPTDatasets(*wrapped, tokenizer=tokenizer, blend=blend)
+
+
+def _mock_datasets(data_config, tokenizer, seq_length: int, seed: int, num_samples) -> GPTDatasets:
+    """--mock-data: megatron-core's MockGPTDataset (documents of counting token ids, each ended by EOD)."""
+    sizes = [max(1, s) if s is not None else 1 for s in num_samples]
+    mg = megatron_datasets()
+    config = mg.GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=None, split=data_config.split,
+        path_to_cache=os.path.join(default_cache_dir(data_config.data_cache_path), "indices"), tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    builder = _quiet_builder_class(mg)(mg.MockGPTDataset, sizes, lambda: True, config)
+    splits = _build_locked(builder, config.path_to_cache)
+    wrapped = [GPTSamples(ds, name) if ds is not None and num_samples[i] != 0 else None
+               for i, (ds, name) in enumerate(zip(splits, SPLIT_NAMES))]
+    return GPTDatasets(*wrapped, tokenizer=tokenizer, blend=Blend(()))
 
 
 def _list(weights):

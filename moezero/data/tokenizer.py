@@ -1,5 +1,6 @@
 """Tokenizers: a built-in byte-level one, GPT-2's BPE (Megatron's GPT2BPETokenizer, from --vocab-file and
---merge-file) and a local HuggingFace tokenizer; the last two run on the `tokenizers` package.
+--merge-file) and a local HuggingFace tokenizer (both on the `tokenizers` package), a SentencePiece model
+(Llama2Tokenizer, on `sentencepiece`) and Megatron's NullTokenizer (ids as text).
 
 Both expose what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
 `tokenize(text) -> list[int]`, `detokenize(ids) -> str` and `unique_identifiers` (megatron-core
@@ -103,6 +104,52 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class Llama2Tokenizer:
+    """A SentencePiece model (Megatron's `--tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model`):
+    each document starts with BOS, and EOS ends it. Needs the `sentencepiece` package (an optional extra)."""
+
+    def __init__(self, model_file: str):
+        if not os.path.isfile(model_file):
+            raise DataError(f"--tokenizer-model={model_file!r}: no such file (a SentencePiece tokenizer.model)")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise DataError("--tokenizer-type=Llama2Tokenizer needs the `sentencepiece` package "
+                            "(pip install sentencepiece)") from None
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except Exception as exc:  # its errors carry no type of their own
+            raise DataError(f"--tokenizer-model={model_file!r}: not a SentencePiece model "
+                            f"({str(exc).splitlines()[0][:200]})") from None
+        self.vocab_size, self.bos, self.eod = self._sp.vocab_size(), self._sp.bos_id(), self._sp.eos_id()
+        if self.eod < 0:
+            raise DataError(f"--tokenizer-model={model_file!r}: has no end-of-sentence token")
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, path=os.path.abspath(model_file),
+                                              vocab_size=self.vocab_size, eod=self.eod)
+
+    def tokenize(self, text: str) -> List[int]:
+        return ([self.bos] if self.bos >= 0 else []) + self._sp.encode(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is space-separated token ids below `--vocab-size`, and the end of
+    document is one more id (so the vocabulary holds vocab_size + 1); for --mock-data and pre-tokenized text."""
+
+    def __init__(self, vocab_size: int):
+        self.eod = vocab_size
+        self.vocab_size = vocab_size + 1
+        self.unique_identifiers = OrderedDict(cls=type(self).__name__, vocab_size=self.vocab_size)
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(word) for word in text.split()]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 def _tokenizers_package(user: str):
     try:
         import tokenizers
@@ -134,10 +181,15 @@ def _load_hf(path: str):
     return (lambda text: tok.encode(text, add_special_tokens=False), tok.decode, tok.get_vocab())
 
 
-def build_tokenizer(data_config) -> "ByteLevelTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer":
+def build_tokenizer(data_config):
     """The tokenizer that `--tokenizer-type` (and its files) of a `DataConfig` select."""
-    if data_config.tokenizer_type == "ByteLevelTokenizer":
+    kind = data_config.tokenizer_type
+    if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
-    if data_config.tokenizer_type == "GPT2BPETokenizer":
+    if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
+    if kind == "Llama2Tokenizer":
+        return Llama2Tokenizer(data_config.tokenizer_model)
+    if kind == "NullTokenizer":
+        return NullTokenizer(data_config.vocab_size)
     return HuggingFaceTokenizer(data_config.tokenizer_model)

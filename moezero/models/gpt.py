@@ -51,6 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.heads = config.num_attention_heads
         self.dropout = config.attention_dropout
         self.rope = config.position_embedding_type == "rope"
+        self.recompute_core = config.recompute_granularity == "selective"
         self.site = site
         bias = not config.disable_bias_linear
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=bias)
@@ -65,12 +66,17 @@ class CausalSelfAttention(nn.Module):
         q, k, v = rearrange(self.qkv(x_BSD), "B S (three H h) -> three B H S h", three=3, H=self.heads)
         if self.rope:
             q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
-        if self.training and self.dropout > 0 and keys is not None:
-            y = self._attention_with_keyed_dropout(q, k, v, keys)
+        if self.recompute_core and _recomputing(self):   # selective recompute: only this part is redone
+            y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+            y = self._core(q, k, v, keys)
         return self.proj(rearrange(y, "B H S h -> B S (H h)"))
+
+    def _core(self, q, k, v, keys):
+        """softmax(q k^T / sqrt(h)) v, causal, with dropout on the probabilities."""
+        if self.training and self.dropout > 0 and keys is not None:
+            return self._attention_with_keyed_dropout(q, k, v, keys)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def _attention_with_keyed_dropout(self, q, k, v, keys):
         """Explicit attention: SDPA's fused dropout draws from the global RNG, not from keys."""
@@ -92,6 +98,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = _norm(config)
         self.attention = CausalSelfAttention(config, site=f"{self.site}.attention")
         self.mlp_norm = _norm(config)
+        self.moe_recompute = config.moe_layer_recompute
         self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]):
@@ -99,7 +106,9 @@ class TransformerLayer(nn.Module):
         x_BSD = x_BSD + keyed_dropout(attn, self.hidden_dropout, self.training, keys, self.site + ".attn_out")
         h = self.mlp_norm(x_BSD)
         stats = None
-        if isinstance(self.mlp, MoELayer):
+        if isinstance(self.mlp, MoELayer) and self.moe_recompute and _recomputing(self):
+            out, stats = checkpoint(self.mlp, h, keys, use_reentrant=False)
+        elif isinstance(self.mlp, MoELayer):
             out, stats = self.mlp(h, keys)
         else:
             out = self.mlp(h)
@@ -165,17 +174,42 @@ class GPTModel(nn.Module):
             x = x + self.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
         x = keyed_dropout(x, self.config.hidden_dropout, self.training, keys, "embedding")
         all_stats: List[MoEStats] = []
-        for layer in self.layers:
-            if self.config.recompute_activations and self.training and torch.is_grad_enabled():
-                x, stats = checkpoint(layer, x, keys, use_reentrant=False)
+        for first, last, recompute in recompute_chunks(self.config):
+            if recompute and _recomputing(self):
+                x, stats = checkpoint(self._layers, first, last, x, keys, use_reentrant=False)
             else:
-                x, stats = layer(x, keys)
-            if stats is not None:
-                all_stats.append(stats)
+                x, stats = self._layers(first, last, x, keys)
+            all_stats += stats
         x = self.final_norm(x)
         # an untied head is called as a module, so whatever wraps modules (ZeRO-3 engines) sees it run
         logits = F.linear(x, self.embedding.weight) if self.output is None else self.output(x)
         return logits, all_stats
+
+
+    def _layers(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys]):
+        """Layers [first, last) in order; their MoE stats."""
+        all_stats = []
+        for layer in self.layers[first:last]:
+            x, stats = layer(x, keys)
+            if stats is not None:
+                all_stats.append(stats)
+        return x, all_stats
+
+
+def recompute_chunks(config: GPTConfig) -> List[Tuple[int, int, bool]]:
+    """(first, last, recomputed) runs of layers: Megatron's full recompute checkpoints chunks of
+    --recompute-num-layers layers (uniform) or each of the first --recompute-num-layers layers (block)."""
+    n, k = config.num_layers, config.recompute_num_layers
+    if config.recompute_granularity != "full":
+        return [(0, n, False)]
+    if config.recompute_method == "uniform":
+        return [(i, min(i + k, n), True) for i in range(0, n, k)]
+    return [(i, i + 1, True) for i in range(k)] + ([(k, n, False)] if k < n else [])
+
+
+def _recomputing(module: nn.Module) -> bool:
+    """Activation checkpointing applies to training forwards that build a graph."""
+    return module.training and torch.is_grad_enabled()
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor

@@ -21,6 +21,9 @@ from moezero.config import MoEConfig
 from moezero.keyed_random import SampleKeys
 
 
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}   # --moe-router-dtype
+
+
 @dataclass(frozen=True)
 class Routing:
     """What the router decided for T tokens."""
@@ -108,7 +111,7 @@ class TopKRouter(nn.Module):
         x_TD = self._jitter(x_TD, num_sequences, keys)
         # fp32 (fp64 for fp64 models) logits with the weight cast inside the op: wg.weight keeps
         # its identity, its gradient hook and its place in the optimizer's buffer
-        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        dtype = ROUTER_DTYPES.get(cfg.router_dtype) or torch.promote_types(x_TD.dtype, torch.float32)
         logits_TE = torch.matmul(x_TD.to(dtype), self.wg.weight.to(dtype).t())
         if self.wg.bias is not None:
             logits_TE = logits_TE + self.wg.bias.to(dtype)

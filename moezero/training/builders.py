@@ -20,9 +20,6 @@ from moezero.parallel import ParallelGroups
 from moezero.training.configs import Configs, TrainConfig
 from moezero.zero import ZeroOptimizer, weight_decay_groups
 
-VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
-
-
 def build_data(cfg: Configs):
     """Train samples for every step of the run; validation ones when evaluating; test ones for the final
     evaluation when --split gives the test split a weight."""
@@ -33,12 +30,16 @@ def build_data(cfg: Configs):
                           num_samples=(t.train_iters * t.global_batch_size, valid, test))
 
 
-def padded_vocab_size(model: GPTConfig, tokenizer_vocab: int) -> int:
-    """--vocab-size, or the tokenizer's rounded up to a multiple of 128 (Megatron's padding)."""
-    vocab = model.vocab_size or math.ceil(tokenizer_vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if vocab < tokenizer_vocab:
-        raise ConfigError(f"--vocab-size={vocab}: smaller than the tokenizer's ({tokenizer_vocab})")
-    return vocab
+def padded_vocab_size(cfg: Configs, tokenizer_vocab: int) -> int:
+    """The model's vocabulary: a config's own (a checkpoint's), or the tokenizer's (at least --vocab-size)
+    rounded up to a multiple of --make-vocab-size-divisible-by (Megatron's padding)."""
+    if cfg.model.vocab_size is not None:
+        if cfg.model.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"the model's vocabulary ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+                              f"({tokenizer_vocab})")
+        return cfg.model.vocab_size
+    multiple = cfg.model.make_vocab_size_divisible_by
+    return math.ceil(max(tokenizer_vocab, cfg.data.vocab_size or 0) / multiple) * multiple
 
 
 def param_dtype(train: TrainConfig) -> torch.dtype:
@@ -51,7 +52,7 @@ def param_dtype(train: TrainConfig) -> torch.dtype:
 
 def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int) -> GPTModel:
     """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses."""
-    gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg.model, tokenizer_vocab))
+    gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, tokenizer_vocab))
     moe = cfg.moe if cfg.moe.num_experts is not None else None   # no --num-experts: a dense GPT, as Megatron's
     model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
     model = model.to(param_dtype(cfg.train))

@@ -59,15 +59,15 @@ class TrainConfig(Validated):
                                                     "this long", flag="--exit-duration-in-mins")
     exit_interval: int = option(0, "stop (after saving, when --save is set) once the iteration is a multiple "
                                 "of N (0 = run to --train-iters)", flag="--exit-interval")
-    dist_timeout_s: int = option(120, "seconds a collective may wait before a dead peer fails the job",
-                                 flag="--distributed-timeout-seconds")
+    dist_timeout_minutes: float = option(10, "minutes a collective may wait before a dead peer fails the job",
+                                         flag="--distributed-timeout-minutes")
 
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval",
-                     "dist_timeout_s"):
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
         for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "exit_interval"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("lr_decay_iters", "lr_decay_samples"):

@@ -27,20 +27,24 @@ from moezero.training.pretrain import Pretraining
 from moezero.training.resume import NothingToTrain
 
 
-def init_distributed(timeout_s: int) -> None:
-    """Join the torchrun world (no-op for a single process)."""
+def init_distributed(backend: str, timeout_minutes: float) -> None:
+    """Join the torchrun world (no-op for a single process) with --distributed-backend; nccl on a machine
+    without CUDA runs gloo (Megatron's default is nccl, and moezero trains on CPUs too)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        backend = "gloo"
+        if os.environ.get("RANK", "0") == "0":
+            print(" --distributed-backend=nccl: no CUDA device here, using gloo", flush=True)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:
     """Train with `cfg` and `plugins`; returns the process exit code, with one clear line on failure."""
     try:
-        init_distributed(cfg.train.dist_timeout_s)
+        init_distributed(cfg.parallel.distributed_backend, cfg.train.dist_timeout_minutes)
         Pretraining(cfg, plugins).train()
         return 0
     except NothingToTrain as exc:

@@ -43,7 +43,7 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
         "--train-iters", "100000", "--expert-model-parallel-size", "2", "--save", save, "--save-interval", "2",
-        "--log-interval", "1", "--data-cache-path", str(tmp_path), "--distributed-timeout-seconds", "30"]
+        "--log-interval", "1", "--data-cache-path", str(tmp_path), "--distributed-timeout-minutes", "0.5"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

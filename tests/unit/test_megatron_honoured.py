@@ -1,0 +1,121 @@
+"""Megatron flags moezero honours beyond the model sizes: recompute granularity and method, the MoE layer
+recompute, the router dtype, the vocabulary padding, NullTokenizer, Llama2Tokenizer (SentencePiece) and
+--mock-data. Each is checked by its effect."""
+import pytest
+import torch
+
+from moezero.config import ConfigError, GPTConfig, MoEConfig
+from moezero.models import GPTModel
+from moezero.models.gpt import CausalSelfAttention, recompute_chunks
+from moezero.moe import MoELayer
+from moezero.parallel import ParallelGroups
+from moezero.training.builders import build_model
+from tests.integration.pretrain_utils import configs
+
+SMALL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40, hidden_dropout=0.0,
+             attention_dropout=0.0)
+
+
+def test_full_recompute_chunks_are_megatrons():
+    def chunks(method, k):
+        return recompute_chunks(GPTConfig(**SMALL, recompute_granularity="full", recompute_method=method,
+                                          recompute_num_layers=k))
+    assert chunks("uniform", 2) == [(0, 2, True), (2, 4, True)]
+    assert chunks("uniform", 3) == [(0, 3, True), (3, 4, True)]
+    assert chunks("block", 1) == [(0, 1, True), (1, 4, False)]
+    assert recompute_chunks(GPTConfig(**SMALL, recompute_activations=True)) == [(0, 4, False)]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(recompute_granularity="full"), "full needs --recompute-method"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers=None: full needs"),
+    (dict(recompute_method="block"), "--recompute-method='block': needs --recompute-granularity full"),
+    (dict(recompute_activations=True, recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+     "--recompute-activations is --recompute-granularity selective"),
+])
+def test_recompute_flags_follow_megatrons_rules(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        GPTConfig(**SMALL, **kwargs)
+
+
+def _calls_in_backward(**gpt):
+    """How often the core attention and the MoE layers run in one training step (forward and backward)."""
+    model = GPTModel(GPTConfig(**SMALL, **gpt), MoEConfig(num_experts=4, top_k=2), seed=1).double()
+    calls = {"attention": 0, "moe": 0}
+    core = CausalSelfAttention._core
+
+    def counted_core(self, *args):
+        calls["attention"] += 1
+        return core(self, *args)
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.register_forward_pre_hook(lambda *a: calls.__setitem__("moe", calls["moe"] + 1))  # entered
+    CausalSelfAttention._core = counted_core
+    try:
+        logits, _ = model(torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0)))
+        logits.square().mean().backward()
+    finally:
+        CausalSelfAttention._core = core
+    return calls
+
+
+def test_recompute_reruns_what_it_says_in_backward():
+    assert _calls_in_backward() == {"attention": 4, "moe": 4}
+    assert _calls_in_backward(recompute_activations=True) == {"attention": 8, "moe": 4}          # selective
+    assert _calls_in_backward(moe_layer_recompute=True) == {"attention": 4, "moe": 8}
+    assert _calls_in_backward(recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=1) == {"attention": 5, "moe": 5}                # layer 0 only
+    assert _calls_in_backward(recompute_granularity="full", recompute_method="uniform",
+                              recompute_num_layers=2) == {"attention": 8, "moe": 8}
+
+
+def test_router_dtype():
+    x = torch.randn(6, 16, dtype=torch.float32)
+    for dtype, expected in ((None, torch.float32), ("fp64", torch.float64)):
+        layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, top_k=2, router_dtype=dtype, aux_loss_coeff=0.1))
+        _, stats = layer(x)
+        assert stats.aux_loss.dtype == expected, dtype
+
+
+def _vocab(argv):
+    cfg = configs(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"] + argv)
+    return build_model(cfg, ParallelGroups.single(), 257).embedding.weight.shape[0]
+
+
+def test_vocabulary_padding_is_megatrons():
+    assert _vocab([]) == 384                                          # 257 up to a multiple of 128
+    assert _vocab(["--make-vocab-size-divisible-by", "1"]) == 257
+    assert _vocab(["--make-vocab-size-divisible-by", "64"]) == 320
+    assert _vocab(["--vocab-size", "1000"]) == 1024                   # --vocab-size is before the padding
+
+
+def test_null_tokenizer_and_mock_data(tmp_path):
+    from moezero.config import DataConfig
+    from moezero.data import build_datasets
+
+    data = build_datasets(DataConfig(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100,
+                                     data_cache_path=str(tmp_path)), 16, 1, num_samples=(50, 8, 0))
+    tok = data.tokenizer
+    assert (tok.vocab_size, tok.eod, tok.tokenize("3 1 4"), tok.detokenize([3, 1, 4])) == (101, 100, [3, 1, 4], "3 1 4")
+    sample = data.train[0]
+    assert sample["tokens"].shape == (16,) and torch.equal(sample["labels"][:-1], sample["tokens"][1:])
+    assert data.valid is not None and data.test is None
+    with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):
+        DataConfig(tokenizer_type="NullTokenizer")
+    with pytest.raises(ConfigError, match="--mock-data=True: replaces --data-path"):
+        DataConfig(mock_data=True, data_path="x")
+
+
+def test_llama2_tokenizer_reads_a_sentencepiece_model(tmp_path):
+    sentencepiece = pytest.importorskip("sentencepiece")   # an optional extra, in the dev extra
+    from moezero.data.tokenizer import Llama2Tokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"the expert {i} routes token {i * 7} to layer {i % 5}" for i in range(300)))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                             model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                             minloglevel=2)
+    tok = Llama2Tokenizer(str(tmp_path / "sp.model"))
+    ids = tok.tokenize("the expert routes a token")
+    assert ids[0] == tok.bos == 1 and tok.eod == 2 and tok.vocab_size == 60
+    assert tok.detokenize(ids[1:]) == "the expert routes a token"
