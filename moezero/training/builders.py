@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moezero.config import ConfigError, GPTConfig
+from moezero.config import ConfigError
 from moezero.data import build_datasets
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
