@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         parser.error("--eval-samples and --micro-batch-size must be >= 1")
     try:
         data = configs_from_args(args, [DataConfig])["data"]
-        init_distributed(120)
+        init_distributed("gloo", 2)
         groups = ParallelGroups.build(expert_parallel_size=args.expert_model_parallel_size)
         losses = evaluate_models(data, args.seed, args.eval_samples, args.micro_batch_size,
                                  quantized=args.quantized, checkpoint=args.load, groups=groups)

@@ -7,7 +7,8 @@
                                            optimizer held them)
     train_state                            pickled dict: iteration, world_size, param_shapes (global),
                                            optimizer (scalars: param groups, loss scaler, skip counts),
-                                           configs ({section: fields}), plugins ({name: state})
+                                           configs ({section: fields}), plugins ({name: state}),
+                                           progress (consumed train/valid samples)
     rng/rank<r>                            pickled RNG states of rank r
 
 Routed experts are stacked over the global experts, so every element has one global coordinate

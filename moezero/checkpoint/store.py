@@ -16,7 +16,7 @@ import contextlib
 import os
 import random
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -32,18 +32,21 @@ from moezero.zero import consolidate
 
 
 def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
-                    plugins: Dict[str, Any], group=None, keep_last: int = 0) -> str:
+                    plugins: Dict[str, Any], group=None, keep_last: int = 0,
+                    progress: Optional[Dict[str, int]] = None) -> str:
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
-    `configs` ({section: dict}) and `plugins` ({name: state}) go into the train state (see `keys`).
+    `configs` ({section: dict}), `plugins` ({name: state}) and `progress` (consumed samples) go into the
+    train state (see `keys`).
     """
     if _rank() == 0:
         layout.remove_stale(root)
     _barrier(group)
     shard = opt.state_dict()
     train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
-                   "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins}
+                   "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins,
+                   "progress": dict(progress or {})}
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)

@@ -49,15 +49,15 @@ def train_micro_batches(iteration: int, global_batch_size: int, micro_batch_size
 
 
 def eval_micro_batches(eval_iters: int, global_batch_size: int, micro_batch_size: int,
-                       dp_rank: int, dp_size: int) -> List[List[int]]:
-    """Micro-batches of one evaluation: `eval_iters` global batches from valid sample 0.
+                       dp_rank: int, dp_size: int, consumed_samples: int = 0) -> List[List[int]]:
+    """Micro-batches of one evaluation: `eval_iters` global batches from sample `consumed_samples` on
+    (Megatron's: each validation reads the next samples; the test evaluation reads from 0).
 
-    Every evaluation reads the same samples, so validation losses compare across iterations;
-    every rank runs the same number of micro-steps (they are collectives under EP).
+    Every rank runs the same number of micro-steps (they are collectives under EP).
     """
     return [mb for k in range(eval_iters)
-            for mb in micro_batch_indices(k * global_batch_size, global_batch_size, micro_batch_size,
-                                          dp_rank, dp_size)]
+            for mb in micro_batch_indices(consumed_samples + k * global_batch_size, global_batch_size,
+                                          micro_batch_size, dp_rank, dp_size)]
 
 
 def collate(samples: Sequence[Mapping[str, torch.Tensor]], indices: Sequence[int]) -> Dict[str, torch.Tensor]:

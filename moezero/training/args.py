@@ -123,7 +123,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
             help_text += f" (default: {default})"
         metavar = None if f.metadata.get("choices") else flag.lstrip("-").replace("-", "_").upper()
         group.add_argument(flag, dest=dest, type=f.metadata.get("parse") or kind, default=default,
-                           choices=f.metadata.get("choices"), metavar=metavar, help=help_text)
+                           choices=f.metadata.get("choices"), metavar=metavar, help=help_text,
+                           nargs=f.metadata.get("nargs"))
 
 
 def build_parser(config_classes: Sequence[Type], description: str) -> ArgumentParser:

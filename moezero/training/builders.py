@@ -1,6 +1,6 @@
 """What a pretraining run is made of, each built by one function from the configs.
 
-    data  = build_data(cfg)
+    data  = build_data(cfg, dataset_sizes(cfg, start_iteration, progress))
     model = build_model(cfg, groups, data.tokenizer.vocab_size)    # built, expert-parallel, cast, placed
     opt   = build_optimizer(model, cfg, groups)                     # after any plug-in reparametrized it
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,17 +18,35 @@ from moezero.data import build_datasets
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
+from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
+from moezero.training.resume import Progress
 from moezero.zero import ZeroOptimizer, weight_decay_groups
 
-def build_data(cfg: Configs):
-    """Train samples for every step of the run; validation ones when evaluating; test ones for the final
-    evaluation when --split gives the test split a weight."""
+def build_data(cfg: Configs, sizes: Tuple[int, int, int]):
+    """The train, validation and test splits with `sizes` samples each (0: not built); see `dataset_sizes`."""
+    return build_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed, num_samples=sizes)
+
+
+def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tuple[int, int, int]:
+    """Samples per split (Megatron's figures, or more where a resume needs them): train for every step
+    (the size a resumed run was built with, if it suffices: the sample order depends on it), validation
+    for every evaluation, test for the final one (when --split gives the test split a weight)."""
     t = cfg.train
-    valid = t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    test = t.eval_iters * t.global_batch_size if cfg.data.split_weights[2] > 0 else 0
-    return build_datasets(cfg.data, cfg.model.seq_length, t.seed,
-                          num_samples=(t.train_iters * t.global_batch_size, valid, test))
+    schedule = BatchSchedule.from_config(t, cfg.model.seq_length)
+    needed = schedule.consumed_after(progress.consumed_train_samples, t.train_iters - start_iteration)
+    if needed <= progress.train_dataset_samples:
+        train = progress.train_dataset_samples
+    else:
+        train = max(t.train_samples or t.train_iters * t.global_batch_size, needed)
+    valid, per_evaluation = 0, t.eval_iters * t.global_batch_size
+    if t.eval_interval:
+        evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1)
+                          if i % t.eval_interval == 0 or i == t.train_iters)
+        valid = max((t.train_iters // t.eval_interval + 1) * per_evaluation,
+                    progress.consumed_valid_samples + evaluations * per_evaluation)
+    test = per_evaluation if cfg.data.split_weights[2] > 0 else 0
+    return train, valid, test
 
 
 def padded_vocab_size(cfg: Configs, tokenizer_vocab: int) -> int:

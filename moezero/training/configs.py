@@ -6,12 +6,13 @@ that plugs more features in extends `Configs` with their sections (see `moezero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, Validated, ZeroConfig,
                             check_experts_divide, option)
 from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
+from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
 
 
@@ -26,6 +27,12 @@ class TrainConfig(Validated):
                                         "--global-batch-size)", flag="--train-iters")
     train_samples: Optional[int] = option(None, "samples to train on instead of --train-iters; the lr schedule "
                                           "then counts samples (Megatron's sample-based runs)", flag="--train-samples")
+    rampup_batch_size: Optional[List[int]] = option(
+        None, "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT up to --global-batch-size "
+        "over SAMPLES consumed samples (Megatron's ramp-up)", flag="--rampup-batch-size", nargs=3, parse=int)
+    step_batch_size_schedule: Optional[str] = option(
+        None, "\"THRESHOLD:SIZE ...\": from each threshold of consumed tokens on (K/M/B/T suffixes), that global "
+        "batch size; the last is --global-batch-size", flag="--step-batch-size-schedule")
     lr: float = option(2e-3, "peak learning rate", flag="--lr")
     min_lr: float = option(0.0, "learning rate at the end of the decay", flag="--min-lr")
     lr_warmup_iters: int = option(0, "linear warmup steps", flag="--lr-warmup-iters")
@@ -65,8 +72,9 @@ class TrainConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters", "log_interval"):
+        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(self.train_iters is None or self.train_iters >= 1, "train_iters", "must be >= 1")
         self._require(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
         for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "exit_interval"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
@@ -82,8 +90,30 @@ class TrainConfig(Validated):
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
 
+    def _check_batch_ramps(self) -> None:
+        self._require(not (self.rampup_batch_size and self.step_batch_size_schedule), "rampup_batch_size",
+                      "give --rampup-batch-size or --step-batch-size-schedule, not both")
+        if self.rampup_batch_size:
+            start, increment, samples = self.rampup_batch_size
+            self._require(1 <= start <= self.global_batch_size and increment >= 1 and samples >= 0,
+                          "rampup_batch_size", "START (<= --global-batch-size) and INCREMENT must be >= 1, "
+                          "SAMPLES >= 0")
+            self._require((self.global_batch_size - start) % increment == 0, "rampup_batch_size",
+                          f"INCREMENT must divide --global-batch-size - START ({self.global_batch_size - start})")
+        if self.step_batch_size_schedule:
+            try:
+                steps = parse_step_schedule(self.step_batch_size_schedule, 1)
+            except ValueError as exc:
+                self._fail("step_batch_size_schedule", str(exc))
+            self.global_batch_size = steps[-1][1]
+
+    @property
+    def ramps_batch_size(self) -> bool:
+        return bool(self.rampup_batch_size or self.step_batch_size_schedule)
+
     def _check_schedule_flags(self) -> None:
         """Megatron's rules: a run counts iterations or samples; one warmup flag; defaults filled in here."""
+        self._check_batch_ramps()
         warmups = [n for n in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction") if getattr(self, n)]
         self._require(len(warmups) <= 1, warmups[-1] if warmups else "lr_warmup_iters",
                       "give one of --lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction")
@@ -94,9 +124,11 @@ class TrainConfig(Validated):
             return
         self._require(self.train_samples >= self.global_batch_size, "train_samples",
                       f"must be >= --global-batch-size ({self.global_batch_size})")
-        iters = self.train_samples // self.global_batch_size
-        self._require(self.train_iters in (None, iters), "train_iters", "give --train-iters or --train-samples")
-        self.train_iters = iters
+        self._require(self.train_iters is None or not self.ramps_batch_size and
+                      self.train_iters == self.train_samples // self.global_batch_size, "train_iters",
+                      "give --train-iters or --train-samples")
+        if not self.ramps_batch_size:   # with a ramp, validate() counts the steps the samples take
+            self.train_iters = self.train_samples // self.global_batch_size
         for name in ("lr_decay_iters", "lr_warmup_iters"):
             self._require(not getattr(self, name), name, "counts iterations; with --train-samples use the "
                           "*-samples flag or --lr-warmup-fraction")
@@ -152,8 +184,11 @@ class Configs:
     implementation: ImplementationConfig = field(default_factory=ImplementationConfig)
 
 
-def validate(cfg: Configs, world_size: int) -> int:
-    """Checks across configs; returns micro-steps per optimizer step. Raises ConfigError naming the flags."""
+def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0) -> int:
+    """Checks across configs for a run that starts at `start_iteration` having consumed `consumed_samples`
+    (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags.
+
+    A --train-samples run gets its --train-iters here: the steps from where it starts to the samples."""
     ep = cfg.parallel.expert_parallel_size
     try:
         rank_layout(world_size, ep)
@@ -165,6 +200,16 @@ def validate(cfg: Configs, world_size: int) -> int:
                               "dense GPT)")
     else:
         check_experts_divide(cfg.moe.num_experts, ep)
+    schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
+    for size in schedule.sizes_from(consumed_samples):   # each batch still to come splits into micro-steps
+        try:
+            num_micro_steps(size, cfg.train.micro_batch_size, world_size)
+        except ConfigError as exc:
+            flag = "--global-batch-size" if schedule.is_constant else "the batch-size ramp"
+            raise ConfigError(f"{flag}: a global batch of {size}: {exc}") from None
+    if cfg.train.train_samples is not None:
+        cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
+                                                                              cfg.train.train_samples)
     if cfg.train.eval_interval > 0 and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")

@@ -15,19 +15,20 @@ import torch
 import torch.distributed as dist
 
 from moezero import checkpoint
-from moezero.data import eval_micro_batches, train_micro_batches
+from moezero.data import eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars
 from moezero.config import is_moe_layer
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
-from moezero.training.builders import build_data, build_model, build_optimizer
+from moezero.training.batch_schedule import BatchSchedule
+from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes
 from moezero.training.configs import Configs, validate
 from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
 from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, train_step
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
-                                     find_resume_point, start_iteration)
+                                     find_resume_point, start_iteration, start_progress)
 from moezero.training.schedule import learning_rate
 from moezero.training.stopping import StopConditions
 
@@ -51,14 +52,19 @@ class Pretraining:
             notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
                            "from scratch")
         self.cfg = cfg
-        self.micro_steps = validate(cfg, self.world)
+        progress = start_progress(point, cfg.checkpoint.finetune)
+        resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
+        self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
         self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
+        self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
         self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size)
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train.tensorboard_dir)
         for line in notices:
             self.logger.print(line)
-        self.data = build_data(cfg)
+        sizes = dataset_sizes(cfg, self.iteration, progress)
+        self.progress = dataclasses.replace(progress, train_dataset_samples=sizes[0])
+        self.data = build_data(cfg, sizes)
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
@@ -87,7 +93,8 @@ class Pretraining:
             else:  # saved without it: it joins where the run stands
                 plugin.on_step_end(self.iteration)
         fresh = [flag for flag, on in (("optimizer state", ck.no_load_optim), ("RNG states", ck.no_load_rng)) if on]
-        self.logger.print(f" resumed from {point.path} at iteration {self.iteration}"
+        self.logger.print(f" resumed from {point.path} at iteration {self.iteration}, "
+                          f"{self.progress.consumed_train_samples} samples consumed"
                           + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -115,23 +122,25 @@ class Pretraining:
         run_timer = Timer()
         start_iteration = self.iteration
         while self.iteration < t.train_iters:
-            lr = learning_rate(self.iteration, t)
+            consumed = self.progress.consumed_train_samples
+            batch_size = self.batch_schedule.batch_size(consumed)
+            lr = learning_rate(consumed, batch_size, t)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             timer = Timer()
-            batches = train_micro_batches(self.iteration, t.global_batch_size, t.micro_batch_size,
-                                          self.groups.rank, self.world)
+            batches = micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.groups.rank, self.world)
             metrics = train_step(self.model, self.opt, self.data.train, self.iteration, batches, t.seed,
                                  self.bias_updater, self.groups.dp)
             step_time = timer.elapsed()
             self.iteration += 1
+            self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
             for plugin in self.plugins.values():
                 plugin.on_step_end(self.iteration)
             self.history.append({"iteration": self.iteration, "lm_loss": metrics.lm_loss,
                                  "aux_loss": metrics.aux_loss, "grad_norm": metrics.grad_norm})
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                self._log_step(metrics, lr, step_time, eta)
+                self._log_step(metrics, lr, batch_size, step_time, eta)
             if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 self._evaluate("valid")
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
@@ -140,11 +149,11 @@ class Pretraining:
             if self.stop_reason is not None:
                 return
 
-    def _log_step(self, m: StepMetrics, lr: float, step_time: float, eta: float) -> None:
+    def _log_step(self, m: StepMetrics, lr: float, batch_size: int, step_time: float, eta: float) -> None:
         t = self.cfg.train
-        values = dict(m.values(), consumed_samples=self.iteration * t.global_batch_size, step_time_ms=step_time * 1000,
-                      lr=lr, global_batch_size=t.global_batch_size,
-                      tokens_per_s=t.global_batch_size * self.cfg.model.seq_length / step_time,
+        values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
+                      step_time_ms=step_time * 1000, lr=lr, global_batch_size=batch_size,
+                      tokens_per_s=batch_size * self.cfg.model.seq_length / step_time,
                       skipped_iterations=self.opt.skipped_steps, **self._memory_values())
         if self.opt.loss_scaler is not None:
             values["loss_scale"] = self.opt.loss_scaler.scale
@@ -176,10 +185,14 @@ class Pretraining:
     def _evaluate(self, split: str) -> None:
         """Mean lm loss over --eval-iters global batches of the validation split, or of the test split."""
         t = self.cfg.train
+        start = self.progress.consumed_valid_samples if split == "valid" else 0
         batches = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
-                                     self.world)
+                                     self.world, start)
         dataset = self.data.valid if split == "valid" else self.data.test
         loss = evaluate(self.model, dataset, batches, self.groups.dp)
+        if split == "valid":
+            self.progress = dataclasses.replace(
+                self.progress, consumed_valid_samples=start + t.eval_iters * t.global_batch_size)
         name = "validation" if split == "valid" else "test"
         if self.history:
             self.history[-1][f"{name}_loss"] = loss
@@ -191,7 +204,8 @@ class Pretraining:
         path = checkpoint.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.model, self.opt,
             configs={f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)},
-            plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()}, group=self.groups.control,
+            plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
+            progress=self.progress.saved(), group=self.groups.control,
             keep_last=self.cfg.checkpoint.keep_last)
         self._saved_at, self._saved_path = self.iteration, path
         self.logger.print(f" saved checkpoint {path}")

@@ -1,6 +1,7 @@
 """Which checkpoint a run resumes from, and whether it fits the run, decided before anything is built.
 
     point = find_resume_point(cfg.checkpoint)        # None: start from scratch (or a CheckpointError)
+    progress = start_progress(point, finetune)       # the samples it consumed
     cfg = apply_checkpoint_args(cfg, point, print)   # --use-checkpoint-args
     check_same_model(cfg, point)                     # else: each differing flag, old and new value
     check_shapes(model, point)                       # the built model against the saved global shapes
@@ -35,6 +36,22 @@ class ResumePoint:
     iteration: int
     configs: Dict[str, Dict[str, Any]]     # the sections the saving run stored
     param_shapes: Dict[str, Tuple[int, ...]]
+    progress: Dict[str, int] = dataclasses.field(default_factory=dict)   # consumed samples (see Progress)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands in its data, saved with each checkpoint (Megatron's consumed samples): the next
+    step reads train samples from `consumed_train_samples` on, the next evaluation valid ones from
+    `consumed_valid_samples`, whatever batch size the run had before. `train_dataset_samples`: the size
+    the train split was built with, kept on resume where it suffices (the sample order depends on it)."""
+
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    train_dataset_samples: int = 0
+
+    def saved(self) -> Dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 def find_checkpoint(ckpt) -> Optional[str]:
@@ -69,7 +86,19 @@ def find_resume_point(ckpt) -> Optional[ResumePoint]:
     if path is None:
         return None
     state = checkpoint.read_train_state(path)
-    return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {})
+    return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {},
+                       state.get("progress") or {})
+
+
+def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
+    """The checkpoint's progress; a checkpoint saved before progress was stored consumed iteration x its
+    batch size (no ramps then) and evaluated one fixed window (valid samples from 0)."""
+    if point is None or finetune:
+        return Progress()
+    if point.progress:
+        return Progress(**point.progress)
+    batch = (point.configs.get("train") or {}).get("global_batch_size", 0)
+    return Progress(consumed_train_samples=point.iteration * batch)
 
 
 def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool) -> int:

@@ -1,7 +1,8 @@
 """Learning-rate schedule: linear warmup, then constant, linear or cosine decay to min_lr (Megatron's).
 
-A run counts iterations, or samples with --train-samples (Megatron's sample-based schedule: every
-iteration advances the schedule by --global-batch-size samples).
+Megatron's scheduler counts samples: a --train-samples run's warmup and decay are given in samples,
+an iteration-based run's in iterations of --global-batch-size samples, and every step advances the
+schedule by the samples it consumed (its own batch size along a batch-size ramp).
 """
 from __future__ import annotations
 
@@ -9,28 +10,29 @@ import math
 from typing import Tuple
 
 
-def schedule_lengths(config) -> Tuple[int, float, float]:
-    """(units one iteration advances, warmup length, decay length), in iterations or in samples."""
+def schedule_lengths(config) -> Tuple[float, float]:
+    """(warmup, decay) lengths in samples."""
     if config.train_samples is not None:
-        unit, decay, warmup = config.global_batch_size, config.lr_decay_samples or config.train_samples, \
-            config.lr_warmup_samples or 0
+        decay, warmup = config.lr_decay_samples or config.train_samples, config.lr_warmup_samples or 0
     else:
-        unit, decay, warmup = 1, config.lr_decay_iters or config.train_iters, config.lr_warmup_iters or 0
+        per_iteration = config.global_batch_size
+        decay = (config.lr_decay_iters or config.train_iters) * per_iteration
+        warmup = (config.lr_warmup_iters or 0) * per_iteration
     if config.lr_warmup_fraction is not None:
         warmup = config.lr_warmup_fraction * decay
-    return unit, warmup, decay
+    return warmup, decay
 
 
-def learning_rate(iteration: int, config) -> float:
-    """The lr of optimizer step `iteration` (0-based) under a `TrainConfig`."""
-    unit, warmup, decay = schedule_lengths(config)
-    position = iteration * unit
-    if warmup > 0 and position < warmup:
-        return config.lr * min(1.0, (position + unit) / warmup)
+def learning_rate(consumed_samples: int, batch_size: int, config) -> float:
+    """The lr of the optimizer step that starts after `consumed_samples` and consumes `batch_size` more,
+    under a `TrainConfig` (warmup reaches the step's end: the first step does not run at lr 0)."""
+    warmup, decay = schedule_lengths(config)
+    if warmup > 0 and consumed_samples < warmup:
+        return config.lr * min(1.0, (consumed_samples + batch_size) / warmup)
     if config.lr_decay_style == "constant":
         return config.lr
     span = max(decay - warmup, 1)
-    ratio = min(max((position - warmup) / span, 0.0), 1.0)
+    ratio = min(max((consumed_samples - warmup) / span, 0.0), 1.0)
     if config.lr_decay_style == "linear":
         coefficient = 1.0 - ratio
     else:

@@ -89,10 +89,12 @@ def test_sample_based_schedule_is_megatrons():
                     lr_decay_style="linear")
     assert t.train_iters == 100
     # warmup 80 samples = 10 iterations, then linear decay over the remaining 720 samples
-    assert learning_rate(0, t) == pytest.approx(0.1) and learning_rate(9, t) == pytest.approx(1.0)
-    assert learning_rate(55, t) == pytest.approx(1 - (55 * 8 - 80) / 720)
-    iters = TrainConfig(train_iters=100, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1, lr_decay_style="linear")
-    assert [learning_rate(i, iters) for i in (0, 9, 55)] == pytest.approx([learning_rate(i, t) for i in (0, 9, 55)])
+    assert learning_rate(0, 8, t) == pytest.approx(0.1) and learning_rate(72, 8, t) == pytest.approx(1.0)
+    assert learning_rate(440, 8, t) == pytest.approx(1 - (55 * 8 - 80) / 720)
+    iters = TrainConfig(train_iters=100, global_batch_size=8, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1,
+                        lr_decay_style="linear")
+    assert [learning_rate(i * 8, 8, iters) for i in (0, 9, 55)] == \
+        pytest.approx([learning_rate(i * 8, 8, t) for i in (0, 9, 55)])
     assert TrainConfig().lr_warmup_iters == 0 and TrainConfig().train_iters == 200   # Megatron: no warmup
 
 
