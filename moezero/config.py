@@ -387,6 +387,8 @@ class DataConfig(Validated):
                                             flag="--data-cache-path")
     default_corpus_max_files: int = option(400, "files of the standard library in the default corpus",
                                            flag="--default-corpus-max-files")
+    num_workers: int = option(2, "processes that read micro-batches ahead of the step that uses them (0: "
+                              "read in the training process)", flag="--num-workers")
 
     def __post_init__(self):
         self._check_all_choices()
@@ -405,6 +407,7 @@ class DataConfig(Validated):
             self._require(self.vocab_size is not None, "tokenizer_type", "NullTokenizer needs --vocab-size")
         if self.vocab_size is not None:
             self._require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+        self._require(self.num_workers >= 0, "num_workers", "must be >= 0")
         self._require(not (self.mock_data and self.data_path), "mock_data", "replaces --data-path: give one of them")
         bpe = self.tokenizer_type == "GPT2BPETokenizer"
         for name in ("vocab_file", "merge_file"):

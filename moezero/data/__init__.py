@@ -6,6 +6,7 @@ dataset read or write.
 """
 from moezero.data.errors import DataError
 from moezero.data.gpt_dataset import Blend, GPTDatasets, GPTSamples, build_datasets, parse_data_path
+from moezero.data.loader import MicroBatchLoader
 from moezero.data.indexed import check_indexed_dataset, open_indexed_dataset, write_indexed_dataset
 from moezero.data.sampler import (collate, eval_micro_batches, load_micro_batch, micro_batch_indices,
                                   num_micro_steps, train_micro_batches)
@@ -15,5 +16,5 @@ __all__ = [
     "DataError", "Blend", "GPTDatasets", "GPTSamples", "build_datasets", "parse_data_path",
     "check_indexed_dataset", "open_indexed_dataset", "write_indexed_dataset", "collate",
     "eval_micro_batches", "load_micro_batch", "micro_batch_indices", "num_micro_steps",
-    "train_micro_batches", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "build_tokenizer",
+    "train_micro_batches", "MicroBatchLoader", "ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "build_tokenizer",
 ]

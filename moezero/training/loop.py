@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, Iterable, List, Sequence
 
 import torch
 
-from moezero.data import load_micro_batch
 from moezero.keyed_random import SampleKeys
 from moezero.metrics import tag
 from moezero.models import language_model_loss
@@ -46,15 +45,14 @@ def _micro_batch_losses(model, batch, keys):
     return lm, aux, z, stats
 
 
-def train_step(model, opt, dataset, iteration: int, micro_batches: Sequence[Sequence[int]], seed: int,
+def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
                bias_updater: ExpertBiasUpdater, group) -> StepMetrics:
-    """Forward/backward every micro-batch (loss / n: the optimizer averages over ranks), then step."""
+    """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step."""
     model.train()
     n = len(micro_batches)
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
-    for j, indices in enumerate(micro_batches):
-        batch = load_micro_batch(dataset, indices)
-        keys = SampleKeys(seed, iteration, tuple(int(i) for i in indices))
+    for j, batch in enumerate(micro_batches):
+        keys = SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
             lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
@@ -90,15 +88,14 @@ def _reduce_metrics(means, layer_counts, layer_dropped, grad_norm, stepped, grou
 
 
 @torch.no_grad()
-def evaluate(model, dataset, micro_batches: Sequence[Sequence[int]], group) -> float:
-    """Mean lm loss over the given micro-batches of every rank (a collective: all ranks call it)."""
+def evaluate(model, micro_batches: Iterable[Dict[str, torch.Tensor]], group) -> float:
+    """Mean lm loss over the given (loaded) micro-batches of every rank (a collective: all ranks call it)."""
     model.eval()
     total = torch.zeros(1, dtype=torch.float64)
-    losses = [_micro_batch_losses(model, load_micro_batch(dataset, indices), None)[0].double()
-              for indices in micro_batches]
+    losses = [_micro_batch_losses(model, batch, None)[0].double() for batch in micro_batches]
     if losses:
         total += torch.stack(losses).sum().cpu()
-    total /= max(len(micro_batches), 1)
+    total /= max(len(losses), 1)
     comm.all_reduce(total, group)
     model.train()
     return float(total.item()) / comm.group_size(group)

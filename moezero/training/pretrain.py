@@ -9,13 +9,13 @@ import dataclasses
 import math
 import resource
 from types import MappingProxyType
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Iterator, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from moezero import checkpoint
-from moezero.data import eval_micro_batches, micro_batch_indices
+from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars
 from moezero.config import is_moe_layer
 from moezero.moe.expert_bias import ExpertBiasUpdater
@@ -104,9 +104,11 @@ class Pretraining:
         t = self.cfg.train
         self._print_header()
         stop = StopConditions(t, self.groups.control)
+        loader = MicroBatchLoader(self.data.train, self._train_index_lists(), self.cfg.data.num_workers)
         try:
-            self._loop(stop)
+            self._loop(stop, loader)
         finally:
+            loader.close()
             stop.close()
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
@@ -117,7 +119,15 @@ class Pretraining:
             self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
         self.logger.close()
 
-    def _loop(self, stop: StopConditions) -> None:
+    def _train_index_lists(self) -> Iterator[List[int]]:
+        """This rank's micro-batches (global sample indices) of every step still to run, in order."""
+        t, consumed = self.cfg.train, self.progress.consumed_train_samples
+        for _ in range(self.iteration, t.train_iters):
+            batch_size = self.batch_schedule.batch_size(consumed)
+            yield from micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.groups.rank, self.world)
+            consumed += batch_size
+
+    def _loop(self, stop: StopConditions, loader: MicroBatchLoader) -> None:
         t, ck = self.cfg.train, self.cfg.checkpoint
         run_timer = Timer()
         start_iteration = self.iteration
@@ -128,9 +138,9 @@ class Pretraining:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             timer = Timer()
-            batches = micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.groups.rank, self.world)
-            metrics = train_step(self.model, self.opt, self.data.train, self.iteration, batches, t.seed,
-                                 self.bias_updater, self.groups.dp)
+            batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
+            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.bias_updater,
+                                 self.groups.dp)
             step_time = timer.elapsed()
             self.iteration += 1
             self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
@@ -186,10 +196,14 @@ class Pretraining:
         """Mean lm loss over --eval-iters global batches of the validation split, or of the test split."""
         t = self.cfg.train
         start = self.progress.consumed_valid_samples if split == "valid" else 0
-        batches = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
+        indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
                                      self.world, start)
-        dataset = self.data.valid if split == "valid" else self.data.test
-        loss = evaluate(self.model, dataset, batches, self.groups.dp)
+        loader = MicroBatchLoader(self.data.valid if split == "valid" else self.data.test, indices,
+                                  self.cfg.data.num_workers)
+        try:
+            loss = evaluate(self.model, loader, self.groups.dp)
+        finally:
+            loader.close()
         if split == "valid":
             self.progress = dataclasses.replace(
                 self.progress, consumed_valid_samples=start + t.eval_iters * t.global_batch_size)

@@ -16,7 +16,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-input-jitter-eps", "0.01",
         "--moe-z-loss-coeff", "1e-3", "--moe-aux-loss-coeff", "1e-2", "--moe-expert-capacity-factor", "1.5",
         "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--log-interval", "1000",
-        "--eval-interval", "0", "--data-path", CORPUS, "--split", "98,2,0", "--seed", "7"]
+        "--eval-interval", "0", "--data-path", CORPUS, "--split", "98,2,0", "--seed", "7", "--num-workers", "0"]
 
 
 def configs(argv):

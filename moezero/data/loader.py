@@ -1,0 +1,50 @@
+"""Micro-batches read ahead of their step by worker processes (Megatron's --num-workers).
+
+    loader = MicroBatchLoader(dataset, index_lists, num_workers=2)
+    for batch in loader: ...       # collated dicts, in the order of `index_lists`
+    loader.close()
+
+The order, and so every number of a run, does not depend on `num_workers`: workers only read.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader
+
+from moezero.data.sampler import load_micro_batch
+
+
+class _MicroBatchReader(torch.utils.data.Dataset):
+    """dataset[list of global indices] -> one collated micro-batch (the DataLoader runs it in a worker)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, indices: Sequence[int]) -> Dict[str, torch.Tensor]:
+        return load_micro_batch(self.dataset, indices)
+
+
+class MicroBatchLoader:
+    def __init__(self, dataset, index_lists: Iterable[Sequence[int]], num_workers: int):
+        if num_workers == 0:
+            self._loader = None
+            self._batches: Iterator = (load_micro_batch(dataset, indices) for indices in index_lists)
+        else:   # batch_size=None: each sampler item (an index list) is one dataset read
+            self._loader = DataLoader(_MicroBatchReader(dataset), sampler=index_lists, batch_size=None,
+                                      num_workers=num_workers)
+            self._batches = iter(self._loader)
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        return self._batches
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        return next(self._batches)
+
+    def close(self) -> None:
+        """Stop the workers now (a run that stops early leaves batches read ahead)."""
+        shutdown = getattr(self._batches, "_shutdown_workers", None)   # torch's multi-process iterator
+        if shutdown is not None:
+            shutdown()
+        self._batches = iter(())
