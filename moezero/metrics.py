@@ -15,32 +15,41 @@ class Metric:
     console: Optional[str]      # label on the console line (None: TensorBoard only)
     tensorboard: Optional[str]  # TensorBoard tag, may name {fields} (None: console only)
     fmt: str = ""               # format spec of the console value ("d" ones are printed as integers)
+    vs_samples: bool = False    # also '<tag> vs samples', over consumed samples (Megatron's second series)
 
 
 METRICS: Dict[str, Metric] = {
-    # the training line, in console order (Megatron's labels)
+    # the training line, in console order (Megatron's labels and tags where Megatron logs the same)
     "consumed_samples": Metric("consumed samples", "consumed-samples", ">8d"),
-    "step_time_ms": Metric("elapsed time per iteration (ms)", "step-time-ms", ".1f"),
-    "lr": Metric("learning rate", "learning-rate", ".6E"),
-    "global_batch_size": Metric("global batch size", None, ">4d"),
-    "lm_loss": Metric("lm loss", "lm loss", ".6E"),
+    "step_time_ms": Metric("elapsed time per iteration (ms)", None, ".1f"),
+    "iteration_time": Metric(None, "iteration-time"),   # seconds, as Megatron's
+    "throughput": Metric("throughput per GPU (TFLOP/s/GPU)", "throughput", ".1f"),   # per rank, GPU or not
+    "lr": Metric("learning rate", "learning-rate", ".6E", vs_samples=True),
+    "global_batch_size": Metric("global batch size", "batch-size", ">4d", vs_samples=True),
+    "lm_loss": Metric("lm loss", "lm loss", ".6E", vs_samples=True),
     "aux_loss": Metric("aux loss", "aux loss", ".4E"),
     "z_loss": Metric("z loss", "z loss", ".4E"),
-    "grad_norm": Metric("grad norm", "grad-norm", ".4f"),
-    "loss_scale": Metric("loss scale", "loss-scale", ".1f"),
+    "loss_scale": Metric("loss scale", "loss-scale", ".1f", vs_samples=True),
+    "grad_norm": Metric("grad norm", "grad-norm", ".4f", vs_samples=True),
+    "num_zeros": Metric("num zeros", "num-zeros", "d", vs_samples=True),
+    "params_norm": Metric("params norm", "params-norm", ".3f", vs_samples=True),
     "tokens_per_s": Metric("tokens/s", "tokens-per-sec", ".0f"),
     "skipped_iterations": Metric("skipped iterations", "skipped-iterations", "d"),
     "max_rss_mb": Metric("max rss (MB)", "memory/max-rss-mb", ".0f"),
     "cuda_max_allocated_mb": Metric("max allocated (MB)", "memory/max-allocated-mb", ".0f"),
     "zero_held_mb": Metric("zero held (MB)", "memory/zero-held-mb", ".1f"),
     "moe_max_mean_load": Metric("moe max/mean load", "moe/max-mean-load-ratio", ".2f"),
+    # MoE losses without their coefficients, as Megatron's tracker names them (loss: load_balancing_loss,
+    # seq_load_balancing_loss, z_loss): the mean over MoE layers, and with --moe-per-layer-logging each layer
+    "moe_loss": Metric(None, "{loss}"),
+    "moe_layer_loss": Metric(None, "moe/{loss}_layer_{layer}"),
     # per MoE layer
     "max_mean_load_ratio": Metric(None, "moe/layer{layer}/max-mean-load-ratio"),
     "dropped_fraction": Metric(None, "moe/layer{layer}/dropped-fraction"),
     "tokens_per_expert": Metric(None, "moe/layer{layer}/tokens-per-expert/{expert}"),
     # evaluation
-    "validation_loss": Metric("lm loss value", "validation/lm loss", ".6E"),
-    "validation_ppl": Metric("lm loss PPL", "validation/lm loss ppl", ".6E"),
+    "validation_loss": Metric("lm loss value", "lm loss validation", ".6E", vs_samples=True),
+    "validation_ppl": Metric("lm loss PPL", "lm loss validation ppl", ".6E", vs_samples=True),
     "test_loss": Metric("lm loss value", "test/lm loss", ".6E"),
     "test_ppl": Metric("lm loss PPL", "test/lm loss ppl", ".6E"),
     # quantization-aware training, per module group
@@ -58,6 +67,12 @@ def tensorboard_scalars(values: Mapping[str, float]) -> Dict[str, float]:
     """{tag: value} of the metrics in `values` that go to TensorBoard."""
     _check_named(values)
     return {tag(name): value for name, value in values.items() if METRICS[name].tensorboard is not None}
+
+
+def vs_samples_scalars(values: Mapping[str, float]) -> Dict[str, float]:
+    """{'<tag> vs samples': value} of the metrics in `values` Megatron also plots over consumed samples."""
+    _check_named(values)
+    return {f"{tag(name)} vs samples": value for name, value in values.items() if METRICS[name].vs_samples}
 
 
 def console_fields(values: Mapping[str, float]) -> List[str]:

@@ -58,8 +58,17 @@ class TrainConfig(Validated):
     seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
     eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
     eval_iters: int = option(100, "global batches per evaluation", flag="--eval-iters")
-    log_interval: int = option(100, "console and TensorBoard every N steps", flag="--log-interval")
+    log_interval: int = option(100, "the console line every N steps (and moezero's per-expert loads in "
+                               "TensorBoard)", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
+    tensorboard_log_interval: int = option(1, "TensorBoard scalars every N steps", flag="--tensorboard-log-interval")
+    log_throughput: bool = option(False, "TFLOP/s per rank (Megatron's count: the routed experts, attention, "
+                                  "logits)", flag="--log-throughput")
+    log_params_norm: bool = option(False, "the L2 norm of the trainable weights", flag="--log-params-norm")
+    log_num_zeros_in_grad: bool = option(False, "gradient elements that are exactly zero",
+                                         flag="--log-num-zeros-in-grad")
+    moe_per_layer_logging: bool = option(False, "each MoE layer's load-balancing and z losses in TensorBoard",
+                                         flag="--moe-per-layer-logging")
     exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
                                        "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
     exit_duration_in_mins: Optional[float] = option(None, "save (with --save) and exit 0 once the run has taken "
@@ -72,7 +81,8 @@ class TrainConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval"):
+        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
+                     "tensorboard_log_interval"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.train_iters is None or self.train_iters >= 1, "train_iters", "must be >= 1")
         self._require(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")

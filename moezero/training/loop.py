@@ -29,6 +29,8 @@ class StepMetrics:
     stepped: bool
     tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
     dropped_fraction: torch.Tensor    # (MoE layers,): mean over micro-batches and ranks
+    layer_aux_loss: torch.Tensor      # (MoE layers,): each layer's load-balancing loss (times its coefficient)
+    layer_z_loss: torch.Tensor        # (MoE layers,): each layer's z-loss (times its coefficient)
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
@@ -45,6 +47,16 @@ def _micro_batch_losses(model, batch, keys):
     return lm, aux, z, stats
 
 
+_LAYER_MEANS = 3   # per MoE layer: aux loss, z loss, dropped fraction (averaged), then tokens per expert (summed)
+
+
+def _layer_rows(stats, like: torch.Tensor) -> torch.Tensor:
+    if not stats:
+        return like.new_zeros(0, dtype=torch.float64)
+    return torch.stack([torch.cat([torch.stack([t.double() for t in (s.aux_loss, s.z_loss, s.dropped_fraction)]),
+                                   s.tokens_per_expert.double()]) for s in stats]).detach().reshape(-1)
+
+
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
                bias_updater: ExpertBiasUpdater, group) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step."""
@@ -58,33 +70,23 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
             lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
             opt.backward((lm + aux + z) / n)
         bias_updater.accumulate(stats)
-        per_micro.append(torch.cat([torch.stack([lm, aux, z]).detach().double()] +
-                                   [s.tokens_per_expert.detach().double() for s in stats] +
-                                   [torch.stack([s.dropped_fraction for s in stats]).detach().double()
-                                    if stats else lm.new_zeros(0, dtype=torch.float64)]))
+        per_micro.append(torch.cat([torch.stack([lm, aux, z]).detach().double(), _layer_rows(stats, lm)]))
     stepped = opt.step()
     opt.zero_grad()
     bias_updater.step()
     totals = torch.stack(per_micro).sum(0).cpu()
-    layers = len(stats)
-    counts = totals[3:-layers].view(layers, -1) if layers else None
-    dropped = totals[-layers:] / n if layers else None
-    return _reduce_metrics(totals[:3] / n, counts, dropped, opt.last_grad_norm, stepped, group)
+    comm.all_reduce(totals, group)   # one all-reduce for every metric
+    return _step_metrics(totals, len(stats), n * comm.group_size(group), opt.last_grad_norm, stepped)
 
 
-def _reduce_metrics(means, layer_counts, layer_dropped, grad_norm, stepped, group) -> StepMetrics:
-    """One all-reduce for everything; losses and drop fractions are averaged over ranks."""
-    layers = 0 if layer_counts is None else layer_counts.shape[0]
-    parts = [means]
-    if layers:
-        parts += [layer_counts.reshape(-1), layer_dropped]
-    flat = torch.cat(parts)
-    comm.all_reduce(flat, group)
-    size = comm.group_size(group)
-    lm, aux, z = (flat[:3] / size).tolist()
-    counts = flat[3:3 + layer_counts.numel()].view_as(layer_counts) if layers else torch.zeros(0, 0)
-    dropped = flat[3 + counts.numel():] / size if layers else torch.zeros(0)
-    return StepMetrics(lm, aux, z, grad_norm if grad_norm is not None else float("nan"), stepped, counts, dropped)
+def _step_metrics(totals: torch.Tensor, layers: int, micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:
+    """From sums over every micro-batch of every rank: losses and drop fractions averaged, counts summed."""
+    lm, aux, z = (totals[:3] / micro_batches).tolist()
+    rows = totals[3:].view(layers, -1) if layers else torch.zeros(0, _LAYER_MEANS)
+    means = rows[:, :_LAYER_MEANS] / micro_batches
+    return StepMetrics(lm, aux, z, grad_norm if grad_norm is not None else float("nan"), stepped,
+                       tokens_per_expert=rows[:, _LAYER_MEANS:], dropped_fraction=means[:, 2],
+                       layer_aux_loss=means[:, 0], layer_z_loss=means[:, 1])
 
 
 @torch.no_grad()
@@ -111,4 +113,22 @@ def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.T
         out[tag("dropped_fraction", layer=layer)] = drop.item()
         for expert, count in enumerate(counts.tolist()):
             out[tag("tokens_per_expert", layer=layer, expert=expert)] = count
+    return out
+
+
+def moe_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics, moe, per_layer: bool) -> Dict[str, float]:
+    """Megatron's MoE loss scalars: each loss without its coefficient, the mean over MoE layers, and with
+    `per_layer` each layer's (tags as megatron-core's MoE metrics tracker writes them)."""
+    losses = []
+    if moe.aux_loss_coeff and moe.load_balancing_type != "none":
+        name = "load_balancing_loss" if moe.load_balancing_type == "aux_loss" else "seq_load_balancing_loss"
+        losses.append((name, m.layer_aux_loss / moe.aux_loss_coeff))
+    if moe.z_loss_coeff:
+        losses.append(("z_loss", m.layer_z_loss / moe.z_loss_coeff))
+    out: Dict[str, float] = {}
+    for name, values in losses:
+        out[tag("moe_loss", loss=name)] = values.mean().item()
+        if per_layer:
+            out.update({tag("moe_layer_loss", loss=name, layer=layer): value
+                        for layer, value in zip(layer_numbers, values.tolist())})
     return out

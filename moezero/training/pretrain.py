@@ -16,20 +16,21 @@ import torch.distributed as dist
 
 from moezero import checkpoint
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
-from moezero.metrics import tensorboard_scalars
+from moezero.metrics import tensorboard_scalars, vs_samples_scalars
 from moezero.config import is_moe_layer
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
-from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes
+from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
 from moezero.training.configs import Configs, validate
 from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
-from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, train_step
+from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, moe_loss_scalars, train_step
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
                                      find_resume_point, start_iteration, start_progress)
 from moezero.training.schedule import learning_rate
+from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.stopping import StopConditions
 
 
@@ -65,12 +66,14 @@ class Pretraining:
         sizes = dataset_sizes(cfg, self.iteration, progress)
         self.progress = dataclasses.replace(progress, train_dataset_samples=sizes[0])
         self.data = build_data(cfg, sizes)
+        self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
         if point is not None:
             check_shapes(self.model, point)
         self.opt = build_optimizer(self.model, cfg, self.groups)
+        self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
         self.bias_updater = ExpertBiasUpdater(self.model, self.groups.dp)
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
         self.stop_reason: Optional[str] = None
@@ -149,8 +152,10 @@ class Pretraining:
             self.history.append({"iteration": self.iteration, "lm_loss": metrics.lm_loss,
                                  "aux_loss": metrics.aux_loss, "grad_norm": metrics.grad_norm})
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                self._log_step(metrics, lr, batch_size, step_time, eta)
+            console = self.iteration % t.log_interval == 0 or self.iteration == t.train_iters
+            board = t.tensorboard_dir is not None and self.iteration % t.tensorboard_log_interval == 0
+            if console or board:   # decided alike on every rank: logging may run collectives
+                self._log_step(metrics, lr, batch_size, step_time, eta, console, board)
             if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 self._evaluate("valid")
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
@@ -159,25 +164,46 @@ class Pretraining:
             if self.stop_reason is not None:
                 return
 
-    def _log_step(self, m: StepMetrics, lr: float, batch_size: int, step_time: float, eta: float) -> None:
-        t = self.cfg.train
-        values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
-                      step_time_ms=step_time * 1000, lr=lr, global_batch_size=batch_size,
-                      tokens_per_s=batch_size * self.cfg.model.seq_length / step_time,
-                      skipped_iterations=self.opt.skipped_steps, **self._memory_values())
-        if self.opt.loss_scaler is not None:
-            values["loss_scale"] = self.opt.loss_scaler.scale
-        layer_loads = expert_load_scalars(self._moe_layer_numbers(), m.tokens_per_expert, m.dropped_fraction)
+    def _log_step(self, m: StepMetrics, lr: float, batch_size: int, step_time: float, eta: float,
+                  console: bool, board: bool) -> None:
+        """The console line (`console`) and Megatron's TensorBoard scalars (`board`); moezero's per-expert
+        loads and plug-in scalars with the console line."""
+        values = self._step_values(m, lr, batch_size, step_time)
+        layers = self._moe_layer_numbers()
+        layer_loads = expert_load_scalars(layers, m.tokens_per_expert, m.dropped_fraction)
         ratios = [v for k, v in layer_loads.items() if k.endswith("max-mean-load-ratio")]
         if ratios:
             values["moe_max_mean_load"] = max(ratios)
-        self.logger.print(format_train_line(self.iteration, t.train_iters, values, eta))
-        scalars = tensorboard_scalars(values)
-        scalars.update(layer_loads)
-        with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
-            for plugin in self.plugins.values():
-                scalars.update(plugin.scalars())  # may be a collective: every rank logs
-        self.logger.log(scalars, self.iteration)
+        if board:
+            scalars = tensorboard_scalars(values)
+            if layers:
+                scalars.update(moe_loss_scalars(layers, m, self.cfg.moe, self.cfg.train.moe_per_layer_logging))
+            self.logger.log(scalars, self.iteration)
+            self.logger.log(vs_samples_scalars(values), self.progress.consumed_train_samples)
+        if console:
+            self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, values, eta))
+            with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
+                for plugin in self.plugins.values():
+                    layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
+            self.logger.log(layer_loads, self.iteration)
+
+    def _step_values(self, m: StepMetrics, lr: float, batch_size: int, step_time: float) -> Dict[str, float]:
+        t = self.cfg.train
+        values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
+                      step_time_ms=step_time * 1000, iteration_time=step_time, lr=lr, global_batch_size=batch_size,
+                      tokens_per_s=batch_size * self.cfg.model.seq_length / step_time,
+                      skipped_iterations=self.opt.skipped_steps, **self._memory_values())
+        if t.log_throughput:
+            moe = self.cfg.moe if self.cfg.moe.num_experts is not None else None
+            flops = flops_per_batch(self.cfg.model, moe, self.vocab_size, batch_size)
+            values["throughput"] = tflops_per_rank(flops, step_time, self.world)
+        if t.log_params_norm:
+            values["params_norm"] = self.opt.params_norm()   # a collective: every rank logs
+        if t.log_num_zeros_in_grad and self.opt.last_num_zeros_in_grad is not None:
+            values["num_zeros"] = self.opt.last_num_zeros_in_grad
+        if self.opt.loss_scaler is not None:
+            values["loss_scale"] = self.opt.loss_scaler.scale
+        return values
 
     def _memory_values(self) -> Dict[str, float]:
         """This rank's peak process memory, what the optimizer holds, and (CUDA) the peak allocation."""
@@ -213,6 +239,8 @@ class Pretraining:
         values = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 20.0))}
         self.logger.print(format_validation_line(self.iteration, values, "" if split == "valid" else "test"))
         self.logger.log(tensorboard_scalars(values), self.iteration)
+        if split == "valid":
+            self.logger.log(vs_samples_scalars(values), self.progress.consumed_train_samples)
 
     def _save(self) -> None:
         path = checkpoint.save_checkpoint(

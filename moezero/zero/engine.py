@@ -140,15 +140,36 @@ class ZeroEngine:
         by one rank of its edp group (and the ep ranks hold different experts), so every element of
         the model is counted exactly once.
         """
+        total = ops.sum_of_squares(self._owned_reduced(reduced)).to(torch.float64).reshape(1)
+        comm.all_reduce(total, self.groups.control)
+        return float(total.item())
+
+    def owned_zero_count(self) -> int:
+        """Gradient elements that are exactly zero, over the model's params (each counted once; a bucket's
+        alignment padding is not a param's)."""
+        count = torch.zeros(1, dtype=torch.int64)
+        for view, part, _, _ in self.owned_pieces():
+            if self.families[view.family].trainable:
+                reduced = self.strategies[view.family].reduced_grad(view.bucket)
+                count += int((reduced[view.offset:view.offset + view.numel][part] == 0).sum())
+        comm.all_reduce(count, self.groups.control)
+        return int(count.item())
+
+    def params_sum_of_squares(self) -> float:
+        """Sum of squared trainable weights (the fp32 masters), over the model, each element once."""
+        owned = [view.master[part] for view, part, _, _ in self.owned_pieces() if self.families[view.family].trainable]
+        total = ops.sum_of_squares(owned).to(torch.float64).reshape(1)
+        comm.all_reduce(total, self.groups.control)
+        return float(total.item())
+
+    def _owned_reduced(self, reduced: List[List[torch.Tensor]]) -> List[torch.Tensor]:
         owned = []
         for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
             for b in range(family.num_buckets if family.trainable else 0):
                 lo, hi = family.owned[b]
                 base = strategy.optimizer_range(b)[0]
                 owned.append(reduced[f][b][lo - base:hi - base])
-        total = ops.sum_of_squares(owned).to(torch.float64).reshape(1)
-        comm.all_reduce(total, self.groups.control)
-        return float(total.item())
+        return owned
 
     def owned_pieces(self):
         """(view, slice of the view, global range, name) for the part of each master view this rank owns."""

@@ -97,6 +97,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
         self.loss_scaler = loss_scaler if loss_scaler is not None else (DynamicLossScaler() if fp16 else None)
         self.last_grad_norm: Optional[float] = None
+        self.count_zeros_in_grad = False   # True: every step counts them into last_num_zeros_in_grad
+        self.last_num_zeros_in_grad: Optional[int] = None
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self._guard = ModelGuard(model, self)
@@ -213,6 +215,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         took_grad = engine.took_gradient_anywhere()
         reduced = engine.reduced_grads()
         norm = self.last_grad_norm = self._global_norm(reduced)
+        if self.count_zeros_in_grad:   # Megatron's --log-num-zeros-in-grad (a collective, as the norm)
+            self.last_num_zeros_in_grad = engine.owned_zero_count()
         engine.reducer.mark_consumed()
         if not math.isfinite(norm):
             return self._skip()
@@ -247,6 +251,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return False
 
     # ---- reading state -------------------------------------------------------------------------
+    def params_norm(self) -> float:
+        """Collective: the L2 norm of the trainable weights (their fp32 masters; Megatron's params norm)."""
+        return math.sqrt(self.engine.params_sum_of_squares())
+
     def owned_gradients(self) -> GradientPieces:
         """{name: [(global element range, averaged gradient)]} of the elements this rank owns.
 

@@ -34,6 +34,7 @@ def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, buck
     opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=bucket_size, overlap_comm=overlap,
                         clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs)
     reference = references[(optimizer, accumulation)]
+    opt.count_zeros_in_grad = True
     for step in range(STEPS):
         train_step(model, opt, step, accumulation, use_no_sync)
         if stage >= 1:
@@ -44,6 +45,12 @@ def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, buck
         opt.zero_grad()
         ref_norm = reference[step]["norm"]
         assert abs(opt.last_grad_norm - ref_norm) <= TOL * ref_norm, (opt.last_grad_norm, ref_norm)
+        zeros = _zeros(model, reference[step]["grads"], reference[step]["params"])
+        assert opt.last_num_zeros_in_grad == zeros, ("num zeros", opt.last_num_zeros_in_grad, zeros)
+        ref_params_norm = _norm(model, reference[step]["params"])
+        params_norm = opt.params_norm()
+        assert abs(params_norm - ref_params_norm) <= TOL * ref_params_norm, ("params norm", params_norm,
+                                                                             ref_params_norm)
         assert ref_norm > CLIP  # clipping engaged
         with opt.full_parameters():
             assert_params_match(model, reference[step]["params"], rtol=TOL, atol=1e-13)
@@ -55,6 +62,20 @@ def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, buck
         assert torch.equal(model.frozen.weight, frozen_before)
         assert_replicas_equal(model, groups)
     groups.destroy()
+
+
+def _trainable(model):
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _zeros(model, ref_grads, ref_params):
+    """Megatron's num-zeros: exact zeros over every trainable element (no gradient at all: all of them)."""
+    return sum(ref_params[n].numel() if ref_grads[n] is None else int((ref_grads[n] == 0).sum())
+               for n in _trainable(model))
+
+
+def _norm(model, ref_params):
+    return sum(float((ref_params[n].double() ** 2).sum()) for n in _trainable(model)) ** 0.5
 
 
 def _compare_owned_grads(opt, ref_grads):

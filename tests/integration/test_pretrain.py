@@ -11,6 +11,7 @@ from moezero.config import ConfigError
 from moezero.data import DataError
 from moezero.training.configs import validate
 from tests.dist_utils import run_distributed
+from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import ASSETS, TINY, configs, train
 
 ITERS = ["--train-iters", "20"]
@@ -113,19 +114,35 @@ def test_a_stage2_checkpoint_resumes_at_stage3_and_back(tmp_path):
 
 # ---- TensorBoard ------------------------------------------------------------------------------------
 def test_tensorboard_scalars_are_written(tmp_path):
+    """Megatron's tags for what both log (and their 'vs samples' series over consumed samples), then
+    moezero's own; the params norm is the trained weights' norm."""
     tb = str(tmp_path / "tb")
-    train(TINY + ["--train-iters", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
-                  "--tensorboard-dir", tb], str(tmp_path))
+    run = pretraining(configs(TINY + [
+        "--train-iters", "3", "--log-interval", "2", "--eval-interval", "3", "--eval-iters", "1",
+        "--tensorboard-dir", tb, "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad",
+        "--moe-per-layer-logging", "--data-cache-path", str(tmp_path)]))
+    run.train()
+    params_norm = sum(float((p.detach().double() ** 2).sum()) for p in run.model.parameters() if p.requires_grad) ** 0.5
+    run.groups.destroy()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("lm loss", "aux loss", "z loss", "learning-rate", "grad-norm", "tokens-per-sec", "step-time-ms",
-                "memory/max-rss-mb", "moe/layer0/max-mean-load-ratio", "moe/layer1/dropped-fraction",
-                "moe/layer0/tokens-per-expert/3", "validation/lm loss", "validation/lm loss ppl"):
+    megatron = ["lm loss", "learning-rate", "batch-size", "grad-norm", "iteration-time", "throughput",
+                "params-norm", "num-zeros", "lm loss validation", "lm loss validation ppl", "load_balancing_loss",
+                "z_loss", "moe/load_balancing_loss_layer_0", "moe/z_loss_layer_1"]
+    series = [f"{t} vs samples" for t in ("lm loss", "learning-rate", "batch-size", "grad-norm", "params-norm",
+                                           "num-zeros", "lm loss validation", "lm loss validation ppl")]
+    own = ["aux loss", "z loss", "tokens-per-sec", "memory/max-rss-mb", "moe/layer0/max-mean-load-ratio",
+           "moe/layer1/dropped-fraction", "moe/layer0/tokens-per-expert/3"]
+    for tag in megatron + series + own:
         assert tag in tags, tag
-    assert len(events.Scalars("lm loss")) == 3
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]   # --tensorboard-log-interval 1
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24]
+    assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [2, 3]   # --log-interval
+    assert events.Scalars("params-norm")[-1].value == pytest.approx(params_norm, rel=1e-6)
+    assert all(0 < e.value for e in events.Scalars("throughput") + events.Scalars("load_balancing_loss"))
 
 
 # ---- bad configurations -----------------------------------------------------------------------------

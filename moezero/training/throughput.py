@@ -1,0 +1,37 @@
+"""FLOPs of one global batch as Megatron counts them for `--log-throughput` (its
+num_floating_point_operations; tests/assets/megatron_flops.json holds its figures).
+
+Every GEMM counts 2 FLOPs per multiply-add (FMA) and runs 3 times (forward, and the data and weight
+gradients in backward): QKV and output projections, causal attention (QK^T and its product with V, half
+of each under the mask), the dense MLPs, per MoE layer the top-k experts a token is routed to and the
+shared expert (routing, norms and element-wise work are not counted), and the logits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer
+
+_FORWARD_AND_BACKWARD, _FMA = 3, 2
+
+
+def flops_per_batch(model: GPTConfig, moe: Optional[MoEConfig], vocab_size: int, batch_size: int) -> float:
+    """FLOPs of one step over `batch_size` sequences of --seq-length tokens (`vocab_size`: the padded one)."""
+    h, layers = model.hidden_size, model.num_layers
+    tokens = batch_size * model.seq_length
+    gemms_per_ffn = 3 if model.swiglu else 2   # SwiGLU: gate and up projections, then down; else up, down
+    moe_layers = sum(is_moe_layer(i, model.moe_layer_freq) for i in range(layers)) if moe is not None else 0
+    mlp = model.ffn_hidden_size * gemms_per_ffn * (layers - moe_layers)
+    if moe_layers:
+        expert_width = moe.ffn_hidden_size or model.ffn_hidden_size
+        shared_width = moe.shared_expert_intermediate_size or 0
+        mlp += (expert_width * moe.top_k + shared_width) * gemms_per_ffn * moe_layers
+    projections = layers * (h * 3 * h + h * h)      # Q, K, V (all heads) and the output projection
+    per_token = h * mlp + projections + h * vocab_size
+    attention = layers * batch_size * model.seq_length ** 2 * h   # QK^T and scores x V, each halved by the mask
+    return _FORWARD_AND_BACKWARD * _FMA * (tokens * per_token + attention)
+
+
+def tflops_per_rank(flops: float, step_seconds: float, world_size: int) -> float:
+    """Megatron's 'throughput per GPU (TFLOP/s/GPU)'."""
+    return flops / (step_seconds * 10 ** 12 * world_size)
