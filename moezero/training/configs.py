@@ -22,7 +22,8 @@ class TrainConfig(Validated):
 
     section = "train"
     micro_batch_size: int = option(4, "samples per rank per micro-step", flag="--micro-batch-size")
-    global_batch_size: int = option(16, "samples per optimizer step, over all ranks", flag="--global-batch-size")
+    global_batch_size: Optional[int] = option(None, "samples per optimizer step, over all ranks (default 16; with "
+                                              "--step-batch-size-schedule its last size)", flag="--global-batch-size")
     train_iters: Optional[int] = option(None, "optimizer steps (default 200, or --train-samples / "
                                         "--global-batch-size)", flag="--train-iters")
     train_samples: Optional[int] = option(None, "samples to train on instead of --train-iters; the lr schedule "
@@ -101,8 +102,19 @@ class TrainConfig(Validated):
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
 
     def _check_batch_ramps(self) -> None:
+        """Resolves --global-batch-size: given, a step schedule's last size, or 16."""
         self._require(not (self.rampup_batch_size and self.step_batch_size_schedule), "rampup_batch_size",
                       "give --rampup-batch-size or --step-batch-size-schedule, not both")
+        if self.step_batch_size_schedule:
+            try:
+                final = parse_step_schedule(self.step_batch_size_schedule, 1)[-1][1]
+            except ValueError as exc:
+                self._fail("step_batch_size_schedule", str(exc))
+            self._require(self.global_batch_size in (None, final), "global_batch_size",
+                          f"the --step-batch-size-schedule ends at {final}: give that, or leave it out")
+            self.global_batch_size = final
+        if self.global_batch_size is None:
+            self.global_batch_size = 16
         if self.rampup_batch_size:
             start, increment, samples = self.rampup_batch_size
             self._require(1 <= start <= self.global_batch_size and increment >= 1 and samples >= 0,
@@ -110,12 +122,6 @@ class TrainConfig(Validated):
                           "SAMPLES >= 0")
             self._require((self.global_batch_size - start) % increment == 0, "rampup_batch_size",
                           f"INCREMENT must divide --global-batch-size - START ({self.global_batch_size - start})")
-        if self.step_batch_size_schedule:
-            try:
-                steps = parse_step_schedule(self.step_batch_size_schedule, 1)
-            except ValueError as exc:
-                self._fail("step_batch_size_schedule", str(exc))
-            self.global_batch_size = steps[-1][1]
 
     @property
     def ramps_batch_size(self) -> bool:

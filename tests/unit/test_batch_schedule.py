@@ -29,8 +29,9 @@ def test_rampup_is_megatrons(start, increment, samples, final):
 
 
 def test_step_schedule_counts_tokens_with_suffixes():
-    t = TrainConfig(step_batch_size_schedule="0:8 1K:16, 2.5K:32", global_batch_size=4)
+    t = TrainConfig(step_batch_size_schedule="0:8 1K:16, 2.5K:32")
     assert t.global_batch_size == 32   # the schedule's last size (Megatron's --global-batch-size then)
+    assert TrainConfig(step_batch_size_schedule="0:8 1K:16, 2.5K:32", global_batch_size=32).global_batch_size == 32
     schedule = BatchSchedule.from_config(t, seq_length=100)   # thresholds: 0, 10, 25 samples
     assert [schedule.batch_size(c) for c in (0, 9, 10, 24, 25, 10 ** 9)] == [8, 8, 16, 16, 32, 32]
     assert schedule.sizes_from(12) == [16, 32] and schedule.sizes_from(0) == [8, 16, 32]
@@ -44,11 +45,12 @@ def test_step_schedule_counts_tokens_with_suffixes():
     (dict(step_batch_size_schedule="5:16"), "the first threshold must be 0"),
     (dict(step_batch_size_schedule="0-16"), "'0-16' is not THRESHOLD:BATCH_SIZE"),
     (dict(step_batch_size_schedule="0:8", rampup_batch_size=[4, 4, 8]), "not both"),
+    (dict(step_batch_size_schedule="0:8 1K:16", global_batch_size=8), "schedule ends at 16: give that, or leave"),
     (dict(rampup_batch_size=[4, 5, 100], global_batch_size=16), "INCREMENT must divide --global-batch-size - START"),
     (dict(rampup_batch_size=[32, 4, 100], global_batch_size=16), "START (<= --global-batch-size)"),
 ])
 def test_bad_ramps_name_their_flag(kwargs, needle):
-    with pytest.raises(ConfigError, match="--(rampup|step)-batch-size") as err:
+    with pytest.raises(ConfigError, match="--(rampup|step|global)-batch-size") as err:
         TrainConfig(**kwargs)
     assert needle in str(err.value)
 
