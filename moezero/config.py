@@ -102,14 +102,17 @@ class ParallelConfig(Validated):
     pipeline_parallel_size: int = option(1, "Megatron's pipeline parallelism: only 1",
                                          flag="--pipeline-model-parallel-size")
     context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
+    expert_tensor_parallel_size: Optional[int] = option(None, "Megatron's expert tensor parallelism: only 1",
+                                                        flag="--expert-tensor-parallel-size")
     distributed_backend: str = option("nccl", "collectives backend (nccl on a machine without CUDA runs gloo, and "
                                       "says so)", flag="--distributed-backend", choices=("nccl", "gloo"))
 
     def __post_init__(self):
         self._check_all_choices()
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-            self._require(getattr(self, name) == 1, name, "not supported by moezero, only 1 is accepted (it splits "
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                     "expert_tensor_parallel_size"):
+            self._require(getattr(self, name) in (1, None), name, "not supported by moezero, only 1 is accepted (it splits "
                           "experts with --expert-model-parallel-size and shards the rest with --zero-stage)")
 
 
@@ -326,6 +329,9 @@ def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
                                init_seed=seed, bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias)
 
 
+FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}   # Megatron-FSDP -> ZeRO
+
+
 @dataclass
 class ZeroConfig(Validated):
     """The ZeRO optimizer wrapper and mixed precision."""
@@ -336,6 +342,15 @@ class ZeroConfig(Validated):
                                   flag="--zero-stage", choices=(0, 1, 2, 3))
     use_distributed_optimizer: bool = option(False, "Megatron's distributed optimizer: ZeRO-1 unless --zero-stage "
                                              "says otherwise", flag="--use-distributed-optimizer")
+    use_megatron_fsdp: bool = option(False, "Megatron-FSDP: the ZeRO stage its --data-parallel-sharding-strategy "
+                                     "names", flag="--use-megatron-fsdp")
+    data_parallel_sharding_strategy: str = option(
+        "optim_grads_params", "with --use-megatron-fsdp: what is sharded (no_shard, optim, optim_grads, "
+        "optim_grads_params = ZeRO stage 0, 1, 2, 3)", flag="--data-parallel-sharding-strategy",
+        choices=tuple(FSDP_STAGES))
+    megatron_fsdp_grad_comm_dtype: str = option("auto", "Megatron-FSDP's gradient reduction dtype (auto: "
+                                                "--grad-reduce-dtype's)", flag="--megatron-fsdp-grad-comm-dtype",
+                                                choices=("fp32", "fp16", "bf16", "auto"))
     bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
@@ -350,9 +365,16 @@ class ZeroConfig(Validated):
     hysteresis: int = option(2, "fp16 overflows tolerated before the scale halves", flag="--hysteresis")
 
     def __post_init__(self):
-        if self.stage is None:
-            self.stage = 1 if self.use_distributed_optimizer else 2
         self._check_all_choices()
+        fsdp_stage = FSDP_STAGES[self.data_parallel_sharding_strategy] if self.use_megatron_fsdp else None
+        self._require(self.stage is None or fsdp_stage in (None, self.stage), "stage",
+                      f"--data-parallel-sharding-strategy={self.data_parallel_sharding_strategy} is stage {fsdp_stage}")
+        if self.stage is None:
+            self.stage = fsdp_stage if fsdp_stage is not None else 1 if self.use_distributed_optimizer else 2
+        self._require(self.megatron_fsdp_grad_comm_dtype != "fp16", "megatron_fsdp_grad_comm_dtype",
+                      "not supported by moezero (fp32, bf16 or auto)")
+        if self.megatron_fsdp_grad_comm_dtype != "auto":
+            self.grad_reduce_dtype = self.megatron_fsdp_grad_comm_dtype
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
         self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         self._require(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1")

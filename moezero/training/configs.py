@@ -37,6 +37,7 @@ class TrainConfig(Validated):
     lr: float = option(2e-3, "peak learning rate", flag="--lr")
     min_lr: float = option(0.0, "learning rate at the end of the decay", flag="--min-lr")
     lr_warmup_iters: int = option(0, "linear warmup steps", flag="--lr-warmup-iters")
+    lr_warmup_init: float = option(0.0, "the learning rate warmup starts from", flag="--lr-warmup-init")
     lr_warmup_fraction: Optional[float] = option(None, "warmup as a fraction of the decay length",
                                                  flag="--lr-warmup-fraction")
     lr_warmup_samples: int = option(0, "warmup samples (with --train-samples)", flag="--lr-warmup-samples")

@@ -59,6 +59,41 @@ class ImplementationConfig(Validated):
     trust_remote_code: bool = option(False, "accepted: the tokenizers here read local files only",
                                      flag="--trust-remote-code")
     manual_gc: bool = option(False, "accepted: Python's garbage collector is left as it is", flag="--manual-gc")
+    manual_gc_interval: int = option(0, "accepted: Python's garbage collector is left as it is",
+                                     flag="--manual-gc-interval")
+    create_attention_mask_in_dataloader: bool = option(True, "accepted: the causal mask is built in the model",
+                                                       flag="--create-attention-mask-in-dataloader")
+    mmap_bin_files: bool = option(True, SAME_NUMBERS, flag="--mmap-bin-files")
+    moe_flex_dispatcher_backend: str = option("deepep", SAME_NUMBERS, flag="--moe-flex-dispatcher-backend",
+                                              choices=("deepep", "hybridep", "ncclep"))
+    nccl_ub: bool = option(False, SAME_NUMBERS, flag="--use-nccl-ub")
+    fsdp_double_buffer: bool = option(False, SAME_NUMBERS, flag="--fsdp-double-buffer")
+    init_model_with_meta_device: bool = option(False, "accepted: each rank builds only what it holds anyway",
+                                               flag="--init-model-with-meta-device")
+    auto_detect_ckpt_format: bool = option(False, "accepted: checkpoints have one format here",
+                                           flag="--auto-detect-ckpt-format")
+    dist_ckpt_strictness: str = option("assume_ok_unexpected", "accepted: a checkpoint that does not fit the model "
+                                       "is an error here", flag="--dist-ckpt-strictness",
+                                       choices=("assume_ok_unexpected", "log_unexpected", "log_all",
+                                                "raise_unexpected", "raise_all", "return_unexpected",
+                                                "return_all", "ignore_all"))
+    check_for_nan_in_loss_and_grad: bool = option(True, "accepted: a non-finite gradient norm skips the step "
+                                                  "(and --max-consecutive-skipped-steps stops the run)",
+                                                  flag="--check-for-nan-in-loss-and-grad")
+    enable_experimental: bool = option(False, "accepted: moezero has no experimental switches",
+                                       flag="--enable-experimental")
+    # logging Megatron switches on by flag and moezero always does
+    log_timers_to_tensorboard: bool = option(False, "accepted: iteration-time (and throughput) are always logged",
+                                             flag="--log-timers-to-tensorboard")
+    log_validation_ppl_to_tensorboard: bool = option(False, "accepted: the validation ppl is always logged",
+                                                     flag="--log-validation-ppl-to-tensorboard")
+    log_memory_to_tensorboard: bool = option(False, "accepted: memory is always logged (memory/...)",
+                                             flag="--log-memory-to-tensorboard")
+    megatron_fsdp_main_params_dtype: str = option("fp32", "accepted: master weights are fp32 here",
+                                                  flag="--megatron-fsdp-main-params-dtype", choices=("fp32",))
+    megatron_fsdp_main_grads_dtype: str = option("auto", "accepted: gradients are accumulated in the params' "
+                                                 "dtype and reduced in --grad-reduce-dtype",
+                                                 flag="--megatron-fsdp-main-grads-dtype", choices=("auto", "fp32"))
 
     def __post_init__(self):
         self._check_all_choices()

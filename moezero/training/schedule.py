@@ -28,7 +28,8 @@ def learning_rate(consumed_samples: int, batch_size: int, config) -> float:
     under a `TrainConfig` (warmup reaches the step's end: the first step does not run at lr 0)."""
     warmup, decay = schedule_lengths(config)
     if warmup > 0 and consumed_samples < warmup:
-        return config.lr * min(1.0, (consumed_samples + batch_size) / warmup)
+        start = config.lr_warmup_init
+        return start + (config.lr - start) * min(1.0, (consumed_samples + batch_size) / warmup)
     if config.lr_decay_style == "constant":
         return config.lr
     span = max(decay - warmup, 1)

@@ -1,6 +1,7 @@
 """Megatron flags moezero honours beyond the model sizes: recompute granularity and method, the MoE layer
-recompute, the router dtype, the vocabulary padding, NullTokenizer, Llama2Tokenizer (SentencePiece) and
---mock-data. Each is checked by its effect."""
+recompute, the router dtype, the vocabulary padding, NullTokenizer, Llama2Tokenizer (SentencePiece),
+--mock-data, Megatron-FSDP's sharding strategies (ZeRO stages) and --lr-warmup-init. Each is checked by its
+effect."""
 import pytest
 import torch
 
@@ -10,6 +11,8 @@ from moezero.models.gpt import CausalSelfAttention, recompute_chunks
 from moezero.moe import MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.training.builders import build_model
+from moezero.training.configs import TrainConfig
+from moezero.training.schedule import learning_rate
 from tests.integration.pretrain_utils import configs
 
 SMALL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40, hidden_dropout=0.0,
@@ -119,3 +122,31 @@ def test_llama2_tokenizer_reads_a_sentencepiece_model(tmp_path):
     ids = tok.tokenize("the expert routes a token")
     assert ids[0] == tok.bos == 1 and tok.eod == 2 and tok.vocab_size == 60
     assert tok.detokenize(ids[1:]) == "the expert routes a token"
+
+
+@pytest.mark.parametrize("flags,stage", [
+    (["--use-megatron-fsdp"], 3),   # Megatron's default strategy shards optimizer, grads and params
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], 2),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--use-distributed-optimizer"], 1),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"], 0),
+    (["--data-parallel-sharding-strategy", "no_shard"], 2),   # without --use-megatron-fsdp it says nothing
+])
+def test_megatron_fsdp_is_a_zero_stage(flags, stage):
+    assert configs(flags).zero.stage == stage
+
+
+def test_megatron_fsdp_flags_that_change_numbers_are_checked():
+    assert configs(["--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16"]).zero.grad_reduce_dtype == "bf16"
+    with pytest.raises(ConfigError, match="--zero-stage=2: --data-parallel-sharding-strategy=optim_grads_params "
+                                          "is stage 3"):
+        configs(["--use-megatron-fsdp", "--zero-stage", "2"])
+    with pytest.raises(ConfigError, match="--megatron-fsdp-grad-comm-dtype='fp16': not supported by moezero"):
+        configs(["--megatron-fsdp-grad-comm-dtype", "fp16"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported by moezero"):
+        configs(["--expert-tensor-parallel-size", "2"])
+    assert configs(["--expert-tensor-parallel-size", "1"]).parallel.expert_tensor_parallel_size == 1
+
+
+def test_lr_warmup_init_is_where_warmup_starts():
+    t = TrainConfig(global_batch_size=8, train_iters=100, lr=1.0, lr_warmup_iters=10, lr_warmup_init=0.5)
+    assert learning_rate(0, 8, t) == pytest.approx(0.5 + 0.5 * 0.1) and learning_rate(72, 8, t) == 1.0
