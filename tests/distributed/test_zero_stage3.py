@@ -147,25 +147,30 @@ def _loss(model, step, rank):
     return F.cross_entropy(model(tokens).reshape(-1, 16), tokens.reshape(-1))
 
 
-def _positions_rebuilt_in_forward(stage):
+def _trains_like_torch(model, ref, loss, stage, steps=4):
+    """`steps` of AdamW under ZeRO at `stage` against torch on every rank's batch, then the weights compared."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = ParallelGroups.build()
-    model, ref = _Seq2SeqLike(), _Seq2SeqLike()
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=40, lr=0.05,
                         grad_reduce_dtype=torch.float64)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-    for step in range(4):
-        _loss(model, step, rank).backward()
+    for step in range(steps):
+        loss(model, step, rank).backward()
         opt.step()
         opt.zero_grad()
-        sum(_loss(ref, step, r) for r in range(world)).div(world).backward()
+        sum(loss(ref, step, r) for r in range(world)).div(world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     with opt.full_parameters():
         for (name, a), b in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=TOL, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    assert model.positions.table.shape[0] == 6
     groups.destroy()
+
+
+def _positions_rebuilt_in_forward(stage):
+    model = _Seq2SeqLike()
+    _trains_like_torch(model, _Seq2SeqLike(), _loss, stage)
+    assert model.positions.table.shape[0] == 6
     return True
 
 
@@ -343,23 +348,7 @@ def _tower_loss(model, step, rank):
 
 
 def _skipped_unit_stays_paired(stage):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    groups = ParallelGroups.build()
-    model, ref = _SkippingTower(), _SkippingTower()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=40, lr=0.05,
-                        grad_reduce_dtype=torch.float64)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-    for step in range(4):
-        _tower_loss(model, step, rank).backward()
-        opt.step()
-        opt.zero_grad()
-        sum(_tower_loss(ref, step, r) for r in range(world)).div(world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    with opt.full_parameters():
-        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(a, b, rtol=TOL, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    groups.destroy()
+    _trains_like_torch(_SkippingTower(), _SkippingTower(), _tower_loss, stage)
     return True
 
 
