@@ -152,6 +152,8 @@ class MoEConfig(Validated):
     shared_expert_intermediate_size: Optional[int] = option(
         None, "FFN width of the shared expert(s) every token passes through",
         flag="--moe-shared-expert-intermediate-size", defines_model=True)
+    shared_expert_gate: bool = option(False, "scale the shared expert's output by a learned sigmoid gate of the "
+                                      "token (Qwen2-MoE)", flag="--moe-shared-expert-gate", defines_model=True)
     activation: str = option("gelu", "expert activation (taken from --swiglu)", flag=None,
                              choices=("gelu", "swiglu"))
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
@@ -185,6 +187,8 @@ class MoEConfig(Validated):
             self._require(self.shared_expert_intermediate_size >= 1, "shared_expert_intermediate_size",
                           "must be >= 1")
         self._require(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+        self._require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
+                      "shared_expert_gate", "needs --moe-shared-expert-intermediate-size")
 
 
 def moe_layer_pattern(text: Any) -> Union[int, List[int]]:
@@ -234,6 +238,23 @@ class GPTConfig(Validated):
                                          "nothing more, else --position-embedding-type none",
                                          flag="--no-position-embedding")
     rotary_base: float = option(10000.0, "RoPE base", flag="--rotary-base", defines_model=True)
+    rotary_percent: float = option(1.0, "share of each head's dimensions RoPE rotates (the first ones)",
+                                   flag="--rotary-percent", defines_model=True)
+    group_query_attention: bool = option(False, "grouped-query attention: --num-query-groups key/value heads",
+                                         flag="--group-query-attention", defines_model=True)
+    num_query_groups: int = option(1, "key/value heads with --group-query-attention (without it, as in Megatron, "
+                                   "ignored: every query head has its own)", flag="--num-query-groups",
+                                   defines_model=True)
+    kv_channels: Optional[int] = option(None, "width of each attention head (default --hidden-size / "
+                                        "--num-attention-heads)", flag="--kv-channels", defines_model=True)
+    add_qkv_bias: bool = option(False, "biases on the query/key/value projection even with --disable-bias-linear",
+                                flag="--add-qkv-bias", defines_model=True)
+    qk_layernorm: bool = option(False, "normalise queries and keys (--normalization's norm) before RoPE",
+                                flag="--qk-layernorm", defines_model=True)
+    qk_layernorm_scope: str = option("head", "with --qk-layernorm: each head on its own (Megatron, Qwen3) or all "
+                                     "heads' width at once (OLMoE)", flag="--qk-layernorm-scope",
+                                     choices=("head", "full_width"), defines_model=True)
+    norm_epsilon: float = option(1e-5, "epsilon of every norm layer", flag="--norm-epsilon", defines_model=True)
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of tied embeddings",
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
     normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),
@@ -269,13 +290,9 @@ class GPTConfig(Validated):
         else:
             self._require(len(self.moe_layer_freq) == self.num_layers and set(self.moe_layer_freq) <= {0, 1},
                           "moe_layer_freq", f"a list needs one 0 or 1 per layer ({self.num_layers})")
-        self._require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
-                      f"must be divisible by --num-attention-heads ({self.num_attention_heads})")
         if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
             self.position_embedding_type = "none"
-        if self.position_embedding_type == "rope":
-            self._require((self.hidden_size // self.num_attention_heads) % 2 == 0, "hidden_size",
-                          "rope needs an even head dimension (--hidden-size / --num-attention-heads)")
+        self._check_attention()
         if self.ffn_hidden_size is None:   # Megatron's widths: 4h, or 2/3 of it rounded down to 64 for SwiGLU
             self.ffn_hidden_size = int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
             self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size",
@@ -287,6 +304,34 @@ class GPTConfig(Validated):
         for name in ("hidden_dropout", "attention_dropout"):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
         self._check_recompute()
+
+    def _check_attention(self) -> None:
+        """Head width, key/value groups and the rotated share (Megatron's rules)."""
+        if self.kv_channels is None:
+            self._require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                          f"must be divisible by --num-attention-heads ({self.num_attention_heads}), or give "
+                          "--kv-channels")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        self._require(self.kv_channels >= 1, "kv_channels", "must be >= 1")
+        if self.group_query_attention:
+            self._require(self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
+                          "num_query_groups", f"must divide --num-attention-heads ({self.num_attention_heads})")
+        self._require(0.0 < self.rotary_percent <= 1.0, "rotary_percent", "must be in (0, 1]")
+        self._require(self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
+        if self.position_embedding_type == "rope":
+            self._require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "rotary_percent",
+                          f"rope needs an even number of rotated dimensions (--kv-channels {self.kv_channels} x "
+                          f"--rotary-percent {self.rotary_percent} = {self.kv_channels * self.rotary_percent:g})")
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with --group-query-attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
+        return int(self.kv_channels * self.rotary_percent)
 
     def _check_recompute(self) -> None:
         """Megatron's rules: --recompute-activations is selective; full needs a method and a layer count."""

@@ -36,6 +36,9 @@ CASES = {
         "--moe-shared-expert-intermediate-size", "256", "--moe-layer-freq", "([0]*1+[1]*3)", "--swiglu"],
     "moe every other layer, top-1 gelu": SHAPE + ["--num-experts", "4", "--moe-router-topk", "1",
                                                   "--moe-layer-freq", "2"],
+    "moe grouped-query attention, wide heads": SHAPE + [
+        "--swiglu", "--num-experts", "8", "--moe-router-topk", "2", "--group-query-attention",
+        "--num-query-groups", "2", "--kv-channels", "48", "--moe-ffn-hidden-size", "128"],
 }
 PADDED_VOCAB, BATCH = 50304, 16
 

@@ -27,63 +27,108 @@ from moezero.moe.experts import DenseMLP
 MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
 
 
-def rotary_tables(seq_length: int, head_dim: int, base: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+class Rotary(nn.Module):
+    """RoPE on the first `dim` dimensions of each head (rotate-half pairing, Megatron's and HF's default).
+
+    The inverse frequencies are computed in fp32 as Megatron and transformers compute them; angles, cos and
+    sin in the input's precision (at least fp32). Nothing is a buffer, so casting the model never rounds them.
+    """
+
+    def __init__(self, dim: int, base: float):
+        super().__init__()
+        self.dim = dim
+        self.base = base
+        self._tables: dict = {}
+
+    def tables(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_length, dtype, device)
+        if key not in self._tables:
+            inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+            angles = torch.outer(torch.arange(seq_length, dtype=torch.float32).to(dtype), inv_freq.to(dtype))
+            self._tables[key] = angles.cos().to(device), angles.sin().to(device)
+        return self._tables[key]
+
+    def forward(self, x_BHSh: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x_BHSh.dtype, torch.float32)
+        cos, sin = self.tables(x_BHSh.shape[2], dtype, x_BHSh.device)
+        rotated, passed = x_BHSh[..., : self.dim].to(dtype), x_BHSh[..., self.dim:]
+        x1, x2 = rotated.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSh.dtype)
+        return torch.cat([out, passed], dim=-1) if passed.shape[-1] else out
 
 
-def apply_rotary(x_BHSh: torch.Tensor, cos_Sh2: torch.Tensor, sin_Sh2: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BHSh.float().chunk(2, dim=-1)
-    cos, sin = cos_Sh2[: x_BHSh.shape[2]], sin_Sh2[: x_BHSh.shape[2]]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSh.dtype)
-
-
-def _norm(config: GPTConfig) -> nn.Module:
+def _norm(config: GPTConfig, size: Optional[int] = None) -> nn.Module:
+    size = config.hidden_size if size is None else size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=1e-5)
-    return nn.LayerNorm(config.hidden_size, eps=1e-5)
+        return nn.RMSNorm(size, eps=config.norm_epsilon)
+    return nn.LayerNorm(size, eps=config.norm_epsilon)
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention with G key/value groups (G = H: MHA; G < H: grouped-query attention).
+
+    The fused projection `qkv` holds [queries (H h) | keys (G h) | values (G h)] along its output; with
+    --qk-layernorm, queries and keys are normalised per head (q_norm/k_norm of width h) or over all their
+    heads at once (full_width: H h and G h, OLMoE's) before RoPE.
+    """
+
     def __init__(self, config: GPTConfig, site: str):
         super().__init__()
-        self.heads = config.num_attention_heads
+        self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.dropout = config.attention_dropout
-        self.rope = config.position_embedding_type == "rope"
         self.recompute_core = config.recompute_granularity == "selective"
         self.site = site
         bias = not config.disable_bias_linear
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=bias)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
-        if self.rope:
-            head_dim = config.hidden_size // config.num_attention_heads
-            cos, sin = rotary_tables(config.max_position_embeddings, head_dim, config.rotary_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=bias or config.add_qkv_bias)
+        self.proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+        self.q_norm = self.k_norm = None
+        self.full_width_norm = config.qk_layernorm and config.qk_layernorm_scope == "full_width"
+        if config.qk_layernorm:
+            self.q_norm = _norm(config, q_width if self.full_width_norm else self.head_dim)
+            self.k_norm = _norm(config, kv_width if self.full_width_norm else self.head_dim)
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = Rotary(config.rotary_dim, config.rotary_base)
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x_BSD), "B S (three H h) -> three B H S h", three=3, H=self.heads)
-        if self.rope:
-            q, k = apply_rotary(q, self.rope_cos, self.rope_sin), apply_rotary(k, self.rope_cos, self.rope_sin)
+        q, k, v = self._heads(self.qkv(x_BSD))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         if self.recompute_core and _recomputing(self):   # selective recompute: only this part is redone
             y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
         else:
             y = self._core(q, k, v, keys)
         return self.proj(rearrange(y, "B H S h -> B S (H h)"))
 
+    def _heads(self, qkv_BSF: torch.Tensor):
+        """(q B H S h, k B G S h, v B G S h), queries and keys normalised if asked."""
+        q, k, v = qkv_BSF.split([self.heads * self.head_dim, self.groups * self.head_dim,
+                                 self.groups * self.head_dim], dim=-1)
+        if self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (rearrange(t, "B S (H h) -> B H S h", h=self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None and not self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
     def _core(self, q, k, v, keys):
-        """softmax(q k^T / sqrt(h)) v, causal, with dropout on the probabilities."""
+        """softmax(q k^T / sqrt(h)) v, causal, with dropout on the probabilities; each key/value group
+        serves H/G consecutive query heads."""
         if self.training and self.dropout > 0 and keys is not None:
             return self._attention_with_keyed_dropout(q, k, v, keys)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=self.groups != self.heads)
 
     def _attention_with_keyed_dropout(self, q, k, v, keys):
         """Explicit attention: SDPA's fused dropout draws from the global RNG, not from keys."""
         S = q.shape[2]
+        if self.groups != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).float(), -1).to(q.dtype)
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)   # fp32 at least (Megatron's), fp64 kept
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).to(softmax_dtype), -1).to(q.dtype)
         probs = keyed_dropout(probs, self.dropout, True, keys, self.site)
         return probs @ v
 
@@ -137,6 +182,7 @@ class GPTModel(nn.Module):
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         self.config = config
         layer_moe = moe_layer_config(config, moe_config, seed) if moe_config is not None else None
+        self.moe_config = layer_moe   # what every MoE layer is built from (None: a dense model)
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = None
         if config.position_embedding_type == "learned_absolute":

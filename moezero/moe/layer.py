@@ -52,10 +52,12 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, site=f"layer{layer_number}.router")
         shard = ExpertShard(config.num_experts // groups.ep_size, groups.ep_rank, groups.ep_size)
         self.experts = GroupedExperts(config, shard)
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
                                           config.activation, bias=bool(config.bias))
+        if config.shared_expert_gate:   # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
         self.reset_parameters()
 
@@ -71,7 +73,10 @@ class MoELayer(nn.Module):
         x_MD, counts, meta = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, routing.topk_weights_TK)
         y_TD = self.dispatcher.combine(self.experts(x_MD, counts), meta)
         if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction)
         return y_TD.view(x.shape), stats
 

@@ -26,9 +26,10 @@ def flops_per_batch(model: GPTConfig, moe: Optional[MoEConfig], vocab_size: int,
         expert_width = moe.ffn_hidden_size or model.ffn_hidden_size
         shared_width = moe.shared_expert_intermediate_size or 0
         mlp += (expert_width * moe.top_k + shared_width) * gemms_per_ffn * moe_layers
-    projections = layers * (h * 3 * h + h * h)      # Q, K, V (all heads) and the output projection
+    queries, keys = model.num_attention_heads * model.kv_channels, model.query_groups * model.kv_channels
+    projections = layers * (h * (queries + 2 * keys) + queries * h)   # Q, K, V and the output projection
     per_token = h * mlp + projections + h * vocab_size
-    attention = layers * batch_size * model.seq_length ** 2 * h   # QK^T and scores x V, each halved by the mask
+    attention = layers * batch_size * model.seq_length ** 2 * queries   # QK^T and scores x V, each halved by the mask
     return _FORWARD_AND_BACKWARD * _FMA * (tokens * per_token + attention)
 
 

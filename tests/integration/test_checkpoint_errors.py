@@ -54,7 +54,8 @@ CASES = {
     "garbled metadata": (_garble_metadata, [], ".metadata: unreadable, the file is damaged"),
     "another model": (None, ["--hidden-size", "64", "--num-experts", "8"],
                       "--hidden-size: 32 in the checkpoint, 64 now; --ffn-hidden-size: 128 in the checkpoint, 256 "
-                      "now; --num-experts: 4 in the checkpoint, 8 now); give the checkpoint's values or "
+                      "now; --kv-channels: 16 in the checkpoint, 32 now; --num-experts: 4 in the checkpoint, 8 now); "
+                      "give the checkpoint's values or "
                       "--use-checkpoint-args"),
     "no such step": (None, ["--ckpt-step", "7"], "--ckpt-step=7: --load="),
     "train-iters below": (None, ["--train-iters", "1"], "--train-iters=1: below the iteration of the checkpoint"),

@@ -29,9 +29,9 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     assert len(lines) == 1 and "did you mean --hidden-size?" in lines[0] and "see --help" in lines[0], lines
     lines = _error_of(["--tensor-model-parallel-size", "2"], capsys)
     assert len(lines) == 1 and "--tensor-model-parallel-size=2: not supported by moezero" in lines[0]
-    lines = _error_of(["--group-query-attention", "--num-query-groups", "8", "--hiden-size", "64"], capsys)
+    lines = _error_of(["--multi-latent-attention", "--q-lora-rank", "8", "--hiden-size", "64"], capsys)
     assert len(lines) == 1 and lines[0].endswith(
-        "error: not supported by moezero: --group-query-attention, --num-query-groups (Megatron-LM flags; see the "
+        "error: not supported by moezero: --multi-latent-attention, --q-lora-rank (Megatron-LM flags; see the "
         "README, 'Coming from Megatron-LM'); unrecognized arguments: --hiden-size 64; did you mean --hidden-size? "
         "(see --help)"), lines
     lines = _error_of(["--moe-router-num-groups", "4"], capsys)   # once a did-you-mean of --moe-router-topk

@@ -1,0 +1,43 @@
+"""The attention variants of the open MoE families beyond what the transformers parity covers: partial RoPE
+(--rotary-percent) against megatron-core's own RoPE, and grouped-query attention's explicit path (the one
+keyed dropout takes) against SDPA's grouped path."""
+import pytest
+import torch
+
+from moezero.config import GPTConfig
+from moezero.models import gpt
+from moezero.models.gpt import CausalSelfAttention, Rotary
+
+
+def test_partial_rope_is_megatrons(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")   # its table moves to the GPU once
+    embeddings = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    head_dim, percent, base, S = 24, 0.5, 5000.0, 10
+    theirs_rope = embeddings.RotaryEmbedding(kv_channels=head_dim, rotary_percent=percent, rotary_base=base,
+                                             use_cpu_initialization=True)
+    x_SBHh = torch.randn(S, 2, 3, head_dim, generator=torch.Generator().manual_seed(0))
+    theirs = rope_utils._apply_rotary_pos_emb_bshd(x_SBHh, theirs_rope.get_emb(S))
+    config = GPTConfig(hidden_size=48, num_attention_heads=2, position_embedding_type="rope", rotary_percent=percent,
+                       rotary_base=base, seq_length=S, vocab_size=11)
+    ours = Rotary(config.rotary_dim, base)(x_SBHh.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[..., 12:], x_SBHh[..., 12:]), "the last half of each head is not rotated"
+
+
+def test_grouped_query_attention_explicit_path_is_sdpas(monkeypatch):
+    config = GPTConfig(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2,
+                       kv_channels=10, attention_dropout=0.1, position_embedding_type="rope", seq_length=12,
+                       vocab_size=11, qk_layernorm=True, normalization="RMSNorm")
+    attention = CausalSelfAttention(config, site="a").double()
+    assert attention.qkv.weight.shape == ((6 + 2 * 2) * 10, 48)
+    x = torch.randn(2, 12, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    q, k, v = attention._heads(attention.qkv(x))
+    assert (q.shape[1], k.shape[1], v.shape[1]) == (6, 2, 2)
+    monkeypatch.setattr(gpt, "keyed_dropout", lambda probs, *args: probs)   # the dropout itself aside
+    explicit = attention._attention_with_keyed_dropout(q, k, v, keys=None)
+    attention.eval()
+    torch.testing.assert_close(explicit, attention._core(q, k, v, keys=None), rtol=0, atol=1e-13)
+    # query heads 0-2 share key/value group 0, heads 3-5 group 1 (transformers' and Megatron's order)
+    alone = torch.nn.functional.scaled_dot_product_attention(q[:, 3:4], k[:, 1:2], v[:, 1:2], is_causal=True)
+    torch.testing.assert_close(explicit[:, 3:4], alone, rtol=0, atol=1e-13)
