@@ -82,10 +82,12 @@ setup(
         "psutil",
         "filelock",
         "tokenizers",  # GPT-2 BPE (--vocab-file/--merge-file) and local HuggingFace tokenizers
+        "safetensors",  # moezero.hf: Hugging Face checkpoints in and out
     ],
-    # transformers: the test oracle for model logits (tests/unit/test_gpt_oracle.py), never a runtime dependency;
+    # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x: experts_implementation),
+    # never a runtime dependency;
     # sentencepiece: --tokenizer-type Llama2Tokenizer only
-    extras_require={"dev": ["pytest", "ninja", "transformers", "sentencepiece"], "sentencepiece": ["sentencepiece"],
+    extras_require={"dev": ["pytest", "ninja", "transformers>=5", "sentencepiece"], "sentencepiece": ["sentencepiece"],
                     "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

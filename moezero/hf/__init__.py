@@ -1,0 +1,12 @@
+"""Hugging Face MoE checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (see families.py).
+
+    model = moezero.hf.from_pretrained("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, groups=groups)
+    moezero.hf.save_pretrained(model, "out/", groups=groups)
+
+Needs safetensors only; transformers is the test oracle.
+"""
+from moezero.hf.families import FAMILIES, UnsupportedModel
+from moezero.hf.load import CheckpointMismatch, from_pretrained
+from moezero.hf.save import save_pretrained
+
+__all__ = ["FAMILIES", "CheckpointMismatch", "UnsupportedModel", "from_pretrained", "save_pretrained"]

@@ -1,0 +1,201 @@
+"""The Hugging Face MoE families moezero reads and writes, and how their config.json maps to moezero's configs.
+
+Every family here is a Llama-style decoder (RoPE, RMSNorm, SwiGLU, no biases but where noted) whose MoE
+layers route with a softmax top-k; they differ in a few switches:
+
+  mixtral    Mixtral           experts under `block_sparse_moe`, w1/w3/w2; top-k weights renormalised
+  qwen2_moe  Qwen1.5/2-MoE     q/k/v biases; a shared expert scaled by a sigmoid gate; dense layers by
+                               decoder_sparse_step/mlp_only_layers; norm_topk_prob
+  qwen3_moe  Qwen3-MoE         q/k RMSNorm per head; head_dim apart from hidden/heads; dense layers as Qwen2
+  olmoe      OLMoE             q/k RMSNorm over all heads' width
+
+`Family.configs(hf)` gives (GPTConfig, MoEConfig) from a config.json dict, `Family.hf_config(gpt, moe)` the
+other way; a setting the family cannot express is an UnsupportedModel naming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer
+
+
+class UnsupportedModel(ValueError):
+    """A Hugging Face config (or a moezero model to export) uses something moezero or the family lacks."""
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    moe_block: str                         # the MoE MLP's module name in a layer
+    expert_projections: Tuple[str, str, str]   # (gate, up, down) module names of one expert
+    num_experts_field: str
+    qk_norm: Optional[str] = None          # None, "head" or "full_width"
+    qkv_bias_field: Optional[str] = None   # the config field of q/k/v biases (Qwen2-MoE)
+    shared_expert: bool = False            # a gated shared expert in every MoE layer (Qwen2-MoE)
+    sparse_step: bool = False              # dense layers by decoder_sparse_step / mlp_only_layers
+    always_renormalises: bool = False      # top-k weights always renormalised (else norm_topk_prob)
+
+    @property
+    def expert_width_field(self) -> str:
+        return "intermediate_size" if self.model_type in ("mixtral", "olmoe") else "moe_intermediate_size"
+
+    # ---- Hugging Face config -> moezero configs
+
+    def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        _refuse_unsupported(hf, self)
+        heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = hf.get("head_dim") or hidden // heads
+        rope = _rope_parameters(hf)
+        gpt = GPTConfig(
+            num_layers=layers, hidden_size=hidden, num_attention_heads=heads, kv_channels=head_dim,
+            group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
+            ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
+            max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+            make_vocab_size_divisible_by=1, position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
+            rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            normalization="RMSNorm", norm_epsilon=hf["rms_norm_eps"], swiglu=True, disable_bias_linear=True,
+            add_qkv_bias=bool(hf.get(self.qkv_bias_field, False)) if self.qkv_bias_field else False,
+            qk_layernorm=self.qk_norm is not None, qk_layernorm_scope=self.qk_norm or "head",
+            hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=self._moe_layers(hf))
+        renormalise = self.always_renormalises or bool(hf.get("norm_topk_prob", False))
+        moe = MoEConfig(
+            num_experts=hf.get(self.num_experts_field) or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+            ffn_hidden_size=hf[self.expert_width_field], pre_softmax=not renormalise,
+            aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") if self.shared_expert else None,
+            shared_expert_gate=self.shared_expert)
+        return gpt, moe
+
+    def _moe_layers(self, hf: Dict[str, Any]):
+        """Megatron's --moe-layer-freq for the family's dense/MoE pattern (1: every layer is MoE)."""
+        if not self.sparse_step:
+            return 1
+        step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+        return 1 if all(pattern) else pattern
+
+    # ---- moezero configs -> Hugging Face config
+
+    def hf_config(self, gpt: GPTConfig, moe: MoEConfig, dtype: str) -> Dict[str, Any]:
+        self.check_expressible(gpt, moe)
+        moe_layers = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
+        hf: Dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": gpt.vocab_size,
+            "hidden_size": gpt.hidden_size, "intermediate_size": gpt.ffn_hidden_size,
+            "num_hidden_layers": gpt.num_layers, "num_attention_heads": gpt.num_attention_heads,
+            "num_key_value_heads": gpt.query_groups, "head_dim": gpt.kv_channels, "hidden_act": "silu",
+            "max_position_embeddings": gpt.max_position_embeddings, "rms_norm_eps": gpt.norm_epsilon,
+            "rope_theta": gpt.rotary_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": gpt.rotary_base},
+            "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights,
+            "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
+            "num_experts_per_tok": moe.top_k, self.num_experts_field: moe.num_experts,
+            self.expert_width_field: moe.ffn_hidden_size or gpt.ffn_hidden_size,
+            "router_aux_loss_coef": moe.aux_loss_coeff, "dtype": dtype, "torch_dtype": dtype,
+        }
+        if gpt.rotary_percent != 1.0:
+            hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"] = gpt.rotary_percent
+        if not self.always_renormalises:
+            hf["norm_topk_prob"] = not moe.pre_softmax
+        if self.qkv_bias_field:
+            hf[self.qkv_bias_field] = gpt.add_qkv_bias
+        if self.model_type in ("qwen3_moe", "olmoe"):
+            hf["attention_bias"] = False
+        if self.sparse_step:
+            hf["decoder_sparse_step"] = 1
+            hf["mlp_only_layers"] = [i for i, sparse in enumerate(moe_layers) if not sparse]
+        if self.shared_expert:
+            hf["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+        return hf
+
+    def check_expressible(self, gpt: GPTConfig, moe: MoEConfig) -> None:
+        """UnsupportedModel naming the first setting of (gpt, moe) this family cannot hold."""
+        problem = next((why for why in self._differences(gpt, moe)), None)
+        if problem:
+            raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
+
+    def _differences(self, gpt: GPTConfig, moe: MoEConfig):
+        if gpt.position_embedding_type != "rope":
+            yield f"--position-embedding-type {gpt.position_embedding_type} (it uses rope)"
+        if gpt.normalization != "RMSNorm":
+            yield f"--normalization {gpt.normalization} (it uses RMSNorm)"
+        if not gpt.swiglu:
+            yield "GELU MLPs (it uses SwiGLU: --swiglu)"
+        if not gpt.disable_bias_linear:
+            yield "biases in the linear layers (it has none: --disable-bias-linear)"
+        if gpt.add_qkv_bias and not self.qkv_bias_field:
+            yield "--add-qkv-bias (it has no q/k/v biases)"
+        if (self.qk_norm or None) != (gpt.qk_layernorm_scope if gpt.qk_layernorm else None):
+            yield f"q/k norm {gpt.qk_layernorm_scope if gpt.qk_layernorm else 'off'} (it has {self.qk_norm or 'none'})"
+        if bool(moe.shared_expert_intermediate_size) != self.shared_expert or moe.shared_expert_gate != self.shared_expert:
+            yield "a gated shared expert" + (" is required" if self.shared_expert else " is not part of it")
+        if self.always_renormalises and moe.pre_softmax:
+            yield "--moe-router-pre-softmax (its top-k weights are always renormalised)"
+        if moe.score_function != "softmax" or moe.topk_scaling_factor is not None or moe.enable_expert_bias:
+            yield "a sigmoid router, a top-k scaling factor or an expert bias (it routes by softmax alone)"
+        if moe.bias:
+            yield "router or expert biases"
+        if not self.sparse_step and not all(is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)):
+            yield "dense layers among the MoE ones (every layer of it is MoE)"
+
+
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
+    Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts",
+           always_renormalises=True),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
+           qkv_bias_field="qkv_bias", shared_expert=True, sparse_step=True),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
+           qk_norm="head", sparse_step=True),
+    Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
+           qk_norm="full_width"),
+)}
+
+
+def family_of(hf: Dict[str, Any]) -> Family:
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(f"model_type {model_type!r} is not supported by moezero (supported: "
+                               f"{', '.join(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def family_for(gpt: GPTConfig, moe: MoEConfig) -> Family:
+    """The first family that holds a model of these configs exactly."""
+    for family in FAMILIES.values():
+        if not any(True for _ in family._differences(gpt, moe)):
+            return family
+    reasons = "; ".join(f"{f.model_type}: {next(f._differences(gpt, moe))}" for f in FAMILIES.values())
+    raise UnsupportedModel(f"no Hugging Face family holds this model ({reasons})")
+
+
+def _rope_parameters(hf: Dict[str, Any]) -> Dict[str, Any]:
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in hf:
+        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UnsupportedModel(f"rope_parameters.rope_type={kind!r}: not supported by moezero (default RoPE only)")
+    return rope
+
+
+def _refuse_unsupported(hf: Dict[str, Any], family: Family) -> None:
+    """Config settings whose numbers moezero's model would not reproduce."""
+    checks: List[Tuple[bool, str]] = [
+        (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU with silu only)"),
+        (bool(hf.get("attention_bias")), "attention_bias=true (biases on q/k/v and the output projection)"),
+        (hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')}"),
+        (bool(hf.get("use_sliding_window")), "use_sliding_window=true"),
+        (family.model_type == "mixtral" and hf.get("sliding_window") is not None
+         and hf["sliding_window"] < hf["max_position_embeddings"], f"sliding_window={hf.get('sliding_window')}"),
+        (bool(hf.get("mlp_bias")), "mlp_bias=true"),
+    ]
+    for failed, what in checks:
+        if failed:
+            raise UnsupportedModel(f"{family.model_type} config {what}: not supported by moezero")
+

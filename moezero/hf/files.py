@@ -1,0 +1,79 @@
+"""A Hugging Face model directory on disk: config.json and safetensors shards with their index.
+
+Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file), so a rank
+reads only what it holds. Writing shards tensors in key order into files of at most `max_shard_bytes`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, List
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HubDirectory:
+    """The config and the tensors of a Hub-layout directory."""
+
+    def __init__(self, path: str):
+        self.path = path
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+        with open(config_path) as f:
+            self.config = json.load(f)
+        self.weight_map = self._weight_map()
+        self._open: Dict[str, object] = {}
+
+    def _weight_map(self) -> Dict[str, str]:
+        index = os.path.join(self.path, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                return json.load(f)["weight_map"]
+        single = os.path.join(self.path, SINGLE)
+        if not os.path.isfile(single):
+            raise FileNotFoundError(f"{self.path}: neither {INDEX} nor {SINGLE} (moezero reads safetensors only)")
+        with safe_open(single, "pt") as f:
+            return {key: SINGLE for key in f.keys()}
+
+    def keys(self) -> Iterable[str]:
+        return self.weight_map.keys()
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise KeyError(f"{self.path}: the checkpoint has no tensor {key!r}")
+        name = self.weight_map[key]
+        if name not in self._open:
+            self._open[name] = safe_open(os.path.join(self.path, name), "pt")
+        return self._open[name].get_tensor(key)
+
+
+def write_hub_directory(path: str, config: Dict, tensors: Dict[str, torch.Tensor],
+                        max_shard_bytes: int = 5 * 2 ** 30) -> List[str]:
+    """config.json, model-0000i-of-0000n.safetensors and the index; returns the shard file names."""
+    os.makedirs(path, exist_ok=True)
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor.contiguous()
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return names

@@ -1,0 +1,102 @@
+"""Which Hugging Face tensors make each moezero parameter (and back).
+
+A `Link` says: this moezero tensor is the Hub tensors `keys` concatenated along dim 0 (the fused q/k/v
+projection from q_proj/k_proj/v_proj, a SwiGLU input projection from gate_proj/up_proj). A routed-expert
+stack (L, in, out) is per expert: its keys hold "{e}" for the global expert, and expert e's slice is the
+transpose of the concatenation (Hub weights are (out, in), moezero's expert stacks (in, out)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer
+from moezero.hf.families import Family
+
+
+@dataclass(frozen=True)
+class Link:
+    keys: Tuple[str, ...]
+    per_expert: bool = False
+    sizes: Optional[Tuple[int, ...]] = None   # rows of each key (None: equal shares)
+
+    def hub_keys(self, num_experts: int) -> List[str]:
+        if not self.per_expert:
+            return list(self.keys)
+        return [key.format(e=e) for e in range(num_experts) for key in self.keys]
+
+    def assemble(self, read: Callable[[str], torch.Tensor], experts: range = range(0)) -> torch.Tensor:
+        """The moezero tensor from the Hub tensors `read` returns (the experts `experts` of a stack)."""
+        if not self.per_expert:
+            return _cat([read(key) for key in self.keys])
+        return torch.stack([_cat([read(key.format(e=e)) for key in self.keys]).t() for e in experts])
+
+    def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
+        """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`)."""
+        if not self.per_expert:
+            return dict(zip(self.keys, self._parts(tensor)))
+        out = {}
+        for l, expert in enumerate(tensor):
+            parts = self._parts(expert.t())
+            out.update({key.format(e=first_expert + l): part for key, part in zip(self.keys, parts)})
+        return out
+
+
+    def _parts(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if len(self.keys) == 1:
+            return (tensor,)
+        return tensor.split(list(self.sizes)) if self.sizes else tensor.chunk(len(self.keys))
+
+
+def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def links(family: Family, gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Link]:
+    """moezero parameter name -> its Link, for every parameter of a model of these configs."""
+    out = {"embedding.weight": Link(("model.embed_tokens.weight",)),
+           "final_norm.weight": Link(("model.norm.weight",))}
+    if gpt.untie_embeddings_and_output_weights:
+        out["output.weight"] = Link(("lm_head.weight",))
+    for i in range(gpt.num_layers):
+        ours, hub = f"layers.{i}.", f"model.layers.{i}."
+        out[ours + "input_norm.weight"] = Link((hub + "input_layernorm.weight",))
+        out[ours + "mlp_norm.weight"] = Link((hub + "post_attention_layernorm.weight",))
+        out.update(_attention(ours + "attention.", hub + "self_attn.", gpt))
+        if is_moe_layer(i, gpt.moe_layer_freq):
+            out.update(_moe(ours + "mlp.", f"{hub}{family.moe_block}.", family, moe))
+        else:
+            out.update(_swiglu(ours + "mlp.", hub + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+    return out
+
+
+def _attention(ours: str, hub: str, gpt: GPTConfig) -> Dict[str, Link]:
+    qkv = tuple(hub + p for p in ("q_proj", "k_proj", "v_proj"))
+    sizes = (gpt.num_attention_heads * gpt.kv_channels,) + (gpt.query_groups * gpt.kv_channels,) * 2
+    out = {ours + "qkv.weight": Link(tuple(k + ".weight" for k in qkv), sizes=sizes),
+           ours + "proj.weight": Link((hub + "o_proj.weight",))}
+    if gpt.add_qkv_bias:
+        out[ours + "qkv.bias"] = Link(tuple(k + ".bias" for k in qkv), sizes=sizes)
+    if gpt.qk_layernorm:
+        out[ours + "q_norm.weight"] = Link((hub + "q_norm.weight",))
+        out[ours + "k_norm.weight"] = Link((hub + "k_norm.weight",))
+    return out
+
+
+def _swiglu(ours: str, hub: str, projections: Tuple[str, str, str]) -> Dict[str, Link]:
+    gate, up, down = (f"{hub}{p}.weight" for p in projections)
+    return {ours + "fc1.weight": Link((gate, up)), ours + "fc2.weight": Link((down,))}
+
+
+def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]:
+    gate, up, down = (f"{hub}experts.{{e}}.{p}.weight" for p in family.expert_projections)
+    out = {ours + "router.wg.weight": Link((hub + "gate.weight",)),
+           ours + "experts.w1": Link((gate, up), per_expert=True),
+           ours + "experts.w2": Link((down,), per_expert=True)}
+    if moe.shared_expert_intermediate_size:
+        out.update(_swiglu(ours + "shared_expert.", hub + "shared_expert.", ("gate_proj", "up_proj", "down_proj")))
+    if moe.shared_expert_gate:
+        out[ours + "shared_expert_gate.weight"] = Link((hub + "shared_expert_gate.weight",))
+    return out

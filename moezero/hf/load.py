@@ -1,0 +1,80 @@
+"""moezero.hf.from_pretrained: a moezero GPTModel from a Hugging Face model directory.
+
+With `groups`, the MoE layers hold this rank's experts only and only their tensors are read.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+import torch
+
+from moezero.hf.families import family_of
+from moezero.hf.files import HubDirectory
+from moezero.hf.keys import Link, links
+from moezero.models import GPTModel
+from moezero.moe import MoELayer, expert_parallel
+from moezero.parallel import ParallelGroups
+from moezero.parallel.expert_marker import expert_shard_of
+
+# Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)
+_NOT_WEIGHTS = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class CheckpointMismatch(ValueError):
+    """The directory's tensors do not fit the model its config describes."""
+
+
+def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Optional[ParallelGroups] = None,
+                    seed: int = 0) -> GPTModel:
+    """The model of the Hub directory `path` in `dtype` (default: the config's), evaluation mode.
+
+    `model(tokens)[0]` are the logits. With `groups`, experts are split over `groups.ep`.
+    """
+    hub = HubDirectory(path)
+    family = family_of(hub.config)
+    gpt, moe = family.configs(hub.config)
+    model = GPTModel(gpt, moe, seed=seed, moe_layer=expert_parallel(groups) if groups is not None else MoELayer)
+    model.to(dtype or hub_dtype(hub.config))
+    load_weights(model, hub, links(family, gpt, moe))
+    model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
+    return model.eval()
+
+
+def hub_dtype(config: Dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"config.json dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link]) -> None:
+    """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack)."""
+    _check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
+                    tied=not model.config.untie_embeddings_and_output_weights)
+    params = dict(model.named_parameters())
+    if set(params) != set(table):
+        raise CheckpointMismatch(f"{hub.path}: moezero's model and the key table differ: "
+                                 f"{sorted(set(params) ^ set(table))[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            shard = expert_shard_of(param)
+            experts = range(shard.first_global_expert, shard.first_global_expert + shard.num_local_experts) \
+                if shard else range(0)
+            value = table[name].assemble(hub.read, experts)
+            if value.shape != param.shape:
+                raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config "
+                                         f"describes, {tuple(value.shape)} from {table[name].keys[0]}")
+            param.copy_(value.to(param.dtype))
+
+
+def _check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, tied: bool) -> None:
+    expected = {key for link in table.values() for key in link.hub_keys(num_experts)}
+    present = set(hub.keys())
+    missing = sorted(expected - present)
+    extra = sorted(k for k in present - expected if not _NOT_WEIGHTS.search(k) and not (tied and k == "lm_head.weight"))
+    if missing or extra:
+        raise CheckpointMismatch(f"{hub.path}: tensors missing for the config's model: {missing[:5]}"
+                                 f"{' ...' if len(missing) > 5 else ''}; tensors the model has no place for: "
+                                 f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")

@@ -1,0 +1,63 @@
+"""moezero.hf.save_pretrained: a Hugging Face model directory from a live moezero GPTModel.
+
+Any layout: routed experts are gathered over `groups.ep` (every rank takes part), and rank 0 writes.
+At ZeRO stage 3 pass the optimizer: its full_parameters() gathers the shards while the tensors are read.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from moezero.hf.families import FAMILIES, Family, family_for
+from moezero.hf.files import write_hub_directory
+from moezero.hf.keys import links
+from moezero.models import GPTModel
+from moezero.parallel import ParallelGroups, comm
+from moezero.parallel.expert_marker import expert_shard_of
+
+
+def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups] = None,
+                    family: Union[str, Family, None] = None, dtype: Optional[torch.dtype] = None,
+                    optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30) -> None:
+    """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
+    model's). A model from from_pretrained keeps its source config's other fields (token ids, ...).
+    Collective when `groups` splits experts: call it on every rank."""
+    if model.moe_config is None:
+        raise ValueError("save_pretrained writes MoE models; this model has no MoE layers")
+    gpt, moe = model.config, model.moe_config
+    family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
+    family.check_expressible(gpt, moe)
+    dtype = dtype or model.embedding.weight.dtype
+    tensors = _hub_tensors(model, links(family, gpt, moe), groups, dtype, optimizer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
+        config.update(family.hf_config(gpt, moe, str(dtype).replace("torch.", "")))
+        write_hub_directory(path, config, tensors, max_shard_bytes)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer) -> Dict[str, torch.Tensor]:
+    gathered = optimizer.full_parameters() if optimizer is not None else contextlib.nullcontext()
+    tensors: Dict[str, torch.Tensor] = {}
+    with gathered, torch.no_grad():
+        for name, param in model.named_parameters():
+            whole = _all_experts(name, param, groups).detach().to(device="cpu", dtype=dtype)
+            tensors.update({key: t.clone() for key, t in table[name].split(whole).items()})
+    return tensors
+
+
+def _all_experts(name: str, param: torch.Tensor, groups: Optional[ParallelGroups]) -> torch.Tensor:
+    """A routed-expert stack with every ep rank's experts (others as they are)."""
+    shard = expert_shard_of(param)
+    if shard is None or shard.ep_size == 1:
+        return param
+    if groups is None or groups.ep_size != shard.ep_size:
+        raise ValueError(f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
+                         f"ParallelGroups the model was built with")
+    out = param.new_empty((shard.num_global_experts,) + tuple(param.shape[1:]))
+    comm.all_gather(out, param.detach().contiguous(), groups.ep)
+    return out

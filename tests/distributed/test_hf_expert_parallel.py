@@ -1,0 +1,68 @@
+"""A Hugging Face checkpoint on 2 ranks with ep 2: each rank reads its experts and gets transformers' logits,
+3 iterations under ZeRO (stage 2 and 3) train as torch does on one process, and save_pretrained gathers the
+experts into a directory transformers loads to the trained model's logits."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import moezero.hf as hub
+from moezero.models.gpt import language_model_loss
+from moezero.parallel import ParallelGroups
+from moezero.zero import ZeroOptimizer
+from tests.dist_utils import run_distributed
+from tests.hf_oracle import hf_logits, load_with_transformers, tiny_model
+
+STEPS, WORLD, LR = 3, 2, 2e-3
+BATCHES = torch.randint(3, 97, (STEPS, WORLD, 2, 16), generator=torch.Generator().manual_seed(5))
+PROBE = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(6))
+
+
+def _loss(model, tokens):
+    logits, stats = model(tokens)
+    loss = language_model_loss(logits[:, :-1], tokens[:, 1:], torch.ones_like(tokens[:, 1:]))
+    return loss + sum(s.aux_loss for s in stats)
+
+
+def _train_on_ranks(hub_dir, out_dir, stage):
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model = hub.from_pretrained(hub_dir, dtype=torch.float64, groups=groups)
+    experts = model.layers[1].mlp.experts.w1
+    assert experts.shape[0] == 2, "each ep rank holds 2 of the 4 experts"
+    with torch.no_grad():
+        first_logits = model(PROBE)[0]
+    opt = ZeroOptimizer(model.train(), torch.optim.AdamW, groups, stage=stage, lr=LR, bucket_size=500,
+                        grad_reduce_dtype=torch.float64)
+    for step in range(STEPS):
+        _loss(model, BATCHES[step, rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    hub.save_pretrained(model, out_dir, groups=groups, optimizer=opt if stage == 3 else None)
+    groups.destroy()
+    return first_logits
+
+
+def _torch_reference(hub_dir):
+    model = hub.from_pretrained(hub_dir, dtype=torch.float64).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        (sum(_loss(model, BATCHES[step, r]) for r in range(WORLD)) / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return model.eval()(PROBE)[0]
+
+
+@pytest.mark.parametrize("family, stage", [("qwen2_moe", 2), ("mixtral", 3), ("qwen3_moe", 3), ("olmoe", 2)])
+def test_import_train_on_two_ranks_and_export(family, stage, tmp_path):
+    original = tiny_model(family, seed=2)
+    hub_dir, out_dir = str(tmp_path / "hub"), str(tmp_path / "out")
+    original.save_pretrained(hub_dir)
+    first = run_distributed(_train_on_ranks, WORLD, hub_dir, out_dir, stage)
+    expected_first = hf_logits(original, PROBE)
+    for rank_logits in first:
+        torch.testing.assert_close(rank_logits, expected_first, rtol=0, atol=1e-8)
+    trained = _torch_reference(hub_dir)
+    assert (trained - expected_first).abs().max() > 1e-3, "the iterations changed the model"
+    exported = load_with_transformers(out_dir)
+    torch.testing.assert_close(hf_logits(exported, PROBE), trained, rtol=0, atol=1e-8)

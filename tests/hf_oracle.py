@@ -1,0 +1,75 @@
+"""transformers as the oracle of moezero's Hugging Face families: tiny random models built from configs (no
+download), and a float64 that stays float64.
+
+transformers' float64 models are not float64 throughout: RMSNorm, the attention softmax and the routers cast
+to float32 by hand. `Float64Throughout` is a torch function mode under which such a cast of a float64
+tensor keeps float64 (nothing else changes), so the oracle's numbers are its own formulas at float64 and
+parity can be asked to 1e-8.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+transformers = __import__("pytest").importorskip("transformers")
+
+
+def _is_f64(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float64
+
+
+class Float64Throughout(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        source = args[0] if args else None
+        if func is torch.Tensor.float and _is_f64(source):
+            return source
+        if _is_f64(source) or any(_is_f64(a) for a in args[1:2]):
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        return func(*args, **kwargs)
+
+
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, attention_dropout=0.0,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=4,
+                                                  rope_theta=1e6, tie_word_embeddings=True, sliding_window=None),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                                     shared_expert_intermediate_size=40, num_experts=4,
+                                                     norm_topk_prob=False, decoder_sparse_step=1,
+                                                     mlp_only_layers=[0], tie_word_embeddings=False),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=12, intermediate_size=48,
+                                                     moe_intermediate_size=24, num_experts=4, norm_topk_prob=True,
+                                                     decoder_sparse_step=2, tie_word_embeddings=False),
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, norm_topk_prob=False,
+                                              tie_word_embeddings=False),
+}
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A float64 transformers model of `family` with random weights everywhere (norms around 1)."""
+    config = CONFIGS[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                             experts_implementation="eager").double().eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    return model
+
+
+def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), Float64Throughout():
+        return model(tokens).logits
+
+
+def load_with_transformers(path: str):
+    """transformers' model of a Hub directory, float64 as tiny_model's (from_pretrained keeps RoPE's inverse
+    frequencies in float32; .double() makes them what a float64 model built from its config has)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").double().eval()
