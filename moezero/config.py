@@ -133,6 +133,14 @@ class MoEConfig(Validated):
                                flag="--moe-router-pre-softmax", defines_model=True)
     topk_scaling_factor: Optional[float] = option(None, "scale applied to the top-k weights",
                                                   flag="--moe-router-topk-scaling-factor", defines_model=True)
+    num_groups: Optional[int] = option(None, "group-limited routing: experts form this many groups (DeepSeek's "
+                                       "n_group)", flag="--moe-router-num-groups", defines_model=True)
+    group_topk: Optional[int] = option(None, "group-limited routing: tokens choose experts among this many groups "
+                                       "(topk_group)", flag="--moe-router-group-topk", defines_model=True)
+    group_score: str = option("top_sum", "how a group is scored: the sum of its top --moe-router-topk / "
+                              "--moe-router-group-topk experts (Megatron, DeepSeek-V3), or its best expert "
+                              "(DeepSeek-V2)", flag="--moe-router-group-score", choices=("top_sum", "max"),
+                              defines_model=True)
     load_balancing_type: str = option("aux_loss", "aux loss scope: micro-batch, per sequence, or none",
                                       flag="--moe-router-load-balancing-type",
                                       choices=("aux_loss", "seq_aux_loss", "none"))
@@ -187,6 +195,16 @@ class MoEConfig(Validated):
             self._require(self.shared_expert_intermediate_size >= 1, "shared_expert_intermediate_size",
                           "must be >= 1")
         self._require(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+        if self.num_groups is not None and self.num_experts is not None:
+            self._require(self.num_groups >= 1 and self.num_experts % self.num_groups == 0, "num_groups",
+                          f"must divide --num-experts ({self.num_experts})")
+            self._require(self.group_topk is not None and 1 <= self.group_topk <= self.num_groups, "group_topk",
+                          f"group-limited routing needs it between 1 and --moe-router-num-groups ({self.num_groups})")
+            self._require(self.top_k <= self.group_topk * (self.num_experts // self.num_groups), "top_k",
+                          "more experts than the chosen groups hold")
+            if self.group_score == "top_sum":
+                self._require(self.top_k % self.group_topk == 0, "group_topk",
+                              f"must divide --moe-router-topk ({self.top_k}) to score groups by their top experts")
         self._require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                       "shared_expert_gate", "needs --moe-shared-expert-intermediate-size")
 
@@ -255,6 +273,32 @@ class GPTConfig(Validated):
                                      "heads' width at once (OLMoE)", flag="--qk-layernorm-scope",
                                      choices=("head", "full_width"), defines_model=True)
     norm_epsilon: float = option(1e-5, "epsilon of every norm layer", flag="--norm-epsilon", defines_model=True)
+    multi_latent_attention: bool = option(False, "DeepSeek's multi-latent attention (MLA) instead of --kv-channels "
+                                          "heads", flag="--multi-latent-attention", defines_model=True)
+    q_lora_rank: Optional[int] = option(None, "MLA: the queries' latent width (default: no latent, one projection)",
+                                        flag="--q-lora-rank", defines_model=True)
+    kv_lora_rank: int = option(32, "MLA: the keys' and values' latent width", flag="--kv-lora-rank",
+                               defines_model=True)
+    qk_head_dim: int = option(128, "MLA: each head's query/key width without positions", flag="--qk-head-dim",
+                              defines_model=True)
+    qk_pos_emb_head_dim: int = option(64, "MLA: each head's query/key width that RoPE rotates (the key part is "
+                                      "shared by all heads)", flag="--qk-pos-emb-head-dim", defines_model=True)
+    v_head_dim: int = option(128, "MLA: each head's value width", flag="--v-head-dim", defines_model=True)
+    rope_type: Optional[str] = option(None, "rope, or yarn: YaRN's context extension (--rotary-scaling-factor, "
+                                      "--mscale, --mscale-all-dim, --yarn-*)", flag="--rope-type",
+                                      choices=("rope", "yarn"), defines_model=True)
+    rotary_scaling_factor: float = option(1.0, "YaRN: the context extension factor", flag="--rotary-scaling-factor",
+                                          defines_model=True)
+    mscale: float = option(1.0, "YaRN: mscale of the cos/sin scale", flag="--mscale", defines_model=True)
+    mscale_all_dim: float = option(0.0, "YaRN: mscale_all_dim (also MLA's softmax scale)", flag="--mscale-all-dim",
+                                   defines_model=True)
+    yarn_original_max_position_embeddings: Optional[int] = option(
+        None, "YaRN: the context length before extension (default 4096, Megatron's)",
+        flag="--yarn-original-max-position-embeddings", defines_model=True)
+    yarn_beta_fast: Optional[float] = option(None, "YaRN: beta_fast (default 32)", flag="--yarn-beta-fast",
+                                             defines_model=True)
+    yarn_beta_slow: Optional[float] = option(None, "YaRN: beta_slow (default 1)", flag="--yarn-beta-slow",
+                                             defines_model=True)
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of tied embeddings",
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
     normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),
@@ -317,11 +361,27 @@ class GPTConfig(Validated):
             self._require(self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
                           "num_query_groups", f"must divide --num-attention-heads ({self.num_attention_heads})")
         self._require(0.0 < self.rotary_percent <= 1.0, "rotary_percent", "must be in (0, 1]")
+        self._check_latent_attention()
         self._require(self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
         if self.position_embedding_type == "rope":
             self._require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "rotary_percent",
                           f"rope needs an even number of rotated dimensions (--kv-channels {self.kv_channels} x "
                           f"--rotary-percent {self.rotary_percent} = {self.kv_channels * self.rotary_percent:g})")
+
+    def _check_latent_attention(self) -> None:
+        if self.rope_type == "yarn":   # Megatron's MLA defaults
+            self.yarn_original_max_position_embeddings = self.yarn_original_max_position_embeddings or 4096
+            self.yarn_beta_fast = 32.0 if self.yarn_beta_fast is None else self.yarn_beta_fast
+            self.yarn_beta_slow = 1.0 if self.yarn_beta_slow is None else self.yarn_beta_slow
+            self._require(self.rotary_scaling_factor >= 1.0, "rotary_scaling_factor", "must be >= 1")
+        if not self.multi_latent_attention:
+            return
+        self._require(not self.group_query_attention, "group_query_attention", "not with --multi-latent-attention")
+        self._require(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be >= 1")
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(self.qk_pos_emb_head_dim >= 2 and self.qk_pos_emb_head_dim % 2 == 0, "qk_pos_emb_head_dim",
+                      "must be even and >= 2")
 
     @property
     def query_groups(self) -> int:

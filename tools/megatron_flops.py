@@ -39,6 +39,15 @@ CASES = {
     "moe grouped-query attention, wide heads": SHAPE + [
         "--swiglu", "--num-experts", "8", "--moe-router-topk", "2", "--group-query-attention",
         "--num-query-groups", "2", "--kv-channels", "48", "--moe-ffn-hidden-size", "128"],
+    "moe multi-latent attention, q latent, group-limited sigmoid routing": SHAPE + [
+        "--swiglu", "--num-experts", "8", "--moe-router-topk", "4", "--multi-latent-attention", "--q-lora-rank", "96",
+        "--kv-lora-rank", "64", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "24",
+        "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+        "--moe-shared-expert-intermediate-size", "128", "--moe-ffn-hidden-size", "128",
+        "--moe-layer-freq", "([0]*1+[1]*3)"],
+    "moe multi-latent attention without a q latent": SHAPE + [
+        "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--multi-latent-attention",
+        "--kv-lora-rank", "64", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"],
 }
 PADDED_VOCAB, BATCH = 50304, 16
 

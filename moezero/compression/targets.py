@@ -1,6 +1,7 @@
 """Which weights of a GPT-MoE model each QAT module group covers, and their canonical names.
 
-    attention      attention.qkv, attention.proj                    (nn.Linear weights)
+    attention      attention.qkv, attention.proj; with MLA its q/kv    (nn.Linear weights)
+                   down/up projections and proj
     mlp            fc1, fc2 of the dense MLP layers                  (nn.Linear weights)
     experts        experts.w1, experts.w2 of the MoE layers          (stacked local experts)
     shared_expert  shared_expert.fc1, shared_expert.fc2              (nn.Linear weights)
@@ -23,7 +24,9 @@ from typing import List, Optional, Sequence
 from torch import nn
 
 from moezero.config import ConfigError
-from moezero.models.gpt import CausalSelfAttention, GPTModel, TransformerLayer
+from moezero.models.attention import CausalSelfAttention
+from moezero.models.gpt import GPTModel, TransformerLayer
+from moezero.models.mla import MultiLatentAttention
 from moezero.moe import MoELayer
 from moezero.moe.experts import DenseMLP
 from moezero.parallel.expert_marker import ExpertShard, expert_shard_of
@@ -65,6 +68,9 @@ def _candidates(model: nn.Module):
         if isinstance(m, CausalSelfAttention):
             yield "attention", prefix + "qkv", m.qkv, "weight"
             yield "attention", prefix + "proj", m.proj, "weight"
+        elif isinstance(m, MultiLatentAttention):
+            for name, linear in m.projections():
+                yield "attention", prefix + name, linear, "weight"
         elif isinstance(m, TransformerLayer) and isinstance(m.mlp, DenseMLP):
             yield "mlp", prefix + "mlp.fc1", m.mlp.fc1, "weight"
             yield "mlp", prefix + "mlp.fc2", m.mlp.fc2, "weight"

@@ -15,122 +15,17 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
 from moezero.keyed_random import SampleKeys, init_keyed_, is_bias, keyed_dropout
+from moezero.models.attention import CausalSelfAttention, norm_layer, recomputing
+from moezero.models.mla import MultiLatentAttention
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
 
 MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
-
-
-class Rotary(nn.Module):
-    """RoPE on the first `dim` dimensions of each head (rotate-half pairing, Megatron's and HF's default).
-
-    The inverse frequencies are computed in fp32 as Megatron and transformers compute them; angles, cos and
-    sin in the input's precision (at least fp32). Nothing is a buffer, so casting the model never rounds them.
-    """
-
-    def __init__(self, dim: int, base: float):
-        super().__init__()
-        self.dim = dim
-        self.base = base
-        self._tables: dict = {}
-
-    def tables(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (seq_length, dtype, device)
-        if key not in self._tables:
-            inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
-            angles = torch.outer(torch.arange(seq_length, dtype=torch.float32).to(dtype), inv_freq.to(dtype))
-            self._tables[key] = angles.cos().to(device), angles.sin().to(device)
-        return self._tables[key]
-
-    def forward(self, x_BHSh: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x_BHSh.dtype, torch.float32)
-        cos, sin = self.tables(x_BHSh.shape[2], dtype, x_BHSh.device)
-        rotated, passed = x_BHSh[..., : self.dim].to(dtype), x_BHSh[..., self.dim:]
-        x1, x2 = rotated.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSh.dtype)
-        return torch.cat([out, passed], dim=-1) if passed.shape[-1] else out
-
-
-def _norm(config: GPTConfig, size: Optional[int] = None) -> nn.Module:
-    size = config.hidden_size if size is None else size
-    if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.norm_epsilon)
-    return nn.LayerNorm(size, eps=config.norm_epsilon)
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head attention with G key/value groups (G = H: MHA; G < H: grouped-query attention).
-
-    The fused projection `qkv` holds [queries (H h) | keys (G h) | values (G h)] along its output; with
-    --qk-layernorm, queries and keys are normalised per head (q_norm/k_norm of width h) or over all their
-    heads at once (full_width: H h and G h, OLMoE's) before RoPE.
-    """
-
-    def __init__(self, config: GPTConfig, site: str):
-        super().__init__()
-        self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
-        self.dropout = config.attention_dropout
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.site = site
-        bias = not config.disable_bias_linear
-        q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=bias or config.add_qkv_bias)
-        self.proj = nn.Linear(q_width, config.hidden_size, bias=bias)
-        self.q_norm = self.k_norm = None
-        self.full_width_norm = config.qk_layernorm and config.qk_layernorm_scope == "full_width"
-        if config.qk_layernorm:
-            self.q_norm = _norm(config, q_width if self.full_width_norm else self.head_dim)
-            self.k_norm = _norm(config, kv_width if self.full_width_norm else self.head_dim)
-        self.rotary = None
-        if config.position_embedding_type == "rope":
-            self.rotary = Rotary(config.rotary_dim, config.rotary_base)
-
-    def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
-        q, k, v = self._heads(self.qkv(x_BSD))
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        if self.recompute_core and _recomputing(self):   # selective recompute: only this part is redone
-            y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
-        else:
-            y = self._core(q, k, v, keys)
-        return self.proj(rearrange(y, "B H S h -> B S (H h)"))
-
-    def _heads(self, qkv_BSF: torch.Tensor):
-        """(q B H S h, k B G S h, v B G S h), queries and keys normalised if asked."""
-        q, k, v = qkv_BSF.split([self.heads * self.head_dim, self.groups * self.head_dim,
-                                 self.groups * self.head_dim], dim=-1)
-        if self.full_width_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (rearrange(t, "B S (H h) -> B H S h", h=self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None and not self.full_width_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
-
-    def _core(self, q, k, v, keys):
-        """softmax(q k^T / sqrt(h)) v, causal, with dropout on the probabilities; each key/value group
-        serves H/G consecutive query heads."""
-        if self.training and self.dropout > 0 and keys is not None:
-            return self._attention_with_keyed_dropout(q, k, v, keys)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                              enable_gqa=self.groups != self.heads)
-
-    def _attention_with_keyed_dropout(self, q, k, v, keys):
-        """Explicit attention: SDPA's fused dropout draws from the global RNG, not from keys."""
-        S = q.shape[2]
-        if self.groups != self.heads:
-            k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)   # fp32 at least (Megatron's), fp64 kept
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).to(softmax_dtype), -1).to(q.dtype)
-        probs = keyed_dropout(probs, self.dropout, True, keys, self.site)
-        return probs @ v
 
 
 class TransformerLayer(nn.Module):
@@ -140,9 +35,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.site = f"layer{layer_number}"
-        self.input_norm = _norm(config)
-        self.attention = CausalSelfAttention(config, site=f"{self.site}.attention")
-        self.mlp_norm = _norm(config)
+        self.input_norm = norm_layer(config)
+        attention = MultiLatentAttention if config.multi_latent_attention else CausalSelfAttention
+        self.attention = attention(config, site=f"{self.site}.attention")
+        self.mlp_norm = norm_layer(config)
         self.moe_recompute = config.moe_layer_recompute
         self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
 
@@ -151,7 +47,7 @@ class TransformerLayer(nn.Module):
         x_BSD = x_BSD + keyed_dropout(attn, self.hidden_dropout, self.training, keys, self.site + ".attn_out")
         h = self.mlp_norm(x_BSD)
         stats = None
-        if isinstance(self.mlp, MoELayer) and self.moe_recompute and _recomputing(self):
+        if isinstance(self.mlp, MoELayer) and self.moe_recompute and recomputing(self):
             out, stats = checkpoint(self.mlp, h, keys, use_reentrant=False)
         elif isinstance(self.mlp, MoELayer):
             out, stats = self.mlp(h, keys)
@@ -189,7 +85,7 @@ class GPTModel(nn.Module):
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList([TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i)
                                      for i in range(config.num_layers)])
-        self.final_norm = _norm(config)
+        self.final_norm = norm_layer(config)
         self.output = None
         if config.untie_embeddings_and_output_weights:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -221,7 +117,7 @@ class GPTModel(nn.Module):
         x = keyed_dropout(x, self.config.hidden_dropout, self.training, keys, "embedding")
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config):
-            if recompute and _recomputing(self):
+            if recompute and recomputing(self):
                 x, stats = checkpoint(self._layers, first, last, x, keys, use_reentrant=False)
             else:
                 x, stats = self._layers(first, last, x, keys)
@@ -251,11 +147,6 @@ def recompute_chunks(config: GPTConfig) -> List[Tuple[int, int, bool]]:
     if config.recompute_method == "uniform":
         return [(i, min(i + k, n), True) for i in range(0, n, k)]
     return [(i, i + 1, True) for i in range(k)] + ([(k, n, False)] if k < n else [])
-
-
-def _recomputing(module: nn.Module) -> bool:
-    """Activation checkpointing applies to training forwards that build a graph."""
-    return module.training and torch.is_grad_enabled()
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor

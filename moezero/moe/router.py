@@ -88,6 +88,21 @@ def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     return kept_ET.t().gather(1, topk_ids_TK)
 
 
+def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str,
+                    top_k: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V2/V3): experts form `num_groups` consecutive groups, each token keeps
+    the `group_topk` best groups and its other experts get -inf. A group's score is the sum of its top
+    top_k / group_topk selection scores ("top_sum") or its best one ("max")."""
+    T, E = selection_TE.shape
+    grouped_TGe = selection_TE.view(T, num_groups, E // num_groups)
+    if group_score == "max":
+        group_TG = grouped_TGe.amax(-1)
+    else:
+        group_TG = grouped_TGe.topk(top_k // group_topk, dim=-1).values.sum(-1)
+    kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(group_topk, dim=-1).indices, True)
+    return grouped_TGe.masked_fill(~kept_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+
 class TopKRouter(nn.Module):
     """Scores tokens, picks top-k experts, applies capacity, and computes the router losses.
 
@@ -138,6 +153,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         k = cfg.top_k
         selection_TE = scores_TE + self.expert_bias if cfg.enable_expert_bias else scores_TE
+        if cfg.num_groups is not None:
+            selection_TE = limit_to_groups(selection_TE, cfg.num_groups, cfg.group_topk, cfg.group_score, k)
         topk_ids_TK = torch.topk(selection_TE, k, dim=-1).indices
         if cfg.score_function == "softmax" and not cfg.pre_softmax:
             # softmax over the selected logits == top-k of the full softmax, renormalised

@@ -26,11 +26,28 @@ def flops_per_batch(model: GPTConfig, moe: Optional[MoEConfig], vocab_size: int,
         expert_width = moe.ffn_hidden_size or model.ffn_hidden_size
         shared_width = moe.shared_expert_intermediate_size or 0
         mlp += (expert_width * moe.top_k + shared_width) * gemms_per_ffn * moe_layers
-    queries, keys = model.num_attention_heads * model.kv_channels, model.query_groups * model.kv_channels
-    projections = layers * (h * (queries + 2 * keys) + queries * h)   # Q, K, V and the output projection
-    per_token = h * mlp + projections + h * vocab_size
-    attention = layers * batch_size * model.seq_length ** 2 * queries   # QK^T and scores x V, each halved by the mask
+    projections, core = _latent_attention(model) if model.multi_latent_attention else _attention(model)
+    per_token = h * mlp + layers * projections + h * vocab_size
+    attention = layers * batch_size * model.seq_length ** 2 * core   # QK^T and scores x V, each halved by the mask
     return _FORWARD_AND_BACKWARD * _FMA * (tokens * per_token + attention)
+
+
+def _attention(model: GPTConfig):
+    """(per-token projection FMAs, per-(query, key) core FMAs) of one layer: Q, K, V, output; QK^T and PV."""
+    h, queries, keys = model.hidden_size, model.num_attention_heads * model.kv_channels, model.query_groups * model.kv_channels
+    return h * (queries + 2 * keys) + queries * h, queries
+
+
+def _latent_attention(model: GPTConfig):
+    """The same for MLA, as Megatron counts it (the latent norms are the +1s)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    qk, pos, v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+    if model.q_lora_rank is None:
+        queries = h * heads * (qk + pos)
+    else:
+        queries = model.q_lora_rank * (h + heads * (qk + pos) + 1)
+    projections = queries + model.kv_lora_rank * (h + heads * (qk + v) + 1) + h * pos + heads * v * h
+    return projections, heads * (qk + pos) / 2 + heads * v / 2
 
 
 def tflops_per_rank(flops: float, step_seconds: float, world_size: int) -> float:

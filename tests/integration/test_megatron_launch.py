@@ -111,9 +111,9 @@ def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path):
     assert "resumed from" in again.stdout and "44 samples consumed (fresh optimizer state and RNG states)" \
         in again.stdout
     assert re.search(r"iteration 7/7 \| consumed samples: +52 ", again.stdout)
-    mla = run([sys.executable, PRETRAIN, f"@{args}", "--multi-latent-attention", "--kv-lora-rank", "16"])
-    assert mla.returncode == 2 and mla.stderr.strip().count("\n") == 0, mla.stderr
-    assert "not supported by moezero: --multi-latent-attention, --kv-lora-rank" in mla.stderr
+    fp8 = run([sys.executable, PRETRAIN, f"@{args}", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"])
+    assert fp8.returncode == 2 and fp8.stderr.strip().count("\n") == 0, fp8.stderr
+    assert "not supported by moezero: --fp8-format, --fp8-amax-history-len" in fp8.stderr
 
 
 def test_a_typo_costs_a_line(tmp_path):

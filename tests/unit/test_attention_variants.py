@@ -1,12 +1,16 @@
 """The attention variants of the open MoE families beyond what the transformers parity covers: partial RoPE
-(--rotary-percent) against megatron-core's own RoPE, and grouped-query attention's explicit path (the one
-keyed dropout takes) against SDPA's grouped path."""
+(--rotary-percent) against megatron-core's own RoPE, and the explicit path keyed dropout takes against SDPA's
+for grouped-query and multi-latent attention."""
+import math
+
 import pytest
 import torch
 
 from moezero.config import GPTConfig
-from moezero.models import gpt
-from moezero.models.gpt import CausalSelfAttention, Rotary
+from moezero.models import attention as attention_module
+from moezero.models.attention import CausalSelfAttention, _attention_with_keyed_dropout
+from moezero.models.mla import MultiLatentAttention
+from moezero.models.rope import Rotary
 
 
 def test_partial_rope_is_megatrons(monkeypatch):
@@ -34,10 +38,26 @@ def test_grouped_query_attention_explicit_path_is_sdpas(monkeypatch):
     x = torch.randn(2, 12, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     q, k, v = attention._heads(attention.qkv(x))
     assert (q.shape[1], k.shape[1], v.shape[1]) == (6, 2, 2)
-    monkeypatch.setattr(gpt, "keyed_dropout", lambda probs, *args: probs)   # the dropout itself aside
-    explicit = attention._attention_with_keyed_dropout(q, k, v, keys=None)
+    monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)   # the dropout itself aside
+    explicit = _attention_with_keyed_dropout(q, k, v, 0.1, None, "a", None)
     attention.eval()
     torch.testing.assert_close(explicit, attention._core(q, k, v, keys=None), rtol=0, atol=1e-13)
     # query heads 0-2 share key/value group 0, heads 3-5 group 1 (transformers' and Megatron's order)
     alone = torch.nn.functional.scaled_dot_product_attention(q[:, 3:4], k[:, 1:2], v[:, 1:2], is_causal=True)
     torch.testing.assert_close(explicit[:, 3:4], alone, rtol=0, atol=1e-13)
+
+
+def test_multi_latent_attention_explicit_path_is_sdpas(monkeypatch):
+    """MLA's softmax scale (1/sqrt(qk + pos) times YaRN's mscale^2) reaches both paths; values are narrower."""
+    config = GPTConfig(hidden_size=32, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=24,
+                       kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True,
+                       rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0, seq_length=12,
+                       vocab_size=11, position_embedding_type="rope", normalization="RMSNorm")
+    attention = MultiLatentAttention(config, site="a").double()
+    assert attention.scale == pytest.approx(12 ** -0.5 * (0.1 * math.log(4.0) + 1) ** 2)
+    x = torch.randn(2, 12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    q, k, v = attention._heads(x)
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (12, 12, 6)
+    monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)
+    explicit = _attention_with_keyed_dropout(q, k, v, 0.1, None, "a", attention.scale)
+    torch.testing.assert_close(explicit, attention.eval()._core(q, k, v, None), rtol=0, atol=1e-13)

@@ -7,7 +7,8 @@ import torch
 
 from moezero.config import ConfigError, GPTConfig, MoEConfig
 from moezero.models import GPTModel
-from moezero.models.gpt import CausalSelfAttention, recompute_chunks
+from moezero.models.attention import CausalSelfAttention
+from moezero.models.gpt import recompute_chunks
 from moezero.moe import MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.training.builders import build_model

@@ -29,13 +29,13 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     assert len(lines) == 1 and "did you mean --hidden-size?" in lines[0] and "see --help" in lines[0], lines
     lines = _error_of(["--tensor-model-parallel-size", "2"], capsys)
     assert len(lines) == 1 and "--tensor-model-parallel-size=2: not supported by moezero" in lines[0]
-    lines = _error_of(["--multi-latent-attention", "--q-lora-rank", "8", "--hiden-size", "64"], capsys)
+    lines = _error_of(["--fp8-format", "hybrid", "--fp8-margin", "0", "--hiden-size", "64"], capsys)
     assert len(lines) == 1 and lines[0].endswith(
-        "error: not supported by moezero: --multi-latent-attention, --q-lora-rank (Megatron-LM flags; see the "
+        "error: not supported by moezero: --fp8-format, --fp8-margin (Megatron-LM flags; see the "
         "README, 'Coming from Megatron-LM'); unrecognized arguments: --hiden-size 64; did you mean --hidden-size? "
         "(see --help)"), lines
-    lines = _error_of(["--moe-router-num-groups", "4"], capsys)   # once a did-you-mean of --moe-router-topk
-    assert len(lines) == 1 and "not supported by moezero: --moe-router-num-groups" in lines[0] and "mean" not in lines[0]
+    lines = _error_of(["--mtp-num-layers", "1"], capsys)   # never a did-you-mean to another flag
+    assert len(lines) == 1 and "not supported by moezero: --mtp-num-layers" in lines[0] and "mean" not in lines[0]
     lines = _error_of(["--moe-token-dispatcher-type", "flex"], capsys)
     assert lines[0].endswith("--moe-token-dispatcher-type flex: not supported by moezero (choose from 'allgather', "
                              "'alltoall') (see --help)"), lines

@@ -1,0 +1,107 @@
+"""Causal self-attention: multi-head and grouped-query, with optional q/k norms and RoPE; and the core
+(softmax(q k^T * scale) v, causal) that multi-latent attention shares.
+
+Shapes: B batch, S sequence, D hidden, H query heads, G key/value groups, h head width.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moezero.config import GPTConfig
+from moezero.keyed_random import SampleKeys, keyed_dropout
+from moezero.models.rope import Rotary, yarn_of
+
+
+def recomputing(module: nn.Module) -> bool:
+    """Activation checkpointing applies to training forwards that build a graph."""
+    return module.training and torch.is_grad_enabled()
+
+
+def norm_layer(config: GPTConfig, size: Optional[int] = None) -> nn.Module:
+    """--normalization's norm over `size` (default the model width) with --norm-epsilon."""
+    size = config.hidden_size if size is None else size
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(size, eps=config.norm_epsilon)
+    return nn.LayerNorm(size, eps=config.norm_epsilon)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with G key/value groups (G = H: MHA; G < H: grouped-query attention).
+
+    The fused projection `qkv` holds [queries (H h) | keys (G h) | values (G h)] along its output; with
+    --qk-layernorm, queries and keys are normalised per head (q_norm/k_norm of width h) or over all their
+    heads at once (full_width: H h and G h, OLMoE's) before RoPE.
+    """
+
+    def __init__(self, config: GPTConfig, site: str):
+        super().__init__()
+        self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
+        self.dropout = config.attention_dropout
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.site = site
+        bias = not config.disable_bias_linear
+        q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=bias or config.add_qkv_bias)
+        self.proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+        self.q_norm = self.k_norm = None
+        self.full_width_norm = config.qk_layernorm and config.qk_layernorm_scope == "full_width"
+        if config.qk_layernorm:
+            self.q_norm = norm_layer(config, q_width if self.full_width_norm else self.head_dim)
+            self.k_norm = norm_layer(config, kv_width if self.full_width_norm else self.head_dim)
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = Rotary(config.rotary_dim, config.rotary_base, yarn_of(config))
+
+    def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
+        q, k, v = self._heads(self.qkv(x_BSD))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        if self.recompute_core and recomputing(self):   # selective recompute: only this part is redone
+            y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, keys)
+        return self.proj(rearrange(y, "B H S h -> B S (H h)"))
+
+    def _heads(self, qkv_BSF: torch.Tensor):
+        """(q B H S h, k B G S h, v B G S h), queries and keys normalised if asked."""
+        q, k, v = qkv_BSF.split([self.heads * self.head_dim, self.groups * self.head_dim,
+                                 self.groups * self.head_dim], dim=-1)
+        if self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (rearrange(t, "B S (H h) -> B H S h", h=self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None and not self.full_width_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _core(self, q, k, v, keys):
+        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site)
+
+
+def causal_attention(q_BHSh, k_BGSh, v_BGSv, dropout: float, training: bool, keys: Optional[SampleKeys], site: str,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v, causal (scale default 1/sqrt(h)); each key/value group serves H/G consecutive
+    query heads; dropout on the probabilities, drawn from `keys` when given (SDPA's fused dropout draws from the
+    global RNG, so that case runs the explicit path)."""
+    grouped = k_BGSh.shape[1] != q_BHSh.shape[1]
+    if training and dropout > 0 and keys is not None:
+        return _attention_with_keyed_dropout(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale)
+    return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSv, is_causal=True, scale=scale,
+                                          dropout_p=dropout if training else 0.0, enable_gqa=grouped)
+
+
+def _attention_with_keyed_dropout(q, k, v, dropout, keys, site, scale):
+    S = q.shape[2]
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)   # fp32 at least (Megatron's), fp64 kept
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).to(softmax_dtype), -1).to(q.dtype)
+    return keyed_dropout(probs, dropout, True, keys, site) @ v

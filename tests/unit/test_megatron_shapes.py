@@ -1,0 +1,49 @@
+"""The model a Megatron flag set builds has exactly the parameters Megatron's own GPTModel has for it, module by
+module: tests/assets/megatron_params.json holds megatron-core's counts (tools/megatron_params.py builds its
+GPTModel on the CPU), for attention variants (grouped-query, wide heads, q/k/v biases, per-head q/k norms,
+multi-latent with and without latents) and MoE variants (shared expert and its gate, narrow experts, dense
+layers, DeepSeek-V3 routing)."""
+import json
+import os
+import re
+from collections import Counter
+
+import pytest
+
+from moezero.models import GPTModel
+from tests.integration.pretrain_utils import ASSETS, configs
+
+with open(os.path.join(ASSETS, "megatron_params.json")) as f:
+    TABLE = json.load(f)
+
+GROUPS = [   # moezero's parameter names -> the groups the table counts
+    (r"^embedding\.", "embedding"),
+    (r"^position_embedding\.", "position_embedding"),
+    (r"^output\.", "output"),
+    (r"^final_norm\.", "final_norm"),
+    (r"^layers\.(\d+)\.input_norm\.", r"layer\1.input_norm"),
+    (r"^layers\.(\d+)\.attention\.", r"layer\1.attention"),
+    (r"^layers\.(\d+)\.mlp_norm\.", r"layer\1.mlp_norm"),
+    (r"^layers\.(\d+)\.mlp\.router\.", r"layer\1.router"),
+    (r"^layers\.(\d+)\.mlp\.experts\.", r"layer\1.experts"),
+    (r"^layers\.(\d+)\.mlp\.shared_expert(_gate)?\.", r"layer\1.shared_expert"),
+    (r"^layers\.(\d+)\.mlp\.fc", r"layer\1.dense_mlp"),
+]
+
+
+def _group(name):
+    for pattern, group in GROUPS:
+        if re.match(pattern, name):
+            return re.sub(pattern + ".*", group, name)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("case", TABLE["cases"], ids=[c["name"] for c in TABLE["cases"]])
+def test_the_parameters_are_megatrons(case):
+    cfg = configs(case["flags"])
+    cfg.model.vocab_size = case["padded_vocab_size"]
+    model = GPTModel(cfg.model, cfg.moe if cfg.moe.num_experts else None)
+    ours = Counter()
+    for name, param in model.named_parameters():
+        ours[_group(name)] += param.numel()
+    assert dict(sorted(ours.items())) == case["params"], (TABLE["megatron_core"], case["name"])
