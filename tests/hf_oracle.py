@@ -8,7 +8,11 @@ parity can be asked to 1e-8.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
+from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 transformers = __import__("pytest").importorskip("transformers")
@@ -35,6 +39,19 @@ COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_
               max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, attention_dropout=0.0,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+def _deepseek(**routing):
+    return dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                max_position_embeddings=64, rms_norm_eps=1e-6, intermediate_size=40, moe_intermediate_size=12,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
+                tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                **routing)
+
+
+def _yarn(**more):
+    """YaRN from 16 to the 64 positions of the tiny models (factor 4)."""
+    return dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, **more)
+
+
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=4,
                                                   rope_theta=1e6, tie_word_embeddings=True, sliding_window=None),
@@ -47,6 +64,19 @@ CONFIGS = {
                                                      decoder_sparse_step=2, tie_word_embeddings=False),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, norm_topk_prob=False,
                                               tie_word_embeddings=False),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **_deepseek(q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+                    topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                    rope_parameters=_yarn(mscale=0.707, mscale_all_dim=0.707))),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                    topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0))),
+    # Kimi-K2: DeepSeek-V3's architecture, one expert group, YaRN with beta 1/1 (its config.json says kimi_k2)
+    "kimi_k2": lambda: transformers.DeepseekV3Config(
+        **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                    topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+                    rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0))),
 }
 
 
@@ -60,6 +90,22 @@ def tiny_model(family: str, seed: int = 0):
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's selection-only bias: not zero
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype))
+    return model
+
+
+def save_tiny_model(family: str, path: str, seed: int = 0):
+    """tiny_model's weights as transformers saves them; Kimi-K2's config says kimi_k2 as its Hub files do."""
+    model = tiny_model(family, seed)
+    model.save_pretrained(path)
+    if family == "kimi_k2":
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["model_type"] = "kimi_k2"
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
     return model
 
 
@@ -69,7 +115,18 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def load_with_transformers(path: str):
-    """transformers' model of a Hub directory, float64 as tiny_model's (from_pretrained keeps RoPE's inverse
-    frequencies in float32; .double() makes them what a float64 model built from its config has)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    """transformers' model of a Hub directory, float64 as tiny_model's: from_pretrained keeps RoPE's inverse
+    frequencies in float32 (.double() makes them what a float64 model built from its config has) and loads
+    some tensors rounded to float32 (DeepSeek-V3's router weight and bias), which are copied again from the
+    files at their float64."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").double().eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt") as f:
+                    for key in f.keys():
+                        if key in state and f.get_slice(key).get_dtype() == "F64":
+                            state[key].copy_(f.get_tensor(key))
+    return model

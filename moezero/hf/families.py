@@ -8,6 +8,11 @@ layers route with a softmax top-k; they differ in a few switches:
                                decoder_sparse_step/mlp_only_layers; norm_topk_prob
   qwen3_moe  Qwen3-MoE         q/k RMSNorm per head; head_dim apart from hidden/heads; dense layers as Qwen2
   olmoe      OLMoE             q/k RMSNorm over all heads' width
+  deepseek_v2  DeepSeek-V2     multi-latent attention (interleaved RoPE, YaRN); softmax routing, greedy or
+                               group-limited by each group's best expert, scaled; shared experts; the first
+                               first_k_dense_replace layers dense
+  deepseek_v3  DeepSeek-V3,    as V2, routed by sigmoid scores with a correction bias for the choice only,
+               Kimi-K2         groups scored by their top two, the top-k weights renormalised and scaled
 
 `Family.configs(hf)` gives (GPTConfig, MoEConfig) from a config.json dict, `Family.hf_config(gpt, moe)` the
 other way; a setting the family cannot express is an UnsupportedModel naming it.
@@ -36,6 +41,7 @@ class Family:
     shared_expert: bool = False            # a gated shared expert in every MoE layer (Qwen2-MoE)
     sparse_step: bool = False              # dense layers by decoder_sparse_step / mlp_only_layers
     always_renormalises: bool = False      # top-k weights always renormalised (else norm_topk_prob)
+    shared_expert_module: str = "shared_expert"
 
     @property
     def expert_width_field(self) -> str:
@@ -64,7 +70,7 @@ class Family:
             init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=self._moe_layers(hf))
         renormalise = self.always_renormalises or bool(hf.get("norm_topk_prob", False))
         moe = MoEConfig(
-            num_experts=hf.get(self.num_experts_field) or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+            num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
             ffn_hidden_size=hf[self.expert_width_field], pre_softmax=not renormalise,
             aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") if self.shared_expert else None,
@@ -120,6 +126,8 @@ class Family:
             raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
 
     def _differences(self, gpt: GPTConfig, moe: MoEConfig):
+        if gpt.multi_latent_attention or gpt.rope_type == "yarn":
+            yield "multi-latent attention or YaRN (it has plain attention and RoPE)"
         if gpt.position_embedding_type != "rope":
             yield f"--position-embedding-type {gpt.position_embedding_type} (it uses rope)"
         if gpt.normalization != "RMSNorm":
@@ -136,12 +144,137 @@ class Family:
             yield "a gated shared expert" + (" is required" if self.shared_expert else " is not part of it")
         if self.always_renormalises and moe.pre_softmax:
             yield "--moe-router-pre-softmax (its top-k weights are always renormalised)"
-        if moe.score_function != "softmax" or moe.topk_scaling_factor is not None or moe.enable_expert_bias:
-            yield "a sigmoid router, a top-k scaling factor or an expert bias (it routes by softmax alone)"
+        if (moe.score_function != "softmax" or moe.topk_scaling_factor not in (None, 1.0) or moe.enable_expert_bias
+                or moe.num_groups):
+            yield "a sigmoid router, a top-k scaling factor, an expert bias or expert groups (it routes by softmax alone)"
         if moe.bias:
             yield "router or expert biases"
         if not self.sparse_step and not all(is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)):
             yield "dense layers among the MoE ones (every layer of it is MoE)"
+
+
+@dataclass(frozen=True)
+class DeepSeekFamily(Family):
+    """DeepSeek-V2 (version 2) and DeepSeek-V3 / Kimi-K2 (version 3): MLA and DeepSeekMoE."""
+
+    version: int = 3
+
+    def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        _refuse_unsupported(hf, self)
+        self._refuse_deepseek(hf)
+        layers, rope = hf["num_hidden_layers"], _rope_parameters(hf, yarn=True)
+        first_dense, freq = hf.get("first_k_dense_replace") or 0, hf.get("moe_layer_freq") or 1
+        pattern = [int(i >= first_dense and i % freq == 0) for i in range(layers)]
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+        gpt = GPTConfig(
+            num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+            ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
+            max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+            make_vocab_size_divisible_by=1, position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), normalization="RMSNorm",
+            norm_epsilon=hf["rms_norm_eps"], swiglu=True, disable_bias_linear=True, qk_layernorm=True,
+            multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], rope_type="yarn" if yarn else None,
+            rotary_scaling_factor=float(rope.get("factor", 1.0)) if yarn else 1.0,
+            mscale=float(rope.get("mscale") or 0.0) if yarn else 1.0,
+            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if yarn else 0.0,
+            yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings") if yarn else None,
+            yarn_beta_fast=rope.get("beta_fast") if yarn else None, yarn_beta_slow=rope.get("beta_slow") if yarn else None,
+            hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0),
+            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=1 if all(pattern) else pattern)
+        moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
+                        ffn_hidden_size=hf["moe_intermediate_size"],
+                        shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
+                        if hf.get("n_shared_experts") else None,
+                        topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), **self._router(hf))
+        return gpt, moe
+
+    def _router(self, hf: Dict[str, Any]) -> Dict[str, Any]:
+        groups = hf.get("n_group") or 1
+        grouped = groups > 1 and (self.version == 3 or hf.get("topk_method") == "group_limited_greedy")
+        limits = dict(num_groups=groups, group_topk=hf["topk_group"]) if grouped else {}
+        if self.version == 2:
+            return dict(score_function="softmax", pre_softmax=True, group_score="max", **limits)
+        return dict(score_function="sigmoid", enable_expert_bias=True, group_score="top_sum", **limits)
+
+    def _refuse_deepseek(self, hf: Dict[str, Any]) -> None:
+        heads = hf["num_attention_heads"]
+        checks = [
+            ((hf.get("num_key_value_heads") or heads) != heads, "num_key_value_heads apart from the heads"),
+            (hf["rms_norm_eps"] != 1e-6, f"rms_norm_eps={hf['rms_norm_eps']} (its latent norms use 1e-6 whatever "
+                                         "it says; moezero one epsilon for all)"),
+            (self.version == 3 and hf.get("rope_interleave") is False, "rope_interleave=false"),
+            (self.version == 3 and hf.get("scoring_func", "sigmoid") != "sigmoid",
+             f"scoring_func={hf.get('scoring_func')!r}"),
+            (self.version == 3 and not hf.get("norm_topk_prob", True) and hf["num_experts_per_tok"] > 1,
+             "norm_topk_prob=false with sigmoid scores"),
+            (self.version == 3 and hf["num_experts_per_tok"] == 1, "one expert per token"),
+            (self.version == 3 and (hf.get("n_group") or 1) > 1
+             and hf["num_experts_per_tok"] != 2 * hf["topk_group"], "n_group > 1 with num_experts_per_tok != "
+                                                                    "2 * topk_group (groups score their top two)"),
+            (self.version == 2 and hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"),
+             f"topk_method={hf.get('topk_method')!r}"),
+        ]
+        for failed, what in checks:
+            if failed:
+                raise UnsupportedModel(f"{self.model_type} config {what}: not supported by moezero")
+
+    def hf_config(self, gpt: GPTConfig, moe: MoEConfig, dtype: str) -> Dict[str, Any]:
+        self.check_expressible(gpt, moe)
+        rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": gpt.rotary_base}
+        if gpt.rope_type == "yarn":
+            rope.update(rope_type="yarn", factor=gpt.rotary_scaling_factor, mscale=gpt.mscale,
+                        mscale_all_dim=gpt.mscale_all_dim, beta_fast=gpt.yarn_beta_fast,
+                        beta_slow=gpt.yarn_beta_slow,
+                        original_max_position_embeddings=gpt.yarn_original_max_position_embeddings)
+        pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
+        hf: Dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": gpt.vocab_size,
+            "hidden_size": gpt.hidden_size, "intermediate_size": gpt.ffn_hidden_size,
+            "moe_intermediate_size": moe.ffn_hidden_size or gpt.ffn_hidden_size, "num_hidden_layers": gpt.num_layers,
+            "num_attention_heads": gpt.num_attention_heads, "num_key_value_heads": gpt.num_attention_heads,
+            "n_shared_experts": (moe.shared_expert_intermediate_size or 0) // (moe.ffn_hidden_size or 1),
+            "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "routed_scaling_factor": moe.topk_scaling_factor or 1.0, "kv_lora_rank": gpt.kv_lora_rank,
+            "q_lora_rank": gpt.q_lora_rank, "qk_rope_head_dim": gpt.qk_pos_emb_head_dim,
+            "qk_nope_head_dim": gpt.qk_head_dim, "v_head_dim": gpt.v_head_dim,
+            "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
+            "first_k_dense_replace": pattern.index(True), "moe_layer_freq": 1, "hidden_act": "silu",
+            "max_position_embeddings": gpt.max_position_embeddings, "rms_norm_eps": gpt.norm_epsilon,
+            "rope_theta": gpt.rotary_base, "rope_parameters": rope,
+            "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights, "attention_bias": False,
+            "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
+            "router_aux_loss_coef": moe.aux_loss_coeff, "dtype": dtype, "torch_dtype": dtype,
+        }
+        if self.version == 3:
+            hf.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True,
+                      num_nextn_predict_layers=0)
+        else:
+            hf.update(norm_topk_prob=False, topk_method="group_limited_greedy" if moe.num_groups else "greedy")
+        return hf
+
+    def _differences(self, gpt: GPTConfig, moe: MoEConfig):
+        pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
+        if not gpt.multi_latent_attention or not gpt.qk_layernorm:
+            yield "attention other than multi-latent attention with its latent norms (--qk-layernorm)"
+        if gpt.normalization != "RMSNorm" or not gpt.swiglu or not gpt.disable_bias_linear:
+            yield "LayerNorm, GELU or biases (it has RMSNorm, SwiGLU, no biases)"
+        if gpt.norm_epsilon != 1e-6:
+            yield f"--norm-epsilon {gpt.norm_epsilon} (its latent norms are 1e-6)"
+        if True not in pattern or pattern != sorted(pattern):
+            yield "dense layers after MoE ones (it has the first layers dense, the rest MoE)"
+        if moe.shared_expert_intermediate_size and (moe.shared_expert_intermediate_size % (moe.ffn_hidden_size or 1)
+                                                    or moe.shared_expert_gate):
+            yield "a shared expert that is not whole experts wide, or gated"
+        if moe.bias or (moe.num_groups and moe.group_score != ("max" if self.version == 2 else "top_sum")):
+            yield "router biases or another group score"
+        if self.version == 3 and (moe.score_function != "sigmoid" or not moe.enable_expert_bias or moe.top_k == 1
+                                  or (moe.num_groups and moe.top_k != 2 * moe.group_topk)):
+            yield "a router other than sigmoid scores with an expert bias (and groups scored by their top two)"
+        if self.version == 2 and (moe.score_function != "softmax" or not moe.pre_softmax or moe.enable_expert_bias):
+            yield "a router other than a softmax over all experts without renormalisation"
 
 
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
@@ -153,11 +286,16 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
            qk_norm="head", sparse_step=True),
     Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
            qk_norm="full_width"),
+    DeepSeekFamily("deepseek_v2", "DeepseekV2ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                   "n_routed_experts", shared_expert_module="shared_experts", version=2),
+    DeepSeekFamily("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                   "n_routed_experts", shared_expert_module="shared_experts", version=3),
 )}
+ALIASES = {"kimi_k2": "deepseek_v3"}   # Kimi-K2's config.json names its own type for DeepSeek-V3's architecture
 
 
 def family_of(hf: Dict[str, Any]) -> Family:
-    model_type = hf.get("model_type")
+    model_type = ALIASES.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in FAMILIES:
         raise UnsupportedModel(f"model_type {model_type!r} is not supported by moezero (supported: "
                                f"{', '.join(FAMILIES)})")
@@ -173,14 +311,21 @@ def family_for(gpt: GPTConfig, moe: MoEConfig) -> Family:
     raise UnsupportedModel(f"no Hugging Face family holds this model ({reasons})")
 
 
-def _rope_parameters(hf: Dict[str, Any]) -> Dict[str, Any]:
+def _num_experts(hf: Dict[str, Any]) -> int:
+    return hf.get("n_routed_experts") or hf.get("num_experts") or hf["num_local_experts"]
+
+
+def _rope_parameters(hf: Dict[str, Any], yarn: bool = False) -> Dict[str, Any]:
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in hf:
         rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UnsupportedModel(f"rope_parameters.rope_type={kind!r}: not supported by moezero (default RoPE only)")
+    allowed = ("default", "yarn") if yarn else ("default",)
+    if kind not in allowed:
+        raise UnsupportedModel(f"rope_parameters.rope_type={kind!r}: not supported by moezero ({', '.join(allowed)})")
+    if rope.get("attention_factor") is not None or rope.get("truncate") is False:
+        raise UnsupportedModel("rope_parameters.attention_factor / truncate=false: not supported by moezero")
     return rope
 
 

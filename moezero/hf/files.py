@@ -1,18 +1,20 @@
 """A Hugging Face model directory on disk: config.json and safetensors shards with their index.
 
 Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file), so a rank
-reads only what it holds. Writing shards tensors in key order into files of at most `max_shard_bytes`.
+reads only what it holds. FP8 weights with 128x128-block scales (DeepSeek-V3's published checkpoints,
+`weight_scale_inv`) are dequantized as they are read. Writing shards tensors in key order into files of at most `max_shard_bytes`.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -45,12 +47,31 @@ class HubDirectory:
         return self.weight_map.keys()
 
     def read(self, key: str) -> torch.Tensor:
+        """The tensor `key`; FP8 block-quantized weights (DeepSeek-V3's) come dequantized to fp32."""
+        tensor = self._stored(key)
+        if tensor.dtype in FP8_DTYPES:
+            tensor = dequantize_blocks(tensor, self._stored(key + "_scale_inv"), self.block_size)
+        return tensor
+
+    @property
+    def block_size(self) -> Tuple[int, int]:
+        quantization = self.config.get("quantization_config") or {}
+        return tuple(quantization.get("weight_block_size") or (128, 128))
+
+    def _stored(self, key: str) -> torch.Tensor:
         if key not in self.weight_map:
             raise KeyError(f"{self.path}: the checkpoint has no tensor {key!r}")
         name = self.weight_map[key]
         if name not in self._open:
             self._open[name] = safe_open(os.path.join(self.path, name), "pt")
         return self._open[name].get_tensor(key)
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:
+    """fp32 weight of an FP8 one stored per (block rows x block columns) tile with its scale: w * scale_inv."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
 
 
 def write_hub_directory(path: str, config: Dict, tensors: Dict[str, torch.Tensor],

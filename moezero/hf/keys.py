@@ -55,7 +55,8 @@ def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
 
 
 def links(family: Family, gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Link]:
-    """moezero parameter name -> its Link, for every parameter of a model of these configs."""
+    """moezero tensor name -> its Link, for every parameter (and the expert-bias buffers) of a model of these
+    configs."""
     out = {"embedding.weight": Link(("model.embed_tokens.weight",)),
            "final_norm.weight": Link(("model.norm.weight",))}
     if gpt.untie_embeddings_and_output_weights:
@@ -64,7 +65,8 @@ def links(family: Family, gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Link]:
         ours, hub = f"layers.{i}.", f"model.layers.{i}."
         out[ours + "input_norm.weight"] = Link((hub + "input_layernorm.weight",))
         out[ours + "mlp_norm.weight"] = Link((hub + "post_attention_layernorm.weight",))
-        out.update(_attention(ours + "attention.", hub + "self_attn.", gpt))
+        attention = _latent_attention if gpt.multi_latent_attention else _attention
+        out.update(attention(ours + "attention.", hub + "self_attn.", gpt))
         if is_moe_layer(i, gpt.moe_layer_freq):
             out.update(_moe(ours + "mlp.", f"{hub}{family.moe_block}.", family, moe))
         else:
@@ -85,6 +87,15 @@ def _attention(ours: str, hub: str, gpt: GPTConfig) -> Dict[str, Link]:
     return out
 
 
+def _latent_attention(ours: str, hub: str, gpt: GPTConfig) -> Dict[str, Link]:
+    names = {"kv_down": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "kv_up": "kv_b_proj", "proj": "o_proj"}
+    if gpt.q_lora_rank is None:
+        names["q_proj"] = "q_proj"
+    else:
+        names.update(q_down="q_a_proj", q_norm="q_a_layernorm", q_up="q_b_proj")
+    return {f"{ours}{mine}.weight": Link((f"{hub}{theirs}.weight",)) for mine, theirs in names.items()}
+
+
 def _swiglu(ours: str, hub: str, projections: Tuple[str, str, str]) -> Dict[str, Link]:
     gate, up, down = (f"{hub}{p}.weight" for p in projections)
     return {ours + "fc1.weight": Link((gate, up)), ours + "fc2.weight": Link((down,))}
@@ -95,8 +106,11 @@ def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]
     out = {ours + "router.wg.weight": Link((hub + "gate.weight",)),
            ours + "experts.w1": Link((gate, up), per_expert=True),
            ours + "experts.w2": Link((down,), per_expert=True)}
+    if moe.enable_expert_bias:   # a buffer: the selection-only correction bias (DeepSeek-V3)
+        out[ours + "router.expert_bias"] = Link((hub + "gate.e_score_correction_bias",))
     if moe.shared_expert_intermediate_size:
-        out.update(_swiglu(ours + "shared_expert.", hub + "shared_expert.", ("gate_proj", "up_proj", "down_proj")))
+        out.update(_swiglu(ours + "shared_expert.", f"{hub}{family.shared_expert_module}.",
+                           ("gate_proj", "up_proj", "down_proj")))
     if moe.shared_expert_gate:
         out[ours + "shared_expert_gate.weight"] = Link((hub + "shared_expert_gate.weight",))
     return out

@@ -5,7 +5,8 @@ With `groups`, the MoE layers hold this rank's experts only and only their tenso
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+import warnings
+from typing import Dict, Optional, Set
 
 import torch
 
@@ -53,7 +54,7 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link]) -> 
     """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack)."""
     _check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
                     tied=not model.config.untie_embeddings_and_output_weights)
-    params = dict(model.named_parameters())
+    params = model_tensors(model, table)
     if set(params) != set(table):
         raise CheckpointMismatch(f"{hub.path}: moezero's model and the key table differ: "
                                  f"{sorted(set(params) ^ set(table))[:5]}")
@@ -69,11 +70,34 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link]) -> 
             param.copy_(value.to(param.dtype))
 
 
+def _multi_token_prediction_keys(hub: HubDirectory, unexpected: Set[str]) -> Set[str]:
+    """DeepSeek-V3's MTP modules: layers numbered from num_hidden_layers, num_nextn_predict_layers of them."""
+    config = hub.config
+    first, count = config["num_hidden_layers"], config.get("num_nextn_predict_layers") or 0
+    if not count:
+        return set()
+    pattern = re.compile(r"^model\.layers\.(\d+)\.")
+    return {k for k in unexpected if (m := pattern.match(k)) and first <= int(m.group(1)) < first + count}
+
+
+def model_tensors(model: GPTModel, table: Dict[str, Link]) -> Dict[str, torch.Tensor]:
+    """The model's parameters and the buffers the checkpoint holds too (the expert bias)."""
+    tensors = dict(model.named_parameters())
+    tensors.update({name: b for name, b in model.named_buffers() if name in table})
+    return tensors
+
+
 def _check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, tied: bool) -> None:
     expected = {key for link in table.values() for key in link.hub_keys(num_experts)}
     present = set(hub.keys())
     missing = sorted(expected - present)
-    extra = sorted(k for k in present - expected if not _NOT_WEIGHTS.search(k) and not (tied and k == "lm_head.weight"))
+    mtp = _multi_token_prediction_keys(hub, present - expected)
+    if mtp:
+        warnings.warn(f"{hub.path}: skipping the multi-token-prediction layer stored after the last layer "
+                      f"({len(mtp)} tensors): moezero trains next-token prediction only")
+    extra = sorted(k for k in present - expected - mtp if not _NOT_WEIGHTS.search(k)
+                   and not (tied and k == "lm_head.weight")
+                   and not (k.endswith("_scale_inv") and k[: -len("_scale_inv")] in expected))
     if missing or extra:
         raise CheckpointMismatch(f"{hub.path}: tensors missing for the config's model: {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}; tensors the model has no place for: "

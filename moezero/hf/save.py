@@ -14,6 +14,7 @@ import torch.distributed as dist
 from moezero.hf.families import FAMILIES, Family, family_for
 from moezero.hf.files import write_hub_directory
 from moezero.hf.keys import links
+from moezero.hf.load import model_tensors
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups, comm
 from moezero.parallel.expert_marker import expert_shard_of
@@ -44,7 +45,7 @@ def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer) -> Dict[str, 
     gathered = optimizer.full_parameters() if optimizer is not None else contextlib.nullcontext()
     tensors: Dict[str, torch.Tensor] = {}
     with gathered, torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in model_tensors(model, table).items():
             whole = _all_experts(name, param, groups).detach().to(device="cpu", dtype=dtype)
             tensors.update({key: t.clone() for key, t in table[name].split(whole).items()})
     return tensors

@@ -1,17 +1,21 @@
 """Hugging Face checkpoints of the MoE families, against transformers (tests/hf_oracle.py): a tiny random model
-of each family that transformers saves loads into moezero with the same logits (float64, <= 1e-8), and
-moezero's save_pretrained writes the keys and tensors transformers itself writes, which it loads back."""
+of each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, Kimi-K2) that transformers saves
+loads into moezero with the same logits (float64, <= 1e-8), and moezero's save_pretrained writes the keys and
+tensors transformers itself writes, which it loads back. DeepSeek-V3's FP8 weights and its multi-token
+prediction layer are read as its published checkpoints store them."""
 import json
 import os
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import moezero.hf as hub
 from moezero.hf import CheckpointMismatch, UnsupportedModel
 from moezero.models import GPTModel
-from tests.hf_oracle import CONFIGS, hf_logits, load_with_transformers, tiny_model
+from tests.hf_oracle import CONFIGS, hf_logits, load_with_transformers, save_tiny_model, tiny_model
 from tests.integration.pretrain_utils import configs
 
 FAMILIES = sorted(CONFIGS)
@@ -29,8 +33,7 @@ def _tensors(path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_checkpoint_gives_its_logits(family, tmp_path):
-    reference = tiny_model(family)
-    reference.save_pretrained(tmp_path)
+    reference = save_tiny_model(family, str(tmp_path))
     model = hub.from_pretrained(str(tmp_path), dtype=torch.float64)
     with torch.no_grad():
         ours = model(TOKENS)[0]
@@ -107,3 +110,47 @@ def test_tensors_that_do_not_fit_the_config_are_named(tmp_path):
         json.dump(config, f)
     with pytest.raises(CheckpointMismatch, match=r"tensors missing .*experts\.4\."):
         hub.from_pretrained(str(tmp_path))
+
+
+def _fp8_blocks(weight, block):
+    """DeepSeek-V3's storage of a weight: float8_e4m3fn per block x block tile, with the tile's scale inverse."""
+    rows, cols = weight.shape
+    tiles = torch.nn.functional.pad(weight, (0, -cols % block, 0, -rows % block))
+    tiles = tiles.reshape(tiles.shape[0] // block, block, tiles.shape[1] // block, block)
+    scale_inv = (tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0).float()
+    quantized = (tiles / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn)
+    # DeepSeek's weight_dequant: the fp8 value times its tile's scale, in fp32
+    dequantized = (quantized.float() * scale_inv[:, None, :, None]).double().reshape(tiles.shape[0] * block, -1)
+    return quantized.reshape(dequantized.shape)[:rows, :cols], scale_inv, dequantized[:rows, :cols]
+
+
+def _write_directory(path, config, tensors):
+    os.makedirs(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
+    """Linear weights stored FP8 in 16x16 tiles with weight_scale_inv (DeepSeek-V3's layout, tiles of 128 there)
+    give the logits transformers gives for the dequantized weights; the MTP layer after the last layer is
+    skipped with a notice."""
+    tiny_model("deepseek_v3").save_pretrained(tmp_path / "plain")
+    with open(tmp_path / "plain" / "config.json") as f:
+        config = json.load(f)
+    stored, dequantized = _tensors(str(tmp_path / "plain")), {}
+    for key in [k for k in stored if re.search(r"proj(_with_mqa)?\.weight$", k)]:
+        quantized, scale_inv, dequantized[key] = _fp8_blocks(stored[key], 16)
+        stored[key], stored[key + "_scale_inv"] = quantized, scale_inv
+    assert len(dequantized) > 40
+    _write_directory(str(tmp_path / "dequantized"), config, {**_tensors(str(tmp_path / "plain")), **dequantized})
+    stored["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)   # the MTP layer's
+    fp8 = dict(config, num_nextn_predict_layers=1, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
+    _write_directory(str(tmp_path / "fp8"), fp8, stored)
+    with pytest.warns(UserWarning, match="skipping the multi-token-prediction layer"):
+        model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    reference = load_with_transformers(str(tmp_path / "dequantized"))
+    torch.testing.assert_close(ours, hf_logits(reference, TOKENS), rtol=0, atol=1e-8)
