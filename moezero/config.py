@@ -171,6 +171,9 @@ class MoEConfig(Validated):
                                          "dtype, at least fp32)", flag="--moe-router-dtype", choices=("fp32", "fp64"))
     grouped_gemm: bool = option(True, "run local experts as one grouped GEMM (else a per-expert loop)",
                                 flag="--moe-grouped-gemm")
+    use_upcycling: bool = option(False, "start from the dense checkpoint of --load: every expert a copy of its "
+                                 "layer's dense MLP, the routers new (the logits start as the dense model's)",
+                                 flag="--moe-use-upcycling")
     init_std: float = option(0.02, "std of the normal init (taken from --init-method-std)", flag=None)
     init_seed: int = option(0, "seed of the layout-invariant init (taken from --seed)", flag=None)
 

@@ -64,6 +64,10 @@ CONFIGS = {
                                                      decoder_sparse_step=2, tie_word_embeddings=False),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, norm_topk_prob=False,
                                               tie_word_embeddings=False),
+    # the dense sources of upcycling
+    "llama": lambda: transformers.LlamaConfig(**COMMON, intermediate_size=40, tie_word_embeddings=True,
+                                              rope_theta=5e5),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=12, intermediate_size=40, tie_word_embeddings=False),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **_deepseek(q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
                     topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
@@ -80,9 +84,12 @@ CONFIGS = {
 }
 
 
-def tiny_model(family: str, seed: int = 0):
-    """A float64 transformers model of `family` with random weights everywhere (norms around 1)."""
+def tiny_model(family: str, seed: int = 0, **config_fields):
+    """A float64 transformers model of `family` with random weights everywhere (norms around 1); its config
+    with `config_fields` changed."""
     config = CONFIGS[family]()
+    for name, value in config_fields.items():
+        setattr(config, name, value)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                              experts_implementation="eager").double().eval()
     generator = torch.Generator().manual_seed(seed)
@@ -112,6 +119,16 @@ def save_tiny_model(family: str, path: str, seed: int = 0):
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), Float64Throughout():
         return model(tokens).logits
+
+
+def hub_tensors(path: str):
+    """Every tensor of a Hub directory's safetensors files, by key."""
+    out = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                out.update({key: f.get_tensor(key) for key in f.keys()})
+    return out
 
 
 def load_with_transformers(path: str):

@@ -11,6 +11,7 @@ layers route with a softmax top-k; they differ in a few switches:
   deepseek_v2  DeepSeek-V2     multi-latent attention (interleaved RoPE, YaRN); softmax routing, greedy or
                                group-limited by each group's best expert, scaled; shared experts; the first
                                first_k_dense_replace layers dense
+  llama, qwen3 (dense)         the dense sources of upcycling (--moe-use-upcycling): no MoE layers
   deepseek_v3  DeepSeek-V3,    as V2, routed by sigmoid scores with a correction bias for the choice only,
                Kimi-K2         groups scored by their top two, the top-k weights renormalised and scaled
 
@@ -42,6 +43,7 @@ class Family:
     sparse_step: bool = False              # dense layers by decoder_sparse_step / mlp_only_layers
     always_renormalises: bool = False      # top-k weights always renormalised (else norm_topk_prob)
     shared_expert_module: str = "shared_expert"
+    dense: bool = False                    # a dense model (Llama, Qwen3): the source of upcycling
 
     @property
     def expert_width_field(self) -> str:
@@ -67,7 +69,9 @@ class Family:
             add_qkv_bias=bool(hf.get(self.qkv_bias_field, False)) if self.qkv_bias_field else False,
             qk_layernorm=self.qk_norm is not None, qk_layernorm_scope=self.qk_norm or "head",
             hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=self._moe_layers(hf))
+            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=1 if self.dense else self._moe_layers(hf))
+        if self.dense:
+            return gpt, None
         renormalise = self.always_renormalises or bool(hf.get("norm_topk_prob", False))
         moe = MoEConfig(
             num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
@@ -100,18 +104,21 @@ class Family:
             "rope_parameters": {"rope_type": "default", "rope_theta": gpt.rotary_base},
             "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights,
             "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
-            "num_experts_per_tok": moe.top_k, self.num_experts_field: moe.num_experts,
-            self.expert_width_field: moe.ffn_hidden_size or gpt.ffn_hidden_size,
-            "router_aux_loss_coef": moe.aux_loss_coeff, "dtype": dtype, "torch_dtype": dtype,
+            "dtype": dtype, "torch_dtype": dtype,
         }
         if gpt.rotary_percent != 1.0:
             hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"] = gpt.rotary_percent
-        if not self.always_renormalises:
-            hf["norm_topk_prob"] = not moe.pre_softmax
         if self.qkv_bias_field:
             hf[self.qkv_bias_field] = gpt.add_qkv_bias
-        if self.model_type in ("qwen3_moe", "olmoe"):
+        if self.qk_norm or self.dense:
             hf["attention_bias"] = False
+        if self.dense:
+            return hf
+        hf.update({"num_experts_per_tok": moe.top_k, self.num_experts_field: moe.num_experts,
+                   self.expert_width_field: moe.ffn_hidden_size or gpt.ffn_hidden_size,
+                   "router_aux_loss_coef": moe.aux_loss_coeff})
+        if not self.always_renormalises:
+            hf["norm_topk_prob"] = not moe.pre_softmax
         if self.sparse_step:
             hf["decoder_sparse_step"] = 1
             hf["mlp_only_layers"] = [i for i, sparse in enumerate(moe_layers) if not sparse]
@@ -119,13 +126,13 @@ class Family:
             hf["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
         return hf
 
-    def check_expressible(self, gpt: GPTConfig, moe: MoEConfig) -> None:
+    def check_expressible(self, gpt: GPTConfig, moe: Optional[MoEConfig]) -> None:
         """UnsupportedModel naming the first setting of (gpt, moe) this family cannot hold."""
         problem = next((why for why in self._differences(gpt, moe)), None)
         if problem:
             raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
 
-    def _differences(self, gpt: GPTConfig, moe: MoEConfig):
+    def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
         if gpt.multi_latent_attention or gpt.rope_type == "yarn":
             yield "multi-latent attention or YaRN (it has plain attention and RoPE)"
         if gpt.position_embedding_type != "rope":
@@ -140,6 +147,11 @@ class Family:
             yield "--add-qkv-bias (it has no q/k/v biases)"
         if (self.qk_norm or None) != (gpt.qk_layernorm_scope if gpt.qk_layernorm else None):
             yield f"q/k norm {gpt.qk_layernorm_scope if gpt.qk_layernorm else 'off'} (it has {self.qk_norm or 'none'})"
+        if (moe is None) != self.dense:
+            yield "MoE layers (it is dense)" if self.dense else "no MoE layers (it is an MoE)"
+            return
+        if self.dense:
+            return
         if bool(moe.shared_expert_intermediate_size) != self.shared_expert or moe.shared_expert_gate != self.shared_expert:
             yield "a gated shared expert" + (" is required" if self.shared_expert else " is not part of it")
         if self.always_renormalises and moe.pre_softmax:
@@ -255,7 +267,10 @@ class DeepSeekFamily(Family):
             hf.update(norm_topk_prob=False, topk_method="group_limited_greedy" if moe.num_groups else "greedy")
         return hf
 
-    def _differences(self, gpt: GPTConfig, moe: MoEConfig):
+    def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if moe is None:
+            yield "no MoE layers (it is an MoE)"
+            return
         pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
         if not gpt.multi_latent_attention or not gpt.qk_layernorm:
             yield "attention other than multi-latent attention with its latent norms (--qk-layernorm)"
@@ -291,6 +306,10 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     DeepSeekFamily("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
                    "n_routed_experts", shared_expert_module="shared_experts", version=3),
 )}
+DENSE = (Family("llama", "LlamaForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", dense=True),
+         Family("qwen3", "Qwen3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", qk_norm="head",
+                dense=True))
+FAMILIES.update({f.model_type: f for f in DENSE})
 ALIASES = {"kimi_k2": "deepseek_v3"}   # Kimi-K2's config.json names its own type for DeepSeek-V3's architecture
 
 
@@ -302,7 +321,7 @@ def family_of(hf: Dict[str, Any]) -> Family:
     return FAMILIES[model_type]
 
 
-def family_for(gpt: GPTConfig, moe: MoEConfig) -> Family:
+def family_for(gpt: GPTConfig, moe: Optional[MoEConfig]) -> Family:
     """The first family that holds a model of these configs exactly."""
     for family in FAMILIES.values():
         if not any(True for _ in family._differences(gpt, moe)):

@@ -54,7 +54,7 @@ def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
-def links(family: Family, gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Link]:
+def links(family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Link]:
     """moezero tensor name -> its Link, for every parameter (and the expert-bias buffers) of a model of these
     configs."""
     out = {"embedding.weight": Link(("model.embed_tokens.weight",)),
@@ -67,7 +67,7 @@ def links(family: Family, gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Link]:
         out[ours + "mlp_norm.weight"] = Link((hub + "post_attention_layernorm.weight",))
         attention = _latent_attention if gpt.multi_latent_attention else _attention
         out.update(attention(ours + "attention.", hub + "self_attn.", gpt))
-        if is_moe_layer(i, gpt.moe_layer_freq):
+        if moe is not None and is_moe_layer(i, gpt.moe_layer_freq):
             out.update(_moe(ours + "mlp.", f"{hub}{family.moe_block}.", family, moe))
         else:
             out.update(_swiglu(ours + "mlp.", hub + "mlp.", ("gate_proj", "up_proj", "down_proj")))

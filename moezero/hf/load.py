@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Dict, Optional, Set
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
+from moezero.config import GPTConfig, MoEConfig
 from moezero.hf.families import family_of
 from moezero.hf.files import HubDirectory
 from moezero.hf.keys import Link, links
@@ -34,12 +35,17 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     """
     hub = HubDirectory(path)
     family = family_of(hub.config)
-    gpt, moe = family.configs(hub.config)
+    gpt, moe = hub_configs(hub)
     model = GPTModel(gpt, moe, seed=seed, moe_layer=expert_parallel(groups) if groups is not None else MoELayer)
     model.to(dtype or hub_dtype(hub.config))
     load_weights(model, hub, links(family, gpt, moe))
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
     return model.eval()
+
+
+def hub_configs(hub: HubDirectory) -> Tuple[GPTConfig, MoEConfig]:
+    """moezero's (GPTConfig, MoEConfig) of a Hub directory's model."""
+    return family_of(hub.config).configs(hub.config)
 
 
 def hub_dtype(config: Dict) -> torch.dtype:

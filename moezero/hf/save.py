@@ -26,8 +26,6 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...).
     Collective when `groups` splits experts: call it on every rank."""
-    if model.moe_config is None:
-        raise ValueError("save_pretrained writes MoE models; this model has no MoE layers")
     gpt, moe = model.config, model.moe_config
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
     family.check_expressible(gpt, moe)

@@ -31,6 +31,7 @@ from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_s
                                      find_resume_point, start_iteration, start_progress)
 from moezero.training.schedule import learning_rate
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
+from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_point
 from moezero.training.stopping import StopConditions
 
 
@@ -45,6 +46,9 @@ class Pretraining:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         notices: List[str] = []
         point = find_resume_point(cfg.checkpoint)
+        dense_source = None   # --moe-use-upcycling: the dense checkpoint the experts start from
+        if point is not None and cfg.moe.use_upcycling:
+            point = upcycling_point(point, cfg.model, cfg.moe, notices.append)
         if point is not None and cfg.checkpoint.use_checkpoint_args:
             cfg = apply_checkpoint_args(cfg, point, notices.append)
         elif point is not None:
@@ -53,6 +57,9 @@ class Pretraining:
             notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
                            "from scratch")
         self.cfg = cfg
+        if point is not None and cfg.moe.use_upcycling:
+            check_upcyclable(cfg.model, cfg.moe)
+            dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
         progress = start_progress(point, cfg.checkpoint.finetune)
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
@@ -68,6 +75,8 @@ class Pretraining:
         self.data = build_data(cfg, sizes)
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
+        if dense_source is not None:   # before the optimizer copies the params into its masters
+            upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
         if point is not None:

@@ -9,26 +9,16 @@ import re
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import moezero.hf as hub
 from moezero.hf import CheckpointMismatch, UnsupportedModel
 from moezero.models import GPTModel
-from tests.hf_oracle import CONFIGS, hf_logits, load_with_transformers, save_tiny_model, tiny_model
+from tests.hf_oracle import CONFIGS, hf_logits, hub_tensors, load_with_transformers, save_tiny_model, tiny_model
 from tests.integration.pretrain_utils import configs
 
 FAMILIES = sorted(CONFIGS)
 TOKENS = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(1))
-
-
-def _tensors(path):
-    out = {}
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                out.update({key: f.get_tensor(key) for key in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,7 +37,7 @@ def test_save_pretrained_writes_what_transformers_writes(family, tmp_path):
     theirs_dir, ours_dir = str(tmp_path / "theirs"), str(tmp_path / "ours")
     tiny_model(family).save_pretrained(theirs_dir)
     hub.save_pretrained(hub.from_pretrained(theirs_dir, dtype=torch.float64), ours_dir)
-    theirs, ours = _tensors(theirs_dir), _tensors(ours_dir)
+    theirs, ours = hub_tensors(theirs_dir), hub_tensors(ours_dir)
     assert sorted(ours) == sorted(theirs)
     for key, tensor in theirs.items():
         assert torch.equal(ours[key], tensor), key
@@ -86,7 +76,7 @@ def test_what_a_family_cannot_hold_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
-    ({"model_type": "llama"}, "model_type 'llama' is not supported by moezero"),
+    ({"model_type": "gpt_oss"}, "model_type 'gpt_oss' is not supported by moezero"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
 ])
@@ -138,12 +128,12 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     tiny_model("deepseek_v3").save_pretrained(tmp_path / "plain")
     with open(tmp_path / "plain" / "config.json") as f:
         config = json.load(f)
-    stored, dequantized = _tensors(str(tmp_path / "plain")), {}
+    stored, dequantized = hub_tensors(str(tmp_path / "plain")), {}
     for key in [k for k in stored if re.search(r"proj(_with_mqa)?\.weight$", k)]:
         quantized, scale_inv, dequantized[key] = _fp8_blocks(stored[key], 16)
         stored[key], stored[key + "_scale_inv"] = quantized, scale_inv
     assert len(dequantized) > 40
-    _write_directory(str(tmp_path / "dequantized"), config, {**_tensors(str(tmp_path / "plain")), **dequantized})
+    _write_directory(str(tmp_path / "dequantized"), config, {**hub_tensors(str(tmp_path / "plain")), **dequantized})
     stored["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)   # the MTP layer's
     fp8 = dict(config, num_nextn_predict_layers=1, quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]})

@@ -1,0 +1,74 @@
+"""--moe-use-upcycling (Megatron's; Komatsuzaki et al. 2022, "Sparse Upcycling"): an MoE run starts from a
+dense checkpoint. Every expert of layer i is a copy of layer i's dense MLP, the routers keep their fresh
+init, everything else is the dense model's. When a token's top-k weights sum to 1 (a renormalised softmax,
+or sigmoid scores over k > 1) and nothing is dropped, its MoE output is the dense MLP's output, so the
+upcycled model's logits start as the dense model's. The run then starts at iteration 0 as --finetune does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Dict
+
+import torch
+
+from moezero.config import ConfigError, GPTConfig, MoEConfig
+from moezero.models import GPTModel
+from moezero.training.resume import ResumePoint
+
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(w1|w2|b1|b2)$")
+_DENSE = {"w1": ("fc1.weight", True), "w2": ("fc2.weight", True), "b1": ("fc1.bias", False), "b2": ("fc2.bias", False)}
+
+
+def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig,
+                    report: Callable[[str], None]) -> ResumePoint:
+    """The dense checkpoint seen as the MoE run's: its MoE section and layer pattern are the command line's,
+    so --use-checkpoint-args and the same-model check apply to the rest. Errors name what cannot upcycle."""
+    if (point.configs.get("moe") or {}).get("num_experts"):
+        raise ConfigError(f"--moe-use-upcycling: {point.path} is already an MoE checkpoint (it needs a dense one)")
+    report(f" --moe-use-upcycling: the experts start as the dense MLPs of {point.path} (iteration "
+           f"{point.iteration}); starting at 0")
+    configs = dict(point.configs, moe=dataclasses.asdict(moe),
+                   model=dict(point.configs.get("model") or {}, moe_layer_freq=model.moe_layer_freq))
+    return dataclasses.replace(point, configs=configs)
+
+
+def check_upcyclable(model: GPTConfig, moe: MoEConfig) -> None:
+    """The MoE settings under which the upcycled logits equal the dense ones."""
+    problems = [
+        (moe.num_experts is None, "needs --num-experts"),
+        (moe.ffn_hidden_size not in (None, model.ffn_hidden_size), f"--moe-ffn-hidden-size must be the dense width "
+                                                                   f"({model.ffn_hidden_size})"),
+        (moe.shared_expert_intermediate_size is not None, "no shared expert (the dense MLP has no counterpart)"),
+        (moe.capacity_factor is not None, "dropless routing (a dropped token loses its MLP)"),
+        (moe.topk_scaling_factor not in (None, 1.0), "no --moe-router-topk-scaling-factor"),
+        (moe.score_function == "softmax" and moe.pre_softmax, "top-k weights that sum to 1: not "
+                                                              "--moe-router-pre-softmax"),
+        (moe.score_function == "sigmoid" and moe.top_k == 1, "top-k weights that sum to 1: sigmoid needs top-k > 1"),
+    ]
+    for failed, what in problems:
+        if failed:
+            raise ConfigError(f"--moe-use-upcycling: {what}")
+
+
+def upcycle(model: GPTModel, dense: Dict[str, torch.Tensor]) -> None:
+    """Fill `model` (this rank's experts) from the dense model's tensors `dense` (consolidated names)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            source = _dense_tensor(name, dense, model)
+            if source is not None:
+                tensor.copy_(source.to(tensor.dtype))
+
+
+def _dense_tensor(name: str, dense: Dict[str, torch.Tensor], model: GPTModel):
+    expert = _EXPERT.match(name)
+    if expert:   # every local expert: the dense MLP (its weights transposed into the (in, out) stack layout)
+        key, transpose = _DENSE[expert.group(2)]
+        weight = dense[f"{expert.group(1)}.{key}"]
+        return (weight.t() if transpose else weight).unsqueeze(0)
+    if ".mlp.router." in name:
+        return None   # a new router
+    if name not in dense:
+        raise ConfigError(f"--moe-use-upcycling: the dense checkpoint has no {name}")
+    return dense[name]
+

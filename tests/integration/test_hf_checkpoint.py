@@ -1,0 +1,98 @@
+"""tools/hf_checkpoint.py: a Hugging Face directory imported as a moezero checkpoint exports back bitwise; the
+import continues with `--load --use-checkpoint-args --finetune` on 2 ranks (ep 2, ZeRO stage 3) with no model
+flag typed, and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
+imported dense model (Qwen3) is upcycled with --moe-use-upcycling."""
+import re
+import sys
+
+import pytest
+import torch
+
+from moezero.compression.inference import load_checkpoint_weights
+from moezero.compression.source import load_checkpoint_model
+from tests.bpe_files import CORPUS_JSONL, write_bpe_files
+from tests.hf_oracle import hf_logits, hub_tensors, load_with_transformers, tiny_model
+from tests.integration.scripts import PRETRAIN, run, tool, torchrun
+
+RUN = ["--use-checkpoint-args", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
+       "--train-iters", "3", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr",
+       "1e-3", "--num-workers", "0", "--eval-iters", "1", "--eval-interval", "100", "--log-interval", "1"]
+FINETUNE = RUN + ["--finetune", "--expert-model-parallel-size", "2", "--zero-stage", "3"]
+PROBE = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def _tool(*args):
+    proc = run([sys.executable, tool("hf_checkpoint"), *args], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_import_finetune_on_two_ranks_and_export(tmp_path):
+    hub, ckpt, back = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    tiny_model("deepseek_v3", seed=4).float().save_pretrained(hub)   # fp32 weights: the masters hold them exactly
+    _tool("import", hub, ckpt)
+    _tool("export", ckpt, back)
+    original, exported = hub_tensors(hub), hub_tensors(back)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+    tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
+    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout and "--use-checkpoint-args: --num-layers 3" in proc.stdout
+    _tool("export", tuned, out)
+    model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
+    with torch.no_grad():
+        ours = model(PROBE)[0]
+    theirs = hf_logits(load_with_transformers(out), PROBE)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
+    assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
+
+
+def test_a_directory_moezero_cannot_read_is_one_line(tmp_path):
+    proc = run([sys.executable, tool("hf_checkpoint"), "import", str(tmp_path), str(tmp_path / "ckpt")])
+    assert proc.returncode == 2 and "no config.json (not a Hugging Face model directory)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _first_loss(stdout):
+    return re.search(r"iteration 1/\d+ .*?lm loss: (\S+)", stdout).group(1)
+
+
+def test_upcycling_an_imported_qwen3_dense_model(tmp_path):
+    """--moe-use-upcycling from a Hugging Face dense model: the MoE run (ep 2, stage 3, experts copies of the
+    dense MLPs) starts with the dense model's loss on the same first batch, then trains."""
+    hub, dense = str(tmp_path / "hub"), str(tmp_path / "dense")
+    tiny_model("qwen3", seed=5).float().save_pretrained(hub)
+    _tool("import", hub, dense)
+    common = ["--load", dense] + RUN + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    base = run(torchrun(2, PRETRAIN) + common + ["--finetune"], timeout=240)
+    assert base.returncode == 0, base.stderr[-3000:]
+    upcycled = run(torchrun(2, PRETRAIN) + common + ["--moe-use-upcycling", "--num-experts", "4", "--moe-router-topk",
+                                                     "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"],
+                   timeout=240)
+    assert upcycled.returncode == 0, upcycled.stderr[-3000:]
+    assert "--moe-use-upcycling: the experts start as the dense MLPs of" in upcycled.stdout
+    assert "world 2, ep 2, ZeRO stage 3" in upcycled.stdout
+    assert _first_loss(upcycled.stdout) == _first_loss(base.stdout)
+    assert re.search(r"iteration 3/3 .*moe max/mean load", upcycled.stdout)
+
+
+def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
+    """A tokenizer.json next to the weights: the imported checkpoint names it, so a run with
+    --use-checkpoint-args tokenizes with it (here the data preprocessed by it) without tokenizer flags."""
+    hub, ckpt = str(tmp_path / "hub"), str(tmp_path / "ckpt")
+    tiny_model("qwen3_moe", seed=6, vocab_size=512).float().save_pretrained(hub)
+    write_bpe_files(hub, vocab_size=400)
+    prefix = str(tmp_path / "corpus")
+    prep = run([sys.executable, tool("preprocess_data"), "--input", CORPUS_JSONL, "--output-prefix", prefix,
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hub, "--append-eod"])
+    assert prep.returncode == 0, prep.stderr
+    _tool("import", hub, ckpt)
+    proc = run([sys.executable, PRETRAIN, "--load", ckpt, "--use-checkpoint-args", "--finetune", "--data-path",
+                prefix + "_text_document", "--split", "90,5,5", "--train-iters", "2", "--seq-length", "16",
+                "--micro-batch-size", "2", "--global-batch-size", "2", "--num-workers", "0", "--eval-iters", "1",
+                "--log-interval", "1", "--data-cache-path", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "--tokenizer-type HuggingFaceTokenizer" in proc.stdout and f"--tokenizer-model {hub}" in proc.stdout
+    assert re.search(r"iteration 2/2 .*lm loss", proc.stdout)
