@@ -12,15 +12,9 @@ import argparse
 import enum
 import json
 import sys
-import types
-import typing
 
-typing.override = getattr(typing, "override", lambda f: f)   # megatron-core >= 0.17 targets Python 3.12
-# megatron-core's MoE paged-stash kernels import Triton, which the argument parser never uses
-stub = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")
-stub.GLOBAL_BLOCK_SIZE, stub.paged_stash_copy_kernel, stub.paged_stash_pop_kernel = 0, None, None
-sys.modules[stub.__name__] = stub
 
+import megatron_wheel  # noqa: E402,F401  (before megatron-core)
 from megatron.core import package_info  # noqa: E402
 from megatron.training import arguments  # noqa: E402
 

@@ -10,16 +10,9 @@ counts. Same setup as tools/megatron_arguments.py (megatron-core 0.19's wheel on
 import argparse
 import json
 import sys
-import types
-import typing
-import warnings
 
-typing.override = getattr(typing, "override", lambda f: f)   # megatron-core >= 0.17 targets Python 3.12
-stub = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")   # Triton kernels, never called
-stub.GLOBAL_BLOCK_SIZE, stub.paged_stash_copy_kernel, stub.paged_stash_pop_kernel = 0, None, None
-sys.modules[stub.__name__] = stub
-warnings.filterwarnings("ignore")
 
+import megatron_wheel  # noqa: E402,F401  (before megatron-core)
 from megatron.core import package_info  # noqa: E402
 from megatron.training import arguments  # noqa: E402
 from megatron.training.training import num_floating_point_operations  # noqa: E402

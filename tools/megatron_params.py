@@ -15,18 +15,11 @@ import logging
 import os
 import re
 import sys
-import types
-import typing
-import warnings
 from collections import Counter
 
-typing.override = getattr(typing, "override", lambda f: f)   # megatron-core >= 0.17 targets Python 3.12
-stub = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")   # Triton kernels, never called
-stub.GLOBAL_BLOCK_SIZE, stub.paged_stash_copy_kernel, stub.paged_stash_pop_kernel = 0, None, None
-sys.modules[stub.__name__] = stub
-warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)   # its deprecation notices print on stdout, which is the JSON
 
+import megatron_wheel  # noqa: E402,F401  (before megatron-core)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
