@@ -53,18 +53,37 @@ class HubDirectory:
             tensor = dequantize_blocks(tensor, self._stored(key + "_scale_inv"), self.block_size)
         return tensor
 
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `key` (dim 0), read without the rest; FP8 ones dequantized."""
+        if not self._slice(key).get_dtype().startswith("F8"):
+            return self._slice(key)[start:stop]
+        rows = self.block_size[0]
+        first = start // rows * rows   # whole blocks, so each row meets its block's scale
+        weight = self._slice(key)[first:stop]
+        scale = self._slice(key + "_scale_inv")[start // rows:-(-stop // rows)]
+        return dequantize_blocks(weight, scale, self.block_size)[start - first:]
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
     @property
     def block_size(self) -> Tuple[int, int]:
         quantization = self.config.get("quantization_config") or {}
         return tuple(quantization.get("weight_block_size") or (128, 128))
 
     def _stored(self, key: str) -> torch.Tensor:
+        return self._file(key).get_tensor(key)
+
+    def _slice(self, key: str):
+        return self._file(key).get_slice(key)
+
+    def _file(self, key: str):
         if key not in self.weight_map:
             raise KeyError(f"{self.path}: the checkpoint has no tensor {key!r}")
         name = self.weight_map[key]
         if name not in self._open:
             self._open[name] = safe_open(os.path.join(self.path, name), "pt")
-        return self._open[name].get_tensor(key)
+        return self._open[name]
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:

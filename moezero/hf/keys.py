@@ -7,6 +7,7 @@ transpose of the concatenation (Hub weights are (out, in), moezero's expert stac
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -32,6 +33,20 @@ class Link:
         if not self.per_expert:
             return _cat([read(key) for key in self.keys])
         return torch.stack([_cat([read(key.format(e=e)) for key in self.keys]).t() for e in experts])
+
+    def read_range(self, hub, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened moezero tensor of `shape`, reading only the Hub rows they lie in
+        (not for expert stacks, whose layout is transposed)."""
+        row = math.prod(shape[1:])
+        first, last = lo // row, -(-hi // row)
+        parts, start = [], 0
+        for key in self.keys:
+            rows = hub.shape(key)[0]
+            a, b = max(first - start, 0), min(last - start, rows)
+            if a < b:
+                parts.append(hub.read_rows(key, a, b))
+            start += rows
+        return _cat(parts).reshape(-1)[lo - first * row:hi - first * row]
 
     def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
         """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`)."""

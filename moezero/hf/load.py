@@ -4,6 +4,7 @@ With `groups`, the MoE layers hold this rank's experts only and only their tenso
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Dict, Optional, Set, Tuple
@@ -17,6 +18,7 @@ from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
 from moezero.moe import MoELayer, expert_parallel
 from moezero.parallel import ParallelGroups
+from moezero.parallel.deferred_values import allocate, defer_values
 from moezero.parallel.expert_marker import expert_shard_of
 
 # Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)
@@ -28,17 +30,21 @@ class CheckpointMismatch(ValueError):
 
 
 def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Optional[ParallelGroups] = None,
-                    seed: int = 0) -> GPTModel:
+                    seed: int = 0, lazy: bool = False) -> GPTModel:
     """The model of the Hub directory `path` in `dtype` (default: the config's), evaluation mode.
 
-    `model(tokens)[0]` are the logits. With `groups`, experts are split over `groups.ep`.
+    `model(tokens)[0]` are the logits. With `groups`, experts are split over `groups.ep` and a rank reads
+    only its own. With `lazy`, the other params stay unread (on the meta device) until a ZeroOptimizer
+    stores them: at stage 3 a rank then reads only its shard of each; the model runs after that.
     """
     hub = HubDirectory(path)
     family = family_of(hub.config)
     gpt, moe = hub_configs(hub)
-    model = GPTModel(gpt, moe, seed=seed, moe_layer=expert_parallel(groups) if groups is not None else MoELayer)
+    factory = expert_parallel(groups) if groups is not None else MoELayer
+    with torch.device("meta") if lazy else contextlib.nullcontext():
+        model = GPTModel(gpt, moe, seed=seed, moe_layer=factory)
     model.to(dtype or hub_dtype(hub.config))
-    load_weights(model, hub, links(family, gpt, moe))
+    load_weights(model, hub, links(family, gpt, moe), lazy)
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
     return model.eval()
 
@@ -56,17 +62,24 @@ def hub_dtype(config: Dict) -> torch.dtype:
     return dtype
 
 
-def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link]) -> None:
-    """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack)."""
+def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], lazy: bool = False) -> None:
+    """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack); with
+    `lazy`, the params other than expert stacks are deferred to their readers instead."""
     _check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
                     tied=not model.config.untie_embeddings_and_output_weights)
     params = model_tensors(model, table)
     if set(params) != set(table):
         raise CheckpointMismatch(f"{hub.path}: moezero's model and the key table differ: "
                                  f"{sorted(set(params) ^ set(table))[:5]}")
+    _materialize_buffers(model)
     with torch.no_grad():
         for name, param in params.items():
             shard = expert_shard_of(param)
+            if lazy and shard is None and isinstance(param, torch.nn.Parameter):
+                _defer(name, param, table[name], hub)
+                continue
+            if param.device.type == "meta":
+                allocate(param)
             experts = range(shard.first_global_expert, shard.first_global_expert + shard.num_local_experts) \
                 if shard else range(0)
             value = table[name].assemble(hub.read, experts)
@@ -74,6 +87,23 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link]) -> 
                 raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config "
                                          f"describes, {tuple(value.shape)} from {table[name].keys[0]}")
             param.copy_(value.to(param.dtype))
+
+
+def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) -> None:
+    shapes = [hub.shape(key) for key in link.keys]
+    shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+    if shape != tuple(param.shape):
+        raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config describes, "
+                                 f"{shape} from {link.keys[0]}")
+    defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
+
+
+def _materialize_buffers(model: GPTModel) -> None:
+    """Buffers a meta-device build left without storage get their init (zeros: the routers' expert bias)."""
+    for buffer in model.buffers():
+        if buffer.device.type == "meta":
+            allocate(buffer)
+            buffer.zero_()
 
 
 def _multi_token_prediction_keys(hub: HubDirectory, unexpected: Set[str]) -> Set[str]:

@@ -16,6 +16,7 @@ from typing import List
 import torch
 
 from moezero.parallel import comm
+from moezero.parallel.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.families import ParamFamily, Range
 
 
@@ -49,18 +50,26 @@ class ParamStorage(abc.ABC):
         """Give every param full values in storage of its own (the optimizer lets go of the model)."""
 
 
+def storage_device(params) -> torch.device:
+    """Where a family's storage lives: its params' device (the CPU for params still deferred on meta)."""
+    return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+
+
 class ReplicatedParams(ParamStorage):
     """Params are views of one flat buffer, moved there once at construction."""
 
     def __init__(self, family: ParamFamily):
         super().__init__(family)
-        device = family.params[0].device
+        device = storage_device(family.params)
         self.buffer = torch.zeros(family.layout.total_numel, dtype=family.dtype, device=device)
         with torch.no_grad():
             for index, p in enumerate(family.params):
                 view = family.param_view(self.buffer, index)
-                view.copy_(p)
+                view.copy_(read_values(p, 0, p.numel()).view(p.shape))   # a deferred param is read whole
+                if p.device.type == "meta":   # deferred: it never held its values
+                    allocate(p, device, empty=True)
                 p.data = view  # once, at construction: the param now lives in the flat buffer
+                values_arrived(p)
         self._storage = storage_id(self.buffer)
 
     def values(self, bucket, span):

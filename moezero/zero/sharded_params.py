@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from moezero.parallel import comm
+from moezero.parallel.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.families import ParamFamily
-from moezero.zero.param_storage import ParamStorage, storage_id
+from moezero.zero.param_storage import ParamStorage, storage_device, storage_id
 
 
 class ShardedParams(ParamStorage):
@@ -25,7 +26,7 @@ class ShardedParams(ParamStorage):
         g = family.group_size
         numels = [family.bucket_numel(b) for b in range(family.num_buckets)]
         self._shard_start = [sum(numels[:b]) // g for b in range(family.num_buckets)]
-        device = family.params[0].device
+        device = storage_device(family.params)
         self.shard = torch.empty(sum(numels) // g, dtype=family.dtype, device=device)
         self.unit_buckets: Dict[int, List[int]] = {}
         for b in range(family.num_buckets):
@@ -41,8 +42,8 @@ class ShardedParams(ParamStorage):
         with torch.no_grad():
             for b in range(family.num_buckets):
                 shard = self.values(b, family.owned[b])
-                for index, (lo, hi), offset in family.pieces(b, family.owned[b]):
-                    shard[offset:offset + hi - lo].copy_(family.params[index].detach().reshape(-1)[lo:hi])
+                for index, (lo, hi), offset in family.pieces(b, family.owned[b]):   # deferred: read this slice only
+                    shard[offset:offset + hi - lo].copy_(read_values(family.params[index], lo, hi))
             for unit, buckets in self.unit_buckets.items():
                 first = family.layout.buckets[buckets[0]].start
                 numel = sum(family.bucket_numel(b) for b in buckets)
@@ -51,8 +52,11 @@ class ShardedParams(ParamStorage):
                     start = family.layout.buckets[b].start - first
                     for index in family.bucket_params[b]:
                         slot = family.slot(index)
-                        p = family.params[index]
-                        p.data = full[start + slot.offset:start + slot.offset + slot.numel].view(p.shape)
+                        p, shape = family.params[index], family.params[index].shape
+                        if p.device.type == "meta":   # deferred: it never held its values
+                            allocate(p, device, empty=True)
+                        p.data = full[start + slot.offset:start + slot.offset + slot.numel].view(shape)
+                        values_arrived(p)
                 self._full[unit] = full
                 self._nbytes[unit] = full.untyped_storage().nbytes()
                 full.untyped_storage().resize_(0)  # stored as shards only from now on

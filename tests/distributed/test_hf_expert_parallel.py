@@ -1,11 +1,13 @@
 """A Hugging Face checkpoint on 2 ranks with ep 2: each rank reads its experts and gets transformers' logits,
 3 iterations under ZeRO (stage 2 and 3) train as torch does on one process, and save_pretrained gathers the
-experts into a directory transformers loads to the trained model's logits."""
+experts into a directory transformers loads to the trained model's logits. Loaded lazily, the other params
+are read by the ZeRO optimizer: at stage 3 each rank reads only the rows of its shard."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import moezero.hf as hub
+from moezero.hf.files import HubDirectory
 from moezero.models.gpt import language_model_loss
 from moezero.parallel import ParallelGroups
 from moezero.zero import ZeroOptimizer
@@ -66,3 +68,41 @@ def test_import_train_on_two_ranks_and_export(family, stage, tmp_path):
     assert (trained - expected_first).abs().max() > 1e-3, "the iterations changed the model"
     exported = load_with_transformers(out_dir)
     torch.testing.assert_close(hf_logits(exported, PROBE), trained, rtol=0, atol=1e-8)
+
+
+def _lazy_on_ranks(hub_dir, stage):
+    counted = {"elements": 0}
+    read_rows = HubDirectory.read_rows
+
+    def counting(self, key, start, stop):
+        rows = read_rows(self, key, start, stop)
+        counted["elements"] += rows.numel()
+        return rows
+
+    HubDirectory.read_rows = counting
+    try:
+        groups = ParallelGroups.build(expert_parallel_size=2)
+        model = hub.from_pretrained(hub_dir, dtype=torch.float64, groups=groups, lazy=True)
+        assert model.embedding.weight.device.type == "meta", "nothing but the experts is read yet"
+        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, grad_reduce_dtype=torch.float64)
+        with torch.no_grad():
+            logits = model(PROBE)[0]
+        with opt.full_parameters():
+            dense = sum(p.numel() for p in model.parameters() if not hasattr(p, "_moezero_expert_shard"))
+        groups.destroy()
+        return logits, counted["elements"], dense
+    finally:
+        HubDirectory.read_rows = read_rows
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_a_lazy_load_reads_a_ranks_shard_at_stage_3(stage, tmp_path):
+    hub_dir = str(tmp_path / "hub")
+    original = save_tiny_model("deepseek_v3", hub_dir, seed=3)
+    expected = hf_logits(original, PROBE)
+    ranks = run_distributed(_lazy_on_ranks, WORLD, hub_dir, stage)
+    for logits, read, dense in ranks:
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-8)
+        # stage 3: about its half of every param (plus the rows its slices share with the other rank's)
+        assert read < 0.55 * dense if stage == 3 else read == dense, (read, dense)
+    assert sum(read for _, read, _ in ranks) >= ranks[0][2]
