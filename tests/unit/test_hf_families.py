@@ -152,3 +152,20 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
     with torch.no_grad(), opt.full_parameters():
         torch.testing.assert_close(lazy(TOKENS)[0], ours, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_greedy_generation_is_transformers(family, tmp_path):
+    """moezero.models.generate on a loaded model continues a prompt as transformers' generate does (its KV
+    cache, float64 throughout)."""
+    from moezero.models import generate
+    from tests.hf_oracle import Float64Throughout
+
+    reference = save_tiny_model(family, str(tmp_path), seed=7)
+    model = hub.from_pretrained(str(tmp_path), dtype=torch.float64)
+    prompt = [5, 17, 33, 2, 60]
+    ours = generate(model, prompt, 8, temperature=0.0)
+    with torch.no_grad(), Float64Throughout():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == theirs

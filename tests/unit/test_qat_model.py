@@ -198,3 +198,14 @@ def test_export_round_trip_equals_the_fake_quant_forward(kwargs, dtype):
         assert torch.equal(p, getattr(fake.get_submodule(module), attr)), name
     with torch.no_grad():
         assert torch.equal(quantized(_batch()[0])[0], fake(_batch()[0])[0])
+
+
+def test_multi_latent_attention_projections_are_the_attention_group():
+    from moezero.compression.targets import quant_targets
+
+    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, multi_latent_attention=True,
+                       q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+                       qk_layernorm=True, position_embedding_type="rope")
+    model = GPTModel(config, MoEConfig(num_experts=2))
+    names = [t.name for t in quant_targets(model, ["attention"])]
+    assert names == [f"layers.0.attention.{p}.weight" for p in ("q_down", "q_up", "kv_down", "kv_up", "proj")]
