@@ -121,6 +121,14 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=config.enable_expert_bias)
 
+    def _apply(self, fn, recurse=True):
+        """Casting the model to bf16/fp16 keeps the expert bias fp32: its per-step updates (1e-3) are below
+        bf16's resolution at the values it reaches (0.0039 at 0.5), where they would be lost or skewed."""
+        super()._apply(fn, recurse)
+        if self.expert_bias.dtype in (torch.bfloat16, torch.float16):
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, keys: Optional[SampleKeys] = None) -> Routing:
         cfg = self.config
         x_TD = self._jitter(x_TD, num_sequences, keys)

@@ -228,3 +228,19 @@ def test_an_empty_micro_batch_works_for_every_loss_type(balancing, shape):
         assert torch.isfinite(loss) and loss.item() == 0.0
     (y.sum() + stats.aux_loss + stats.z_loss).backward()
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+
+
+def test_the_expert_bias_stays_fp32_in_a_bf16_model_and_its_updates_land():
+    """In bf16 an update of 1e-3 to a bias of 0.5 is lost (up) or doubled (down): the router keeps the bias
+    fp32 whatever the model is cast to (it only chooses experts; nothing multiplies by it)."""
+    from moezero.moe.expert_bias import updated_expert_bias
+
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, enable_expert_bias=True)).to(torch.bfloat16)
+    bias = layer.router.expert_bias
+    assert bias.dtype == torch.float32 and layer.router.wg.weight.dtype == torch.bfloat16
+    bias.fill_(0.5)
+    bias.copy_(updated_expert_bias(bias, torch.tensor([1.0, 5.0, 5.0, 5.0]), 1e-3))
+    torch.testing.assert_close(bias, torch.tensor([0.501, 0.499, 0.499, 0.499]), rtol=0, atol=1e-7)
+    assert layer.double().router.expert_bias.dtype == torch.float64
+    assert "router.expert_bias" in layer.state_dict()
+    layer(torch.randn(6, 16, dtype=torch.float64))
