@@ -35,6 +35,7 @@ from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups
 from moezero.zero.param_guard import COMPILE_REFUSED
 from moezero.zero.state import load_state, shard_state
+from moezero.zero.torch_internals import in_backward, is_compiled
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 _OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (hooks.OwnerMark), so a new one can retire it
@@ -355,7 +356,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
         engine = self.engine
         gatherer_open = engine.gatherer is not None and engine.gatherer.backward_open
-        if (engine.reducer.pass_open or gatherer_open) and torch._C._current_graph_task_id() == -1:
+        if (engine.reducer.pass_open or gatherer_open) and not in_backward():
             engine.reducer.recover_aborted_pass()
             if engine.gatherer is not None:
                 engine.gatherer.recover(self.groups.control)
@@ -380,7 +381,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 def _refuse_compiled(model: nn.Module, stage: int) -> None:
     """Stage 3 gathers params in module hooks and guards every read of them, which torch.compile
     cannot trace: build the optimizer on the plain model and do not compile it."""
-    if stage == 3 and (isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    if stage == 3 and (is_compiled(model)
                        or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())):
         raise ValueError(COMPILE_REFUSED)
 

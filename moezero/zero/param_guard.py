@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from moezero.zero.torch_internals import in_backward, no_subclass_dispatch, parse_to_arguments, storage_key
+
 _NO_READ_METHODS = frozenset(getattr(torch.Tensor, name) for name in (
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
     "is_floating_point", "is_complex", "is_signed", "untyped_storage", "data_ptr", "requires_grad_", "register_hook",
@@ -73,9 +75,9 @@ def _no_op_conversion(func, tensor: torch.Tensor, args, kwargs) -> bool:
     tensor itself without reading it."""
     if func not in _CONVERSIONS:
         return False
-    with torch._C.DisableTorchFunctionSubclass():
+    with no_subclass_dispatch():
         if func is torch.Tensor.to:
-            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            device, dtype, _, memory_format = parse_to_arguments(*args[1:], **kwargs)
             if kwargs.get("copy") or memory_format not in (None, torch.preserve_format):
                 return False
             return (device is None or device == tensor.device) and (dtype is None or dtype == tensor.dtype)
@@ -122,7 +124,7 @@ class _Guarded:
         if torch.compiler.is_compiling():
             raise RuntimeError(COMPILE_REFUSED)
         if _reads_nothing(func) or _names_the_type(func, args, kwargs):
-            with torch._C.DisableTorchFunctionSubclass():
+            with no_subclass_dispatch():
                 return func(*args, **kwargs)
         guarded = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, _Guarded)]
         if len(guarded) == 1 and args and args[0] is guarded[0] and _no_op_conversion(func, guarded[0], args, kwargs):
@@ -130,7 +132,7 @@ class _Guarded:
         if not _only_aliases(func):
             for tensor in guarded:
                 _make_readable(tensor)
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             out = func(*args, **kwargs)
         _guard_results(out, guarded)
         return out
@@ -140,7 +142,7 @@ class _Guarded:
             return memo[id(self)]
         if not _is_ready(self._zero3):
             raise not_gathered_error(self._zero3, not isinstance(self, nn.Parameter), " (copy.deepcopy reads them)")
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             values = self.detach().clone(memory_format=torch.preserve_format)
             plain = nn.Parameter(values, self.requires_grad) if isinstance(self, nn.Parameter) else values
         for key, value in self.__dict__.items():   # the expert tag, say; not the shard info
@@ -152,7 +154,7 @@ class _Guarded:
     def __repr__(self, **kwargs) -> str:
         """What torch prints for the plain tensor (the values must be here)."""
         _make_readable(self)
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             plain = self.detach().as_subclass(torch.Tensor).requires_grad_(self.requires_grad)
             body = torch.Tensor.__repr__(plain, **kwargs)
         return f"Parameter containing:\n{body}" if isinstance(self, nn.Parameter) else body
@@ -161,7 +163,7 @@ class _Guarded:
         """Pickled (torch.save) as a plain tensor with the values, when they are here."""
         if not _is_ready(self._zero3):
             raise not_gathered_error(self._zero3, not isinstance(self, nn.Parameter), " (pickling reads them)")
-        with torch._C.DisableTorchFunctionSubclass():
+        with no_subclass_dispatch():
             plain = self.detach().as_subclass(torch.Tensor)
         return plain.__reduce_ex__(protocol)
 
@@ -213,15 +215,15 @@ def _guard_results(out: Any, guarded) -> None:
     tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if not tensors:
         return
-    with torch._C.DisableTorchFunctionSubclass():
-        by_storage = {t.untyped_storage()._cdata: t._zero3 for t in guarded}
+    with no_subclass_dispatch():
+        by_storage = {storage_key(t): t._zero3 for t in guarded}
         for t in tensors:
             if type(t) is torch.Tensor:
-                info = by_storage.get(t.untyped_storage()._cdata)
+                info = by_storage.get(storage_key(t))
                 if info is not None:
                     t.__class__ = ShardedAlias
                     t._zero3 = info
-    if torch.is_grad_enabled() and not _in_backward() and any(g.requires_grad for g in guarded):
+    if torch.is_grad_enabled() and not in_backward() and any(g.requires_grad for g in guarded):
         units = {(g._zero3.gatherer, g._zero3.unit) for g in guarded}
         for t in tensors:
             if t.grad_fn is not None:
@@ -236,8 +238,5 @@ def _regather_hook(units):
                 gatherer.ensure_before_backward(unit)
     return hook
 
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 

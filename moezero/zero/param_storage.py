@@ -18,11 +18,12 @@ import torch
 from moezero.parallel import comm
 from moezero.parallel.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.families import ParamFamily, Range
+from moezero.zero.torch_internals import storage_key
 
 
 def storage_id(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage; survives a stage-3 free/regather (a storage resize)."""
-    return tensor.untyped_storage()._cdata
+    return storage_key(tensor)
 
 
 class ParamStorage(abc.ABC):

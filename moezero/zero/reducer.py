@@ -28,6 +28,7 @@ from moezero.zero.families import ParamFamily
 from moezero.zero.grad_strategies import GradStrategy
 from moezero.zero.launch import build_queues
 from moezero.zero.param_storage import ParamStorage
+from moezero.zero.torch_internals import current_backward, queue_end_of_backward
 
 
 class GradientHookError(RuntimeError):
@@ -114,7 +115,7 @@ class GradReducer:
     # ---- during backward -------------------------------------------------------------------
     def begin_pass(self, name: Optional[str] = None) -> None:
         """Called by every hook; the first of a backward sets the pass up."""
-        task = torch._C._current_graph_task_id()
+        task = current_backward()
         if self._pass_task is not None:
             if task == self._pass_task:
                 return
@@ -130,7 +131,7 @@ class GradReducer:
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        queue_end_of_backward(self._end_pass)
         if self.on_pass_begin is not None:
             self.on_pass_begin()
 

@@ -42,6 +42,7 @@ from moezero.parallel.agreement import Agreement
 from moezero.zero.agreement import Activity, RankAgreement
 from moezero.zero.hooks import WeakHook
 from moezero.zero.param_guard import COMPILE_REFUSED
+from moezero.zero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
 UnitPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]
 
@@ -239,10 +240,10 @@ class UnitGatherer:
     def may_gather_on_demand(self) -> bool:
         """Inside the model's forward or a backward every rank runs the same code (else the records
         differ); elsewhere a read may be one rank's alone, and waiting for peers would hang."""
-        return self.forward_active or _in_backward()
+        return self.forward_active or in_backward()
 
     def gather_on_demand(self, unit: int) -> None:
-        if _in_backward():
+        if in_backward():
             self._pre_backward(unit)
             return
         self.ensure(unit, Activity.ON_DEMAND_GATHER)
@@ -257,7 +258,7 @@ class UnitGatherer:
     def root_pre_forward(self) -> None:
         if torch.compiler.is_compiling():
             raise RuntimeError(COMPILE_REFUSED)
-        if _in_backward():
+        if in_backward():
             return
         self.agreement.progress.forwards += 1
         self.forward.reset()
@@ -265,7 +266,7 @@ class UnitGatherer:
         self.ensure(0, Activity.FORWARD_GATHER)
 
     def _pre_forward(self, unit: int) -> None:
-        if _in_backward():  # recompute of a checkpointed block inside backward
+        if in_backward():  # recompute of a checkpointed block inside backward
             self._pre_backward(unit)
             return
         if unit in self.forward.visited:
@@ -274,7 +275,7 @@ class UnitGatherer:
         self._visit(self.forward, unit)
 
     def _post_forward(self, unit: int, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return
         if torch.is_grad_enabled():
             ref = weakref.ref(self)
@@ -284,7 +285,7 @@ class UnitGatherer:
         self.free(unit)
 
     def root_post_forward(self, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return
         for skipped in self.forward.skipped_before(None):
             self.ensure(skipped, None, self.forward)
@@ -294,7 +295,7 @@ class UnitGatherer:
 
     def _root_done(self) -> None:
         """The root's forward ended, normally or by an exception: reads no longer gather on demand."""
-        if _in_backward():
+        if in_backward():
             return
         self.forward_active = False
         for unit in self._on_demand - {0}:
@@ -303,14 +304,14 @@ class UnitGatherer:
 
     # ---- backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_backward()
         if self._backward_task == task:
             return
         self._backward_task = task
         self.agreement.progress.backwards += 1
         self.backward.reset()
         self._pending = dict(self.params_per_unit)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        queue_end_of_backward(self._end_backward)
         self.ensure(0, Activity.BACKWARD_GATHER)
 
     def _pre_backward(self, unit: int) -> None:
@@ -366,9 +367,6 @@ class UnitGatherer:
         self.backward.reset(launch_records=False)
         self._backward_task = None
 
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(output: Any) -> List[torch.Tensor]:

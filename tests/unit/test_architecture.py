@@ -106,3 +106,16 @@ def test_only_the_public_api_of_zero_is_used_outside_it():
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ZERO_INTERNALS:
                 raise AssertionError(f"{path}:{node.lineno} reads .{node.attr} (the optimizer's internals)")
+
+
+PRIVATE_TORCH = {"_current_graph_task_id", "_execution_engine", "_cdata", "_parse_to", "DisableTorchFunctionSubclass",
+                 "_dynamo"}
+
+
+def test_private_torch_apis_live_in_one_module():
+    """zero/torch_internals.py states the torch versions they are tested with; nothing else reaches them."""
+    found = [f"{path}:{node.lineno} .{node.attr}" for path, tree in _sources("moezero")
+             if not path.endswith("torch_internals.py")
+             for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH]
+    assert not found, found
+    assert any(path.endswith("torch_internals.py") for path, _ in _sources("moezero"))

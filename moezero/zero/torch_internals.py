@@ -1,0 +1,48 @@
+"""The private torch APIs the ZeRO optimizer relies on, in one place (tested with torch 2.13.0; setup.py
+allows 2.6 <= torch < 3). If a torch release moves one of them, this is the file to change.
+
+  current_backward()       which autograd backward is running (torch._C._current_graph_task_id, -1: none):
+                           hooks of one backward recognise each other, a nested one is detected
+  queue_end_of_backward()  run a callback when the running backward ends (the execution engine's queue)
+  storage_key()            the identity of a tensor's storage, stable across a stage-3 free/regather resize
+  parse_to_arguments()     what Tensor.to(...) was asked for (device, dtype, memory format), without running it
+  no_subclass_dispatch()   run torch ops on a tensor subclass as on plain tensors (its own __torch_function__)
+  is_compiled()            torch.compile's wrapper module
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def current_backward() -> int:
+    """The running backward's task id, -1 outside a backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    return current_backward() != -1
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Call `callback` when the running backward has finished (must be called inside a backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def parse_to_arguments(*args: Any, **kwargs: Any):
+    """(device, dtype, non_blocking, memory_format) of Tensor.to's arguments (after the tensor)."""
+    return torch._C._nn._parse_to(*args, **kwargs)
+
+
+def no_subclass_dispatch():
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
