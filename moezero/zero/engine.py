@@ -21,13 +21,14 @@ from moezero import ops
 from moezero.parallel import ParallelGroups, comm
 from moezero.zero.families import ParamFamily, Range, build_families
 from moezero.zero.agreement import RankAgreement
-from moezero.zero.grad_strategies import GRAD_STRATEGIES, GradStrategy, NoGradients
+from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, master_dtype_of
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.param_storage import ReplicatedParams
 from moezero.zero.reducer import FamilyPass, GradReducer
 from moezero.zero.sharded_params import ShardedParams
 from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
+from moezero.zero.stages import stage_of
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
 
@@ -42,8 +43,7 @@ class ZeroSettings:
     grad_reduce_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.stage not in GRAD_STRATEGIES:
-            raise ValueError(f"stage must be one of {', '.join(map(str, GRAD_STRATEGIES))}, got {self.stage}")
+        stage_of(self.stage)   # a known stage, or one clear error
         if self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
 
@@ -56,7 +56,8 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
                  settings: ZeroSettings):
         self.groups, self.settings = groups, settings
-        plan = plan_units(model, [p for _, p in named_params]) if settings.stage == 3 else None
+        self.stage = stage_of(settings.stage)
+        plan = plan_units(model, [p for _, p in named_params]) if self.stage.shards_params else None
         self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size,
                                                           plan.unit_of if plan else None)
         self.storages = [self._param_storage(f) for f in self.families]
@@ -71,7 +72,7 @@ class ZeroEngine:
         self.gatherer = self._unit_gatherer(plan) if plan else None
 
     def _param_storage(self, family: ParamFamily):
-        if self.settings.stage != 3:
+        if not self.stage.shards_params:
             return ReplicatedParams(family)
         dp, edp = self.groups.gather_groups()
         return ShardedParams(family, edp if family.kind == "expert" else dp)
@@ -79,8 +80,8 @@ class ZeroEngine:
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
         dtypes = (self.settings.reduce_dtype(family.dtype), master_dtype_of(family.dtype), self.groups.dp_size)
         if not family.trainable:
-            return NoGradients(family, *dtypes, whole_buckets=self.settings.stage == 0)
-        return GRAD_STRATEGIES[self.settings.stage](family, *dtypes)
+            return NoGradients(family, *dtypes, whole_buckets=self.stage.keeps_whole_buckets)
+        return self.stage.grad_strategy(family, *dtypes)
 
     def _unit_gatherer(self, plan: UnitPlan) -> UnitGatherer:
         parts: Dict[int, list] = {}

@@ -312,6 +312,3 @@ class NoGradients(GradStrategy):
     def nbytes(self):
         return 0
 
-
-GRAD_STRATEGIES = {0: AllReduceGrads, 1: ReduceScatterAtBoundary, 2: ReduceScatterEveryBackward,
-                   3: ReduceScatterEveryBackward}

@@ -35,6 +35,7 @@ from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups
 from moezero.zero.param_guard import COMPILE_REFUSED
 from moezero.zero.state import load_state, shard_state
+from moezero.zero.stages import stage_of
 from moezero.zero.torch_internals import in_backward, is_compiled
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -381,7 +382,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 def _refuse_compiled(model: nn.Module, stage: int) -> None:
     """Stage 3 gathers params in module hooks and guards every read of them, which torch.compile
     cannot trace: build the optimizer on the plain model and do not compile it."""
-    if stage == 3 and (is_compiled(model)
+    if stage_of(stage).shards_params and (is_compiled(model)
                        or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())):
         raise ValueError(COMPILE_REFUSED)
 

@@ -13,6 +13,7 @@ from moezero.zero import weight_decay_groups
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.heap import heap_bytes
 from tests.zero_model import ZeroTestModel, micro_batch
+from moezero.zero.stages import STAGES
 from tests.zero_reference import ZERO_STAGES
 
 
@@ -82,6 +83,11 @@ def test_sharded_memory_is_what_the_process_heap_grows_by(world):
             added[stage] = grew + GRAD_BYTES   # what the rank holds for training (the params' own storage went)
         pool = 2 * GRAD_BYTES // 16
         assert added[3] <= added[0] / world + pool + slack, (world, rank, added)
+        whole = stages[0][0]   # stage 0 holds everything: the memory formula's totals
+        for stage, (accounting, _) in zip(ZERO_STAGES, stages):
+            for kind in ("params", "optimizer_state"):   # the registry's formula, within bucket padding
+                held = STAGES[stage].held_bytes(kind, whole[kind], world)
+                assert abs(accounting[kind] - held) <= 0.01 * held + 4096, (world, rank, stage, kind, accounting)
         assert added[2] + GRAD_BYTES / 4 < added[1], (world, rank, added)   # stage 2 keeps no full gradient
 
 

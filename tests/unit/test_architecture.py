@@ -1,6 +1,7 @@
 """The package graph, read from the source with ast: no import cycle between moezero's packages, the
 layering the design promises, and only the public API of zero/ used outside it."""
 import ast
+import dataclasses
 import importlib
 import os
 from typing import Dict, Iterator, Set, Tuple
@@ -119,3 +120,12 @@ def test_private_torch_apis_live_in_one_module():
              for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH]
     assert not found, found
     assert any(path.endswith("torch_internals.py") for path, _ in _sources("moezero"))
+
+
+def test_the_stage_flag_offers_the_registrys_stages():
+    """config.py sits below zero/ and cannot import the registry: the choices are kept equal here."""
+    from moezero.config import ZeroConfig
+    from moezero.zero.stages import STAGES
+
+    choices = next(f.metadata["choices"] for f in dataclasses.fields(ZeroConfig) if f.name == "stage")
+    assert tuple(choices) == tuple(STAGES)
