@@ -13,8 +13,7 @@ tokens reach every expert), and all hand the optimizer a reduced gradient per bu
       bucket's gradients land in a temporary buffer, are reduce-scattered, added to this rank's
       shard, and the buffer is reused.
 
-A bucket's reduction is always finished before any gradient is accumulated into it again:
-the reducer waits for a backward's reductions at its end (as DDP does).
+Buffers are reused on the guarantee of reducer.py's NOTE [no accumulation into a reducing bucket].
 """
 from __future__ import annotations
 

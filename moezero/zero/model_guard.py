@@ -47,8 +47,12 @@ def unfrozen_by_hand_error(name: str) -> ParameterSetChanged:
         "not be reduced. Unfreeze it inside `with opt.modify_model():`, so the optimizer trains it again")
 
 
+def storage_replaced_message(name: str) -> str:
+    """The one wording of it, for the forward check here and the gradient hooks' (reducer.py)."""
+    return (f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced (module.float()"
+            "/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op instead (e.g. x.float() @ "
+            "w.float().t()), or make the change inside `with opt.modify_model():`")
+
+
 def storage_replaced_error(name: str) -> ParameterSetChanged:
-    return ParameterSetChanged(
-        f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced (module.float()"
-        "/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op instead (e.g. x.float() @ "
-        "w.float().t()), or make the change inside `with opt.modify_model():`")
+    return ParameterSetChanged(storage_replaced_message(name))

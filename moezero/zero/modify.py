@@ -31,6 +31,7 @@ from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.agreement import Activity
 from moezero.zero.families import global_placement
+from moezero.zero.master import master_dtype_of
 from moezero.zero.state import consolidate
 
 
@@ -142,7 +143,7 @@ def _piece(p: nn.Parameter, full: Dict[str, Any], old_name) -> Dict[str, Any]:
     shape, offset = global_placement(p)
     value = p.detach().reshape(-1)
     lo, hi = offset, offset + value.numel()
-    master_dtype = torch.promote_types(p.dtype, torch.float32)
+    master_dtype = master_dtype_of(p.dtype)
     old = full["params"].get(old_name) if old_name is not None else None
     if old is None or tuple(old.shape) != tuple(shape):
         return {"range": (lo, hi), "master": value.to(master_dtype), "state": {}}

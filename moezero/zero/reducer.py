@@ -6,8 +6,11 @@ tokens), and a pre-accumulation hook that points its `.grad` at its slice of the
 autograd adds straight into the bucket. The first hook of a backward (or the model's output
 hook, see `model_guard.py`) queues an end-of-backward callback; there, params that got no
 gradient are zero-filled, every remaining bucket is launched, and the backward's reductions are
-waited for, as DDP does: when `backward()` returns, no reduction is in flight, so no gradient is
-ever added into a bucket whose reduction is running.
+waited for, as DDP does.
+
+NOTE [no accumulation into a reducing bucket]: when `backward()` returns, no reduction is in flight,
+so no gradient is ever added into a bucket whose reduction is running. Every gradient strategy
+(grad_strategies.py) relies on this and on nothing else for its buffers' reuse.
 
 Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
 on every rank, `launch.py`) and completed reductions are only polled. Before the end-of-backward
@@ -27,6 +30,7 @@ from moezero.zero.agreement import Activity, RankAgreement
 from moezero.zero.families import ParamFamily
 from moezero.zero.grad_strategies import GradStrategy
 from moezero.zero.launch import build_queues
+from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.param_storage import ParamStorage
 from moezero.zero.torch_internals import current_backward, queue_end_of_backward
 
@@ -162,10 +166,7 @@ class GradReducer:
                 "accumulated by a nested backward (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
         if not state.storage.storage_intact(index):
-            raise GradientHookError(
-                f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced "
-                "(module.float()/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op "
-                "instead (e.g. x.float() @ w.float().t()) or change the model inside opt.modify_model().")
+            raise GradientHookError(storage_replaced_message(name))
         state.fired[index] = state.got_grad[index] = True
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
         if self.on_param_done is not None:
