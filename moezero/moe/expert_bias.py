@@ -3,17 +3,17 @@
 The bias only shifts which experts are selected, never the combine weights. It is updated from
 the tokens each expert received, summed over every micro-batch of the step and every
 data-parallel rank, so every rank applies the same update and the (replicated) bias stays
-bitwise equal everywhere. Forward passes stay collective-free: the caller hands the per-layer
-counts from the `MoEStats` it already has to `accumulate`, and calls `step` after the optimizer.
+bitwise equal everywhere. Forward passes stay collective-free: the routers' forward hooks only
+count; the one all-reduce runs in the optimizer's step post-hook.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import functools
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
 
-from moezero.moe.layer import MoEStats
 from moezero.moe.router import TopKRouter
 from moezero.parallel import comm
 
@@ -25,22 +25,39 @@ def updated_expert_bias(bias_E: torch.Tensor, tokens_per_expert_E: torch.Tensor,
 
 
 class ExpertBiasUpdater:
-    """Accumulates tokens per expert of every MoE layer over a step and updates the biases."""
+    """Counts each MoE layer's tokens per expert over a step and updates the biases after the optimizer's step.
+
+    The counting is a forward hook on every router (training forwards only); the update is the optimizer's
+    step post-hook (`attach(opt)`, as torchtitan does), so the training loop knows nothing of it. A layer
+    recomputed in backward (activation checkpointing) is counted twice, on every micro-batch alike, which
+    doubles its counts and their mean and leaves every update (a sign) as it was.
+    """
 
     def __init__(self, model: nn.Module, group: Optional[Any]):
         self.routers: List[TopKRouter] = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.group = group
         self.enabled = any(r.config.enable_expert_bias for r in self.routers)
         self._counts: Optional[torch.Tensor] = None
+        self._handles = [r.register_forward_hook(functools.partial(self._count, i))
+                         for i, r in enumerate(self.routers)] if self.enabled else []
 
-    def accumulate(self, layer_stats: Sequence[MoEStats]) -> None:
-        """Add one micro-batch's counts; `layer_stats` in the model's MoE-layer order."""
-        if not self.enabled:
+    def attach(self, optimizer: Any) -> "ExpertBiasUpdater":
+        """Update the biases after every `optimizer.step()` (a torch optimizer step post-hook)."""
+        if self.enabled:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _count(self, index: int, router: TopKRouter, inputs, routing) -> None:
+        if not router.training:
             return
-        if len(layer_stats) != len(self.routers):
-            raise ValueError(f"got stats of {len(layer_stats)} MoE layers, the model has {len(self.routers)}")
-        counts = torch.stack([s.tokens_per_expert.detach().to(torch.float64) for s in layer_stats])
-        self._counts = counts if self._counts is None else self._counts + counts
+        if self._counts is None:
+            self._counts = torch.zeros(len(self.routers), router.config.num_experts, dtype=torch.float64)
+        self._counts[index] += routing.tokens_per_expert_E.detach().to(self._counts.device, torch.float64)
 
     def step(self) -> None:
         """All-reduce the step's counts over data-parallel ranks and update every bias (collective)."""

@@ -14,7 +14,6 @@ import torch
 from moezero.keyed_random import SampleKeys
 from moezero.metrics import tag
 from moezero.models import language_model_loss
-from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import comm
 
 
@@ -58,7 +57,7 @@ def _layer_rows(stats, like: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
-               bias_updater: ExpertBiasUpdater, group) -> StepMetrics:
+               group) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step."""
     model.train()
     n = len(micro_batches)
@@ -69,11 +68,9 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
             lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
             opt.backward((lm + aux + z) / n)
-        bias_updater.accumulate(stats)
         per_micro.append(torch.cat([torch.stack([lm, aux, z]).detach().double(), _layer_rows(stats, lm)]))
     stepped = opt.step()
     opt.zero_grad()
-    bias_updater.step()
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)   # one all-reduce for every metric
     return _step_metrics(totals, len(stats), n * comm.group_size(group), opt.last_grad_norm, stepped)

@@ -83,7 +83,7 @@ class Pretraining:
             check_shapes(self.model, point)
         self.opt = build_optimizer(self.model, cfg, self.groups)
         self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
-        self.bias_updater = ExpertBiasUpdater(self.model, self.groups.dp)
+        ExpertBiasUpdater(self.model, self.groups.dp).attach(self.opt)   # counts in forward, updates after step
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
         self.stop_reason: Optional[str] = None
         self._saved_at: Optional[int] = None
@@ -151,7 +151,7 @@ class Pretraining:
                 group["lr"] = lr
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
-            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.bias_updater,
+            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed,
                                  self.groups.dp)
             step_time = timer.elapsed()
             self.iteration += 1

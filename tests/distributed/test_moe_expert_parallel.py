@@ -85,14 +85,17 @@ def _expert_bias_step():
     groups = ParallelGroups.build(expert_parallel_size=2)
     config = _config(enable_expert_bias=True, bias_update_rate=0.01)
     layer = MoELayer(config, groups)
-    updater = ExpertBiasUpdater(layer, groups.dp)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+    ExpertBiasUpdater(layer, groups.dp).attach(optimizer)   # counts in forward, updates after each step
     total = torch.zeros(8, dtype=torch.int64)
     for micro in range(2):
         _, stats = layer(_tokens(dist.get_rank() * 2 + micro, config, torch.float32))
-        updater.accumulate([stats])
         total += stats.tokens_per_expert
+    with torch.no_grad():
+        layer.eval()(_tokens(7, config, torch.float32))   # an evaluation forward counts nothing
+    layer.train()
     comm.all_reduce(total, groups.dp)
-    updater.step()
+    optimizer.step()
     expected = 0.01 * torch.sign(total.float().mean() - total.float())
     torch.testing.assert_close(layer.router.expert_bias, expected)
     assert_replicas_equal(layer, groups)

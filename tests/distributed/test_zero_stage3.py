@@ -4,6 +4,7 @@ The field bugs: weights of a module swapped in after init left empty at forward,
 an nn.Parameter that a model rebuilds larger inside forward. Exactness of stage 3 itself is in
 the central matrix (test_zero_exactness.py).
 """
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import ParameterSetChanged, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel
-from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes_on_every_stage,
+from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes,
                                   reference_run, train_step)
 
 TOL = 1e-10
@@ -101,8 +102,9 @@ def _edits_inside_modify_model(stage):
     return True
 
 
-def test_writes_and_freezing_inside_modify_model():
-    assert_passes_on_every_stage(_edits_inside_modify_model)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_writes_and_freezing_inside_modify_model(stage):
+    assert_passes(_edits_inside_modify_model, stage)
 
 
 # ---- params made in forward; modules swapped by hand ---------------------------------------------------
@@ -174,8 +176,9 @@ def _positions_rebuilt_in_forward(stage):
     return True
 
 
-def test_a_non_trainable_parameter_rebuilt_in_forward_just_works():
-    assert_passes_on_every_stage(_positions_rebuilt_in_forward)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_a_non_trainable_parameter_rebuilt_in_forward_just_works(stage):
+    assert_passes(_positions_rebuilt_in_forward, stage)
 
 
 def _named_errors(stage):
@@ -352,6 +355,7 @@ def _skipped_unit_stays_paired(stage):
     return True
 
 
-def test_a_unit_one_rank_skips_stays_paired_and_trains_like_torch():
-    assert_passes_on_every_stage(_skipped_unit_stays_paired)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_a_unit_one_rank_skips_stays_paired_and_trains_like_torch(stage):
+    assert_passes(_skipped_unit_stays_paired, stage)
     assert all(run_distributed(_skipped_unit_stays_paired, 4, 3))

@@ -15,7 +15,7 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import DynamicLossScaler, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel, micro_batch
-from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes_on_every_stage,
+from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes,
                                   local_reference_slice, rank_micro_batches, reference_run, train_step)
 
 TOL = 1e-10
@@ -35,7 +35,7 @@ def _compare(model, opt, expected, groups, tol=TOL):
         assert_replicas_equal(model, groups)
 
 
-# ---- 1: stage 0 accumulation without no_sync, fp32 (the field report's numbers) -------------------
+# ---- stage 0 accumulation without no_sync, fp32: local gradients summed, reduced once -------------------
 def _stage0_accumulation_fp32(ep):
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups)
@@ -60,7 +60,7 @@ def test_stage0_accumulation_without_no_sync_matches_torch_fp32(world, ep):
     assert max(run_distributed(_stage0_accumulation_fp32, world, ep)) < 2e-5
 
 
-# ---- 3: two param dtypes on one dp group, a branch used by one rank --------------------------------
+# ---- two param dtypes on one dp group, a branch used by one rank --------------------------------
 def _mixed_dtypes():
     world = dist.get_world_size()
     reference = reference_run("sgd", world, 2, 3, model_kwargs=dict(mixed_dtypes=True))
@@ -84,7 +84,7 @@ def test_two_param_dtypes_and_a_one_rank_branch_do_not_hang():
     assert all(run_distributed(_mixed_dtypes, 4, timeout=300))
 
 
-# ---- 4: model.zero_grad() clears, on every stage ---------------------------------------------------
+# ---- model.zero_grad() clears, on every stage ---------------------------------------------------
 def _model_zero_grad(stage, set_to_none):
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=2)
@@ -105,8 +105,9 @@ def _model_zero_grad(stage, set_to_none):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False, "p.grad = None"])
-def test_model_zero_grad_clears_on_every_stage(set_to_none):
-    assert_passes_on_every_stage(_model_zero_grad, set_to_none)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_model_zero_grad_clears_on_every_stage(set_to_none, stage):
+    assert_passes(_model_zero_grad, stage, set_to_none)
 
 
 def _clear_between_micro_batches(stage):
@@ -159,8 +160,9 @@ def _clear_after_a_synced_micro_batch(stage):
     return True
 
 
-def test_what_stages_1_to_3_reduced_stays_when_the_user_clears_between_micro_batches():
-    assert_passes_on_every_stage(_clear_after_a_synced_micro_batch, stages=(1, 2, 3))
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_what_stages_1_to_3_reduced_stays_when_the_user_clears_between_micro_batches(stage):
+    assert_passes(_clear_after_a_synced_micro_batch, stage)
 
 
 def test_bf16_params_reduced_in_fp32_show_no_grad():
@@ -173,7 +175,7 @@ def test_bf16_params_reduced_in_fp32_show_no_grad():
         opt.step()
 
 
-# ---- 5: param_groups are the user's groups; torch lr schedulers take the optimizer -----------------
+# ---- param_groups are the user's groups; torch lr schedulers take the optimizer -----------------
 def _user_groups(model):
     tiny = [model.norm.bias]
     rest = [p for p in model.parameters() if p.requires_grad and p is not model.norm.bias]
@@ -243,7 +245,7 @@ def test_param_groups_are_the_users_and_lr_schedulers_work(name):
         assert all(r == lrs[0] for r in lrs)
 
 
-# ---- 6: state_dict -> load_state_dict on the same layout, every stage -------------------------------
+# ---- state_dict -> load_state_dict on the same layout, every stage -------------------------------
 def _state_round_trip(stage):
     groups = ParallelGroups.build(expert_parallel_size=2)
 
@@ -275,11 +277,12 @@ def _state_round_trip(stage):
     return True
 
 
-def test_state_dict_round_trip_on_the_same_layout():
-    assert_passes_on_every_stage(_state_round_trip)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_state_dict_round_trip_on_the_same_layout(stage):
+    assert_passes(_state_round_trip, stage)
 
 
-# ---- 7: a second ZeroOptimizer for the same model just works ----------------------------------------
+# ---- a second ZeroOptimizer for the same model just works ----------------------------------------
 def _rebuild(first_stage, second_stage):
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=2)
@@ -309,7 +312,7 @@ def test_building_a_new_optimizer_for_the_model_just_works():
             assert all(run_distributed(_rebuild, 2, first, second))
 
 
-# ---- 8: a backward that raises, caught by the loop -----------------------------------------------
+# ---- a backward that raises, caught by the loop -----------------------------------------------
 class _Boom(RuntimeError):
     pass
 
@@ -350,11 +353,12 @@ CLEARS = {"opt.zero_grad": lambda model, opt: opt.zero_grad(), "model.zero_grad"
 
 
 @pytest.mark.parametrize("clear", list(CLEARS))
-def test_a_backward_that_raises_does_not_break_the_optimizer(clear):
-    assert_passes_on_every_stage(_raising_backward, clear)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_a_backward_that_raises_does_not_break_the_optimizer(clear, stage):
+    assert_passes(_raising_backward, stage, clear)
 
 
-# ---- 9: what p.grad holds ---------------------------------------------------------------------------
+# ---- what p.grad holds ---------------------------------------------------------------------------
 def _stage0_grads_are_ddps(ep, use_no_sync):
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=ep)
@@ -417,8 +421,9 @@ def _clip_method(stage):
     return True
 
 
-def test_opt_clip_grad_norm_matches_torch_on_every_stage():
-    assert_passes_on_every_stage(_clip_method)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_opt_clip_grad_norm_matches_torch_on_every_stage(stage):
+    assert_passes(_clip_method, stage)
 
 
 def _local_grads_under_no_sync(stage):
@@ -442,11 +447,12 @@ def _local_grads_under_no_sync(stage):
     return True
 
 
-def test_grads_under_no_sync_are_local_and_hidden_after_a_sharded_reduction():
-    assert_passes_on_every_stage(_local_grads_under_no_sync)
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_grads_under_no_sync_are_local_and_hidden_after_a_sharded_reduction(stage):
+    assert_passes(_local_grads_under_no_sync, stage)
 
 
-# ---- 10, 12, 13: torch's defaults, master dtype per family, the param_groups forms torch takes ---------
+# ---- torch's defaults, master dtype per family, the param_groups forms torch takes ---------
 def _torch_defaults(stage):
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=2)
@@ -464,8 +470,9 @@ def _torch_defaults(stage):
     return True
 
 
-def test_inner_optimizer_defaults_are_torchs():
-    assert_passes_on_every_stage(_torch_defaults, stages=ZERO_STAGES[::2])
+@pytest.mark.parametrize("stage", ZERO_STAGES[::2])
+def test_inner_optimizer_defaults_are_torchs(stage):
+    assert_passes(_torch_defaults, stage)
 
 
 class _TwoDtypes(nn.Module):
@@ -531,7 +538,7 @@ def test_a_subset_of_params_trains_only_that_subset():
         assert torch.equal(a, b)
 
 
-# ---- 14, 15: the mistakes that used to train silently wrong -------------------------------------------
+# ---- the mistakes that used to train silently wrong -------------------------------------------
 def test_fp16_with_plain_backward_says_to_use_opt_backward():
     model = nn.Linear(4, 1).half()
     opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, loss_scaler=DynamicLossScaler(scale=1024.0))

@@ -244,3 +244,28 @@ def test_the_expert_bias_stays_fp32_in_a_bf16_model_and_its_updates_land():
     assert layer.double().router.expert_bias.dtype == torch.float64
     assert "router.expert_bias" in layer.state_dict()
     layer(torch.randn(6, 16, dtype=torch.float64))
+
+
+def test_expert_bias_updates_are_the_same_when_layers_are_recomputed():
+    """The routers' forward hooks count a recomputed layer twice (every micro-batch alike): the counts and
+    their mean double, the update's signs do not change."""
+    from moezero.config import GPTConfig
+    from moezero.models import GPTModel
+    from moezero.moe.expert_bias import ExpertBiasUpdater
+
+    biases = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}):
+        gpt = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=40, seq_length=8,
+                        hidden_dropout=0.0, attention_dropout=0.0, **recompute)
+        model = GPTModel(gpt, MoEConfig(num_experts=4, enable_expert_bias=True, bias_update_rate=0.01), seed=3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ExpertBiasUpdater(model, None).attach(optimizer)
+        for step in range(3):
+            for micro in range(2):
+                tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(10 * step + micro))
+                model(tokens)[0].square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        biases.append(torch.cat([layer.mlp.router.expert_bias for layer in model.layers]))
+    assert biases[0].abs().sum() > 0
+    torch.testing.assert_close(biases[0], biases[1], rtol=0, atol=0)
