@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -29,6 +29,13 @@ class MoEStats:
     z_loss: torch.Tensor              # router z-loss times its coefficient
     tokens_per_expert: torch.Tensor   # int64 (E,): this rank's assignments per global expert, before dropping
     dropped_fraction: torch.Tensor    # share of this rank's assignments dropped by capacity
+
+    LOSSES = ("aux_loss", "z_loss")   # the router's losses: the training loop adds, averages and logs each
+                                      # by name (a new one: a field here and its row in moezero.metrics)
+
+    @property
+    def losses(self) -> Dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.LOSSES}
 
 
 class MoELayer(nn.Module):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +101,18 @@ def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int
         group_TG = grouped_TGe.topk(top_k // group_topk, dim=-1).values.sum(-1)
     kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(group_topk, dim=-1).indices, True)
     return grouped_TGe.masked_fill(~kept_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+def megatron_loss_names(cfg: MoEConfig) -> Dict[str, Tuple[str, float]]:
+    """For each router loss that is on: (the name megatron-core's MoE metrics tracker logs it under, its
+    coefficient), keyed by the MoEStats.losses name."""
+    out = {}
+    if cfg.aux_loss_coeff and cfg.load_balancing_type != "none":
+        tracker = "load_balancing_loss" if cfg.load_balancing_type == "aux_loss" else "seq_load_balancing_loss"
+        out["aux_loss"] = (tracker, cfg.aux_loss_coeff)
+    if cfg.z_loss_coeff:
+        out["z_loss"] = ("z_loss", cfg.z_loss_coeff)
+    return out
 
 
 class TopKRouter(nn.Module):

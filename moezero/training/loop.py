@@ -6,6 +6,7 @@ metrics are all-reduced on every rank before anyone writes them.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence
 
@@ -14,26 +15,26 @@ import torch
 from moezero.keyed_random import SampleKeys
 from moezero.metrics import tag
 from moezero.models import language_model_loss
+from moezero.moe import MoEStats
+from moezero.moe.router import megatron_loss_names
 from moezero.parallel import comm
 
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """Averages over the global batch (every micro-batch of every rank)."""
+    """Averages over the global batch (every micro-batch of every rank); counts summed."""
 
     lm_loss: float
-    aux_loss: float
-    z_loss: float
+    router_losses: Dict[str, float]   # MoEStats.LOSSES (times their coefficients), summed over MoE layers
     grad_norm: float
     stepped: bool
     tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
-    dropped_fraction: torch.Tensor    # (MoE layers,): mean over micro-batches and ranks
-    layer_aux_loss: torch.Tensor      # (MoE layers,): each layer's load-balancing loss (times its coefficient)
-    layer_z_loss: torch.Tensor        # (MoE layers,): each layer's z-loss (times its coefficient)
+    dropped_fraction: torch.Tensor    # (MoE layers,)
+    layer_router_losses: Dict[str, torch.Tensor]   # each router loss per MoE layer, (MoE layers,)
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
-        return {"lm_loss": self.lm_loss, "aux_loss": self.aux_loss, "z_loss": self.z_loss, "grad_norm": self.grad_norm}
+        return {"lm_loss": self.lm_loss, **self.router_losses, "grad_norm": self.grad_norm}
 
 
 def _micro_batch_losses(model, batch, keys):
@@ -41,19 +42,32 @@ def _micro_batch_losses(model, batch, keys):
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     logits, stats = model(batch["tokens"], keys)
     lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
-    aux = sum((s.aux_loss for s in stats), lm.new_zeros(()))
-    z = sum((s.z_loss for s in stats), lm.new_zeros(()))
-    return lm, aux, z, stats
+    router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
+    return lm, router, stats
 
 
-_LAYER_MEANS = 3   # per MoE layer: aux loss, z loss, dropped fraction (averaged), then tokens per expert (summed)
+def _named_metrics(lm: torch.Tensor, router: Dict[str, torch.Tensor], stats) -> Dict[str, torch.Tensor]:
+    """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next)."""
+    layers = {f"layer_{name}": torch.stack([s.losses[name] for s in stats]) if stats else lm.new_zeros(0)
+              for name in MoEStats.LOSSES}
+    per_layer = {"dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
+                 "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats
+                 else lm.new_zeros(0, 0)}
+    return {name: t.detach().double() for name, t in dict(lm_loss=lm, **router, **layers, **per_layer).items()}
 
 
-def _layer_rows(stats, like: torch.Tensor) -> torch.Tensor:
-    if not stats:
-        return like.new_zeros(0, dtype=torch.float64)
-    return torch.stack([torch.cat([torch.stack([t.double() for t in (s.aux_loss, s.z_loss, s.dropped_fraction)]),
-                                   s.tokens_per_expert.double()]) for s in stats]).detach().reshape(-1)
+class _Packed:
+    """Named tensors as one float64 vector and back: one host transfer and one all-reduce per step."""
+
+    def __init__(self, named: Dict[str, torch.Tensor]):
+        self.shapes = {name: t.shape for name, t in named.items()}
+
+    def pack(self, named: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([named[name].reshape(-1) for name in self.shapes])
+
+    def unpack(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
+        sizes = [math.prod(shape) for shape in self.shapes.values()]
+        return {name: t.view(shape) for (name, shape), t in zip(self.shapes.items(), flat.split(sizes))}
 
 
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
@@ -62,28 +76,30 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
     model.train()
     n = len(micro_batches)
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
+    packed = None
     for j, batch in enumerate(micro_batches):
         keys = SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
-            lm, aux, z, stats = _micro_batch_losses(model, batch, keys)
-            opt.backward((lm + aux + z) / n)
-        per_micro.append(torch.cat([torch.stack([lm, aux, z]).detach().double(), _layer_rows(stats, lm)]))
+            lm, router, stats = _micro_batch_losses(model, batch, keys)
+            opt.backward((lm + sum(router.values())) / n)
+        named = _named_metrics(lm, router, stats)
+        packed = packed or _Packed(named)
+        per_micro.append(packed.pack(named))
     stepped = opt.step()
     opt.zero_grad()
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)   # one all-reduce for every metric
-    return _step_metrics(totals, len(stats), n * comm.group_size(group), opt.last_grad_norm, stepped)
+    return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
 
 
-def _step_metrics(totals: torch.Tensor, layers: int, micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:
+def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:
     """From sums over every micro-batch of every rank: losses and drop fractions averaged, counts summed."""
-    lm, aux, z = (totals[:3] / micro_batches).tolist()
-    rows = totals[3:].view(layers, -1) if layers else torch.zeros(0, _LAYER_MEANS)
-    means = rows[:, :_LAYER_MEANS] / micro_batches
-    return StepMetrics(lm, aux, z, grad_norm if grad_norm is not None else float("nan"), stepped,
-                       tokens_per_expert=rows[:, _LAYER_MEANS:], dropped_fraction=means[:, 2],
-                       layer_aux_loss=means[:, 0], layer_z_loss=means[:, 1])
+    mean = {name: t / micro_batches for name, t in totals.items() if name != "tokens_per_expert"}
+    return StepMetrics(mean["lm_loss"].item(), {name: mean[name].item() for name in MoEStats.LOSSES},
+                       grad_norm if grad_norm is not None else float("nan"), stepped,
+                       tokens_per_expert=totals["tokens_per_expert"], dropped_fraction=mean["dropped_fraction"],
+                       layer_router_losses={name: mean[f"layer_{name}"] for name in MoEStats.LOSSES})
 
 
 @torch.no_grad()
@@ -116,14 +132,9 @@ def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.T
 def moe_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics, moe, per_layer: bool) -> Dict[str, float]:
     """Megatron's MoE loss scalars: each loss without its coefficient, the mean over MoE layers, and with
     `per_layer` each layer's (tags as megatron-core's MoE metrics tracker writes them)."""
-    losses = []
-    if moe.aux_loss_coeff and moe.load_balancing_type != "none":
-        name = "load_balancing_loss" if moe.load_balancing_type == "aux_loss" else "seq_load_balancing_loss"
-        losses.append((name, m.layer_aux_loss / moe.aux_loss_coeff))
-    if moe.z_loss_coeff:
-        losses.append(("z_loss", m.layer_z_loss / moe.z_loss_coeff))
     out: Dict[str, float] = {}
-    for name, values in losses:
+    for loss, (name, coefficient) in megatron_loss_names(moe).items():
+        values = m.layer_router_losses[loss] / coefficient
         out[tag("moe_loss", loss=name)] = values.mean().item()
         if per_layer:
             out.update({tag("moe_layer_loss", loss=name, layer=layer): value

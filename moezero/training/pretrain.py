@@ -158,8 +158,7 @@ class Pretraining:
             self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
             for plugin in self.plugins.values():
                 plugin.on_step_end(self.iteration)
-            self.history.append({"iteration": self.iteration, "lm_loss": metrics.lm_loss,
-                                 "aux_loss": metrics.aux_loss, "grad_norm": metrics.grad_norm})
+            self.history.append({"iteration": self.iteration, **metrics.values()})
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
             console = self.iteration % t.log_interval == 0 or self.iteration == t.train_iters
             board = t.tensorboard_dir is not None and self.iteration % t.tensorboard_log_interval == 0
