@@ -6,7 +6,7 @@
 Needs safetensors only; transformers is the test oracle.
 """
 from moezero.hf.families import FAMILIES, UnsupportedModel
-from moezero.hf.load import CheckpointMismatch, from_pretrained
+from moezero.hf.load import CheckpointMismatch, ParamsNotRead, from_pretrained
 from moezero.hf.save import save_pretrained
 
-__all__ = ["FAMILIES", "CheckpointMismatch", "UnsupportedModel", "from_pretrained", "save_pretrained"]
+__all__ = ["FAMILIES", "CheckpointMismatch", "ParamsNotRead", "UnsupportedModel", "from_pretrained", "save_pretrained"]

@@ -18,7 +18,7 @@ from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
 from moezero.moe import MoELayer, expert_parallel
 from moezero.parallel import ParallelGroups
-from moezero.parallel.deferred_values import allocate, defer_values
+from moezero.parallel.deferred_values import allocate, defer_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
 # Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)
@@ -45,6 +45,8 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
         model = GPTModel(gpt, moe, seed=seed, moe_layer=factory)
     model.to(dtype or hub_dtype(hub.config))
     load_weights(model, hub, links(family, gpt, moe), lazy)
+    if lazy:
+        _refuse_forward_until_read(model)
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
     return model.eval()
 
@@ -96,6 +98,24 @@ def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) 
         raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config describes, "
                                  f"{shape} from {link.keys[0]}")
     defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
+
+
+class ParamsNotRead(RuntimeError):
+    """A lazily loaded model ran before an optimizer read its params."""
+
+
+def _refuse_forward_until_read(model: GPTModel) -> None:
+    """A forward pre-hook naming the cause, instead of torch's device error on the meta params; it removes
+    itself at the first forward that finds every param read (one scan, not one per step)."""
+    def check(module, args):
+        deferred = [name for name, p in module.named_parameters() if values_source(p) is not None]
+        if deferred:
+            raise ParamsNotRead(f"{len(deferred)} params of this model (e.g. {deferred[0]}) are not read yet: "
+                                "from_pretrained(lazy=True) leaves them to the ZeroOptimizer; build it first "
+                                "(or load without lazy)")
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(check)
 
 
 def _materialize_buffers(model: GPTModel) -> None:

@@ -25,7 +25,8 @@ def test_partial_rope_is_megatrons(monkeypatch):
     config = GPTConfig(hidden_size=48, num_attention_heads=2, position_embedding_type="rope", rotary_percent=percent,
                        rotary_base=base, seq_length=S, vocab_size=11)
     ours = Rotary(config.rotary_dim, base)(x_SBHh.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
-    assert torch.equal(ours, theirs)
+    # the same fp32 formulas; cos/sin of tables laid out differently may round apart by an ulp on other SIMD
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     assert torch.equal(ours[..., 12:], x_SBHh[..., 12:]), "the last half of each head is not rotated"
 
 

@@ -149,6 +149,8 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     # read lazily by rows (ZeRO-3's way): each row range meets its blocks' scales
     with pytest.warns(UserWarning, match="multi-token"):
         lazy = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64, lazy=True)
+    with pytest.raises(hub.ParamsNotRead, match="build it first"):   # a named error, not torch's device one
+        lazy(TOKENS)
     opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
     with torch.no_grad(), opt.full_parameters():
         torch.testing.assert_close(lazy(TOKENS)[0], ours, rtol=0, atol=1e-13)
