@@ -1,0 +1,157 @@
+"""The run's layout configs: ranks (ParallelConfig), the ZeRO optimizer (ZeroConfig) and the data (DataConfig)."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from moezero.config.options import Validated, option
+
+@dataclass
+class ParallelConfig(Validated):
+    """How ranks are laid out."""
+
+    section = "parallel"
+    expert_parallel_size: int = option(1, "ranks that share one copy of the experts (all-to-all group)",
+                                       flag="--expert-model-parallel-size")
+    # Megatron's other parallelisms: accepted at 1 so launch scripts run unchanged
+    tensor_parallel_size: int = option(1, "Megatron's tensor parallelism: only 1 (moezero shards with ZeRO and "
+                                       "experts instead)", flag="--tensor-model-parallel-size")
+    pipeline_parallel_size: int = option(1, "Megatron's pipeline parallelism: only 1",
+                                         flag="--pipeline-model-parallel-size")
+    context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
+    expert_tensor_parallel_size: Optional[int] = option(None, "Megatron's expert tensor parallelism: only 1",
+                                                        flag="--expert-tensor-parallel-size")
+    distributed_backend: str = option("nccl", "collectives backend (nccl on a machine without CUDA runs gloo, and "
+                                      "says so)", flag="--distributed-backend", choices=("nccl", "gloo"))
+
+    def __post_init__(self):
+        self._check_all_choices()
+        self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                     "expert_tensor_parallel_size"):
+            self._require(getattr(self, name) in (1, None), name, "not supported by moezero, only 1 is accepted (it splits "
+                          "experts with --expert-model-parallel-size and shards the rest with --zero-stage)")
+
+
+
+FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}   # Megatron-FSDP -> ZeRO
+
+
+@dataclass
+class ZeroConfig(Validated):
+    """The ZeRO optimizer wrapper and mixed precision."""
+
+    section = "zero"
+    stage: Optional[int] = option(None, "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients, "
+                                  "3 = + sharded params (default 2, or 1 with --use-distributed-optimizer)",
+                                  flag="--zero-stage", choices=(0, 1, 2, 3))
+    use_distributed_optimizer: bool = option(False, "Megatron's distributed optimizer: ZeRO-1 unless --zero-stage "
+                                             "says otherwise", flag="--use-distributed-optimizer")
+    use_megatron_fsdp: bool = option(False, "Megatron-FSDP: the ZeRO stage its --data-parallel-sharding-strategy "
+                                     "names", flag="--use-megatron-fsdp")
+    data_parallel_sharding_strategy: str = option(
+        "optim_grads_params", "with --use-megatron-fsdp: what is sharded (no_shard, optim, optim_grads, "
+        "optim_grads_params = ZeRO stage 0, 1, 2, 3)", flag="--data-parallel-sharding-strategy",
+        choices=tuple(FSDP_STAGES))
+    megatron_fsdp_grad_comm_dtype: str = option("auto", "Megatron-FSDP's gradient reduction dtype (auto: "
+                                                "--grad-reduce-dtype's)", flag="--megatron-fsdp-grad-comm-dtype",
+                                                choices=("fp32", "fp16", "bf16", "auto"))
+    bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
+    overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
+    grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
+                                    choices=("fp32", "bf16", "fp64"))
+    clip_grad: float = option(1.0, "clip the global grad norm to this (0 = off)", flag="--clip-grad")
+    max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row",
+                                    flag="--max-consecutive-skipped-steps")
+    initial_loss_scale: float = option(2.0 ** 32, "fp16 initial dynamic loss scale", flag="--initial-loss-scale")
+    min_loss_scale: float = option(1.0, "fp16 minimum loss scale", flag="--min-loss-scale")
+    loss_scale_window: int = option(1000, "fp16 steps without overflow before the scale doubles",
+                                    flag="--loss-scale-window")
+    hysteresis: int = option(2, "fp16 overflows tolerated before the scale halves", flag="--hysteresis")
+
+    def __post_init__(self):
+        self._check_all_choices()
+        fsdp_stage = FSDP_STAGES[self.data_parallel_sharding_strategy] if self.use_megatron_fsdp else None
+        self._require(self.stage is None or fsdp_stage in (None, self.stage), "stage",
+                      f"--data-parallel-sharding-strategy={self.data_parallel_sharding_strategy} is stage {fsdp_stage}")
+        if self.stage is None:
+            self.stage = fsdp_stage if fsdp_stage is not None else 1 if self.use_distributed_optimizer else 2
+        self._require(self.megatron_fsdp_grad_comm_dtype != "fp16", "megatron_fsdp_grad_comm_dtype",
+                      "not supported by moezero (fp32, bf16 or auto)")
+        if self.megatron_fsdp_grad_comm_dtype != "auto":
+            self.grad_reduce_dtype = self.megatron_fsdp_grad_comm_dtype
+        self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
+        self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
+        self._require(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1")
+        self._require(self.initial_loss_scale > 0, "initial_loss_scale", "must be > 0")
+        self._require(self.min_loss_scale > 0, "min_loss_scale", "must be > 0")
+        self._require(self.loss_scale_window >= 1, "loss_scale_window", "must be >= 1")
+        self._require(self.hysteresis >= 1, "hysteresis", "must be >= 1")
+
+
+@dataclass
+class DataConfig(Validated):
+    """Training data: Megatron indexed datasets, or the built-in standard-library corpus."""
+
+    section = "data"
+    data_path: Optional[str] = option(None, "dataset prefix(es) '[w1] p1 [w2] p2 ...' of .bin/.idx files "
+                                      "(default: the Python standard library tokenized into a cache)",
+                                      flag="--data-path")
+    split: str = option("969,30,1", "train,valid,test split weights", flag="--split")
+    mock_data: bool = option(False, "Megatron's synthetic data (megatron-core's MockGPTDataset) instead of "
+                             "--data-path, for benchmarks", flag="--mock-data")
+    tokenizer_type: str = option("ByteLevelTokenizer", "tokenizer", flag="--tokenizer-type",
+                                 choices=("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                          "Llama2Tokenizer", "NullTokenizer"), defines_model=True)
+    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder), or "
+                                            "a SentencePiece tokenizer.model (Llama2Tokenizer)", flag="--tokenizer-model")
+    vocab_size: Optional[int] = option(None, "the tokenizer's vocabulary before the end-of-document token and "
+                                       "padding: NullTokenizer's size; with another tokenizer, a floor",
+                                       flag="--vocab-size")
+    vocab_file: Optional[str] = option(None, "GPT-2 BPE vocabulary (vocab.json)", flag="--vocab-file")
+    merge_file: Optional[str] = option(None, "GPT-2 BPE merges (merges.txt)", flag="--merge-file")
+    data_cache_path: Optional[str] = option(None, "where dataset indices and the default corpus are cached",
+                                            flag="--data-cache-path")
+    default_corpus_max_files: int = option(400, "files of the standard library in the default corpus",
+                                           flag="--default-corpus-max-files")
+    num_workers: int = option(2, "processes that read micro-batches ahead of the step that uses them (0: "
+                              "read in the training process)", flag="--num-workers")
+
+    def __post_init__(self):
+        self._check_all_choices()
+        parts = [p.strip() for p in re.split("[,/]", self.split)]
+        self.split = ",".join(parts)  # Megatron accepts "," and "/"; everything downstream reads commas
+        try:
+            weights = self.split_weights if len(parts) <= 3 else ()
+        except ValueError:
+            weights = ()
+        self._require(bool(weights) and all(w >= 0 for w in weights) and sum(weights) > 0,
+                      "split", "must be up to three non-negative weights like 969,30,1")
+        if self.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer"):
+            self._require(self.tokenizer_model is not None, "tokenizer_type",
+                          f"{self.tokenizer_type} needs --tokenizer-model (a local path)")
+        if self.tokenizer_type == "NullTokenizer":
+            self._require(self.vocab_size is not None, "tokenizer_type", "NullTokenizer needs --vocab-size")
+        if self.vocab_size is not None:
+            self._require(self.vocab_size >= 1, "vocab_size", "must be >= 1")
+        self._require(self.num_workers >= 0, "num_workers", "must be >= 0")
+        self._require(not (self.mock_data and self.data_path), "mock_data", "replaces --data-path: give one of them")
+        bpe = self.tokenizer_type == "GPT2BPETokenizer"
+        for name in ("vocab_file", "merge_file"):
+            if bpe:
+                self._require(getattr(self, name) is not None, "tokenizer_type",
+                              "GPT2BPETokenizer needs --vocab-file and --merge-file")
+            else:
+                self._require(getattr(self, name) is None, name, "only --tokenizer-type GPT2BPETokenizer reads it")
+        for name in ("tokenizer_model", "vocab_file", "merge_file"):  # stored in checkpoints: any cwd reads them
+            if getattr(self, name) is not None:
+                setattr(self, name, os.path.abspath(getattr(self, name)))
+        self._require(self.default_corpus_max_files >= 1, "default_corpus_max_files", "must be >= 1")
+
+    @property
+    def split_weights(self) -> Tuple[float, float, float]:
+        """(train, valid, test) weights of --split; missing trailing ones are 0, as in Megatron."""
+        weights = [float(p) for p in self.split.split(",")]
+        return tuple(weights + [0.0] * (3 - len(weights)))
