@@ -53,23 +53,16 @@ class Family:
 
     def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
         _refuse_unsupported(hf, self)
-        heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+        heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
-        head_dim = hf.get("head_dim") or hidden // heads
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         rope = _rope_parameters(hf)
         gpt = GPTConfig(
-            num_layers=layers, hidden_size=hidden, num_attention_heads=heads, kv_channels=head_dim,
-            group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
-            ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
-            max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-            make_vocab_size_divisible_by=1, position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
-            rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-            normalization="RMSNorm", norm_epsilon=hf["rms_norm_eps"], swiglu=True, disable_bias_linear=True,
+            **_decoder_fields(hf, rope), kv_channels=head_dim, group_query_attention=kv_heads != heads,
+            num_query_groups=kv_heads, rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
             add_qkv_bias=bool(hf.get(self.qkv_bias_field, False)) if self.qkv_bias_field else False,
             qk_layernorm=self.qk_norm is not None, qk_layernorm_scope=self.qk_norm or "head",
-            hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=1 if self.dense else self._moe_layers(hf))
+            moe_layer_freq=1 if self.dense else self._moe_layers(hf))
         if self.dense:
             return gpt, None
         renormalise = self.always_renormalises or bool(hf.get("norm_topk_prob", False))
@@ -94,18 +87,9 @@ class Family:
     def hf_config(self, gpt: GPTConfig, moe: MoEConfig, dtype: str) -> Dict[str, Any]:
         self.check_expressible(gpt, moe)
         moe_layers = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
-        hf: Dict[str, Any] = {
-            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": gpt.vocab_size,
-            "hidden_size": gpt.hidden_size, "intermediate_size": gpt.ffn_hidden_size,
-            "num_hidden_layers": gpt.num_layers, "num_attention_heads": gpt.num_attention_heads,
-            "num_key_value_heads": gpt.query_groups, "head_dim": gpt.kv_channels, "hidden_act": "silu",
-            "max_position_embeddings": gpt.max_position_embeddings, "rms_norm_eps": gpt.norm_epsilon,
-            "rope_theta": gpt.rotary_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": gpt.rotary_base},
-            "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights,
-            "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
-            "dtype": dtype, "torch_dtype": dtype,
-        }
+        hf: Dict[str, Any] = dict(_decoder_hf_fields(gpt, self, dtype), num_key_value_heads=gpt.query_groups,
+                                  head_dim=gpt.kv_channels,
+                                  rope_parameters={"rope_type": "default", "rope_theta": gpt.rotary_base})
         if gpt.rotary_percent != 1.0:
             hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"] = gpt.rotary_percent
         if self.qkv_bias_field:
@@ -179,13 +163,7 @@ class DeepSeekFamily(Family):
         pattern = [int(i >= first_dense and i % freq == 0) for i in range(layers)]
         yarn = rope.get("rope_type", rope.get("type")) == "yarn"
         gpt = GPTConfig(
-            num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
-            ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
-            max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-            make_vocab_size_divisible_by=1, position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), normalization="RMSNorm",
-            norm_epsilon=hf["rms_norm_eps"], swiglu=True, disable_bias_linear=True, qk_layernorm=True,
-            multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            **_decoder_fields(hf, rope), qk_layernorm=True, multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
             qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"], rope_type="yarn" if yarn else None,
             rotary_scaling_factor=float(rope.get("factor", 1.0)) if yarn else 1.0,
@@ -193,8 +171,7 @@ class DeepSeekFamily(Family):
             mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if yarn else 0.0,
             yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings") if yarn else None,
             yarn_beta_fast=rope.get("beta_fast") if yarn else None, yarn_beta_slow=rope.get("beta_slow") if yarn else None,
-            hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout") or 0.0),
-            init_method_std=hf.get("initializer_range", 0.02), moe_layer_freq=1 if all(pattern) else pattern)
+            moe_layer_freq=1 if all(pattern) else pattern)
         moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
                         ffn_hidden_size=hf["moe_intermediate_size"],
                         shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
@@ -243,22 +220,17 @@ class DeepSeekFamily(Family):
                         original_max_position_embeddings=gpt.yarn_original_max_position_embeddings)
         pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
         hf: Dict[str, Any] = {
-            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": gpt.vocab_size,
-            "hidden_size": gpt.hidden_size, "intermediate_size": gpt.ffn_hidden_size,
-            "moe_intermediate_size": moe.ffn_hidden_size or gpt.ffn_hidden_size, "num_hidden_layers": gpt.num_layers,
-            "num_attention_heads": gpt.num_attention_heads, "num_key_value_heads": gpt.num_attention_heads,
+            **_decoder_hf_fields(gpt, self, dtype),
+            "moe_intermediate_size": moe.ffn_hidden_size or gpt.ffn_hidden_size,
+            "num_key_value_heads": gpt.num_attention_heads,
             "n_shared_experts": (moe.shared_expert_intermediate_size or 0) // (moe.ffn_hidden_size or 1),
             "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "routed_scaling_factor": moe.topk_scaling_factor or 1.0, "kv_lora_rank": gpt.kv_lora_rank,
             "q_lora_rank": gpt.q_lora_rank, "qk_rope_head_dim": gpt.qk_pos_emb_head_dim,
             "qk_nope_head_dim": gpt.qk_head_dim, "v_head_dim": gpt.v_head_dim,
             "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1,
-            "first_k_dense_replace": pattern.index(True), "moe_layer_freq": 1, "hidden_act": "silu",
-            "max_position_embeddings": gpt.max_position_embeddings, "rms_norm_eps": gpt.norm_epsilon,
-            "rope_theta": gpt.rotary_base, "rope_parameters": rope,
-            "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights, "attention_bias": False,
-            "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
-            "router_aux_loss_coef": moe.aux_loss_coeff, "dtype": dtype, "torch_dtype": dtype,
+            "first_k_dense_replace": pattern.index(True), "moe_layer_freq": 1, "rope_parameters": rope,
+            "attention_bias": False, "router_aux_loss_coef": moe.aux_loss_coeff,
         }
         if self.version == 3:
             hf.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True,
@@ -328,6 +300,29 @@ def family_for(gpt: GPTConfig, moe: Optional[MoEConfig]) -> Family:
             return family
     reasons = "; ".join(f"{f.model_type}: {next(f._differences(gpt, moe))}" for f in FAMILIES.values())
     raise UnsupportedModel(f"no Hugging Face family holds this model ({reasons})")
+
+
+def _decoder_fields(hf: Dict[str, Any], rope: Dict[str, Any]) -> Dict[str, Any]:
+    """The GPTConfig fields every family shares: a RoPE, RMSNorm, SwiGLU decoder without biases."""
+    return dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+        ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
+        max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+        make_vocab_size_divisible_by=1, position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), normalization="RMSNorm",
+        norm_epsilon=hf["rms_norm_eps"], swiglu=True, disable_bias_linear=True, hidden_dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02))
+
+
+def _decoder_hf_fields(gpt: GPTConfig, family: "Family", dtype: str) -> Dict[str, Any]:
+    """The config.json fields every family shares."""
+    return {"architectures": [family.architecture], "model_type": family.model_type, "vocab_size": gpt.vocab_size,
+            "hidden_size": gpt.hidden_size, "intermediate_size": gpt.ffn_hidden_size,
+            "num_hidden_layers": gpt.num_layers, "num_attention_heads": gpt.num_attention_heads, "hidden_act": "silu",
+            "max_position_embeddings": gpt.max_position_embeddings, "rms_norm_eps": gpt.norm_epsilon,
+            "rope_theta": gpt.rotary_base, "tie_word_embeddings": not gpt.untie_embeddings_and_output_weights,
+            "attention_dropout": gpt.attention_dropout, "initializer_range": gpt.init_method_std,
+            "dtype": dtype, "torch_dtype": dtype}
 
 
 def _num_experts(hf: Dict[str, Any]) -> int:
