@@ -31,12 +31,26 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     family.check_expressible(gpt, moe)
     dtype = dtype or model.embedding.weight.dtype
     tensors = _hub_tensors(model, links(family, gpt, moe), groups, dtype, optimizer)
+    failure = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
         config.update(family.hf_config(gpt, moe, str(dtype).replace("torch.", "")))
-        write_hub_directory(path, config, tensors, max_shard_bytes)
+        try:
+            write_hub_directory(path, config, tensors, max_shard_bytes)
+        except OSError as exc:
+            failure = exc
+    _raise_on_every_rank(failure, path)
+
+
+def _raise_on_every_rank(failure: Optional[BaseException], path: str) -> None:
+    """Rank 0's write failing is every rank's error (a barrier would leave the others waiting forever)."""
     if dist.is_initialized():
-        dist.barrier()
+        failed = torch.tensor([float(failure is not None)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and failure is None:
+            raise OSError(f"save_pretrained: rank 0 could not write {path} (its error says why)")
+    if failure is not None:
+        raise failure
 
 
 def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer) -> Dict[str, torch.Tensor]:

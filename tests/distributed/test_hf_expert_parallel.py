@@ -106,3 +106,23 @@ def test_a_lazy_load_reads_a_ranks_shard_at_stage_3(stage, tmp_path):
         # stage 3: about its half of every param (plus the rows its slices share with the other rank's)
         assert read < 0.55 * dense if stage == 3 else read == dense, (read, dense)
     assert sum(read for _, read, _ in ranks) >= ranks[0][2]
+
+
+def _save_into_a_file(hub_dir, blocked):
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model = hub.from_pretrained(hub_dir, dtype=torch.float64, groups=groups)
+    try:
+        hub.save_pretrained(model, blocked, groups=groups)
+    except OSError as exc:
+        return type(exc).__name__
+    finally:
+        groups.destroy()
+    return "saved"
+
+
+def test_a_write_rank_0_cannot_do_is_an_error_on_every_rank(tmp_path):
+    """Only rank 0 writes: its failure reaches the other ranks, which would otherwise wait at a barrier."""
+    hub_dir, blocked = str(tmp_path / "hub"), tmp_path / "a_file"
+    save_tiny_model("mixtral", hub_dir)
+    blocked.write_text("not a directory")
+    assert run_distributed(_save_into_a_file, WORLD, hub_dir, str(blocked), timeout=60) == ["FileExistsError", "OSError"]
