@@ -1,34 +1,41 @@
-"""ZeroEngine: the sharding machinery for one set of params, wired together.
+"""ZeroEngine: the sharding machinery for one set of params, behind one interface.
 
-    families (families.py)          which param sits where, which slice this rank owns (frozen ones apart)
+    records (zero_param.py)         one per param: where it sits, its master piece, its per-step state
+    families (families.py)          the params reduced over one group in one dtype, in one flat layout
       x param side (param_storage)  where param values live: replicated (0-2) or sharded (3)
-      x grad side (grad_strategies) how gradients are accumulated and reduced (per stage)
+      x grad side (grad_strategies) how gradients are accumulated and reduced (per stage, stages.py)
     reducer (reducer.py)            hooks, per-backward bookkeeping, launch order
-    master (master.py)              this rank's master weights and the views the inner optimizer steps
+    master (master.py)              this rank's master weights, the pieces the inner optimizer steps
+    gatherer (units.py)             stage 3: gathers and frees units around forward and backward
+    model guard (model_guard.py)    what must hold around every forward
 
-`ZeroOptimizer` owns one engine and builds a new one when the model changes (`modify_model`).
+`ZeroOptimizer` owns one engine, talks to it through the methods below only, and builds a new one when
+the model changes (`modify_model`); the old one is detached (hooks removed, params given back).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.families import ParamFamily, Range, build_families
-from moezero.zero.agreement import RankAgreement
+from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
-from moezero.zero.master import MasterShards, master_dtype_of
+from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
+from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfrozen_by_hand_error,
+                                      unknown_param_error)
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
-from moezero.zero.param_storage import ReplicatedParams
-from moezero.zero.reducer import FamilyPass, GradReducer
-from moezero.zero.sharded_params import ShardedParams
-from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
+from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
+from moezero.zero.torch_internals import in_backward
+from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
+from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
 
@@ -53,29 +60,25 @@ class ZeroSettings:
 
 
 class ZeroEngine:
+    """Args: the model, the params to manage (the model's params in some param group), the groups, settings."""
+
     def __init__(self, model: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
                  settings: ZeroSettings):
-        self.groups, self.settings = groups, settings
+        self.model, self.groups, self.settings = model, groups, settings
         self.stage = stage_of(settings.stage)
         plan = plan_units(model, [p for _, p in named_params]) if self.stage.shards_params else None
-        self.families: List[ParamFamily] = build_families(named_params, groups, settings.bucket_size,
-                                                          plan.unit_of if plan else None)
-        self.storages = [self._param_storage(f) for f in self.families]
-        self.strategies = [self._grad_strategy(f) for f in self.families]
+        families = build_families(named_params, groups, settings.bucket_size, plan.unit_of if plan else None)
+        self.parts = [FamilyParts(f, self.stage.param_storage(f, groups), self._grad_strategy(f)) for f in families]
+        self.records: List[ZeroParam] = [zp for f in families for zp in f.members]
+        self._record_of = {id(zp.param): zp for zp in self.records}
+        managed = {id(p) for _, p in named_params}
+        self._outside = {id(p) for p in model.parameters() if id(p) not in managed}  # in no param group
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
-        trainable = [f for f, family in enumerate(self.families) if family.trainable]
-        self.reducer = GradReducer([FamilyPass(self.families[f], self.storages[f], self.strategies[f])
-                                    for f in trainable], groups.control, settings.overlap_comm, self.agreement)
-        self._pass_of = dict(zip(trainable, self.reducer.states))   # family index -> its reducer state
-        self.master = MasterShards(self.families, self.storages, self.strategies)
-        self.inner_state = None  # the inner optimizer's state dict, set by ZeroOptimizer (for memory_bytes)
+        self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
+                                   settings.overlap_comm, self.agreement)
+        self.master = MasterShards(self.parts)
         self.gatherer = self._unit_gatherer(plan) if plan else None
-
-    def _param_storage(self, family: ParamFamily):
-        if not self.stage.shards_params:
-            return ReplicatedParams(family)
-        dp, edp = self.groups.gather_groups()
-        return ShardedParams(family, edp if family.kind == "expert" else dp)
+        self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
 
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
         dtypes = (self.settings.reduce_dtype(family.dtype), master_dtype_of(family.dtype), self.groups.dp_size)
@@ -86,131 +89,240 @@ class ZeroEngine:
     def _unit_gatherer(self, plan: UnitPlan) -> UnitGatherer:
         parts: Dict[int, list] = {}
         per_unit: Dict[int, Optional[int]] = {}
-        for family, storage in zip(self.families, self.storages):
-            for unit in storage.unit_buckets:
-                parts.setdefault(unit, []).append((storage, unit))
-            for unit in family.units:
-                count = per_unit.get(unit, 0)
-                per_unit[unit] = None if count is None or not family.trainable else count + 1
+        for p in self.parts:
+            for unit in p.storage.unit_buckets:
+                parts.setdefault(unit, []).append((p.storage, unit))
+            for zp in p.family.members:
+                count = per_unit.get(zp.unit, 0)
+                per_unit[zp.unit] = None if count is None or not p.family.trainable else count + 1
         gatherer = UnitGatherer(plan, parts, per_unit, self.agreement)
         self.reducer.on_pass_begin = gatherer.begin_backward
-        self.reducer.on_param_done = lambda state, index: gatherer.param_done(state.family.units[index])
-        for family in self.families:   # reads outside the unit's forward and backward are guarded
-            for name, p, unit in zip(family.names, family.params, family.units):
-                shard_param_type(p, ShardInfo(name, unit, weakref.ref(gatherer)))
+        self.reducer.on_param_done = lambda zp: gatherer.param_done(zp.unit)
+        for zp in self.records:   # reads outside the unit's forward and backward are guarded
+            shard_param_type(zp.param, ShardInfo(zp.name, zp.unit, weakref.ref(gatherer)))
         return gatherer
 
+    # ---- what it manages -------------------------------------------------------------------------
     def params(self) -> List[nn.Parameter]:
-        return [p for f in self.families for p in f.params]
+        return [zp.param for zp in self.records]
+
+    def param_name(self, param: torch.Tensor) -> str:
+        return self._record_of[id(param)].name
+
+    def left_out(self, param: torch.Tensor) -> bool:
+        """A param of the model that no param group holds (the user built the optimizer without it)."""
+        return id(param) in self._outside
+
+    def master_pieces(self) -> List[MasterPiece]:
+        """The leaf tensors the inner optimizer steps, one per param piece this rank holds."""
+        return self.master.pieces
+
+    def global_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {zp.name: zp.global_shape for zp in self.records}
+
+    @property
+    def counters(self) -> ReducerCounters:
+        return self.reducer.counters
+
+    def check_agreement(self, activity: Activity) -> None:
+        """Collective: every rank states that it is doing `activity` now (RanksDisagree otherwise)."""
+        self.agreement.check(activity)
 
     def detach(self) -> None:
         """Collective at stage 3. Remove the hooks and give the params full values in storage of their
         own (the engine is discarded)."""
+        self._guard.remove()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
             self.gatherer.gather_all()
             for p in self.params():
                 unshard_param_type(p)
-        for storage in self.storages:
-            storage.release()
+        for p in self.parts:
+            p.storage.release()
+
+    # ---- around forward (the model guard's hooks) ------------------------------------------------
+    def before_forward(self) -> None:
+        self.recover_aborted_backward()
+        self._check_model(during_forward=False)
+        if self.gatherer is not None:
+            self.gatherer.root_pre_forward()
+
+    def after_forward(self, output) -> None:
+        self._check_model(during_forward=True)
+        if self.gatherer is not None:
+            self.gatherer.root_post_forward(output)
+
+    def _check_model(self, during_forward: bool) -> None:
+        for name, p in self.model.named_parameters():
+            zp = self._record_of.get(id(p))
+            if zp is None:
+                if p.requires_grad and id(p) not in self._outside:
+                    raise unknown_param_error(name, during_forward)
+            elif not zp.storage_intact():
+                raise storage_replaced_error(name)
+            elif p.requires_grad and not zp.family.trainable:
+                raise unfrozen_by_hand_error(name)
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Collective at stage 3: every param full inside (stages 0-2 always are)."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.gather_all()
+        try:
+            yield
+        finally:
+            self.gatherer.free_all()
+
+    # ---- around backward -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def scaled_backward(self) -> Iterator[None]:
+        """The backward inside runs on a loss multiplied by the loss scale."""
+        self.reducer.scaled_backward = True
+        try:
+            yield
+        finally:
+            self.reducer.scaled_backward = False
+
+    def recover_aborted_backward(self) -> None:
+        """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
+        gatherer_open = self.gatherer is not None and self.gatherer.backward_open
+        if (self.reducer.pass_open or gatherer_open) and not in_backward():
+            self.reducer.recover_aborted_pass()
+            if self.gatherer is not None:
+                self.gatherer.recover(self.groups.control)
+            self.master.clear_grads()
+
+    def clear_step(self, set_to_none: bool) -> None:
+        """Forget the step's gradients."""
+        self.recover_aborted_backward()
+        self.reducer.clear_step(set_to_none)
+        self.master.clear_grads()
+
+    def finish_reductions(self, loss_scaled: bool) -> None:
+        """Collective: every bucket reduction finished (`loss_scaled`: an fp16 run, whose backwards must
+        have gone through the optimizer's scaled backward)."""
+        self.recover_aborted_backward()
+        if loss_scaled and self.reducer.unscaled_passes:
+            raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
+                               "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
+        self.reducer.finish_reductions()
 
     # ---- at step() -------------------------------------------------------------------------------
-    def took_gradient_anywhere(self) -> List[List[bool]]:
-        """Per family, per param: did any rank of the family's group get a gradient this step."""
-        out = []
-        for f, family in enumerate(self.families):
-            state = self._pass_of.get(f)
-            if state is None:   # a frozen family
-                out.append([False] * len(family.params))
-                continue
-            flags = torch.tensor(state.got_grad, dtype=torch.int32)
-            comm.all_reduce(flags, family.group, op=torch.distributed.ReduceOp.MAX)
-            out.append([bool(flag) for flag in flags.tolist()])
-        return out
+    def begin_step(self) -> ReducedGrads:
+        """Collective, after finish_reductions: the step's averaged gradients, per family and bucket over
+        the optimizer range. Marks which params got a gradient on any rank; gathered units are freed (they
+        would be stale after the update); the next backward starts from zero."""
+        if self.gatherer is not None:
+            self.gatherer.free_all()
+        self._agree_on_gradients()
+        reduced = self.reduced_grads()
+        self.reducer.mark_consumed()
+        return reduced
 
-    def reduced_grads(self) -> List[List[Optional[torch.Tensor]]]:
+    def reduced_grads(self) -> ReducedGrads:
         """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family)."""
-        return [[s.reduced_grad(b) if f.trainable else None for b in range(f.num_buckets)]
-                for f, s in zip(self.families, self.strategies)]
+        return {p.family: [p.strategy.reduced_grad(b) if p.family.trainable else None
+                           for b in range(p.family.num_buckets)] for p in self.parts}
 
-    def owned_sum_of_squares(self, reduced: List[List[torch.Tensor]]) -> float:
+    def _agree_on_gradients(self) -> None:
+        """Per param: did any rank of its family's group get a gradient this step (frozen ones: no)."""
+        for p in self.parts:
+            if not p.family.trainable:
+                for zp in p.family.members:
+                    zp.got_grad_anywhere = False
+                continue
+            flags = torch.tensor([zp.got_grad for zp in p.family.members], dtype=torch.int32)
+            comm.all_reduce(flags, p.family.group, op=torch.distributed.ReduceOp.MAX)
+            for zp, flag in zip(p.family.members, flags.tolist()):
+                zp.got_grad_anywhere = bool(flag)
+
+    def owned_sum_of_squares(self, reduced: ReducedGrads) -> float:
         """Sum of squared gradients over the elements this rank owns, summed over all ranks.
 
         Each element of a dense bucket is owned by one dp rank and each element of an expert bucket
         by one rank of its edp group (and the ep ranks hold different experts), so every element of
         the model is counted exactly once.
         """
-        total = ops.sum_of_squares(self._owned_reduced(reduced)).to(torch.float64).reshape(1)
-        comm.all_reduce(total, self.groups.control)
-        return float(total.item())
+        owned = [reduced[p.family][b][optimizer_slice(p.family.owned[b], p.strategy.optimizer_range(b))]
+                 for p in self.parts if p.family.trainable for b in range(p.family.num_buckets)]
+        return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
 
-    def owned_zero_count(self) -> int:
+    def owned_zero_count(self, reduced: ReducedGrads) -> int:
         """Gradient elements that are exactly zero, over the model's params (each counted once; a bucket's
         alignment padding is not a param's)."""
         count = torch.zeros(1, dtype=torch.int64)
-        for view, part, _, _ in self.owned_pieces():
-            if self.families[view.family].trainable:
-                reduced = self.strategies[view.family].reduced_grad(view.bucket)
-                count += int((reduced[view.offset:view.offset + view.numel][part] == 0).sum())
-        comm.all_reduce(count, self.groups.control)
-        return int(count.item())
+        for piece, part, _, _ in self.owned_pieces(trainable_only=True):
+            count += int((piece.of(reduced[piece.param.family][piece.param.bucket])[part] == 0).sum())
+        return int(self._sum_over_ranks(count).item())
 
-    def params_sum_of_squares(self) -> float:
-        """Sum of squared trainable weights (the fp32 masters), over the model, each element once."""
-        owned = [view.master[part] for view, part, _, _ in self.owned_pieces() if self.families[view.family].trainable]
-        total = ops.sum_of_squares(owned).to(torch.float64).reshape(1)
-        comm.all_reduce(total, self.groups.control)
-        return float(total.item())
+    def scale_reduced(self, reduced: ReducedGrads, coefficient: float) -> None:
+        if coefficient != 1.0:
+            torch._foreach_mul_([g for buckets in reduced.values() for g in buckets if g is not None], coefficient)
 
-    def _owned_reduced(self, reduced: List[List[torch.Tensor]]) -> List[torch.Tensor]:
-        owned = []
-        for f, (family, strategy) in enumerate(zip(self.families, self.strategies)):
-            for b in range(family.num_buckets if family.trainable else 0):
-                lo, hi = family.owned[b]
-                base = strategy.optimizer_range(b)[0]
-                owned.append(reduced[f][b][lo - base:hi - base])
-        return owned
+    def update(self, reduced: ReducedGrads, step_masters: Callable[[], None]) -> None:
+        """Hand each master piece its gradient, run the inner optimizer's step, publish the new values."""
+        self.master.assign_grads(reduced)
+        step_masters()
+        self.master.clear_grads()
+        self.master.publish(trainable_only=True)
 
-    def owned_pieces(self):
-        """(view, slice of the view, global range, name) for the part of each master view this rank owns."""
-        for view in self.master.views:
-            family = self.families[view.family]
-            base = self.strategies[view.family].optimizer_range(view.bucket)[0] + view.offset
-            own_lo, own_hi = family.owned[view.bucket]
-            lo, hi = max(base, own_lo), min(base + view.numel, own_hi)
-            if lo < hi:
-                start = view.param_range[0] + lo - base
-                yield view, slice(lo - base, hi - base), family.global_range(view.index, (start, start + hi - lo)), \
-                    family.names[view.index]
+    def publish(self) -> None:
+        """After the masters were written (a state load): every param replica sees them."""
+        self.master.publish()
+
+    # ---- reading state ---------------------------------------------------------------------------
+    def owned_pieces(self, trainable_only: bool = False) -> Iterator[Tuple[MasterPiece, slice, Range, str]]:
+        """(piece, the slice of it this rank owns, that slice's global range, name) for each master piece."""
+        for piece in self.master.pieces:
+            if piece.owned.stop > piece.owned.start and (piece.param.family.trainable or not trainable_only):
+                yield piece, piece.owned, piece.global_range(piece.owned), piece.param.name
 
     def owned_gradients(self) -> GradientPieces:
         """Averaged gradients of the elements this rank owns, in global coordinates (after reduction)."""
         out: GradientPieces = {}
-        for view, part, global_range, name in self.owned_pieces():
-            if not self.families[view.family].trainable:
-                continue
-            reduced = self.strategies[view.family].reduced_grad(view.bucket)
-            grad = reduced[view.offset:view.offset + view.numel][part].clone()
-            out.setdefault(name, []).append((global_range, grad))
+        for piece, part, global_range, name in self.owned_pieces(trainable_only=True):
+            zp = piece.param
+            reduced = self._parts_of(zp.family).strategy.reduced_grad(zp.bucket)
+            out.setdefault(name, []).append((global_range, piece.of(reduced)[part].clone()))
         return out
 
-    def global_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        return {name: f.placements[i][0] for f in self.families for i, name in enumerate(f.names)}
+    def params_sum_of_squares(self) -> float:
+        """Sum of squared trainable weights (the fp32 masters), over the model, each element once."""
+        owned = [piece.master[part] for piece, part, _, _ in self.owned_pieces(trainable_only=True)]
+        return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
 
-    def memory_bytes(self) -> Dict[str, int]:
+    def held_ranges(self) -> Dict[str, List[Range]]:
+        """{name: global element ranges} of the master pieces this rank holds."""
+        out: Dict[str, List[Range]] = {}
+        for piece in self.master.pieces:
+            out.setdefault(piece.param.name, []).append(piece.param.global_range(piece.param_range))
+        return out
+
+    def memory_bytes(self, inner_state: Dict) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (params: the storage it manages for the model)."""
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
-        state = [v for s in self._inner_states() for v in s.values() if torch.is_tensor(v)]
-        masters = [m for f, ms in enumerate(self.master.masters) if not self.master.aliased[f] for m in ms]
-        return {"params": sum(s.nbytes() for s in self.storages),
-                "grads": sum(g.nbytes() for g in self.strategies),
-                "master": size(masters), "optimizer_state": size(state)}
+        state = [v for piece in self.master.pieces for v in inner_state.get(piece.master, {}).values()
+                 if torch.is_tensor(v)]
+        return {"params": sum(p.storage.nbytes() for p in self.parts),
+                "grads": sum(p.strategy.nbytes() for p in self.parts),
+                "master": size(self.master.unaliased()), "optimizer_state": size(state)}
 
-    def _inner_states(self):
-        return [self.inner_state.get(v.master, {}) for v in self.master.views] if self.inner_state is not None else []
+    def _parts_of(self, family: ParamFamily) -> FamilyParts:
+        return next(p for p in self.parts if p.family is family)
 
-    def scale_reduced(self, reduced: List[List[torch.Tensor]], coefficient: float) -> None:
-        if coefficient != 1.0:
-            torch._foreach_mul_([g for buckets in reduced for g in buckets if g is not None], coefficient)
+    def _sum_over_ranks(self, total: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(total, self.groups.control)
+        return total

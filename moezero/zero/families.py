@@ -4,35 +4,28 @@ Dense params form families over `dp`, routed-expert params over `edp`, one famil
 params frozen when the optimizer adopted them form families of their own (stored, sharded and held
 with their optimizer state like the others, but never reduced: a frozen model part costs no
 communication).
-A family is pure bookkeeping: which param sits where in the flat layout, which bucket slice
-this rank owns, and where each param sits in its *global* tensor (routed experts stacked over
-the global experts). Storage is the param side's business (`param_storage.py`), gradients the
-grad side's (`grad_strategies.py`).
+A family is pure bookkeeping: its params' records (`zero_param.py`: where each sits in the flat
+layout and in its global tensor), and which slice of each bucket this rank owns. Storage is the
+param side's business (`param_storage.py`), gradients the grad side's (`grad_strategies.py`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from moezero.parallel import ParallelGroups, comm, expert_shard_of
-from moezero.zero.partition import FlatLayout, ParamSlot, plan_buckets, shard_overlap
+from moezero.zero.partition import FlatLayout, plan_buckets
+from moezero.zero.zero_param import Range, ZeroParam, optimizer_slice
 
-Range = Tuple[int, int]
-
-
-def global_placement(param: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
-    """(global shape, flat offset of this rank's tensor inside it); experts stack along dim 0."""
-    shard = expert_shard_of(param)
-    if shard is None:
-        return tuple(param.shape), 0
-    per_expert = param.numel() // shard.num_local_experts
-    return (shard.num_global_experts,) + tuple(param.shape[1:]), shard.first_global_expert * per_expert
+if TYPE_CHECKING:
+    from moezero.zero.grad_strategies import GradStrategy
+    from moezero.zero.param_storage import ParamStorage
 
 
-@dataclass
+@dataclass(eq=False)
 class ParamFamily:
     """Params of one (reduce group, dtype); see the module docstring."""
 
@@ -40,27 +33,25 @@ class ParamFamily:
     dtype: torch.dtype
     trainable: bool                   # False: frozen when adopted; no gradient hooks, never reduced
     group: Optional[Any]              # the reduce group (dp or edp)
-    names: List[str]
-    params: List[nn.Parameter]
+    members: List[ZeroParam]          # in layout order
     layout: FlatLayout
-    units: List[int] = field(default_factory=list)   # stage-3 gather unit of each param (else all 0)
 
     def __post_init__(self):
         self.group_rank = comm.group_rank(self.group)
         self.group_size = comm.group_size(self.group)
         self.owned: List[Range] = [b.shard_range(self.group_rank, self.group_size) for b in self.layout.buckets]
-        self.placements = [global_placement(p) for p in self.params]
-        self.bucket_params: List[Tuple[int, ...]] = [b.params for b in self.layout.buckets]
+        self.buckets: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
+        for zp in self.members:
+            zp.family = self
 
     @property
     def num_buckets(self) -> int:
         return len(self.layout.buckets)
 
-    def slot(self, index: int) -> ParamSlot:
-        return self.layout.slots[index]
-
-    def bucket_of(self, index: int) -> int:
-        return self.layout.slots[index].bucket
+    @property
+    def device(self) -> torch.device:
+        """Where the family's storage lives: its params' device (the CPU for params still deferred on meta)."""
+        return next((zp.param.device for zp in self.members if zp.param.device.type != "meta"), torch.device("cpu"))
 
     def bucket_numel(self, bucket: int) -> int:
         return self.layout.buckets[bucket].numel
@@ -70,28 +61,33 @@ class ParamFamily:
         b = self.layout.buckets[bucket]
         return flat[b.start:b.start + b.numel]
 
-    def view_in_bucket(self, bucket_tensor: torch.Tensor, index: int) -> torch.Tensor:
-        """Param `index`'s slice of a bucket-sized flat tensor, shaped like the param."""
-        s = self.slot(index)
-        return bucket_tensor[s.offset:s.offset + s.numel].view(self.params[index].shape)
+    def view_in_bucket(self, bucket_tensor: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
+        """The param's slice of a bucket-sized flat tensor, shaped like the param."""
+        lo, hi = zp.bucket_range((0, zp.slot.numel))
+        return bucket_tensor[lo:hi].view(zp.param.shape)
 
-    def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Param `index`'s slice of a family-sized flat tensor, shaped like the param."""
-        return self.view_in_bucket(self.bucket_region(flat, self.bucket_of(index)), index)
+    def param_view(self, flat: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
+        """The param's slice of a family-sized flat tensor, shaped like the param."""
+        return self.view_in_bucket(self.bucket_region(flat, zp.bucket), zp)
 
-    def pieces(self, bucket: int, span: Range) -> List[Tuple[int, Range, int]]:
-        """(param index, range of the param's own flat elements, offset in `span`) of params inside `span`."""
+    def pieces(self, bucket: int, span: Range) -> List[Tuple[ZeroParam, Range, int]]:
+        """(param, its part inside the bucket range `span` in param coordinates, where that part starts in
+        `span`)."""
         out = []
-        for index in self.bucket_params[bucket]:
-            overlap = shard_overlap(self.slot(index), span)
-            if overlap is not None:
-                out.append((index, overlap, self.slot(index).offset + overlap[0] - span[0]))
+        for zp in self.buckets[bucket]:
+            part = zp.param_range_in(span)
+            if part is not None:
+                out.append((zp, part, optimizer_slice(zp.bucket_range(part), span).start))
         return out
 
-    def global_range(self, index: int, param_range: Range) -> Range:
-        """A range of param `index`'s flat elements, in the coordinates of its global tensor."""
-        offset = self.placements[index][1]
-        return offset + param_range[0], offset + param_range[1]
+
+@dataclass(eq=False)
+class FamilyParts:
+    """A family and the two sides that serve it: where its values live, how its gradients are reduced."""
+
+    family: ParamFamily
+    storage: "ParamStorage"
+    strategy: "GradStrategy"
 
 
 def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype, bool]:
@@ -119,6 +115,7 @@ def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: Par
         breaks = {i for i in range(1, len(units)) if units[i] != units[i - 1]}
         group = groups.edp if kind == "expert" else groups.dp
         layout = plan_buckets([p.numel() for _, p in members], bucket_size, comm.group_size(group), breaks=breaks)
-        families.append(ParamFamily(kind, dtype, trainable, group, [n for n, _ in members],
-                                    [p for _, p in members], layout, units))
+        position = {i: pos for b in layout.buckets for pos, i in enumerate(b.params)}
+        records = [ZeroParam(name, p, layout.slots[i], position[i], units[i]) for i, (name, p) in enumerate(members)]
+        families.append(ParamFamily(kind, dtype, trainable, group, records, layout))
     return families

@@ -26,6 +26,7 @@ from moezero import ops
 from moezero.parallel import comm
 from moezero.zero.families import ParamFamily, Range
 from moezero.zero.launch import InFlight
+from moezero.zero.zero_param import ZeroParam
 
 STAGING_POOL_BUCKETS = 2  # stages 2/3 keep at most this many largest-bucket staging buffers for reuse
 
@@ -57,14 +58,14 @@ class GradStrategy(abc.ABC):
         """What the params' .grad point to once the bucket is staged (None: .grad is None)."""
         return None
 
-    def stage(self, bucket: int, fired: List[int], grads: List[torch.Tensor]) -> None:
-        """Every param of the bucket delivered (or was zero-filled): bring the grads into the bucket."""
+    def stage(self, bucket: int, fired: List[ZeroParam]) -> None:
+        """Every param of the bucket delivered (or was zero-filled): bring the grads of `fired` into the bucket."""
         target = self._staging_target(bucket)
         base, size = target.data_ptr(), target.numel() * target.element_size()
-        foreign = [(i, g) for i, g in zip(fired, grads) if not base <= g.data_ptr() < base + size]
+        foreign = [zp for zp in fired if not base <= zp.param.grad.data_ptr() < base + size]
         if foreign:
-            offsets = [self.family.slot(i).offset for i, _ in foreign]
-            ops.flatten_into(target, [g for _, g in foreign], offsets, accumulate=True)
+            ops.flatten_into(target, [zp.param.grad for zp in foreign], [zp.slot.offset for zp in foreign],
+                             accumulate=True)
 
     @abc.abstractmethod
     def _staging_target(self, bucket: int) -> torch.Tensor:
@@ -100,8 +101,8 @@ class _PersistentBuffer(GradStrategy):
     def __init__(self, *args):
         super().__init__(*args)
         fam = self.family
-        self.grad_buffer = torch.zeros(fam.layout.total_numel, dtype=self.reduce_dtype, device=fam.params[0].device)
-        self._views = [[fam.param_view(self.grad_buffer, i) for i in fam.bucket_params[b]] if self.in_place else None
+        self.grad_buffer = torch.zeros(fam.layout.total_numel, dtype=self.reduce_dtype, device=fam.device)
+        self._views = [[fam.param_view(self.grad_buffer, zp) for zp in fam.buckets[b]] if self.in_place else None
                        for b in range(fam.num_buckets)]
 
     def accumulation_views(self, bucket):
@@ -161,7 +162,7 @@ class _ShardAccumulator:
     """This rank's reduced gradient shard of every bucket, summed over synced backwards."""
 
     def __init__(self, family: ParamFamily, dtype: torch.dtype):
-        device = family.params[0].device
+        device = family.device
         self.shards = [torch.zeros(family.bucket_numel(b) // family.group_size, dtype=dtype, device=device)
                        for b in range(family.num_buckets)]
 
@@ -219,7 +220,7 @@ class _Staging:
 
     def views(self, family: ParamFamily, bucket: int) -> List[torch.Tensor]:
         if bucket not in self._views:
-            self._views[bucket] = [family.view_in_bucket(self.tensor, i) for i in family.bucket_params[bucket]]
+            self._views[bucket] = [family.view_in_bucket(self.tensor, zp) for zp in family.buckets[bucket]]
         return self._views[bucket]
 
 
@@ -243,7 +244,7 @@ class ReduceScatterEveryBackward(GradStrategy):
             numel = self.family.bucket_numel(bucket)
             pooled = self._pool.get(numel)
             staging = pooled.pop() if pooled else \
-                _Staging(torch.empty(numel, dtype=self.reduce_dtype, device=self.family.params[0].device))
+                _Staging(torch.empty(numel, dtype=self.reduce_dtype, device=self.family.device))
             staging.tensor.zero_()
             self._live[bucket] = staging
         return self._live[bucket]

@@ -1,94 +1,88 @@
 """This rank's master weights: a copy (fp32 or wider) of its optimizer range of every bucket, and
-per-param views of it.
+per-param pieces of it.
 
-The inner torch optimizer runs on the views (one leaf tensor per param piece), so its per-param
-semantics stay torch's: a view whose param got no gradient on any rank gets `grad = None` and is
-skipped. When a family's params are already in the master dtype, the master *is* the param
+The inner torch optimizer runs on the pieces (one leaf tensor per param piece, `MasterPiece`), so its
+per-param semantics stay torch's: a piece whose param got no gradient on any rank gets `grad = None`
+and is skipped. When a family's params are already in the master dtype, the master *is* the param
 storage (no copy, no write-back). Each family has its own master dtype: the wider of its param
 dtype and fp32.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from moezero.zero.families import ParamFamily, Range
-from moezero.zero.grad_strategies import GradStrategy
-from moezero.zero.param_storage import ParamStorage
+from moezero.zero.families import FamilyParts, ParamFamily
+from moezero.zero.zero_param import MasterPiece, Range, ZeroParam
+
+ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]   # per family, per bucket (None: frozen)
 
 
 def master_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(param_dtype, torch.float32)
 
 
-@dataclass
-class ShardView:
-    """One param's piece of this rank's optimizer range of one bucket."""
+class _FamilyMaster:
+    """One family's masters: a flat tensor per bucket over the bucket's optimizer range."""
 
-    family: int
-    index: int                     # param index in the family
-    bucket: int
-    param_range: Range             # elements of the param's flat storage
-    offset: int                    # where the piece starts in the bucket's optimizer range
-    master: torch.Tensor           # the leaf tensor the inner optimizer updates
+    def __init__(self, parts: FamilyParts):
+        self.parts = parts
+        family, storage, strategy = parts.family, parts.storage, parts.strategy
+        dtype = master_dtype_of(family.dtype)
+        self.aliased = family.dtype == dtype
+        self.spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
+        self.masters = [storage.values(b, span) if self.aliased else storage.values(b, span).detach().to(dtype)
+                        for b, span in enumerate(self.spans)]
 
-    @property
-    def numel(self) -> int:
-        return self.param_range[1] - self.param_range[0]
+    def pieces(self) -> List[MasterPiece]:
+        family = self.parts.family
+        out = []
+        for b, span in enumerate(self.spans):
+            for zp, param_range, offset in family.pieces(b, span):
+                n = param_range[1] - param_range[0]
+                out.append(MasterPiece(zp, param_range, offset, self.masters[b][offset:offset + n],
+                                       _owned_part(zp, param_range, family.owned[b])))
+        return out
+
+
+def _owned_part(zp: ZeroParam, param_range: Range, owned: Range) -> slice:
+    """The part of a piece inside the bucket range this rank owns, in the piece's own coordinates."""
+    lo, hi = zp.bucket_range(param_range)
+    a, b = max(lo, owned[0]), min(hi, owned[1])
+    return slice(a - lo, b - lo) if a < b else slice(0, 0)
 
 
 class MasterShards:
-    def __init__(self, families: Sequence[ParamFamily], storages: Sequence[ParamStorage],
-                 strategies: Sequence[GradStrategy]):
-        self.families, self.storages, self.strategies = list(families), list(storages), list(strategies)
-        self.masters: List[List[torch.Tensor]] = []   # [family][bucket] -> flat master over the optimizer range
-        self.aliased: List[bool] = []
-        self.views: List[ShardView] = []
-        for f, (family, storage, strategy) in enumerate(zip(families, storages, strategies)):
-            dtype = master_dtype_of(family.dtype)
-            self.aliased.append(family.dtype == dtype)
-            masters = []
-            for b in range(family.num_buckets):
-                span = strategy.optimizer_range(b)
-                values = storage.values(b, span)
-                master = values if self.aliased[f] else values.detach().to(dtype)
-                masters.append(master)
-                for index, param_range, offset in family.pieces(b, span):
-                    n = param_range[1] - param_range[0]
-                    self.views.append(ShardView(f, index, b, param_range, offset, master[offset:offset + n]))
-            self.masters.append(masters)
+    def __init__(self, parts: Sequence[FamilyParts]):
+        self.families = [_FamilyMaster(p) for p in parts]
+        self.pieces: List[MasterPiece] = [piece for fm in self.families for piece in fm.pieces()]
+        for piece in self.pieces:
+            piece.param.master = piece
 
-    def assign_grads(self, reduced: List[List[torch.Tensor]], took_grad: List[List[bool]]) -> None:
-        """Point each view's .grad at its slice of the reduced bucket gradient (None: skip the param)."""
-        for v in self.views:
-            if took_grad[v.family][v.index]:
-                v.master.grad = reduced[v.family][v.bucket][v.offset:v.offset + v.numel]
-            else:
-                v.master.grad = None
+    def assign_grads(self, reduced: ReducedGrads) -> None:
+        """Point each piece's .grad at its slice of the reduced bucket gradient (None: skip the param)."""
+        for piece in self.pieces:
+            zp = piece.param
+            piece.master.grad = piece.of(reduced[zp.family][zp.bucket]) if zp.got_grad_anywhere else None
 
     def clear_grads(self) -> None:
-        for v in self.views:
-            v.master.grad = None
+        for piece in self.pieces:
+            piece.master.grad = None
 
     def publish(self, trainable_only: bool = False) -> None:
         """Write the updated masters into the param storage (cast) and let every replica see them
         (`trainable_only`: after a step, which never changes a frozen family)."""
-        for f, (family, storage, strategy) in enumerate(zip(self.families, self.storages, self.strategies)):
+        for fm in self.families:
+            family, storage = fm.parts.family, fm.parts.storage
             if trainable_only and not family.trainable:
                 continue
-            spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
-            if not self.aliased[f]:
+            if not fm.aliased:
                 with torch.no_grad():
-                    for b, span in enumerate(spans):
-                        storage.values(b, span).copy_(self.masters[f][b])
-            storage.publish(spans)
+                    for b, span in enumerate(fm.spans):
+                        storage.values(b, span).copy_(fm.masters[b])
+            storage.publish(fm.spans)
 
-    def refresh_from_params(self) -> None:
-        """Copy the param values into non-aliased masters (after params were written from outside)."""
-        with torch.no_grad():
-            for f, (family, storage, strategy) in enumerate(zip(self.families, self.storages, self.strategies)):
-                if not self.aliased[f]:
-                    for b in range(family.num_buckets):
-                        self.masters[f][b].copy_(storage.values(b, strategy.optimizer_range(b)))
+    def unaliased(self) -> List[torch.Tensor]:
+        """The masters that are copies (their bytes are the optimizer's, not the params')."""
+        return [m for fm in self.families if not fm.aliased for m in fm.masters]

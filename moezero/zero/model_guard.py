@@ -1,7 +1,8 @@
 """What must hold around every forward of a model that a ZeroOptimizer trains.
 
-Root-module forward hooks call back into the optimizer (held weakly, so a discarded optimizer
-does not stay alive through its model):
+Root-module forward hooks call back into the engine (`engine.py`; held weakly, so a discarded
+optimizer does not stay alive through its model). While the engine is detached (inside
+`opt.modify_model()`) there are no hooks, so the model runs plain:
   before the forward: a backward that raised half-way is cleaned up (collectively), and a
       trainable param the optimizer does not know (a module swapped in by hand), a param whose
       storage was replaced (a `.data` swap, `module.float()`) or a param frozen at adoption and
@@ -21,8 +22,8 @@ class ParameterSetChanged(RuntimeError):
 
 class ModelGuard:
     def __init__(self, model: nn.Module, owner):
-        self._handles = [model.register_forward_pre_hook(WeakHook(owner, "_before_forward")),
-                         model.register_forward_hook(WeakHook(owner, "_after_forward", pass_last=True))]
+        self._handles = [model.register_forward_pre_hook(WeakHook(owner, "before_forward")),
+                         model.register_forward_hook(WeakHook(owner, "after_forward", pass_last=True))]
 
     def remove(self) -> None:
         for handle in self._handles:

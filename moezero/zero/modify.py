@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,23 +30,31 @@ from torch import nn
 from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.agreement import Activity
-from moezero.zero.families import global_placement
+from moezero.zero.zero_param import global_placement
 from moezero.zero.master import master_dtype_of
 from moezero.zero.state import consolidate
 
 
+class ModifiedDifferently(RanksDisagree):
+    """The ranks adopted different params or values; the optimizer lets go of the model (nothing to adopt)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"opt.modify_model(): the ranks made different changes: {problem}. Every rank must make "
+                         "the same change (seed the random init of a new module the same way on every rank)")
+        self.problem = problem
+
+
 @contextlib.contextmanager
 def modify_model(opt) -> Iterator[None]:
-    opt.engine.agreement.check(Activity.MODIFY_MODEL)
+    opt.engine.check_agreement(Activity.MODIFY_MODEL)
     full = _consolidated_state(opt)
     before = {id(p): (opt.param_name(p), g) for g, group in enumerate(opt.param_groups) for p in group["params"]}
-    opt.engine.detach()
-    opt._modifying = True
+    left_out = {id(p) for p in opt.model.parameters() if opt.engine.left_out(p)}
+    opt.engine.detach()   # no hooks inside: the model runs plain
     try:
         yield
     finally:
-        opt._modifying = False
-        _adopt(opt, full, before)
+        _adopt(opt, full, before, left_out)
 
 
 def _consolidated_state(opt) -> Dict[str, Any]:
@@ -59,8 +67,9 @@ def _consolidated_state(opt) -> Dict[str, Any]:
     return consolidate(shards)
 
 
-def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]]) -> None:
-    current = [(n, p) for n, p in opt.model.named_parameters() if id(p) not in opt._outside]
+def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]], left_out: Set[int]) -> None:
+    """Adopt the model's params but those the user left out of every param group (`left_out`: their ids)."""
+    current = [(n, p) for n, p in opt.model.named_parameters() if id(p) not in left_out]
     removed_groups = {name: g for pid, (name, g) in before.items() if pid not in {id(p) for _, p in current}}
     groups = [dict(g, params=[]) for g in opt.param_groups]
     fresh_group = None
@@ -115,9 +124,7 @@ def _check_every_rank_adopted_the_same(opt, adopted: List["_Adopted"]) -> None:
     dist.all_gather_object(every, [a.summary() for a in adopted], group=control)
     problem = _first_difference(every)
     if problem is not None:
-        opt._stop(f"this ZeroOptimizer let go of the model when opt.modify_model() failed: {problem}")
-        raise RanksDisagree(f"opt.modify_model(): the ranks made different changes: {problem}. Every rank must make "
-                            "the same change (seed the random init of a new module the same way on every rank)")
+        raise ModifiedDifferently(problem)
 
 
 def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[str]:

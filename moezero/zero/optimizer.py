@@ -26,17 +26,15 @@ from moezero.config import ZeroConfig
 from moezero.host_memory import HeapTrimmer
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
-from moezero.zero.families import Range
 from moezero.zero.loss_scaler import DynamicLossScaler
-from moezero.zero.modify import modify_model
-from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfrozen_by_hand_error,
-                                      unknown_param_error)
+from moezero.zero.modify import ModifiedDifferently, modify_model
 from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups
 from moezero.zero.param_guard import COMPILE_REFUSED
 from moezero.zero.state import load_state, shard_state
 from moezero.zero.stages import stage_of
-from moezero.zero.torch_internals import in_backward, is_compiled
+from moezero.zero.torch_internals import is_compiled
+from moezero.zero.zero_param import Range
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 _OWNER = "_moezero_optimizer"  # the model's current ZeroOptimizer (hooks.OwnerMark), so a new one can retire it
@@ -89,7 +87,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
         self._building = True
         self._retired = ""   # why this optimizer no longer manages the model (see _stop())
-        self._modifying = False
         _refuse_compiled(model, stage)
         user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
@@ -103,7 +100,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_num_zeros_in_grad: Optional[int] = None
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._guard = ModelGuard(model, self)
         self._trimmer = HeapTrimmer()  # host RSS must not creep over a long run (host_memory.py)
         object.__setattr__(model, _OWNER, OwnerMark(self))
 
@@ -126,15 +122,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if len(named) != len(group_of):
             raise ValueError("param_groups hold a tensor that is not a parameter of the model")
         engine = ZeroEngine(self.model, named, self.groups, self.settings)
-        view_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in user_groups]
-        for v in engine.master.views:
-            view_groups[group_of[id(engine.families[v.family].params[v.index])]]["params"].append(v.master)
-        self._locate = {id(p): (f, i) for f, fam in enumerate(engine.families) for i, p in enumerate(fam.params)}
-        self._outside = {id(p) for p in self.model.parameters() if id(p) not in group_of}
-        self._frozen = {id(p) for fam in engine.families if not fam.trainable for p in fam.params}
-        inner = _inner_optimizer(self.optimizer_cls, view_groups, self.optimizer_kwargs)
-        engine.inner_state = inner.state
-        return engine, inner
+        piece_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in user_groups]
+        for piece in engine.master_pieces():
+            piece_groups[group_of[id(piece.param.param)]]["params"].append(piece.master)
+        return engine, _inner_optimizer(self.optimizer_cls, piece_groups, self.optimizer_kwargs)
 
     def rebuild(self, user_groups: List[Dict]) -> None:
         """A new engine for these groups (modify_model's adoption); state is loaded afterwards."""
@@ -142,8 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = user_groups
 
     def param_name(self, param: torch.Tensor) -> str:
-        f, i = self._locate[id(param)]
-        return self.engine.families[f].names[i]
+        return self.engine.param_name(param)
 
     def add_param_group(self, param_group: Dict) -> None:
         if not getattr(self, "_building", False):
@@ -155,39 +145,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside are not the last micro-step: stages 0/1 accumulate without reducing."""
-        reducer = self.engine.reducer
-        previous = reducer.sync_enabled
-        reducer.sync_enabled = False
-        try:
+        with self.engine.no_sync():
             yield
-        finally:
-            reducer.sync_enabled = previous
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the fp16 loss scale when there is one."""
         self._check_live()
-        reducer = self.engine.reducer
-        reducer.scaled_backward = True
-        try:
+        with self.engine.scaled_backward():
             (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
-        finally:
-            reducer.scaled_backward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the step's gradients (`model.zero_grad()` and `p.grad = None` clear them too)."""
         self._check_live()
-        self._recover_aborted_backward()
-        self.engine.reducer.clear_step(set_to_none)
-        self.engine.master.clear_grads()
+        self.engine.clear_step(set_to_none)
 
     def reduce_gradients(self) -> None:
         """Collective: finish every bucket reduction (`step()` calls it; tests may call it first)."""
         self._check_live()
-        self._recover_aborted_backward()
-        if self.loss_scaler is not None and self.engine.reducer.unscaled_passes:
-            raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
-                               "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
-        self.engine.reducer.finish_reductions()
+        self.engine.finish_reductions(loss_scaled=self.loss_scaler is not None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Collective: torch.nn.utils.clip_grad_norm_ for sharded gradients; returns the global norm."""
@@ -212,14 +187,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _step(self) -> bool:
         self.reduce_gradients()
         engine = self.engine
-        if engine.gatherer is not None:
-            engine.gatherer.free_all()  # a gathered unit would be stale after the update
-        took_grad = engine.took_gradient_anywhere()
-        reduced = engine.reduced_grads()
+        reduced = engine.begin_step()
         norm = self.last_grad_norm = self._global_norm(reduced)
         if self.count_zeros_in_grad:   # Megatron's --log-num-zeros-in-grad (a collective, as the norm)
-            self.last_num_zeros_in_grad = engine.owned_zero_count()
-        engine.reducer.mark_consumed()
+            self.last_num_zeros_in_grad = engine.owned_zero_count(reduced)
         if not math.isfinite(norm):
             return self._skip()
         coefficient = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -228,10 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.scale_reduced(reduced, coefficient)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        engine.master.assign_grads(reduced, took_grad)
-        self.inner.step()
-        engine.master.clear_grads()
-        engine.master.publish(trainable_only=True)
+        engine.update(reduced, self.inner.step)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0
@@ -268,38 +236,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_parameters(self) -> Iterator[None]:
         """Collective at stage 3: every param full inside, to read (stages 0-2 always are). To write,
         or to change the model, use modify_model()."""
-        gatherer = self.engine.gatherer
-        if gatherer is None:
+        with self.engine.full_parameters():
             yield
-            return
-        gatherer.gather_all()
-        try:
-            yield
-        finally:
-            gatherer.free_all()
 
-    def modify_model(self):
+    @contextlib.contextmanager
+    def modify_model(self) -> Iterator[None]:
         """Collective context: every param full and plain inside; on exit the optimizer adopts the
         model's trainable params (see `moezero.zero.modify`)."""
         self._check_live()
-        self._recover_aborted_backward()
-        return modify_model(self)
+        self.engine.recover_aborted_backward()
+        try:
+            with modify_model(self):
+                yield
+        except ModifiedDifferently as error:
+            self._stop(f"this ZeroOptimizer let go of the model when opt.modify_model() failed: {error.problem}")
+            raise
 
     def held_ranges(self) -> Dict[str, List[Range]]:
         """{name: global element ranges} this rank's optimizer holds (what a checkpoint load must supply)."""
-        out: Dict[str, List[Range]] = {}
-        for view in self.engine.master.views:
-            family = self.engine.families[view.family]
-            out.setdefault(family.names[view.index], []).append(family.global_range(view.index, view.param_range))
-        return out
+        return self.engine.held_ranges()
 
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds for training, by kind: params, grads, master, optimizer_state."""
-        return self.engine.memory_bytes()
+        return self.engine.memory_bytes(self.inner.state)
 
     @property
     def counters(self):
-        return self.engine.reducer.counters
+        return self.engine.counters
 
     def state_dict(self) -> Dict:
         """This rank's shard of master weights and optimizer state (see `moezero.zero.state`)."""
@@ -326,43 +289,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
 
-    # ---- the model guard (root forward hooks) ---------------------------------------------------
-    def _before_forward(self) -> None:
-        if self._modifying:
-            return
-        self._recover_aborted_backward()
-        self._check_model(during_forward=False)
-        if self.engine.gatherer is not None:
-            self.engine.gatherer.root_pre_forward()
-
-    def _after_forward(self, output) -> None:
-        if self._modifying:
-            return
-        self._check_model(during_forward=True)
-        if self.engine.gatherer is not None:
-            self.engine.gatherer.root_post_forward(output)
-
-    def _check_model(self, during_forward: bool) -> None:
-        for name, p in self.model.named_parameters():
-            where = self._locate.get(id(p))
-            if where is None:
-                if p.requires_grad and id(p) not in self._outside:
-                    raise unknown_param_error(name, during_forward)
-            elif not self.engine.storages[where[0]].storage_intact(where[1]):
-                raise storage_replaced_error(name)
-            elif p.requires_grad and id(p) in self._frozen:
-                raise unfrozen_by_hand_error(name)
-
-    def _recover_aborted_backward(self) -> None:
-        """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
-        engine = self.engine
-        gatherer_open = engine.gatherer is not None and engine.gatherer.backward_open
-        if (engine.reducer.pass_open or gatherer_open) and not in_backward():
-            engine.reducer.recover_aborted_pass()
-            if engine.gatherer is not None:
-                engine.gatherer.recover(self.groups.control)
-            engine.master.clear_grads()
-
     # ---- lifetime ------------------------------------------------------------------------------
     def _retire(self) -> None:
         """A newer ZeroOptimizer takes over the model: let go of its params and hooks."""
@@ -371,7 +297,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _stop(self, reason: str) -> None:
         """This optimizer no longer manages the model (its engine is detached); any use raises `reason`."""
-        self._guard.remove()
         self._retired = reason
 
     def _check_live(self) -> None:

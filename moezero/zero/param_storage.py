@@ -15,19 +15,12 @@ from typing import List
 
 import torch
 
-from moezero.parallel import comm
-from moezero.parallel.deferred_values import allocate, read_values, values_arrived
+from moezero.parallel import ParallelGroups, comm
 from moezero.zero.families import ParamFamily, Range
-from moezero.zero.torch_internals import storage_key
-
-
-def storage_id(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage; survives a stage-3 free/regather (a storage resize)."""
-    return storage_key(tensor)
 
 
 class ParamStorage(abc.ABC):
-    def __init__(self, family: ParamFamily):
+    def __init__(self, family: ParamFamily, groups: ParallelGroups):
         self.family = family
 
     @abc.abstractmethod
@@ -39,39 +32,27 @@ class ParamStorage(abc.ABC):
         """After `values` of each bucket's span were updated: make every param replica see them."""
 
     @abc.abstractmethod
-    def storage_intact(self, index: int) -> bool:
-        """False when param `index` no longer lives where this storage put it (a .data swap, a cast)."""
-
-    @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes of param storage held on this rank."""
 
-    @abc.abstractmethod
     def release(self) -> None:
         """Give every param full values in storage of its own (the optimizer lets go of the model)."""
-
-
-def storage_device(params) -> torch.device:
-    """Where a family's storage lives: its params' device (the CPU for params still deferred on meta)."""
-    return next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+        for zp in self.family.members:
+            if zp.storage_intact():
+                zp.param.data = zp.param.data.clone()
 
 
 class ReplicatedParams(ParamStorage):
     """Params are views of one flat buffer, moved there once at construction."""
 
-    def __init__(self, family: ParamFamily):
-        super().__init__(family)
-        device = storage_device(family.params)
-        self.buffer = torch.zeros(family.layout.total_numel, dtype=family.dtype, device=device)
+    def __init__(self, family: ParamFamily, groups: ParallelGroups):
+        super().__init__(family, groups)
+        self.buffer = torch.zeros(family.layout.total_numel, dtype=family.dtype, device=family.device)
         with torch.no_grad():
-            for index, p in enumerate(family.params):
-                view = family.param_view(self.buffer, index)
-                view.copy_(read_values(p, 0, p.numel()).view(p.shape))   # a deferred param is read whole
-                if p.device.type == "meta":   # deferred: it never held its values
-                    allocate(p, device, empty=True)
-                p.data = view  # once, at construction: the param now lives in the flat buffer
-                values_arrived(p)
-        self._storage = storage_id(self.buffer)
+            for zp in family.members:
+                view = family.param_view(self.buffer, zp)
+                view.copy_(zp.read(0, zp.param.numel()).view(zp.param.shape))   # a deferred param is read whole
+                zp.adopt_storage(view)   # once, at construction: the param now lives in the flat buffer
 
     def values(self, bucket, span):
         return self.family.bucket_region(self.buffer, bucket)[span[0]:span[1]]
@@ -86,13 +67,5 @@ class ReplicatedParams(ParamStorage):
             if work is not None:
                 work.wait()
 
-    def storage_intact(self, index):
-        return storage_id(self.family.params[index]) == self._storage
-
     def nbytes(self):
         return self.buffer.numel() * self.buffer.element_size()
-
-    def release(self):
-        for index, p in enumerate(self.family.params):
-            if self.storage_intact(index):
-                p.data = p.data.clone()

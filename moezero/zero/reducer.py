@@ -27,11 +27,10 @@ import torch
 
 from moezero.parallel import comm
 from moezero.zero.agreement import Activity, RankAgreement
-from moezero.zero.families import ParamFamily
-from moezero.zero.grad_strategies import GradStrategy
+from moezero.zero.families import FamilyParts
 from moezero.zero.launch import build_queues
 from moezero.zero.model_guard import storage_replaced_message
-from moezero.zero.param_storage import ParamStorage
+from moezero.zero.zero_param import ZeroParam
 from moezero.zero.torch_internals import current_backward, queue_end_of_backward
 
 
@@ -50,22 +49,16 @@ class ReducerCounters:
 
 
 class FamilyPass:
-    """Per-family bookkeeping of one backward pass (and of one optimizer step: `got_grad`)."""
+    """Per-bucket bookkeeping of one backward pass over a family (the params' own is in their records)."""
 
-    def __init__(self, family: ParamFamily, storage: ParamStorage, strategy: GradStrategy):
-        self.family, self.storage, self.strategy = family, storage, strategy
-        n = len(family.params)
-        self.position = [0] * n     # a param's position in its bucket's param list
-        for b in range(family.num_buckets):
-            for pos, index in enumerate(family.bucket_params[b]):
-                self.position[index] = pos
-        self.got_grad = [False] * n  # this optimizer step
-        self.exposed = [False] * n   # .grad was set to one of our views (None now: the user cleared it)
+    def __init__(self, parts: FamilyParts):
+        self.family, self.strategy = parts.family, parts.strategy
         self.reset_pass()
 
     def reset_pass(self) -> None:
-        self.fired = [False] * len(self.family.params)
-        self.pending = [len(p) for p in self.family.bucket_params]
+        for zp in self.family.members:
+            zp.fired = False
+        self.pending = [len(members) for members in self.family.buckets]
         self.staged = [False] * self.family.num_buckets
         self.touched = [False] * self.family.num_buckets
 
@@ -74,16 +67,17 @@ class GradReducer:
     """Hooks, per-backward bookkeeping and bucket launches for a list of param families.
 
     Args:
-        states: one FamilyPass per trainable family (family, param storage, grad strategy).
+        parts: the trainable families with their param storage and grad strategy.
         control_group: carries the small step-time collectives.
         overlap_comm: launch buckets as they become ready (else at the end of backward).
         agreement: the records every rank states before it waits for a backward's reductions and
             before step() reduces (a rank whose backward reached no param would leave its peers waiting).
     """
 
-    def __init__(self, states: Sequence[FamilyPass], control_group: Optional[Any], overlap_comm: bool = True,
+    def __init__(self, parts: Sequence[FamilyParts], control_group: Optional[Any], overlap_comm: bool = True,
                  agreement: Optional[RankAgreement] = None):
-        self.states = list(states)
+        self.states = [FamilyPass(p) for p in parts]
+        self._state_of = {id(s.family): s for s in self.states}
         self.agreement = agreement if agreement is not None else RankAgreement(None)
         self.queues = build_queues(self.states)
         self._queue_of = {id(s): q for q in self.queues for s, _ in q.entries}
@@ -100,16 +94,16 @@ class GradReducer:
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
         self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
-        self.on_param_done: Optional[Callable[[FamilyPass, int], None]] = None
-        # the hooks hold the reducer weakly and its state by position: a hook that held the state would close
-        # a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded optimizer
-        # would stay alive with its buffers and process groups
+        self.on_param_done: Optional[Callable[[ZeroParam], None]] = None
+        # the hooks hold the reducer weakly and their param's record by position: a hook that held the record
+        # would close a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded
+        # optimizer would stay alive with its buffers and process groups
         ref = weakref.ref(self)
+        self.records = [zp for state in self.states for zp in state.family.members]
         self._handles = []
-        for f, state in enumerate(self.states):
-            for index, p in enumerate(state.family.params):
-                self._handles.append(p.register_hook(_pre_hook(ref, f, index)))
-                self._handles.append(p.register_post_accumulate_grad_hook(_post_hook(ref, f, index)))
+        for k, zp in enumerate(self.records):
+            self._handles.append(zp.param.register_hook(_pre_hook(ref, k)))
+            self._handles.append(zp.param.register_post_accumulate_grad_hook(_post_hook(ref, k)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -139,39 +133,38 @@ class GradReducer:
         if self.on_pass_begin is not None:
             self.on_pass_begin()
 
-    def _before_accumulate(self, state: FamilyPass, index: int) -> None:
+    def _before_accumulate(self, zp: ZeroParam) -> None:
         """Before autograd adds a param's gradient: make .grad its view of the bucket."""
-        self.begin_pass(state.family.names[index])
-        bucket = state.family.bucket_of(index)
-        self._touch(state, bucket)
-        views = state.strategy.accumulation_views(bucket)
+        self.begin_pass(zp.name)
+        state = self._state_of[id(zp.family)]
+        self._touch(state, zp.bucket)
+        views = state.strategy.accumulation_views(zp.bucket)
         if views is None:
             return
-        param, view = state.family.params[index], views[state.position[index]]
+        param, view = zp.param, views[zp.position]
         if param.grad is None:
-            if state.exposed[index]:
+            if zp.exposed:
                 view.zero_()  # the user cleared this gradient (model.zero_grad(), p.grad = None)
         elif param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)  # a gradient the user assigned: accumulate on top of it, as torch does
         param.grad = view
-        state.exposed[index] = True
+        zp.exposed = True
 
-    def _on_gradient(self, state: FamilyPass, index: int) -> None:
-        family = state.family
-        name = family.names[index]
+    def _on_gradient(self, zp: ZeroParam) -> None:
+        name = zp.name
         self.begin_pass(name)
-        if state.fired[index]:
+        if zp.fired:
             raise GradientHookError(
                 f"parameter '{name}' received a gradient twice in one backward: its gradient was "
                 "accumulated by a nested backward (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
-        if not state.storage.storage_intact(index):
+        if not zp.storage_intact():
             raise GradientHookError(storage_replaced_message(name))
-        state.fired[index] = state.got_grad[index] = True
+        zp.fired = zp.got_grad = True
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
         if self.on_param_done is not None:
-            self.on_param_done(state, index)
-        bucket = family.bucket_of(index)
+            self.on_param_done(zp)
+        state, bucket = self._state_of[id(zp.family)], zp.bucket
         state.pending[bucket] -= 1
         if state.pending[bucket] == 0:
             self._stage(state, bucket)
@@ -186,24 +179,22 @@ class GradReducer:
             state.touched[bucket] = True
 
     def _stage(self, state: FamilyPass, bucket: int) -> None:
-        family, strategy = state.family, state.strategy
+        strategy = state.strategy
         self._touch(state, bucket)
-        members = family.bucket_params[bucket]
+        members = state.family.buckets[bucket]
         views = strategy.accumulation_views(bucket)
-        for pos, i in enumerate(members):
-            if views is not None and not state.fired[i] and state.exposed[i] and family.params[i].grad is None:
-                views[pos].zero_()  # cleared by the user and not reached by this backward
-        fired = [i for i in members if state.fired[i]]
-        strategy.stage(bucket, fired, [family.params[i].grad for i in fired])
+        for zp in members:
+            if views is not None and not zp.fired and zp.exposed and zp.param.grad is None:
+                views[zp.position].zero_()  # cleared by the user and not reached by this backward
+        strategy.stage(bucket, [zp for zp in members if zp.fired])
         visible = strategy.visible_grads(bucket, self._pass_synced)
-        for pos, i in enumerate(members):
-            param = family.params[i]
+        for zp in members:
             if visible is not None:
-                param.grad = visible[pos]
-                state.exposed[i] = True
-            elif state.fired[i] or state.exposed[i]:
-                param.grad = None  # no full-size gradient outlives its bucket (stages 1-3)
-                state.exposed[i] = False
+                zp.param.grad = visible[zp.position]
+                zp.exposed = True
+            elif zp.fired or zp.exposed:
+                zp.param.grad = None  # no full-size gradient outlives its bucket (stages 1-3)
+                zp.exposed = False
         state.staged[bucket] = True
 
     def _end_pass(self) -> None:
@@ -212,10 +203,9 @@ class GradReducer:
             for bucket in range(state.family.num_buckets):
                 if state.staged[bucket]:
                     continue
-                for i in state.family.bucket_params[bucket]:
-                    if not state.fired[i]:
-                        name = state.family.names[i]
-                        self.counters.zero_fills[name] = self.counters.zero_fills.get(name, 0) + 1
+                for zp in state.family.buckets[bucket]:
+                    if not zp.fired:
+                        self.counters.zero_fills[zp.name] = self.counters.zero_fills.get(zp.name, 0) + 1
                 self._stage(state, bucket)
         if self._pass_synced:
             for queue in self.queues:
@@ -281,12 +271,11 @@ class GradReducer:
         """Forget every gradient of the step (zero_grad, or a new step after step() consumed them)."""
         for state in self.states:
             state.strategy.zero()
-            state.got_grad = [False] * len(state.family.params)
-            if set_to_none:
-                for i, p in enumerate(state.family.params):
-                    if state.exposed[i]:
-                        p.grad = None
-                        state.exposed[i] = False
+            for zp in state.family.members:
+                zp.got_grad = False
+                if set_to_none and zp.exposed:
+                    zp.param.grad = None
+                    zp.exposed = False
         self._dirty = False
         self._consumed = False
         self.unscaled_passes = 0
@@ -295,17 +284,17 @@ class GradReducer:
         self._consumed = True
 
 
-def _pre_hook(ref, family: int, index: int):
+def _pre_hook(ref, k: int):
     def hook(grad):
         reducer = ref()
         if reducer is not None:
-            reducer._before_accumulate(reducer.states[family], index)
+            reducer._before_accumulate(reducer.records[k])
     return hook
 
 
-def _post_hook(ref, family: int, index: int):
+def _post_hook(ref, k: int):
     def hook(param):
         reducer = ref()
         if reducer is not None:
-            reducer._on_gradient(reducer.states[family], index)
+            reducer._on_gradient(reducer.records[k])
     return hook

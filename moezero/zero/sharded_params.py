@@ -9,28 +9,28 @@ values again in backward, and no version counter moves).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
-from moezero.parallel import comm
-from moezero.parallel.deferred_values import allocate, read_values, values_arrived
+from moezero.parallel import ParallelGroups, comm
 from moezero.zero.families import ParamFamily
-from moezero.zero.param_storage import ParamStorage, storage_device, storage_id
+from moezero.zero.param_storage import ParamStorage
 
 
 class ShardedParams(ParamStorage):
-    def __init__(self, family: ParamFamily, gather_group: Optional[Any]):
-        super().__init__(family)
-        self.gather_group = gather_group
+    def __init__(self, family: ParamFamily, groups: ParallelGroups):
+        super().__init__(family, groups)
+        dp, edp = groups.gather_groups()
+        self.gather_group = edp if family.kind == "expert" else dp
         g = family.group_size
         numels = [family.bucket_numel(b) for b in range(family.num_buckets)]
         self._shard_start = [sum(numels[:b]) // g for b in range(family.num_buckets)]
-        device = storage_device(family.params)
+        device = family.device
         self.shard = torch.empty(sum(numels) // g, dtype=family.dtype, device=device)
         self.unit_buckets: Dict[int, List[int]] = {}
         for b in range(family.num_buckets):
-            unit = family.units[family.bucket_params[b][0]] if family.bucket_params[b] else 0
+            unit = family.buckets[b][0].unit if family.buckets[b] else 0
             self.unit_buckets.setdefault(unit, []).append(b)
         self._full: Dict[int, torch.Tensor] = {}
         self._nbytes: Dict[int, int] = {}
@@ -42,22 +42,14 @@ class ShardedParams(ParamStorage):
         with torch.no_grad():
             for b in range(family.num_buckets):
                 shard = self.values(b, family.owned[b])
-                for index, (lo, hi), offset in family.pieces(b, family.owned[b]):   # deferred: read this slice only
-                    shard[offset:offset + hi - lo].copy_(read_values(family.params[index], lo, hi))
+                for zp, (lo, hi), offset in family.pieces(b, family.owned[b]):   # deferred: read this slice only
+                    shard[offset:offset + hi - lo].copy_(zp.read(lo, hi))
             for unit, buckets in self.unit_buckets.items():
-                first = family.layout.buckets[buckets[0]].start
                 numel = sum(family.bucket_numel(b) for b in buckets)
-                full = torch.empty(numel, dtype=family.dtype, device=device)
+                full = self._full[unit] = torch.empty(numel, dtype=family.dtype, device=device)
                 for b in buckets:
-                    start = family.layout.buckets[b].start - first
-                    for index in family.bucket_params[b]:
-                        slot = family.slot(index)
-                        p, shape = family.params[index], family.params[index].shape
-                        if p.device.type == "meta":   # deferred: it never held its values
-                            allocate(p, device, empty=True)
-                        p.data = full[start + slot.offset:start + slot.offset + slot.numel].view(shape)
-                        values_arrived(p)
-                self._full[unit] = full
+                    for zp in family.buckets[b]:
+                        zp.adopt_storage(family.view_in_bucket(self._bucket_in_unit(unit, b), zp))
                 self._nbytes[unit] = full.untyped_storage().nbytes()
                 full.untyped_storage().resize_(0)  # stored as shards only from now on
 
@@ -93,18 +85,12 @@ class ShardedParams(ParamStorage):
     def publish(self, spans):
         pass  # units gather the updated shards when they next run
 
-    def storage_intact(self, index):
-        unit = self.family.units[index]
-        return storage_id(self.family.params[index]) == storage_id(self._full[unit])
-
     def nbytes(self):
         gathered = sum(self._nbytes[u] for u in self._full if self.is_gathered(u))
         return self.shard.numel() * self.shard.element_size() + gathered
 
     def release(self):
         """Params become plain full tensors; every unit must be gathered (the gatherer does it first)."""
-        for index, p in enumerate(self.family.params):
-            if self.storage_intact(index):
-                p.data = p.data.clone()
+        super().release()
         for unit in self._full:
             self.free(unit)

@@ -17,6 +17,8 @@ from typing import Dict, FrozenSet, Type
 
 from moezero.zero.grad_strategies import (AllReduceGrads, GradStrategy, ReduceScatterAtBoundary,
                                           ReduceScatterEveryBackward)
+from moezero.zero.param_storage import ParamStorage, ReplicatedParams
+from moezero.zero.sharded_params import ShardedParams
 
 KINDS = ("params", "grads", "optimizer_state")   # what a rank holds (masters count with the optimizer state)
 
@@ -25,7 +27,8 @@ KINDS = ("params", "grads", "optimizer_state")   # what a rank holds (masters co
 class Stage:
     number: int
     shards: FrozenSet[str]                # which KINDS each rank holds a 1/dp share of
-    grad_strategy: Type[GradStrategy]
+    param_storage: Type[ParamStorage]     # built as cls(family, groups)
+    grad_strategy: Type[GradStrategy]     # built as cls(family, reduce dtype, master dtype, dp size)
 
     @property
     def shards_params(self) -> bool:
@@ -44,10 +47,10 @@ class Stage:
 
 
 STAGES: Dict[int, Stage] = {
-    0: Stage(0, frozenset(), AllReduceGrads),
-    1: Stage(1, frozenset({"optimizer_state"}), ReduceScatterAtBoundary),
-    2: Stage(2, frozenset({"optimizer_state", "grads"}), ReduceScatterEveryBackward),
-    3: Stage(3, frozenset({"optimizer_state", "grads", "params"}), ReduceScatterEveryBackward),
+    0: Stage(0, frozenset(), ReplicatedParams, AllReduceGrads),
+    1: Stage(1, frozenset({"optimizer_state"}), ReplicatedParams, ReduceScatterAtBoundary),
+    2: Stage(2, frozenset({"optimizer_state", "grads"}), ReplicatedParams, ReduceScatterEveryBackward),
+    3: Stage(3, frozenset({"optimizer_state", "grads", "params"}), ShardedParams, ReduceScatterEveryBackward),
 }
 
 

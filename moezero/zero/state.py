@@ -24,29 +24,25 @@ def _is_elementwise(value: Any, n: int) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == n
 
 
-def _piece(view, part: slice, global_range, inner_state: Dict[str, Any]) -> Piece:
-    n = view.master.numel()
+def _piece(master_piece, part: slice, inner_state: Dict[str, Any]) -> Piece:
+    master = master_piece.master
+    n = master.numel()
     state = {k: (v[part].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
-             for k, v in inner_state.get(view.master, {}).items()}
-    return {"range": global_range, "master": view.master[part].detach().clone(), "state": state}
+             for k, v in inner_state.get(master, {}).items()}
+    return {"range": master_piece.global_range(part), "master": master[part].detach().clone(), "state": state}
 
 
 def shard_state(opt) -> Dict[str, Any]:
     """This rank's master weights and optimizer state, in global coordinates (see the module docstring)."""
     engine = opt.engine
     pieces: Dict[str, List[Piece]] = {}
-    owned_parts = {}
-    for view, part, global_range, name in engine.owned_pieces():
-        pieces.setdefault(name, []).append(_piece(view, part, global_range, opt.inner.state))
-        owned_parts.setdefault(id(view), []).append(part)
     replicas: Dict[str, List[Piece]] = {}
-    for view in engine.master.views:
-        for part in _unowned_parts(view.numel, owned_parts.get(id(view), [])):
-            family = engine.families[view.family]
-            start = view.param_range[0] + part.start
-            global_range = family.global_range(view.index, (start, start + part.stop - part.start))
-            replicas.setdefault(family.names[view.index], []).append(
-                _piece(view, part, global_range, opt.inner.state))
+    for master_piece in engine.master_pieces():
+        name, owned = master_piece.param.name, master_piece.owned
+        if owned.stop > owned.start:
+            pieces.setdefault(name, []).append(_piece(master_piece, owned, opt.inner.state))
+        for part in _unowned_parts(master_piece.numel, owned):
+            replicas.setdefault(name, []).append(_piece(master_piece, part, opt.inner.state))
     return {
         "format": FORMAT, "stage": opt.settings.stage, "rank": opt.groups.rank,
         "world_size": opt.groups.world_size, "ep_size": opt.groups.ep_size,
@@ -55,13 +51,11 @@ def shard_state(opt) -> Dict[str, Any]:
     }
 
 
-def _unowned_parts(n: int, owned: List[slice]) -> List[slice]:
-    out, position = [], 0
-    for part in sorted(owned, key=lambda s: s.start):
-        if part.start > position:
-            out.append(slice(position, part.start))
-        position = max(position, part.stop)
-    return out + ([slice(position, n)] if position < n else [])
+def _unowned_parts(n: int, owned: slice) -> List[slice]:
+    """The parts of a piece of n elements outside its owned slice (stage 0 holds replicas of whole buckets)."""
+    if owned.stop <= owned.start:
+        return [slice(0, n)] if n else []
+    return [s for s in (slice(0, owned.start), slice(owned.stop, n)) if s.stop > s.start]
 
 
 def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -101,19 +95,18 @@ def load_state(opt, source: Dict[str, Any]) -> None:
     engine = opt.engine
     pieces = pieces_by_name(source)
     with torch.no_grad():
-        for view in engine.master.views:
-            family = engine.families[view.family]
-            name = family.names[view.index]
-            lo, hi = family.global_range(view.index, view.param_range)
-            master, state = gather_range(pieces, name, lo, hi)
-            view.master.copy_(master)
+        for master_piece in engine.master_pieces():
+            zp, leaf = master_piece.param, master_piece.master
+            lo, hi = zp.global_range(master_piece.param_range)
+            master, state = gather_range(pieces, zp.name, lo, hi)
+            leaf.copy_(master)
             if state:
-                opt.inner.state[view.master] = {k: (v.to(view.master.dtype) if _is_elementwise(v, hi - lo) and
-                                                     v.is_floating_point() else v) for k, v in state.items()}
+                opt.inner.state[leaf] = {k: (v.to(leaf.dtype) if _is_elementwise(v, hi - lo) and
+                                             v.is_floating_point() else v) for k, v in state.items()}
             else:
-                opt.inner.state.pop(view.master, None)
+                opt.inner.state.pop(leaf, None)
     opt.load_scalar_state(source)
-    engine.master.publish()
+    engine.publish()
 
 
 def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:

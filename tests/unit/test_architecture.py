@@ -129,3 +129,27 @@ def test_the_stage_flag_offers_the_registrys_stages():
 
     choices = next(f.metadata["choices"] for f in dataclasses.fields(ZeroConfig) if f.name == "stage")
     assert tuple(choices) == tuple(STAGES)
+
+
+ENGINE_PARTS = {"parts", "records", "reducer", "master", "gatherer", "agreement", "stage", "families", "storages",
+                "strategies", "inner_state"}
+
+
+def test_the_engine_is_a_facade():
+    """The optimizer, its state and modify_model talk to ZeroEngine through its methods: no file of zero/ but
+    engine.py reaches a part behind it (`opt.engine.reducer...`), and none reaches a private member of another
+    object (`opt._outside`), so each part's lifecycle stays with the part that owns it."""
+    found = []
+    for path, tree in _sources(os.path.join("moezero", "zero")):
+        if path.endswith("engine.py"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not isinstance(node.value, ast.Attribute):
+                continue
+            if node.value.attr == "engine" and (node.attr in ENGINE_PARTS or node.attr.startswith("_")):
+                found.append(f"{path}:{node.lineno} engine.{node.attr}")
+        for node in ast.walk(tree) if not path.endswith("optimizer.py") else ():   # its own class's module
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "opt":
+                found.append(f"{path}:{node.lineno} opt.{node.attr}")
+    assert not found, found

@@ -1,0 +1,122 @@
+"""ZeroParam: everything the optimizer knows about one param, in one record (FSDP2's FSDPParam is the model).
+
+    who         name, the nn.Parameter, its family, its stage-3 gather unit
+    where       its slot in the family's flat layout (bucket, offset, numel), its position among the
+                bucket's params, its placement in its global tensor (routed experts stacked along dim 0)
+    storage     which storage the optimizer put it in (`adopt_storage`), so a replaced one is noticed
+    this rank   the piece of it whose master weights this rank holds (`master`, or None)
+    this step   fired (its gradient arrived in this backward), got_grad (in some backward of the step on this
+                rank), got_grad_anywhere (on some rank; set at step()), exposed (.grad is one of our views)
+
+Coordinates. An element of a param has four addresses, and each conversion is written once, here:
+    param       its index in the param's own flat elements
+    bucket      param + slot.offset                            (`ZeroParam.bucket_range`, `.param_range_in`)
+    optimizer   bucket - start of the bucket's optimizer range (`optimizer_slice`; `MasterPiece.offset` is one)
+    global      param + the param's offset in its global tensor (`ZeroParam.global_range`)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Tuple
+
+import torch
+from torch import nn
+
+from moezero.parallel import expert_shard_of
+from moezero.parallel.deferred_values import allocate, read_values, values_arrived
+from moezero.zero.partition import ParamSlot, shard_overlap
+from moezero.zero.torch_internals import storage_key
+
+if TYPE_CHECKING:
+    from moezero.zero.families import ParamFamily
+
+Range = Tuple[int, int]
+
+
+def global_placement(param: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
+    """(global shape, flat offset of this rank's tensor inside it); experts stack along dim 0."""
+    shard = expert_shard_of(param)
+    if shard is None:
+        return tuple(param.shape), 0
+    per_expert = param.numel() // shard.num_local_experts
+    return (shard.num_global_experts,) + tuple(param.shape[1:]), shard.first_global_expert * per_expert
+
+
+def optimizer_slice(bucket_range: Range, optimizer_range: Range) -> slice:
+    """A bucket range as a slice of a tensor over the bucket's optimizer range (masters, reduced gradients)."""
+    return slice(bucket_range[0] - optimizer_range[0], bucket_range[1] - optimizer_range[0])
+
+
+@dataclass
+class MasterPiece:
+    """The part of one param whose master weights this rank holds: the leaf the inner optimizer steps."""
+
+    param: "ZeroParam"
+    param_range: Range        # param coordinates
+    offset: int               # optimizer coordinates: where the piece starts in its bucket's master
+    master: torch.Tensor
+    owned: slice              # the part of the piece this rank owns (all of it, except at stage 0)
+
+    @property
+    def numel(self) -> int:
+        return self.param_range[1] - self.param_range[0]
+
+    def of(self, bucket_flat: torch.Tensor) -> torch.Tensor:
+        """The piece's slice of a tensor over the bucket's optimizer range (a reduced gradient)."""
+        return bucket_flat[self.offset:self.offset + self.numel]
+
+    def global_range(self, part: slice) -> Range:
+        start = self.param_range[0] + part.start
+        return self.param.global_range((start, start + part.stop - part.start))
+
+
+@dataclass(eq=False)
+class ZeroParam:
+    name: str
+    param: nn.Parameter
+    slot: ParamSlot
+    position: int                              # among its bucket's params
+    unit: int = 0                              # stage-3 gather unit (0: the root; stages 0-2: all 0)
+    family: Optional["ParamFamily"] = field(default=None, repr=False)
+    master: Optional[MasterPiece] = field(default=None, repr=False)
+    fired: bool = False
+    got_grad: bool = False
+    got_grad_anywhere: bool = False
+    exposed: bool = False
+    _home: Optional[int] = field(default=None, repr=False)   # storage_key of where the optimizer put it
+
+    def __post_init__(self):
+        self.global_shape, self.global_offset = global_placement(self.param)
+
+    @property
+    def bucket(self) -> int:
+        return self.slot.bucket
+
+    # ---- coordinates -----------------------------------------------------------------------------
+    def bucket_range(self, param_range: Range) -> Range:
+        return self.slot.offset + param_range[0], self.slot.offset + param_range[1]
+
+    def param_range_in(self, span: Range) -> Optional[Range]:
+        """The part of this param inside a bucket range, in param coordinates (None: no overlap)."""
+        return shard_overlap(self.slot, span)
+
+    def global_range(self, param_range: Range) -> Range:
+        return self.global_offset + param_range[0], self.global_offset + param_range[1]
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """Its flat elements [lo, hi): from its checkpoint reader while deferred, else from its data."""
+        return read_values(self.param, lo, hi)
+
+    def adopt_storage(self, home: torch.Tensor) -> None:
+        """From now on the param's values live in `home` (a view shaped like it, in the optimizer's buffer)."""
+        p = self.param
+        if p.device.type == "meta":   # deferred: it never held its values
+            allocate(p, home.device, empty=True)
+        p.data = home
+        values_arrived(p)
+        self._home = storage_key(home)
+
+    def storage_intact(self) -> bool:
+        """False when the param no longer lives where the optimizer put it (a .data swap, a cast)."""
+        return storage_key(self.param) == self._home
