@@ -1,7 +1,8 @@
 """Local experts as stacked weights: a grouped GEMM fast path and a per-expert loop reference.
 
 Shapes: M rows for the local experts (sorted by expert), L local experts, D hidden, F expert
-FFN width (2F for the fused SwiGLU input projection).
+FFN width (2F for the fused SwiGLU input projection), P rows once each expert's are padded to
+its size class (row_size_class).
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from moezero.config import MoEConfig, expert_ffn_size
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Row size classes. Dropless routing gives every expert a new row count every step, and oneDNN (the CPU's
+# bf16 GEMMs) builds and caches a primitive per GEMM shape, up to 1,024 of them: bf16 training held 70% more
+# memory than fp32 (issue 24). Rounding rows up to a multiple of 2^(floor(log2 rows) - 2) gives four classes per
+# power of two and at most 25% padding, so a run meets O(log max rows) shapes. Up to 8 rows are one class: there
+# a bf16 GEMM costs the same whatever its rows (1, 4 and 8 rows x 256 x 1024: 55, 43, 53 us on AVX-512 BF16).
+_SMALLEST_ROW_CLASS = 8
 
 
 def activation(h_MF: torch.Tensor, kind: str) -> torch.Tensor:
@@ -60,6 +67,25 @@ def loop_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int]) -> torch
     return torch.cat([chunk @ w_LDF[l] for l, chunk in enumerate(chunks)], dim=0)
 
 
+def row_size_class(rows: int) -> int:
+    """`rows` rounded up to its size class: 0 stays 0, 1-8 become 8, more a multiple of 2^(floor(log2 rows) - 2)."""
+    if rows == 0:
+        return 0
+    if rows <= _SMALLEST_ROW_CLASS:
+        return _SMALLEST_ROW_CLASS
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def padded_positions(counts: List[int], padded: List[int], device: torch.device) -> torch.Tensor:
+    """Where each of the M rows goes when expert l's block grows from counts[l] to padded[l] rows (its rows first)."""
+    gaps = [p - n for p, n in zip(padded, counts)]
+    shift_L = torch.tensor([0] + gaps[:-1], dtype=torch.long, device=device).cumsum(0)
+    rows = sum(counts)
+    return torch.arange(rows, device=device) + torch.repeat_interleave(
+        shift_L, torch.tensor(counts, device=device), output_size=rows)
+
+
 def expert_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int], use_grouped: bool) -> torch.Tensor:
     if use_grouped and grouped_mm_supported(x_MD, w_LDF):
         return grouped_mm(x_MD, w_LDF, counts)
@@ -80,6 +106,7 @@ class GroupedExperts(nn.Module):
         fan_out = 2 * Fw if config.activation == "swiglu" else Fw
         self.activation = config.activation
         self.use_grouped = config.grouped_gemm
+        self.pad_rows = config.pad_expert_rows
         self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
         self.w2 = nn.Parameter(torch.empty(L, Fw, D))
         self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None   # Megatron's add_bias_linear
@@ -89,6 +116,16 @@ class GroupedExperts(nn.Module):
                 mark_expert_parallel(w, shard)
 
     def forward(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        if not (self.pad_rows and x_MD.device.type == "cpu"):   # GPU GEMMs cache nothing per shape: it only adds work
+            return self._ffn(x_MD, counts)
+        # each expert's rows padded to its size class with zero rows, whose outputs are dropped: their gradients
+        # are zero, so every GEMM (forward and backward) has a class's shape and the numbers are unchanged
+        padded = [row_size_class(n) for n in counts]
+        rows_M = padded_positions(counts, padded, x_MD.device)
+        x_PD = x_MD.new_zeros(sum(padded), x_MD.shape[1]).index_copy(0, rows_M, x_MD)
+        return self._ffn(x_PD, padded).index_select(0, rows_M)
+
+    def _ffn(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
         h = _add_bias(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts)
         return _add_bias(expert_mm(activation(h, self.activation), self.w2, counts, self.use_grouped), self.b2, counts)
 

@@ -3,11 +3,9 @@ for the ZeRO-only comparison (the same model and MoE layer on both sides, only t
 import torch
 
 
-def build_moezero_gpt(args, groups=None):
+def moezero_configs(args):
+    """(GPTConfig, MoEConfig or None) of the benchmark model (tools/bench_mfu.py counts its FLOPs from them)."""
     from moezero.config import GPTConfig, MoEConfig
-    from moezero.models import GPTModel
-    from moezero.moe import expert_parallel
-    from moezero.parallel import ParallelGroups
 
     gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, ffn_hidden_size=args.ffn_mult * args.hidden,
@@ -16,6 +14,15 @@ def build_moezero_gpt(args, groups=None):
     if args.experts:
         moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux,
                         ffn_hidden_size=getattr(args, "expert_ffn", None) or None)
+    return gpt, moe
+
+
+def build_moezero_gpt(args, groups=None):
+    from moezero.models import GPTModel
+    from moezero.moe import expert_parallel
+    from moezero.parallel import ParallelGroups
+
+    gpt, moe = moezero_configs(args)
     model = GPTModel(gpt, moe, seed=1234, moe_layer=expert_parallel(groups or ParallelGroups.single()))
     return model.bfloat16() if args.dtype == "bf16" else model
 
