@@ -103,6 +103,23 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[An
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False):
+    """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
+    of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
+    backend allows (a group of one; gloo, which all-reduces in place, see `reduce_scatter`), so no output is
+    allocated and nothing is copied."""
+    size = group_size(group)
+    if size == 1:
+        return None, input
+    n = input.numel() // size
+    if dist.get_backend(group) == "gloo":
+        rank = dist.get_rank(group)
+        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return work, input[rank * n:(rank + 1) * n]
+    output = torch.empty(n, dtype=input.dtype, device=input.device)
+    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
+
+
 class _ThenCopy:
     """A collective's work handle whose wait() also copies its result slice into `output`."""
 

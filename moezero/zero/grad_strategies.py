@@ -166,13 +166,14 @@ class _ShardAccumulator:
         self.shards = [torch.zeros(family.bucket_numel(b) // family.group_size, dtype=dtype, device=device)
                        for b in range(family.num_buckets)]
 
-    def reduce_into(self, bucket: int, source: torch.Tensor, group, reduce_dtype, scale: float, after=None):
+    def reduce_into(self, bucket: int, source: torch.Tensor, group, scale: float, after=None):
+        """Reduce-scatter `source` (a bucket in the reduce dtype; scratch) and add this rank's slice, times `scale`,
+        to its shard; `after` runs once the slice was added (it may reuse `source`)."""
         shard = self.shards[bucket]
-        out = torch.empty(shard.shape, dtype=reduce_dtype, device=shard.device)
-        work = comm.reduce_scatter(out, source, group, async_op=True)
+        work, mine = comm.reduce_scatter_in_place(source, group, async_op=True)
 
         def finish():
-            shard.add_(out.to(shard.dtype), alpha=scale)
+            shard.add_(mine, alpha=scale)   # a wider shard dtype promotes in place
             if after is not None:
                 after()
         return InFlight(work, finish)
@@ -197,8 +198,7 @@ class ReduceScatterAtBoundary(_PersistentBuffer):
 
     def launch(self, bucket):
         region = self._staging_target(bucket)
-        return self.accumulator.reduce_into(bucket, region, self.family.group, self.reduce_dtype,
-                                            1.0 / self.dp_size, after=region.zero_)
+        return self.accumulator.reduce_into(bucket, region, self.family.group, 1.0 / self.dp_size, after=region.zero_)
 
     def reduced_grad(self, bucket):
         return self.accumulator.shards[bucket]
@@ -258,8 +258,8 @@ class ReduceScatterEveryBackward(GradStrategy):
     def launch(self, bucket):
         staging = self._staging(bucket)  # zeros when no gradient reached this rank's bucket
         self._live[bucket] = None
-        return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, self.reduce_dtype,
-                                            1.0 / self.dp_size, after=lambda: self._release(staging))
+        return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, 1.0 / self.dp_size,
+                                            after=lambda: self._release(staging))
 
     def _release(self, staging: _Staging) -> None:
         pooled = sum(s.tensor.numel() for buffers in self._pool.values() for s in buffers)

@@ -8,7 +8,7 @@ import torch
 
 from moezero.config import GPTConfig
 from moezero.models import attention as attention_module
-from moezero.models.attention import CausalSelfAttention, _attention_with_keyed_dropout
+from moezero.models.attention import CausalSelfAttention, _explicit_attention
 from moezero.models.mla import MultiLatentAttention
 from moezero.models.rope import Rotary
 
@@ -40,7 +40,7 @@ def test_grouped_query_attention_explicit_path_is_sdpas(monkeypatch):
     q, k, v = attention._heads(attention.qkv(x))
     assert (q.shape[1], k.shape[1], v.shape[1]) == (6, 2, 2)
     monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)   # the dropout itself aside
-    explicit = _attention_with_keyed_dropout(q, k, v, 0.1, None, "a", None)
+    explicit = _explicit_attention(q, k, v, 0.1, None, "a", None)
     attention.eval()
     torch.testing.assert_close(explicit, attention._core(q, k, v, keys=None), rtol=0, atol=1e-13)
     # query heads 0-2 share key/value group 0, heads 3-5 group 1 (transformers' and Megatron's order)
@@ -60,5 +60,25 @@ def test_multi_latent_attention_explicit_path_is_sdpas(monkeypatch):
     q, k, v = attention._heads(x)
     assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (12, 12, 6)
     monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)
-    explicit = _attention_with_keyed_dropout(q, k, v, 0.1, None, "a", attention.scale)
+    explicit = _explicit_attention(q, k, v, 0.1, None, "a", attention.scale)
     torch.testing.assert_close(explicit, attention.eval()._core(q, k, v, None), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("seq", [16, 128, 200])
+@pytest.mark.parametrize("groups", [4, 2])
+def test_the_cpu_attention_paths_give_sdpas_values(seq, groups):
+    """Short bf16 sequences run two GEMMs and a softmax instead of SDPA's flash kernel (faster on the CPU): values
+    and gradients within bf16's rounding of the float64 SDPA, GQA included; longer ones run SDPA itself."""
+    from moezero.models.attention import EXPLICIT_CPU_MAX_SEQ, causal_attention
+
+    torch.manual_seed(seq + groups)
+    q64 = torch.randn(2, 4, seq, 32, dtype=torch.float64, requires_grad=True)
+    k64, v64 = (torch.randn(2, groups, seq, 32, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=groups != 4)
+    want.sum().backward()
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+    got = causal_attention(q, k, v, 0.0, True, None, "attn")
+    got.float().sum().backward()
+    assert (seq <= EXPLICIT_CPU_MAX_SEQ) == (seq != 200)
+    for mine, ref in ((got, want), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(mine.double(), ref, rtol=3e-2, atol=3e-2)
