@@ -111,6 +111,7 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale):
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)   # fp32 at least (Megatron's), fp64 kept
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")).to(softmax_dtype), -1).to(q.dtype)
+    # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
+    # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
     return keyed_dropout(probs, dropout, True, keys, site) @ v

@@ -134,8 +134,27 @@ def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int
     """Each expert's bias added to its rows (rows are grouped by expert, counts[l] of them)."""
     if b_LF is None:
         return y_MF
-    repeats = torch.tensor(counts, device=y_MF.device)
-    return y_MF + torch.repeat_interleave(b_LF, repeats, dim=0, output_size=y_MF.shape[0]).to(y_MF.dtype)
+    return _AddExpertBias.apply(y_MF, b_LF, counts)
+
+
+class _AddExpertBias(torch.autograd.Function):
+    """y + b[l] on expert l's rows, one broadcast add per expert; the bias gradient is each block's row sum (a
+    repeat_interleave of the biases would write an M x F tensor, and its backward scatter-adds it back)."""
+
+    @staticmethod
+    def forward(ctx, y_MF, b_LF, counts):
+        ctx.counts = counts
+        out = torch.empty_like(y_MF)
+        bias = b_LF.to(y_MF.dtype)
+        for l, (rows, into) in enumerate(zip(torch.split(y_MF, counts), torch.split(out, counts))):
+            torch.add(rows, bias[l], out=into)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_MF):
+        blocks = torch.split(grad_MF, ctx.counts)
+        grad_LF = torch.stack([block.sum(0) for block in blocks])
+        return grad_MF, grad_LF, None
 
 
 class DenseMLP(nn.Module):

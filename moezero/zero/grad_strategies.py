@@ -245,12 +245,28 @@ class ReduceScatterEveryBackward(GradStrategy):
             pooled = self._pool.get(numel)
             staging = pooled.pop() if pooled else \
                 _Staging(torch.empty(numel, dtype=self.reduce_dtype, device=self.family.device))
-            staging.tensor.zero_()
+            if self.in_place:   # autograd adds into the params' views of it (else stage() fills all of it)
+                staging.tensor.zero_()
             self._live[bucket] = staging
         return self._live[bucket]
 
     def accumulation_views(self, bucket):
         return self._staging(bucket).views(self.family, bucket) if self.in_place else None
+
+    def stage(self, bucket, fired):
+        if self.in_place:
+            super().stage(bucket, fired)
+            return
+        # grads in another dtype are copied in, and nothing else writes the buffer in this backward (it was taken
+        # unzeroed): copy the delivered ones and zero the rest (params that got none, alignment padding)
+        target = self._staging_target(bucket)
+        ops.flatten_into(target, [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired])
+        covered = 0
+        for lo, hi in sorted(zp.bucket_range((0, zp.slot.numel)) for zp in fired):
+            if lo > covered:
+                target[covered:lo].zero_()
+            covered = hi
+        target[covered:].zero_()
 
     def _staging_target(self, bucket):
         return self._staging(bucket).tensor
