@@ -40,11 +40,13 @@ test: $(STAMP)
 		tests/distributed/test_zero_exactness.py::test_exactness_matrix_two_ranks
 
 # The fair benchmarks on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use; about
-# 1.5 hours on 2 cores): end to end vs DeepSpeed, the optimizer alone, one MoE layer, expert scaling,
-# memory over 200 steps. Every table is medians over alternating rounds with [min-max].
+# 2 hours on 2 cores): end to end vs DeepSpeed, the optimizer alone, one MoE layer, expert scaling,
+# memory over 200 steps, MFU against the CPU's own GEMM peak. Every table is medians over alternating
+# rounds with [min-max].
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) tools/bench_vs_peers.py --large
 	OMP_NUM_THREADS=1 $(PY) tools/bench_zero.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_moe_layer.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_scaling.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_memory.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_mfu.py --hidden 256,1024

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host memory over a long run: does RSS stay flat after warm-up, and how does it compare to DeepSpeed?
 
-    python tools/bench_memory.py [--steps 200] [--bf16-steps 30]
+    python tools/bench_memory.py [--steps 200] [--bf16-steps 200 with bf16 units, else 30]
 
 GPT-MoE (4 layers, hidden 256, seq 128, micro-batch 4, E=8, k=2), 2 processes, ep 2, the same
 fairness rules as bench_vs_peers.py. For every system: resident set (RSS) at a few steps and its
@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
 from runner import run_worker  # noqa: E402
+from synthetic import bf16_native  # noqa: E402
 
 MODEL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--mb", "4", "--experts", "8",
          "--k", "2", "--vocab", "1024", "--ep", "2", "--warmup", "2"]
@@ -54,8 +55,11 @@ def report(dtype, steps):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--bf16-steps", type=int, default=30)
+    p.add_argument("--bf16-steps", type=int, default=None, help="default: 200 where bf16 GEMMs are native, else "
+                   "30 (emulated bf16 GEMMs take ~27x the fp32 time)")
     args = p.parse_args()
+    if args.bf16_steps is None:
+        args.bf16_steps = 200 if bf16_native() else 30
     report("fp32", args.steps)
     report("bf16", args.bf16_steps)
 

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ben
 
 from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
 from runner import run_worker  # noqa: E402
+from synthetic import bf16_native  # noqa: E402
 
 
 def model_args(args, dtype):
@@ -79,11 +80,13 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--mb", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--bf16-steps", type=int, default=6)
+    p.add_argument("--bf16-steps", type=int, default=None, help="default: 25 where bf16 GEMMs are native, else 6")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--large", action="store_true", help="also hidden 1024, seq 1024 (fp32, ep 2)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (a smoke test)")
     args = p.parse_args()
+    if args.bf16_steps is None:
+        args.bf16_steps = 25 if bf16_native() else 6
     if args.quick:
         args.layers, args.hidden, args.seq, args.steps, args.bf16_steps, args.rounds = 2, 128, 64, 4, 3, 2
     fp32 = alternate(systems(args, "fp32", (1, 2)), args.rounds, "fp32")

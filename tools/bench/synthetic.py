@@ -63,6 +63,11 @@ def kernel_paths() -> dict:
             "bf16_gemm_slowdown": seconds[torch.bfloat16] / seconds[torch.float32]}
 
 
+def bf16_native() -> bool:
+    """bf16 GEMMs run on dedicated units here (bf16 runs are then as long as fp32 ones, not ~27x)."""
+    return kernel_paths()["bf16_units"] is not None
+
+
 def batch(args, step, rank, seed=1234):
     """A learnable stream: arithmetic progressions mod vocab, keyed by (seed, step, rank)."""
     g = torch.Generator().manual_seed(seed * 1000003 + rank * 7919 + step)
