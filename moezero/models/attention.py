@@ -109,7 +109,8 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale):
     S = q.shape[2]
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))   # before the product: fp16's range
+    scores = q @ k.transpose(-1, -2)
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
     # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S

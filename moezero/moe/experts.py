@@ -143,7 +143,7 @@ class _AddExpertBias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_MF, b_LF, counts):
-        ctx.counts = counts
+        ctx.counts, ctx.bias_dtype = counts, b_LF.dtype
         out = torch.empty_like(y_MF)
         bias = b_LF.to(y_MF.dtype)
         for l, (rows, into) in enumerate(zip(torch.split(y_MF, counts), torch.split(out, counts))):
@@ -153,7 +153,7 @@ class _AddExpertBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_MF):
         blocks = torch.split(grad_MF, ctx.counts)
-        grad_LF = torch.stack([block.sum(0) for block in blocks])
+        grad_LF = torch.stack([block.sum(0, dtype=ctx.bias_dtype) for block in blocks])
         return grad_MF, grad_LF, None
 
 

@@ -44,6 +44,14 @@ class ModifiedDifferently(RanksDisagree):
         self.problem = problem
 
 
+class AdoptionFailed(RuntimeError):
+    """Adopting the changed model raised; the optimizer lets go of the model (its engine is detached)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"opt.modify_model() could not adopt the changed model: {problem}")
+        self.problem = problem
+
+
 @contextlib.contextmanager
 def modify_model(opt) -> Iterator[None]:
     opt.engine.check_agreement(Activity.MODIFY_MODEL)
@@ -54,7 +62,12 @@ def modify_model(opt) -> Iterator[None]:
     try:
         yield
     finally:
-        _adopt(opt, full, before, left_out)
+        try:
+            _adopt(opt, full, before, left_out)
+        except ModifiedDifferently:
+            raise
+        except Exception as error:   # a state that does not load, a param it cannot place: nothing adopted
+            raise AdoptionFailed(f"{type(error).__name__}: {error}") from error
 
 
 def _consolidated_state(opt) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ from moezero.host_memory import HeapTrimmer
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.loss_scaler import DynamicLossScaler
-from moezero.zero.modify import ModifiedDifferently, modify_model
+from moezero.zero.modify import AdoptionFailed, ModifiedDifferently, modify_model
 from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups
 from moezero.zero.param_guard import COMPILE_REFUSED
@@ -248,7 +248,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             with modify_model(self):
                 yield
-        except ModifiedDifferently as error:
+        except (ModifiedDifferently, AdoptionFailed) as error:   # the engine stays detached: stop loudly
             self._stop(f"this ZeroOptimizer let go of the model when opt.modify_model() failed: {error.problem}")
             raise
 

@@ -395,3 +395,19 @@ def test_a_discarded_optimizer_and_its_model_are_freed():
         del model, opt
         gc.collect()
         assert all(r() is None for r in refs), stage
+
+
+def test_an_adoption_that_raises_stops_the_optimizer_loudly(monkeypatch):
+    """modify_model() lets go of the model on entry; when adopting the changed model raises (here: the rebuild),
+    the optimizer must say so at its next use instead of stepping a detached engine that no forward guards."""
+    model, opt = _model_and_opt()
+
+    def broken_rebuild(groups):
+        raise ValueError("no room for the new layout")
+
+    monkeypatch.setattr(opt, "rebuild", broken_rebuild)
+    with pytest.raises(RuntimeError, match="could not adopt the changed model: ValueError: no room"):
+        with opt.modify_model():
+            pass
+    with pytest.raises(RuntimeError, match="let go of the model when opt.modify_model\\(\\) failed"):
+        opt.zero_grad()

@@ -1,20 +1,20 @@
 """Expert rows padded to size classes (issue 24): a run meets a bounded set of GEMM shapes whatever the routing,
 and the outputs and gradients are the unpadded ones.
 
-The shapes are the GEMMs that really ran (torch.profiler's aten::mm, addmm and bmm, which is also what
-torch._grouped_mm runs per group on CPUs), in forward and backward.
+The shapes are the GEMMs that really ran (aten::mm, addmm and bmm as the dispatcher sees them, which is also
+what torch._grouped_mm runs per group on CPUs), in forward and backward.
 """
 import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moezero.moe import MoEConfig
 from moezero.moe.experts import GroupedExperts, row_size_class
 from moezero.parallel.expert_marker import ExpertShard
 
-GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 GEMMS_PER_EXPERT = 6   # forward: x @ w1, h @ w2; backward: the data and weight gradient of each
 
 
@@ -54,15 +54,43 @@ def _gemm_shapes_of_run(pad: bool, grouped: bool, steps: int = 100):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     experts = _experts(torch.float32, activation="swiglu", grouped_gemm=grouped, pad_expert_rows=pad)
-    shapes, max_rows = set(), 0
-    for _ in range(steps):
-        counts = _skewed_counts(gen, 4)
-        max_rows = max(max_rows, *counts)
-        x = torch.randn(sum(counts), 16, requires_grad=True)
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    max_rows = 0
+    with _GemmShapes() as recorded:
+        for _ in range(steps):
+            counts = _skewed_counts(gen, 4)
+            max_rows = max(max_rows, *counts)
+            x = torch.randn(sum(counts), 16, requires_grad=True)
             experts(x, counts).square().sum().backward()
-        shapes |= {tuple(map(tuple, e.input_shapes[:2])) for e in prof.events() if e.name in GEMMS}
-    return shapes, max_rows
+    return recorded.shapes, max_rows
+
+
+class _GemmShapes(TorchDispatchMode):
+    """The (a, b) shapes of every GEMM that runs, forward and backward (the dispatcher sees what
+    torch._grouped_mm runs per group on CPUs too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in GEMMS:
+            a, b = args[-2:] if func.overloadpacket is torch.ops.aten.addmm else args[:2]
+            self.shapes.add((tuple(a.shape), tuple(b.shape)))
+        elif func.overloadpacket is torch.ops.aten._grouped_mm:
+            self.shapes |= _group_shapes(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+        return func(*args, **kwargs)
+
+
+def _group_shapes(a, b, offs):
+    """The per-group GEMMs of torch._grouped_mm (a CPU runs one mm each): rows of `a` split by `offs` against
+    the stacked `b` (forward, data gradient), or the shared dimension split (weight gradient)."""
+    ends = offs.tolist()
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    if a.dim() == 2 and b.dim() == 3:
+        return {((n, a.shape[1]), tuple(b.shape[1:])) for n in sizes}
+    assert a.dim() == 2 and b.dim() == 2, (a.shape, b.shape)
+    return {((a.shape[0], n), (n, b.shape[1])) for n in sizes}
 
 
 @pytest.mark.parametrize("grouped", [True, False])
