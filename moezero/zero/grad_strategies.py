@@ -124,11 +124,13 @@ class AllReduceGrads(_PersistentBuffer):
         super().__init__(*args)
         self._rescale = self.dp_size / self.family.group_size
         self._holds_average = [False] * self.family.num_buckets
+        self._cast: List[Optional[torch.Tensor]] = [None] * self.family.num_buckets   # see reduced_grad
 
     def optimizer_range(self, bucket):
         return 0, self.family.bucket_numel(bucket)
 
     def before_accumulate(self, bucket):
+        self._cast[bucket] = None
         if self._holds_average[bucket]:
             if self._rescale != 1.0:
                 self._staging_target(bucket).mul_(self._rescale)
@@ -144,15 +146,23 @@ class AllReduceGrads(_PersistentBuffer):
         def finish():
             region.mul_(1.0 / self.dp_size)
             self._holds_average[bucket] = True
+            self._cast[bucket] = None
         return InFlight(work, finish)
 
     def reduced_grad(self, bucket):
         region = self._staging_target(bucket)
-        return region if region.dtype == self.master_dtype else region.to(self.master_dtype)
+        if region.dtype == self.master_dtype:
+            return region
+        # reduced in another dtype: one master-dtype copy per reduction, so that clip_grad_norm_() and the step
+        # that follows scale and read the same tensor
+        if self._cast[bucket] is None:
+            self._cast[bucket] = region.to(self.master_dtype)
+        return self._cast[bucket]
 
     def zero(self):
         super().zero()
         self._holds_average = [False] * self.family.num_buckets
+        self._cast = [None] * self.family.num_buckets
 
     def nbytes(self):
         return _size([self.grad_buffer])

@@ -411,3 +411,19 @@ def test_an_adoption_that_raises_stops_the_optimizer_loudly(monkeypatch):
             pass
     with pytest.raises(RuntimeError, match="let go of the model when opt.modify_model\\(\\) failed"):
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_clip_grad_norm_then_step_steps_the_clipped_gradient_whatever_the_reduce_dtype(stage):
+    """torch: clip_grad_norm_() scales the gradients that step() then uses. With gradients reduced in bf16 and
+    fp32 masters, stage 0 handed clip a cast copy that step() did not reuse: the clip was lost."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=stage, grad_reduce_dtype=torch.bfloat16, lr=1.0)
+    model(torch.randn(5, 8)).square().sum().backward()
+    norm = opt.clip_grad_norm_(1e-3)
+    assert norm > 1e-3
+    opt.step()
+    moved = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
+    assert abs(float(moved.norm()) - 1e-3) < 1e-5, float(moved.norm())   # SGD lr 1 moves by the clipped grad
