@@ -248,6 +248,7 @@ class ReduceScatterEveryBackward(GradStrategy):
         # worth, as DeepSpeed keeps two reduction buffers
         self._pool: Dict[int, List[_Staging]] = {}
         self._pool_limit = STAGING_POOL_BUCKETS * max(fam.bucket_numel(b) for b in range(fam.num_buckets))
+        self._added_directly = [False] * fam.num_buckets   # this backward's grads already in the shard
 
     def _staging(self, bucket: int) -> _Staging:
         if self._live[bucket] is None:
@@ -267,10 +268,15 @@ class ReduceScatterEveryBackward(GradStrategy):
         if self.in_place:
             super().stage(bucket, fired)
             return
+        grads, offsets = [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired]
+        if self.family.group_size == 1:   # nothing to reduce (experts at ep = dp): add them, cast, to the shard
+            ops.flatten_into(self.accumulator.shards[bucket], grads, offsets, 1.0 / self.dp_size, accumulate=True)
+            self._added_directly[bucket] = True
+            return
         # grads in another dtype are copied in, and nothing else writes the buffer in this backward (it was taken
         # unzeroed): copy the delivered ones and zero the rest (params that got none, alignment padding)
         target = self._staging_target(bucket)
-        ops.flatten_into(target, [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired])
+        ops.flatten_into(target, grads, offsets)
         covered = 0
         for lo, hi in sorted(zp.bucket_range((0, zp.slot.numel)) for zp in fired):
             if lo > covered:
@@ -282,6 +288,9 @@ class ReduceScatterEveryBackward(GradStrategy):
         return self._staging(bucket).tensor
 
     def launch(self, bucket):
+        if self._added_directly[bucket]:
+            self._added_directly[bucket] = False
+            return InFlight(None, lambda: None)
         staging = self._staging(bucket)  # zeros when no gradient reached this rank's bucket
         self._live[bucket] = None
         return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, 1.0 / self.dp_size,
@@ -304,6 +313,7 @@ class ReduceScatterEveryBackward(GradStrategy):
         return self.accumulator.nbytes() + _size(held)
 
     def discard_pass(self):
+        self._added_directly = [False] * self.family.num_buckets   # the shard is cleared next (clear_step)
         for bucket, staging in enumerate(self._live):
             if staging is not None:
                 self._release(staging)
