@@ -292,10 +292,10 @@ class ZeroEngine:
     def owned_gradients(self) -> GradientPieces:
         """Averaged gradients of the elements this rank owns, in global coordinates (after reduction)."""
         out: GradientPieces = {}
+        reduced = self.reduced_grads()
         for piece, part, global_range, name in self.owned_pieces(trainable_only=True):
             zp = piece.param
-            reduced = self._parts_of(zp.family).strategy.reduced_grad(zp.bucket)
-            out.setdefault(name, []).append((global_range, piece.of(reduced)[part].clone()))
+            out.setdefault(name, []).append((global_range, piece.of(reduced[zp.family][zp.bucket])[part].clone()))
         return out
 
     def params_sum_of_squares(self) -> float:
@@ -319,9 +319,6 @@ class ZeroEngine:
         return {"params": sum(p.storage.nbytes() for p in self.parts),
                 "grads": sum(p.strategy.nbytes() for p in self.parts),
                 "master": size(self.master.unaliased()), "optimizer_state": size(state)}
-
-    def _parts_of(self, family: ParamFamily) -> FamilyParts:
-        return next(p for p in self.parts if p.family is family)
 
     def _sum_over_ranks(self, total: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(total, self.groups.control)

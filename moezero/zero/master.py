@@ -57,8 +57,6 @@ class MasterShards:
     def __init__(self, parts: Sequence[FamilyParts]):
         self.families = [_FamilyMaster(p) for p in parts]
         self.pieces: List[MasterPiece] = [piece for fm in self.families for piece in fm.pieces()]
-        for piece in self.pieces:
-            piece.param.master = piece
 
     def assign_grads(self, reduced: ReducedGrads) -> None:
         """Point each piece's .grad at its slice of the reduced bucket gradient (None: skip the param)."""

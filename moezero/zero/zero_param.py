@@ -4,7 +4,7 @@
     where       its slot in the family's flat layout (bucket, offset, numel), its position among the
                 bucket's params, its placement in its global tensor (routed experts stacked along dim 0)
     storage     which storage the optimizer put it in (`adopt_storage`), so a replaced one is noticed
-    this rank   the piece of it whose master weights this rank holds (`master`, or None)
+    this rank   the piece of it whose master weights this rank holds: a MasterPiece (master.py) points here
     this step   fired (its gradient arrived in this backward), got_grad (in some backward of the step on this
                 rank), got_grad_anywhere (on some rank; set at step()), exposed (.grad is one of our views)
 
@@ -78,7 +78,6 @@ class ZeroParam:
     position: int                              # among its bucket's params
     unit: int = 0                              # stage-3 gather unit (0: the root; stages 0-2: all 0)
     family: Optional["ParamFamily"] = field(default=None, repr=False)
-    master: Optional[MasterPiece] = field(default=None, repr=False)
     fired: bool = False
     got_grad: bool = False
     got_grad_anywhere: bool = False
