@@ -85,19 +85,44 @@ def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, asyn
 def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False):
     """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
     of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
-    backend allows, so no output is allocated and nothing is copied: a group of one, and gloo, where this
-    all-reduces `input` in place (faster there, measured, 2 ranks, 2M fp32 elements: 6.1 ms against 9.6 ms;
-    gloo's reduce-scatter clones the input and is slower than its ring all-reduce)."""
+    backend allows, so no output is allocated: a group of one, and gloo (see _SummedPieces)."""
     size = group_size(group)
     if size == 1:
         return None, input
     n = input.numel() // size
     if dist.get_backend(group) == "gloo":
-        rank = dist.get_rank(group)
-        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return work, input[rank * n:(rank + 1) * n]
+        mine = input[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+        pieces = torch.empty_like(input)
+        work = _SummedPieces(dist.all_to_all_single(pieces, input, group=group, async_op=True), pieces, mine)
+        if async_op:
+            return work, mine
+        work.wait()
+        return None, mine
     output = torch.empty(n, dtype=input.dtype, device=input.device)
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
+
+
+class _SummedPieces:
+    """gloo's reduce-scatter, as an all-to-all (slice j of every rank's input goes to rank j) and a local sum of
+    the pieces received, in rank order, into this rank's slice of the input. gloo's own reduce-scatter clones its
+    input and its ring all-reduce moves twice the bytes; measured, 2 ranks, 1.3M fp32 elements: all-to-all 3.2 ms,
+    all-reduce 6.3-7.6, reduce-scatter 6.9-8.2."""
+
+    def __init__(self, work, pieces: torch.Tensor, mine: torch.Tensor):
+        self.work, self.pieces, self.mine = work, pieces, mine
+
+    def is_completed(self) -> bool:
+        return self.pieces is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.pieces is not None:
+            self.work.wait()
+            pieces = self.pieces.view(-1, self.mine.numel())
+            torch.add(pieces[0], pieces[1], out=self.mine)   # 3x faster than a sum over dim 0
+            for piece in pieces[2:]:
+                self.mine.add_(piece)
+            self.pieces = None   # summed once; frees the receive buffer
+        return True
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):

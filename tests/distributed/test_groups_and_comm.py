@@ -71,8 +71,36 @@ def _check_all_to_all(hidden):
     return y.shape[0]
 
 
-def test_all_to_all_uneven_splits_forward_and_backward():
-    sizes = run_distributed(_check_all_to_all, 4, 3)
+def _check_reduce_scatter():
+    """Over groups of 4 (dp) and 2 (ep 2), sync and async, fp32 and bf16: this rank's slice of the sum, the
+    pieces added in rank order (so bitwise a sequential sum of the members' inputs)."""
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    members = {groups.dp: [0, 1, 2, 3], groups.ep: [rank - rank % 2, rank - rank % 2 + 1]}
+    for group, ranks in members.items():
+        size, me = len(ranks), ranks.index(rank)
+        for dtype in (torch.float32, torch.bfloat16):
+            for async_op in (False, True):
+                def inputs(r):
+                    return torch.randn(6 * size, generator=torch.Generator().manual_seed(r), dtype=dtype)
+                work, mine = comm.reduce_scatter_in_place(inputs(rank), group, async_op=async_op)
+                assert (work is None) != async_op
+                if work is not None:
+                    work.wait()
+                expected = inputs(ranks[0])
+                for r in ranks[1:]:
+                    expected = expected + inputs(r)
+                torch.testing.assert_close(mine, expected[6 * me:6 * (me + 1)], rtol=0, atol=0)
+    groups.destroy()
+
+
+def _check_collectives(hidden):
+    _check_reduce_scatter()
+    return _check_all_to_all(hidden)
+
+
+def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter():
+    sizes = run_distributed(_check_collectives, 4, 3)
     assert sizes == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
 
 
