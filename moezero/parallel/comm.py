@@ -82,17 +82,24 @@ def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, asyn
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False):
+def receives_pieces(group: Optional[Any]) -> bool:
+    """Whether reduce_scatter_in_place on `group` receives every rank's pieces into an input-sized buffer."""
+    return group_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False,
+                            received: Optional[torch.Tensor] = None):
     """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
     of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
-    backend allows, so no output is allocated: a group of one, and gloo (see _SummedPieces)."""
+    backend allows, so no output is allocated: a group of one, and gloo (see _SummedPieces), which receives
+    into `received` (shaped and typed as `input`, free once the work completed; allocated when None)."""
     size = group_size(group)
     if size == 1:
         return None, input
     n = input.numel() // size
-    if dist.get_backend(group) == "gloo":
+    if receives_pieces(group):
         mine = input[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
-        pieces = torch.empty_like(input)
+        pieces = received if received is not None else torch.empty_like(input)
         work = _SummedPieces(dist.all_to_all_single(pieces, input, group=group, async_op=True), pieces, mine)
         if async_op:
             return work, mine

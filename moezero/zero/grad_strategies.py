@@ -188,11 +188,12 @@ class _ShardAccumulator:
             self._cleared[bucket] = False
         return self._shards[bucket]
 
-    def reduce_into(self, bucket: int, source: torch.Tensor, group, scale: float, after=None):
+    def reduce_into(self, bucket: int, source: torch.Tensor, group, scale: float, after=None, received=None):
         """Reduce-scatter `source` (a bucket in the reduce dtype; scratch) and add this rank's slice, times `scale`,
-        to its shard; `after` runs once the slice was added (it may reuse `source`)."""
+        to its shard; `after` runs once the slice was added (it may reuse `source` and `received`, the buffer
+        that comm.reduce_scatter_in_place may receive into)."""
         shard = self._shards[bucket]
-        work, mine = comm.reduce_scatter_in_place(source, group, async_op=True)
+        work, mine = comm.reduce_scatter_in_place(source, group, async_op=True, received=received)
 
         def finish():
             if self._cleared[bucket]:   # scaled and cast in fp32 (or fp64), as add_ would onto zeros
@@ -287,14 +288,16 @@ class ReduceScatterEveryBackward(GradStrategy):
 
     def _staging(self, bucket: int) -> _Staging:
         if self._live[bucket] is None:
-            numel = self.family.bucket_numel(bucket)
-            pooled = self._pool.get(numel)
-            staging = pooled.pop() if pooled else \
-                _Staging(torch.empty(numel, dtype=self.reduce_dtype, device=self.family.device))
+            staging = self._take(self.family.bucket_numel(bucket))
             if self.in_place:   # autograd adds into the params' views of it (else stage() fills all of it)
                 staging.tensor.zero_()
             self._live[bucket] = staging
         return self._live[bucket]
+
+    def _take(self, numel: int) -> _Staging:
+        pooled = self._pool.get(numel)
+        return pooled.pop() if pooled else _Staging(torch.empty(numel, dtype=self.reduce_dtype,
+                                                                device=self.family.device))
 
     def accumulation_views(self, bucket):
         return self._staging(bucket).views(self.family, bucket) if self.in_place else None
@@ -323,8 +326,16 @@ class ReduceScatterEveryBackward(GradStrategy):
             return InFlight(None, lambda: None)
         staging = self._staging(bucket)  # zeros when no gradient reached this rank's bucket
         self._live[bucket] = None
+        # gloo receives every rank's pieces into a bucket-sized buffer: one from the same pool, so that a step
+        # holds no more than before between backwards (at most STAGING_POOL_BUCKETS buckets, tested)
+        received = self._take(staging.tensor.numel()) if comm.receives_pieces(self.family.group) else None
+
+        def release():
+            for buffer in (staging, received):
+                if buffer is not None:
+                    self._release(buffer)
         return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, 1.0 / self.dp_size,
-                                            after=lambda: self._release(staging))
+                                            after=release, received=received and received.tensor)
 
     def _release(self, staging: _Staging) -> None:
         pooled = sum(s.tensor.numel() for buffers in self._pool.values() for s in buffers)
