@@ -306,11 +306,11 @@ class ReduceScatterEveryBackward(GradStrategy):
         if self.in_place:
             super().stage(bucket, fired)
             return
-        grads, offsets = [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired]
         if self.family.group_size == 1:   # nothing to reduce (experts at ep = dp): add them, cast, to the shard
             self.accumulator.add_local(bucket, fired, 1.0 / self.dp_size)
             self._added_directly[bucket] = True
             return
+        grads, offsets = [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired]
         # grads in another dtype are copied in, and nothing else writes the buffer in this backward (it was taken
         # unzeroed): copy the delivered ones and zero the rest (params that got none, alignment padding)
         target = self._staging_target(bucket)
