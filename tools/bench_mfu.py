@@ -11,9 +11,15 @@
   micro-batch 4, E=8 top-2, ZeRO-2, ep 2, 2 processes, the same worker), divided by the 2 ranks.
 - MFU = model FLOP/s per rank / peak FLOP/s of one core. Rounds alternate the configurations; numbers are
   medians with [min-max].
+- Where the rest goes: after the timed steps each run profiles a few more (torch.profiler) and reports the
+  seconds per step each rank spends inside matrix-product kernels (mm, addmm, bmm; SDPA's fused attention).
+  "products' share" is that time over the step; "MFU ceiling" is the MFU the run would have if everything
+  else (softmax, GELU, norms, dispatch, waiting for the other rank, collectives, optimizer) took no time:
+  the GEMMs' own efficiency at the model's shapes, measured in model FLOPs.
 """
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
@@ -28,18 +34,19 @@ from synthetic import common_parser, gemm_peak_flops, kernel_paths  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WORLD = 2
+GEMM_STEPS = 3
 
 
 def worker_args(hidden, dtype, steps):
     """The peer configuration of bench_vs_peers.py at width `hidden`."""
     return ["--layers", "4", "--hidden", str(hidden), "--heads", str(hidden // 64), "--seq", "128", "--mb", "4",
             "--experts", "8", "--k", "2", "--vocab", "1024", "--ep", "2", "--stage", "2", "--steps", str(steps),
-            "--warmup", "2", "--dtype", dtype, "--bucket", "2000000"]
+            "--warmup", "2", "--dtype", dtype, "--bucket", "2000000", "--gemm-steps", str(GEMM_STEPS)]
 
 
 def step_flops(argv):
     """Megatron's FLOPs of one step of the worker run with `argv` (the global batch: a micro-batch per rank)."""
-    args = common_parser().parse_args(argv)
+    args, _ = common_parser().parse_known_args(argv)   # the worker's own flags (--gemm-steps) aside
     gpt, moe = moezero_configs(args)
     return flops_per_batch(gpt, moe, args.vocab, args.mb * WORLD)
 
@@ -57,18 +64,24 @@ def print_cpu(paths):
 
 
 def print_table(configs, results, peaks, steps):
-    print("\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | tokens/s | step (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | products' share | MFU ceiling "
+          "| tokens/s | step (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (dtype, hidden), argv in configs.items():
         runs = ok(results[f"{dtype} h{hidden}"])
         if not runs:
             print(f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | failed: {error_of(results[f'{dtype} h{hidden}'])} |")
             continue
-        rates = [tflops_per_rank(step_flops(argv), r["step_s"], WORLD) * 1e3 for r in runs]
+        flops = step_flops(argv)
+        rates = [tflops_per_rank(flops, r["step_s"], WORLD) * 1e3 for r in runs]
+        products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
+        ceilings = [tflops_per_rank(flops, s, WORLD) * 1e3 / peaks[dtype] for s in products]
         print(f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | {spread(rates)} | "
-              f"{spread([rate / peaks[dtype] for rate in rates], 3)} | {spread([r['tokens_per_s'] for r in runs])} | "
-              f"{spread([r['step_s'] for r in runs], 3)} |")
-    print(f"\n{steps} steps per run (the first 2 not timed), {WORLD} processes of one thread each.")
+              f"{spread([rate / peaks[dtype] for rate in rates], 3)} | "
+              f"{spread([s / r['step_s'] for s, r in zip(products, runs)], 2)} | {spread(ceilings, 3)} | "
+              f"{spread([r['tokens_per_s'] for r in runs])} | {spread([r['step_s'] for r in runs], 3)} |")
+    print(f"\n{steps} steps per run (the first 2 not timed), {WORLD} processes of one thread each; matrix-product "
+          f"time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
 
 
 def main():

@@ -29,6 +29,8 @@ def parse():
     p.add_argument("--late-first-bucket", action="store_true",
                    help="add a param registered last (so it lands in bucket 0) but used first in forward")
     p.add_argument("--profile", default="", help="write a torch.profiler chrome trace of one step here")
+    p.add_argument("--gemm-steps", type=int, default=0,
+                   help="after the timed steps, profile this many more and report the time in matrix products")
     return p.parse_args()
 
 
@@ -66,6 +68,23 @@ def train_step(args, model, opt, step, rank):
     opt.step()
     opt.zero_grad()
     return ce.detach(), time.perf_counter() - backward_done
+
+
+# the kernels that do a training step's matrix products (SDPA's fused attention: its products and softmax)
+MATRIX_PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                      "aten::_scaled_dot_product_flash_attention_for_cpu",
+                      "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def matrix_product_seconds(args, model, opt, rank, first_step):
+    """Seconds per step this rank spends inside matrix-product kernels, over `--gemm-steps` profiled steps."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for step in range(first_step, first_step + args.gemm_steps):
+            train_step(args, model, opt, step, rank)
+    self_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATRIX_PRODUCT_OPS)
+    return self_us / 1e6 / args.gemm_steps
 
 
 def max_over_ranks(value, world):
@@ -108,6 +127,11 @@ def main():
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     rss_all = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(rss_all, rss)
+    gemm_s = None
+    if args.gemm_steps:   # after the peak RSS was read: the profiler's own memory is not the run's
+        gemm_s = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gemm_s, torch.tensor([matrix_product_seconds(args, model, opt, rank, args.steps)],
+                                             dtype=torch.float64))
     peaks = None
     if peak is not None:
         peaks = [torch.zeros(1) for _ in range(world)]
@@ -121,6 +145,8 @@ def main():
               "memory": memory if rank == 0 else None,
               "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None,
               "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths()}
+    if gemm_s is not None:
+        result["matrix_product_s_per_rank"] = [g.item() for g in gemm_s]
     if peaks is not None:
         result["gemm_peak_flops"] = sum(p.item() for p in peaks)
     if rank == 0:
