@@ -34,8 +34,9 @@ def _rss(env_extra):
 def test_resident_set_stays_under_the_warmed_up_ceiling_plus_the_slack():
     """The ceiling is the largest step-end RSS of the first 3 steps; a step may grow it by at most one
     step's fragmentation (under 48 MB for this layer) before the trim at its end."""
+    bound = 64 * 2 ** 20 + 48 * 2 ** 20
     ceiling, peak, trims = _rss({})
-    assert peak - ceiling < 64 * 2 ** 20 + 48 * 2 ** 20 and trims > 0, (ceiling, peak, trims)
-    # glibc alone lets it creep (the allocator keeps the holes)
+    assert peak - ceiling < bound and trims > 0, (ceiling, peak, trims)
+    # glibc alone lets it creep past that bound (the allocator keeps the holes; how far varies: 139-200+ MB)
     ceiling, peak, trims = _rss({"MOEZERO_KEEP_MALLOC": "1"})
-    assert trims == 0 and peak - ceiling > 160 * 2 ** 20, (ceiling, peak)
+    assert trims == 0 and peak - ceiling > bound, (ceiling, peak)
