@@ -94,12 +94,42 @@ def _check_reduce_scatter():
     groups.destroy()
 
 
+def _check_all_gather():
+    """Over groups of 4 and 2, fp32 and bf16: each member's input lands in its slice, from a separate tensor or
+    from the output's own slice (in place), with two gathers of different sizes in flight on one group at once
+    (gloo runs them as peer exchanges: each must receive its own messages)."""
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    members = {groups.dp: [0, 1, 2, 3], groups.ep: [rank - rank % 2, rank - rank % 2 + 1]}
+    assert all(comm.peer_exchange.uses_peer_exchange(g) for g in members)
+    for group, ranks in members.items():
+        size, me = len(ranks), ranks.index(rank)
+        for dtype in (torch.float32, torch.bfloat16):
+            def inputs(r, n):
+                return torch.randn(n, generator=torch.Generator().manual_seed(1000 * n + r), dtype=dtype)
+            expected = {n: torch.cat([inputs(r, n) for r in ranks]) for n in (5, 7)}
+            apart = torch.zeros(5 * size, dtype=dtype)
+            in_place = torch.zeros(7 * size, dtype=dtype)
+            in_place[7 * me:7 * (me + 1)] = inputs(rank, 7)
+            works = [comm.all_gather(apart, inputs(rank, 5), group, async_op=True),
+                     comm.all_gather(in_place, in_place[7 * me:7 * (me + 1)], group, async_op=True)]
+            for work in reversed(works):
+                work.wait()
+            torch.testing.assert_close(apart, expected[5], rtol=0, atol=0)
+            torch.testing.assert_close(in_place, expected[7], rtol=0, atol=0)
+            out = torch.zeros(3 * size, 2, dtype=dtype)   # 2-D: rows of each member, as hf.save gathers experts
+            assert comm.all_gather(out, torch.full((3, 2), float(rank), dtype=dtype), group) is None
+            torch.testing.assert_close(out, torch.tensor(ranks, dtype=dtype).repeat_interleave(6).view(-1, 2))
+    groups.destroy()
+
+
 def _check_collectives(hidden):
     _check_reduce_scatter()
+    _check_all_gather()
     return _check_all_to_all(hidden)
 
 
-def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter():
+def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter_and_all_gather():
     sizes = run_distributed(_check_collectives, 4, 3)
     assert sizes == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
 
