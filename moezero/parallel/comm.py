@@ -90,11 +90,14 @@ def receives_pieces(group: Optional[Any]) -> bool:
 
 
 def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False,
-                            received: Optional[torch.Tensor] = None):
+                            received: Optional[torch.Tensor] = None, sum_into: Optional[torch.Tensor] = None):
     """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
     of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
     backend allows, so no output is allocated: a group of one, and gloo (see _SummedPieces), which receives
-    into `received` (shaped and typed as `input`, free once the work completed; allocated when None)."""
+    into `received` (shaped and typed as `input`, free once the work completed; allocated when None).
+
+    `sum_into` (gloo only, see receives_pieces): a tensor of one slice in a wider dtype that the pieces are summed
+    into instead, each widened exactly: the pieces travel in `input`'s dtype, the sum is the wider one's."""
     size = group_size(group)
     if size == 1:
         return None, input
@@ -102,24 +105,28 @@ def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op:
     if receives_pieces(group):
         pieces = received if received is not None else torch.empty_like(input)
         work = _SummedPieces(peer_exchange.scatter_pieces(input, pieces, group), pieces.view(size, n),
-                             input.view(size, n), dist.get_rank(group))
+                             input.view(size, n), dist.get_rank(group), sum_into)
         if async_op:
-            return work, work.mine
+            return work, work.out
         work.wait()
-        return None, work.mine
+        return None, work.out
+    if sum_into is not None:
+        raise ValueError("sum_into needs a group whose reduce-scatter sums the received pieces here (gloo)")
     output = torch.empty(n, dtype=input.dtype, device=input.device)
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
 
 
 class _SummedPieces:
     """gloo's reduce-scatter, as a peer exchange (slice j of every rank's input goes to rank j) and a local sum
-    of the pieces, in rank order, into this rank's slice of the input. gloo's own reduce-scatter clones its
-    input and its ring all-reduce moves twice the bytes (2 ranks, 1.3M fp32: reduce-scatter 6.9-8.2 ms,
-    all-reduce 6.3-7.6; peer_exchange.py has the exchange's own figures)."""
+    of the pieces, in rank order, into this rank's slice of the input (or into `out`). gloo's own reduce-scatter
+    clones its input and its ring all-reduce moves twice the bytes (2 ranks, 1.3M fp32: reduce-scatter 6.9-8.2
+    ms, all-reduce 6.3-7.6; peer_exchange.py has the exchange's own figures)."""
 
-    def __init__(self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int):
+    def __init__(self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int,
+                 out: Optional[torch.Tensor] = None):
         self.work, self.pieces, self.me = work, pieces_PN, me
         self.mine = input_PN[me]
+        self.out = self.mine if out is None else out
 
     def is_completed(self) -> bool:
         return self.pieces is None or self.work.is_completed()
@@ -128,13 +135,17 @@ class _SummedPieces:
         if self.pieces is not None:
             self.work.wait()
             terms = list(self.pieces)
-            if self.me < 2:
-                terms[self.me] = self.mine   # the first add reads it before it writes it
+            terms[self.me] = self.mine
+            if self.out is not self.mine:
+                self.out.copy_(terms[0])   # widened exactly; each add below rounds once in out's dtype
+                for term in terms[1:]:
+                    self.out.add_(term)
             else:
-                terms[self.me].copy_(self.mine)   # the sum below overwrites `mine` before reaching its term
-            torch.add(terms[0], terms[1], out=self.mine)   # 3x faster than a sum over dim 0
-            for term in terms[2:]:
-                self.mine.add_(term)
+                if self.me >= 2:   # the sum below overwrites `mine` before reaching its term
+                    terms[self.me] = self.pieces[self.me].copy_(self.mine)
+                torch.add(terms[0], terms[1], out=self.mine)   # the first add reads `mine` before writing it
+                for term in terms[2:]:
+                    self.mine.add_(term)
             self.pieces = None   # summed once; frees the receive buffer
         return True
 

@@ -11,7 +11,10 @@ tokens reach every expert), and all hand the optimizer a reduced gradient per bu
       reduce-scattered into this rank's shard at every synced backward and then cleared.
   ReduceScatterEveryBackward (stages 2 and 3): no full-size buffer between backwards: a
       bucket's gradients land in a temporary buffer, are reduce-scattered, added to this rank's
-      shard, and the buffer is reused.
+      shard, and the buffer is reused. Where the sum of the pieces is ours to compute (gloo) and
+      the params are narrower than the reduction (bf16 params, fp32 reduction), the buffer keeps the
+      params' dtype: one backward's gradients are exactly values of that dtype, so the pieces travel
+      at half the bytes and are summed in the reduction dtype, to the same bits.
 
 Buffers are reused on the guarantee of reducer.py's NOTE [no accumulation into a reducing bucket].
 """
@@ -188,12 +191,14 @@ class _ShardAccumulator:
             self._cleared[bucket] = False
         return self._shards[bucket]
 
-    def reduce_into(self, bucket: int, source: torch.Tensor, group, scale: float, after=None, received=None):
-        """Reduce-scatter `source` (a bucket in the reduce dtype; scratch) and add this rank's slice, times `scale`,
-        to its shard; `after` runs once the slice was added (it may reuse `source` and `received`, the buffer
-        that comm.reduce_scatter_in_place may receive into)."""
+    def reduce_into(self, bucket: int, source: torch.Tensor, group, scale: float, after=None, received=None,
+                    sum_into=None):
+        """Reduce-scatter `source` (a bucket, scratch) and add this rank's slice, times `scale`, to its shard;
+        `after` runs once the slice was added (it may reuse `source` and `received`, the buffer that
+        comm.reduce_scatter_in_place may receive into, and `sum_into`, where it may sum a narrower source)."""
         shard = self._shards[bucket]
-        work, mine = comm.reduce_scatter_in_place(source, group, async_op=True, received=received)
+        work, mine = comm.reduce_scatter_in_place(source, group, async_op=True, received=received,
+                                                  sum_into=sum_into)
 
         def finish():
             if self._cleared[bucket]:   # scaled and cast in fp32 (or fp64), as add_ would onto zeros
@@ -285,6 +290,10 @@ class ReduceScatterEveryBackward(GradStrategy):
         self._pool: Dict[int, List[_Staging]] = {}
         self._pool_limit = STAGING_POOL_BUCKETS * max(fam.bucket_numel(b) for b in range(fam.num_buckets))
         self._added_directly = [False] * fam.num_buckets   # this backward's grads already in the shard
+        # the buffer's dtype: the params' own where the pieces are summed here in the reduction dtype (see the top)
+        narrow = not self.in_place and fam.group_size > 1 and comm.receives_pieces(fam.group)
+        self.staging_dtype = fam.dtype if narrow else self.reduce_dtype
+        self._sum: Optional[torch.Tensor] = None   # where a narrow bucket's pieces are summed (one slice, reused)
 
     def _staging(self, bucket: int) -> _Staging:
         if self._live[bucket] is None:
@@ -296,8 +305,18 @@ class ReduceScatterEveryBackward(GradStrategy):
 
     def _take(self, numel: int) -> _Staging:
         pooled = self._pool.get(numel)
-        return pooled.pop() if pooled else _Staging(torch.empty(numel, dtype=self.reduce_dtype,
+        return pooled.pop() if pooled else _Staging(torch.empty(numel, dtype=self.staging_dtype,
                                                                 device=self.family.device))
+
+    def _sum_buffer(self, numel: int) -> Optional[torch.Tensor]:
+        """The reduction-dtype slice a narrow bucket is summed into (reductions finish one at a time), or None."""
+        if self.staging_dtype == self.reduce_dtype:
+            return None
+        if self._sum is None:
+            fam = self.family
+            most = max(fam.bucket_numel(b) for b in range(fam.num_buckets)) // fam.group_size
+            self._sum = torch.empty(most, dtype=self.reduce_dtype, device=fam.device)
+        return self._sum[:numel // self.family.group_size]
 
     def accumulation_views(self, bucket):
         return self._staging(bucket).views(self.family, bucket) if self.in_place else None
@@ -335,7 +354,8 @@ class ReduceScatterEveryBackward(GradStrategy):
                 if buffer is not None:
                     self._release(buffer)
         return self.accumulator.reduce_into(bucket, staging.tensor, self.family.group, 1.0 / self.dp_size,
-                                            after=release, received=received and received.tensor)
+                                            after=release, received=received and received.tensor,
+                                            sum_into=self._sum_buffer(staging.tensor.numel()))
 
     def _release(self, staging: _Staging) -> None:
         pooled = sum(s.tensor.numel() for buffers in self._pool.values() for s in buffers)
@@ -350,7 +370,7 @@ class ReduceScatterEveryBackward(GradStrategy):
 
     def nbytes(self):
         held = [s.tensor for s in self._live if s is not None]
-        held += [s.tensor for buffers in self._pool.values() for s in buffers]
+        held += [s.tensor for buffers in self._pool.values() for s in buffers] + [self._sum]
         return self.accumulator.nbytes() + _size(held)
 
     def discard_pass(self):

@@ -91,6 +91,14 @@ def _check_reduce_scatter():
                 for r in ranks[1:]:
                     expected = expected + inputs(r)
                 torch.testing.assert_close(mine, expected[6 * me:6 * (me + 1)], rtol=0, atol=0)
+            # bf16 pieces summed in fp32 (stages 2/3 with bf16 params): the bits of the fp32 reduction of the
+            # widened inputs, while the pieces travel as bf16
+            wide = torch.empty(6, dtype=torch.float64 if dtype == torch.float32 else torch.float32)
+            work, summed = comm.reduce_scatter_in_place(inputs(rank), group, async_op=True, sum_into=wide)
+            work.wait()
+            assert summed is wide
+            _, reference = comm.reduce_scatter_in_place(inputs(rank).to(wide.dtype), group)
+            torch.testing.assert_close(wide, reference, rtol=0, atol=0)
     groups.destroy()
 
 

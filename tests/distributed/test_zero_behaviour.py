@@ -225,6 +225,9 @@ def _bf16_zero(stage):
         opt.zero_grad()
     assert not torch.equal(model.moe1.router.wg.weight, gate_before), "the gate must train"
     assert opt.counters.fires["moe1.router.wg.weight"] == 2 * BF16_STEPS
+    if stage == 2:   # the reduced buckets travel as bf16 and are summed in fp32 (grad_strategies.py)
+        assert {p.strategy.staging_dtype for p in opt.engine.parts
+                if p.family.trainable and p.family.group_size > 1} == {torch.bfloat16}
     assert_replicas_equal(model, groups)
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     groups.destroy()
