@@ -271,12 +271,26 @@ class ZeroEngine:
         if coefficient != 1.0:
             torch._foreach_mul_([g for buckets in reduced.values() for g in buckets if g is not None], coefficient)
 
-    def update(self, reduced: ReducedGrads, step_masters: Callable[[], None]) -> None:
-        """Hand each master piece its gradient, run the inner optimizer's step, publish the new values."""
-        self.master.assign_grads(reduced)
-        step_masters()
-        self.master.clear_grads()
-        self.master.publish(trainable_only=True)
+    def update(self, reduced: ReducedGrads, step_masters: Callable[[], None], per_family: bool = False) -> None:
+        """Hand each master piece its gradient, run the inner optimizer's step, publish the new values.
+
+        `per_family` (an optimizer whose step touches only the params that have a gradient, as torch's do): one
+        step per family, the families that gather over other ranks first, each family's all-gather running while
+        the next one steps (bf16 peer run: the dense all-gather, ~4 ms, behind the experts' ~6 ms of AdamW)."""
+        if not per_family:
+            self.master.assign_grads(reduced)
+            step_masters()
+            self.master.clear_grads()
+            self.master.publish(trainable_only=True)
+            return
+        works = []
+        for family in self.master.update_order():
+            self.master.assign_grads(reduced, family)
+            step_masters()
+            self.master.clear_grads(family)
+            works += self.master.start_publish(family)
+        for work in works:
+            work.wait()
 
     def publish(self) -> None:
         """After the masters were written (a state load): every param replica sees them."""

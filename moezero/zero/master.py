@@ -56,30 +56,45 @@ def _owned_part(zp: ZeroParam, param_range: Range, owned: Range) -> slice:
 class MasterShards:
     def __init__(self, parts: Sequence[FamilyParts]):
         self.families = [_FamilyMaster(p) for p in parts]
-        self.pieces: List[MasterPiece] = [piece for fm in self.families for piece in fm.pieces()]
+        self._pieces_of = {id(fm): fm.pieces() for fm in self.families}
+        self.pieces: List[MasterPiece] = [piece for fm in self.families for piece in self._pieces_of[id(fm)]]
 
-    def assign_grads(self, reduced: ReducedGrads) -> None:
-        """Point each piece's .grad at its slice of the reduced bucket gradient (None: skip the param)."""
-        for piece in self.pieces:
+    def update_order(self) -> List["_FamilyMaster"]:
+        """The trainable families, those whose publishing gathers over other ranks first (see ZeroEngine.update)."""
+        trainable = [fm for fm in self.families if fm.parts.family.trainable]
+        return sorted(trainable, key=lambda fm: fm.parts.family.group_size == 1)
+
+    def assign_grads(self, reduced: ReducedGrads, family: Optional["_FamilyMaster"] = None) -> None:
+        """Point each piece's .grad (of `family`, default all) at its slice of the reduced bucket gradient (None:
+        skip the param)."""
+        for piece in self._of(family):
             zp = piece.param
             piece.master.grad = piece.of(reduced[zp.family][zp.bucket]) if zp.got_grad_anywhere else None
 
-    def clear_grads(self) -> None:
-        for piece in self.pieces:
+    def clear_grads(self, family: Optional["_FamilyMaster"] = None) -> None:
+        for piece in self._of(family):
             piece.master.grad = None
+
+    def _of(self, family: Optional["_FamilyMaster"]) -> List[MasterPiece]:
+        return self.pieces if family is None else self._pieces_of[id(family)]
 
     def publish(self, trainable_only: bool = False) -> None:
         """Write the updated masters into the param storage (cast) and let every replica see them
         (`trainable_only`: after a step, which never changes a frozen family)."""
-        for fm in self.families:
-            family, storage = fm.parts.family, fm.parts.storage
-            if trainable_only and not family.trainable:
-                continue
-            if not fm.aliased:
-                with torch.no_grad():
-                    for b, span in enumerate(fm.spans):
-                        storage.values(b, span).copy_(fm.masters[b])
-            storage.publish(fm.spans)
+        works = [work for fm in self.families if fm.parts.family.trainable or not trainable_only
+                 for work in self.start_publish(fm)]
+        for work in works:
+            work.wait()
+
+    def start_publish(self, family: "_FamilyMaster") -> List:
+        """One family's publish, launched: write its masters into the param storage, start the all-gather; the work
+        handles to wait for."""
+        storage = family.parts.storage
+        if not family.aliased:
+            with torch.no_grad():
+                for b, span in enumerate(family.spans):
+                    storage.values(b, span).copy_(family.masters[b])
+        return storage.start_publish(family.spans)
 
     def unaliased(self) -> List[torch.Tensor]:
         """The masters that are copies (their bytes are the optimizer's, not the params')."""

@@ -91,6 +91,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
+        # torch's element-wise optimizers step only the params that have a gradient and keep every count per
+        # param, so stepping the families one by one is the same as one step (not known of other classes)
+        self._steps_per_param = type(self.inner).__module__.startswith("torch.optim")
         super().__init__(user_groups, self.inner.defaults)
         self._building = False
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
@@ -199,7 +202,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.scale_reduced(reduced, coefficient)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        engine.update(reduced, self.inner.step)
+        engine.update(reduced, self.inner.step, per_family=self._steps_per_param)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0

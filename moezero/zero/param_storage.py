@@ -11,7 +11,7 @@ master aliases when the dtypes match, and publish updated values (`publish`).
 from __future__ import annotations
 
 import abc
-from typing import List
+from typing import Any, List
 
 import torch
 
@@ -27,9 +27,14 @@ class ParamStorage(abc.ABC):
     def values(self, bucket: int, span: Range) -> torch.Tensor:
         """Writable model-dtype values of elements [lo, hi) of `bucket` (this rank holds them)."""
 
-    @abc.abstractmethod
     def publish(self, spans: List[Range]) -> None:
         """After `values` of each bucket's span were updated: make every param replica see them."""
+        for work in self.start_publish(spans):
+            work.wait()
+
+    @abc.abstractmethod
+    def start_publish(self, spans: List[Range]) -> List[Any]:
+        """publish(), launched: the work handles to wait for before the params are read."""
 
     @abc.abstractmethod
     def nbytes(self) -> int:
@@ -57,15 +62,13 @@ class ReplicatedParams(ParamStorage):
     def values(self, bucket, span):
         return self.family.bucket_region(self.buffer, bucket)[span[0]:span[1]]
 
-    def publish(self, spans):
+    def start_publish(self, spans):
         works = []
         for bucket, (lo, hi) in enumerate(spans):
             region = self.family.bucket_region(self.buffer, bucket)
             if hi - lo < region.numel():  # sharded: collect every rank's slice in place (NCCL and gloo allow it)
                 works.append(comm.all_gather(region, region[lo:hi], self.family.group, async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        return [work for work in works if work is not None]
 
     def nbytes(self):
         return self.buffer.numel() * self.buffer.element_size()

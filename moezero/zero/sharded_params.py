@@ -82,8 +82,8 @@ class ShardedParams(ParamStorage):
         start = self._shard_start[bucket]
         return self.shard[start:start + hi - lo]
 
-    def publish(self, spans):
-        pass  # units gather the updated shards when they next run
+    def start_publish(self, spans):
+        return []   # units gather the updated shards when they next run
 
     def nbytes(self):
         gathered = sum(self._nbytes[u] for u in self._full if self.is_gathered(u))
