@@ -5,7 +5,8 @@ units in another order, or a backward that reaches no parameter, pairs its next 
 a different one on its peers, which hangs, aborts the process on a size mismatch (gloo), or
 silently mixes unrelated tensors. So before such a collective every rank states what it is doing
 as a short record of integers. Records travel on a group that carries nothing else, always as the
-same all-reduce (the maximum of the record and of its negation), so records only ever pair with
+same all-reduce (the maximum of the record and of its negation, and of one flag that rides along:
+whether any rank has something to do, e.g. gradients left unreduced), so records only ever pair with
 records and never abort; when the maximum and the minimum differ, every rank raises
 `RanksDisagree`, naming what it was doing and what another rank was doing (with two ranks: the
 other one exactly). A record can be launched ahead and checked when it matters (`Agreement`), so a
@@ -30,13 +31,14 @@ class RanksDisagree(RuntimeError):
 class Agreement:
     """One record, launched now (async) on `group`; `check()` waits for it and raises on a difference."""
 
-    def __init__(self, record: Sequence[int], group: Optional[Any], describe: Describe):
+    def __init__(self, record: Sequence[int], group: Optional[Any], describe: Describe, flag: int = 0):
         self.record = list(record) + [0] * (RECORD_LENGTH - len(record))
         self.describe = describe
         self.work = None
+        self.flag_anywhere = flag   # the flag's maximum over the ranks, once checked
         if group is not None and dist.get_world_size(group) > 1:
             mine = torch.tensor(self.record, dtype=torch.int64)
-            self.extremes = torch.cat([mine, -mine])
+            self.extremes = torch.cat([mine, -mine, torch.tensor([flag], dtype=torch.int64)])
             self.work = dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def check(self) -> None:
@@ -49,7 +51,8 @@ class Agreement:
             raise RanksDisagree(f"rank {dist.get_rank()} {self.describe(self.record)}, and not every other rank "
                                 "arrived there (one is blocked in a collective of its own, ran a different number "
                                 f"of forwards or backwards, or exited): {str(exc).splitlines()[0]}") from None
-        high, low = self.extremes[:RECORD_LENGTH].tolist(), (-self.extremes[RECORD_LENGTH:]).tolist()
+        high, low = self.extremes[:RECORD_LENGTH].tolist(), (-self.extremes[RECORD_LENGTH:-1]).tolist()
+        self.flag_anywhere = int(self.extremes[-1])
         if high != low:
             raise RanksDisagree(disagreement_message(dist.get_rank(), self.record, high, low, self.describe))
 

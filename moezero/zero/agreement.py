@@ -58,15 +58,18 @@ class RankAgreement:
         self.launched = 0
         self._pending: Deque[Agreement] = collections.deque()
 
-    def check(self, activity: Activity, unit: int = -1) -> None:
-        """Collective: every rank states this; raises RanksDisagree on every rank if any states otherwise."""
-        self.settle(self.launch(activity, unit))
+    def check(self, activity: Activity, unit: int = -1, flag: int = 0) -> int:
+        """Collective: every rank states this; raises RanksDisagree on every rank if any states otherwise.
+        Returns the maximum over the ranks of `flag` (it rides along, not compared)."""
+        agreement = self.launch(activity, unit, flag)
+        self.settle(agreement)
+        return agreement.flag_anywhere
 
-    def launch(self, activity: Activity, unit: int = -1) -> Agreement:
+    def launch(self, activity: Activity, unit: int = -1, flag: int = 0) -> Agreement:
         """The same, launched now and settled later: a record ahead of the gather it guards."""
         p = self.progress
         record = (int(activity), unit, p.forwards, p.backwards, p.reducing_backwards, int(torch.is_grad_enabled()))
-        agreement = Agreement(record, self.group, self.describe)
+        agreement = Agreement(record, self.group, self.describe, flag)
         self._pending.append(agreement)
         self.launched += 1
         return agreement

@@ -236,10 +236,7 @@ class GradReducer:
 
     def finish_reductions(self) -> None:
         """Collective: reduce what no_sync backwards left local (on every rank if on any)."""
-        self.agreement.check(Activity.REDUCE)
-        flag = torch.tensor([int(self._dirty)], dtype=torch.int64)
-        comm.all_reduce(flag, self.control_group, op=torch.distributed.ReduceOp.MAX)
-        if flag.item():
+        if self.agreement.check(Activity.REDUCE, flag=int(self._dirty)):   # left unreduced on some rank
             for state in self.states:
                 for bucket in range(state.family.num_buckets):
                     state.strategy.before_accumulate(bucket)
