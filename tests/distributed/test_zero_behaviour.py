@@ -202,9 +202,9 @@ def _bf16_reference():
     return losses, {n: p.detach().float() for n, p in model.named_parameters()}
 
 
-def _bf16_zero(stage):
+def _bf16_zero(stage, ep=2):
     rank = dist.get_rank()
-    groups = ParallelGroups.build(expert_parallel_size=2)
+    groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups).bfloat16()
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, clip_grad=0.5, lr=0.02,
                         param_groups=weight_decay_groups(model, 0.1),
@@ -231,7 +231,7 @@ def _bf16_zero(stage):
     assert_replicas_equal(model, groups)
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     groups.destroy()
-    return losses, params
+    return losses, params, ep
 
 
 class _Nothing:
@@ -243,22 +243,25 @@ class _Nothing:
 
 
 def _bf16_all_stages():
-    return [_bf16_zero(stage) for stage in (0, 1, 2)], _bf16_reference()
+    # ep 1 at stage 2: the experts reduce over edp = 2 ranks too (their buckets also travel as bf16)
+    return [_bf16_zero(stage) for stage in (0, 1, 2)] + [_bf16_zero(2, ep=1)], _bf16_reference()
 
 
 def test_bf16_tracks_a_single_process_fp32_master_reference():
     """Tolerance: bf16 forward passes match until an fp32 summation-order difference in the gradient
     flips one bf16 rounding; after 4 AdamW steps (lr 0.02) losses agree within 5e-3 and every
-    param tensor within 2e-2 relative L2 (measured: 1.2e-3 and 7.4e-3). Stages agree to 1e-6."""
+    param tensor within 2e-2 relative L2 (measured: 1.2e-3 and 7.4e-3). Stages agree to 1e-6 on one layout
+    (ep 2; ep 1 differs from it by ~1e-3, its expert GEMMs round differently in bf16)."""
     results = run_distributed(_bf16_all_stages, 2, timeout=300)
     for rank, (per_stage, (ref_losses, ref_params)) in enumerate(results):
         stage0_losses = per_stage[0][0]
-        for losses, params in per_stage:
-            assert max(abs(a - b) for a, b in zip(losses, stage0_losses)) < 1e-6
+        for losses, params, ep in per_stage:
+            if ep == 2:   # the same layout as stage 0 (ep 1 sums its expert GEMMs in other shapes)
+                assert max(abs(a - b) for a, b in zip(losses, stage0_losses)) < 1e-6
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 5e-3, (losses, ref_losses)
             for name, value in params.items():
                 expected = ref_params[name]
-                if ".experts." in name:
+                if ".experts." in name and ep == 2:
                     expected = expected[rank * 4:rank * 4 + 4]  # ep 2 on 2 ranks: rank r holds experts 4r..4r+3
                 relative = ((value - expected).norm() / expected.norm()).item()
                 assert relative < 2e-2, (name, relative)
