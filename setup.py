@@ -28,10 +28,13 @@ def _extensions():
     if not cpu_sources:
         return [], {}
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    # no -std flag: cpp_extension adds the standard the installed torch's headers need
+    # no -std flag: cpp_extension adds the standard the installed torch's headers need. -fno-trapping-math: no
+    # kernel reads the floating-point exception flags, and it lets GCC vectorise the selects around a float -> int
+    # conversion (gelu.cpp's exp) for AVX2, which has no masked conversions. -ffp-contract=off: only the std::fma
+    # written in the source fuse, so a kernel's clones for CPUs with and without FMA compute the same bits
     exts = [cpp_extension.CppExtension(
         EXT_NAME, cpu_sources,
-        extra_compile_args={"cxx": ["-O3"] + openmp},
+        extra_compile_args={"cxx": ["-O3", "-fno-trapping-math", "-ffp-contract=off"] + openmp},
         extra_link_args=openmp)]
     if torch.cuda.is_available() or os.environ.get("MOEZERO_BUILD_CUDA") == "1":
         if torch.version.cuda and cpp_extension.CUDA_HOME:

@@ -6,7 +6,7 @@
 #include "moezero_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "moezero CPU kernels: permute / unpermute_combine / flatten_into / sum_of_squares";
+  m.doc() = "moezero CPU kernels: permute / unpermute_combine / flatten_into / sum_of_squares / bias_gelu";
   m.def("permute", &moezero::permute, "(x_ND, counts_E, row_map_TK) sorted by expert",
         py::arg("x_TD"), py::arg("topk_ids_TK"), py::arg("num_experts"));
   m.def("unpermute_combine", &moezero::unpermute_combine, "weighted top-k sum back in token order",
@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights_TK"));
   m.def("flatten_into", &moezero::flatten_into, "flat[o_i:o_i+n_i] (+)= scale * tensors[i]",
         py::arg("flat"), py::arg("tensors"), py::arg("offsets"), py::arg("scale"), py::arg("accumulate"));
+  m.def("bias_gelu", &moezero::bias_gelu, "(gelu(h), gelu'(h)) of h = y + each row's expert bias",
+        py::arg("y_MF"), py::arg("bias_LF"), py::arg("counts"));
+  m.def("bias_gelu_backward", &moezero::bias_gelu_backward, "(grad_h, per-expert bias gradient or None)",
+        py::arg("grad_a_MF"), py::arg("d_MF"), py::arg("counts"), py::arg("bias_grad"));
   m.def("sum_of_squares", &moezero::sum_of_squares, "sum_i ||t_i||^2 in fp32 (fp64)", py::arg("tensors"));
 #ifdef _OPENMP
   m.attr("openmp") = true;

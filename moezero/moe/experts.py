@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.config import MoEConfig, expert_ffn_size
+from moezero.ops.gelu import bias_gelu, fused_gelu_applies
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,7 +29,16 @@ def activation(h_MF: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "swiglu":
         gate, up = h_MF.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if fused_gelu_applies(h_MF):
+        return bias_gelu(h_MF)
     return F.gelu(h_MF)
+
+
+def biased_activation(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int], kind: str) -> torch.Tensor:
+    """activation(y + each expert's bias on its rows); GELU adds the bias in its own pass where it is fused."""
+    if kind == "gelu" and fused_gelu_applies(y_MF, b_LF):
+        return bias_gelu(y_MF, b_LF, counts)
+    return activation(_add_bias(y_MF, b_LF, counts), kind)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -126,8 +136,8 @@ class GroupedExperts(nn.Module):
         return self._ffn(x_PD, padded).index_select(0, rows_M)
 
     def _ffn(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        h = _add_bias(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts)
-        return _add_bias(expert_mm(activation(h, self.activation), self.w2, counts, self.use_grouped), self.b2, counts)
+        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts, self.activation)
+        return _add_bias(expert_mm(a, self.w2, counts, self.use_grouped), self.b2, counts)
 
 
 def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:

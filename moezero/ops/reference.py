@@ -97,3 +97,31 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=acc_dtype)
     norms = torch._foreach_norm([t.to(acc_dtype) if t.dtype != acc_dtype else t for t in nonempty])
     return torch.stack(norms).square().sum()
+
+
+def _expert_rows(rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Each row's block of `rows` ((L, F) -> (M, F)) for row blocks of counts[l] rows."""
+    return torch.repeat_interleave(rows, torch.tensor(list(counts), device=rows.device), dim=0,
+                                   output_size=sum(counts))
+
+
+def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int]
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(gelu(h), gelu'(h)) of h = y + the bias of each row's expert (rounded to y's dtype), each rounded to y's
+    dtype; rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one."""
+    h = y_MF if bias_LF is None else y_MF + _expert_rows(bias_LF, counts)
+    wide = h.double()
+    cdf = 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))
+    pdf = torch.exp(-0.5 * wide * wide) * (2.0 * torch.pi) ** -0.5
+    return (wide * cdf).to(y_MF.dtype), (cdf + wide * pdf).to(y_MF.dtype)
+
+
+def bias_gelu_backward(grad_a_MF: torch.Tensor, d_MF: torch.Tensor, counts: Sequence[int], bias_grad: bool
+                       ) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad_h = grad_a * d rounded to their dtype, each expert's bias gradient (its rows' column sums of grad_h)
+    in fp32, or None when not bias_grad)."""
+    grad_h = (grad_a_MF.float() * d_MF.float()).to(grad_a_MF.dtype)
+    if not bias_grad:
+        return grad_h, None
+    return grad_h, torch.stack([block.float().sum(0) for block in grad_h.split(list(counts))]) if len(counts) else \
+        grad_h.new_zeros(0, grad_h.shape[1], dtype=torch.float32)

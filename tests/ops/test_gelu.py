@@ -1,0 +1,103 @@
+"""The fused bias + GELU kernel (csrc/gelu.cpp) against its float64 reference, and its autograd against torch's
+GELU on the biased input, in fp32 and bf16, with experts that got no rows and with 1 and 2 threads."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moezero.ops import gelu, reference
+
+COUNTS = ([7, 0, 12, 1], [20], [0, 0], [3, 0, 0, 17, 5])
+WIDTH = 300   # not a multiple of the bf16 block (256) nor of a vector
+
+
+def _inputs(counts, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(sum(counts), WIDTH, generator=g) * 3).to(dtype)
+    bias = torch.randn(len(counts), WIDTH, generator=g).to(dtype)
+    return y, bias
+
+
+def _ulps(dtype):
+    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+
+
+def _assert_close_in_ulps(got, want, dtype, ulps=1, atol=0.0):
+    tol = ulps * _ulps(dtype) * want.abs().double() + atol
+    excess = (got.double() - want.double()).abs() - tol
+    assert excess.max().item() <= 0 if excess.numel() else True, excess.max().item()
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_forward_matches_the_reference(cpu_ext, num_threads, counts, dtype, with_bias):
+    y, bias = _inputs(counts, dtype)
+    bias = bias if with_bias else None
+    a, d = cpu_ext.bias_gelu(y, bias, counts)
+    a_ref, d_ref = reference.bias_gelu(y, bias, counts)
+    assert a.dtype == d.dtype == dtype and a.shape == d.shape == y.shape
+    # erf's Abramowitz-Stegun form (as torch's own CPU GELU) is good to 1.5e-7 absolute, so h * cdf to |h| times
+    # that, on top of the rounding
+    h = y.double() if bias is None else y.double() + torch.repeat_interleave(bias.double(), torch.tensor(counts), 0)
+    _assert_close_in_ulps(a, a_ref, dtype, ulps=1, atol=2e-7 * (1 + h.abs()))
+    _assert_close_in_ulps(d, d_ref, dtype, ulps=1, atol=4e-7)
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_matches_the_reference(cpu_ext, num_threads, counts, dtype):
+    g_a, d = _inputs(counts, dtype, seed=1)
+    d = torch.rand_like(d[:0].new_empty(sum(counts), WIDTH, dtype=torch.float32)).to(dtype) * 1.2 - 0.1
+    grad_h, grad_b = cpu_ext.bias_gelu_backward(g_a, d, counts, True)
+    ref_h, ref_b = reference.bias_gelu_backward(g_a, d, counts, True)
+    assert torch.equal(grad_h, ref_h)   # one product of two exact values, rounded once: the same bits
+    assert grad_b.dtype == torch.float32 and grad_b.shape == (len(counts), WIDTH)
+    torch.testing.assert_close(grad_b, ref_b, rtol=1e-5, atol=1e-4)
+    assert cpu_ext.bias_gelu_backward(g_a, d, counts, False)[1] is None
+
+
+def test_non_finite_and_tail_values(cpu_ext):
+    y = torch.tensor([[float("nan"), float("inf"), -40.0, 40.0, 0.0, -5.0, 1e-30]])
+    a, d = cpu_ext.bias_gelu(y, None, [1])
+    assert torch.isnan(a[0, 0]) and torch.isnan(d[0, 0])
+    assert a[0, 1] == float("inf")
+    assert a[0, 2].item() == 0.0 and abs(d[0, 2].item()) < 1e-30
+    assert a[0, 3].item() == 40.0 and d[0, 3].item() == 1.0
+    assert a[0, 4].item() == 0.0 and d[0, 4].item() == 0.5
+    assert abs(a[0, 5].item() - (-5 * 2.866515718791939e-07)) < 5e-7   # the absolute bound of the erf form
+    ab, _ = cpu_ext.bias_gelu(y.bfloat16(), None, [1])
+    assert torch.isnan(ab[0, 0]) and ab[0, 1] == float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_autograd_matches_torch_gelu_of_the_biased_input(cpu_ext, dtype):
+    counts = [5, 0, 9, 2]
+    y, bias = _inputs(counts, dtype, seed=2)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def run(fused):
+        y_, b_ = y.clone().requires_grad_(), bias.clone().requires_grad_()
+        assert gelu.fused_gelu_applies(y_, b_)
+        if fused:
+            out = gelu.bias_gelu(y_, b_, counts)
+        else:
+            out = F.gelu(y_ + torch.repeat_interleave(b_, torch.tensor(counts), dim=0))
+        out.backward(grad)
+        return out, y_.grad, b_.grad
+
+    (out, gy, gb), (out_t, gy_t, gb_t) = run(True), run(False)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    torch.testing.assert_close(out, out_t, **tol)
+    torch.testing.assert_close(gy, gy_t, **tol)
+    torch.testing.assert_close(gb.float(), gb_t.float(), **(tol if dtype == torch.float32 else
+                                                            dict(rtol=2 ** -6, atol=6e-2)))
+    assert gb.dtype == dtype
+
+
+def test_falls_back_where_the_kernel_does_not_apply(cpu_ext):
+    y = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    assert not gelu.fused_gelu_applies(y)                          # float64: torch's GELU (the HF oracles')
+    assert not gelu.fused_gelu_applies(torch.randn(4, 8))          # no gradient needed: no derivative to save
+    with torch.no_grad():
+        assert not gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
+    assert gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
