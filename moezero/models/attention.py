@@ -114,5 +114,6 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale):
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
     # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    # in place: the product's backward needs q and k, not its output, so the masked scores need no copy
+    probs = torch.softmax(scores.masked_fill_(~causal, float("-inf")), -1)
     return keyed_dropout(probs, dropout, True, keys, site) @ v
