@@ -58,3 +58,32 @@ def test_the_fused_gelu_leaves_no_creep_to_trim():
         pytest.skip("moezero._C is not built (or MOEZERO_DISABLE_EXT=1): the GELU is torch's")
     ceiling, peak, trims = _rss({"MOEZERO_KEEP_MALLOC": "1"}, gelu="fused")
     assert trims == 0 and peak - ceiling < 64 * 2 ** 20 + 48 * 2 ** 20, (ceiling, peak)
+
+
+KEEP = r"""
+import torch
+from moezero.host_memory import HeapTrimmer, resident_bytes
+HeapTrimmer()
+before = resident_bytes()
+t = torch.ones(5 * 2 ** 20)   # 20 MB, touched
+del t
+print(resident_bytes() - before)
+"""
+
+
+def _kept_after_free(env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.update(OMP_NUM_THREADS="1", **env_extra)
+    out = subprocess.run([sys.executable, "-c", KEEP], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_freed_tensors_stay_in_the_heap_unless_the_user_tunes_malloc():
+    """With the trimmer's thresholds a freed 20 MB tensor stays resident for the next step's reuse (glibc's
+    defaults map it on its own and unmap it at free); a MALLOC_* variable or MOEZERO_KEEP_MALLOC=1 keeps
+    glibc's behaviour."""
+    assert _kept_after_free({}) > 16 * 2 ** 20
+    assert _kept_after_free({"MALLOC_ARENA_MAX": "8"}) < 4 * 2 ** 20
+    assert _kept_after_free({"MOEZERO_KEEP_MALLOC": "1"}) < 4 * 2 ** 20
