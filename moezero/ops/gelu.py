@@ -40,6 +40,7 @@ class _BiasGelu(torch.autograd.Function):
         return a_MF
 
     @staticmethod
+    @torch.autograd.function.once_differentiable   # the kernel's backward builds no graph: double backward raises
     def backward(ctx, grad_a_MF: Tensor):
         (d_MF,) = ctx.saved_tensors
         with_bias = ctx.bias_dtype is not None

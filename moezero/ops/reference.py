@@ -123,5 +123,7 @@ def bias_gelu_backward(grad_a_MF: torch.Tensor, d_MF: torch.Tensor, counts: Sequ
     grad_h = (grad_a_MF.float() * d_MF.float()).to(grad_a_MF.dtype)
     if not bias_grad:
         return grad_h, None
-    return grad_h, torch.stack([block.float().sum(0) for block in grad_h.split(list(counts))]) if len(counts) else \
-        grad_h.new_zeros(0, grad_h.shape[1], dtype=torch.float32)
+    sums = grad_h.new_zeros(len(counts), grad_h.shape[1], dtype=torch.float32)
+    for l, block in enumerate(grad_h.split(list(counts))):
+        sums[l] = block.float().sum(0)
+    return grad_h, sums

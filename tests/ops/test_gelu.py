@@ -101,3 +101,46 @@ def test_falls_back_where_the_kernel_does_not_apply(cpu_ext):
     with torch.no_grad():
         assert not gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
     assert gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
+
+
+BAD_INPUTS = r"""
+import torch, moezero._C as C
+y, b = torch.randn(6, 8), torch.randn(2, 8)
+cases = {
+    "counts exceed": lambda: C.bias_gelu(y, b, [4, 4]),
+    "counts add up": lambda: C.bias_gelu(y, b, [2, 2]),
+    "bias_LF must be": lambda: C.bias_gelu(y, torch.randn(3, 8), [2, 4]),
+    "dtype differs": lambda: C.bias_gelu(y, b.bfloat16(), [2, 4]),
+    "float32 or bfloat16": lambda: C.bias_gelu(y.double(), None, [6]),
+    "contiguous 2-D": lambda: C.bias_gelu(y.t(), None, [8]),
+    "differ in shape": lambda: C.bias_gelu_backward(y, y[:5], [6], False),
+}
+for needle, call in cases.items():
+    try:
+        call()
+    except RuntimeError as exc:
+        assert needle in str(exc), (needle, str(exc))
+    else:
+        raise AssertionError(f"no error for {needle}")
+print("ok")
+"""
+
+
+def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
+    """Wrong counts, shapes or dtypes are a RuntimeError naming the problem, never a crash (run in a child: a
+    segfault there fails this test instead of the whole run)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BAD_INPUTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_double_backward_raises_instead_of_dropping_the_second_derivative(cpu_ext):
+    """The kernel's backward builds no graph: differentiating through it again must raise, not give a gradient
+    that silently misses the GELU's second derivative."""
+    y = torch.randn(4, 8, requires_grad=True)
+    out = gelu.bias_gelu(y)
+    (grad,) = torch.autograd.grad((out * out).sum(), y, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        grad.sum().backward()
