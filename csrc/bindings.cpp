@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flatten_into", &moezero::flatten_into, "flat[o_i:o_i+n_i] (+)= scale * tensors[i]",
         py::arg("flat"), py::arg("tensors"), py::arg("offsets"), py::arg("scale"), py::arg("accumulate"));
   m.def("bias_gelu", &moezero::bias_gelu, "(gelu(h), gelu'(h)) of h = y + each row's expert bias",
-        py::arg("y_MF"), py::arg("bias_LF"), py::arg("counts"));
+        py::arg("y_MF"), py::arg("bias_LF"), py::arg("counts"), py::arg("tanh") = false);
   m.def("bias_gelu_backward", &moezero::bias_gelu_backward, "(grad_h, per-expert bias gradient or None)",
         py::arg("grad_a_MF"), py::arg("d_MF"), py::arg("counts"), py::arg("bias_grad"));
   m.def("sum_of_squares", &moezero::sum_of_squares, "sum_i ||t_i||^2 in fp32 (fp64)", py::arg("tensors"));

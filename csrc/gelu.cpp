@@ -1,10 +1,13 @@
-// Exact (erf) GELU that also returns its derivative, with an optional per-expert bias added first.
+// GELU that also returns its derivative, with an optional per-expert bias added first: the exact (erf) one, or
+// the tanh approximation (Megatron's fused bias-GELU, torch's approximate="tanh").
 //
 // Forward, one pass over y (M rows of F, rows grouped by expert, counts[l] of them):
-//   h = round(y + bias[l]),  a = h * Phi(h),  d = Phi(h) + h * phi(h),  both rounded to y's dtype,
-// where Phi(h) = (1 + erf(h / sqrt 2)) / 2 and phi(h) = exp(-h^2 / 2) / sqrt(2 pi). erf is the
-// Abramowitz-Stegun 7.1.26 form torch's vectorised CPU GELU uses (|error| < 1.5e-7), whose exp(-h^2/2)
-// is also phi's, so the derivative costs a few multiplies more than the activation.
+//   h = round(y + bias[l]),  a = gelu(h),  d = gelu'(h),  both rounded to y's dtype.
+// Exact: gelu(h) = h * Phi(h), Phi(h) = (1 + erf(h / sqrt 2)) / 2, gelu'(h) = Phi(h) + h * phi(h) with
+// phi(h) = exp(-h^2 / 2) / sqrt(2 pi). erf is the Abramowitz-Stegun 7.1.26 form torch's vectorised CPU GELU uses
+// (|error| < 1.5e-7), whose exp(-h^2/2) is also phi's, so the derivative costs a few multiplies more.
+// Tanh: gelu(h) = h * s with s = (1 + tanh u) / 2 = sigmoid(2u), u = sqrt(2/pi) (h + 0.044715 h^3), from one
+// exp(-2|u|); gelu'(h) = s + 2 h s (1 - s) du/dh.
 // Backward, one pass over the gradient:  grad_h = round(grad_a * d), and, when asked, each expert's
 // bias gradient: the column sums of its rows of grad_h, in fp32, in row order (deterministic).
 // Saving d instead of h makes the backward a multiply instead of a second erf and exp (torch's
@@ -120,10 +123,28 @@ inline void gelu_and_derivative(float h, float& a, float& d) {
   d = std::fma(h, kInvSqrt2Pi * e, cdf);
 }
 
-template <typename T>
+// The tanh approximation's (gelu(h), gelu'(h)). e = exp(-2|u|) <= 1 keeps the exp's argument non-positive and
+// s = 1 / (1 + e) or e / (1 + e) by the sign; past |2u| = 87 e is 0, so the far negative tail is exactly 0.
+inline void gelu_tanh_and_derivative(float h, float& a, float& d) {
+  constexpr float kBeta = 0.79788456080286536f;   // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float h2 = h * h;
+  const float v = 2.0f * std::fabs(kBeta * h * std::fma(kKappa, h2, 1.0f));
+  const float e = v < 87.0f ? exp_nonpositive(-v) : 0.0f;
+  const float inv = 1.0f / (1.0f + e);
+  const float s = h >= 0.0f ? inv : e * inv;
+  a = h * s;
+  d = std::fma(2.0f * h * (e * inv * inv), kBeta * std::fma(3.0f * kKappa, h2, 1.0f), s);
+}
+
+template <bool Tanh, typename T>
 inline void forward_element(float h, T* a, T* d, int64_t i) {
   float ai, di;
-  gelu_and_derivative(h, ai, di);
+  if constexpr (Tanh) {
+    gelu_tanh_and_derivative(h, ai, di);
+  } else {
+    gelu_and_derivative(h, ai, di);
+  }
   store(a, i, ai);
   store(d, i, di);
 }
@@ -132,13 +153,13 @@ inline void forward_element(float h, T* a, T* d, int64_t i) {
 // each vectorise better (one loop doing all three took 1.2x the time); fp32 rows are faster in one loop.
 constexpr int64_t kBlock = 256;
 
-template <typename T>
+template <bool Tanh, typename T>
 MOEZERO_GELU_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T* d, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     if (bias != nullptr) {
-      for (int64_t i = 0; i < n; ++i) forward_element(y[i] + bias[i], a, d, i);
+      for (int64_t i = 0; i < n; ++i) forward_element<Tanh>(y[i] + bias[i], a, d, i);
     } else {
-      for (int64_t i = 0; i < n; ++i) forward_element(y[i], a, d, i);
+      for (int64_t i = 0; i < n; ++i) forward_element<Tanh>(y[i], a, d, i);
     }
     return;
   }
@@ -150,7 +171,11 @@ MOEZERO_GELU_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T* d
     } else {
       for (int64_t i = 0; i < m; ++i) h[i] = load(y, begin + i);
     }
-    for (int64_t i = 0; i < m; ++i) gelu_and_derivative(h[i], ab[i], db[i]);
+    if constexpr (Tanh) {
+      for (int64_t i = 0; i < m; ++i) gelu_tanh_and_derivative(h[i], ab[i], db[i]);
+    } else {
+      for (int64_t i = 0; i < m; ++i) gelu_and_derivative(h[i], ab[i], db[i]);
+    }
     for (int64_t i = 0; i < m; ++i) store(a, begin + i, ab[i]);
     for (int64_t i = 0; i < m; ++i) store(d, begin + i, db[i]);
   }
@@ -189,7 +214,7 @@ void check_input(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "bias_gelu: ", name, " must be a contiguous 2-D tensor");
 }
 
-template <typename T>
+template <bool Tanh, typename T>
 void forward_rows(const at::Tensor& y, const at::Tensor* bias, const std::vector<int64_t>& expert, at::Tensor& a,
                   at::Tensor& d) {
   const int64_t rows = y.size(0), n = y.size(1);
@@ -200,7 +225,17 @@ void forward_rows(const at::Tensor& y, const at::Tensor* bias, const std::vector
 #pragma omp parallel for num_threads(threads_for(rows * n)) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* b = bp != nullptr ? bp + expert[static_cast<size_t>(r)] * n : nullptr;
-    forward_row<T>(yp + r * n, b, ap + r * n, dp + r * n, n);
+    forward_row<Tanh, T>(yp + r * n, b, ap + r * n, dp + r * n, n);
+  }
+}
+
+template <bool Tanh>
+void forward_any_dtype(const at::Tensor& y, const at::Tensor* bias, const std::vector<int64_t>& expert,
+                       at::Tensor& a, at::Tensor& d) {
+  if (y.scalar_type() == at::kFloat) {
+    forward_rows<Tanh, float>(y, bias, expert, a, d);
+  } else {
+    forward_rows<Tanh, c10::BFloat16>(y, bias, expert, a, d);
   }
 }
 
@@ -234,7 +269,7 @@ void backward_rows(const at::Tensor& g, const at::Tensor& d, const std::vector<i
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& y_MF, const std::optional<at::Tensor>& bias_LF,
-                                             const std::vector<int64_t>& counts) {
+                                             const std::vector<int64_t>& counts, bool tanh) {
   check_input(y_MF, "y_MF");
   const std::vector<int64_t> expert = row_experts(counts, y_MF.size(0));
   if (bias_LF.has_value()) {
@@ -245,10 +280,10 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& y_MF, const std::
   }
   at::Tensor a = at::empty_like(y_MF), d = at::empty_like(y_MF);
   const at::Tensor* bias = bias_LF.has_value() ? &*bias_LF : nullptr;
-  if (y_MF.scalar_type() == at::kFloat) {
-    forward_rows<float>(y_MF, bias, expert, a, d);
+  if (tanh) {
+    forward_any_dtype<true>(y_MF, bias, expert, a, d);
   } else {
-    forward_rows<c10::BFloat16>(y_MF, bias, expert, a, d);
+    forward_any_dtype<false>(y_MF, bias, expert, a, d);
   }
   return {a, d};
 }

@@ -1,4 +1,5 @@
-"""The exact (erf) GELU of the MLPs and experts, fused with each expert's bias, saving its derivative.
+"""The GELU of the MLPs and experts, fused with each expert's bias, saving its derivative: the exact (erf) one, or
+its tanh approximation (approximate="tanh", as torch's; Megatron's fused bias-GELU).
 
 Forward writes gelu(h) and gelu'(h) in one pass over y (h = y + the bias of the row's expert), and saves
 gelu'(h) where torch's GELU saves h: the same activation memory, and the backward is one multiply (and the
@@ -31,9 +32,9 @@ def fused_gelu_applies(y: Tensor, bias: Optional[Tensor] = None) -> bool:
 
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MF: Tensor, bias_LF: Optional[Tensor], counts: List[int]) -> Tensor:
+    def forward(ctx, y_MF: Tensor, bias_LF: Optional[Tensor], counts: List[int], tanh: bool) -> Tensor:
         bias = None if bias_LF is None else bias_LF.to(y_MF.dtype).contiguous()
-        a_MF, d_MF = _library.kernel("bias_gelu", y_MF.device)(y_MF.contiguous(), bias, counts)
+        a_MF, d_MF = _library.kernel("bias_gelu", y_MF.device)(y_MF.contiguous(), bias, counts, tanh)
         ctx.save_for_backward(d_MF)
         ctx.counts = counts
         ctx.bias_dtype = None if bias_LF is None else bias_LF.dtype
@@ -46,12 +47,15 @@ class _BiasGelu(torch.autograd.Function):
         with_bias = ctx.bias_dtype is not None
         grad_h, grad_bias = _library.kernel("bias_gelu_backward", d_MF.device)(
             grad_a_MF.contiguous(), d_MF, ctx.counts, with_bias)
-        return grad_h, grad_bias.to(ctx.bias_dtype) if with_bias else None, None
+        return grad_h, grad_bias.to(ctx.bias_dtype) if with_bias else None, None, None
 
 
-def bias_gelu(y: Tensor, bias_LF: Optional[Tensor] = None, counts: Optional[List[int]] = None) -> Tensor:
+def bias_gelu(y: Tensor, bias_LF: Optional[Tensor] = None, counts: Optional[List[int]] = None,
+              approximate: str = "none") -> Tensor:
     """gelu(y + bias_LF[l]) on the rows of expert l (rows grouped by expert, counts[l] of them; no bias: gelu(y)),
-    over y's last dimension; only where fused_gelu_applies(y, bias_LF)."""
+    over y's last dimension, `approximate` as torch's F.gelu; only where fused_gelu_applies(y, bias_LF)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate={approximate!r}: must be 'none' or 'tanh'")
     y_MF = y.reshape(-1, y.shape[-1])
     counts = [y_MF.shape[0]] if counts is None else list(counts)
-    return _BiasGelu.apply(y_MF, bias_LF, counts).view(y.shape)
+    return _BiasGelu.apply(y_MF, bias_LF, counts, approximate == "tanh").view(y.shape)

@@ -105,12 +105,17 @@ def _expert_rows(rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
                                    output_size=sum(counts))
 
 
-def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int]
+def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int], tanh: bool = False
               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(gelu(h), gelu'(h)) of h = y + the bias of each row's expert (rounded to y's dtype), each rounded to y's
-    dtype; rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one."""
+    dtype; rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one, or its tanh approximation."""
     h = y_MF if bias_LF is None else y_MF + _expert_rows(bias_LF, counts)
     wide = h.double()
+    if tanh:
+        beta, kappa = (2.0 / torch.pi) ** 0.5, 0.044715
+        t = torch.tanh(beta * (wide + kappa * wide ** 3))
+        d = 0.5 * (1.0 + t) + 0.5 * wide * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * wide * wide)
+        return (0.5 * wide * (1.0 + t)).to(y_MF.dtype), d.to(y_MF.dtype)
     cdf = 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))
     pdf = torch.exp(-0.5 * wide * wide) * (2.0 * torch.pi) ** -0.5
     return (wide * cdf).to(y_MF.dtype), (cdf + wide * pdf).to(y_MF.dtype)

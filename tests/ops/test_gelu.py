@@ -1,5 +1,6 @@
-"""The fused bias + GELU kernel (csrc/gelu.cpp) against its float64 reference, and its autograd against torch's
-GELU on the biased input, in fp32 and bf16, with experts that got no rows and with 1 and 2 threads."""
+"""The fused bias + GELU kernel (csrc/gelu.cpp), exact and tanh-approximated, against its float64 reference, and
+its autograd against torch's GELU on the biased input, in fp32 and bf16, with experts that got no rows and with 1
+and 2 threads."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,14 +31,15 @@ def _assert_close_in_ulps(got, want, dtype, ulps=1, atol=0.0):
 @pytest.mark.parametrize("counts", COUNTS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_forward_matches_the_reference(cpu_ext, num_threads, counts, dtype, with_bias):
+@pytest.mark.parametrize("tanh", [False, True], ids=["erf", "tanh"])
+def test_forward_matches_the_reference(cpu_ext, num_threads, counts, dtype, with_bias, tanh):
     y, bias = _inputs(counts, dtype)
     bias = bias if with_bias else None
-    a, d = cpu_ext.bias_gelu(y, bias, counts)
-    a_ref, d_ref = reference.bias_gelu(y, bias, counts)
+    a, d = cpu_ext.bias_gelu(y, bias, counts, tanh)
+    a_ref, d_ref = reference.bias_gelu(y, bias, counts, tanh)
     assert a.dtype == d.dtype == dtype and a.shape == d.shape == y.shape
     # erf's Abramowitz-Stegun form (as torch's own CPU GELU) is good to 1.5e-7 absolute, so h * cdf to |h| times
-    # that, on top of the rounding
+    # that, on top of the rounding; tanh's s = sigmoid(2u) inherits u's fp32 rounding times 2|u| in the tail
     h = y.double() if bias is None else y.double() + torch.repeat_interleave(bias.double(), torch.tensor(counts), 0)
     _assert_close_in_ulps(a, a_ref, dtype, ulps=1, atol=2e-7 * (1 + h.abs()))
     _assert_close_in_ulps(d, d_ref, dtype, ulps=1, atol=4e-7)
@@ -69,8 +71,21 @@ def test_non_finite_and_tail_values(cpu_ext):
     assert torch.isnan(ab[0, 0]) and ab[0, 1] == float("inf")
 
 
+def test_non_finite_and_tail_values_of_the_tanh_form(cpu_ext):
+    y = torch.tensor([[float("nan"), float("inf"), -40.0, 40.0, 0.0, -5.0, 1e-30, float("-inf")]])
+    a, d = cpu_ext.bias_gelu(y, None, [1], True)
+    want = F.gelu(y.double(), approximate="tanh")
+    assert torch.isnan(a[0, 0]) and torch.isnan(d[0, 0]) and torch.isnan(a[0, 7]) == torch.isnan(want[0, 7])
+    assert a[0, 1] == float("inf")
+    assert a[0, 2].item() == 0.0 and d[0, 2].item() == 0.0   # exp(-2|u|) is 0 past 87: the tail is exactly 0
+    assert a[0, 3].item() == 40.0 and d[0, 3].item() == 1.0
+    assert a[0, 4].item() == 0.0 and d[0, 4].item() == 0.5
+    assert abs(a[0, 5].item() / want[0, 5].item() - 1) < 1e-6 and a[0, 6] == y[0, 6] / 2   # s(0) = 1/2 exactly
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_autograd_matches_torch_gelu_of_the_biased_input(cpu_ext, dtype):
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_autograd_matches_torch_gelu_of_the_biased_input(cpu_ext, dtype, approximate):
     counts = [5, 0, 9, 2]
     y, bias = _inputs(counts, dtype, seed=2)
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -79,9 +94,9 @@ def test_autograd_matches_torch_gelu_of_the_biased_input(cpu_ext, dtype):
         y_, b_ = y.clone().requires_grad_(), bias.clone().requires_grad_()
         assert gelu.fused_gelu_applies(y_, b_)
         if fused:
-            out = gelu.bias_gelu(y_, b_, counts)
+            out = gelu.bias_gelu(y_, b_, counts, approximate)
         else:
-            out = F.gelu(y_ + torch.repeat_interleave(b_, torch.tensor(counts), dim=0))
+            out = F.gelu(y_ + torch.repeat_interleave(b_, torch.tensor(counts), dim=0), approximate=approximate)
         out.backward(grad)
         return out, y_.grad, b_.grad
 
