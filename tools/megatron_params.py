@@ -4,8 +4,9 @@ moezero's model shapes (tests/unit/test_megatron_shapes.py).
 Each case is a flag list both parsers take. Megatron's parser reads it, the defaults validate_args derives
 are filled in as it does, core_transformer_config_from_args makes its TransformerConfig (MLATransformerConfig
 with --multi-latent-attention) and megatron-core's GPTModel is built with its decoder block spec without
-Transformer Engine (dense and MoE layers by --moe-layer-freq) in a one-process gloo world; the implementation flags a CPU build needs are added (they choose
-kernels, not shapes). Same setup as tools/megatron_arguments.py (megatron-core 0.19's wheel):
+Transformer Engine (dense and MoE layers by --moe-layer-freq) in a one-process gloo world; the implementation
+flags a CPU build needs are added (they choose kernels, and --no-bias-gelu-fusion the GELU's form, not shapes).
+Same setup as tools/megatron_arguments.py (megatron-core 0.19's wheel):
 
     PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_params.py > tests/assets/megatron_params.json
 """

@@ -55,8 +55,8 @@ class MoEConfig(Validated):
         flag="--moe-shared-expert-intermediate-size", defines_model=True)
     shared_expert_gate: bool = option(False, "scale the shared expert's output by a learned sigmoid gate of the "
                                       "token (Qwen2-MoE)", flag="--moe-shared-expert-gate", defines_model=True)
-    activation: str = option("gelu", "expert activation (taken from --swiglu)", flag=None,
-                             choices=("gelu", "swiglu"))
+    activation: str = option("gelu", "expert activation (taken from --swiglu and --no-bias-gelu-fusion)", flag=None,
+                             choices=("gelu", "gelu_tanh", "swiglu"))
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
                                   "--disable-bias-linear decides; a layer built alone has none)", flag=None,
                                   defines_model=True)
@@ -207,6 +207,11 @@ class GPTConfig(Validated):
                           flag="--swiglu", defines_model=True)
     disable_bias_linear: bool = option(False, "no biases in the linear layers (attention, MLPs, experts, router)",
                                        flag="--disable-bias-linear", defines_model=True)
+    no_bias_gelu_fusion: bool = option(
+        False, "the exact (erf) GELU. Without it the MLPs and experts with biases and GELU use Megatron's fused "
+        "bias-GELU, the tanh approximation, as Megatron's dense MLPs do by default (Megatron refuses its fused "
+        "GELU in MoE layers, so its MoE scripts with GELU and biases give this flag)", flag="--no-bias-gelu-fusion",
+        defines_model=True)
     hidden_dropout: float = option(0.1, "dropout on residual branches", flag="--hidden-dropout")
     attention_dropout: float = option(0.1, "dropout on attention probabilities", flag="--attention-dropout")
     init_method_std: float = option(0.02, "std of the normal init", flag="--init-method-std")
@@ -248,6 +253,15 @@ class GPTConfig(Validated):
         for name in ("hidden_dropout", "attention_dropout"):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
         self._check_recompute()
+
+    def mlp_activation(self) -> str:
+        """The activation of every MLP and expert. Megatron (arguments.py, argument_utils.py, mlp.py):
+        --bias-gelu-fusion is on unless --no-bias-gelu-fusion or --disable-bias-linear, and then a biased GELU
+        MLP runs bias_gelu_impl, the tanh-approximated GELU. (Its MoE layers refuse that: MLP.forward raises
+        with per-token scales. One GELU for the whole model keeps --moe-use-upcycling exact.)"""
+        if self.swiglu:
+            return "swiglu"
+        return "gelu" if self.no_bias_gelu_fusion or self.disable_bias_linear else "gelu_tanh"
 
     def _check_attention(self) -> None:
         """Head width, key/value groups and the rotated share (Megatron's rules)."""
@@ -309,15 +323,21 @@ class GPTConfig(Validated):
 
 
 def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Configs a checkpoint or export stored before a field existed, as the model they describe. Before
-    --disable-bias-linear the attention and dense MLPs had biases and the MoE layers (experts, router, shared
-    expert) had none."""
+    """Configs a checkpoint or export stored before a field existed, as the model they describe:
+    - before --disable-bias-linear the attention and dense MLPs had biases and the MoE layers (experts, router,
+      shared expert) had none;
+    - before --no-bias-gelu-fusion every GELU was the exact one: the flag is set where it decides something (GELU
+      and biases), so a checkpoint of another model meets no needless difference."""
     model, moe = configs.get("model"), configs.get("moe")
-    if not model or "num_layers" not in model or "disable_bias_linear" in model:
+    if not model or "num_layers" not in model:
         return configs
-    out = dict(configs, model=dict(model, disable_bias_linear=False))
-    if moe is not None:
-        out["moe"] = dict(moe, bias=False)
+    out = dict(configs)
+    if "disable_bias_linear" not in model:
+        out["model"] = model = dict(model, disable_bias_linear=False)
+        if moe is not None:
+            out["moe"] = dict(moe, bias=False)
+    if "no_bias_gelu_fusion" not in model and not model.get("swiglu") and not model["disable_bias_linear"]:
+        out["model"] = dict(model, no_bias_gelu_fusion=True)
     return out
 
 
@@ -330,5 +350,5 @@ def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
     """The MoE layers' config inside a GPT: `moe` with the fields the model decides (width, activation, init)."""
     return dataclasses.replace(moe, hidden_size=gpt.hidden_size,
                                ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
-                               activation="swiglu" if gpt.swiglu else "gelu", init_std=gpt.init_method_std,
+                               activation=gpt.mlp_activation(), init_std=gpt.init_method_std,
                                init_seed=seed, bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias)

@@ -94,8 +94,7 @@ class GPTModel(nn.Module):
     def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory) -> nn.Module:
         if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
             return moe_layer(moe_config, layer_number=layer_number)
-        activation = "swiglu" if self.config.swiglu else "gelu"
-        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, activation,
+        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, self.config.mlp_activation(),
                         bias=not self.config.disable_bias_linear)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:

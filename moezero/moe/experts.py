@@ -25,19 +25,25 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SMALLEST_ROW_CLASS = 8
 
 
+# GELU kinds -> torch's `approximate`: "gelu_tanh" is Megatron's fused bias-GELU (GPTConfig.mlp_activation)
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+
+
 def activation(h_MF: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "swiglu":
         gate, up = h_MF.chunk(2, dim=-1)
         return F.silu(gate) * up
+    approximate = _GELU_APPROXIMATE[kind]
     if fused_gelu_applies(h_MF):
-        return bias_gelu(h_MF)
-    return F.gelu(h_MF)
+        return bias_gelu(h_MF, approximate=approximate)
+    return F.gelu(h_MF, approximate=approximate)
 
 
 def biased_activation(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int], kind: str) -> torch.Tensor:
     """activation(y + each expert's bias on its rows); GELU adds the bias in its own pass where it is fused."""
-    if kind == "gelu" and fused_gelu_applies(y_MF, b_LF):
-        return bias_gelu(y_MF, b_LF, counts)
+    if kind in _GELU_APPROXIMATE and fused_gelu_applies(y_MF, b_LF):
+        return bias_gelu(y_MF, b_LF, counts, _GELU_APPROXIMATE[kind])
     return activation(_add_bias(y_MF, b_LF, counts), kind)
 
 
@@ -172,6 +178,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation_kind: str, bias: bool = False):
         super().__init__()
+        if activation_kind not in ACTIVATIONS:
+            raise ValueError(f"activation {activation_kind!r}: must be one of {', '.join(ACTIVATIONS)}")
         fan_out = 2 * ffn_hidden_size if activation_kind == "swiglu" else ffn_hidden_size
         self.activation = activation_kind
         self.fc1 = nn.Linear(hidden_size, fan_out, bias=bias)

@@ -35,7 +35,6 @@ class ImplementationConfig(Validated):
     attention_softmax_in_fp32: bool = option(False, "accepted: the softmax runs in fp32 here anyway",
                                              flag="--attention-softmax-in-fp32")
     no_masked_softmax_fusion: bool = option(False, SAME_NUMBERS, flag="--no-masked-softmax-fusion")
-    no_bias_gelu_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-gelu-fusion")
     no_bias_swiglu_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-swiglu-fusion")
     no_bias_dropout_fusion: bool = option(False, SAME_NUMBERS, flag="--no-bias-dropout-fusion")
     no_rope_fusion: bool = option(False, SAME_NUMBERS, flag="--no-rope-fusion")

@@ -1,6 +1,7 @@
 """An absolute oracle for the GPT: the default dense configuration (learned positions, LayerNorm, GELU,
 tied head, biases) is GPT-2's architecture, so with the same weights transformers' GPT2LMHeadModel must
-give the same logits (float64). The golden loss file checks numbers across commits; this checks them
+give the same logits (float64). Its GELU is GPT-2's own tanh approximation ("gelu_new"), as Megatron's default
+--bias-gelu-fusion gives; with --no-bias-gelu-fusion it is the exact one ("gelu"). The golden loss file checks numbers across commits; this checks them
 against an implementation that is not ours.
 """
 import pytest
@@ -14,10 +15,10 @@ transformers = pytest.importorskip("transformers")   # a test extra: `pip instal
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 3, 48, 4, 24, 101
 
 
-def _gpt2_with_moezero_weights(model: GPTModel):
+def _gpt2_with_moezero_weights(model: GPTModel, activation: str):
     """GPT2LMHeadModel holding `model`'s weights (GPT-2's Conv1D stores weights transposed)."""
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                                     activation_function="gelu", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+                                     activation_function=activation, layer_norm_epsilon=1e-5, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     gpt2 = transformers.GPT2LMHeadModel(config).double().eval()
     ours = {name: p.detach() for name, p in model.named_parameters()}
@@ -40,9 +41,10 @@ def _gpt2_with_moezero_weights(model: GPTModel):
     return gpt2
 
 
-def test_the_default_dense_gpt_is_gpt2():
+@pytest.mark.parametrize("exact_gelu, activation", [(False, "gelu_new"), (True, "gelu")])
+def test_the_default_dense_gpt_is_gpt2(exact_gelu, activation):
     config = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
-                       vocab_size=VOCAB)
+                       vocab_size=VOCAB, no_bias_gelu_fusion=exact_gelu)
     assert (config.position_embedding_type, config.normalization, config.swiglu,
             config.untie_embeddings_and_output_weights) == ("learned_absolute", "LayerNorm", False, False)
     model = GPTModel(config, seed=11).double().eval()
@@ -51,7 +53,7 @@ def test_the_default_dense_gpt_is_gpt2():
             if p.ndim == 1:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype) * 0.1
                         + (1.0 if "norm" in name else 0.0))
-    gpt2 = _gpt2_with_moezero_weights(model)
+    gpt2 = _gpt2_with_moezero_weights(model, activation)
     tokens = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, _ = model(tokens)

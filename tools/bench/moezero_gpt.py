@@ -10,7 +10,8 @@ def moezero_configs(args):
     gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, ffn_hidden_size=args.ffn_mult * args.hidden,
                     untie_embeddings_and_output_weights=True, moe_layer_freq=2,
-                    hidden_dropout=0.0, attention_dropout=0.0)   # as DeepSpeed's worker model (no dropout)
+                    hidden_dropout=0.0, attention_dropout=0.0,   # as DeepSpeed's worker model: no dropout
+                    no_bias_gelu_fusion=True)                    # and its nn.GELU(), the exact one
     moe = None
     if args.experts:
         moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux,
