@@ -124,7 +124,8 @@ inline void gelu_and_derivative(float h, float& a, float& d) {
 }
 
 // The tanh approximation's (gelu(h), gelu'(h)). e = exp(-2|u|) <= 1 keeps the exp's argument non-positive and
-// s = 1 / (1 + e) or e / (1 + e) by the sign; past |2u| = 87 e is 0, so the far negative tail is exactly 0.
+// s = 1 / (1 + e) or e / (1 + e) by the sign; past |2u| = 87 e is 0, so the far negative tail is exactly 0, and
+// there gelu'(h) is s (the slope term would be 0 * inf once h^2 overflows), NaN for a NaN h.
 inline void gelu_tanh_and_derivative(float h, float& a, float& d) {
   constexpr float kBeta = 0.79788456080286536f;   // sqrt(2 / pi)
   constexpr float kKappa = 0.044715f;
@@ -134,7 +135,8 @@ inline void gelu_tanh_and_derivative(float h, float& a, float& d) {
   const float inv = 1.0f / (1.0f + e);
   const float s = h >= 0.0f ? inv : e * inv;
   a = h * s;
-  d = std::fma(2.0f * h * (e * inv * inv), kBeta * std::fma(3.0f * kKappa, h2, 1.0f), s);
+  const float tail = h == h ? s : h;
+  d = e > 0.0f ? std::fma(2.0f * h * (e * inv * inv), kBeta * std::fma(3.0f * kKappa, h2, 1.0f), s) : tail;
 }
 
 template <bool Tanh, typename T>

@@ -55,7 +55,7 @@ class MoEConfig(Validated):
         flag="--moe-shared-expert-intermediate-size", defines_model=True)
     shared_expert_gate: bool = option(False, "scale the shared expert's output by a learned sigmoid gate of the "
                                       "token (Qwen2-MoE)", flag="--moe-shared-expert-gate", defines_model=True)
-    activation: str = option("gelu", "expert activation (taken from --swiglu and --no-bias-gelu-fusion)", flag=None,
+    activation: str = option("gelu", "expert activation (a GPT's mlp_activation())", flag=None,
                              choices=("gelu", "gelu_tanh", "swiglu"))
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
                                   "--disable-bias-linear decides; a layer built alone has none)", flag=None,
@@ -242,6 +242,9 @@ class GPTConfig(Validated):
         if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
             self.position_embedding_type = "none"
         self._check_attention()
+        if self.swiglu or self.disable_bias_linear:   # no GELU with biases: the flag decides nothing, and one value
+            self.no_bias_gelu_fusion = True          # lets a resume compare models, not spellings (as Megatron's
+                                                     # validate_args does without biases)
         if self.ffn_hidden_size is None:   # Megatron's widths: 4h, or 2/3 of it rounded down to 64 for SwiGLU
             self.ffn_hidden_size = int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
             self._require(self.ffn_hidden_size >= 1, "ffn_hidden_size",
@@ -261,7 +264,7 @@ class GPTConfig(Validated):
         with per-token scales. One GELU for the whole model keeps --moe-use-upcycling exact.)"""
         if self.swiglu:
             return "swiglu"
-        return "gelu" if self.no_bias_gelu_fusion or self.disable_bias_linear else "gelu_tanh"
+        return "gelu" if self.no_bias_gelu_fusion else "gelu_tanh"   # set by --disable-bias-linear too
 
     def _check_attention(self) -> None:
         """Head width, key/value groups and the rotated share (Megatron's rules)."""
@@ -326,8 +329,7 @@ def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict
     """Configs a checkpoint or export stored before a field existed, as the model they describe:
     - before --disable-bias-linear the attention and dense MLPs had biases and the MoE layers (experts, router,
       shared expert) had none;
-    - before --no-bias-gelu-fusion every GELU was the exact one: the flag is set where it decides something (GELU
-      and biases), so a checkpoint of another model meets no needless difference."""
+    - before --no-bias-gelu-fusion every GELU was the exact one."""
     model, moe = configs.get("model"), configs.get("moe")
     if not model or "num_layers" not in model:
         return configs
@@ -336,7 +338,7 @@ def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict
         out["model"] = model = dict(model, disable_bias_linear=False)
         if moe is not None:
             out["moe"] = dict(moe, bias=False)
-    if "no_bias_gelu_fusion" not in model and not model.get("swiglu") and not model["disable_bias_linear"]:
+    if "no_bias_gelu_fusion" not in model:
         out["model"] = dict(model, no_bias_gelu_fusion=True)
     return out
 

@@ -195,7 +195,7 @@ def _recorded_args():
     return [os.path.relpath(a, repo) if a.startswith(ASSETS) else a for a in GOLDEN_ARGS]
 
 
-def test_golden_loss_curve(tmp_path):
+def test_golden_loss_curve(tmp_path, capsys):
     """float64, so another CPU's kernels (other SIMD widths, other summation orders) agree to ~1e-13.
     The file records the arguments it was made with: a regeneration with other arguments (or a change of
     these) fails here instead of passing silently. Regenerate (after an intended change, and only then):
@@ -205,6 +205,8 @@ def test_golden_loss_curve(tmp_path):
     assert recorded["args"] == _recorded_args(), "the golden file was made with other arguments"
     golden = recorded["lm_loss"]
     losses = [h["lm_loss"] for h in train(GOLDEN_ARGS, str(tmp_path))]
+    # GELU and biases in MoE layers without --no-bias-gelu-fusion: the tanh GELU, which Megatron refuses there
+    assert "the MLPs and experts use the tanh GELU" in capsys.readouterr().out
     assert len(losses) == len(golden)
     for i, (a, b) in enumerate(zip(losses, golden)):
         assert math.isclose(a, b, rel_tol=1e-9), (i, a, b)

@@ -81,6 +81,9 @@ def test_non_finite_and_tail_values_of_the_tanh_form(cpu_ext):
     assert a[0, 3].item() == 40.0 and d[0, 3].item() == 1.0
     assert a[0, 4].item() == 0.0 and d[0, 4].item() == 0.5
     assert abs(a[0, 5].item() / want[0, 5].item() - 1) < 1e-6 and a[0, 6] == y[0, 6] / 2   # s(0) = 1/2 exactly
+    big = torch.tensor([[1e20, -1e20]])
+    huge, d_huge = cpu_ext.bias_gelu(big, None, [1], True)   # h^2 overflows: no 0 * inf in the derivative
+    assert huge[0, 0] == big[0, 0] and huge[0, 1] == 0 and d_huge.tolist() == [[1.0, 0.0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

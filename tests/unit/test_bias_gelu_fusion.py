@@ -93,7 +93,63 @@ def test_a_checkpoint_from_before_the_flag_keeps_the_exact_gelu_it_was_trained_w
             check_same_model(cfg, ResumePoint("ckpt", 3, stored, {}))
         resumed = apply_checkpoint_args(cfg, ResumePoint("ckpt", 3, stored, {}), lambda _: None)
         assert resumed.model.mlp_activation() == "gelu"
-    for argv in (["--disable-bias-linear"], ["--swiglu"]):   # no GELU with biases: the flag decides nothing
+    for argv in (["--disable-bias-linear"], ["--swiglu"]):   # no GELU with biases: the same model either way
         cfg, stored = _stored(argv)
-        assert "no_bias_gelu_fusion" not in stored["model"], argv
         check_same_model(cfg, ResumePoint("ckpt", 3, stored, {}))
+
+
+@pytest.mark.parametrize("argv", [["--swiglu"], ["--disable-bias-linear"]], ids=str)
+def test_where_the_flag_decides_nothing_a_resume_does_not_compare_it(argv):
+    saved, now = configs(SHAPE + argv), configs(SHAPE + argv + ["--no-bias-gelu-fusion"])
+    stored = {section: dataclasses.asdict(getattr(saved, section)) for section in ("model", "moe")}
+    check_same_model(now, ResumePoint("ckpt", 3, stored, {}))
+    stored = {section: dataclasses.asdict(getattr(now, section)) for section in ("model", "moe")}
+    check_same_model(saved, ResumePoint("ckpt", 3, stored, {}))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_fused_training_path_computes_the_flags_gelu(approximate):
+    """fp32 with gradients runs the fused kernel (float64 does not): the dense MLP and the experts (a bias per
+    expert, an expert with no rows) against torch's GELU of that form on the biased input, and not the other."""
+    import torch.nn.functional as F
+
+    from moezero.config import MoEConfig
+    from moezero.moe.experts import DenseMLP, GroupedExperts
+    from moezero.ops.gelu import fused_gelu_applies
+    from moezero.parallel.expert_marker import ExpertShard
+
+    kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+    counts = [5, 0, 9, 3]
+    generator = torch.Generator().manual_seed(1)
+    experts = GroupedExperts(MoEConfig(hidden_size=48, num_experts=4, ffn_hidden_size=40, activation=kind, bias=True),
+                             ExpertShard(4, 0, 1))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    dense = DenseMLP(48, 40, kind, bias=True)
+    x = (torch.randn(sum(counts), 48, generator=generator) * 2).requires_grad_(True)
+    assert fused_gelu_applies(x)
+
+    def torch_experts(form):
+        def run(x):
+            h = torch.cat([x_l @ experts.w1[l] + experts.b1[l] for l, x_l in enumerate(x.split(counts))])
+            a = F.gelu(h, approximate=form)
+            return torch.cat([a_l @ experts.w2[l] + experts.b2[l] for l, a_l in enumerate(a.split(counts))])
+        return run
+
+    def torch_dense(form):
+        return lambda x: dense.fc2(F.gelu(dense.fc1(x), approximate=form))
+
+    def outputs_and_grads(run, params):
+        out = run(x)
+        return [out] + list(torch.autograd.grad(out.square().sum(), [x] + params))
+
+    def worst_error(got, want):   # relative to each tensor's scale: fp32 sums of different orders
+        return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+
+    other = "none" if approximate == "tanh" else "tanh"
+    for ours, theirs, module in ((lambda x: experts(x, counts), torch_experts, experts), (dense, torch_dense, dense)):
+        params = list(module.parameters())
+        got = outputs_and_grads(ours, params)
+        assert worst_error(got, outputs_and_grads(theirs(approximate), params)) < 1e-5
+        assert worst_error(got, outputs_and_grads(theirs(other), params)) > 1e-4
