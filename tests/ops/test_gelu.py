@@ -132,6 +132,8 @@ cases = {
     "float32 or bfloat16": lambda: C.bias_gelu(y.double(), None, [6]),
     "contiguous 2-D": lambda: C.bias_gelu(y.t(), None, [8]),
     "differ in shape": lambda: C.bias_gelu_backward(y, y[:5], [6], False),
+    "add up to": lambda: C.bias_gelu(y, b, [2, 2], True),
+    "must be float32": lambda: C.bias_gelu(y.double(), None, [6], True),
 }
 for needle, call in cases.items():
     try:
@@ -152,6 +154,11 @@ def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
 
     out = subprocess.run([sys.executable, "-c", BAD_INPUTS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_an_unknown_approximation_is_one_clear_error(cpu_ext):
+    with pytest.raises(ValueError, match="approximate='erf'"):
+        gelu.bias_gelu(torch.randn(2, 4, requires_grad=True), approximate="erf")
 
 
 def test_double_backward_raises_instead_of_dropping_the_second_derivative(cpu_ext):
