@@ -82,3 +82,26 @@ def test_the_cpu_attention_paths_give_sdpas_values(seq, groups):
     assert (seq <= EXPLICIT_CPU_MAX_SEQ) == (seq != 200)
     for mine, ref in ((got, want), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         torch.testing.assert_close(mine.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float16])
+def test_the_causal_mask_gives_masked_fills_bits(dtype):
+    """mask_future_ (a 0 / -inf bias added in place) gives masked_fill_'s probabilities and gradients bit for bit;
+    in fp16 (masked_fill_ itself) a score that overflowed to +inf where it is masked stays out of the softmax."""
+    from moezero.models.attention import mask_future_
+
+    torch.manual_seed(3)
+    for seq in (16, 128):
+        scores = torch.randn(2, 3, seq, seq, dtype=dtype, requires_grad=True)
+        grad = torch.randn(2, 3, seq, seq, dtype=dtype)
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        want = torch.softmax(scores.clone().masked_fill_(~causal, float("-inf")), -1)
+        (want_grad,) = torch.autograd.grad(want, scores, grad)
+        got = torch.softmax(mask_future_(scores.clone()), -1)
+        (got_grad,) = torch.autograd.grad(got, scores, grad)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+        assert torch.equal(got[..., 0, 1:], torch.zeros_like(got[..., 0, 1:]))
+    if dtype == torch.float16:
+        overflowed = torch.zeros(1, 1, 4, 4, dtype=dtype)
+        overflowed[..., 0, 3] = float("inf")
+        assert torch.isfinite(torch.softmax(mask_future_(overflowed), -1)).all()
