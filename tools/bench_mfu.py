@@ -16,6 +16,9 @@
   "products' share" is that time over the step; "MFU ceiling" is the MFU the run would have if everything
   else (softmax, GELU, norms, dispatch, waiting for the other rank, collectives, optimizer) took no time:
   the GEMMs' own efficiency at the model's shapes, measured in model FLOPs.
+- Where each rank's step goes, from thread CPU clocks of the timed steps: the products, the rest of the main
+  thread's CPU time, the main thread off its core (waiting for a peer or for a core), and the CPU time of the
+  process's other threads (gloo's transport).
 """
 import argparse
 import os
@@ -82,6 +85,29 @@ def print_table(configs, results, peaks, steps):
               f"{spread([r['tokens_per_s'] for r in runs])} | {spread([r['step_s'] for r in runs], 3)} |")
     print(f"\n{steps} steps per run (the first 2 not timed), {WORLD} processes of one thread each; matrix-product "
           f"time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
+    print_step_split(configs, results)
+
+
+def print_step_split(configs, results):
+    """Each rank's step in ms: products, the main thread's other CPU time, the main thread off its core
+    (waiting for a peer or a transfer, or waiting for a core), and the CPU of the other threads (gloo's)."""
+    print("\n| dtype | hidden | step (ms) | products | other main-thread CPU | main thread off-CPU "
+          "| other threads' CPU |")
+    print("|---|---|---|---|---|---|---|")
+    for (dtype, hidden) in configs:
+        runs = [r for r in ok(results[f"{dtype} h{hidden}"]) if "main_thread_cpu_s_per_rank" in r]
+        if not runs:
+            continue
+        ms = lambda values: spread([v * 1e3 for v in values])   # noqa: E731
+        main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
+        products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
+        print(f"| {dtype} | {hidden} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "
+              f"{ms([m - p for m, p in zip(main, products)])} | "
+              f"{ms([r['step_s'] - m for r, m in zip(runs, main)])} | "
+              f"{ms([statistics.mean(r['other_threads_cpu_s_per_rank']) for r in runs])} |")
+    print("\nMedians over the timed steps of each rank's thread CPU clocks (no profiler), averaged over the ranks; "
+          "products from the profiled steps. Off-CPU: the main thread waits for a peer (the slower rank, a "
+          "transfer) or for a core (two ranks and gloo's threads share the cores).")
 
 
 def main():

@@ -87,10 +87,20 @@ def matrix_product_seconds(args, model, opt, rank, first_step):
     return self_us / 1e6 / args.gemm_steps
 
 
-def max_over_ranks(value, world):
+def cpu_seconds():
+    """(this thread's CPU seconds, the whole process's: every thread, user and system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID), usage.ru_utime + usage.ru_stime
+
+
+def gathered(value, world):
     values = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
-    return max(v.item() for v in values)
+    return [v.item() for v in values]
+
+
+def max_over_ranks(value, world):
+    return max(gathered(value, world))
 
 
 def main():
@@ -103,9 +113,10 @@ def main():
     groups = ParallelGroups.build(expert_parallel_size=args.ep)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
-    losses, times, opt_times, memory = [], [], [], []
+    losses, times, opt_times, memory, main_cpu, process_cpu = [], [], [], [], [], []
     for step in range(args.steps):
         dist.barrier()
+        cpu_start = cpu_seconds()
         start = time.perf_counter()
         if args.profile and step == args.steps - 1:
             from torch.profiler import profile
@@ -118,12 +129,18 @@ def main():
         else:
             ce, opt_s = train_step(args, model, opt, step, rank)
         times.append(time.perf_counter() - start)
+        main_cpu.append(cpu_seconds()[0] - cpu_start[0])
+        process_cpu.append(cpu_seconds()[1] - cpu_start[1])
         opt_times.append(opt_s)
         memory.append(memory_sample())
         dist.all_reduce(ce)
         losses.append(ce.item() / world)
-    step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
-    opt_s = statistics.median(opt_times[args.warmup:] if len(opt_times) > args.warmup else opt_times)
+    timed = slice(args.warmup, None) if len(times) > args.warmup else slice(None)
+    step_s, opt_s = statistics.median(times[timed]), statistics.median(opt_times[timed])
+    # where a rank's step goes: its main thread on a core, the other threads (gloo's transport) on a core
+    main_cpu_s = gathered(statistics.median(main_cpu[timed]), world)
+    other_threads_cpu_s = gathered(statistics.median(p - m for p, m in zip(process_cpu[timed], main_cpu[timed])),
+                                   world)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     rss_all = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(rss_all, rss)
@@ -144,7 +161,8 @@ def main():
               "flops_per_token": model_flops_per_token(args), "times": times,
               "memory": memory if rank == 0 else None,
               "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None,
-              "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths()}
+              "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths(),
+              "main_thread_cpu_s_per_rank": main_cpu_s, "other_threads_cpu_s_per_rank": other_threads_cpu_s}
     if gemm_s is not None:
         result["matrix_product_s_per_rank"] = [g.item() for g in gemm_s]
     if peaks is not None:
