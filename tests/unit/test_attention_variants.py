@@ -84,6 +84,24 @@ def test_the_cpu_attention_paths_give_sdpas_values(seq, groups):
         torch.testing.assert_close(mine.double(), ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_short_cpu_sequences_run_sdpa_outside_bf16(dtype, monkeypatch):
+    """Only bf16 takes the explicit path for short sequences on the CPU (fp16 is faster in SDPA there); keyed
+    dropout takes it in every dtype."""
+    from moezero.keyed_random import SampleKeys
+    from moezero.models.attention import causal_attention
+
+    calls = []
+    explicit = attention_module._explicit_attention
+    monkeypatch.setattr(attention_module, "_explicit_attention", lambda *a: calls.append(a[0].dtype) or explicit(*a))
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=dtype) for _ in range(3))
+    causal_attention(q, k, v, 0.0, True, None, "attn")
+    assert calls == []
+    causal_attention(q, k, v, 0.1, True, SampleKeys(7, 0, (0, 1)), "attn")
+    causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.0, True, None, "attn")
+    assert calls == [dtype, torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float16])
 def test_the_causal_mask_gives_masked_fills_bits(dtype):
     """mask_future_ (a 0 / -inf bias added in place) gives masked_fill_'s probabilities and gradients bit for bit;
