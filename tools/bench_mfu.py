@@ -88,6 +88,10 @@ def print_table(configs, results, peaks, steps):
     print_step_split(configs, results)
 
 
+def ms(seconds):
+    return spread([s * 1e3 for s in seconds])
+
+
 def print_step_split(configs, results):
     """Each rank's step in ms: products, the main thread's other CPU time, the main thread off its core
     (waiting for a peer or a transfer, or waiting for a core), and the CPU of the other threads (gloo's)."""
@@ -98,7 +102,6 @@ def print_step_split(configs, results):
         runs = [r for r in ok(results[f"{dtype} h{hidden}"]) if "main_thread_cpu_s_per_rank" in r]
         if not runs:
             continue
-        ms = lambda values: spread([v * 1e3 for v in values])   # noqa: E731
         main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
         products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
         print(f"| {dtype} | {hidden} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "

@@ -119,11 +119,11 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale):
 
 
 def mask_future_(scores: torch.Tensor) -> torch.Tensor:
-    """-inf where a key lies after its query (the last two dims, square: query, key), in place: the product's backward needs
-    q and k, not its output, so the masked scores need no copy. Adding a 0 / -inf bias takes a third of the time of
-    masked_fill_ and needs no op in backward (0.06 vs 0.17 ms forward for 4 x 4 x 128 x 128 bf16), and gives the
-    same bits for finite scores; fp16 keeps masked_fill_, as there a score can overflow to +inf, which the bias
-    would turn into NaN where masked_fill_ writes -inf."""
+    """-inf where a key lies after its query (the last two dims, square: query, key), in place: the product's
+    backward needs q and k, not its output, so the masked scores need no copy. Adding a 0 / -inf bias takes a third
+    of the time of masked_fill_ and needs no op in backward (0.06 vs 0.17 ms forward for 4 x 4 x 128 x 128 bf16),
+    and gives the same bits for finite scores; fp16 keeps masked_fill_, as there a score can overflow to +inf,
+    which the bias would turn into NaN where masked_fill_ writes -inf."""
     queries, keys = scores.shape[-2:]
     if scores.dtype == torch.float16:
         causal = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).tril()

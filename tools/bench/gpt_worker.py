@@ -129,8 +129,9 @@ def main():
         else:
             ce, opt_s = train_step(args, model, opt, step, rank)
         times.append(time.perf_counter() - start)
-        main_cpu.append(cpu_seconds()[0] - cpu_start[0])
-        process_cpu.append(cpu_seconds()[1] - cpu_start[1])
+        cpu_end = cpu_seconds()
+        main_cpu.append(cpu_end[0] - cpu_start[0])
+        process_cpu.append(cpu_end[1] - cpu_start[1])
         opt_times.append(opt_s)
         memory.append(memory_sample())
         dist.all_reduce(ce)
