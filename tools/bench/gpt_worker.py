@@ -60,14 +60,33 @@ def build_optimizer(args, model, groups):
 
 def train_step(args, model, opt, step, rank):
     tokens, labels = batch(args, step, rank)
-    ce, loss = lm_loss(model(tokens), labels)
+    output = model(tokens)
+    ce, loss = lm_loss(output, labels)
     loss.backward()
     backward_done = time.perf_counter()
     if args.system != "moezero":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
-    return ce.detach(), time.perf_counter() - backward_done
+    return ce.detach(), time.perf_counter() - backward_done, expert_assignments(output)
+
+
+def expert_assignments(output):
+    """(MoE layers, experts) int64: this rank's routed assignments per expert (None for a dense model)."""
+    if not isinstance(output, tuple) or not output[1]:
+        return None
+    return torch.stack([s.tokens_per_expert.detach() for s in output[1]])
+
+
+def slowest_rank_load(assignments, groups):
+    """The expert rows of the busiest rank of the expert-parallel group over the group's mean, averaged over the
+    MoE layers: the work the other ranks wait for at each layer's all-to-all (1.0 when balanced or ep 1)."""
+    if assignments is None or groups.ep_size == 1:
+        return 1.0
+    received = assignments.clone()
+    dist.all_reduce(received, group=groups.ep)   # each expert's rows: the sum of every rank's assignments
+    per_rank = received.view(received.shape[0], groups.ep_size, -1).sum(-1).double()
+    return (per_rank.max(1).values / per_rank.mean(1)).mean().item()
 
 
 # the kernels that do a training step's matrix products (SDPA's fused attention: its products and softmax)
@@ -113,7 +132,7 @@ def main():
     groups = ParallelGroups.build(expert_parallel_size=args.ep)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
-    losses, times, opt_times, memory, main_cpu, process_cpu = [], [], [], [], [], []
+    losses, times, opt_times, memory, main_cpu, process_cpu, loads = [], [], [], [], [], [], []
     for step in range(args.steps):
         dist.barrier()
         cpu_start = cpu_seconds()
@@ -122,12 +141,12 @@ def main():
             from torch.profiler import profile
 
             with profile(record_shapes=False) as prof:
-                ce, opt_s = train_step(args, model, opt, step, rank)
+                ce, opt_s, assignments = train_step(args, model, opt, step, rank)
             if rank == 0:
                 prof.export_chrome_trace(args.profile)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
         else:
-            ce, opt_s = train_step(args, model, opt, step, rank)
+            ce, opt_s, assignments = train_step(args, model, opt, step, rank)
         times.append(time.perf_counter() - start)
         cpu_end = cpu_seconds()
         main_cpu.append(cpu_end[0] - cpu_start[0])
@@ -136,6 +155,7 @@ def main():
         memory.append(memory_sample())
         dist.all_reduce(ce)
         losses.append(ce.item() / world)
+        loads.append(slowest_rank_load(assignments, groups))
     timed = slice(args.warmup, None) if len(times) > args.warmup else slice(None)
     step_s, opt_s = statistics.median(times[timed]), statistics.median(opt_times[timed])
     # where a rank's step goes: its main thread on a core, the other threads (gloo's transport) on a core
@@ -163,7 +183,8 @@ def main():
               "memory": memory if rank == 0 else None,
               "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None,
               "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths(),
-              "main_thread_cpu_s_per_rank": main_cpu_s, "other_threads_cpu_s_per_rank": other_threads_cpu_s}
+              "main_thread_cpu_s_per_rank": main_cpu_s, "other_threads_cpu_s_per_rank": other_threads_cpu_s,
+              "slowest_rank_expert_load": statistics.median(loads[timed])}
     if gemm_s is not None:
         result["matrix_product_s_per_rank"] = [g.item() for g in gemm_s]
     if peaks is not None:
