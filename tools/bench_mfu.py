@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Model FLOPs utilisation (MFU) on this CPU: the FLOP/s a training run achieves against the GEMM peak.
 
-    python tools/bench_mfu.py [--hidden 256,1024] [--dtype fp32,bf16] [--steps 10] [--rounds 3] [--quick]
+    python tools/bench_mfu.py [--hidden 256,1024] [--dtype fp32,bf16] [--steps 20] [--warmup 10] [--rounds 3]
+                              [--quick]
 
 - Peak, per dtype: the best of a few torch.mm of two large square matrices on one thread, as each training
   process runs (OMP_NUM_THREADS=1), measured in this process while no training runs.
@@ -19,6 +20,10 @@
 - Where each rank's step goes, from thread CPU clocks of the timed steps: the products, the rest of the main
   thread's CPU time, the main thread off its core (waiting for a peer or for a core), and the CPU time of the
   process's other threads (gloo's transport).
+- What distributing costs: each configuration also runs one rank's share alone (one process, E / ep of the
+  experts, its own micro-batch, no exchange: the same FLOPs per token and expert shapes), in the same rounds;
+  its MFU is what a rank would reach without the other. With it, the busiest rank's expert rows over the mean
+  (routing imbalance, which every other rank waits for at each MoE layer's all-to-all).
 """
 import argparse
 import os
@@ -37,21 +42,33 @@ from synthetic import common_parser, gemm_peak_flops, kernel_paths  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WORLD = 2
+EXPERTS = 8
 GEMM_STEPS = 3
 
 
-def worker_args(hidden, dtype, steps):
-    """The peer configuration of bench_vs_peers.py at width `hidden`."""
+def worker_args(hidden, dtype, steps, warmup, experts=EXPERTS, ep=WORLD):
+    """The peer configuration of bench_vs_peers.py at width `hidden`; the first `warmup` steps not timed."""
     return ["--layers", "4", "--hidden", str(hidden), "--heads", str(hidden // 64), "--seq", "128", "--mb", "4",
-            "--experts", "8", "--k", "2", "--vocab", "1024", "--ep", "2", "--stage", "2", "--steps", str(steps),
-            "--warmup", "2", "--dtype", dtype, "--bucket", "2000000", "--gemm-steps", str(GEMM_STEPS)]
+            "--experts", str(experts), "--k", "2", "--vocab", "1024", "--ep", str(ep), "--stage", "2",
+            "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype, "--bucket", "2000000",
+            "--gemm-steps", str(GEMM_STEPS)]
 
 
-def step_flops(argv):
+def alone_args(hidden, dtype, steps, warmup):
+    """One process doing one rank's share of the 2-rank run and nothing else: its micro-batch routed among its
+    E / ep experts (the same expert sizes, top-k and so FLOPs per token), no other rank to exchange with."""
+    return worker_args(hidden, dtype, steps, warmup, experts=EXPERTS // WORLD, ep=1)
+
+
+def step_flops(argv, world=WORLD):
     """Megatron's FLOPs of one step of the worker run with `argv` (the global batch: a micro-batch per rank)."""
     args, _ = common_parser().parse_known_args(argv)   # the worker's own flags (--gemm-steps) aside
     gpt, moe = moezero_configs(args)
-    return flops_per_batch(gpt, moe, args.vocab, args.mb * WORLD)
+    return flops_per_batch(gpt, moe, args.vocab, args.mb * world)
+
+
+def mfus(runs, argv, peak, world=WORLD):
+    return [tflops_per_rank(step_flops(argv, world), r["step_s"], world) * 1e3 / peak for r in runs]
 
 
 def peak_gflops(dtypes, size):
@@ -66,7 +83,7 @@ def print_cpu(paths):
           f"{paths['bf16_gemm_slowdown']:.2f}x the fp32 time")
 
 
-def print_table(configs, results, peaks, steps):
+def print_table(configs, results, peaks, steps, warmup):
     print("\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | products' share | MFU ceiling "
           "| tokens/s | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -83,9 +100,30 @@ def print_table(configs, results, peaks, steps):
               f"{spread([rate / peaks[dtype] for rate in rates], 3)} | "
               f"{spread([s / r['step_s'] for s, r in zip(products, runs)], 2)} | {spread(ceilings, 3)} | "
               f"{spread([r['tokens_per_s'] for r in runs])} | {spread([r['step_s'] for r in runs], 3)} |")
-    print(f"\n{steps} steps per run (the first 2 not timed), {WORLD} processes of one thread each; matrix-product "
-          f"time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
+    print(f"\n{steps} steps per run (the first {warmup} not timed), {WORLD} processes of one thread each; "
+          f"matrix-product time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
     print_step_split(configs, results)
+    print_distribution_cost(configs, results, peaks)
+
+
+def print_distribution_cost(configs, results, peaks):
+    """The 2-rank run against one rank's share run alone: what distributing costs (the exchanges, waiting for the
+    busiest rank's experts, sharing the cores with the other rank and gloo's threads)."""
+    print("\n| dtype | hidden | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
+          "| busiest rank's expert rows / mean |")
+    print("|---|---|---|---|---|---|")
+    for (dtype, hidden), argv in configs.items():
+        runs, lone = ok(results[f"{dtype} h{hidden}"]), ok(results[f"{dtype} h{hidden} alone"])
+        if not runs or not lone:
+            continue
+        steps = [r["step_s"] / a["step_s"] for r, a in zip(runs, lone)]
+        print(f"| {dtype} | {hidden} | {spread(mfus(runs, argv, peaks[dtype]), 3)} | "
+              f"{spread(mfus(lone, alone_args(hidden, dtype, 1, 0), peaks[dtype], world=1), 3)} | "
+              f"{spread(steps, 2)} | {spread([r['slowest_rank_expert_load'] for r in runs], 2)} |")
+    print(f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
+          f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
+          "rows: per MoE layer, the busiest rank's routed rows over the ranks' mean, averaged over the layers "
+          "(medians over the timed steps); the other rank waits for that excess at the layer's all-to-all.")
 
 
 def ms(seconds):
@@ -95,19 +133,20 @@ def ms(seconds):
 def print_step_split(configs, results):
     """Each rank's step in ms: products, the main thread's other CPU time, the main thread off its core
     (waiting for a peer or a transfer, or waiting for a core), and the CPU of the other threads (gloo's)."""
-    print("\n| dtype | hidden | step (ms) | products | other main-thread CPU | main thread off-CPU "
+    print("\n| dtype | hidden | run | step (ms) | products | other main-thread CPU | main thread off-CPU "
           "| other threads' CPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for (dtype, hidden) in configs:
-        runs = [r for r in ok(results[f"{dtype} h{hidden}"]) if "main_thread_cpu_s_per_rank" in r]
-        if not runs:
-            continue
-        main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
-        products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
-        print(f"| {dtype} | {hidden} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "
-              f"{ms([m - p for m, p in zip(main, products)])} | "
-              f"{ms([r['step_s'] - m for r, m in zip(runs, main)])} | "
-              f"{ms([statistics.mean(r['other_threads_cpu_s_per_rank']) for r in runs])} |")
+        for run, suffix in ((f"{WORLD} ranks", ""), ("alone", " alone")):
+            runs = [r for r in ok(results[f"{dtype} h{hidden}{suffix}"]) if "main_thread_cpu_s_per_rank" in r]
+            if not runs:
+                continue
+            main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
+            products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
+            print(f"| {dtype} | {hidden} | {run} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "
+                  f"{ms([m - p for m, p in zip(main, products)])} | "
+                  f"{ms([max(0.0, r['step_s'] - m) for r, m in zip(runs, main)])} | "   # clocks' granularity
+                  f"{ms([statistics.mean(r['other_threads_cpu_s_per_rank']) for r in runs])} |")
     print("\nMedians over the timed steps of each rank's thread CPU clocks (no profiler), averaged over the ranks; "
           "products from the profiled steps. Off-CPU: the main thread waits for a peer (the slower rank, a "
           "transfer) or for a core (two ranks and gloo's threads share the cores).")
@@ -117,24 +156,33 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", default="256", help="model widths, comma-separated (e.g. 256,1024)")
     p.add_argument("--dtype", default="fp32,bf16", help="dtypes, comma-separated: fp32, bf16")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=10,
+                   help="steps not timed: a fresh router's first steps route much less evenly (the busiest rank's "
+                        "expert rows over the mean, bf16 hidden 256: 1.25 over steps 2-9, 1.11 over 10-19 and "
+                        "over 180-199)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peak-size", type=int, default=2048, help="side of the square matrices of the peak GEMM")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps, 1 round, a 1024 peak GEMM")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps (2 timed), 1 round, a 1024 peak GEMM")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.rounds, args.peak_size = 4, 1, 1024
+        args.steps, args.warmup, args.rounds, args.peak_size = 4, 2, 1, 1024
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup}: must be at least 0 and below --steps ({args.steps})")
     dtypes = args.dtype.split(",")
     unknown = set(dtypes) - set(DTYPES)
     if unknown:
         p.error(f"--dtype {','.join(sorted(unknown))}: must be among {', '.join(DTYPES)}")
     print_cpu(kernel_paths())
     peaks = peak_gflops(dtypes, args.peak_size)
-    configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps) for dtype in dtypes
+    configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup) for dtype in dtypes
                for h in args.hidden.split(",")}
-    systems = [(f"{dtype} h{hidden}", lambda argv=argv: run_worker("moezero", argv))
-               for (dtype, hidden), argv in configs.items()]
-    print_table(configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps)
+    systems = []
+    for (dtype, hidden), argv in configs.items():
+        systems.append((f"{dtype} h{hidden}", lambda argv=argv: run_worker("moezero", argv)))
+        systems.append((f"{dtype} h{hidden} alone",
+                        lambda a=alone_args(hidden, dtype, args.steps, args.warmup): run_worker("moezero", a, nproc=1)))
+    print_table(configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps, args.warmup)
 
 
 if __name__ == "__main__":
