@@ -67,8 +67,10 @@ def step_flops(argv, world=WORLD):
     return flops_per_batch(gpt, moe, args.vocab, args.mb * world)
 
 
-def mfus(runs, argv, peak, world=WORLD):
-    return [tflops_per_rank(step_flops(argv, world), r["step_s"], world) * 1e3 / peak for r in runs]
+def model_gflops(runs, argv, world=WORLD):
+    """Each run's model GFLOP/s per rank."""
+    flops = step_flops(argv, world)
+    return [tflops_per_rank(flops, r["step_s"], world) * 1e3 for r in runs]
 
 
 def peak_gflops(dtypes, size):
@@ -83,7 +85,7 @@ def print_cpu(paths):
           f"{paths['bf16_gemm_slowdown']:.2f}x the fp32 time")
 
 
-def print_table(configs, results, peaks, steps, warmup):
+def print_table(configs, lone_configs, results, peaks, steps, warmup):
     print("\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | products' share | MFU ceiling "
           "| tokens/s | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -93,7 +95,7 @@ def print_table(configs, results, peaks, steps, warmup):
             print(f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | failed: {error_of(results[f'{dtype} h{hidden}'])} |")
             continue
         flops = step_flops(argv)
-        rates = [tflops_per_rank(flops, r["step_s"], WORLD) * 1e3 for r in runs]
+        rates = model_gflops(runs, argv)
         products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
         ceilings = [tflops_per_rank(flops, s, WORLD) * 1e3 / peaks[dtype] for s in products]
         print(f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | {spread(rates)} | "
@@ -103,10 +105,10 @@ def print_table(configs, results, peaks, steps, warmup):
     print(f"\n{steps} steps per run (the first {warmup} not timed), {WORLD} processes of one thread each; "
           f"matrix-product time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
     print_step_split(configs, results)
-    print_distribution_cost(configs, results, peaks)
+    print_distribution_cost(configs, lone_configs, results, peaks)
 
 
-def print_distribution_cost(configs, results, peaks):
+def print_distribution_cost(configs, lone_configs, results, peaks):
     """The 2-rank run against one rank's share run alone: what distributing costs (the exchanges, waiting for the
     busiest rank's experts, sharing the cores with the other rank and gloo's threads)."""
     print("\n| dtype | hidden | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
@@ -117,8 +119,9 @@ def print_distribution_cost(configs, results, peaks):
         if not runs or not lone:
             continue
         steps = [r["step_s"] / a["step_s"] for r, a in zip(runs, lone)]
-        print(f"| {dtype} | {hidden} | {spread(mfus(runs, argv, peaks[dtype]), 3)} | "
-              f"{spread(mfus(lone, alone_args(hidden, dtype, 1, 0), peaks[dtype], world=1), 3)} | "
+        mfu = [g / peaks[dtype] for g in model_gflops(runs, argv)]
+        lone_mfu = [g / peaks[dtype] for g in model_gflops(lone, lone_configs[(dtype, hidden)], world=1)]
+        print(f"| {dtype} | {hidden} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
               f"{spread(steps, 2)} | {spread([r['slowest_rank_expert_load'] for r in runs], 2)} |")
     print(f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
           f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
@@ -177,12 +180,13 @@ def main():
     peaks = peak_gflops(dtypes, args.peak_size)
     configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup) for dtype in dtypes
                for h in args.hidden.split(",")}
+    lone_configs = {(dtype, hidden): alone_args(hidden, dtype, args.steps, args.warmup) for dtype, hidden in configs}
     systems = []
     for (dtype, hidden), argv in configs.items():
         systems.append((f"{dtype} h{hidden}", lambda argv=argv: run_worker("moezero", argv)))
         systems.append((f"{dtype} h{hidden} alone",
-                        lambda a=alone_args(hidden, dtype, args.steps, args.warmup): run_worker("moezero", a, nproc=1)))
-    print_table(configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps, args.warmup)
+                        lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1)))
+    print_table(configs, lone_configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps, args.warmup)
 
 
 if __name__ == "__main__":
