@@ -33,12 +33,12 @@ from moezero.zero import consolidate
 
 def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
                     plugins: Dict[str, Any], group=None, keep_last: int = 0,
-                    progress: Optional[Dict[str, int]] = None) -> str:
+                    progress: Optional[Dict[str, int]] = None, lr_schedule: Optional[Dict[str, Any]] = None) -> str:
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
-    `configs` ({section: dict}), `plugins` ({name: state}) and `progress` (consumed samples) go into the
-    train state (see `keys`).
+    `configs` ({section: dict}), `plugins` ({name: state}), `progress` (consumed samples) and `lr_schedule`
+    (the learning-rate schedule and where it stands) go into the train state (see `keys`).
     """
     if _rank() == 0:
         layout.remove_stale(root)
@@ -46,7 +46,7 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     shard = opt.state_dict()
     train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
                    "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins,
-                   "progress": dict(progress or {})}
+                   "progress": dict(progress or {}), "opt_param_scheduler": dict(lr_schedule or {})}
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)

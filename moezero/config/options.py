@@ -11,17 +11,19 @@ class ConfigError(ValueError):
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = "",
            choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING,
-           defines_model: bool = False, parse: Optional[Any] = None, nargs: Optional[int] = None) -> Any:
+           defines_model: bool = False, parse: Optional[Any] = None, nargs: Optional[Any] = None,
+           aliases: Tuple[str, ...] = ()) -> Any:
     """A config field with its command-line flag.
 
     flag="" derives the flag from the field name (`top_k` -> `--top-k`); flag=None keeps the
     field off the command line (it is filled in by code, e.g. MoEConfig.hidden_size).
     defines_model=True: the field decides what a checkpoint's weights mean, so a resume checks it
     against the checkpoint's value and --use-checkpoint-args takes it from there.
-    parse: how the command line's text becomes the value (default: the field's type); nargs: values it takes.
+    parse: how the command line's text becomes the value (default: the field's type); nargs: values it takes
+    (argparse's); aliases: other spellings of the flag (Megatron's --override-opt_param-scheduler has two).
     """
     metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model, "parse": parse,
-                "nargs": nargs}
+                "nargs": nargs, "aliases": aliases}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)

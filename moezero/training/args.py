@@ -111,10 +111,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
         dest = f"{config_cls.section}.{f.name}"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
-        if kind is bool and flag.startswith("--no-"):
+        flags = (flag,) + tuple(f.metadata.get("aliases") or ())
+        if kind is bool and (flag.startswith("--no-") or len(flags) > 1):
             # a negative switch (Megatron's --no-load-optim): on when given. As a --flag/--no-flag pair its own
             # name would read as the negation and set it off (argparse's BooleanOptionalAction)
-            group.add_argument(flag, dest=dest, action="store_true", default=default, help=f"{help_text} (default: off)")
+            group.add_argument(*flags, dest=dest, action="store_true", default=default,
+                               help=f"{help_text} (default: off)")
             continue
         if kind is bool:
             group.add_argument(flag, dest=dest, action=_Switch, default=default, help=help_text)
@@ -122,7 +124,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
         if default is not None and "default" not in help_text:
             help_text += f" (default: {default})"
         metavar = None if f.metadata.get("choices") else flag.lstrip("-").replace("-", "_").upper()
-        group.add_argument(flag, dest=dest, type=f.metadata.get("parse") or kind, default=default,
+        group.add_argument(*flags, dest=dest, type=f.metadata.get("parse") or kind, default=default,
                            choices=f.metadata.get("choices"), metavar=metavar, help=help_text,
                            nargs=f.metadata.get("nargs"))
 

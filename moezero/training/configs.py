@@ -14,6 +14,7 @@ from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
+from moezero.training.schedule import LearningRateSchedule
 
 
 @dataclass
@@ -44,8 +45,20 @@ class TrainConfig(Validated):
     lr_decay_iters: Optional[int] = option(None, "decay length (default --train-iters)", flag="--lr-decay-iters")
     lr_decay_samples: Optional[int] = option(None, "decay length in samples (with --train-samples; default "
                                              "--train-samples)", flag="--lr-decay-samples")
-    lr_decay_style: str = option("linear", "decay after warmup", flag="--lr-decay-style",
-                                 choices=("constant", "linear", "cosine"))
+    lr_decay_style: str = option("linear", "decay after warmup (WSD: constant, then the --lr-wsd-decay-style anneal "
+                                 "over the last --lr-wsd-decay-iters / -samples)", flag="--lr-decay-style",
+                                 choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_wsd_decay_style: str = option("exponential", "WSD: the anneal's shape", flag="--lr-wsd-decay-style",
+                                     choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: Optional[int] = option(None, "WSD: the anneal's iterations", flag="--lr-wsd-decay-iters")
+    lr_wsd_decay_samples: Optional[int] = option(None, "WSD: the anneal's samples (with --train-samples)",
+                                                 flag="--lr-wsd-decay-samples")
+    override_opt_param_scheduler: bool = option(
+        False, "on resume, run the command line's learning-rate schedule where it differs from the checkpoint's",
+        flag="--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, "on resume, keep the checkpoint's learning-rate schedule where the command line differs",
+        flag="--use-checkpoint-opt_param-scheduler", aliases=("--use-checkpoint-opt-param-scheduler",))
     optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
                             flag="--optimizer", choices=("adam", "sgd"))
     weight_decay: float = option(0.01, "weight decay (not applied to biases, norms, embeddings)",
@@ -98,9 +111,13 @@ class TrainConfig(Validated):
             self._require(self.exit_duration_in_mins > 0, "exit_duration_in_mins", "must be > 0")
         self._require(self.lr > 0, "lr", "must be > 0")
         self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")
+        self._require(self.lr_warmup_init <= self.lr, "lr_warmup_init", f"must be <= --lr ({self.lr})")
+        self._require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                      "override_opt_param_scheduler", "give it or --use-checkpoint-opt_param-scheduler, not both")
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
+        self._check_lr_schedule()
 
     def _check_batch_ramps(self) -> None:
         """Resolves --global-batch-size: given, a step schedule's last size, or 16."""
@@ -146,9 +163,21 @@ class TrainConfig(Validated):
                       "give --train-iters or --train-samples")
         if not self.ramps_batch_size:   # with a ramp, validate() counts the steps the samples take
             self.train_iters = self.train_samples // self.global_batch_size
-        for name in ("lr_decay_iters", "lr_warmup_iters"):
+        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
             self._require(not getattr(self, name), name, "counts iterations; with --train-samples use the "
                           "*-samples flag or --lr-warmup-fraction")
+
+    def _check_lr_schedule(self) -> None:
+        """What Megatron's OptimizerParamScheduler asserts, as one line naming the flag."""
+        schedule = LearningRateSchedule.from_config(self)
+        warmup = next((n for n in ("lr_warmup_samples", "lr_warmup_fraction") if getattr(self, n)), "lr_warmup_iters")
+        self._require(schedule.warmup < schedule.decay, warmup,
+                      f"the warmup ({schedule.warmup:g} samples) must end before the decay does ({schedule.decay:g}: "
+                      "--lr-decay-iters / --lr-decay-samples, else the run's length), as Megatron's scheduler asserts")
+        if self.lr_decay_style == "WSD":
+            wsd = "lr_wsd_decay_samples" if self.train_samples is not None else "lr_wsd_decay_iters"
+            self._require(schedule.wsd_decay is not None and schedule.wsd_decay > 0, wsd,
+                          "--lr-decay-style WSD needs the anneal's length (> 0)")
 
 
 @dataclass

@@ -28,8 +28,8 @@ from moezero.training.logging import Timer, build_logger, format_train_line, for
 from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, moe_loss_scalars, train_step
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
-                                     find_resume_point, start_iteration, start_progress)
-from moezero.training.schedule import learning_rate
+                                     find_resume_point, start_iteration, start_lr_schedule, start_progress)
+from moezero.training.schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_point
 from moezero.training.stopping import StopConditions
@@ -65,6 +65,8 @@ class Pretraining:
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
         self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
+        self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
+            LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
         self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size)
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train.tensorboard_dir)
@@ -146,7 +148,7 @@ class Pretraining:
         while self.iteration < t.train_iters:
             consumed = self.progress.consumed_train_samples
             batch_size = self.batch_schedule.batch_size(consumed)
-            lr = learning_rate(consumed, batch_size, t)
+            lr = self.lr_schedule.lr(self.lr_schedule_steps)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             timer = Timer()
@@ -154,6 +156,8 @@ class Pretraining:
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed,
                                  self.groups.dp)
             step_time = timer.elapsed()
+            if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
+                self.lr_schedule_steps += batch_size
             self.iteration += 1
             self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
             for plugin in self.plugins.values():
@@ -255,7 +259,8 @@ class Pretraining:
             self.cfg.checkpoint.save, self.iteration, self.model, self.opt,
             configs={f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)},
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
-            progress=self.progress.saved(), group=self.groups.control,
+            progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
+            group=self.groups.control,
             keep_last=self.cfg.checkpoint.keep_last)
         self._saved_at, self._saved_path = self.iteration, path
         self.logger.print(f" saved checkpoint {path}")

@@ -2,6 +2,8 @@
 
     point = find_resume_point(cfg.checkpoint)        # None: start from scratch (or a CheckpointError)
     progress = start_progress(point, finetune)       # the samples it consumed
+    schedule, steps = start_lr_schedule(LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint,
+                                        cfg.train)   # the lr schedule and where it stands (changed: refused)
     cfg = apply_checkpoint_args(cfg, point, print)   # --use-checkpoint-args
     check_same_model(cfg, point)                     # else: each differing flag, old and new value
     check_shapes(model, point)                       # the built model against the saved global shapes
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
@@ -22,6 +25,8 @@ from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
 from moezero.config import ConfigError, flag_of, model_defining_fields
 from moezero.parallel import expert_shard_of
+from moezero.training.configs import TrainConfig
+from moezero.training.schedule import LearningRateSchedule, resumed_schedule
 
 TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")   # taken from a checkpoint only when not given
 
@@ -37,6 +42,7 @@ class ResumePoint:
     configs: Dict[str, Dict[str, Any]]     # the sections the saving run stored
     param_shapes: Dict[str, Tuple[int, ...]]
     progress: Dict[str, int] = dataclasses.field(default_factory=dict)   # consumed samples (see Progress)
+    lr_schedule: Dict[str, Any] = dataclasses.field(default_factory=dict)   # LearningRateSchedule.state()
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def find_resume_point(ckpt) -> Optional[ResumePoint]:
         return None
     state = checkpoint.read_train_state(path)
     return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {},
-                       state.get("progress") or {})
+                       state.get("progress") or {}, state.get("opt_param_scheduler") or {})
 
 
 def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
@@ -99,6 +105,28 @@ def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
         return Progress(**point.progress)
     batch = (point.configs.get("train") or {}).get("global_batch_size", 0)
     return Progress(consumed_train_samples=point.iteration * batch)
+
+
+def start_lr_schedule(current: LearningRateSchedule, point: Optional[ResumePoint], ckpt, train
+                      ) -> Tuple[LearningRateSchedule, float]:
+    """The schedule the run follows and the samples it has advanced (Megatron's num_steps). A resume loads
+    them with the optimizer, as Megatron does: --no-load-optim and --finetune start the schedule at 0."""
+    if point is None or ckpt.no_load_optim or ckpt.finetune:
+        return current, 0
+    saved = point.lr_schedule or _schedule_of_old_checkpoint(point)
+    schedule = resumed_schedule(current, saved, train.override_opt_param_scheduler,
+                                train.use_checkpoint_opt_param_scheduler)
+    return schedule, saved["num_steps"]
+
+
+def _schedule_of_old_checkpoint(point: ResumePoint) -> Dict[str, Any]:
+    """A checkpoint saved before the schedule was recorded: the one its stored flags give, advanced by the
+    samples it consumed (a skipped step advanced it then)."""
+    stored = {n: v for n, v in (point.configs.get("train") or {}).items()
+              if n in {f.name for f in dataclasses.fields(TrainConfig)}}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    schedule = LearningRateSchedule.from_config(SimpleNamespace(**{**defaults, **stored}))
+    return schedule.state(start_progress(point, False).consumed_train_samples)
 
 
 def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool) -> int:

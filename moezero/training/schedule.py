@@ -1,41 +1,118 @@
-"""Learning-rate schedule: linear warmup, then constant, linear or cosine decay to min_lr (Megatron's).
+"""Learning-rate schedule: Megatron's OptimizerParamScheduler, counted in samples.
 
-Megatron's scheduler counts samples: a --train-samples run's warmup and decay are given in samples,
-an iteration-based run's in iterations of --global-batch-size samples, and every step advances the
-schedule by the samples it consumed (its own batch size along a batch-size ramp).
+    schedule = LearningRateSchedule.from_config(cfg.train)
+    lr = schedule.lr(num_steps)          # num_steps: samples the schedule has advanced before this step
+    num_steps += batch_size              # after a step that was taken (a skipped step does not advance it)
+
+Megatron's scheduler counts samples: a --train-samples run's warmup and decay are given in samples, an
+iteration-based run's in iterations of --global-batch-size samples, and each successful step advances it by the
+samples that step consumed. Its first step runs at --lr-warmup-init (num_steps 0), the step that ends the warmup
+at --lr. A checkpoint records the schedule (`state`); a resume whose command line gives another schedule is
+refused unless --override-opt_param-scheduler (the command line's) or --use-checkpoint-opt_param-scheduler (the
+checkpoint's) says which to keep (`resumed_schedule`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from moezero.config import ConfigError
+
+_WSD_COEFFICIENT = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+    "exponential": lambda r: 2.0 * 0.5 ** r - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
 
 
-def schedule_lengths(config) -> Tuple[float, float]:
-    """(warmup, decay) lengths in samples."""
-    if config.train_samples is not None:
-        decay, warmup = config.lr_decay_samples or config.train_samples, config.lr_warmup_samples or 0
-    else:
-        per_iteration = config.global_batch_size
-        decay = (config.lr_decay_iters or config.train_iters) * per_iteration
-        warmup = (config.lr_warmup_iters or 0) * per_iteration
-    if config.lr_warmup_fraction is not None:
-        warmup = config.lr_warmup_fraction * decay
-    return warmup, decay
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    """Warmup from `init_lr` to `max_lr` over `warmup` samples, then `style` down to `min_lr` at `decay`."""
+
+    init_lr: float
+    max_lr: float
+    min_lr: float
+    warmup: float
+    decay: float
+    style: str
+    wsd_decay: Optional[float] = None   # WSD: the samples of the final anneal
+    wsd_style: str = "exponential"
+
+    # what a resume compares (Megatron's scheduler state), with the flags each comes from. The WSD anneal is not
+    # in it: as in Megatron, a resume may choose it anew (deciding the anneal late is what WSD is for)
+    COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
+                "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
+                "style": "--lr-decay-style"}
+
+    @classmethod
+    def from_config(cls, config) -> "LearningRateSchedule":
+        """From a `TrainConfig` (Megatron's get_optimizer_param_scheduler)."""
+        if config.train_samples is not None:
+            decay = config.lr_decay_samples or config.train_samples
+            warmup = config.lr_warmup_samples or 0
+            wsd = config.lr_wsd_decay_samples
+        else:
+            per_iteration = config.global_batch_size
+            decay = (config.lr_decay_iters or config.train_iters) * per_iteration
+            warmup = (config.lr_warmup_iters or 0) * per_iteration
+            wsd = config.lr_wsd_decay_iters * per_iteration if config.lr_wsd_decay_iters is not None else None
+        if config.lr_warmup_fraction is not None:
+            warmup = config.lr_warmup_fraction * decay
+        return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
+                   wsd, config.lr_wsd_decay_style)
+
+    def lr(self, num_steps: float) -> float:
+        """The learning rate of a step taken when the schedule has advanced `num_steps` samples."""
+        if self.warmup > 0 and num_steps <= self.warmup:
+            return self.init_lr + (self.max_lr - self.init_lr) * num_steps / self.warmup
+        if self.style == "constant":
+            return self.max_lr
+        if num_steps > self.decay:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * max(self.warmup, 1) ** 0.5 / max(num_steps, 1) ** 0.5)
+        ratio = (num_steps - self.warmup) / (self.decay - self.warmup)
+        if self.style == "linear":
+            coefficient = 1.0 - ratio
+        elif self.style == "cosine":
+            coefficient = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:   # WSD: constant until the anneal's samples before the end, then the anneal
+            anneal_start = self.decay - self.wsd_decay
+            coefficient = 1.0 if num_steps <= anneal_start else \
+                _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+    def state(self, num_steps: float) -> Dict[str, Any]:
+        """What a checkpoint records: the schedule and where it stands."""
+        return dict(dataclasses.asdict(self), num_steps=num_steps)
+
+    def differences(self, saved: "LearningRateSchedule") -> List[str]:
+        """'what: X in the checkpoint, Y now' for each compared value that differs."""
+        return [f"{what}: {_shown(getattr(saved, n))} in the checkpoint, {_shown(getattr(self, n))} now"
+                for n, what in self.COMPARED.items() if getattr(saved, n) != getattr(self, n)]
 
 
-def learning_rate(consumed_samples: int, batch_size: int, config) -> float:
-    """The lr of the optimizer step that starts after `consumed_samples` and consumes `batch_size` more,
-    under a `TrainConfig` (warmup reaches the step's end: the first step does not run at lr 0)."""
-    warmup, decay = schedule_lengths(config)
-    if warmup > 0 and consumed_samples < warmup:
-        start = config.lr_warmup_init
-        return start + (config.lr - start) * min(1.0, (consumed_samples + batch_size) / warmup)
-    if config.lr_decay_style == "constant":
-        return config.lr
-    span = max(decay - warmup, 1)
-    ratio = min(max((consumed_samples - warmup) / span, 0.0), 1.0)
-    if config.lr_decay_style == "linear":
-        coefficient = 1.0 - ratio
-    else:
-        coefficient = 0.5 * (1.0 + math.cos(math.pi * ratio))
-    return config.min_lr + (config.lr - config.min_lr) * coefficient
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resumed_schedule(current: LearningRateSchedule, saved: Dict[str, Any], override: bool,
+                     use_checkpoint: bool) -> LearningRateSchedule:
+    """The schedule a resume runs: the command line's if it equals the checkpoint's or with `override`
+    (--override-opt_param-scheduler), the checkpoint's with `use_checkpoint`; else a ConfigError listing what
+    differs (Megatron refuses the same way). --lr-warmup-init and the WSD anneal are the command line's, as in
+    Megatron (its checkpoint does not record them)."""
+    checkpoint = dataclasses.replace(current, **{n: saved[n] for n in current.COMPARED})
+    if override:
+        return current
+    if use_checkpoint:
+        return checkpoint
+    differences = current.differences(checkpoint)
+    if differences:
+        raise ConfigError(f"--load: the checkpoint's learning-rate schedule differs ({'; '.join(differences)}); "
+                          "give --override-opt_param-scheduler to take the command line's or "
+                          "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return current

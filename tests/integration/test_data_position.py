@@ -1,7 +1,10 @@
 """The data position is the samples a run consumed (Megatron's consumed samples): a resume with another
 --global-batch-size, a batch-size ramp and the validation windows all read on from where the run stood."""
+import pytest
+
 from moezero import checkpoint
-from tests.integration.pretrain_utils import TINY, configs
+from moezero.config import ConfigError
+from tests.integration.pretrain_utils import TINY, TINY_SAMPLES, configs
 from moezero.recipe import pretraining
 
 
@@ -40,8 +43,10 @@ def test_a_resume_with_another_batch_size_reads_on_from_the_consumed_samples(tmp
     assert first.data.train.read == list(range(40))
     assert first.data.valid.read == list(range(16))   # evaluations at 2 and 4: windows 0..7 and 8..15
     assert _saved_progress(ckpt)["consumed_train_samples"] == 40
-    second = _run(TINY + evals + ["--train-iters", "10", "--global-batch-size", "16", "--load", ckpt,
-                                          "--save", ckpt], cache)
+    resume = TINY + evals + ["--train-iters", "10", "--global-batch-size", "16", "--load", ckpt, "--save", ckpt]
+    with pytest.raises(ConfigError, match="learning-rate schedule differs"):   # in samples, as Megatron's
+        _run(resume, cache)
+    second = _run(resume + ["--override-opt_param-scheduler"], cache)
     assert second.data.train.read[:16] == list(range(40, 56))   # not 80..95 (iteration 5 x 16)
     assert second.data.train.read == list(range(40, 120))
     assert second.data.valid.read == list(range(16, 16 + 3 * 16))   # at 6, 8 and 10: batches of 16 now
@@ -52,8 +57,8 @@ def test_a_resume_with_another_batch_size_reads_on_from_the_consumed_samples(tmp
 
 def test_a_ramp_grows_the_batch_by_consumed_samples_and_resumes_on_it(tmp_path):
     cache, ckpt = str(tmp_path), str(tmp_path / "ckpt")
-    ramp = TINY + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16", "--train-samples", "80",
-                   "--lr-warmup-samples", "8", "--lr-warmup-iters", "0"]
+    ramp = TINY_SAMPLES + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16", "--train-samples",
+                           "80", "--lr-warmup-samples", "8"]
     straight = _run(ramp, cache)
     sizes = [4, 4, 8, 12, 16, 16, 16, 16]
     assert len(straight.history) == len(sizes) and straight.data.train.read == list(range(sum(sizes)))

@@ -44,8 +44,10 @@ def test_a_megatron_launch_line_runs_unchanged(tmp_path):
     assert f"no checkpoint in --load={ckpt} yet (it is also --save)" in out
     assert "world 2, ep 2, ZeRO stage 1" in out                      # --use-distributed-optimizer
     assert re.search(r"iteration 6/6 \| consumed samples: +48 ", out)  # 48 samples / 8 per iteration
-    # warmup 4.8 samples < one iteration: the first step runs at the peak lr (Megatron's sample schedule)
-    assert re.search(r"iteration 1/6 .*learning rate: 3\.000000E-03", out)
+    # warmup 4.8 samples < one iteration: the first step runs at --lr-warmup-init (Megatron's scheduler at
+    # num_steps 0), the second past the warmup, 8 samples into the cosine decay
+    assert re.search(r"iteration 1/6 .*learning rate: 0\.000000E\+00", out)
+    assert re.search(r"iteration 2/6 .*learning rate: 2\.963[0-9]+E-03", out)
     for label in ("max rss (MB)", "zero held (MB)", "moe max/mean load"):
         assert label in out
     assert "validation loss at iteration 6 on test set" in out      # the final test-split evaluation

@@ -7,8 +7,8 @@ import pytest
 from moezero.config import ConfigError
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.configs import TrainConfig, validate
-from moezero.training.schedule import learning_rate
-from tests.integration.pretrain_utils import TINY, configs
+from moezero.training.schedule import LearningRateSchedule
+from tests.integration.pretrain_utils import TINY, TINY_SAMPLES, configs
 
 
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex")
@@ -64,11 +64,11 @@ def test_every_batch_still_to_come_must_split_into_micro_steps():
 
 
 def test_train_samples_along_a_ramp_count_the_steps_they_take():
-    cfg = configs(TINY + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16", "--train-samples",
-                          "80", "--lr-warmup-iters", "0"])
+    cfg = configs(TINY_SAMPLES + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16",
+                                  "--train-samples", "80"])
     validate(cfg, world_size=1)
     assert cfg.train.train_iters == 8   # 4 4 8 12 16 16 16 16: 92 >= 80 samples
-    cfg = configs(TINY + ["--train-samples", "100", "--lr-warmup-iters", "0"])   # resumed at 40 with batch 8
+    cfg = configs(TINY_SAMPLES + ["--train-samples", "100"])   # resumed at 40 with batch 8
     validate(cfg, world_size=1, start_iteration=5, consumed_samples=40)
     assert cfg.train.train_iters == 5 + 60 // 8
 
@@ -78,7 +78,8 @@ def test_the_lr_schedule_follows_consumed_samples():
     lr is that of the samples consumed, not of the iteration."""
     t = TrainConfig(global_batch_size=16, train_samples=160, lr=1.0, min_lr=0.0, lr_warmup_samples=32,
                     lr_decay_style="linear", rampup_batch_size=[4, 4, 24])
-    assert learning_rate(0, 4, t) == pytest.approx(4 / 32) and learning_rate(28, 16, t) == pytest.approx(1.0)
-    assert learning_rate(96, 16, t) == pytest.approx(1 - (96 - 32) / 128)
+    lr = LearningRateSchedule.from_config(t).lr
+    assert lr(4) == pytest.approx(4 / 32) and lr(32) == pytest.approx(1.0)
+    assert lr(96) == pytest.approx(1 - (96 - 32) / 128)
     iters = TrainConfig(global_batch_size=16, train_iters=10, lr=1.0, min_lr=0.0, lr_decay_style="linear")
-    assert learning_rate(40, 16, iters) == pytest.approx(1 - 40 / 160)   # iteration 2.5 of 10 at batch 16
+    assert LearningRateSchedule.from_config(iters).lr(40) == pytest.approx(1 - 40 / 160)   # iteration 2.5 of 10

@@ -13,7 +13,7 @@ from moezero.moe import MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.training.builders import build_model
 from moezero.training.configs import TrainConfig
-from moezero.training.schedule import learning_rate
+from moezero.training.schedule import LearningRateSchedule
 from tests.integration.pretrain_utils import configs
 
 SMALL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40, hidden_dropout=0.0,
@@ -150,4 +150,5 @@ def test_megatron_fsdp_flags_that_change_numbers_are_checked():
 
 def test_lr_warmup_init_is_where_warmup_starts():
     t = TrainConfig(global_batch_size=8, train_iters=100, lr=1.0, lr_warmup_iters=10, lr_warmup_init=0.5)
-    assert learning_rate(0, 8, t) == pytest.approx(0.5 + 0.5 * 0.1) and learning_rate(72, 8, t) == 1.0
+    lr = LearningRateSchedule.from_config(t).lr
+    assert lr(0) == 0.5 and lr(8) == pytest.approx(0.5 + 0.5 * 0.1) and lr(80) == 1.0

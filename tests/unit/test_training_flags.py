@@ -12,7 +12,7 @@ from moezero.recipe import CONFIG_CLASSES
 from moezero.training.args import build_parser, parse_configs
 from moezero.training.configs import DESCRIPTION, TrainConfig
 from moezero.training.launch import interrupt_message
-from moezero.training.schedule import learning_rate
+from moezero.training.schedule import LearningRateSchedule
 from moezero.training.stopping import StopConditions
 from tests.dist_utils import run_distributed
 
@@ -89,12 +89,13 @@ def test_sample_based_schedule_is_megatrons():
                     lr_decay_style="linear")
     assert t.train_iters == 100
     # warmup 80 samples = 10 iterations, then linear decay over the remaining 720 samples
-    assert learning_rate(0, 8, t) == pytest.approx(0.1) and learning_rate(72, 8, t) == pytest.approx(1.0)
-    assert learning_rate(440, 8, t) == pytest.approx(1 - (55 * 8 - 80) / 720)
+    lr = LearningRateSchedule.from_config(t).lr
+    assert lr(0) == 0.0 and lr(8) == pytest.approx(0.1) and lr(80) == pytest.approx(1.0)
+    assert lr(440) == pytest.approx(1 - (55 * 8 - 80) / 720)
     iters = TrainConfig(train_iters=100, global_batch_size=8, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1,
                         lr_decay_style="linear")
-    assert [learning_rate(i * 8, 8, iters) for i in (0, 9, 55)] == \
-        pytest.approx([learning_rate(i * 8, 8, t) for i in (0, 9, 55)])
+    assert [LearningRateSchedule.from_config(iters).lr(i * 8) for i in (0, 9, 55)] == \
+        pytest.approx([lr(i * 8) for i in (0, 9, 55)])
     assert TrainConfig().lr_warmup_iters == 0 and TrainConfig().train_iters == 200   # Megatron: no warmup
 
 

@@ -1,0 +1,118 @@
+"""The learning-rate schedule against megatron-core's own OptimizerParamScheduler, driven as Megatron's training
+loop drives it (built at num_steps 0, stepped by each successful step's samples), over warmup, decay and the
+tail of every decay style; and what a resume does with a changed schedule (Megatron's _check_and_set)."""
+import logging
+import types
+
+import pytest
+
+from moezero.config import ConfigError
+from moezero.training.configs import TrainConfig
+from moezero.training.schedule import LearningRateSchedule, resumed_schedule
+
+optimizer_param_scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+
+
+def megatron_scheduler(t: TrainConfig, **kwargs):
+    """Megatron's scheduler for the run `t` (training.py's get_optimizer_param_scheduler, iteration-based)."""
+    logging.getLogger("megatron.core").setLevel(logging.ERROR)
+    optimizer = types.SimpleNamespace(param_groups=[{}])
+    gbs = t.global_batch_size
+    decay = (t.lr_decay_iters or t.train_iters) * gbs
+    warmup = t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None else t.lr_warmup_iters * gbs
+    wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters is not None else None
+    kwargs = {"use_checkpoint_opt_param_scheduler": False, **kwargs}   # the parser's default, not the class's
+    return optimizer_param_scheduler.OptimizerParamScheduler(
+        optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=t.train_iters * gbs, wd_incr_style="constant", wsd_decay_steps=wsd,
+        lr_wsd_decay_style=t.lr_wsd_decay_style, **kwargs), optimizer
+
+
+STYLES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "inverse-square-root")] + \
+         [dict(lr_decay_style="WSD", lr_wsd_decay_style=w, lr_wsd_decay_iters=6)
+          for w in ("exponential", "linear", "cosine", "minus_sqrt")]
+
+
+@pytest.mark.parametrize("style", STYLES, ids=lambda s: s.get("lr_wsd_decay_style", s["lr_decay_style"]))
+@pytest.mark.parametrize("warmup", [dict(lr_warmup_iters=5, lr_warmup_init=1e-4), dict(lr_warmup_fraction=0.25),
+                                    dict()], ids=["iters+init", "fraction", "none"])
+def test_every_step_runs_megatrons_lr(style, warmup):
+    """30 steps of a 24-step decay (the tail at min_lr), one skipped step (no advance, as Megatron)."""
+    t = TrainConfig(lr=3e-3, min_lr=3e-4, train_iters=30, lr_decay_iters=24, global_batch_size=8, **style, **warmup)
+    theirs, optimizer = megatron_scheduler(t)
+    ours, num_steps = LearningRateSchedule.from_config(t), 0
+    for step in range(t.train_iters):
+        assert ours.lr(num_steps) == optimizer.param_groups[0]["lr"], (step, num_steps)
+        if step != 7:   # a skipped step advances neither
+            theirs.step(increment=t.global_batch_size)
+            num_steps += t.global_batch_size
+
+
+def test_the_first_step_runs_at_the_warmup_init_and_the_warmup_ends_at_lr():
+    schedule = LearningRateSchedule.from_config(TrainConfig(lr=1.0, lr_warmup_iters=4, global_batch_size=2,
+                                                            lr_warmup_init=0.2, lr_decay_style="constant"))
+    assert [schedule.lr(2 * i) for i in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
+
+
+def test_sample_based_lengths_are_megatrons():
+    t = TrainConfig(train_samples=800, global_batch_size=8, lr_warmup_samples=80, lr_decay_samples=640,
+                    lr_decay_style="WSD", lr_wsd_decay_samples=100)
+    assert LearningRateSchedule.from_config(t) == LearningRateSchedule(0.0, t.lr, 0.0, 80, 640, "WSD", 100,
+                                                                       "exponential")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(lr_warmup_iters=200), "--lr-warmup-iters=200: the warmup (3200 samples) must end before"),
+    (dict(lr_warmup_fraction=1.0), "--lr-warmup-fraction=1.0: the warmup (3200 samples) must end before"),
+    (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters=None: --lr-decay-style WSD needs"),
+    (dict(lr_warmup_init=1.0, lr=0.1), "--lr-warmup-init=1.0: must be <= --lr"),
+    (dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+     "--override-opt_param-scheduler=True: give it or --use-checkpoint-opt_param-scheduler"),
+])
+def test_what_megatrons_scheduler_asserts_is_one_line(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**kwargs)
+
+
+def _resume(saved_config, new_config, **flags):
+    """moezero's and Megatron's answer to resuming `saved_config`'s schedule at step 10 with `new_config`."""
+    saved, new = (LearningRateSchedule.from_config(c) for c in (saved_config, new_config))
+    theirs, optimizer = megatron_scheduler(new_config, **flags)
+    state, _ = megatron_scheduler(saved_config)
+    state.step(10 * saved_config.global_batch_size)
+    try:
+        theirs.load_state_dict(state.state_dict())
+        megatron = optimizer.param_groups[0]["lr"]
+    except AssertionError:
+        megatron = "refused"
+    try:
+        schedule = resumed_schedule(new, saved.state(10 * saved_config.global_batch_size),
+                                    flags.get("override_opt_param_scheduler", False),
+                                    flags.get("use_checkpoint_opt_param_scheduler", False))
+        ours = schedule.lr(10 * saved_config.global_batch_size)
+    except ConfigError as exc:
+        ours = "refused"
+        assert "--override-opt_param-scheduler" in str(exc) and "in the checkpoint" in str(exc)
+    return ours, megatron
+
+
+@pytest.mark.parametrize("change", [dict(lr=1e-3), dict(min_lr=1e-5), dict(lr_warmup_iters=2),
+                                    dict(train_iters=40), dict(lr_decay_style="cosine"), dict()])
+@pytest.mark.parametrize("flags", [dict(), dict(override_opt_param_scheduler=True),
+                                   dict(use_checkpoint_opt_param_scheduler=True)], ids=["none", "override", "ckpt"])
+def test_a_changed_schedule_on_resume_is_decided_as_megatron_does(change, flags):
+    base = dict(lr=3e-3, min_lr=1e-4, train_iters=30, global_batch_size=8, lr_warmup_iters=4)
+    ours, megatron = _resume(TrainConfig(**base), TrainConfig(**{**base, **change}), **flags)
+    assert ours == megatron
+    assert (ours == "refused") == (bool(change) and not flags)
+
+
+def test_a_refusal_names_every_difference():
+    saved = LearningRateSchedule.from_config(TrainConfig(lr=3e-3, train_iters=30))
+    with pytest.raises(ConfigError) as exc:
+        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(lr=1e-3, train_iters=40)), saved.state(80),
+                         False, False)
+    assert "--lr: 0.003 in the checkpoint, 0.001 now" in str(exc.value)
+    assert "the decay length (--lr-decay-*, --train-iters / --train-samples): 480 in the checkpoint, 640 now" \
+        in str(exc.value)
