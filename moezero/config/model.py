@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from moezero.config.options import Validated, option
+from moezero.config.options import ConfigError, Validated, flag_of, option
 
 @dataclass
 class MoEConfig(Validated):
@@ -185,8 +185,12 @@ class GPTConfig(Validated):
                                       "shared by all heads)", flag="--qk-pos-emb-head-dim", defines_model=True)
     v_head_dim: int = option(128, "MLA: each head's value width", flag="--v-head-dim", defines_model=True)
     rope_type: Optional[str] = option(None, "rope, or yarn: YaRN's context extension (--rotary-scaling-factor, "
-                                      "--mscale, --mscale-all-dim, --yarn-*)", flag="--rope-type",
-                                      choices=("rope", "yarn"), defines_model=True)
+                                      "--mscale, --mscale-all-dim, --yarn-*). Default as Megatron's: yarn with "
+                                      "--multi-latent-attention (MLATransformerConfig's), else rope",
+                                      flag="--rope-type", choices=("rope", "yarn"), defines_model=True)
+    rotary_seq_len_interpolation_factor: Optional[int] = option(
+        None, "linear position interpolation: RoPE sees each position divided by this (Megatron applies it to "
+        "standard attention's RoPE only)", flag="--rotary-seq-len-interpolation-factor", defines_model=True)
     rotary_scaling_factor: float = option(1.0, "YaRN: the context extension factor", flag="--rotary-scaling-factor",
                                           defines_model=True)
     mscale: float = option(1.0, "YaRN: mscale of the cos/sin scale", flag="--mscale", defines_model=True)
@@ -279,6 +283,7 @@ class GPTConfig(Validated):
                           "num_query_groups", f"must divide --num-attention-heads ({self.num_attention_heads})")
         self._require(0.0 < self.rotary_percent <= 1.0, "rotary_percent", "must be in (0, 1]")
         self._check_latent_attention()
+        self._check_position_interpolation()
         self._require(self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
         if self.position_embedding_type == "rope":
             self._require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0, "rotary_percent",
@@ -286,6 +291,8 @@ class GPTConfig(Validated):
                           f"--rotary-percent {self.rotary_percent} = {self.kv_channels * self.rotary_percent:g})")
 
     def _check_latent_attention(self) -> None:
+        if self.rope_type is None:   # Megatron pops an unset --rope-type, so MLATransformerConfig's default wins
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
         if self.rope_type == "yarn":   # Megatron's MLA defaults
             self.yarn_original_max_position_embeddings = self.yarn_original_max_position_embeddings or 4096
             self.yarn_beta_fast = 32.0 if self.yarn_beta_fast is None else self.yarn_beta_fast
@@ -299,6 +306,30 @@ class GPTConfig(Validated):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.qk_pos_emb_head_dim >= 2 and self.qk_pos_emb_head_dim % 2 == 0, "qk_pos_emb_head_dim",
                       "must be even and >= 2")
+
+    def _check_position_interpolation(self) -> None:
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is None:
+            return
+        self._require(factor >= 1, "rotary_seq_len_interpolation_factor", "must be >= 1")
+        self._require(self.position_embedding_type == "rope" and not self.multi_latent_attention,
+                      "rotary_seq_len_interpolation_factor", "Megatron applies it only to standard attention's "
+                      "RoPE (--position-embedding-type rope without --multi-latent-attention); drop it")
+
+    # MLATransformerConfig's YaRN fields that no Megatron flag reaches (its --yarn-* flags have other names)
+    MLA_YARN = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
+
+    @classmethod
+    def check_command_line(cls, values: Dict[str, Any]) -> None:
+        """Megatron's reading of a command line where it differs from the config's: its multi-latent attention
+        takes MLA_YARN whatever --yarn-* say, so a value that differs would train another model than Megatron
+        does with the same script. (Hugging Face configs set these fields, and mean them.)"""
+        if not values.get("multi_latent_attention"):
+            return
+        for name, megatrons in cls.MLA_YARN.items():
+            if values.get(name) is not None and values[name] != megatrons:
+                raise ConfigError(f"{flag_of(cls, name)}={values[name]:g}: Megatron's multi-latent attention does "
+                                  f"not read it (MLATransformerConfig keeps {megatrons:g}); drop it or give that")
 
     @property
     def query_groups(self) -> int:
@@ -329,7 +360,8 @@ def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict
     """Configs a checkpoint or export stored before a field existed, as the model they describe:
     - before --disable-bias-linear the attention and dense MLPs had biases and the MoE layers (experts, router,
       shared expert) had none;
-    - before --no-bias-gelu-fusion every GELU was the exact one."""
+    - before --no-bias-gelu-fusion every GELU was the exact one;
+    - before --multi-latent-attention meant YaRN by default (Megatron's), an unset --rope-type was plain RoPE."""
     model, moe = configs.get("model"), configs.get("moe")
     if not model or "num_layers" not in model:
         return configs
@@ -339,7 +371,9 @@ def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict
         if moe is not None:
             out["moe"] = dict(moe, bias=False)
     if "no_bias_gelu_fusion" not in model:
-        out["model"] = dict(model, no_bias_gelu_fusion=True)
+        out["model"] = model = dict(model, no_bias_gelu_fusion=True)
+    if model.get("rope_type", "rope") is None:   # before MLA's yarn default an unset --rope-type was RoPE
+        out["model"] = dict(model, rope_type="rope")
     return out
 
 

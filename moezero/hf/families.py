@@ -121,6 +121,8 @@ class Family:
             yield "multi-latent attention or YaRN (it has plain attention and RoPE)"
         if gpt.position_embedding_type != "rope":
             yield f"--position-embedding-type {gpt.position_embedding_type} (it uses rope)"
+        if gpt.rotary_seq_len_interpolation_factor is not None:
+            yield "--rotary-seq-len-interpolation-factor (it has no position interpolation)"
         if gpt.normalization != "RMSNorm":
             yield f"--normalization {gpt.normalization} (it uses RMSNorm)"
         if not gpt.swiglu:
@@ -165,7 +167,7 @@ class DeepSeekFamily(Family):
         gpt = GPTConfig(
             **_decoder_fields(hf, rope), qk_layernorm=True, multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
             qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"], rope_type="yarn" if yarn else None,
+            v_head_dim=hf["v_head_dim"], rope_type="yarn" if yarn else "rope",
             rotary_scaling_factor=float(rope.get("factor", 1.0)) if yarn else 1.0,
             mscale=float(rope.get("mscale") or 0.0) if yarn else 1.0,
             mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if yarn else 0.0,

@@ -57,7 +57,8 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = norm_layer(config, kv_width if self.full_width_norm else self.head_dim)
         self.rotary = None
         if config.position_embedding_type == "rope":
-            self.rotary = Rotary(config.rotary_dim, config.rotary_base, yarn_of(config))
+            self.rotary = Rotary(config.rotary_dim, config.rotary_base, yarn_of(config),
+                                 position_interpolation=config.rotary_seq_len_interpolation_factor)
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
         q, k, v = self._heads(self.qkv(x_BSD))

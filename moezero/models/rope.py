@@ -73,9 +73,14 @@ def _correction_dim(rotations: float, dim: int, base: float, max_positions: int)
 
 
 class Rotary(nn.Module):
-    def __init__(self, dim: int, base: float, yarn: Optional[YarnScaling] = None, deinterleave: bool = False):
+    """`position_interpolation`: linear position interpolation (Megatron's --rotary-seq-len-interpolation-factor),
+    each position divided by it."""
+
+    def __init__(self, dim: int, base: float, yarn: Optional[YarnScaling] = None, deinterleave: bool = False,
+                 position_interpolation: Optional[float] = None):
         super().__init__()
         self.dim, self.base, self.yarn, self.deinterleave = dim, base, yarn, deinterleave
+        self.position_interpolation = position_interpolation
         self._tables: dict = {}
 
     def tables(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +90,10 @@ class Rotary(nn.Module):
                 inv_freq = self.yarn.inverse_frequencies(self.dim, self.base)
             else:
                 inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
-            angles = torch.outer(torch.arange(seq_length, dtype=torch.float32).to(dtype), inv_freq.to(dtype))
+            positions = torch.arange(seq_length, dtype=torch.float32)
+            if self.position_interpolation is not None:
+                positions *= 1 / self.position_interpolation   # in fp32, as Megatron scales its positions
+            angles = torch.outer(positions.to(dtype), inv_freq.to(dtype))
             scale = self.yarn.attention_factor if self.yarn is not None else 1.0
             self._tables[key] = (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
         return self._tables[key]

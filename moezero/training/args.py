@@ -143,6 +143,9 @@ def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Ty
         section, _, name = dest.partition(".")
         if section in values:
             values[section][name] = value
+    for cls in config_classes:   # Megatron's reading of the command line, where a config alone cannot tell
+        if hasattr(cls, "check_command_line"):
+            cls.check_command_line(values[cls.section])
     return {cls.section: cls(**values[cls.section]) for cls in config_classes}
 
 
