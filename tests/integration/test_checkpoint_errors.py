@@ -59,6 +59,10 @@ CASES = {
                       "--use-checkpoint-args"),
     "no such step": (None, ["--ckpt-step", "7"], "--ckpt-step=7: --load="),
     "train-iters below": (None, ["--train-iters", "1"], "--train-iters=1: below the iteration of the checkpoint"),
+    "another lr schedule": (None, ["--lr", "1e-2", "--lr-decay-style", "linear"],
+                            "learning-rate schedule differs (--lr: 0.003 in the checkpoint, 0.01 now; "
+                            "--lr-decay-style: cosine in the checkpoint, linear now); give "
+                            "--override-opt_param-scheduler"),
 }
 
 
@@ -144,6 +148,8 @@ def test_what_resume_finetune_no_load_optim_and_no_load_rng_load(saved, tmp_path
         assert _has_optimizer_state(run_) == (name in ("resume", "fresh rng")), (name, "optimizer state")
         assert torch.equal(torch.get_rng_state(), saved_rng) == (name in ("resume", "fresh optimizer")), (name, "rng")
     assert (runs["finetune"].iteration, runs["resume"].iteration, runs["fresh optimizer"].iteration) == (0, 2, 2)
+    # the lr schedule is loaded with the optimizer (Megatron's): 2 steps of 8 samples, or from its start
+    assert [runs[n].lr_schedule_steps for n in ("resume", "fresh rng", "fresh optimizer", "finetune")] == [16, 16, 0, 0]
     straight = _built(FP64 + ["--train-iters", "3"], cache)   # three iterations in one go: what a resume must equal
     for run_ in (straight, runs["resume"], runs["fresh optimizer"]):
         run_.train()
