@@ -1,4 +1,4 @@
-"""Megatron-LM's command-line flags and defaults as JSON, read from its own argument parser: the oracle of
+"""Megatron-LM's command-line flags, defaults and value counts (nargs) as JSON, read from its own argument parser: the oracle of
 tests/unit/test_megatron_flags.py (every flag moezero shares with Megatron has Megatron's default), and the
 training script's list of Megatron flags it does not support (a one-line error naming them).
 
@@ -34,7 +34,8 @@ def main():
         for flag in action.option_strings:
             if flag.startswith("--"):
                 flags[flag] = {"dest": action.dest, "default": _plain(action.default), "action": kind,
-                               "choices": [_plain(c) for c in action.choices] if action.choices else None}
+                               "choices": [_plain(c) for c in action.choices] if action.choices else None,
+                               "nargs": action.nargs}
     json.dump({"megatron_core": package_info.__version__, "flags": flags}, sys.stdout, indent=1, sort_keys=True)
 
 

@@ -34,10 +34,12 @@ class MoEConfig(Validated):
                               "--moe-router-group-topk experts (Megatron, DeepSeek-V3), or its best expert "
                               "(DeepSeek-V2)", flag="--moe-router-group-score", choices=("top_sum", "max"),
                               defines_model=True)
-    load_balancing_type: str = option("aux_loss", "aux loss scope: micro-batch, per sequence, or none",
-                                      flag="--moe-router-load-balancing-type",
-                                      choices=("aux_loss", "seq_aux_loss", "none"))
-    aux_loss_coeff: float = option(0.0, "load-balancing aux loss coefficient", flag="--moe-aux-loss-coeff")
+    load_balancing_type: Union[str, List[str]] = option(
+        "aux_loss", "aux loss scope: micro-batch, per sequence, or none (Megatron's list of several: one here)",
+        flag="--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"), nargs="+")
+    aux_loss_coeff: Union[float, List[float]] = option(0.0, "load-balancing aux loss coefficient (one per "
+                                                       "--moe-router-load-balancing-type)",
+                                                       flag="--moe-aux-loss-coeff", nargs="+")
     z_loss_coeff: Optional[float] = option(None, "router z-loss coefficient", flag="--moe-z-loss-coeff")
     capacity_factor: Optional[float] = option(None, "expert capacity factor; None = dropless",
                                               flag="--moe-expert-capacity-factor")
@@ -75,6 +77,7 @@ class MoEConfig(Validated):
     init_seed: int = option(0, "seed of the layout-invariant init (taken from --seed)", flag=None)
 
     def __post_init__(self):
+        self._one_load_balancing_type()
         self._check_all_choices()
         self._require(self.hidden_size >= 1, "hidden_size", "must be >= 1")
         if self.ffn_hidden_size is not None:  # None: derived (a GPT's dense width, else 4 * hidden)
@@ -107,6 +110,16 @@ class MoEConfig(Validated):
                               f"must divide --moe-router-topk ({self.top_k}) to score groups by their top experts")
         self._require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                       "shared_expert_gate", "needs --moe-shared-expert-intermediate-size")
+
+
+    def _one_load_balancing_type(self) -> None:
+        """Megatron's lists (nargs '+') of one item are that item, as its validate_args makes them."""
+        for name in ("load_balancing_type", "aux_loss_coeff"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                self._require(len(value) == 1, name, "several load-balancing losses at once are not supported by "
+                              "moezero (one --moe-router-load-balancing-type with one --moe-aux-loss-coeff)")
+                setattr(self, name, value[0])
 
 
 def moe_layer_pattern(text: Any) -> Union[int, List[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from moezero.config.options import Validated, option
 
@@ -62,6 +62,7 @@ class ZeroConfig(Validated):
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
                                     choices=("fp32", "bf16", "fp64"))
+    grad_reduce_in_bf16: bool = option(False, "Megatron's: --grad-reduce-dtype bf16", flag="--grad-reduce-in-bf16")
     clip_grad: float = option(1.0, "clip the global grad norm to this (0 = off)", flag="--clip-grad")
     max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row",
                                     flag="--max-consecutive-skipped-steps")
@@ -82,6 +83,10 @@ class ZeroConfig(Validated):
                       "not supported by moezero (fp32, bf16 or auto)")
         if self.megatron_fsdp_grad_comm_dtype != "auto":
             self.grad_reduce_dtype = self.megatron_fsdp_grad_comm_dtype
+        if self.grad_reduce_in_bf16:
+            self._require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_in_bf16",
+                          f"contradicts --grad-reduce-dtype {self.grad_reduce_dtype}")
+            self.grad_reduce_dtype = "bf16"
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
         self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         self._require(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1")
@@ -96,9 +101,9 @@ class DataConfig(Validated):
     """Training data: Megatron indexed datasets, or the built-in standard-library corpus."""
 
     section = "data"
-    data_path: Optional[str] = option(None, "dataset prefix(es) '[w1] p1 [w2] p2 ...' of .bin/.idx files "
-                                      "(default: the Python standard library tokenized into a cache)",
-                                      flag="--data-path")
+    data_path: Optional[List[str]] = option(None, "dataset prefix(es) '[w1] p1 [w2] p2 ...' of .bin/.idx files, "
+                                            "as words or one quoted string (default: the Python standard "
+                                            "library tokenized into a cache)", flag="--data-path", nargs="*")
     split: str = option("969,30,1", "train,valid,test split weights", flag="--split")
     mock_data: bool = option(False, "Megatron's synthetic data (megatron-core's MockGPTDataset) instead of "
                              "--data-path, for benchmarks", flag="--mock-data")
@@ -121,6 +126,10 @@ class DataConfig(Validated):
 
     def __post_init__(self):
         self._check_all_choices()
+        if self.data_path is not None:   # Megatron's words ($DATA_BLEND unquoted), or one string of them
+            words = [self.data_path] if isinstance(self.data_path, str) else self.data_path
+            self.data_path = [part for word in words for part in word.split()]
+            self._require(bool(self.data_path), "data_path", "no dataset prefix given")
         parts = [p.strip() for p in re.split("[,/]", self.split)]
         self.split = ",".join(parts)  # Megatron accepts "," and "/"; everything downstream reads commas
         try:

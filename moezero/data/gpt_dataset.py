@@ -18,7 +18,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,9 +41,10 @@ class Blend:
     weights: Optional[Tuple[float, ...]] = None
 
 
-def parse_data_path(data_path: str) -> Blend:
-    """Parse `--data-path`: 'p1 p2 ...' or '[w1] p1 [w2] p2 ...' (Megatron's syntax)."""
-    words = data_path.split()
+def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
+    """Parse `--data-path`: 'p1 p2 ...' or '[w1] p1 [w2] p2 ...' (Megatron's syntax), as a string or words."""
+    words = data_path.split() if isinstance(data_path, str) else list(data_path)
+    data_path = " ".join(words)
     if not words:
         raise DataError(f"--data-path={data_path!r}: no dataset prefix given")
     weights = [_float_or_none(w) for w in words[0::2]] if len(words) % 2 == 0 else [None]

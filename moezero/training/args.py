@@ -84,10 +84,12 @@ class _Switch(argparse.BooleanOptionalAction):
 
 
 def _base_type(annotation: Any) -> Any:
-    """int / float / str / bool from an annotation like Optional[int]."""
+    """int / float / str / bool from an annotation like Optional[int] (List[str]: str, each word's, with nargs)."""
     if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0]
+        return _base_type(args[0])
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0]
     return annotation
 
 

@@ -40,7 +40,7 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
     else:
         train = max(t.train_samples or t.train_iters * t.global_batch_size, needed)
     valid, per_evaluation = 0, t.eval_iters * t.global_batch_size
-    if t.eval_interval:
+    if t.evaluates:
         evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1)
                           if i % t.eval_interval == 0 or i == t.train_iters)
         valid = max((t.train_iters // t.eval_interval + 1) * per_evaluation,

@@ -72,7 +72,8 @@ class TrainConfig(Validated):
     fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
     seed: int = option(1234, "seed for init, data order, dropout and jitter", flag="--seed")
     eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
-    eval_iters: int = option(100, "global batches per evaluation", flag="--eval-iters")
+    eval_iters: int = option(100, "global batches per evaluation (0: no validation or test evaluation)",
+                             flag="--eval-iters")
     log_interval: int = option(100, "the console line every N steps (and moezero's per-expert loads in "
                                "TensorBoard)", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
@@ -96,12 +97,12 @@ class TrainConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
+        for name in ("micro_batch_size", "global_batch_size", "log_interval",
                      "tensorboard_log_interval"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.train_iters is None or self.train_iters >= 1, "train_iters", "must be >= 1")
         self._require(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
-        for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "exit_interval"):
+        for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "eval_iters", "exit_interval"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("lr_decay_iters", "lr_decay_samples"):
             self._require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be >= 1")
@@ -140,6 +141,11 @@ class TrainConfig(Validated):
                           "SAMPLES >= 0")
             self._require((self.global_batch_size - start) % increment == 0, "rampup_batch_size",
                           f"INCREMENT must divide --global-batch-size - START ({self.global_batch_size - start})")
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether validation runs (Megatron's do_valid: --eval-interval and --eval-iters both above 0)."""
+        return self.eval_interval > 0 and self.eval_iters > 0
 
     @property
     def ramps_batch_size(self) -> bool:
@@ -208,7 +214,7 @@ class CheckpointConfig(Validated):
         self._require(self.keep_last >= 0, "keep_last", "must be >= 0")
         if self.ckpt_step is not None:
             self._require(self.ckpt_step >= 0, "ckpt_step", "must be >= 0")
-        for name in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune", "use_checkpoint_args"):
+        for name in ("ckpt_step", "finetune", "use_checkpoint_args"):   # --no-load-*: nothing to not load
             if getattr(self, name) not in (None, False):
                 self._require(self.load is not None, name, "needs --load")
 
@@ -256,7 +262,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
-    if cfg.train.eval_interval > 0 and cfg.data.split_weights[1] == 0:
+    if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")
     return num_micro_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)

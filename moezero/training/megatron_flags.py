@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from moezero.config import Validated, option
 
@@ -81,6 +81,13 @@ class ImplementationConfig(Validated):
                                                   flag="--check-for-nan-in-loss-and-grad")
     enable_experimental: bool = option(False, "accepted: moezero has no experimental switches",
                                        flag="--enable-experimental")
+    cross_entropy_loss_fusion: bool = option(False, SAME_NUMBERS, flag="--cross-entropy-loss-fusion")
+    logging_level: Optional[int] = option(None, "accepted: moezero's console lines are its own (Python's logging "
+                                          "is left as it is)", flag="--logging-level")
+    empty_unused_memory_level: int = option(0, "accepted: the caching allocator is left as it is",
+                                            flag="--empty-unused-memory-level", choices=(0, 1, 2))
+    tiktoken_pattern: Optional[str] = option(None, "accepted: only TikTokenizer reads it",
+                                             flag="--tiktoken-pattern", choices=("v1", "v2"))
     # logging Megatron switches on by flag and moezero always does
     log_timers_to_tensorboard: bool = option(False, "accepted: iteration-time (and throughput) are always logged",
                                              flag="--log-timers-to-tensorboard")

@@ -168,7 +168,7 @@ class Pretraining:
             board = t.tensorboard_dir is not None and self.iteration % t.tensorboard_log_interval == 0
             if console or board:   # decided alike on every rank: logging may run collectives
                 self._log_step(metrics, lr, batch_size, step_time, eta, console, board)
-            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+            if t.evaluates and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 self._evaluate("valid")
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self._save()
