@@ -4,8 +4,8 @@ Each config field declares its flag once (`moezero.config.option`); the argparse
 "<section>.<field>", so turning parsed arguments into configs is a loop with no renames.
 
 Megatron's conventions: `@args.txt` reads flags from a file (whitespace-separated, `#` comments, any
-number per line), and a bad command line costs one line: the error, a did-you-mean for a misspelled
-flag, and "see --help" (no 80-line usage dump).
+number per line), and a bad command line costs one line per problem, all of them at once: the error, a
+did-you-mean for a misspelled flag, and "see --help" (no 80-line usage dump).
 """
 from __future__ import annotations
 
@@ -17,62 +17,111 @@ import re
 import shlex
 import sys
 import typing
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Type
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 from moezero.config import ConfigError
 from moezero.training.megatron_flags import megatron_table
 
 
+_BAD = object()   # a value argparse could not read (its problem is recorded)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with @file arguments and one-line errors; under torchrun only rank 0 prints them."""
+    """argparse with @file arguments and errors that list every bad flag and value of a command line at once,
+    one line each (argparse stops at the first); under torchrun only rank 0 prints them."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("usage", "%(prog)s [--flag value ...] [@flags.txt ...]")
         super().__init__(fromfile_prefix_chars="@", allow_abbrev=False, **kwargs)
+        self._problems: Optional[List[str]] = None
+        self._outside_choices: set = set()
 
     def convert_arg_line_to_args(self, arg_line: str) -> List[str]:
         return shlex.split(arg_line, comments=True)
 
+    def parse_args(self, args=None, namespace=None):
+        namespace, problems = self.parse_with_problems(args, namespace)
+        self.fail(problems)
+        return namespace
+
+    def parse_with_problems(self, args=None, namespace=None) -> Tuple[argparse.Namespace, List[str]]:
+        """The namespace (a value it could not read is _BAD) and every problem of the command line."""
+        self._problems, self._outside_choices = [], set()
+        try:
+            namespace, extras = self.parse_known_args(args, namespace)
+        finally:
+            problems, self._problems = self._problems, None
+        for dest in self._outside_choices:   # reported once, here, not again by its config
+            setattr(namespace, dest, _BAD)
+        if extras:
+            problems.append("unrecognized arguments: " + " ".join(extras))
+        return namespace, problems
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:   # a value of the wrong type: recorded, parsing goes on
+            if self._problems is None:
+                raise
+            self._problems.append(str(exc))
+            return _BAD
+
+    def _check_value(self, action, value):
+        if value is _BAD:
+            return
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:   # a value outside the choices: recorded, parsing goes on
+            if self._problems is None:
+                raise
+            self._problems.append(str(exc))
+            self._outside_choices.add(action.dest)
+
     def error(self, message: str):
+        self.fail([message])
+
+    def fail(self, messages: Sequence[str]) -> None:
+        """Exit 2 with one line per problem (nothing when there is none)."""
+        lines = [line for message in messages for line in self._explained(message)]
+        if not lines:
+            return
         if os.environ.get("RANK", "0") != "0":
             sys.exit(2)
-        self.exit(2, f"{self.prog}: error: {self._explained(message)} (see --help)\n")
+        lines[-1] += " (see --help)"
+        self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines))
 
-    def _explained(self, message: str) -> str:
-        """Megatron-LM flags (or values) moezero lacks are named as such; a misspelling gets a did-you-mean."""
+    def _explained(self, message: str) -> List[str]:
+        """Megatron-LM flags (or values) moezero lacks are named as such, one line each; a misspelling gets a
+        did-you-mean."""
         choice = re.match(r"argument (--[\w-]+).*: invalid choice: '?([^' ]+)'?", message)
         if choice and choice[2] in [str(c) for c in megatron_table()["flags"].get(choice[1], {}).get("choices") or []]:
-            return f"{choice[1]} {choice[2]}: not supported by moezero ({message.split('(', 1)[-1].rstrip(')')})"
+            return [f"{choice[1]} {choice[2]}: not supported by moezero ({message.split('(', 1)[-1].rstrip(')')})"]
         if not message.startswith("unrecognized arguments:"):
-            return message
+            return [message]
         megatron = megatron_table()["flags"]
-        unsupported, unknown, owner_is_megatron = [], [], False
-        for word in message.split(":", 1)[1].split():   # a value belongs to the flag before it
-            if word.startswith("--"):
-                owner_is_megatron = word.split("=", 1)[0] in megatron
-                (unsupported if owner_is_megatron else unknown).append(word.split("=", 1)[0] if owner_is_megatron
-                                                                       else word)
-            elif not owner_is_megatron:
-                unknown.append(word)
-        parts = []
-        if unsupported:
-            parts.append(f"not supported by moezero: {', '.join(unsupported)} (Megatron-LM flags; see the README, "
-                         "'Coming from Megatron-LM')")
-        if unknown:
-            parts.append(f"unrecognized arguments: {' '.join(unknown)}{self._did_you_mean(unknown)}")
-        return "; ".join(parts)
+        lines = []
+        for flag, words in _by_flag(message.split(":", 1)[1].split()):
+            if flag in megatron:
+                lines.append(f"{flag}: not supported by moezero (a Megatron-LM flag; see the README, 'Coming from "
+                             "Megatron-LM')")
+            else:
+                lines.append(f"unrecognized arguments: {' '.join(words)}{self._did_you_mean(flag)}")
+        return lines
 
-    def _did_you_mean(self, words: List[str]) -> str:
+    def _did_you_mean(self, flag: Optional[str]) -> str:
         known = [s for s in self._option_string_actions if s.startswith("--")]
-        hints = {}
-        for word in words:
-            flag = word.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag.startswith("--") else []
-            if close:
-                hints[flag] = close[0]
-        if len(hints) == 1:
-            return f"; did you mean {next(iter(hints.values()))}?"
-        return f"; did you mean {', '.join(f'{v} (for {k})' for k, v in hints.items())}?" if hints else ""
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag else []
+        return f"; did you mean {close[0]}?" if close else ""
+
+
+def _by_flag(words: List[str]) -> List[Tuple[Optional[str], List[str]]]:
+    """(flag, its words) of an unrecognized stretch: a value belongs to the flag before it (None: no flag)."""
+    groups: List[Tuple[Optional[str], List[str]]] = []
+    for word in words:
+        if word.startswith("--") or not groups:
+            groups.append((word.split("=", 1)[0] if word.startswith("--") else None, []))
+        groups[-1][1].append(word)
+    return groups
 
 
 class _Switch(argparse.BooleanOptionalAction):
@@ -139,16 +188,25 @@ def build_parser(config_classes: Sequence[Type], description: str) -> ArgumentPa
 
 
 def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Type]) -> Dict[str, Any]:
-    """{section: config instance}; validation errors (ConfigError) name the flag."""
+    """{section: config instance}; validation errors (one ConfigError, a line per section) name the flag."""
     values: Dict[str, Dict[str, Any]] = {cls.section: {} for cls in config_classes}
     for dest, value in vars(namespace).items():
         section, _, name = dest.partition(".")
         if section in values:
             values[section][name] = value
-    for cls in config_classes:   # Megatron's reading of the command line, where a config alone cannot tell
-        if hasattr(cls, "check_command_line"):
-            cls.check_command_line(values[cls.section])
-    return {cls.section: cls(**values[cls.section]) for cls in config_classes}
+    problems, built = [], {}
+    for cls in config_classes:   # every section's first problem, so one launch lists them all
+        if any(v is _BAD for v in values[cls.section].values()):
+            continue   # the value argparse could not read is the problem reported
+        try:
+            if hasattr(cls, "check_command_line"):   # Megatron's reading, where a config alone cannot tell
+                cls.check_command_line(values[cls.section])
+            built[cls.section] = cls(**values[cls.section])
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return built
 
 
 def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
@@ -157,10 +215,12 @@ def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
 
 
 def parse_configs(argv: Optional[List[str]], config_classes: Sequence[Type], description: str) -> Dict[str, Any]:
-    """Parse argv into configs; a bad value exits with one line naming the flag."""
+    """Parse argv into configs; bad flags and values exit with one line each, naming the flag."""
     parser = build_parser(config_classes, description)
-    namespace = parser.parse_args(argv)
+    namespace, problems = parser.parse_with_problems(argv)
     try:
-        return configs_from_args(namespace, config_classes)
+        configs = configs_from_args(namespace, config_classes)
     except ConfigError as exc:
-        parser.error(str(exc))
+        problems += str(exc).splitlines()
+    parser.fail(problems)
+    return configs
