@@ -19,29 +19,33 @@ class Metric:
 
 
 METRICS: Dict[str, Metric] = {
-    # the training line, in console order (Megatron's labels and tags where Megatron logs the same)
-    "consumed_samples": Metric("consumed samples", "consumed-samples", ">8d"),
+    # the training line, in console order: Megatron's labels, formats and tags where Megatron logs the same
+    # (its training_log), then moezero's own fields
+    "consumed_samples": Metric("consumed samples", "consumed-samples", ">12d"),
     "step_time_ms": Metric("elapsed time per iteration (ms)", None, ".1f"),
     "iteration_time": Metric(None, "iteration-time"),   # seconds, as Megatron's
     "throughput": Metric("throughput per GPU (TFLOP/s/GPU)", "throughput", ".1f"),   # per rank, GPU or not
     "lr": Metric("learning rate", "learning-rate", ".6E", vs_samples=True),
-    "global_batch_size": Metric("global batch size", "batch-size", ">4d", vs_samples=True),
+    "global_batch_size": Metric("global batch size", "batch-size", ">5d", vs_samples=True),
     "lm_loss": Metric("lm loss", "lm loss", ".6E", vs_samples=True),
-    "aux_loss": Metric("aux loss", "aux loss", ".4E"),
-    "z_loss": Metric("z loss", "z loss", ".4E"),
+    # MoE losses without their coefficients, the mean over MoE layers, as Megatron's tracker names them
+    "load_balancing_loss": Metric("load_balancing_loss", "load_balancing_loss", ".6E"),
+    "seq_load_balancing_loss": Metric("seq_load_balancing_loss", "seq_load_balancing_loss", ".6E"),
+    "z_loss": Metric("z_loss", "z_loss", ".6E"),
+    "router_aux_loss": Metric(None, "aux loss"),   # moezero's: with their coefficients, summed over MoE layers
+    "router_z_loss": Metric(None, "z loss"),
     "loss_scale": Metric("loss scale", "loss-scale", ".1f", vs_samples=True),
-    "grad_norm": Metric("grad norm", "grad-norm", ".4f", vs_samples=True),
+    "grad_norm": Metric("grad norm", "grad-norm", ".3f", vs_samples=True),
     "num_zeros": Metric("num zeros", "num-zeros", "d", vs_samples=True),
     "params_norm": Metric("params norm", "params-norm", ".3f", vs_samples=True),
+    "skipped_iterations": Metric("number of skipped iterations", None, ">3d"),   # in the line's interval
+    "nan_iterations": Metric("number of nan iterations", None, ">3d"),
     "tokens_per_s": Metric("tokens/s", "tokens-per-sec", ".0f"),
-    "skipped_iterations": Metric("skipped iterations", "skipped-iterations", "d"),
     "max_rss_mb": Metric("max rss (MB)", "memory/max-rss-mb", ".0f"),
     "cuda_max_allocated_mb": Metric("max allocated (MB)", "memory/max-allocated-mb", ".0f"),
     "zero_held_mb": Metric("zero held (MB)", "memory/zero-held-mb", ".1f"),
     "moe_max_mean_load": Metric("moe max/mean load", "moe/max-mean-load-ratio", ".2f"),
-    # MoE losses without their coefficients, as Megatron's tracker names them (loss: load_balancing_loss,
-    # seq_load_balancing_loss, z_loss): the mean over MoE layers, and with --moe-per-layer-logging each layer
-    "moe_loss": Metric(None, "{loss}"),
+    # with --moe-per-layer-logging each MoE layer's loss (loss: a Megatron tracker name)
     "moe_layer_loss": Metric(None, "moe/{loss}_layer_{layer}"),
     # per MoE layer
     "max_mean_load_ratio": Metric(None, "moe/layer{layer}/max-mean-load-ratio"),

@@ -5,6 +5,7 @@ and tags come from `moezero.metrics`.
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
@@ -70,10 +71,12 @@ def build_logger(rank: int, tensorboard_dir: Optional[str]) -> Logger:
     return TensorBoardLogger(tensorboard_dir) if rank == 0 else NullLogger()
 
 
-def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float) -> str:
-    """Megatron-style: ' iteration   10/ 100 | consumed samples: ... | lm loss: ... | ETA: ... |'."""
-    width = len(str(train_iters))
-    parts = [f" iteration {iteration:>{width}}/{train_iters:>{width}}", *console_fields(values),
+def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,
+                      now: Optional[datetime.datetime] = None) -> str:
+    """Megatron's training_log line, ' [2026-12-02 08:00:37.123456] iteration       10/     100 | consumed
+    samples: ... | lm loss: ... |', with moezero's fields after Megatron's, ETA last."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
+    parts = [f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}", *console_fields(values),
              f"ETA: {format_duration(eta_s)}"]
     return " | ".join(parts) + " |"
 

@@ -34,7 +34,8 @@ class StepMetrics:
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
-        return {"lm_loss": self.lm_loss, **self.router_losses, "grad_norm": self.grad_norm}
+        router = {f"router_{name}": value for name, value in self.router_losses.items()}
+        return {"lm_loss": self.lm_loss, **router, "grad_norm": self.grad_norm}
 
 
 def _micro_batch_losses(model, batch, keys):
@@ -129,14 +130,18 @@ def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.T
     return out
 
 
-def moe_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics, moe, per_layer: bool) -> Dict[str, float]:
-    """Megatron's MoE loss scalars: each loss without its coefficient, the mean over MoE layers, and with
-    `per_layer` each layer's (tags as megatron-core's MoE metrics tracker writes them)."""
+def moe_losses(m: StepMetrics, moe) -> Dict[str, float]:
+    """Megatron's MoE losses ({name: value}, names as megatron-core's MoE metrics tracker gives them): each
+    loss the model has, without its coefficient, the mean over MoE layers."""
+    return {name: (m.layer_router_losses[loss] / coefficient).mean().item()
+            for loss, (name, coefficient) in megatron_loss_names(moe).items()}
+
+
+def moe_layer_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics, moe) -> Dict[str, float]:
+    """--moe-per-layer-logging: each MoE layer's losses, tagged as megatron-core's tracker writes them."""
     out: Dict[str, float] = {}
     for loss, (name, coefficient) in megatron_loss_names(moe).items():
         values = m.layer_router_losses[loss] / coefficient
-        out[tag("moe_loss", loss=name)] = values.mean().item()
-        if per_layer:
-            out.update({tag("moe_layer_loss", loss=name, layer=layer): value
-                        for layer, value in zip(layer_numbers, values.tolist())})
+        out.update({tag("moe_layer_loss", loss=name, layer=layer): value
+                    for layer, value in zip(layer_numbers, values.tolist())})
     return out

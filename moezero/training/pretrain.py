@@ -25,7 +25,9 @@ from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
 from moezero.training.configs import Configs, validate
 from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
-from moezero.training.loop import StepMetrics, evaluate, expert_load_scalars, moe_loss_scalars, train_step
+from moezero.training.log_interval import LogInterval
+from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
+                                   train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
                                      find_resume_point, start_iteration, start_lr_schedule, start_progress)
@@ -143,7 +145,7 @@ class Pretraining:
 
     def _loop(self, stop: StopConditions, loader: MicroBatchLoader) -> None:
         t, ck = self.cfg.train, self.cfg.checkpoint
-        run_timer = Timer()
+        run_timer, interval = Timer(), LogInterval()
         start_iteration = self.iteration
         while self.iteration < t.train_iters:
             consumed = self.progress.consumed_train_samples
@@ -163,11 +165,17 @@ class Pretraining:
             for plugin in self.plugins.values():
                 plugin.on_step_end(self.iteration)
             self.history.append({"iteration": self.iteration, **metrics.values()})
+            moe = moe_losses(metrics, self.cfg.moe) if self._moe_layer_numbers() else {}
+            interval.add(step_time, {"lm_loss": metrics.lm_loss, **moe}, metrics.stepped)
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
-            console = self.iteration % t.log_interval == 0 or self.iteration == t.train_iters
+            # Megatron's: every --log-interval and the run's first iteration (moezero's: and its last)
+            console = self.iteration % t.log_interval == 0 or self.iteration in (start_iteration + 1, t.train_iters)
             board = t.tensorboard_dir is not None and self.iteration % t.tensorboard_log_interval == 0
             if console or board:   # decided alike on every rank: logging may run collectives
-                self._log_step(metrics, lr, batch_size, step_time, eta, console, board)
+                # the lr Megatron logs is its scheduler's after the step: the next step's
+                logged_lr = self.lr_schedule.lr(self.lr_schedule_steps)
+                self._log_step(metrics, moe, logged_lr, batch_size, step_time, eta, board,
+                               interval if console else None)
             if t.evaluates and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 self._evaluate("valid")
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
@@ -176,11 +184,11 @@ class Pretraining:
             if self.stop_reason is not None:
                 return
 
-    def _log_step(self, m: StepMetrics, lr: float, batch_size: int, step_time: float, eta: float,
-                  console: bool, board: bool) -> None:
-        """The console line (`console`) and Megatron's TensorBoard scalars (`board`); moezero's per-expert
-        loads and plug-in scalars with the console line."""
-        values = self._step_values(m, lr, batch_size, step_time)
+    def _log_step(self, m: StepMetrics, moe: Dict[str, float], lr: float, batch_size: int, step_time: float,
+                  eta: float, board: bool, interval: Optional[LogInterval]) -> None:
+        """Megatron's TensorBoard scalars (`board`: the step's) and with `interval` the console line (averages
+        over the interval, then reset); moezero's per-expert loads and plug-in scalars with the console line."""
+        values = dict(self._step_values(m, lr, batch_size, step_time), **moe)
         layers = self._moe_layer_numbers()
         layer_loads = expert_load_scalars(layers, m.tokens_per_expert, m.dropped_fraction)
         ratios = [v for k, v in layer_loads.items() if k.endswith("max-mean-load-ratio")]
@@ -188,12 +196,15 @@ class Pretraining:
             values["moe_max_mean_load"] = max(ratios)
         if board:
             scalars = tensorboard_scalars(values)
-            if layers:
-                scalars.update(moe_loss_scalars(layers, m, self.cfg.moe, self.cfg.train.moe_per_layer_logging))
+            if layers and self.cfg.train.moe_per_layer_logging:
+                scalars.update(moe_layer_loss_scalars(layers, m, self.cfg.moe))
             self.logger.log(scalars, self.iteration)
             self.logger.log(vs_samples_scalars(values), self.progress.consumed_train_samples)
-        if console:
-            self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, values, eta))
+        if interval is not None:
+            line = dict(values, **interval.summary())
+            self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
+            interval.reset()
+            self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, line, eta))
             with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
                 for plugin in self.plugins.values():
                     layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
@@ -203,12 +214,8 @@ class Pretraining:
         t = self.cfg.train
         values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
                       step_time_ms=step_time * 1000, iteration_time=step_time, lr=lr, global_batch_size=batch_size,
-                      tokens_per_s=batch_size * self.cfg.model.seq_length / step_time,
-                      skipped_iterations=self.opt.skipped_steps, **self._memory_values())
-        if t.log_throughput:
-            moe = self.cfg.moe if self.cfg.moe.num_experts is not None else None
-            flops = flops_per_batch(self.cfg.model, moe, self.vocab_size, batch_size)
-            values["throughput"] = tflops_per_rank(flops, step_time, self.world)
+                      loss_scale=1.0, **self._memory_values())   # Megatron's loss scale without fp16: 1.0
+        self._rate_values(values, batch_size, step_time)
         if t.log_params_norm:
             values["params_norm"] = self.opt.params_norm()   # a collective: every rank logs
         if t.log_num_zeros_in_grad and self.opt.last_num_zeros_in_grad is not None:
@@ -216,6 +223,14 @@ class Pretraining:
         if self.opt.loss_scaler is not None:
             values["loss_scale"] = self.opt.loss_scaler.scale
         return values
+
+    def _rate_values(self, values: Dict[str, float], batch_size: int, step_time: float) -> None:
+        """tokens/s and (--log-throughput) TFLOP/s per rank at `step_time` seconds per step."""
+        values["tokens_per_s"] = batch_size * self.cfg.model.seq_length / step_time
+        if self.cfg.train.log_throughput:
+            moe = self.cfg.moe if self.cfg.moe.num_experts is not None else None
+            flops = flops_per_batch(self.cfg.model, moe, self.vocab_size, batch_size)
+            values["throughput"] = tflops_per_rank(flops, step_time, self.world)
 
     def _memory_values(self) -> Dict[str, float]:
         """This rank's peak process memory, what the optimizer holds, and (CUDA) the peak allocation."""

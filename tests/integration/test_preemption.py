@@ -31,7 +31,7 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
         output = []
         for line in proc.stdout:
             output.append(line)
-            if re.match(r" iteration +3/", line):
+            if re.search(r"\] iteration +3/", line):
                 proc.send_signal(signal.SIGTERM)   # to torchrun only: it forwards SIGTERM to its workers
                 break
         output.append(proc.communicate(timeout=120)[0])
@@ -69,7 +69,7 @@ def test_ctrl_c_without_the_handler_stops_at_once_with_exit_code_130(tmp_path):
         output = []
         for line in proc.stdout:
             output.append(line)
-            if re.match(r" iteration +3/", line):
+            if re.search(r"\] iteration +3/", line):
                 proc.send_signal(signal.SIGINT)
                 break
         output.append(proc.communicate(timeout=60)[0])

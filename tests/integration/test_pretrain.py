@@ -129,18 +129,20 @@ def test_tensorboard_scalars_are_written(tmp_path):
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    megatron = ["lm loss", "learning-rate", "batch-size", "grad-norm", "iteration-time", "throughput",
+    megatron = ["lm loss", "learning-rate", "batch-size", "grad-norm", "iteration-time", "throughput", "loss-scale",
                 "params-norm", "num-zeros", "lm loss validation", "lm loss validation ppl", "load_balancing_loss",
                 "z_loss", "moe/load_balancing_loss_layer_0", "moe/z_loss_layer_1"]
     series = [f"{t} vs samples" for t in ("lm loss", "learning-rate", "batch-size", "grad-norm", "params-norm",
-                                           "num-zeros", "lm loss validation", "lm loss validation ppl")]
+                                           "loss-scale", "num-zeros", "lm loss validation", "lm loss validation ppl")]
     own = ["aux loss", "z loss", "tokens-per-sec", "memory/max-rss-mb", "moe/layer0/max-mean-load-ratio",
            "moe/layer1/dropped-fraction", "moe/layer0/tokens-per-expert/3"]
     for tag in megatron + series + own:
         assert tag in tags, tag
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]   # --tensorboard-log-interval 1
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24]
-    assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [2, 3]   # --log-interval
+    # with the console line: the first iteration (Megatron's), every --log-interval, the last
+    assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss-scale")] == [1.0, 1.0, 1.0]   # Megatron's, without fp16
     assert events.Scalars("params-norm")[-1].value == pytest.approx(params_norm, rel=1e-6)
     assert all(0 < e.value for e in events.Scalars("throughput") + events.Scalars("load_balancing_loss"))
 

@@ -1,0 +1,47 @@
+"""The console line as Megatron's training_log prints it (megatron/training/training.py, megatron-core 0.19.2):
+its fields in its order and formats, the losses averaged over the iterations since the last line, the MoE
+losses under its tracker's names (mean over MoE layers, before the coefficient), the skipped and nan counts of
+the interval, the learning rate its scheduler holds after the step; moezero's fields after Megatron's."""
+import math
+import re
+
+import pytest
+
+from moezero.training.log_interval import LogInterval
+from moezero.training.schedule import LearningRateSchedule
+from tests.integration.pretrain_utils import TINY, configs, train
+
+MEGATRON_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
+    r"elapsed time per iteration \(ms\): \d+\.\d \| learning rate: (\S+) \| global batch size: +8 \| "
+    r"lm loss: (\d\.\d{6}E[+-]\d\d) \| load_balancing_loss: (\S+) \| z_loss: (\S+) \| loss scale: 1\.0 \| "
+    r"grad norm: \d+\.\d{3} \| number of skipped iterations: +0 \| number of nan iterations: +0 \| "
+    r"tokens/s: \d+ \| .* \| ETA: \S+ \|$")
+
+
+def test_the_console_line_is_megatrons(tmp_path, capsys):
+    history = train(TINY + ["--train-iters", "6", "--log-interval", "4"], str(tmp_path))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "] iteration " in line]
+    parsed = [MEGATRON_LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    assert [int(m[1]) for m in parsed] == [1, 4, 6] and {int(m[2]) for m in parsed} == {6}   # first, every 4th, last
+    assert [int(m[3]) for m in parsed] == [8, 32, 48]
+    losses = [h["lm_loss"] for h in history]
+    for m, window in zip(parsed, (losses[0:1], losses[1:4], losses[4:6])):   # the mean since the last line
+        assert m[5] == f"{sum(window) / len(window):.6E}"
+    schedule = LearningRateSchedule.from_config(configs(TINY + ["--train-iters", "6"]).train)
+    assert [float(m[4]) for m in parsed] == pytest.approx([schedule.lr(8 * i) for i in (1, 4, 6)], rel=1e-6)
+    assert all(0.5 < float(m[6]) < 2 for m in parsed)   # Switch's loss is ~1 for balanced routing (no coefficient)
+
+
+def test_an_interval_averages_stepped_iterations_and_counts_the_rest():
+    interval = LogInterval()
+    interval.add(0.1, {"lm_loss": 2.0, "z_loss": 1.0}, True)
+    interval.add(0.3, {"lm_loss": float("nan"), "z_loss": 5.0}, False)   # skipped, not finite: a nan iteration
+    interval.add(0.2, {"lm_loss": 4.0, "z_loss": 3.0}, True)
+    interval.add(0.2, {"lm_loss": 9.0, "z_loss": 9.0}, False)            # skipped (an fp16 overflow)
+    assert interval.summary() == pytest.approx({"lm_loss": 3.0, "z_loss": 2.0, "step_time_ms": 200.0,
+                                                "skipped_iterations": 2, "nan_iterations": 1})
+    interval.reset()
+    assert interval.summary() == {"step_time_ms": 0.0, "skipped_iterations": 0, "nan_iterations": 0}
+    assert math.isfinite(interval.summary()["step_time_ms"])
