@@ -44,6 +44,11 @@ METRICS: Dict[str, Metric] = {
     "max_rss_mb": Metric("max rss (MB)", "memory/max-rss-mb", ".0f"),
     "cuda_max_allocated_mb": Metric("max allocated (MB)", "memory/max-allocated-mb", ".0f"),
     "zero_held_mb": Metric("zero held (MB)", "memory/zero-held-mb", ".1f"),
+    # --log-memory-to-tensorboard on a GPU: Megatron's tags, from torch.cuda.memory_stats()
+    "mem_reserved_bytes": Metric(None, "mem-reserved-bytes"),
+    "mem_allocated_bytes": Metric(None, "mem-allocated-bytes"),
+    "mem_max_allocated_bytes": Metric(None, "mem-max-allocated-bytes"),
+    "mem_allocated_count": Metric(None, "mem-allocated-count"),
     "moe_max_mean_load": Metric("moe max/mean load", "moe/max-mean-load-ratio", ".2f"),
     # with --moe-per-layer-logging each MoE layer's loss (loss: a Megatron tracker name)
     "moe_layer_loss": Metric(None, "moe/{loss}_layer_{layer}"),

@@ -78,6 +78,12 @@ class TrainConfig(Validated):
                                "TensorBoard)", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
     tensorboard_log_interval: int = option(1, "TensorBoard scalars every N steps", flag="--tensorboard-log-interval")
+    wandb_project: Optional[str] = option(None, "Weights & Biases project: the TensorBoard scalars also go to a W&B "
+                                          "run (WANDB_MODE=offline writes it to local files)", flag="--wandb-project")
+    wandb_exp_name: Optional[str] = option(None, "the W&B run's name", flag="--wandb-exp-name")
+    wandb_save_dir: Optional[str] = option(None, "where the W&B run is written (default: <--save>/wandb)",
+                                           flag="--wandb-save-dir")
+    wandb_entity: Optional[str] = option(None, "the W&B team or user", flag="--wandb-entity")
     log_throughput: bool = option(False, "TFLOP/s per rank (Megatron's count: the routed experts, attention, "
                                   "logits)", flag="--log-throughput")
     log_params_norm: bool = option(False, "the L2 norm of the trainable weights", flag="--log-params-norm")
@@ -119,6 +125,8 @@ class TrainConfig(Validated):
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
         self._check_lr_schedule()
+        if self.wandb_project:
+            self._require(self.wandb_exp_name != "", "wandb_exp_name", "give the W&B run a name (Megatron's rule)")
 
     def _check_batch_ramps(self) -> None:
         """Resolves --global-batch-size: given, a step schedule's last size, or 16."""
@@ -262,6 +270,9 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
+    if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
+        raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "
+                          "written under <--save>/wandb by default, as Megatron's)")
     if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")

@@ -1,14 +1,17 @@
-"""Console lines in Megatron's format and TensorBoard scalars; a null logger on non-writing ranks.
+"""Console lines in Megatron's format, TensorBoard scalars and a Weights & Biases run; a null logger on
+non-writing ranks.
 
-Metrics are reduced on every rank before they get here; only the writing is rank 0's. Labels, formats
-and tags come from `moezero.metrics`.
+Metrics are reduced on every rank before they get here; only the writing is rank 0's (Megatron writes W&B
+from its last rank: the values are the same). Labels, formats and tags come from `moezero.metrics`.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any, Dict, Iterable, Mapping, Optional, Union
 
+from moezero.config import ConfigError
 from moezero.metrics import console_fields
 
 
@@ -16,6 +19,9 @@ class NullLogger:
     """Writes nothing (every rank but 0)."""
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
+        pass
+
+    def log_vs_samples(self, scalars: Dict[str, float], consumed_samples: int) -> None:
         pass
 
     def print(self, line: str) -> None:
@@ -28,11 +34,35 @@ class NullLogger:
         pass
 
 
-class TensorBoardLogger:
-    """Console lines to stdout; scalars ({tag: value}) to TensorBoard when a directory is given."""
+class WandbRun:
+    """A Weights & Biases run that gets the scalars TensorBoard gets at iteration steps (Megatron's wandb_writer:
+    --wandb-project, --wandb-exp-name, --wandb-save-dir, --wandb-entity; the run's flags as its config).
+    WANDB_MODE=offline writes it to local files only (`wandb sync` uploads them later)."""
 
-    def __init__(self, tensorboard_dir: Optional[str]):
-        self.writer = None
+    def __init__(self, project: str, name: Optional[str], save_dir: str, entity: Optional[str],
+                 config: Mapping[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--wandb-project: needs the wandb package (pip install wandb)") from None
+        os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(dir=save_dir, project=project, name=name, entity=entity,
+                              config={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                                      for k, v in config.items()})
+
+    def log(self, scalars: Dict[str, float], step: int) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TensorBoardLogger:
+    """Console lines to stdout; scalars ({tag: value}) to TensorBoard when a directory is given, and to a W&B
+    run when one is given (iteration-stepped scalars only: a W&B run's steps only go forward)."""
+
+    def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None):
+        self.writer, self.wandb = None, wandb
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -42,6 +72,14 @@ class TensorBoardLogger:
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None and scalars:
+            self.wandb.log(scalars, step)
+
+    def log_vs_samples(self, scalars: Dict[str, float], consumed_samples: int) -> None:
+        """Megatron's '<tag> vs samples' series (TensorBoard only, as in Megatron)."""
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, consumed_samples)
 
     def print(self, line: str) -> None:
         print(line, flush=True)
@@ -62,13 +100,22 @@ class TensorBoardLogger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 Logger = Union[NullLogger, TensorBoardLogger]
 
 
-def build_logger(rank: int, tensorboard_dir: Optional[str]) -> Logger:
-    return TensorBoardLogger(tensorboard_dir) if rank == 0 else NullLogger()
+def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, Any]) -> Logger:
+    """Rank 0's logger for a `TrainConfig` (TensorBoard, W&B under --wandb-save-dir or <save_dir>/wandb)."""
+    if rank != 0:
+        return NullLogger()
+    wandb = None
+    if train.wandb_project:
+        wandb = WandbRun(train.wandb_project, train.wandb_exp_name,
+                         train.wandb_save_dir or os.path.join(save_dir, "wandb"), train.wandb_entity, flags)
+    return TensorBoardLogger(train.tensorboard_dir, wandb)
 
 
 def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,

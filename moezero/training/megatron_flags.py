@@ -93,8 +93,9 @@ class ImplementationConfig(Validated):
                                              flag="--log-timers-to-tensorboard")
     log_validation_ppl_to_tensorboard: bool = option(False, "accepted: the validation ppl is always logged",
                                                      flag="--log-validation-ppl-to-tensorboard")
-    log_memory_to_tensorboard: bool = option(False, "accepted: memory is always logged (memory/...)",
-                                             flag="--log-memory-to-tensorboard")
+    log_memory_to_tensorboard: bool = option(False, "on a GPU, Megatron's mem-* tags (the caching allocator's "
+                                             "statistics); memory/... (process RSS, what the optimizer holds) is "
+                                             "always logged", flag="--log-memory-to-tensorboard")
     megatron_fsdp_main_params_dtype: str = option("fp32", "accepted: master weights are fp32 here",
                                                   flag="--megatron-fsdp-main-params-dtype", choices=("fp32",))
     megatron_fsdp_main_grads_dtype: str = option("auto", "accepted: gradients are accumulated in the params' "

@@ -37,6 +37,15 @@ from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_poin
 from moezero.training.stopping import StopConditions
 
 
+def megatron_cuda_memory() -> Dict[str, float]:
+    """Megatron's --log-memory-to-tensorboard values, from the CUDA caching allocator's statistics."""
+    stats = torch.cuda.memory_stats()
+    return {"mem_reserved_bytes": stats["reserved_bytes.all.current"],
+            "mem_allocated_bytes": stats["allocated_bytes.all.current"],
+            "mem_max_allocated_bytes": stats["allocated_bytes.all.peak"],
+            "mem_allocated_count": stats["allocation.all.current"]}
+
+
 class Pretraining:
     """The whole run; `train()` runs it. `plugins` ({name: factory}) join it from above (QAT, ...).
 
@@ -71,7 +80,8 @@ class Pretraining:
             LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
         self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size)
         self.rank = self.groups.rank
-        self.logger = build_logger(self.rank, cfg.train.tensorboard_dir)
+        self.logger = build_logger(self.rank, cfg.train, cfg.checkpoint.save,
+                                   flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
         for line in notices:
             self.logger.print(line)
         sizes = dataset_sizes(cfg, self.iteration, progress)
@@ -199,7 +209,7 @@ class Pretraining:
             if layers and self.cfg.train.moe_per_layer_logging:
                 scalars.update(moe_layer_loss_scalars(layers, m, self.cfg.moe))
             self.logger.log(scalars, self.iteration)
-            self.logger.log(vs_samples_scalars(values), self.progress.consumed_train_samples)
+            self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
         if interval is not None:
             line = dict(values, **interval.summary())
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
@@ -238,6 +248,8 @@ class Pretraining:
                   "zero_held_mb": sum(self.opt.memory_bytes().values()) / 2 ** 20}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             values["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+            if self.cfg.implementation.log_memory_to_tensorboard:
+                values.update(megatron_cuda_memory())
         return values
 
     def _moe_layer_numbers(self) -> List[int]:
@@ -267,7 +279,7 @@ class Pretraining:
         self.logger.print(format_validation_line(self.iteration, values, "" if split == "valid" else "test"))
         self.logger.log(tensorboard_scalars(values), self.iteration)
         if split == "valid":
-            self.logger.log(vs_samples_scalars(values), self.progress.consumed_train_samples)
+            self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
 
     def _save(self) -> None:
         path = checkpoint.save_checkpoint(

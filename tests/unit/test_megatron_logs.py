@@ -45,3 +45,49 @@ def test_an_interval_averages_stepped_iterations_and_counts_the_rest():
     interval.reset()
     assert interval.summary() == {"step_time_ms": 0.0, "skipped_iterations": 0, "nan_iterations": 0}
     assert math.isfinite(interval.summary()["step_time_ms"])
+
+
+def test_wandb_gets_the_scalars_tensorboard_gets(tmp_path, monkeypatch):
+    """Megatron's --wandb-* flags; an offline run (local files, no network) read back: the same scalars at the
+    same iterations as TensorBoard, and the run's flags as its config."""
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.wandb_records import history
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tb, runs = str(tmp_path / "tb"), str(tmp_path / "wandb")
+    train(TINY + ["--train-iters", "3", "--tensorboard-dir", tb, "--wandb-project", "moezero-test",
+                  "--wandb-exp-name", "tiny", "--wandb-save-dir", runs], str(tmp_path))
+    rows = history(runs)
+    assert sorted(rows) == [1, 2, 3]
+    events = EventAccumulator(tb)
+    events.Reload()
+    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "load_balancing_loss", "z_loss",
+                "moe/layer0/max-mean-load-ratio"):
+        board = {e.step: e.value for e in events.Scalars(tag)}
+        assert {step: rows[step][tag] for step in board} == pytest.approx(board, rel=1e-6), tag
+    assert not any(key.endswith(" vs samples") for row in rows.values() for key in row)   # TensorBoard's only
+
+
+def test_wandb_needs_a_place_to_write():
+    from moezero.config import ConfigError
+    from moezero.training.configs import validate
+    with pytest.raises(ConfigError, match="--wandb-project=p: needs --wandb-save-dir or --save"):
+        validate(configs(TINY + ["--wandb-project", "p"]), world_size=1)
+    with pytest.raises(ConfigError, match="--wandb-exp-name='': give the W&B run a name"):
+        configs(TINY + ["--wandb-project", "p", "--wandb-exp-name", ""])
+
+
+def test_gpu_memory_tags_are_megatrons(monkeypatch):
+    """--log-memory-to-tensorboard on a GPU: Megatron's four tags from the caching allocator's statistics."""
+    import torch
+
+    from moezero.metrics import tensorboard_scalars
+    from moezero.training.pretrain import megatron_cuda_memory
+    stats = {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
+             "allocated_bytes.all.peak": 2048, "allocation.all.current": 7}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    assert tensorboard_scalars(megatron_cuda_memory()) == {
+        "mem-reserved-bytes": 4096, "mem-allocated-bytes": 1024, "mem-max-allocated-bytes": 2048,
+        "mem-allocated-count": 7}
