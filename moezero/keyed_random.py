@@ -87,6 +87,10 @@ class SampleKeys:
         """(B, *shape) uniform numbers in [low, high), one independent stream per sample."""
         return self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(low, high, generator=g))
 
+    def normal(self, site: str, shape_per_sample) -> torch.Tensor:
+        """(B, *shape) standard normal numbers, one independent stream per sample."""
+        return self._per_sample(site, shape_per_sample, lambda t, g: t.normal_(generator=g))
+
     def dropout_mask(self, site: str, shape_per_sample, p: float) -> torch.Tensor:
         """(B, *shape) keep-mask already scaled by 1/(1-p), as nn.Dropout applies it."""
         keep = self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(0.0, 1.0, generator=g)) >= p

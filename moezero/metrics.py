@@ -31,6 +31,7 @@ METRICS: Dict[str, Metric] = {
     # MoE losses without their coefficients, the mean over MoE layers, as Megatron's tracker names them
     "load_balancing_loss": Metric("load_balancing_loss", "load_balancing_loss", ".6E"),
     "seq_load_balancing_loss": Metric("seq_load_balancing_loss", "seq_load_balancing_loss", ".6E"),
+    "global_load_balancing_loss": Metric("global_load_balancing_loss", "global_load_balancing_loss", ".6E"),
     "z_loss": Metric("z_loss", "z_loss", ".6E"),
     "router_aux_loss": Metric(None, "aux loss"),   # moezero's: with their coefficients, summed over MoE layers
     "router_z_loss": Metric(None, "z loss"),

@@ -9,6 +9,10 @@ from typing import Any, Dict, List, Optional, Union
 
 from moezero.config.options import ConfigError, Validated, flag_of, option
 
+BALANCING_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")   # Megatron's load-balancing loss types
+BALANCING_TYPES = BALANCING_LOSSES + ("sinkhorn", "none")
+
+
 @dataclass
 class MoEConfig(Validated):
     """One MoE layer: router, dispatcher and experts (Megatron-Core flag names)."""
@@ -35,11 +39,15 @@ class MoEConfig(Validated):
                               "(DeepSeek-V2)", flag="--moe-router-group-score", choices=("top_sum", "max"),
                               defines_model=True)
     load_balancing_type: Union[str, List[str]] = option(
-        "aux_loss", "aux loss scope: micro-batch, per sequence, or none (Megatron's list of several: one here)",
-        flag="--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"), nargs="+")
+        "aux_loss", "load balancing: the aux loss over each micro-batch, each sequence or the global batch (all "
+        "data-parallel ranks and micro-batches), sinkhorn routing, or none; several losses at once as a list",
+        flag="--moe-router-load-balancing-type", choices=BALANCING_TYPES, nargs="+")
     aux_loss_coeff: Union[float, List[float]] = option(0.0, "load-balancing aux loss coefficient (one per "
                                                        "--moe-router-load-balancing-type)",
                                                        flag="--moe-aux-loss-coeff", nargs="+")
+    force_load_balancing: bool = option(False, "benchmarks: route by random logits (an even load in expectation) "
+                                        "with the real logits' gradients, as Megatron's straight-through",
+                                        flag="--moe-router-force-load-balancing")
     z_loss_coeff: Optional[float] = option(None, "router z-loss coefficient", flag="--moe-z-loss-coeff")
     capacity_factor: Optional[float] = option(None, "expert capacity factor; None = dropless",
                                               flag="--moe-expert-capacity-factor")
@@ -77,7 +85,7 @@ class MoEConfig(Validated):
     init_seed: int = option(0, "seed of the layout-invariant init (taken from --seed)", flag=None)
 
     def __post_init__(self):
-        self._one_load_balancing_type()
+        self._load_balancing_lists()
         self._check_all_choices()
         self._require(self.hidden_size >= 1, "hidden_size", "must be >= 1")
         if self.ffn_hidden_size is not None:  # None: derived (a GPT's dense width, else 4 * hidden)
@@ -89,7 +97,13 @@ class MoEConfig(Validated):
         if self.capacity_factor is not None:
             self._require(self.capacity_factor > 0 and math.isfinite(self.capacity_factor), "capacity_factor",
                           "must be > 0 (or unset for dropless routing)")
-        self._require(self.aux_loss_coeff >= 0, "aux_loss_coeff", "must be >= 0")
+        coefficients = self.aux_loss_coeff if isinstance(self.aux_loss_coeff, list) else [self.aux_loss_coeff]
+        self._require(all(c >= 0 for c in coefficients), "aux_loss_coeff", "must be >= 0")
+        self._require(self.load_balancing_type != "sinkhorn" or not self.aux_loss_coeff, "aux_loss_coeff",
+                      "--moe-router-load-balancing-type sinkhorn balances by routing: no aux loss (Megatron's rule)")
+        if self.load_balancing_type == "sinkhorn":   # its routing ignores these (Megatron's too): refused, not lost
+            self._require(not (self.enable_expert_bias or self.num_groups or self.pre_softmax), "load_balancing_type",
+                          "sinkhorn routing has no expert bias, group limit or pre-softmax")
         if self.z_loss_coeff is not None:
             self._require(self.z_loss_coeff >= 0, "z_loss_coeff", "must be >= 0")
         if self.input_jitter_eps is not None:
@@ -112,14 +126,29 @@ class MoEConfig(Validated):
                       "shared_expert_gate", "needs --moe-shared-expert-intermediate-size")
 
 
-    def _one_load_balancing_type(self) -> None:
-        """Megatron's lists (nargs '+') of one item are that item, as its validate_args makes them."""
+    def _load_balancing_lists(self) -> None:
+        """Megatron's lists (nargs '+'): one item is that item (its validate_args), several are several losses
+        with a coefficient each."""
         for name in ("load_balancing_type", "aux_loss_coeff"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
-                self._require(len(value) == 1, name, "several load-balancing losses at once are not supported by "
-                              "moezero (one --moe-router-load-balancing-type with one --moe-aux-loss-coeff)")
-                setattr(self, name, value[0])
+                setattr(self, name, value[0] if len(value) == 1 else list(value))
+        if isinstance(self.load_balancing_type, list):
+            self._require(isinstance(self.aux_loss_coeff, list) and
+                          len(self.aux_loss_coeff) == len(self.load_balancing_type), "aux_loss_coeff",
+                          "one --moe-aux-loss-coeff per --moe-router-load-balancing-type (Megatron's rule)")
+            self._require(set(self.load_balancing_type) <= set(BALANCING_LOSSES), "load_balancing_type",
+                          f"a list holds losses: {', '.join(BALANCING_LOSSES)}")
+        else:
+            self._require(not isinstance(self.aux_loss_coeff, list), "aux_loss_coeff",
+                          "one --moe-aux-loss-coeff per --moe-router-load-balancing-type (Megatron's rule)")
+
+    def balancing_coefficients(self) -> Dict[str, float]:
+        """{load-balancing loss type: coefficient} of the losses that are on (coefficient > 0)."""
+        types, coefficients = self.load_balancing_type, self.aux_loss_coeff
+        if not isinstance(types, list):
+            types, coefficients = [types], [coefficients]
+        return {t: c for t, c in zip(types, coefficients) if t in BALANCING_LOSSES and c > 0}
 
 
 def moe_layer_pattern(text: Any) -> Union[int, List[int]]:

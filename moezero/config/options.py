@@ -66,7 +66,7 @@ class Validated:
     def _check_choice(self, name: str) -> None:
         choices = next(f.metadata["choices"] for f in dataclasses.fields(self) if f.name == name)
         value = getattr(self, name)
-        if value not in choices:
+        if any(v not in choices for v in (value if isinstance(value, (list, tuple)) else [value])):
             self._fail(name, f"must be one of {', '.join(map(str, choices))}")
 
     def _check_all_choices(self) -> None:

@@ -7,6 +7,7 @@ holding their experts, and combines the returned outputs with the routing weight
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
@@ -25,10 +26,12 @@ from moezero.parallel import ExpertShard, ParallelGroups
 class MoEStats:
     """Per-forward statistics. The losses are graph tensors the caller adds to its loss."""
 
-    aux_loss: torch.Tensor            # load-balancing loss times its coefficient
+    aux_loss: torch.Tensor            # the load-balancing losses, each times its coefficient
     z_loss: torch.Tensor              # router z-loss times its coefficient
     tokens_per_expert: torch.Tensor   # int64 (E,): this rank's assignments per global expert, before dropping
     dropped_fraction: torch.Tensor    # share of this rank's assignments dropped by capacity
+    tracked: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # for logging: each router loss
+                                      # without its coefficient, under megatron-core's tracker names (detached)
 
     LOSSES = ("aux_loss", "z_loss")   # the router's losses: the training loop adds, averages and logs each
                                       # by name (a new one: a field here and its row in moezero.metrics)
@@ -56,7 +59,7 @@ class MoELayer(nn.Module):
         check_experts_divide(config.num_experts, groups.ep_size)
         self.config = config
         self.layer_number = layer_number
-        self.router = TopKRouter(config, site=f"layer{layer_number}.router")
+        self.router = TopKRouter(config, site=f"layer{layer_number}.router", dp_group=groups.dp)
         shard = ExpertShard(config.num_experts // groups.ep_size, groups.ep_rank, groups.ep_size)
         self.experts = GroupedExperts(config, shard)
         self.shared_expert = self.shared_expert_gate = None
@@ -84,8 +87,17 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             y_TD = y_TD + shared_TD
-        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction)
+        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction,
+                         routing.tracked)
         return y_TD.view(x.shape), stats
+
+
+def reset_global_load_balancing(model: nn.Module) -> None:
+    """After each optimizer step (with --moe-router-load-balancing-type global_aux_loss): the routers count the
+    next step's tokens afresh. The training loop calls it; a loop of one's own must too."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.reset_global_balancing()
 
 
 def expert_parallel(groups: ParallelGroups) -> Callable[..., MoELayer]:

@@ -10,8 +10,8 @@ that left DeepSpeed-MoE routers untrained under ZeRO-2.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ from torch import nn
 
 from moezero.config import MoEConfig
 from moezero.keyed_random import SampleKeys
+from moezero.moe.load_balancing import (TRACKER_NAMES, GlobalBalancing, balancing_scores, sequence_aux_loss,
+                                        sinkhorn, switch_aux_loss)
 
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}   # --moe-router-dtype
@@ -31,28 +33,11 @@ class Routing:
     topk_ids_TK: torch.Tensor        # int64 expert ids; -1 where capacity dropped the assignment
     topk_weights_TK: torch.Tensor    # fp32 (fp64 for fp64 models) combine weights; 0 where dropped
     tokens_per_expert_E: torch.Tensor  # int64 assignments per expert before dropping
-    aux_loss: torch.Tensor           # fp32 scalar, already multiplied by its coefficient
+    aux_loss: torch.Tensor           # fp32 scalar: the load-balancing losses, each times its coefficient
     z_loss: torch.Tensor             # fp32 scalar, already multiplied by its coefficient
     dropped_fraction: torch.Tensor   # fp32 scalar: dropped assignments / (T * K)
-
-
-def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard load-balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
-
-    f_e: fraction of the T*K assignments routed to e; P_e: mean router probability of e.
-    """
-    T, E = probs_TE.shape
-    if T == 0:
-        return probs_TE.sum() * 0.0
-    f_E = counts_E.to(probs_TE.dtype) / (T * top_k)
-    return E * torch.sum(f_E * probs_TE.mean(0))
-
-
-def sequence_aux_loss(probs_BSE: torch.Tensor, routing_map_BSE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch loss computed per sequence and averaged over the B sequences."""
-    B, S, E = probs_BSE.shape
-    f_BE = routing_map_BSE.to(probs_BSE.dtype).sum(1) / (S * top_k)
-    return E * torch.sum(f_BE * probs_BSE.mean(1), dim=-1).mean()
+    tracked: Dict[str, torch.Tensor] = field(default_factory=dict)   # each loss without its coefficient, under
+                                     # megatron-core's tracker names (detached: for logging)
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -103,30 +88,20 @@ def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int
     return grouped_TGe.masked_fill(~kept_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
-def megatron_loss_names(cfg: MoEConfig) -> Dict[str, Tuple[str, float]]:
-    """For each router loss that is on: (the name megatron-core's MoE metrics tracker logs it under, its
-    coefficient), keyed by the MoEStats.losses name."""
-    out = {}
-    if cfg.aux_loss_coeff and cfg.load_balancing_type != "none":
-        tracker = "load_balancing_loss" if cfg.load_balancing_type == "aux_loss" else "seq_load_balancing_loss"
-        out["aux_loss"] = (tracker, cfg.aux_loss_coeff)
-    if cfg.z_loss_coeff:
-        out["z_loss"] = ("z_loss", cfg.z_loss_coeff)
-    return out
-
-
 class TopKRouter(nn.Module):
     """Scores tokens, picks top-k experts, applies capacity, and computes the router losses.
 
     Args:
         config: the layer's MoEConfig.
         site: a name unique to this layer, used to key the jitter randomness.
+        dp_group: the data-parallel ranks the global-batch aux loss counts tokens over (None: this process).
     """
 
-    def __init__(self, config: MoEConfig, site: str = "router"):
+    def __init__(self, config: MoEConfig, site: str = "router", dp_group: Optional[Any] = None):
         super().__init__()
         self.config = config
         self.site = site
+        self.global_balancing = GlobalBalancing(dp_group)
         self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=bool(config.bias))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that only affects selection.
         # Replicated on every rank and updated once per optimizer step (see expert_bias.py).
@@ -150,13 +125,48 @@ class TopKRouter(nn.Module):
         logits_TE = torch.matmul(x_TD.to(dtype), self.wg.weight.to(dtype).t())
         if self.wg.bias is not None:
             logits_TE = logits_TE + self.wg.bias.to(dtype)
-        scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
-        topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
+        if cfg.force_load_balancing:
+            logits_TE = self._random_logits(logits_TE, num_sequences, keys)
+        if cfg.load_balancing_type == "sinkhorn":
+            topk_ids_TK, topk_weights_TK = self._select_sinkhorn(logits_TE)
+        else:
+            scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
+            topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
-        aux_loss = self._aux_loss(scores_TE, topk_ids_TK, counts_E, num_sequences)
-        z_loss = router_z_loss(logits_TE) * cfg.z_loss_coeff if cfg.z_loss_coeff else logits_TE.new_zeros(())
+        aux_loss, tracked = self._balancing_losses(logits_TE, num_sequences)
+        z_loss = logits_TE.new_zeros(())
+        if cfg.z_loss_coeff:
+            raw = router_z_loss(logits_TE)
+            z_loss, tracked["z_loss"] = raw * cfg.z_loss_coeff, raw.detach()
         topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK)
-        return Routing(topk_ids_TK, topk_weights_TK, counts_E, aux_loss, z_loss, dropped)
+        return Routing(topk_ids_TK, topk_weights_TK, counts_E, aux_loss, z_loss, dropped, tracked)
+
+    def reset_global_balancing(self) -> None:
+        """After each optimizer step: the global-batch aux loss counts the next step's tokens afresh."""
+        self.global_balancing.reset()
+
+    def _random_logits(self, logits_TE, num_sequences, keys):
+        """--moe-router-force-load-balancing: N(0, 1) logits (keyed by sample, like the jitter) in forward, the
+        real logits' gradient in backward (Megatron's straight-through RandomSTE)."""
+        T, E = logits_TE.shape
+        if keys is None or T == 0:
+            random_TE = torch.randn(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
+        else:
+            random_TE = keys.normal(self.site + ".force_balance", (T // num_sequences, E)).reshape(T, E)
+            random_TE = random_TE.to(device=logits_TE.device, dtype=logits_TE.dtype)
+        return random_TE + (logits_TE - logits_TE.detach())
+
+    def _select_sinkhorn(self, logits_TE):
+        """Sinkhorn routing (Megatron's): in training the top-k of the balanced assignment, else of the
+        probabilities; the weights are the probabilities (sigmoid for top-1, softmax otherwise), not renormalised."""
+        k = self.config.top_k
+        probs_TE = torch.sigmoid(logits_TE) if k == 1 else torch.softmax(logits_TE, -1)
+        if self.training and logits_TE.shape[0]:
+            with torch.no_grad():
+                topk_ids_TK = torch.topk(sinkhorn(logits_TE.float()), k, dim=1).indices
+        else:
+            topk_ids_TK = torch.topk(probs_TE, k, dim=1).indices
+        return topk_ids_TK, probs_TE.gather(1, topk_ids_TK)
 
     def _jitter(self, x_TD, num_sequences, keys):
         eps = self.config.input_jitter_eps
@@ -187,23 +197,31 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK * cfg.topk_scaling_factor
         return topk_ids_TK, weights_TK
 
-    def _aux_loss(self, scores_TE, topk_ids_TK, counts_E, num_sequences):
-        cfg = self.config
-        if cfg.load_balancing_type == "none" or cfg.aux_loss_coeff == 0:
-            return scores_TE.new_zeros(())
-        if scores_TE.shape[0] == 0:  # an empty micro-batch: nothing to balance (and no sequence to average)
-            return scores_TE.sum() * 0.0
-        probs_TE = scores_TE
-        if cfg.score_function == "sigmoid":
-            probs_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
-        if cfg.load_balancing_type == "aux_loss":
-            return switch_aux_loss(probs_TE, counts_E, cfg.top_k) * cfg.aux_loss_coeff
-        T, E = probs_TE.shape
-        routing_map_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, topk_ids_TK, True)
-        S = T // num_sequences
-        loss = sequence_aux_loss(probs_TE.view(num_sequences, S, E), routing_map_TE.view(num_sequences, S, E),
-                                 cfg.top_k)
-        return loss * cfg.aux_loss_coeff
+    def _balancing_losses(self, logits_TE, num_sequences) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(the load-balancing losses that are on, each times its coefficient, summed; {tracker name: each
+        without it}). The global one in training forwards only (it counts the step's tokens, collectively)."""
+        cfg, total = self.config, logits_TE.new_zeros(())
+        coefficients = cfg.balancing_coefficients()
+        if not coefficients:
+            return total, {}
+        probs_TE, map_TE = balancing_scores(logits_TE, cfg.score_function, cfg.top_k)
+        tracked = {}
+        for kind, coefficient in coefficients.items():
+            if kind == "global_aux_loss":
+                if not (self.training and torch.is_grad_enabled()):
+                    continue
+                loss, ranks = self.global_balancing.loss(probs_TE, map_TE, cfg.top_k)
+                tracked[TRACKER_NAMES[kind]] = loss.detach() * ranks   # Megatron's tracker sums it over ranks
+            elif kind == "seq_aux_loss" and logits_TE.shape[0]:
+                S = logits_TE.shape[0] // num_sequences
+                loss = sequence_aux_loss(probs_TE.view(num_sequences, S, -1), map_TE.view(num_sequences, S, -1),
+                                         cfg.top_k)
+                tracked[TRACKER_NAMES[kind]] = loss.detach()
+            else:   # an empty micro-batch has nothing to balance (and no sequence to average)
+                loss = switch_aux_loss(probs_TE, map_TE.sum(0), cfg.top_k)
+                tracked[TRACKER_NAMES[kind]] = loss.detach()
+            total = total + loss * coefficient
+        return total, tracked
 
     def _drop_over_capacity(self, topk_ids_TK, topk_weights_TK):
         cfg = self.config

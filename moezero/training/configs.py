@@ -270,6 +270,10 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
+    if "global_aux_loss" in cfg.moe.balancing_coefficients() and (cfg.model.recompute_granularity == "full" or
+                                                                   cfg.model.moe_layer_recompute):
+        raise ConfigError("--moe-router-load-balancing-type global_aux_loss: not with --recompute-granularity full "
+                          "or --moe-layer-recompute (a recomputed router would count its tokens twice)")
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "
                           "written under <--save>/wandb by default, as Megatron's)")

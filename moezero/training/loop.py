@@ -15,8 +15,7 @@ import torch
 from moezero.keyed_random import SampleKeys
 from moezero.metrics import tag
 from moezero.models import language_model_loss
-from moezero.moe import MoEStats
-from moezero.moe.router import megatron_loss_names
+from moezero.moe import MoEStats, reset_global_load_balancing
 from moezero.parallel import comm
 
 
@@ -30,7 +29,8 @@ class StepMetrics:
     stepped: bool
     tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
     dropped_fraction: torch.Tensor    # (MoE layers,)
-    layer_router_losses: Dict[str, torch.Tensor]   # each router loss per MoE layer, (MoE layers,)
+    layer_tracked_losses: Dict[str, torch.Tensor]   # each router loss without its coefficient per MoE layer,
+                                                    # (MoE layers,), under megatron-core's tracker names
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
@@ -49,8 +49,8 @@ def _micro_batch_losses(model, batch, keys):
 
 def _named_metrics(lm: torch.Tensor, router: Dict[str, torch.Tensor], stats) -> Dict[str, torch.Tensor]:
     """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next)."""
-    layers = {f"layer_{name}": torch.stack([s.losses[name] for s in stats]) if stats else lm.new_zeros(0)
-              for name in MoEStats.LOSSES}
+    layers = {f"tracked_{name}": torch.stack([s.tracked[name] for s in stats])
+              for name in (stats[0].tracked if stats else {})}
     per_layer = {"dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
                  "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats
                  else lm.new_zeros(0, 0)}
@@ -89,6 +89,7 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
         per_micro.append(packed.pack(named))
     stepped = opt.step()
     opt.zero_grad()
+    reset_global_load_balancing(model)   # the global-batch aux loss counts each step's tokens
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)   # one all-reduce for every metric
     return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
@@ -100,7 +101,8 @@ def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm
     return StepMetrics(mean["lm_loss"].item(), {name: mean[name].item() for name in MoEStats.LOSSES},
                        grad_norm if grad_norm is not None else float("nan"), stepped,
                        tokens_per_expert=totals["tokens_per_expert"], dropped_fraction=mean["dropped_fraction"],
-                       layer_router_losses={name: mean[f"layer_{name}"] for name in MoEStats.LOSSES})
+                       layer_tracked_losses={name[len("tracked_"):]: t for name, t in mean.items()
+                                             if name.startswith("tracked_")})
 
 
 @torch.no_grad()
@@ -130,18 +132,13 @@ def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.T
     return out
 
 
-def moe_losses(m: StepMetrics, moe) -> Dict[str, float]:
+def moe_losses(m: StepMetrics) -> Dict[str, float]:
     """Megatron's MoE losses ({name: value}, names as megatron-core's MoE metrics tracker gives them): each
     loss the model has, without its coefficient, the mean over MoE layers."""
-    return {name: (m.layer_router_losses[loss] / coefficient).mean().item()
-            for loss, (name, coefficient) in megatron_loss_names(moe).items()}
+    return {name: values.mean().item() for name, values in m.layer_tracked_losses.items()}
 
 
-def moe_layer_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics, moe) -> Dict[str, float]:
+def moe_layer_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics) -> Dict[str, float]:
     """--moe-per-layer-logging: each MoE layer's losses, tagged as megatron-core's tracker writes them."""
-    out: Dict[str, float] = {}
-    for loss, (name, coefficient) in megatron_loss_names(moe).items():
-        values = m.layer_router_losses[loss] / coefficient
-        out.update({tag("moe_layer_loss", loss=name, layer=layer): value
-                    for layer, value in zip(layer_numbers, values.tolist())})
-    return out
+    return {tag("moe_layer_loss", loss=name, layer=layer): value
+            for name, values in m.layer_tracked_losses.items() for layer, value in zip(layer_numbers, values.tolist())}

@@ -175,7 +175,7 @@ class Pretraining:
             for plugin in self.plugins.values():
                 plugin.on_step_end(self.iteration)
             self.history.append({"iteration": self.iteration, **metrics.values()})
-            moe = moe_losses(metrics, self.cfg.moe) if self._moe_layer_numbers() else {}
+            moe = moe_losses(metrics)
             interval.add(step_time, {"lm_loss": metrics.lm_loss, **moe}, metrics.stepped)
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
             # Megatron's: every --log-interval and the run's first iteration (moezero's: and its last)
@@ -207,7 +207,7 @@ class Pretraining:
         if board:
             scalars = tensorboard_scalars(values)
             if layers and self.cfg.train.moe_per_layer_logging:
-                scalars.update(moe_layer_loss_scalars(layers, m, self.cfg.moe))
+                scalars.update(moe_layer_loss_scalars(layers, m))
             self.logger.log(scalars, self.iteration)
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
         if interval is not None:

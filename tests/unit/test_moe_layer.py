@@ -7,7 +7,8 @@ from moezero.config import ConfigError
 from moezero.keyed_random import SampleKeys
 from moezero.moe import MoEConfig, MoELayer
 from moezero.moe.experts import grouped_mm, grouped_mm_supported, loop_mm
-from moezero.moe.router import capacity_keep_mask, expert_capacity, router_z_loss, switch_aux_loss
+from moezero.moe.load_balancing import switch_aux_loss
+from moezero.moe.router import capacity_keep_mask, expert_capacity, router_z_loss
 from moezero.parallel import ParallelGroups
 from tests.moe_reference import naive_moe
 
