@@ -249,6 +249,9 @@ class GPTConfig(Validated):
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
     normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),
                                 defines_model=True)
+    apply_layernorm_1p: bool = option(False, "zero-centred norm weights: each norm scales by 1 + its weight, which "
+                                      "starts at 0 (Megatron's layernorm_zero_centered_gamma)",
+                                      flag="--apply-layernorm-1p", defines_model=True)
     swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU (default width int(8h/3/64)*64)",
                           flag="--swiglu", defines_model=True)
     disable_bias_linear: bool = option(False, "no biases in the linear layers (attention, MLPs, experts, router)",

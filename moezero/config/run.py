@@ -121,6 +121,8 @@ class DataConfig(Validated):
                                             flag="--data-cache-path")
     default_corpus_max_files: int = option(400, "files of the standard library in the default corpus",
                                            flag="--default-corpus-max-files")
+    eod_mask_loss: bool = option(False, "no loss on the end-of-document tokens (megatron-core's GPT dataset "
+                                 "masks them)", flag="--eod-mask-loss")
     num_workers: int = option(2, "processes that read micro-batches ahead of the step that uses them (0: "
                               "read in the training process)", flag="--num-workers")
 

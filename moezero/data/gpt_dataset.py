@@ -131,7 +131,8 @@ def build_datasets(data_config, seq_length: int, seed: int,
     config = mg.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(list(blend.prefixes), _list(blend.weights)),
         split=data_config.split, path_to_cache=cache, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=False)
     config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split)
     builder = _quiet_builder_class(mg)(mg.GPTDataset, sizes, lambda: True, config)
     splits = _build_locked(builder, cache)
@@ -146,7 +147,8 @@ def _mock_datasets(data_config, tokenizer, seq_length: int, seed: int, num_sampl
     config = mg.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=None, split=data_config.split,
         path_to_cache=os.path.join(default_cache_dir(data_config.data_cache_path), "indices"), tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=False)
     builder = _quiet_builder_class(mg)(mg.MockGPTDataset, sizes, lambda: True, config)
     splits = _build_locked(builder, config.path_to_cache)
     wrapped = [GPTSamples(ds, name) if ds is not None and num_samples[i] != 0 else None

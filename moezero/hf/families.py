@@ -117,6 +117,8 @@ class Family:
             raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
 
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.apply_layernorm_1p:
+            yield "--apply-layernorm-1p (its norms hold their scale, not the scale - 1)"
         if gpt.multi_latent_attention or gpt.rope_type == "yarn":
             yield "multi-latent attention or YaRN (it has plain attention and RoPE)"
         if gpt.position_embedding_type != "rope":
@@ -242,6 +244,8 @@ class DeepSeekFamily(Family):
         return hf
 
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.apply_layernorm_1p:
+            yield "--apply-layernorm-1p (its norms hold their scale, not the scale - 1)"
         if moe is None:
             yield "no MoE layers (it is an MoE)"
             return

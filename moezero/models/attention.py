@@ -25,11 +25,35 @@ def recomputing(module: nn.Module) -> bool:
 
 
 def norm_layer(config: GPTConfig, size: Optional[int] = None) -> nn.Module:
-    """--normalization's norm over `size` (default the model width) with --norm-epsilon."""
+    """--normalization's norm over `size` (default the model width) with --norm-epsilon (zero-centred with
+    --apply-layernorm-1p)."""
     size = config.hidden_size if size is None else size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.norm_epsilon)
-    return nn.LayerNorm(size, eps=config.norm_epsilon)
+        return (RMSNorm1p if config.apply_layernorm_1p else nn.RMSNorm)(size, eps=config.norm_epsilon)
+    return (LayerNorm1p if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
+
+
+class LayerNorm1p(nn.LayerNorm):
+    """Megatron's zero-centred gamma (--apply-layernorm-1p): the weight holds gamma - 1, starts at 0, and the norm
+    scales by weight + 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class RMSNorm1p(nn.RMSNorm):
+    """RMSNorm with Megatron's zero-centred gamma (Transformer Engine's zero_centered_gamma)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
 class CausalSelfAttention(nn.Module):

@@ -91,6 +91,9 @@ class TrainConfig(Validated):
                                          flag="--log-num-zeros-in-grad")
     moe_per_layer_logging: bool = option(False, "each MoE layer's load-balancing and z losses in TensorBoard",
                                          flag="--moe-per-layer-logging")
+    calculate_per_token_loss: bool = option(False, "the lm loss summed over the global batch's tokens and divided "
+                                            "by their count, not averaged per micro-batch (Megatron's)",
+                                            flag="--calculate-per-token-loss")
     exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
                                        "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
     exit_duration_in_mins: Optional[float] = option(None, "save (with --save) and exit 0 once the run has taken "

@@ -72,10 +72,12 @@ class _Packed:
 
 
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
-               group) -> StepMetrics:
-    """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step."""
+               group, per_token_loss: bool = False) -> StepMetrics:
+    """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
+    `per_token_loss` (--calculate-per-token-loss): the lm loss is the global batch's token mean instead."""
     model.train()
     n = len(micro_batches)
+    shares = _token_shares(micro_batches, group) if per_token_loss else None
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     packed = None
     for j, batch in enumerate(micro_batches):
@@ -83,7 +85,11 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
             lm, router, stats = _micro_batch_losses(model, batch, keys)
-            opt.backward((lm + sum(router.values())) / n)
+            if shares is None:
+                opt.backward((lm + sum(router.values())) / n)
+            else:   # the router losses stay per micro-batch (Megatron scales them so)
+                lm = lm * (shares[j] * n)   # whose mean over the micro-batches of every rank is the token mean
+                opt.backward(lm / n + sum(router.values()) / n)
         named = _named_metrics(lm, router, stats)
         packed = packed or _Packed(named)
         per_micro.append(packed.pack(named))
@@ -93,6 +99,16 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)   # one all-reduce for every metric
     return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
+
+
+def _token_shares(micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> List[float]:
+    """Each micro-batch's weight for its token-mean lm loss so that the ranks' average is the global batch's
+    token mean: its tokens x ranks / the global batch's tokens (one all-reduce: every rank calls it)."""
+    tokens = [float(batch["loss_mask"].sum()) for batch in micro_batches]
+    total = torch.tensor([sum(tokens)], dtype=torch.float64)
+    comm.all_reduce(total, group)
+    ranks = comm.group_size(group)
+    return [t * ranks / float(total) if float(total) else 0.0 for t in tokens]
 
 
 def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:

@@ -165,8 +165,8 @@ class Pretraining:
                 group["lr"] = lr
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
-            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed,
-                                 self.groups.dp)
+            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
+                                 per_token_loss=t.calculate_per_token_loss)
             step_time = timer.elapsed()
             if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
                 self.lr_schedule_steps += batch_size

@@ -1,0 +1,77 @@
+"""Megatron's --apply-layernorm-1p (zero-centred norm weights), --eod-mask-loss and --calculate-per-token-loss,
+each checked by its effect: the norm computes (1 + w) with w starting at 0; the dataset masks the EOD tokens'
+loss; a step's gradient is that of the global batch's token-mean loss."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from moezero.data import load_micro_batch
+from moezero.hf.families import family_for
+from moezero.keyed_random import SampleKeys
+from moezero.models import GPTModel
+from moezero.training.loop import _micro_batch_losses, train_step
+from moezero.recipe import pretraining
+from tests.integration.pretrain_utils import TINY, configs
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_zero_centred_norms_scale_by_one_plus_their_weight(normalization):
+    cfg = configs(TINY + ["--apply-layernorm-1p", "--normalization", normalization, "--qk-layernorm"])
+    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe).double()
+    plain_cfg = configs(TINY + ["--normalization", normalization, "--qk-layernorm"])
+    plain = GPTModel(dataclasses.replace(plain_cfg.model, vocab_size=64), plain_cfg.moe).double()
+    norms = [n for n, _ in model.named_parameters() if "norm" in n and n.endswith("weight")]
+    assert len(norms) >= 2 * 2 + 1 and all(float(model.get_parameter(n).abs().sum()) == 0 for n in norms)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.1) if name in norms else None
+        state = {n: (p + 1 if n in norms else p) for n, p in model.state_dict().items()}
+        plain.load_state_dict(state)
+    model.eval(), plain.eval()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(tokens)[0], plain(tokens)[0], rtol=0, atol=1e-12)
+    with pytest.raises(Exception, match="--apply-layernorm-1p"):
+        family_for(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)   # no HF family stores gamma - 1
+
+
+def test_eod_mask_loss_masks_the_end_of_document_tokens(tmp_path):
+    masked = pretraining(configs(TINY + ["--eod-mask-loss", "--data-cache-path", str(tmp_path)])).data
+    plain = pretraining(configs(TINY + ["--data-cache-path", str(tmp_path)])).data
+    eod = masked.tokenizer.eod
+    batch, same = load_micro_batch(masked.train, range(16)), load_micro_batch(plain.train, range(16))
+    assert torch.equal(batch["tokens"], same["tokens"]) and bool((batch["tokens"] == eod).any())
+    assert torch.equal(batch["loss_mask"], (batch["tokens"] != eod).float()) and bool(same["loss_mask"].all())
+
+
+def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
+    """Two micro-batches with 10 and 64 kept tokens: the gradient (an SGD step of lr 0.5 shows it) is that of
+    sum of token losses / 74, not of the mean of the two micro-batch means; the logged loss is that mean."""
+    run = pretraining(configs(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0", "--clip-grad", "0",
+                                      "--weight-decay", "0", "--data-cache-path", str(tmp_path)]))
+    for group in run.opt.param_groups:
+        group["lr"] = 0.5
+    run.model.train()
+    reference = copy.deepcopy(run.model)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for kept, first in ((10, 0), (64, 2)):
+        mask = torch.zeros(2, 32)
+        mask.view(-1)[:kept] = 1.0
+        batches.append({"tokens": torch.randint(0, 256, (2, 32), generator=g),
+                        "labels": torch.randint(0, 256, (2, 32), generator=g), "loss_mask": mask,
+                        "sample_index": torch.tensor([first, first + 1])})
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    metrics = train_step(run.model, run.opt, batches, 0, 7, None, per_token_loss=True)
+    loss, token_sum = 0.0, 0.0
+    for batch in batches:
+        lm, router, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
+        loss = loss + lm * batch["loss_mask"].sum() / 74 + sum(router.values()) / 2
+        token_sum += float(lm * batch["loss_mask"].sum())
+    loss.backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(run.model.get_parameter(name).detach(), before[name] - 0.5 * p.grad,
+                                   rtol=1e-5, atol=1e-7, msg=name)
+    assert metrics.lm_loss == pytest.approx(token_sum / 74, rel=1e-6)
+    run.groups.destroy()
