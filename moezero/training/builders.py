@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
 
 from moezero.config import ConfigError
 from moezero.data import build_datasets
@@ -87,6 +89,29 @@ def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> Ze
         cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     else:
         cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)
-    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero,
-                                     param_groups=weight_decay_groups(model, t.weight_decay), fp16=t.fp16, lr=t.lr,
-                                     **kwargs)
+    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero, param_groups=megatron_param_groups(model, t),
+                                     fp16=t.fp16, lr=t.lr, **kwargs)
+
+
+def megatron_param_groups(model: GPTModel, t) -> List[Dict]:
+    """Megatron's groups: no weight decay for biases and norms; with --decoupled-lr the embedding and output
+    layer (megatron-core's is_embedding_or_output_parameter) in groups of their own max_lr / min_lr."""
+    groups = weight_decay_groups(model, t.weight_decay)
+    if t.decoupled_lr is None:
+        return groups
+    decoupled = {id(_weight_parameter(m)) for m in (model.embedding, model.output) if m is not None}
+    override = {"max_lr": t.decoupled_lr, **({"min_lr": t.decoupled_min_lr} if t.decoupled_min_lr is not None else {})}
+    out = []
+    for group in groups:
+        for own in (False, True):
+            params = [p for p in group["params"] if (id(p) in decoupled) == own]
+            if params:
+                out.append(dict(group, params=params, **(override if own else {})))
+    return out
+
+
+def _weight_parameter(module: nn.Module) -> torch.Tensor:
+    """module.weight's Parameter, also when a plug-in's parametrization (fake quantization) computes .weight."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return module.weight

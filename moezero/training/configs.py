@@ -39,6 +39,10 @@ class TrainConfig(Validated):
     min_lr: float = option(0.0, "learning rate at the end of the decay", flag="--min-lr")
     lr_warmup_iters: int = option(0, "linear warmup steps", flag="--lr-warmup-iters")
     lr_warmup_init: float = option(0.0, "the learning rate warmup starts from", flag="--lr-warmup-init")
+    decoupled_lr: Optional[float] = option(None, "the peak learning rate of the embedding and output layer (their "
+                                           "own schedule, otherwise --lr's)", flag="--decoupled-lr")
+    decoupled_min_lr: Optional[float] = option(None, "with --decoupled-lr: their learning rate at the end of the "
+                                               "decay (default --min-lr)", flag="--decoupled-min-lr")
     lr_warmup_fraction: Optional[float] = option(None, "warmup as a fraction of the decay length",
                                                  flag="--lr-warmup-fraction")
     lr_warmup_samples: int = option(0, "warmup samples (with --train-samples)", flag="--lr-warmup-samples")
@@ -61,7 +65,7 @@ class TrainConfig(Validated):
         flag="--use-checkpoint-opt_param-scheduler", aliases=("--use-checkpoint-opt-param-scheduler",))
     optimizer: str = option("adam", "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
                             flag="--optimizer", choices=("adam", "sgd"))
-    weight_decay: float = option(0.01, "weight decay (not applied to biases, norms, embeddings)",
+    weight_decay: float = option(0.01, "weight decay (not applied to biases and norms: Megatron's rule)",
                                  flag="--weight-decay")
     adam_beta1: float = option(0.9, "Adam beta1", flag="--adam-beta1")
     adam_beta2: float = option(0.999, "Adam beta2", flag="--adam-beta2")
@@ -122,6 +126,10 @@ class TrainConfig(Validated):
         self._require(self.lr > 0, "lr", "must be > 0")
         self._require(0 <= self.min_lr <= self.lr, "min_lr", f"must be between 0 and --lr ({self.lr})")
         self._require(self.lr_warmup_init <= self.lr, "lr_warmup_init", f"must be <= --lr ({self.lr})")
+        if self.decoupled_lr is not None:
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            self._require(0 <= low <= self.decoupled_lr and self.lr_warmup_init <= self.decoupled_lr, "decoupled_lr",
+                          "must be >= --decoupled-min-lr (or --min-lr) and --lr-warmup-init")
         self._require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                       "override_opt_param_scheduler", "give it or --use-checkpoint-opt_param-scheduler, not both")
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")

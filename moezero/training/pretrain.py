@@ -160,9 +160,8 @@ class Pretraining:
         while self.iteration < t.train_iters:
             consumed = self.progress.consumed_train_samples
             batch_size = self.batch_schedule.batch_size(consumed)
-            lr = self.lr_schedule.lr(self.lr_schedule_steps)
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+            for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
+                group["lr"] = self.lr_schedule.lr(self.lr_schedule_steps, group.get("max_lr"), group.get("min_lr"))
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,

@@ -2,6 +2,7 @@
 
     schedule = LearningRateSchedule.from_config(cfg.train)
     lr = schedule.lr(num_steps)          # num_steps: samples the schedule has advanced before this step
+    lr = schedule.lr(num_steps, group.get("max_lr"), group.get("min_lr"))   # a param group's (--decoupled-lr)
     num_steps += batch_size              # after a step that was taken (a skipped step does not advance it)
 
 Megatron's scheduler counts samples: a --train-samples run's warmup and decay are given in samples, an
@@ -64,16 +65,19 @@ class LearningRateSchedule:
         return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
                    wsd, config.lr_wsd_decay_style)
 
-    def lr(self, num_steps: float) -> float:
-        """The learning rate of a step taken when the schedule has advanced `num_steps` samples."""
+    def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
+        `min_lr` override the schedule's for a param group (Megatron's param-group overrides: --decoupled-lr)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup > 0 and num_steps <= self.warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * num_steps / self.warmup
+            return self.init_lr + (max_lr - self.init_lr) * num_steps / self.warmup
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if num_steps > self.decay:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * max(self.warmup, 1) ** 0.5 / max(num_steps, 1) ** 0.5)
+            return max(min_lr, max_lr * max(self.warmup, 1) ** 0.5 / max(num_steps, 1) ** 0.5)
         ratio = (num_steps - self.warmup) / (self.decay - self.warmup)
         if self.style == "linear":
             coefficient = 1.0 - ratio
@@ -83,7 +87,7 @@ class LearningRateSchedule:
             anneal_start = self.decay - self.wsd_decay
             coefficient = 1.0 if num_steps <= anneal_start else \
                 _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def state(self, num_steps: float) -> Dict[str, Any]:
         """What a checkpoint records: the schedule and where it stands."""

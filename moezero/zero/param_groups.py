@@ -5,7 +5,6 @@ from typing import Any, Dict, List
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 # Optimizers whose update of an element depends only on that element's gradient and state:
 # they give the same result on any slice of a param, so they can run on this rank's shard.
@@ -51,27 +50,20 @@ def normalize_param_groups(param_groups: Any) -> List[Dict]:
     return out
 
 
-def is_no_decay(name: str, param: nn.Parameter, embedding_params: set) -> bool:
-    """Biases, norm weights (1-D) and embedding tables are not decayed (Megatron's and GPT-2's rule)."""
-    return param.ndim < 2 or id(param) in embedding_params or name.endswith(".bias")
-
-
-def _weight_parameter(module: nn.Module) -> torch.Tensor:
-    """module.weight's Parameter, also when a parametrization (e.g. fake quantization) computes .weight."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original
-    return module.weight
+def is_no_decay(name: str, param: nn.Parameter) -> bool:
+    """Biases and 1-D params (norm weights) are not decayed: megatron-core's rule (its
+    get_standard_config_overrides: `*.bias` or one dimension). Embedding tables are decayed, as there."""
+    return param.ndim < 2 or name.endswith(".bias")
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
-    """Opt-in (Megatron's rule): decayed weights, and biases/norms/embeddings with weight_decay 0.
+    """Opt-in (Megatron's rule): decayed weights, and biases and norms with weight_decay 0.
 
     Every param is placed, frozen ones too (they train again once unfrozen inside modify_model).
     ZeroOptimizer's default is torch's (one group, the optimizer's own weight decay for all).
     """
-    embeddings = {id(_weight_parameter(m)) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (no_decay if is_no_decay(name, p, embeddings) else decay).append(p)
+        (no_decay if is_no_decay(name, p) else decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": weight_decay},
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]

@@ -116,3 +116,40 @@ def test_a_refusal_names_every_difference():
     assert "--lr: 0.003 in the checkpoint, 0.001 now" in str(exc.value)
     assert "the decay length (--lr-decay-*, --train-iters / --train-samples): 480 in the checkpoint, 640 now" \
         in str(exc.value)
+
+
+def test_param_groups_are_megatrons_weight_decay_and_decoupled_lr(tmp_path):
+    """megatron-core's get_standard_config_overrides decides each param's weight decay (none for biases and
+    1-D params; embedding tables decayed) and, with --decoupled-lr, which params take the embedding and output
+    layer's own max_lr / min_lr; every step's lr of those groups is its scheduler's with that override."""
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    run = pretraining(configs(TINY + ["--untie-embeddings-and-output-weights", "--weight-decay", "0.1",
+                                      "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4",
+                                      "--data-cache-path", str(tmp_path)]))
+    model = run.model
+    model.embedding.weight.is_embedding_or_output_parameter = True   # as megatron-core's LanguageModule marks them
+    model.output.weight.is_embedding_or_output_parameter = True
+    overrides = get_standard_config_overrides(OptimizerConfig(lr=3e-3, decoupled_lr=1e-2, decoupled_min_lr=1e-4))
+    group_of = {id(p): g for g in run.opt.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        theirs = {}
+        for key, override in overrides.items():
+            if key.matches(p, name):
+                theirs.update(override)
+        group = group_of[id(p)]
+        assert group["weight_decay"] == 0.1 * theirs.get("wd_mult", 1.0), name
+        assert (group.get("max_lr"), group.get("min_lr")) == (theirs.get("max_lr"), theirs.get("min_lr")), name
+    assert "embedding.weight" not in {n for n, p in model.named_parameters() if group_of[id(p)]["weight_decay"] == 0}
+    theirs, optimizer = megatron_scheduler(run.cfg.train)
+    optimizer.param_groups = [{"max_lr": 1e-2, "min_lr": 1e-4}, {}]
+    theirs.step(0)
+    for step in range(12):
+        ours = run.lr_schedule
+        assert ours.lr(8 * step, 1e-2, 1e-4) == optimizer.param_groups[0]["lr"], step
+        assert ours.lr(8 * step) == optimizer.param_groups[1]["lr"], step
+        theirs.step(increment=8)
+    run.groups.destroy()

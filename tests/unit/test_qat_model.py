@@ -135,12 +135,13 @@ def test_stochastic_rounding_is_keyed_by_step_and_eval_rounds_to_nearest():
     assert torch.equal(model.layers[0].mlp.experts.w1, nearest.layers[0].mlp.experts.w1)
 
 
-def test_quantized_embedding_keeps_no_weight_decay():
+def test_quantized_embedding_keeps_its_weight_decay():
+    """Megatron decays embedding tables (2-D); quantizing one (a parametrization) keeps it in its group."""
     model = _model()
     _qat(model, modules="embedding")
     groups = weight_decay_groups(model, 0.1)
-    no_decay = next(g for g in groups if g["weight_decay"] == 0.0)["params"]
-    assert any(p is model.embedding.parametrizations.weight.original for p in no_decay)
+    decay = next(g for g in groups if g["weight_decay"] == 0.1)["params"]
+    assert any(p is model.embedding.parametrizations.weight.original for p in decay)
 
 
 def test_activation_quantization_changes_the_output():
