@@ -13,10 +13,11 @@ so a damaged checkpoint is a `CheckpointError` naming the file, on every rank al
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -28,17 +29,21 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from moezero.checkpoint import keys, layout
 from moezero.checkpoint.errors import CheckpointError, first_line
+from moezero.checkpoint.pending import PendingSave
 from moezero.zero import consolidate
 
 
 def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
                     plugins: Dict[str, Any], group=None, keep_last: int = 0,
-                    progress: Optional[Dict[str, int]] = None, lr_schedule: Optional[Dict[str, Any]] = None) -> str:
+                    progress: Optional[Dict[str, int]] = None, lr_schedule: Optional[Dict[str, Any]] = None,
+                    background: bool = False, writer_group=None) -> Union[str, PendingSave]:
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
     `configs` ({section: dict}), `plugins` ({name: state}), `progress` (consumed samples) and `lr_schedule`
     (the learning-rate schedule and where it stands) go into the train state (see `keys`).
+    With `background` the state is copied and written in the background, its collectives on `writer_group` (a
+    process group of the writer's own, never one training uses): a PendingSave is returned, `finish()` publishes.
     """
     if _rank() == 0:
         layout.remove_stale(root)
@@ -51,16 +56,26 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)
     state[keys.rng_key(_rank())] = keys.encode(_rng_state())
+    publish = functools.partial(_publish, root, iteration, keep_last, group)
+    staging = layout.staging_dir(root, iteration)
+    if background:
+        with _quiet():
+            future = dcp.async_save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(),
+                                    process_group=writer_group)
+        return PendingSave(future, layout.iteration_dir(root, iteration), publish, group)
     with _quiet():
-        dcp.save(state, checkpoint_id=layout.staging_dir(root, iteration), no_dist=not dist.is_initialized(),
-                 process_group=group)
+        dcp.save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(), process_group=group)
+    return publish()
+
+
+def _publish(root: str, iteration: int, keep_last: int, group) -> str:
+    """Collective, once every rank wrote: rank 0 renames the staging folder into place, moves the pointer, prunes."""
     _barrier(group)
-    final = layout.iteration_dir(root, iteration)
     if _rank() == 0:
         layout.publish(root, iteration)
         layout.prune(root, keep_last)
     _barrier(group)
-    return final
+    return layout.iteration_dir(root, iteration)
 
 
 def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bool = True,

@@ -225,6 +225,8 @@ class CheckpointConfig(Validated):
                             "no RNG states, no plug-in states", flag="--finetune")
     use_checkpoint_args: bool = option(False, "take the model-defining flags (sizes, experts, tokenizer type) from "
                                        "the checkpoint instead of the command line", flag="--use-checkpoint-args")
+    async_save: bool = option(False, "write checkpoints in the background while training goes on (torch DCP's "
+                              "async save); published as latest once every rank finished", flag="--async-save")
     keep_last: int = option(0, "keep only the newest N checkpoints in --save (0 = keep all; Megatron has no such "
                             "flag)", flag="--keep-last-checkpoints")
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import resource
 from types import MappingProxyType
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moezero import checkpoint
+from moezero.checkpoint.pending import PendingSave
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
 from moezero.config import is_moe_layer
@@ -102,6 +104,8 @@ class Pretraining:
         self.stop_reason: Optional[str] = None
         self._saved_at: Optional[int] = None
         self._saved_path: Optional[str] = None
+        self._pending: Optional[PendingSave] = None   # --async-save: the save in flight
+        self._writer_group = self._async_writer_group()
         if point is not None:
             self._resume(point)
 
@@ -140,6 +144,7 @@ class Pretraining:
             self._evaluate("test")
         if self.cfg.checkpoint.save and self._saved_at != self.iteration:
             self._save()
+        self._finish_pending()
         if self.stop_reason is not None:
             saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
             self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
@@ -187,6 +192,8 @@ class Pretraining:
                                interval if console else None)
             if t.evaluates and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                 self._evaluate("valid")
+            if self._pending is not None and self._pending.done_everywhere():
+                self._finish_pending()
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self._save()
             self.stop_reason = stop.reason(self.iteration)
@@ -281,15 +288,37 @@ class Pretraining:
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
 
     def _save(self) -> None:
-        path = checkpoint.save_checkpoint(
-            self.cfg.checkpoint.save, self.iteration, self.model, self.opt,
+        self._finish_pending()   # one save in flight at a time
+        ck = self.cfg.checkpoint
+        saved = checkpoint.save_checkpoint(
+            ck.save, self.iteration, self.model, self.opt,
             configs={f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)},
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
             progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
-            group=self.groups.control,
-            keep_last=self.cfg.checkpoint.keep_last)
-        self._saved_at, self._saved_path = self.iteration, path
-        self.logger.print(f" saved checkpoint {path}")
+            group=self.groups.control, keep_last=ck.keep_last, background=ck.async_save,
+            writer_group=self._writer_group)
+        self._saved_at = self.iteration
+        if isinstance(saved, PendingSave):
+            self._pending = saved
+            self.logger.print(f" saving checkpoint {saved.path} in the background")
+        else:
+            self._saved_path = saved
+            self.logger.print(f" saved checkpoint {saved}")
+
+    def _finish_pending(self) -> None:
+        """--async-save: wait for the save in flight (every rank), then publish it as latest."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._saved_path = pending.finish()
+            self.logger.print(f" saved checkpoint {self._saved_path}")
+
+    def _async_writer_group(self):
+        """--async-save on several ranks: a gloo group of the background writer's own (its collectives run in
+        another thread, so never on a group training uses), created alike on every rank."""
+        if not (self.cfg.checkpoint.async_save and self.cfg.checkpoint.save and dist.is_initialized()):
+            return None
+        return dist.new_group(backend="gloo",
+                              timeout=datetime.timedelta(minutes=self.cfg.train.dist_timeout_minutes))
 
     def _print_header(self) -> None:
         params = sum(p.numel() for p in self.model.parameters())

@@ -1,0 +1,50 @@
+"""An asynchronous save in flight (--async-save): written in the background, published when every rank is done.
+
+    pending = save_checkpoint(..., async_group=group)   # returns once the state is copied (training goes on)
+    if pending.done_everywhere(): pending.finish()      # each iteration: publish once all ranks finished
+    pending.finish()                                    # before the next save and at the end: wait, publish
+
+The background writer runs its collectives on a process group of its own (`async_group`), never on the
+groups training uses. Nothing is published until `finish()`: a job stopped while a save is in flight keeps the
+previous checkpoint as `latest` (the staging folder is removed by the next save).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from moezero.checkpoint.errors import CheckpointError, first_line
+from moezero.parallel import comm
+
+
+@dataclass
+class PendingSave:
+    future: Future
+    path: str                        # the iter_N folder it becomes
+    publish: Callable[[], str]       # collective: rename into place, point `latest` at it, prune
+    group: Any                       # the control group the ranks agree on
+
+    def done_everywhere(self) -> bool:
+        """Collective: whether every rank's background write has ended (an all-reduce of one flag)."""
+        flag = torch.tensor([1.0 if self.future.done() else 0.0])
+        comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
+
+    def finish(self) -> str:
+        """Collective: wait for this rank's write, agree that every rank's succeeded, then publish; a failed
+        write is a CheckpointError on every rank (nothing published, the previous checkpoint stays latest)."""
+        error = None
+        try:
+            self.future.result()
+        except Exception as exc:   # the writer's error, whatever its kind: reported, never a hang
+            error = exc
+        ok = torch.tensor([0.0 if error is not None else 1.0])
+        comm.all_reduce(ok, self.group, op=torch.distributed.ReduceOp.MIN)
+        if error is not None:
+            raise CheckpointError(f"--async-save: writing {self.path} failed: {first_line(error)}") from error
+        if ok.item() != 1.0:
+            raise CheckpointError(f"--async-save: another rank failed writing {self.path}")
+        return self.publish()

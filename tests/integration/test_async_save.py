@@ -1,0 +1,53 @@
+"""--async-save: the checkpoint is written in the background while training goes on, published only once every
+rank finished; a resume from it equals the straight run; a save still in flight publishes nothing."""
+import concurrent.futures
+import os
+
+import pytest
+
+from moezero import checkpoint
+from moezero.checkpoint import CheckpointError
+from moezero.checkpoint.pending import PendingSave
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, train
+
+FP64 = ["--fp64", "--train-iters", "6"]
+
+
+def _losses(history):
+    return [h["lm_loss"] for h in history]
+
+
+def _resume_equals_the_straight_run(cache):
+    ckpt = os.path.join(cache, "ckpt")
+    straight = train(TINY + FP64, cache)
+    first = train(TINY + FP64 + ["--save", ckpt, "--save-interval", "2", "--async-save", "--exit-interval", "4"],
+                  cache)
+    assert checkpoint.saved_iterations(ckpt) == [2, 4] and checkpoint.latest_iteration(ckpt) == 4
+    assert not checkpoint.unfinished_saves(ckpt)
+    second = train(TINY + FP64 + ["--load", ckpt], cache)
+    return _losses(first) + _losses(second) == _losses(straight)
+
+
+def test_an_async_checkpoint_resumes_the_run_exactly(tmp_path):
+    assert _resume_equals_the_straight_run(str(tmp_path))
+
+
+def test_an_async_checkpoint_resumes_the_run_exactly_on_two_ranks(tmp_path):
+    cache = str(tmp_path)
+    assert all(run_distributed(_resume_equals_the_straight_run, 2, cache, timeout=240))
+
+
+def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_path):
+    root = str(tmp_path / "ckpt")
+    train(TINY + ["--train-iters", "2", "--save", root], str(tmp_path))
+    published = []
+    never = concurrent.futures.Future()
+    pending = PendingSave(never, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None)
+    assert not pending.done_everywhere()   # the job may stop here: nothing is published
+    assert checkpoint.latest_iteration(root) == 2 and published == []
+    failed = concurrent.futures.Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    with pytest.raises(CheckpointError, match="--async-save: writing .*iter_0000004 failed: OSError: .*No space"):
+        PendingSave(failed, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None).finish()
+    assert checkpoint.latest_iteration(root) == 2 and published == []
