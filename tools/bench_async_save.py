@@ -83,7 +83,8 @@ def main():
         median = statistics.median(values)
         extra[label] = (median - base) * 1000 / saves
         still[label] = statistics.median(stood[label]) * 1000 if stood[label] else 0.0
-        cells = ["", ""] if label == "no save" else [f"{extra[label]:.1f}", f"{still[label]:.1f}"]
+        cells = ["", ""] if label == "no save" else [f"{extra[label]:.1f}", f"{still[label]:.1f}" if stood[label]
+                                                     else "(one save: none after the first)"]
         print(f"| {label} | {median * 1000 / args.steps:.1f} | {cells[0]} | {cells[1]} |")
     if extra["blocking save"] > 0 and still["blocking save"] > 0:
         print(f"\nasync / blocking: extra time per save {extra['--async-save'] / extra['blocking save']:.2f}, "
