@@ -8,6 +8,8 @@ Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1
 """
 from __future__ import annotations
 
+import datetime
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
@@ -63,6 +65,7 @@ class ParallelGroups:
     ep: Optional[Any] = None
     edp: Optional[Any] = None
     control: Optional[Any] = None
+    timeout: Optional[datetime.timedelta] = None   # every group's (None: torch's default for new groups)
     _lazy: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -95,8 +98,10 @@ class ParallelGroups:
         return cls(rank_layout(1, 1), rank=0)
 
     @classmethod
-    def build(cls, expert_parallel_size: int = 1) -> "ParallelGroups":
-        """Create the groups; every rank must call this in the same order (after init_process_group)."""
+    def build(cls, expert_parallel_size: int = 1, timeout: Optional[datetime.timedelta] = None) -> "ParallelGroups":
+        """Create the groups; every rank must call this in the same order (after init_process_group).
+        `timeout`: how long a collective of any of them waits for a peer (torch's new groups do not take the
+        default group's: pass the run's, e.g. --distributed-timeout-minutes)."""
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
                 raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
@@ -104,11 +109,11 @@ class ParallelGroups:
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = rank_layout(world, expert_parallel_size)
-        dp = dist.new_group(list(range(world)))
-        control = dist.new_group(list(range(world)))
-        ep = _new_subgroup(layout.ep_groups, rank)
-        edp = _new_subgroup(layout.edp_groups, rank)
-        return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control)
+        dp = dist.new_group(list(range(world)), timeout=timeout)
+        control = dist.new_group(list(range(world)), timeout=timeout)
+        ep = _new_subgroup(layout.ep_groups, rank, timeout)
+        edp = _new_subgroup(layout.edp_groups, rank, timeout)
+        return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout)
 
     def gather_groups(self) -> Tuple[Optional[Any], Optional[Any]]:
         """(dp, edp)-shaped groups for ZeRO-3 parameter gathers, made on first use (collective: every
@@ -119,8 +124,8 @@ class ParallelGroups:
                 self._lazy.update(dp=None, edp=None)
             else:
                 world = self.layout.world_size
-                self._lazy["dp"] = dist.new_group(list(range(world)))
-                self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank)
+                self._lazy["dp"] = dist.new_group(list(range(world)), timeout=self.timeout)
+                self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank, self.timeout)
         return self._lazy["dp"], self._lazy["edp"]
 
     def agreement_group(self) -> Optional[Any]:
@@ -130,7 +135,8 @@ class ParallelGroups:
         if "agreement" not in self._lazy:
             world = self.layout.world_size
             self._lazy["agreement"] = None if self.dp is None else dist.new_group(list(range(world)),
-                                                                                    backend="gloo")
+                                                                                    backend="gloo",
+                                                                                    timeout=self.timeout)
         return self._lazy["agreement"]
 
     def destroy(self) -> None:
@@ -142,11 +148,11 @@ class ParallelGroups:
                 dist.destroy_process_group(group)
 
 
-def _new_subgroup(partition: Tuple[Ranks, ...], rank: int) -> Any:
+def _new_subgroup(partition: Tuple[Ranks, ...], rank: int, timeout: Optional[datetime.timedelta] = None) -> Any:
     """Every rank creates every group of the partition (new_group is collective); keep ours."""
     mine = None
     for members in partition:
-        group = dist.new_group(list(members))
+        group = dist.new_group(list(members), timeout=timeout)
         if rank in members:
             mine = group
     return mine

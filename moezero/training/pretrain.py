@@ -80,7 +80,8 @@ class Pretraining:
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
         self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
             LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
-        self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size)
+        self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size,
+                                           timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train, cfg.checkpoint.save,
                                    flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))

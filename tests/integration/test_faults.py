@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -75,3 +76,39 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     history = train(TINY + ["--train-iters", str(last + 1), "--load", save], str(tmp_path))
     assert [h["iteration"] for h in history] == [last + 1]
     assert torch.isfinite(torch.tensor(history[0]["lm_loss"]))
+
+
+def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path):
+    """SIGSTOP one rank past --distributed-timeout-minutes (0.1 = 6 s): the other rank's next collective, on any
+    of moezero's groups, fails at that timeout (not torch's 30-minute default for new groups) with one line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
+        "--train-iters", "100000", "--expert-model-parallel-size", "2", "--log-interval", "1",
+        "--data-cache-path", str(tmp_path), "--distributed-timeout-minutes", "0.1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    output, stalled = [], None
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if "] iteration        3/" in line:
+                break
+        else:
+            raise AssertionError("the run ended before iteration 3:\n" + "".join(output))
+        stalled = _worker_pid(proc.pid, 1)
+        os.kill(stalled, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+        reader.start()
+        while time.monotonic() - stopped_at < 90 and "a collective failed" not in "".join(output):
+            time.sleep(0.5)   # bounded: without the timeout on every group this would wait 30 minutes
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        if stalled is not None:
+            os.kill(stalled, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = "".join(output)
+    assert "[rank 0] error: a collective failed" in text, text[-3000:]
+    assert elapsed < 60, f"rank 0 waited {elapsed:.0f}s for the stalled rank (timeout 6 s)"
