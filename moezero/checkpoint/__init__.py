@@ -6,10 +6,10 @@
     read_train_state(path); consolidate_checkpoint(path)             # one process, offline
 """
 from moezero.checkpoint.errors import CheckpointError
-from moezero.checkpoint.layout import (POINTER, iteration_dir, latest_iteration, resolve_checkpoint, saved_iterations,
-                                       unfinished_saves)
+from moezero.checkpoint.layout import (POINTER, check_writable, iteration_dir, latest_iteration, resolve_checkpoint,
+                                       saved_iterations, unfinished_saves)
 from moezero.checkpoint.store import consolidate_checkpoint, load_checkpoint, read_train_state, save_checkpoint
 
-__all__ = ["CheckpointError", "POINTER", "iteration_dir", "latest_iteration", "resolve_checkpoint",
+__all__ = ["CheckpointError", "POINTER", "check_writable", "iteration_dir", "latest_iteration", "resolve_checkpoint",
            "saved_iterations", "unfinished_saves", "save_checkpoint", "load_checkpoint", "read_train_state",
            "consolidate_checkpoint"]

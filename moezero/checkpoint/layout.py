@@ -14,7 +14,7 @@ import re
 import shutil
 from typing import List, Optional
 
-from moezero.checkpoint.errors import CheckpointError
+from moezero.checkpoint.errors import CheckpointError, first_line
 
 POINTER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
@@ -61,6 +61,19 @@ def resolve_checkpoint(path: str, flag: str = "--load") -> str:
         what = "does not exist" if not os.path.exists(path) else f"is not a checkpoint (no .metadata, no {POINTER})"
         raise CheckpointError(f"{flag}={path}: {what}")
     return iteration_dir(path, iteration)
+
+
+def check_writable(root: str) -> None:
+    """Each rank, at start: create `root`, write and remove a probe file of its own, so an unwritable --save is
+    one line before training, not a traceback at the first save an interval later."""
+    probe = os.path.join(root, f".moezero-write-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"--save={root}: cannot write there ({first_line(exc)})") from None
 
 
 def staging_dir(root: str, iteration: int) -> str:

@@ -70,6 +70,8 @@ class Pretraining:
             notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
                            "from scratch")
         self.cfg = cfg
+        if cfg.checkpoint.save:
+            checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
         if point is not None and cfg.moe.use_upcycling:
             check_upcyclable(cfg.model, cfg.moe)
             dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune

@@ -174,3 +174,14 @@ def test_keep_last_checkpoints(saved):
     train(RUN + ["--train-iters", "5", "--save", save, "--save-interval", "1", "--keep-last-checkpoints", "2"],
           str(saved))
     assert checkpoint.saved_iterations(save) == [4, 5] and checkpoint.latest_iteration(save) == 5
+
+
+def test_an_unwritable_save_is_one_line_at_start(tmp_path):
+    """Found before training (write and remove a probe), not as a traceback at the first save."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for save in (str(blocker / "ckpt"), "/proc/moezero-ckpt"):   # under a file; a read-only filesystem
+        proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--save", save])
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"error: --save={save}: cannot write there (" in lines[0] and "iteration" not in proc.stdout
