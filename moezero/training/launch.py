@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
+from moezero.checkpoint.errors import first_line
 from moezero.config import ConfigError
 from moezero.data import DataError
 from moezero.training.configs import Configs
@@ -44,7 +45,12 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
 def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:
     """Train with `cfg` and `plugins`; returns the process exit code, with one clear line on failure."""
     try:
-        init_distributed(cfg.parallel.distributed_backend, cfg.train.dist_timeout_minutes)
+        try:
+            init_distributed(cfg.parallel.distributed_backend, cfg.train.dist_timeout_minutes)
+        except (RuntimeError, ValueError, OSError) as exc:   # torch's DistError, DistNetworkError, DistStoreError
+            _report(f"error: joining the process group failed ({first_line(exc)}); check MASTER_ADDR / MASTER_PORT "
+                    "(a port in use?), that every rank started, and --distributed-timeout-minutes", every_rank=True)
+            return 1
         Pretraining(cfg, plugins).train()
         return 0
     except NothingToTrain as exc:

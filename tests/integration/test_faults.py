@@ -112,3 +112,20 @@ def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path)
     text = "".join(output)
     assert "[rank 0] error: a collective failed" in text, text[-3000:]
     assert elapsed < 60, f"rank 0 waited {elapsed:.0f}s for the stalled rank (timeout 6 s)"
+
+
+def test_a_process_group_that_cannot_form_is_one_line(tmp_path):
+    """init_process_group failing (here: MASTER_PORT already taken by another program) prints one line."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.getsockname()[1]))
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY +
+                              ["--train-iters", "1", "--distributed-timeout-minutes", "0.1"], env=env,
+                              capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert "[rank 0] error: joining the process group failed (" in lines[0] and "Traceback" not in proc.stderr
