@@ -8,6 +8,7 @@ The order, and so every number of a run, does not depend on `num_workers`: worke
 """
 from __future__ import annotations
 
+import signal
 from typing import Dict, Iterable, Iterator, Sequence
 
 import torch
@@ -26,6 +27,14 @@ class _MicroBatchReader(torch.utils.data.Dataset):
         return load_micro_batch(self.dataset, indices)
 
 
+def _leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """A scheduler's SIGTERM (scancel) or a terminal's Ctrl-C reaches the whole process tree: a worker that died
+    of it would fail the rank's next read before the rank could save. The rank decides (--exit-signal-handler, or
+    the default disposition); the workers end with it (torch's DataLoader watches its parent)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class MicroBatchLoader:
     def __init__(self, dataset, index_lists: Iterable[Sequence[int]], num_workers: int):
         if num_workers == 0:
@@ -33,7 +42,7 @@ class MicroBatchLoader:
             self._batches: Iterator = (load_micro_batch(dataset, indices) for indices in index_lists)
         else:   # batch_size=None: each sampler item (an index list) is one dataset read
             self._loader = DataLoader(_MicroBatchReader(dataset), sampler=index_lists, batch_size=None,
-                                      num_workers=num_workers)
+                                      num_workers=num_workers, worker_init_fn=_leave_stop_signals_to_the_rank)
             self._batches = iter(self._loader)
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:

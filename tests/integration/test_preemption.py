@@ -1,9 +1,11 @@
 """SIGTERM to torchrun with --exit-signal-handler: the workers finish the iteration, save it and exit;
 resuming gives exactly the weights of a run that was never stopped."""
+import os
 import re
 import signal
 import sys
 
+import pytest
 import torch
 
 from moezero import checkpoint
@@ -24,15 +26,22 @@ def _losses(text):
     return dict(re.findall(r"iteration +(\d+)/ *\d+ .*?\| lm loss: (\S+) \|", text))
 
 
-def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(tmp_path):
+@pytest.mark.parametrize("to_the_process_tree", [False, True], ids=["torchrun", "process-tree"])
+def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(tmp_path, to_the_process_tree):
+    """SIGTERM to torchrun only (it forwards it to its workers), or to the whole process tree as Slurm's scancel
+    sends it, DataLoader workers included (--num-workers 2, the default): they must not die before the save."""
     cache, ckpt, straight = str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "straight")
-    cmd = _launch(["--save", ckpt, "--exit-signal-handler"], cache)
+    workers = ["--num-workers", "2"] if to_the_process_tree else []
+    cmd = _launch(["--save", ckpt, "--exit-signal-handler"] + workers, cache)
     with started(cmd) as proc:
         output = []
         for line in proc.stdout:
             output.append(line)
             if re.search(r"\] iteration +3/", line):
-                proc.send_signal(signal.SIGTERM)   # to torchrun only: it forwards SIGTERM to its workers
+                if to_the_process_tree:
+                    os.killpg(proc.pid, signal.SIGTERM)   # torchrun, the ranks and their data workers
+                else:
+                    proc.send_signal(signal.SIGTERM)
                 break
         output.append(proc.communicate(timeout=120)[0])
     text = "".join(output)
