@@ -26,6 +26,7 @@ class PendingSave:
     path: str                        # the iter_N folder it becomes
     publish: Callable[[], str]       # collective: rename into place, point `latest` at it, prune
     group: Any                       # the control group the ranks agree on
+    abandon: Callable[[], None] = lambda: None   # collective: remove the partial folder after a failed write
 
     def done_everywhere(self) -> bool:
         """Collective: whether every rank's background write has ended (an all-reduce of one flag)."""
@@ -43,8 +44,9 @@ class PendingSave:
             error = exc
         ok = torch.tensor([0.0 if error is not None else 1.0])
         comm.all_reduce(ok, self.group, op=torch.distributed.ReduceOp.MIN)
-        if error is not None:
-            raise CheckpointError(f"--async-save: writing {self.path} failed: {first_line(error)}") from error
-        if ok.item() != 1.0:
-            raise CheckpointError(f"--async-save: another rank failed writing {self.path}")
-        return self.publish()
+        if ok.item() == 1.0:
+            return self.publish()
+        self.abandon()
+        reason = first_line(error) if error is not None else "another rank could not write its part"
+        raise CheckpointError(f"--async-save: writing {self.path} failed ({reason}); its partial folder is removed "
+                              "and the previous checkpoint stays latest")

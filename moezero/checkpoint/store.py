@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import random
 import warnings
 from typing import Any, Dict, Optional, Union
@@ -62,10 +63,37 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
         with _quiet():
             future = dcp.async_save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(),
                                     process_group=writer_group)
-        return PendingSave(future, layout.iteration_dir(root, iteration), publish, group)
-    with _quiet():
-        dcp.save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(), process_group=group)
+        return PendingSave(future, layout.iteration_dir(root, iteration), publish, group,
+                           functools.partial(abandon_save, root, iteration, group))
+    error = None
+    try:
+        with _quiet():
+            dcp.save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(), process_group=group)
+    except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
+        error = exc
+    if not agreed(error is None, group):
+        abandon_save(root, iteration, group)
+        reason = _cause(error) if error is not None else "another rank could not write its part"
+        raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
+                              "folder is removed and the previous checkpoint stays latest")
     return publish()
+
+
+def agreed(ok: bool, group) -> bool:
+    """Collective: whether `ok` holds on every rank (a MIN all-reduce of one flag)."""
+    if not dist.is_initialized():
+        return ok
+    nccl = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([1.0 if ok else 0.0], device="cuda" if nccl else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() == 1.0)
+
+
+def abandon_save(root: str, iteration: int, group) -> None:
+    """Collective, after a failed write: rank 0 removes the partial staging folder (the pointer never moved)."""
+    if _rank() == 0:
+        shutil.rmtree(layout.staging_dir(root, iteration), ignore_errors=True)
+    _barrier(group)
 
 
 def _publish(root: str, iteration: int, keep_last: int, group) -> str:

@@ -48,6 +48,6 @@ def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_pa
     assert checkpoint.latest_iteration(root) == 2 and published == []
     failed = concurrent.futures.Future()
     failed.set_exception(OSError(28, "No space left on device"))
-    with pytest.raises(CheckpointError, match="--async-save: writing .*iter_0000004 failed: OSError: .*No space"):
+    with pytest.raises(CheckpointError, match="--async-save: writing .*iter_0000004 failed \\(OSError: .*No space"):
         PendingSave(failed, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None).finish()
     assert checkpoint.latest_iteration(root) == 2 and published == []

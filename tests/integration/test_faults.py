@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from moezero import checkpoint
@@ -129,3 +130,27 @@ def test_a_process_group_that_cannot_form_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert "[rank 0] error: joining the process group failed (" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """--save on a 2 MB tmpfs: the first checkpoint (1.3 MB) fits, the second does not. One line says so (rank 0,
+    as every refusal), the partial folder is removed, `latest` stays the first, and the job stops (exit != 0)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        save = str(disk / "ckpt")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
+            "--train-iters", "6", "--save", save, "--save-interval", "2", "--data-cache-path", str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        failures = [line for line in proc.stderr.splitlines() if "] error: --save=" in line]
+        assert proc.returncode != 0 and len(failures) == 1, proc.stderr[-3000:]
+        assert "saving iteration 4 failed (" in failures[0] and "No space left on device" in failures[0] and \
+            "previous checkpoint stays latest" in failures[0], failures
+        assert checkpoint.latest_iteration(save) == 2 and not checkpoint.unfinished_saves(save)
+        assert "Traceback" not in "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
