@@ -18,7 +18,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -74,6 +74,9 @@ class GPTSamples(torch.utils.data.Dataset):
     def __init__(self, dataset, split: str):
         self.dataset = dataset
         self.split = split
+        self.vocab_limit: Optional[int] = None   # token ids must be below it (the model's vocabulary): checked
+                                                  # per sample as read, so a damaged .bin is one line, not an
+                                                  # IndexError deep in the embedding
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -84,7 +87,28 @@ class GPTSamples(torch.utils.data.Dataset):
             raise IndexError(f"{self.split} sample {i} is out of range: the {self.split} set was built with "
                              f"{len(self.dataset)} samples (raise num_samples for {self.split})")
         sample = self.dataset[i]
+        if self.vocab_limit is not None:
+            self._check_token_ids(i, torch.cat([sample["tokens"], sample["labels"][-1:]]))
         return {"tokens": sample["tokens"], "labels": sample["labels"], "loss_mask": sample["loss_mask"]}
+
+    def _check_token_ids(self, i: int, ids: torch.Tensor) -> None:
+        low, high = int(ids.min()), int(ids.max())
+        if 0 <= low and high < self.vocab_limit:
+            return
+        prefix, documents = _locate(self.dataset, i)
+        raise DataError(f"{prefix}.bin: token id {high if high >= self.vocab_limit else low} in document "
+                        f"{', '.join(map(str, documents))} ({self.split} sample {i}) is outside the model's vocabulary "
+                        f"(0..{self.vocab_limit - 1}): the file is damaged or was written with another tokenizer")
+
+
+def _locate(dataset, i: int) -> Tuple[str, List[int]]:
+    """(the dataset prefix, the documents) megatron-core's (blended) GPT dataset reads sample i from."""
+    if hasattr(dataset, "dataset_index"):   # a blend: which dataset, and which of its samples
+        dataset, i = dataset.datasets[int(dataset.dataset_index[i])], int(dataset.dataset_sample_index[i])
+    index = int(dataset.shuffle_index[i])
+    first, last = int(dataset.sample_index[index][0]), int(dataset.sample_index[index + 1][0])
+    documents = sorted({int(d) for d in dataset.document_index[first:last + 1]})
+    return getattr(dataset.dataset, "path_prefix", "mock data"), documents
 
 
 @dataclass

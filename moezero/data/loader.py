@@ -14,6 +14,7 @@ from typing import Dict, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader
 
+from moezero.data.errors import DataError
 from moezero.data.sampler import load_micro_batch
 
 
@@ -49,7 +50,10 @@ class MicroBatchLoader:
         return self._batches
 
     def __next__(self) -> Dict[str, torch.Tensor]:
-        return next(self._batches)
+        try:
+            return next(self._batches)
+        except DataError as exc:   # from a worker, torch adds the worker's traceback: keep the one line
+            raise DataError(str(exc).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
 
     def close(self) -> None:
         """Stop the workers now (a run that stops early leaves batches read ahead)."""

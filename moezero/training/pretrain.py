@@ -93,6 +93,9 @@ class Pretraining:
         self.progress = dataclasses.replace(progress, train_dataset_samples=sizes[0])
         self.data = build_data(cfg, sizes)
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        for split in (self.data.train, self.data.valid, self.data.test):
+            if split is not None:
+                split.vocab_limit = self.vocab_size
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
         if dense_source is not None:   # before the optimizer copies the params into its masters
             upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
