@@ -14,8 +14,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from moezero.checkpoint.errors import CheckpointError, first_line
 from moezero.parallel import comm
 
@@ -30,9 +28,7 @@ class PendingSave:
 
     def done_everywhere(self) -> bool:
         """Collective: whether every rank's background write has ended (an all-reduce of one flag)."""
-        flag = torch.tensor([1.0 if self.future.done() else 0.0])
-        comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item() == 1.0)
+        return comm.all_true(self.future.done(), self.group)
 
     def finish(self) -> str:
         """Collective: wait for this rank's write, agree that every rank's succeeded, then publish; a failed
@@ -42,9 +38,7 @@ class PendingSave:
             self.future.result()
         except Exception as exc:   # the writer's error, whatever its kind: reported, never a hang
             error = exc
-        ok = torch.tensor([0.0 if error is not None else 1.0])
-        comm.all_reduce(ok, self.group, op=torch.distributed.ReduceOp.MIN)
-        if ok.item() == 1.0:
+        if comm.all_true(error is None, self.group):
             return self.publish()
         self.abandon()
         reason = first_line(error) if error is not None else "another rank could not write its part"

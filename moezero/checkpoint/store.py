@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import random
+import shutil
 import warnings
 from typing import Any, Dict, Optional, Union
 
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from moezero.checkpoint import keys, layout
 from moezero.checkpoint.errors import CheckpointError, first_line
 from moezero.checkpoint.pending import PendingSave
+from moezero.parallel import comm
 from moezero.zero import consolidate
 
 
@@ -71,22 +72,12 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
             dcp.save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(), process_group=group)
     except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
         error = exc
-    if not agreed(error is None, group):
+    if not comm.all_true(error is None, group):
         abandon_save(root, iteration, group)
         reason = _cause(error) if error is not None else "another rank could not write its part"
         raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
                               "folder is removed and the previous checkpoint stays latest")
     return publish()
-
-
-def agreed(ok: bool, group) -> bool:
-    """Collective: whether `ok` holds on every rank (a MIN all-reduce of one flag)."""
-    if not dist.is_initialized():
-        return ok
-    nccl = dist.get_backend(group) == "nccl"
-    flag = torch.tensor([1.0 if ok else 0.0], device="cuda" if nccl else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item() == 1.0)
 
 
 def abandon_save(root: str, iteration: int, group) -> None:

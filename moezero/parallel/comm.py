@@ -84,6 +84,13 @@ def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, asyn
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
+def all_true(ok: bool, group: Optional[Any]) -> bool:
+    """Collective: whether `ok` holds on every rank of `group` (a MIN all-reduce of one flag)."""
+    flag = torch.tensor([1.0 if ok else 0.0])
+    all_reduce(flag, group, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
+
+
 def receives_pieces(group: Optional[Any]) -> bool:
     """Whether reduce_scatter_in_place on `group` receives every peer's piece into an input-sized buffer."""
     return peer_exchange.uses_peer_exchange(group)
