@@ -63,6 +63,17 @@ class ZeroConfig(Validated):
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
                                     choices=("fp32", "bf16", "fp64"))
     grad_reduce_in_bf16: bool = option(False, "Megatron's: --grad-reduce-dtype bf16", flag="--grad-reduce-in-bf16")
+    use_precision_aware_optimizer: bool = option(False, "Adam keeps its master weights and moments in the dtypes "
+                                                 "below (moezero's PrecisionAwareAdam, Megatron's meaning)",
+                                                 flag="--use-precision-aware-optimizer")
+    main_grads_dtype: str = option("fp32", "with --use-precision-aware-optimizer: the dtype gradients are "
+                                   "accumulated, reduced and handed to Adam in", choices=("fp32", "bf16"))
+    main_params_dtype: str = option("fp32", "with --use-precision-aware-optimizer: the master weights' dtype "
+                                    "(fp32 of bf16 params: only the 16 low bits are stored)", choices=("fp32", "fp16"))
+    exp_avg_dtype: str = option("fp32", "with --use-precision-aware-optimizer: Adam's first moment's storage "
+                                "dtype (fp16/fp8 with a per-tensor scale)", choices=("fp32", "fp16", "bf16", "fp8"))
+    exp_avg_sq_dtype: str = option("fp32", "with --use-precision-aware-optimizer: Adam's second moment's storage "
+                                   "dtype", choices=("fp32", "fp16", "bf16", "fp8"))
     clip_grad: float = option(1.0, "clip the global grad norm to this (0 = off)", flag="--clip-grad")
     max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row",
                                     flag="--max-consecutive-skipped-steps")
@@ -87,6 +98,7 @@ class ZeroConfig(Validated):
             self._require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_in_bf16",
                           f"contradicts --grad-reduce-dtype {self.grad_reduce_dtype}")
             self.grad_reduce_dtype = "bf16"
+        self._check_precision_aware()
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
         self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         self._require(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1")
@@ -94,6 +106,17 @@ class ZeroConfig(Validated):
         self._require(self.min_loss_scale > 0, "min_loss_scale", "must be > 0")
         self._require(self.loss_scale_window >= 1, "loss_scale_window", "must be >= 1")
         self._require(self.hysteresis >= 1, "hysteresis", "must be >= 1")
+
+    def _check_precision_aware(self) -> None:
+        """Megatron's rules: narrow dtypes only with the precision-aware optimizer; bf16 main grads are reduced in
+        bf16 (Megatron then leaves --accumulate-allreduce-grads-in-fp32 off)."""
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            self._require(getattr(self, name) == "fp32" or self.use_precision_aware_optimizer, name,
+                          "can only be fp32 without --use-precision-aware-optimizer")
+        if self.main_grads_dtype == "bf16":
+            self._require(self.grad_reduce_dtype in ("fp32", "bf16"), "main_grads_dtype",
+                          f"bf16 contradicts --grad-reduce-dtype {self.grad_reduce_dtype}")
+            self.grad_reduce_dtype = "bf16"
 
 
 @dataclass

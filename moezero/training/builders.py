@@ -23,7 +23,7 @@ from moezero.parallel import ParallelGroups
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
 from moezero.training.resume import Progress
-from moezero.zero import ZeroOptimizer, weight_decay_groups
+from moezero.zero import STATE_DTYPES, PrecisionAwareAdam, ZeroOptimizer, weight_decay_groups
 
 def build_data(cfg: Configs, sizes: Tuple[int, int, int]):
     """The train, validation and test splits with `sizes` samples each (0: not built); see `dataset_sizes`."""
@@ -84,8 +84,13 @@ def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int) -> G
 
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
     """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
-    t = cfg.train
-    if t.optimizer == "adam":
+    t, z = cfg.train, cfg.zero
+    if t.optimizer == "adam" and z.use_precision_aware_optimizer:
+        cls, kwargs = PrecisionAwareAdam, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                               master_weight_dtype=STATE_DTYPES[z.main_params_dtype],
+                                               exp_avg_dtype=STATE_DTYPES[z.exp_avg_dtype],
+                                               exp_avg_sq_dtype=STATE_DTYPES[z.exp_avg_sq_dtype])
+    elif t.optimizer == "adam":
         cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     else:
         cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)

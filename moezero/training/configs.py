@@ -257,6 +257,14 @@ class Configs:
     implementation: ImplementationConfig = field(default_factory=ImplementationConfig)
 
 
+def _check_precision_aware(cfg: Configs) -> None:
+    """Megatron's: the precision-aware optimizer is Adam's; bf16 main grads are a bf16 run's."""
+    if cfg.zero.use_precision_aware_optimizer and cfg.train.optimizer != "adam":
+        raise ConfigError(f"--use-precision-aware-optimizer: only with --optimizer adam, not {cfg.train.optimizer}")
+    if cfg.zero.main_grads_dtype == "bf16" and not cfg.train.bf16:
+        raise ConfigError("--main-grads-dtype bf16: needs --bf16 (the params' gradients are not bf16)")
+
+
 def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0) -> int:
     """Checks across configs for a run that starts at `start_iteration` having consumed `consumed_samples`
     (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags.
@@ -290,6 +298,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "
                           "written under <--save>/wandb by default, as Megatron's)")
+    _check_precision_aware(cfg)
     if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")

@@ -4,8 +4,9 @@ from moezero.zero.model_guard import ParameterSetChanged
 from moezero.zero.optimizer import ZeroOptimizer
 from moezero.zero.param_groups import weight_decay_groups
 from moezero.zero.param_guard import ParamNotGathered
+from moezero.zero.precision_aware_adam import STATE_DTYPES, PrecisionAwareAdam
 from moezero.zero.reducer import GradientHookError
 from moezero.zero.state import consolidate
 
 __all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "ParamNotGathered",
-           "RanksDisagree", "weight_decay_groups", "consolidate"]
+           "RanksDisagree", "weight_decay_groups", "consolidate", "PrecisionAwareAdam", "STATE_DTYPES"]

@@ -48,6 +48,8 @@ class ZeroSettings:
     bucket_size: int = 2_000_000
     overlap_comm: bool = True
     grad_reduce_dtype: torch.dtype = torch.float32
+    main_grads_dtype: Optional[torch.dtype] = None   # the optimizer's gradients (None: the master dtype)
+    masters_in_optimizer: bool = False               # the inner optimizer keeps the master weights itself
 
     def __post_init__(self):
         stage_of(self.stage)   # a known stage, or one clear error
@@ -57,6 +59,12 @@ class ZeroSettings:
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """fp64 params reduce in fp64; everything else in grad_reduce_dtype."""
         return torch.float64 if param_dtype == torch.float64 else self.grad_reduce_dtype
+
+    def grads_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the optimizer gets the reduced gradients in (fp64 params: fp64)."""
+        if self.main_grads_dtype is None or param_dtype == torch.float64:
+            return master_dtype_of(param_dtype)
+        return self.main_grads_dtype
 
 
 class ZeroEngine:
@@ -76,13 +84,14 @@ class ZeroEngine:
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
         self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
                                    settings.overlap_comm, self.agreement)
-        self.master = MasterShards(self.parts)
+        self.master = MasterShards(self.parts, settings.masters_in_optimizer)
         self.gatherer = self._unit_gatherer(plan) if plan else None
         self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
         self._flags_in_flight: List[Tuple[ParamFamily, torch.Tensor, object]] = []   # see begin_step
 
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
-        dtypes = (self.settings.reduce_dtype(family.dtype), master_dtype_of(family.dtype), self.groups.dp_size)
+        settings = self.settings
+        dtypes = (settings.reduce_dtype(family.dtype), settings.grads_dtype(family.dtype), self.groups.dp_size)
         if not family.trainable:
             return NoGradients(family, *dtypes, whole_buckets=self.stage.keeps_whole_buckets)
         return self.stage.grad_strategy(family, *dtypes)
@@ -325,9 +334,11 @@ class ZeroEngine:
             out.setdefault(name, []).append((global_range, piece.of(reduced[zp.family][zp.bucket])[part].clone()))
         return out
 
-    def params_sum_of_squares(self) -> float:
-        """Sum of squared trainable weights (the fp32 masters), over the model, each element once."""
-        owned = [piece.master[part] for piece, part, _, _ in self.owned_pieces(trainable_only=True)]
+    def params_sum_of_squares(self, master_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> float:
+        """Sum of squared trainable weights (the fp32 masters, read through `master_values` where the inner
+        optimizer keeps them), over the model, each element once."""
+        values = master_values or (lambda leaf: leaf)
+        owned = [values(piece.master)[part] for piece, part, _, _ in self.owned_pieces(trainable_only=True)]
         return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
 
     def held_ranges(self) -> Dict[str, List[Range]]:

@@ -5,7 +5,9 @@ The inner torch optimizer runs on the pieces (one leaf tensor per param piece, `
 per-param semantics stay torch's: a piece whose param got no gradient on any rank gets `grad = None`
 and is skipped. When a family's params are already in the master dtype, the master *is* the param
 storage (no copy, no write-back). Each family has its own master dtype: the wider of its param
-dtype and fp32.
+dtype and fp32. An inner optimizer that keeps master weights of its own (`holds_master_weights`, as
+PrecisionAwareAdam) steps the param storage itself and gets its gradients as `decoupled_grad`, whose dtype
+(the main-grads dtype) may differ from the param's.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ def master_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
 class _FamilyMaster:
     """One family's masters: a flat tensor per bucket over the bucket's optimizer range."""
 
-    def __init__(self, parts: FamilyParts):
+    def __init__(self, parts: FamilyParts, in_optimizer: bool):
         self.parts = parts
         family, storage, strategy = parts.family, parts.storage, parts.strategy
         dtype = master_dtype_of(family.dtype)
-        self.aliased = family.dtype == dtype
+        self.aliased = family.dtype == dtype or in_optimizer
+        self.grad_attribute = "decoupled_grad" if in_optimizer else "grad"
         self.spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
         self.masters = [storage.values(b, span) if self.aliased else storage.values(b, span).detach().to(dtype)
                         for b, span in enumerate(self.spans)]
@@ -54,8 +57,8 @@ def _owned_part(zp: ZeroParam, param_range: Range, owned: Range) -> slice:
 
 
 class MasterShards:
-    def __init__(self, parts: Sequence[FamilyParts]):
-        self.families = [_FamilyMaster(p) for p in parts]
+    def __init__(self, parts: Sequence[FamilyParts], in_optimizer: bool = False):
+        self.families = [_FamilyMaster(p, in_optimizer) for p in parts]
         self._pieces_of = {id(fm): fm.pieces() for fm in self.families}
         self.pieces: List[MasterPiece] = [piece for fm in self.families for piece in self._pieces_of[id(fm)]]
 
@@ -67,16 +70,19 @@ class MasterShards:
     def assign_grads(self, reduced: ReducedGrads, family: Optional["_FamilyMaster"] = None) -> None:
         """Point each piece's .grad (of `family`, default all) at its slice of the reduced bucket gradient (None:
         skip the param)."""
-        for piece in self._of(family):
-            zp = piece.param
-            piece.master.grad = piece.of(reduced[zp.family][zp.bucket]) if zp.got_grad_anywhere else None
+        for fm in self._families(family):
+            for piece in self._pieces_of[id(fm)]:
+                zp = piece.param
+                grad = piece.of(reduced[zp.family][zp.bucket]) if zp.got_grad_anywhere else None
+                setattr(piece.master, fm.grad_attribute, grad)
 
     def clear_grads(self, family: Optional["_FamilyMaster"] = None) -> None:
-        for piece in self._of(family):
-            piece.master.grad = None
+        for fm in self._families(family):
+            for piece in self._pieces_of[id(fm)]:
+                setattr(piece.master, fm.grad_attribute, None)
 
-    def _of(self, family: Optional["_FamilyMaster"]) -> List[MasterPiece]:
-        return self.pieces if family is None else self._pieces_of[id(family)]
+    def _families(self, family: Optional["_FamilyMaster"]) -> List["_FamilyMaster"]:
+        return self.families if family is None else [family]
 
     def publish(self, trainable_only: bool = False) -> None:
         """Write the updated masters into the param storage (cast) and let every replica see them

@@ -64,6 +64,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overlap_comm: reduce buckets during backward as they become ready.
         clip_grad: clip the global grad norm to this value (None or 0: no clipping).
         grad_reduce_dtype: dtype gradients are accumulated and reduced in (fp64 params use fp64).
+        main_grads_dtype: dtype the inner optimizer gets the gradients in (default: the master dtype); another
+            (bf16) only for an optimizer that keeps its own master weights (PrecisionAwareAdam).
         param_groups: torch-style params or groups (default: `model.parameters()` in one group, frozen
             ones included: they keep their place and state, are skipped while frozen, and train again
             once unfrozen inside `modify_model()`);
@@ -76,12 +78,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups] = None, *,
                  stage: int = 2, bucket_size: int = 2_000_000, overlap_comm: bool = True,
                  clip_grad: Optional[float] = None, grad_reduce_dtype: torch.dtype = torch.float32,
-                 param_groups: Any = None, loss_scaler: Optional[DynamicLossScaler] = None,
+                 main_grads_dtype: Optional[torch.dtype] = None, param_groups: Any = None,
+                 loss_scaler: Optional[DynamicLossScaler] = None,
                  max_skipped_steps: int = 20, **optimizer_kwargs):
         check_elementwise(optimizer_cls)
         self.model = model
         self.groups = resolve_groups(groups)
-        self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype)
+        in_optimizer = bool(getattr(optimizer_cls, "holds_master_weights", False))
+        if main_grads_dtype is not None and not in_optimizer:
+            raise ValueError(f"main_grads_dtype={main_grads_dtype} needs an optimizer that keeps its own master "
+                             f"weights (PrecisionAwareAdam); {optimizer_cls.__name__} steps master copies")
+        self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype, main_grads_dtype,
+                                     in_optimizer)
         self.clip_grad = clip_grad or None
         self.max_skipped_steps = max_skipped_steps
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
@@ -93,7 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine, self.inner = self._build_engine(user_groups)
         # torch's element-wise optimizers step only the params that have a gradient and keep every count per
         # param, so stepping the families one by one is the same as one step (not known of other classes)
-        self._steps_per_param = type(self.inner).__module__.startswith("torch.optim")
+        self._steps_per_param = type(self.inner).__module__.startswith("torch.optim") or in_optimizer
         super().__init__(user_groups, self.inner.defaults)
         self._building = False
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
@@ -116,6 +124,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return cls(model, optimizer_cls, groups, stage=config.stage, bucket_size=config.bucket_size,
                    overlap_comm=config.overlap_comm, clip_grad=config.clip_grad or None,
                    grad_reduce_dtype=REDUCE_DTYPES[config.grad_reduce_dtype], loss_scaler=scaler,
+                   main_grads_dtype=(REDUCE_DTYPES[config.main_grads_dtype] if config.use_precision_aware_optimizer
+                                     else None),
                    max_skipped_steps=config.max_skipped_steps, param_groups=param_groups, **optimizer_kwargs)
 
     # ---- construction --------------------------------------------------------------------------
@@ -226,7 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- reading state -------------------------------------------------------------------------
     def params_norm(self) -> float:
         """Collective: the L2 norm of the trainable weights (their fp32 masters; Megatron's params norm)."""
-        return math.sqrt(self.engine.params_sum_of_squares())
+        return math.sqrt(self.engine.params_sum_of_squares(getattr(self.inner, "master_values", None)))
 
     def owned_gradients(self) -> GradientPieces:
         """{name: [(global element range, averaged gradient)]} of the elements this rank owns.
@@ -330,6 +340,8 @@ FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 
 def _inner_optimizer(optimizer_cls: type, view_groups: List[Dict], kwargs: Dict) -> torch.optim.Optimizer:
     """The torch optimizer stepping this rank's master views (fused Adam/AdamW unless told otherwise)."""
+    if getattr(optimizer_cls, "holds_master_weights", False):   # its gradients come as decoupled_grad
+        return optimizer_cls(view_groups, use_decoupled_grad=True, **kwargs)
     if "fused" not in kwargs and "foreach" not in kwargs and issubclass(optimizer_cls, FUSED_BY_DEFAULT):
         try:
             return optimizer_cls(view_groups, fused=True, **kwargs)

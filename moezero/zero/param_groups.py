@@ -6,12 +6,15 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from moezero.zero.precision_aware_adam import PrecisionAwareAdam
+
 # Optimizers whose update of an element depends only on that element's gradient and state:
 # they give the same result on any slice of a param, so they can run on this rank's shard.
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
     torch.optim.Adadelta,
+    PrecisionAwareAdam,   # element-wise but for the per-tensor scale of fp16/fp8 states (per shard, as Megatron's)
 )
 
 

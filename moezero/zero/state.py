@@ -24,12 +24,20 @@ def _is_elementwise(value: Any, n: int) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == n
 
 
-def _piece(master_piece, part: slice, inner_state: Dict[str, Any]) -> Piece:
-    master = master_piece.master
+def _full_precision(inner, leaf: torch.Tensor):
+    """(master values, optimizer state) of one leaf: an optimizer that keeps its own masters in narrow dtypes
+    gives them, and its state, in fp32 (so a checkpoint loads into any optimizer and layout)."""
+    if hasattr(inner, "full_precision_state"):
+        return inner.full_precision_state(leaf)
+    return leaf.detach(), inner.state.get(leaf, {})
+
+
+def _piece(master_piece, part: slice, inner) -> Piece:
+    master, inner_state = _full_precision(inner, master_piece.master)
     n = master.numel()
     state = {k: (v[part].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
-             for k, v in inner_state.get(master, {}).items()}
-    return {"range": master_piece.global_range(part), "master": master[part].detach().clone(), "state": state}
+             for k, v in inner_state.items()}
+    return {"range": master_piece.global_range(part), "master": master[part].clone(), "state": state}
 
 
 def shard_state(opt) -> Dict[str, Any]:
@@ -40,9 +48,9 @@ def shard_state(opt) -> Dict[str, Any]:
     for master_piece in engine.master_pieces():
         name, owned = master_piece.param.name, master_piece.owned
         if owned.stop > owned.start:
-            pieces.setdefault(name, []).append(_piece(master_piece, owned, opt.inner.state))
+            pieces.setdefault(name, []).append(_piece(master_piece, owned, opt.inner))
         for part in _unowned_parts(master_piece.numel, owned):
-            replicas.setdefault(name, []).append(_piece(master_piece, part, opt.inner.state))
+            replicas.setdefault(name, []).append(_piece(master_piece, part, opt.inner))
     return {
         "format": FORMAT, "stage": opt.settings.stage, "rank": opt.groups.rank,
         "world_size": opt.groups.world_size, "ep_size": opt.groups.ep_size,
@@ -99,6 +107,9 @@ def load_state(opt, source: Dict[str, Any]) -> None:
             zp, leaf = master_piece.param, master_piece.master
             lo, hi = zp.global_range(master_piece.param_range)
             master, state = gather_range(pieces, zp.name, lo, hi)
+            if hasattr(opt.inner, "load_full_precision_state"):
+                opt.inner.load_full_precision_state(leaf, master, state)
+                continue
             leaf.copy_(master)
             if state:
                 opt.inner.state[leaf] = {k: (v.to(leaf.dtype) if _is_elementwise(v, hi - lo) and
