@@ -89,9 +89,11 @@ setup(
     ],
     # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x: experts_implementation),
     # never a runtime dependency;
-    # sentencepiece: --tokenizer-type Llama2Tokenizer only; wandb: --wandb-project only (the tests read an offline run)
-    extras_require={"dev": ["pytest", "ninja", "transformers>=5", "sentencepiece", "wandb"],
-                    "sentencepiece": ["sentencepiece"], "wandb": ["wandb"], "bench": ["matplotlib"]},
+    # sentencepiece: the SentencePiece tokenizer types only; tiktoken: TikTokenizer only; wandb: --wandb-project
+    # only (the tests read an offline run)
+    extras_require={"dev": ["pytest", "ninja", "transformers>=5", "sentencepiece", "tiktoken", "wandb"],
+                    "sentencepiece": ["sentencepiece"], "tiktoken": ["tiktoken"], "wandb": ["wandb"],
+                    "bench": ["matplotlib"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

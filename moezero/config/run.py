@@ -132,12 +132,19 @@ class DataConfig(Validated):
                              "--data-path, for benchmarks", flag="--mock-data")
     tokenizer_type: str = option("ByteLevelTokenizer", "tokenizer", flag="--tokenizer-type",
                                  choices=("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
-                                          "Llama2Tokenizer", "NullTokenizer"), defines_model=True)
-    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder), or "
-                                            "a SentencePiece tokenizer.model (Llama2Tokenizer)", flag="--tokenizer-model")
-    vocab_size: Optional[int] = option(None, "the tokenizer's vocabulary before the end-of-document token and "
-                                       "padding: NullTokenizer's size; with another tokenizer, a floor",
-                                       flag="--vocab-size")
+                                          "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                          "TikTokenizer", "NullTokenizer"), defines_model=True)
+    tokenizer_model: Optional[str] = option(None, "local HuggingFace tokenizer (tokenizer.json or its folder), a "
+                                            "SentencePiece tokenizer.model (the SentencePiece types), or a tiktoken "
+                                            "vocabulary .json (TikTokenizer)", flag="--tokenizer-model")
+    vocab_size: Optional[int] = option(None, "NullTokenizer's size (before its end-of-document token); "
+                                       "TikTokenizer's whole vocabulary (default 131072); with another tokenizer, "
+                                       "a floor", flag="--vocab-size")
+    tiktoken_pattern: Optional[str] = option(None, "TikTokenizer's split pattern (default v2; ignored by the other "
+                                             "tokenizers, as in Megatron)", flag="--tiktoken-pattern",
+                                             choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = option(1000, "TikTokenizer: ids below this are special tokens",
+                                              flag="--tiktoken-num-special-tokens")
     vocab_file: Optional[str] = option(None, "GPT-2 BPE vocabulary (vocab.json)", flag="--vocab-file")
     merge_file: Optional[str] = option(None, "GPT-2 BPE merges (merges.txt)", flag="--merge-file")
     data_cache_path: Optional[str] = option(None, "where dataset indices and the default corpus are cached",
@@ -163,7 +170,7 @@ class DataConfig(Validated):
             weights = ()
         self._require(bool(weights) and all(w >= 0 for w in weights) and sum(weights) > 0,
                       "split", "must be up to three non-negative weights like 969,30,1")
-        if self.tokenizer_type in ("HuggingFaceTokenizer", "Llama2Tokenizer"):
+        if self.tokenizer_type not in ("ByteLevelTokenizer", "GPT2BPETokenizer", "NullTokenizer"):
             self._require(self.tokenizer_model is not None, "tokenizer_type",
                           f"{self.tokenizer_type} needs --tokenizer-model (a local path)")
         if self.tokenizer_type == "NullTokenizer":

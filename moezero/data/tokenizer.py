@@ -1,6 +1,7 @@
 """Tokenizers: a built-in byte-level one, GPT-2's BPE (Megatron's GPT2BPETokenizer, from --vocab-file and
 --merge-file) and a local HuggingFace tokenizer (both on the `tokenizers` package), a SentencePiece model
-(Llama2Tokenizer, on `sentencepiece`) and Megatron's NullTokenizer (ids as text).
+(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, on `sentencepiece`), Megatron's
+TikTokenizer (a tiktoken vocabulary, on `tiktoken`) and Megatron's NullTokenizer (ids as text).
 
 Both expose what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
 `tokenize(text) -> list[int]`, `detokenize(ids) -> str` and `unique_identifiers` (megatron-core
@@ -13,6 +14,7 @@ from collections import OrderedDict
 from typing import Iterable, List
 
 from moezero.data.errors import DataError
+from moezero.data.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, TikTokenizer
 
 
 class ByteLevelTokenizer:
@@ -104,17 +106,21 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class Llama2Tokenizer:
-    """A SentencePiece model (Megatron's `--tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model`):
-    each document starts with BOS, and EOS ends it. Needs the `sentencepiece` package (an optional extra)."""
+class SentencePieceTokenizer:
+    """A SentencePiece model, as megatron-core's SentencePiece library builds it for `--tokenizer-type
+    SentencePieceTokenizer` and `GPTSentencePieceTokenizer`: the model's pieces, no BOS added, EOS ends a document.
+    Needs the `sentencepiece` package (an optional extra)."""
+
+    adds_bos = False
 
     def __init__(self, model_file: str):
+        kind = type(self).__name__
         if not os.path.isfile(model_file):
             raise DataError(f"--tokenizer-model={model_file!r}: no such file (a SentencePiece tokenizer.model)")
         try:
             import sentencepiece
         except ImportError:
-            raise DataError("--tokenizer-type=Llama2Tokenizer needs the `sentencepiece` package "
+            raise DataError(f"--tokenizer-type={kind} needs the `sentencepiece` package "
                             "(pip install sentencepiece)") from None
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
@@ -124,14 +130,26 @@ class Llama2Tokenizer:
         self.vocab_size, self.bos, self.eod = self._sp.vocab_size(), self._sp.bos_id(), self._sp.eos_id()
         if self.eod < 0:
             raise DataError(f"--tokenizer-model={model_file!r}: has no end-of-sentence token")
-        self.unique_identifiers = OrderedDict(cls=type(self).__name__, path=os.path.abspath(model_file),
+        self.unique_identifiers = OrderedDict(cls=kind, path=os.path.abspath(model_file),
                                               vocab_size=self.vocab_size, eod=self.eod)
 
     def tokenize(self, text: str) -> List[int]:
-        return ([self.bos] if self.bos >= 0 else []) + self._sp.encode(text)
+        return ([self.bos] if self.adds_bos and self.bos >= 0 else []) + self._sp.encode(text)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's name for the same SentencePiece tokenizer."""
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """A SentencePiece model (Megatron's `--tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model`):
+    each document starts with BOS (Megatron's Llama-2 tokenizer before megatron-core's tokenizer library), and
+    EOS ends it."""
+
+    adds_bos = True
 
 
 class NullTokenizer:
@@ -181,6 +199,9 @@ def _load_hf(path: str):
     return (lambda text: tok.encode(text, add_special_tokens=False), tok.decode, tok.get_vocab())
 
 
+SENTENCEPIECE = {cls.__name__: cls for cls in (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)}
+
+
 def build_tokenizer(data_config):
     """The tokenizer that `--tokenizer-type` (and its files) of a `DataConfig` select."""
     kind = data_config.tokenizer_type
@@ -188,8 +209,11 @@ def build_tokenizer(data_config):
         return ByteLevelTokenizer()
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(data_config.vocab_file, data_config.merge_file)
-    if kind == "Llama2Tokenizer":
-        return Llama2Tokenizer(data_config.tokenizer_model)
+    if kind in SENTENCEPIECE:
+        return SENTENCEPIECE[kind](data_config.tokenizer_model)
+    if kind == "TikTokenizer":
+        return TikTokenizer(data_config.tokenizer_model, data_config.tiktoken_pattern or "v2",
+                            data_config.tiktoken_num_special_tokens, data_config.vocab_size or DEFAULT_VOCAB_SIZE)
     if kind == "NullTokenizer":
         return NullTokenizer(data_config.vocab_size)
     return HuggingFaceTokenizer(data_config.tokenizer_model)

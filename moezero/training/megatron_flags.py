@@ -86,8 +86,6 @@ class ImplementationConfig(Validated):
                                           "is left as it is)", flag="--logging-level")
     empty_unused_memory_level: int = option(0, "accepted: the caching allocator is left as it is",
                                             flag="--empty-unused-memory-level", choices=(0, 1, 2))
-    tiktoken_pattern: Optional[str] = option(None, "accepted: only TikTokenizer reads it",
-                                             flag="--tiktoken-pattern", choices=("v1", "v2"))
     # logging Megatron switches on by flag and moezero always does
     log_timers_to_tensorboard: bool = option(False, "accepted: iteration-time (and throughput) are always logged",
                                              flag="--log-timers-to-tensorboard")
