@@ -9,10 +9,11 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Dict, Iterable, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from moezero.config import ConfigError
 from moezero.metrics import console_fields
+from moezero.training.tensorboard_resume import trim_after
 
 
 class NullLogger:
@@ -61,11 +62,16 @@ class TensorBoardLogger:
     """Console lines to stdout; scalars ({tag: value}) to TensorBoard when a directory is given, and to a W&B
     run when one is given (iteration-stepped scalars only: a W&B run's steps only go forward)."""
 
-    def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None):
+    def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None,
+                 resumed_at: Optional[Tuple[int, int]] = None):
+        """`resumed_at`: (iteration, consumed samples) of the checkpoint a resume starts from: what the folder
+        holds after it is dropped first, so each step shows once (tensorboard_resume.py)."""
         self.writer, self.wandb = None, wandb
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
+            if resumed_at is not None:
+                trim_after(tensorboard_dir, *resumed_at)
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
@@ -107,15 +113,17 @@ class TensorBoardLogger:
 Logger = Union[NullLogger, TensorBoardLogger]
 
 
-def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, Any]) -> Logger:
-    """Rank 0's logger for a `TrainConfig` (TensorBoard, W&B under --wandb-save-dir or <save_dir>/wandb)."""
+def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, Any],
+                 resumed_at: Optional[Tuple[int, int]] = None) -> Logger:
+    """Rank 0's logger for a `TrainConfig` (TensorBoard, W&B under --wandb-save-dir or <save_dir>/wandb);
+    `resumed_at`: see TensorBoardLogger."""
     if rank != 0:
         return NullLogger()
     wandb = None
     if train.wandb_project:
         wandb = WandbRun(train.wandb_project, train.wandb_exp_name,
                          train.wandb_save_dir or os.path.join(save_dir, "wandb"), train.wandb_entity, flags)
-    return TensorBoardLogger(train.tensorboard_dir, wandb)
+    return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at)
 
 
 def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,

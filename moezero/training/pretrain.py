@@ -86,7 +86,8 @@ class Pretraining:
                                            timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train, cfg.checkpoint.save,
-                                   flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
+                                   flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)),
+                                   (self.iteration, progress.consumed_train_samples) if resumed_at else None)
         for line in notices:
             self.logger.print(line)
         sizes = dataset_sizes(cfg, self.iteration, progress)

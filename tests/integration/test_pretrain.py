@@ -147,6 +147,29 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert all(0 < e.value for e in events.Scalars("throughput") + events.Scalars("load_balancing_loss"))
 
 
+def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
+    """A run logs 6 iterations (checkpoints at 3 and 6), a resume from iteration 3 logs 4-6 again into the same
+    folder: each series shows each step once, iterations 4-6 with the resumed run's values; the 'vs samples'
+    series keep their history before the resume point."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, ckpt = str(tmp_path / "tb"), str(tmp_path / "ckpt")
+    argv = TINY + ["--train-iters", "6", "--tensorboard-dir", tb, "--save", ckpt, "--save-interval", "3",
+                   "--data-cache-path", str(tmp_path)]
+    for extra in ([], ["--load", ckpt, "--ckpt-step", "3", "--lr", "9e-3", "--override-opt_param-scheduler"]):
+        run = pretraining(configs(argv + extra))
+        run.train()
+        run.groups.destroy()
+    resumed = [h["lm_loss"] for h in run.history]
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32, 40, 48]
+    assert [e.step for e in events.Scalars("learning-rate")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events.Scalars("lm loss")][3:] == pytest.approx(resumed, rel=1e-6)
+    assert "arguments/text_summary" in events.Tags()["tensors"]   # the first run's, kept
+
+
 # ---- bad configurations -----------------------------------------------------------------------------
 @pytest.mark.parametrize("extra,world,needle", [
     (["--num-experts", "3", "--expert-model-parallel-size", "1"], 2, None),
