@@ -30,7 +30,12 @@ from moezero.training.resume import NothingToTrain
 
 def init_distributed(backend: str, timeout_minutes: float) -> None:
     """Join the torchrun world (no-op for a single process) with --distributed-backend; nccl on a machine
-    without CUDA runs gloo (Megatron's default is nccl, and moezero trains on CPUs too)."""
+    without CUDA runs gloo (Megatron's default is nccl, and moezero trains on CPUs too).
+
+    Under torchrun each restart attempt (`--max-restarts`) keys its process groups in torchrun's store under a
+    prefix of its own: the store outlives the workers, and a restarted rank would otherwise read the address a
+    dead rank of the previous attempt published and fail to connect (gloo's "connectFullMesh ... Connection
+    refused"), or succeed only when the new rank happened to publish first."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     if backend == "nccl" and not torch.cuda.is_available():
@@ -39,7 +44,14 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
             print(" --distributed-backend=nccl: no CUDA device here, using gloo", flush=True)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moezero/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:

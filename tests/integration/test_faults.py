@@ -1,5 +1,6 @@
 """A rank killed mid-run ends the job with a clear message in bounded time; the last checkpoint loads."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,49 @@ def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path)
     text = "".join(output)
     assert "[rank 0] error: a collective failed" in text, text[-3000:]
     assert elapsed < 60, f"rank 0 waited {elapsed:.0f}s for the stalled rank (timeout 6 s)"
+
+
+def _straight_losses(cache, iterations):
+    history = train(TINY + ["--train-iters", str(iterations), "--expert-model-parallel-size", "2"], cache)
+    return [f"{h['lm_loss']:.6E}" for h in history]
+
+
+def test_three_elastic_restarts_resume_into_the_uninterrupted_run(tmp_path):
+    """torchrun --max-restarts 3 with --load = --save: rank 1 is SIGKILLed during iterations 5, 9 and 13; each
+    restart attempt forms its process groups afresh (no stale address of a dead rank), resumes from the latest
+    checkpoint, and the job ends with exit 0 with every iteration's loss that of an uninterrupted run."""
+    from tests.dist_utils import run_distributed
+
+    save, iterations = str(tmp_path / "ckpt"), 16
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts",
+           "3", os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
+        "--train-iters", str(iterations), "--expert-model-parallel-size", "2", "--load", save, "--save", save,
+        "--save-interval", "2", "--log-interval", "1", "--data-cache-path", str(tmp_path),
+        "--distributed-timeout-minutes", "0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    output, kill_at, losses = [], [5, 9, 13], {}
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            found = re.search(r"\] iteration +(\d+)/ +\d+ \|.*lm loss: (\S+) \|", line)
+            if found:
+                losses[int(found.group(1))] = found.group(2)   # a repeated iteration: the last attempt's
+                if kill_at and int(found.group(1)) == kill_at[0]:
+                    kill_at.pop(0)
+                    time.sleep(0.3)   # into the next iteration
+                    os.kill(_worker_pid(proc.pid, 1), signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(output)
+    assert proc.returncode == 0 and not kill_at, text[-3000:]
+    assert "connectFullMesh" not in text
+    straight = run_distributed(_straight_losses, 2, str(tmp_path), iterations, timeout=240)[0]
+    assert [losses[i] for i in range(1, iterations + 1)] == straight
 
 
 def test_a_process_group_that_cannot_form_is_one_line(tmp_path):
