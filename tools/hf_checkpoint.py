@@ -3,7 +3,7 @@
 
     python tools/hf_checkpoint.py import HF_DIR CKPT_DIR
     python tools/hf_checkpoint.py export CKPT_DIR HF_DIR [--iteration N] [--dtype bfloat16] [--family F]
-                                                          [--hf-config ORIGINAL_HF_DIR]
+                                                          [--hf-config ORIGINAL_HF_DIR] [--overwrite]
 
 import writes iteration 0 of CKPT_DIR from the Hub directory (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
 Kimi-K2): the weights and the model's configs, so `--load CKPT_DIR --use-checkpoint-args --finetune` continues
@@ -36,6 +36,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def import_directory(hf_dir: str, ckpt_dir: str) -> str:
+    saved = checkpoint.saved_iterations(ckpt_dir)
+    if saved or os.path.exists(os.path.join(ckpt_dir, checkpoint.POINTER)):
+        raise CheckpointError(f"{ckpt_dir}: holds a run's checkpoints (iterations {', '.join(map(str, saved))}); "
+                              "import into a new folder (the import is iteration 0 and would become latest)")
     hub = HubDirectory(hf_dir)
     gpt, moe = hub_configs(hub)
     model = from_pretrained(hf_dir, dtype=torch.float32)
@@ -46,7 +50,7 @@ def import_directory(hf_dir: str, ckpt_dir: str) -> str:
     return checkpoint.save_checkpoint(ckpt_dir, 0, model, opt, configs, plugins={})
 
 
-def export_checkpoint(ckpt: str, hf_dir: str, dtype_name, family, hf_config) -> None:
+def export_checkpoint(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False) -> None:
     source = load_checkpoint_model(ckpt)
     dtype = DTYPES[dtype_name or source.description.dtype]
     fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
@@ -56,7 +60,7 @@ def export_checkpoint(ckpt: str, hf_dir: str, dtype_name, family, hf_config) -> 
         with open(os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config) as f:
             base = json.load(f)
     model.hub_config = base
-    save_pretrained(model, hf_dir, family=family, dtype=dtype)
+    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite)
 
 
 def main(argv=None) -> int:
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     exp.add_argument("--iteration", type=int, default=None, help="default: the latest")
     exp.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: the params' dtype of the run")
     exp.add_argument("--family", default=None, help="the Hub family to write (default: the one that holds the model)")
+    exp.add_argument("--overwrite", action="store_true", help="replace the weights HF_DIR holds (by default a "
+                     "folder with weights is refused: transformers could load those instead)")
     exp.add_argument("--hf-config", default=None, help="a Hub config.json (or its folder) whose other fields "
                                                         "(token ids) the export keeps")
     args = parser.parse_args(argv)
@@ -79,9 +85,10 @@ def main(argv=None) -> int:
             print(f"wrote {import_directory(args.hf_dir, args.ckpt_dir)}")
             return 0
         ckpt = args.ckpt_dir if args.iteration is None else checkpoint.iteration_dir(args.ckpt_dir, args.iteration)
-        export_checkpoint(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config)
+        export_checkpoint(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config, args.overwrite)
         print(f"wrote {args.hf_dir}")
-    except (CheckpointError, CheckpointMismatch, UnsupportedModel, ConfigError, FileNotFoundError, KeyError) as exc:
+    except (CheckpointError, CheckpointMismatch, UnsupportedModel, ConfigError, FileNotFoundError, FileExistsError,
+            KeyError) as exc:
         parser.error(str(exc).strip("'\""))
     return 0
 

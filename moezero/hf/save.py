@@ -22,9 +22,11 @@ from moezero.parallel.expert_marker import expert_shard_of
 
 def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups] = None,
                     family: Union[str, Family, None] = None, dtype: Optional[torch.dtype] = None,
-                    optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30) -> None:
+                    optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30,
+                    overwrite: bool = False) -> None:
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...).
+    A folder holding weights already is refused unless `overwrite` (see files.write_hub_directory).
     Collective when `groups` splits experts: call it on every rank."""
     gpt, moe = model.config, model.moe_config
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
@@ -36,7 +38,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
         config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
         config.update(family.hf_config(gpt, moe, str(dtype).replace("torch.", "")))
         try:
-            write_hub_directory(path, config, tensors, max_shard_bytes)
+            write_hub_directory(path, config, tensors, max_shard_bytes, overwrite)
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path)

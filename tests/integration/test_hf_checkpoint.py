@@ -97,3 +97,40 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "--tokenizer-type HuggingFaceTokenizer" in proc.stdout and f"--tokenizer-model {hub}" in proc.stdout
     assert re.search(r"iteration +2/ +2 .*lm loss", proc.stdout)
+
+
+def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_path):
+    """An export into a folder holding other weights (an old single-file model, a surplus shard) is refused in one
+    line and changes nothing; with --overwrite the folder holds exactly the export's weights (its tokenizer stays)
+    and transformers loads the exported model. An import into a folder holding a run's checkpoints is refused and
+    `latest` stays."""
+    import os
+    import shutil
+
+    from moezero import checkpoint
+
+    hub, ckpt, used = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "used")
+    tiny_model("qwen3_moe", seed=7).float().save_pretrained(hub)
+    _tool("import", hub, ckpt)
+    tiny_model("qwen3_moe", seed=8).float().save_pretrained(used, max_shard_size="1GB")   # model.safetensors
+    shutil.copyfile(os.path.join(used, "model.safetensors"), os.path.join(used, "model-00009-of-00009.safetensors"))
+    with open(os.path.join(used, "tokenizer.json"), "w") as f:
+        f.write("{}")
+    before = sorted(os.listdir(used))
+    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, used])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and "holds weights already (model-00009-of-00009.safetensors, model.safetensors" \
+        in lines[-1] and "Traceback" not in refused.stderr and sorted(os.listdir(used)) == before
+    _tool("export", ckpt, used, "--overwrite")
+    assert sorted(os.listdir(used)) == ["config.json", "model-00001-of-00001.safetensors",
+                                        "model.safetensors.index.json", "tokenizer.json"]
+    theirs = hf_logits(load_with_transformers(used), PROBE)
+    torch.testing.assert_close(theirs, hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=1e-10)
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(os.path.join(ckpt, "iter_0000000"), os.path.join(run_dir, "iter_0000002"))
+    with open(os.path.join(run_dir, checkpoint.POINTER), "w") as f:
+        f.write("2")
+    refused = run([sys.executable, tool("hf_checkpoint"), "import", hub, run_dir])
+    assert refused.returncode == 2 and "holds a run's checkpoints (iterations 2)" in refused.stderr
+    assert checkpoint.latest_iteration(run_dir) == 2 and checkpoint.saved_iterations(run_dir) == [2]
