@@ -44,6 +44,12 @@ class Family:
     always_renormalises: bool = False      # top-k weights always renormalised (else norm_topk_prob)
     shared_expert_module: str = "shared_expert"
     dense: bool = False                    # a dense model (Llama, Qwen3): the source of upcycling
+    fp32_modules: Tuple[str, ...] = ()     # transformers' _keep_in_fp32_modules_strict: fp32 in any model dtype
+
+    def keeps_fp32(self, hub_key: str) -> bool:
+        """Whether transformers keeps the tensor of `hub_key` in fp32 whatever the model's dtype (matched as its
+        modeling_utils matches those module names: anywhere in the key)."""
+        return any(module in hub_key for module in self.fp32_modules)
 
     @property
     def expert_width_field(self) -> str:
@@ -280,9 +286,11 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts",
            qk_norm="full_width"),
     DeepSeekFamily("deepseek_v2", "DeepseekV2ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                   "n_routed_experts", shared_expert_module="shared_experts", version=2),
+                   "n_routed_experts", shared_expert_module="shared_experts", version=2,
+                   fp32_modules=("gate.weight",)),
     DeepSeekFamily("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                   "n_routed_experts", shared_expert_module="shared_experts", version=3),
+                   "n_routed_experts", shared_expert_module="shared_experts", version=3,
+                   fp32_modules=("e_score_correction_bias", "gate.weight")),
 )}
 DENSE = (Family("llama", "LlamaForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", dense=True),
          Family("qwen3", "Qwen3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", qk_norm="head",

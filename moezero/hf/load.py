@@ -43,12 +43,22 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     factory = expert_parallel(groups) if groups is not None else MoELayer
     with torch.device("meta") if lazy else contextlib.nullcontext():
         model = GPTModel(gpt, moe, seed=seed, moe_layer=factory)
+    table = links(family, gpt, moe)
     model.to(dtype or hub_dtype(hub.config))
-    load_weights(model, hub, links(family, gpt, moe), lazy)
+    _keep_fp32(model, family, table)
+    load_weights(model, hub, table, lazy)
     if lazy:
         _refuse_forward_until_read(model)
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
     return model.eval()
+
+
+def _keep_fp32(model: GPTModel, family, table: Dict[str, Link]) -> None:
+    """The params transformers keeps in fp32 whatever the model's dtype (DeepSeek's router) stay fp32 here too."""
+    with torch.no_grad():
+        for name, param in model_tensors(model, table).items():
+            if family.keeps_fp32(table[name].keys[0]) and param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
 
 
 def hub_configs(hub: HubDirectory) -> Tuple[GPTConfig, MoEConfig]:

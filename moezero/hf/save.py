@@ -32,7 +32,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
     family.check_expressible(gpt, moe)
     dtype = dtype or model.embedding.weight.dtype
-    tensors = _hub_tensors(model, links(family, gpt, moe), groups, dtype, optimizer)
+    tensors = _hub_tensors(model, links(family, gpt, moe), groups, dtype, optimizer, family)
     failure = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
@@ -55,13 +55,16 @@ def _raise_on_every_rank(failure: Optional[BaseException], path: str) -> None:
         raise failure
 
 
-def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer) -> Dict[str, torch.Tensor]:
+def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer, family: Family) -> Dict[str, torch.Tensor]:
+    """{Hub key: tensor} in `dtype`, but at least fp32 where transformers keeps fp32 (DeepSeek's router)."""
     gathered = optimizer.full_parameters() if optimizer is not None else contextlib.nullcontext()
+    wide = torch.promote_types(dtype, torch.float32)
     tensors: Dict[str, torch.Tensor] = {}
     with gathered, torch.no_grad():
         for name, param in model_tensors(model, table).items():
-            whole = _all_experts(name, param, groups).detach().to(device="cpu", dtype=dtype)
-            tensors.update({key: t.clone() for key, t in table[name].split(whole).items()})
+            whole = _all_experts(name, param, groups).detach().to(device="cpu")
+            tensors.update({key: t.to(wide if family.keeps_fp32(key) else dtype).clone()
+                            for key, t in table[name].split(whole).items()})
     return tensors
 
 

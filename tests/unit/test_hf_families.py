@@ -171,3 +171,27 @@ def test_greedy_generation_is_transformers(family, tmp_path):
         theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(prompt):].tolist()
     assert ours == theirs
+
+
+def test_the_tensors_transformers_keeps_in_fp32_stay_fp32_both_ways(tmp_path):
+    """DeepSeek's router weight and correction bias: transformers keeps them fp32 in a bf16 model
+    (_keep_in_fp32_modules_strict, read from its classes here); a bf16 import keeps their fp32 values and a bf16
+    export writes them fp32, bitwise the source's."""
+    import transformers
+
+    for family in hub.FAMILIES.values():
+        architecture = getattr(transformers, family.architecture)
+        assert tuple(sorted(getattr(architecture, "_keep_in_fp32_modules_strict", None) or ())) == \
+            tuple(sorted(family.fp32_modules)), family.model_type
+    tiny_model("deepseek_v3").float().save_pretrained(tmp_path / "fp32")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "source")   # as a published bf16 checkpoint: the kept tensors fp32
+    source = hub_tensors(str(tmp_path / "source"))
+    kept = [k for k in source if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    assert kept and all(source[k].dtype == torch.float32 for k in kept)
+    model = hub.from_pretrained(str(tmp_path / "source"), dtype=torch.bfloat16)
+    assert model.layers[1].mlp.router.wg.weight.dtype == torch.float32
+    hub.save_pretrained(model, str(tmp_path / "export"), dtype=torch.bfloat16)
+    exported = hub_tensors(str(tmp_path / "export"))
+    assert all(exported[k].dtype == torch.float32 and torch.equal(exported[k], source[k]) for k in kept)
+    assert exported["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
