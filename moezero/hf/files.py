@@ -26,6 +26,10 @@ SINGLE = "model.safetensors"
 _WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|\.index\.json$")
 
 
+class CheckpointMismatch(ValueError):
+    """The directory's tensors do not fit the model its config describes."""
+
+
 class HubDirectory:
     """The config and the tensors of a Hub-layout directory."""
 
@@ -57,6 +61,7 @@ class HubDirectory:
         """The tensor `key`; FP8 block-quantized weights (DeepSeek-V3's) come dequantized to fp32."""
         tensor = self._stored(key)
         if tensor.dtype in FP8_DTYPES:
+            self._check_scale_grid(key)
             tensor = dequantize_blocks(tensor, self._stored(key + "_scale_inv"), self.block_size)
         return tensor
 
@@ -64,6 +69,7 @@ class HubDirectory:
         """Rows [start, stop) of tensor `key` (dim 0), read without the rest; FP8 ones dequantized."""
         if not self._slice(key).get_dtype().startswith("F8"):
             return self._slice(key)[start:stop]
+        self._check_scale_grid(key)
         rows = self.block_size[0]
         first = start // rows * rows   # whole blocks, so each row meets its block's scale
         weight = self._slice(key)[first:stop]
@@ -75,8 +81,22 @@ class HubDirectory:
 
     @property
     def block_size(self) -> Tuple[int, int]:
+        """The FP8 tiles (transformers' FineGrainedFP8Config default, 128 x 128, where the config gives none)."""
         quantization = self.config.get("quantization_config") or {}
         return tuple(quantization.get("weight_block_size") or (128, 128))
+
+    def _check_scale_grid(self, key: str) -> None:
+        """An FP8 weight's scales must tile it in `block_size` blocks: one line naming file and key otherwise
+        (a wrong or missing weight_block_size would dequantize with the wrong scales)."""
+        rows, cols = self.shape(key)
+        expected = (-(-rows // self.block_size[0]), -(-cols // self.block_size[1]))
+        grid = self.shape(key + "_scale_inv")
+        if tuple(grid) != expected:
+            file = os.path.join(self.path, self.weight_map[key])
+            raise CheckpointMismatch(f"{file}: {key} is an FP8 {rows} x {cols} "
+                             f"weight whose scales are a {' x '.join(map(str, grid))} grid, not the "
+                             f"{expected[0]} x {expected[1]} its {self.block_size[0]} x {self.block_size[1]} blocks "
+                             "need (config.json quantization_config.weight_block_size)")
 
     def _stored(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)
@@ -116,7 +136,8 @@ def write_hub_directory(path: str, config: Dict, tensors: Dict[str, torch.Tensor
     """config.json, model-0000i-of-0000n.safetensors and the index; returns the shard file names.
 
     A folder that holds weights already is refused unless `overwrite`, which replaces them and the old model's
-    config and generation config (other files, such as a tokenizer, stay). The files are written into a staging folder beside `path` and moved in once complete."""
+    config and generation config (other files, such as a tokenizer, stay). The files are written into a staging
+    folder beside `path` and moved in once complete."""
     old = weight_files(path)
     if old and not overwrite:
         raise FileExistsError(f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"

@@ -13,7 +13,7 @@ import torch
 
 from moezero.config import GPTConfig, MoEConfig
 from moezero.hf.families import family_of
-from moezero.hf.files import HubDirectory
+from moezero.hf.files import CheckpointMismatch, HubDirectory
 from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
 from moezero.moe import MoELayer, expert_parallel
@@ -23,10 +23,6 @@ from moezero.parallel.expert_marker import expert_shard_of
 
 # Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)
 _NOT_WEIGHTS = re.compile(r"rotary_emb\.inv_freq$")
-
-
-class CheckpointMismatch(ValueError):
-    """The directory's tensors do not fit the model its config describes."""
 
 
 def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Optional[ParallelGroups] = None,

@@ -36,6 +36,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     failure = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
+        config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
         config.update(family.hf_config(gpt, moe, str(dtype).replace("torch.", "")))
         try:
             write_hub_directory(path, config, tensors, max_shard_bytes, overwrite)

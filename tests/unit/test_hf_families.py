@@ -195,3 +195,30 @@ def test_the_tensors_transformers_keeps_in_fp32_stay_fp32_both_ways(tmp_path):
     exported = hub_tensors(str(tmp_path / "export"))
     assert all(exported[k].dtype == torch.float32 and torch.equal(exported[k], source[k]) for k in kept)
     assert exported["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+
+
+def test_an_fp8_checkpoint_exports_dense_and_a_scale_grid_that_does_not_fit_is_refused(tmp_path):
+    """The export of an FP8 import writes dense tensors and no quantization_config (transformers loads it, to the
+    same logits); FP8 tiles of 16 with no weight_block_size in the config (transformers would assume 128) are one
+    error naming the file and the key, not weights dequantized with the wrong scales."""
+    tiny_model("deepseek_v3").save_pretrained(tmp_path / "plain")
+    with open(tmp_path / "plain" / "config.json") as f:
+        config = json.load(f)
+    stored = hub_tensors(str(tmp_path / "plain"))
+    for key in [k for k in stored if re.search(r"proj(_with_mqa)?\.weight$", k)]:
+        stored[key], stored[key + "_scale_inv"], _ = _fp8_blocks(stored[key], 16)
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    _write_directory(str(tmp_path / "fp8"), dict(config, quantization_config=dict(
+        quantization, weight_block_size=[16, 16])), stored)
+    model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
+    hub.save_pretrained(model, str(tmp_path / "dense"))
+    with open(tmp_path / "dense" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    torch.testing.assert_close(hf_logits(load_with_transformers(str(tmp_path / "dense")), TOKENS), ours,
+                               rtol=0, atol=1e-8)
+    _write_directory(str(tmp_path / "no_block_size"), dict(config, quantization_config=quantization), stored)
+    with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: model\.layers\.0\.self_attn\.\S+ is an FP8 "
+                                                 r".* scales are a .* grid, not the 1 x 1 its 128 x 128 blocks need"):
+        hub.from_pretrained(str(tmp_path / "no_block_size"), dtype=torch.float64)
