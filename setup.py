@@ -86,6 +86,7 @@ setup(
         "filelock",
         "tokenizers",  # GPT-2 BPE (--vocab-file/--merge-file) and local HuggingFace tokenizers
         "safetensors",  # moezero.hf: Hugging Face checkpoints in and out
+        "xxhash",  # checkpoint checksums, hashed as the shards are written (4x zlib's crc32)
     ],
     # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x: experts_implementation),
     # never a runtime dependency;

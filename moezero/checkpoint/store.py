@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from moezero.checkpoint import keys, layout
+from moezero.checkpoint import checksums, keys, layout
 from moezero.checkpoint.errors import CheckpointError, first_line
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
@@ -58,18 +58,19 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)
     state[keys.rng_key(_rank())] = keys.encode(_rng_state())
-    publish = functools.partial(_publish, root, iteration, keep_last, group)
     staging = layout.staging_dir(root, iteration)
+    writer = checksums.HashingWriter(staging)
+    publish = functools.partial(_publish, root, iteration, keep_last, group, writer)
     if background:
         with _quiet():
-            future = dcp.async_save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(),
+            future = dcp.async_save(state, storage_writer=writer, no_dist=not dist.is_initialized(),
                                     process_group=writer_group)
         return PendingSave(future, layout.iteration_dir(root, iteration), publish, group,
                            functools.partial(abandon_save, root, iteration, group))
     error = None
     try:
         with _quiet():
-            dcp.save(state, checkpoint_id=staging, no_dist=not dist.is_initialized(), process_group=group)
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized(), process_group=group)
     except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
         error = exc
     if not comm.all_true(error is None, group):
@@ -87,10 +88,12 @@ def abandon_save(root: str, iteration: int, group) -> None:
     _barrier(group)
 
 
-def _publish(root: str, iteration: int, keep_last: int, group) -> str:
-    """Collective, once every rank wrote: rank 0 renames the staging folder into place, moves the pointer, prunes."""
-    _barrier(group)
+def _publish(root: str, iteration: int, keep_last: int, group, writer: checksums.HashingWriter) -> str:
+    """Collective, once every rank wrote: rank 0 records every rank's shard digests, renames the staging folder
+    into place, moves the pointer, prunes."""
+    digests = _gathered(writer.digests(), group)
     if _rank() == 0:
+        checksums.write_manifest(layout.staging_dir(root, iteration), iteration, _world_size(), digests)
         layout.publish(root, iteration)
         layout.prune(root, keep_last)
     _barrier(group)
@@ -102,7 +105,8 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
     """Collective: restore the weights (fp32 masters), the model's other state (buffers), with `load_optim`
     the optimizer state and scalars (else they stay fresh) and with `load_rng` (same world size) the RNG
     states; returns the train state."""
-    metadata = _metadata(path)
+    index = _index(path)
+    metadata = index.state_dict_metadata
     held = opt.held_ranges()
     wanted = keys.piece_keys(metadata, held, masters_only=not load_optim)
     legacy = keys.legacy_model_state_keys(metadata, held)
@@ -117,7 +121,7 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
     rng_key = keys.rng_key(_rank())
     if load_rng and rng_key in metadata:
         request[rng_key] = b""
-    _load(request, path, collective=True, group=group)
+    _verified_load(request, path, index, collective=True, group=group)
     train_state = _train_state(request, path)
     scalars = train_state["optimizer"] if load_optim else opt.scalar_state()
     pieces = keys.pieces_from_entries(request)
@@ -138,10 +142,11 @@ def _held_params(opt):
 
 def read_train_state(path: str) -> Dict[str, Any]:
     """One process, no process group: the train state of checkpoint `path` (see `save_checkpoint`)."""
-    if keys.TRAIN_STATE not in _metadata(path):
+    index = _index(path)
+    if keys.TRAIN_STATE not in index.state_dict_metadata:
         raise CheckpointError(f"{path}: has no train state (not a moezero checkpoint)")
     request: Dict[str, Any] = {keys.TRAIN_STATE: b""}
-    _load(request, path)
+    _verified_load(request, path, index)
     return _train_state(request, path)
 
 
@@ -149,12 +154,13 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
     """One process, no process group: the full model of a checkpoint of any layout, {name: tensor}:
     fp32 masters of the trainable params (experts stacked over all global experts) and the
     non-trainable state. Raises ValueError unless the saved pieces cover every element exactly once."""
-    metadata = _metadata(path)
+    index = _index(path)
+    metadata = index.state_dict_metadata
     model_keys = [key for key in metadata if key.startswith(keys.MODEL_STATE)]
     request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
                                for key in keys.piece_keys(metadata, None, masters_only=True) + model_keys}
     request[keys.TRAIN_STATE] = b""
-    _load(request, path)
+    _verified_load(request, path, index)
     shapes = _train_state(request, path)["param_shapes"]
     full = consolidate([{"pieces": keys.pieces_from_entries(request), "shapes": shapes}])
     return dict(full["params"], **{key[len(keys.MODEL_STATE):]: request[key] for key in model_keys})
@@ -184,7 +190,12 @@ def _quiet():
 
 
 def _metadata(path: str):
-    """The checkpoint's index, after checking that it and every shard file it names are whole."""
+    """The checkpoint's index of entries, after checking that it and every shard file it names are whole."""
+    return _index(path).state_dict_metadata
+
+
+def _index(path: str):
+    """The checkpoint's DCP metadata, after checking that it and every shard file it names are whole."""
     index = os.path.join(path, ".metadata")
     if not os.path.isfile(index):
         what = "does not exist" if not os.path.exists(path) else "has no .metadata (not a checkpoint folder)"
@@ -195,7 +206,22 @@ def _metadata(path: str):
         raise CheckpointError(f"{index}: unreadable, the file is damaged ({first_line(exc, 80)}); resume from "
                               "another checkpoint with --ckpt-step N") from None
     _check_shard_files(path, metadata.storage_data or {})
-    return metadata.state_dict_metadata
+    return metadata
+
+
+def _verified_load(request: Dict[str, Any], path: str, index, collective: bool = False, group=None) -> None:
+    """`_load`, after checking the files it reads (and the index) against the checkpoint's manifest.
+    `collective` (a resume: every rank of `group` calls it): every rank raises the same CheckpointError when
+    any rank found a mismatch, agreed before DCP's collective read."""
+    manifest = checksums.read_manifest(path)
+    problem = None
+    if manifest is not None:
+        files = {info.relative_path for item, info in (index.storage_data or {}).items() if item.fqn in request}
+        problem = checksums.verify_files(path, manifest, files | {".metadata"})
+    problem = next((p for p in (_gathered(problem, group) if collective else [problem]) if p), None)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; the checkpoint is refused, resume from another one with --ckpt-step N")
+    _load(request, path, collective=collective, group=group)
 
 
 def _check_shard_files(path: str, storage: Dict[Any, Any]) -> None:
@@ -243,6 +269,15 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _gathered(value: Any, group) -> list:
+    """Every rank's `value` (collective), or [value] without a process group."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def _barrier(group) -> None:

@@ -1,5 +1,6 @@
-"""--async-save: the checkpoint is written in the background while training goes on, published only once every
-rank finished; a resume from it equals the straight run; a save still in flight publishes nothing."""
+"""--async-save: the checkpoint is written in the background while training goes on, published (with its
+checksums) only once every rank finished; a resume from it equals the straight run; a save still in flight
+publishes nothing."""
 import concurrent.futures
 import os
 
@@ -25,6 +26,8 @@ def _resume_equals_the_straight_run(cache):
                   cache)
     assert checkpoint.saved_iterations(ckpt) == [2, 4] and checkpoint.latest_iteration(ckpt) == 4
     assert not checkpoint.unfinished_saves(ckpt)
+    manifest = os.path.join(checkpoint.iteration_dir(ckpt, 4), "checksums.json")
+    assert os.path.exists(manifest)   # the background writer hashed its shards too; the resume verifies them
     second = train(TINY + FP64 + ["--load", ckpt], cache)
     return _losses(first) + _losses(second) == _losses(straight)
 

@@ -43,6 +43,27 @@ def _truncate_shard(path):
     os.truncate(os.path.join(checkpoint.iteration_dir(path, 2), "__0_0.distcp"), 5000)
 
 
+def _shard_of_iteration_1(path):
+    """The same rank's shard of the previous checkpoint, same length: a silent wrong resume without checksums."""
+    shutil.copyfile(os.path.join(checkpoint.iteration_dir(path, 1), "__0_0.distcp"),
+                    os.path.join(checkpoint.iteration_dir(path, 2), "__0_0.distcp"))
+
+
+def _flip_64_bytes(path):
+    shard = os.path.join(checkpoint.iteration_dir(path, 2), "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        data = bytearray(f.read())
+        for offset in torch.randint(2000, len(data) - 2000, (64,), generator=torch.Generator().manual_seed(0)):
+            data[int(offset)] ^= 0x5A
+        f.seek(0)
+        f.write(bytes(data))
+
+
+def _manifest_of_iteration_1(path):
+    shutil.copyfile(os.path.join(checkpoint.iteration_dir(path, 1), "checksums.json"),
+                    os.path.join(checkpoint.iteration_dir(path, 2), "checksums.json"))
+
+
 def _garble_metadata(path):
     with open(os.path.join(checkpoint.iteration_dir(path, 2), ".metadata"), "wb") as f:
         f.write(os.urandom(300))
@@ -52,6 +73,11 @@ CASES = {
     "truncated shard": (_truncate_shard, [], "__0_0.distcp: is truncated (5,000 of"),
     "damaged shard": (_damage_shard, [], "damaged"),
     "garbled metadata": (_garble_metadata, [], ".metadata: unreadable, the file is damaged"),
+    "shard of another iteration": (_shard_of_iteration_1, [], "iter_0000002/__0_0.distcp: its contents differ from "
+                                                              "what the checkpoint wrote (checksum mismatch"),
+    "64 flipped bytes": (_flip_64_bytes, [], "iter_0000002/__0_0.distcp: its contents differ"),
+    "manifest of another iteration": (_manifest_of_iteration_1, [], "checksums.json: records iteration 1, but the "
+                                                                    "folder is iteration 2"),
     "another model": (None, ["--hidden-size", "64", "--num-experts", "8"],
                       "--hidden-size: 32 in the checkpoint, 64 now; --ffn-hidden-size: 128 in the checkpoint, 256 "
                       "now; --kv-channels: 16 in the checkpoint, 32 now; --num-experts: 4 in the checkpoint, 8 now); "

@@ -151,3 +151,44 @@ def test_a_missing_index_or_shard_file_is_a_checkpoint_error_naming_it(tmp_path,
                  lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
         with pytest.raises(checkpoint.CheckpointError, match=re.escape(needle)):
             read()
+
+
+# ---- checksums: recorded as written, verified before a read ----------------------------------------------------
+def test_the_digests_recorded_as_written_are_the_files_digests(tmp_path):
+    """The hashes taken as DCP wrote each shard equal the files' own; the checkpoint stays plain DCP (torch reads
+    it without moezero's help); a checkpoint without a manifest (written before checksums) still loads."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from moezero.checkpoint import checksums, keys
+
+    model, opt = _trained(2)
+    path = checkpoint.save_checkpoint(str(tmp_path), 2, model, opt, configs={}, plugins={})
+    with open(os.path.join(path, checksums.MANIFEST)) as f:
+        manifest = json.load(f)
+    shards = sorted(name for name in os.listdir(path) if name.endswith(".distcp"))
+    assert manifest["iteration"] == 2 and sorted(manifest["files"]) == [".metadata"] + shards
+    for name, record in manifest["files"].items():
+        assert checksums.file_record(os.path.join(path, name)) == record, name
+    plain = {keys.TRAIN_STATE: b""}
+    dcp.load(plain, checkpoint_id=path, no_dist=True)
+    assert keys.decode(plain[keys.TRAIN_STATE])["iteration"] == 2
+    os.remove(os.path.join(path, checksums.MANIFEST))
+    fresh, fresh_opt = _trained(0)
+    assert checkpoint.load_checkpoint(path, fresh, fresh_opt)["iteration"] == 2
+
+
+def test_every_reader_refuses_a_changed_file(tmp_path):
+    model, opt = _trained(1)
+    path = checkpoint.save_checkpoint(str(tmp_path), 1, model, opt, configs={}, plugins={})
+    shard = os.path.join(path, "__0_0.distcp")
+    with open(shard, "r+b") as f:   # one bit of the last entry (a tensor, not the train state read first)
+        f.seek(os.path.getsize(shard) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    fresh, fresh_opt = _trained(0)
+    for read in (lambda: checkpoint.read_train_state(path), lambda: checkpoint.consolidate_checkpoint(path),
+                 lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"{shard}: its contents differ")):
+            read()
