@@ -50,3 +50,5 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) tools/bench_scaling.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_memory.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_mfu.py --hidden 256,1024
+	OMP_NUM_THREADS=1 $(PY) tools/bench_precision_aware.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_checkpoint_checksums.py
