@@ -82,18 +82,18 @@ class _FileHash:
 class _HashingStream(io.IOBase):
     """Passes every write through to DCP's stream, hashing it on the way."""
 
-    def __init__(self, inner, file_hash: _FileHash):
-        self.inner, self.file_hash = inner, file_hash
+    def __init__(self, target, file_hash: _FileHash):
+        self.target, self.file_hash = target, file_hash
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         self.file_hash.update(data)
-        return self.inner.write(data)
+        return self.target.write(data)
 
     def close(self) -> None:
-        self.inner.close()
+        self.target.close()
         super().close()
 
 
