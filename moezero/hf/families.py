@@ -20,6 +20,9 @@ other way; a setting the family cannot express is an UnsupportedModel naming it.
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -58,6 +61,7 @@ class Family:
     # ---- Hugging Face config -> moezero configs
 
     def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        hf = with_defaults(hf, self)
         _refuse_unsupported(hf, self)
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
@@ -166,6 +170,7 @@ class DeepSeekFamily(Family):
     version: int = 3
 
     def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        hf = with_defaults(hf, self)
         _refuse_unsupported(hf, self)
         self._refuse_deepseek(hf)
         layers, rope = hf["num_hidden_layers"], _rope_parameters(hf, yarn=True)
@@ -341,6 +346,29 @@ def _decoder_hf_fields(gpt: GPTConfig, family: "Family", dtype: str) -> Dict[str
 
 def _num_experts(hf: Dict[str, Any]) -> int:
     return hf.get("n_routed_experts") or hf.get("num_experts") or hf["num_local_experts"]
+
+
+_DEFAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_defaults.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _declared_defaults() -> Dict[str, Dict[str, Any]]:
+    with open(_DEFAULTS) as f:
+        return json.load(f)["families"]
+
+
+def with_defaults(hf: Dict[str, Any], family: "Family") -> Dict[str, Any]:
+    """The config as transformers reads it: each field it omits takes the default its config class declares
+    (config_defaults.json, from tools/hf_config_defaults.py), RoPE's base its `default_theta`; a derived field
+    (head_dim) stays for the reader to derive."""
+    defaults = _declared_defaults().get(family.model_type, {})
+    aliases = defaults.get("attribute_map", {})
+    named = set(hf) | {a for a, b in aliases.items() if b in hf} | {b for a, b in aliases.items() if a in hf}
+    out = {k: v for k, v in defaults.items() if k not in ("default_theta", "attribute_map") and k not in named}
+    out.update(hf)
+    if "rope_theta" not in hf and not (hf.get("rope_parameters") or {}).get("rope_theta"):
+        out["rope_theta"] = defaults.get("default_theta", 10000.0)
+    return out
 
 
 def _rope_parameters(hf: Dict[str, Any], yarn: bool = False) -> Dict[str, Any]:
