@@ -9,8 +9,9 @@ import writes iteration 0 of CKPT_DIR from the Hub directory (Mixtral, Qwen2/3-M
 Kimi-K2): the weights and the model's configs, so `--load CKPT_DIR --use-checkpoint-args --finetune` continues
 it on any dp/ep/ZeRO stage with no model flag typed; with a tokenizer.json in HF_DIR the checkpoint names it
 (--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR). export writes the Hub directory of any
-checkpoint's fp32 master weights (default dtype: the run's), as the family that holds the model; a checkpoint
-from import keeps its source config's other fields (token ids), --hf-config gives them for any other.
+checkpoint's fp32 master weights (default dtype: an imported model's source dtype, else the run's), as the
+family that holds the model; a checkpoint from import keeps its source config's other fields (token ids),
+--hf-config gives them for any other.
 """
 import argparse
 import dataclasses
@@ -27,7 +28,7 @@ from moezero.compression.source import load_checkpoint_model
 from moezero.config import ConfigError, MoEConfig
 from moezero.hf import CheckpointMismatch, UnsupportedModel, from_pretrained, save_pretrained
 from moezero.hf.files import HubDirectory
-from moezero.hf.load import hub_configs
+from moezero.hf.load import hub_configs, hub_dtype
 from moezero.parallel import ParallelGroups
 from moezero.training.args import ArgumentParser
 from moezero.zero import ZeroOptimizer
@@ -52,7 +53,8 @@ def import_directory(hf_dir: str, ckpt_dir: str) -> str:
 
 def export_checkpoint(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False) -> None:
     source = load_checkpoint_model(ckpt)
-    dtype = DTYPES[dtype_name or source.description.dtype]
+    imported = source.configs.get("hf")
+    dtype = DTYPES[dtype_name] if dtype_name else hub_dtype(imported) if imported else DTYPES[source.description.dtype]
     fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
     model = load_checkpoint_weights(dataclasses.replace(source, description=fp32))
     base = source.configs.get("hf")
@@ -73,7 +75,8 @@ def main(argv=None) -> int:
     exp.add_argument("ckpt_dir", help="a --save directory (its latest), an iter_N folder or a consolidated file")
     exp.add_argument("hf_dir")
     exp.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    exp.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: the params' dtype of the run")
+    exp.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: the Hugging Face source's dtype "
+                     "for a checkpoint that came from an import, else the params' dtype of the run")
     exp.add_argument("--family", default=None, help="the Hub family to write (default: the one that holds the model)")
     exp.add_argument("--overwrite", action="store_true", help="replace the weights HF_DIR holds (by default a "
                      "folder with weights is refused: transformers could load those instead)")

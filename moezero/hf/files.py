@@ -38,24 +38,30 @@ class HubDirectory:
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
-        with open(config_path) as f:
-            self.config = json.load(f)
-        self.weight_map = self._weight_map()
+        self.config = _read_json(config_path)
+        if not isinstance(self.config, dict):
+            raise CheckpointMismatch(f"{config_path}: not a config (a JSON object is expected)")
         self._open: Dict[str, object] = {}
+        self.weight_map = self._weight_map()
 
     def _weight_map(self) -> Dict[str, str]:
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                return json.load(f)["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointMismatch(f"{index}: has no weight_map")
+            return weight_map
         single = os.path.join(self.path, SINGLE)
         if not os.path.isfile(single):
             raise FileNotFoundError(f"{self.path}: neither {INDEX} nor {SINGLE} (moezero reads safetensors only)")
-        with safe_open(single, "pt") as f:
-            return {key: SINGLE for key in f.keys()}
+        return {key: SINGLE for key in self._open_file(SINGLE).keys()}
 
     def keys(self) -> Iterable[str]:
         return self.weight_map.keys()
+
+    def file_of(self, key: str) -> str:
+        """The path of the shard the index names for `key` (the folder where it names none)."""
+        return os.path.join(self.path, self.weight_map.get(key, ""))
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor `key`; FP8 block-quantized weights (DeepSeek-V3's) come dequantized to fp32."""
@@ -99,18 +105,44 @@ class HubDirectory:
                              "need (config.json quantization_config.weight_block_size)")
 
     def _stored(self, key: str) -> torch.Tensor:
-        return self._file(key).get_tensor(key)
+        return self._read(key, lambda f: f.get_tensor(key))
 
     def _slice(self, key: str):
-        return self._file(key).get_slice(key)
+        return self._read(key, lambda f: f.get_slice(key))
 
-    def _file(self, key: str):
+    def _read(self, key: str, read):
+        """read(the open shard of `key`); a damaged shard or a key its index names but it lacks is one
+        CheckpointMismatch naming both."""
         if key not in self.weight_map:
             raise KeyError(f"{self.path}: the checkpoint has no tensor {key!r}")
         name = self.weight_map[key]
+        shard = self._open_file(name)
+        try:
+            return read(shard)
+        except Exception as exc:  # safetensors' errors carry no type of their own
+            raise CheckpointMismatch(f"{os.path.join(self.path, name)}: cannot read {key} ({_first_line(exc)}; the "
+                                     f"index names this file for it)") from None
+
+    def _open_file(self, name: str):
         if name not in self._open:
-            self._open[name] = safe_open(os.path.join(self.path, name), "pt")
+            path = os.path.join(self.path, name)
+            try:
+                self._open[name] = safe_open(path, "pt")
+            except Exception as exc:  # a truncated or damaged file: safetensors' own error types
+                raise CheckpointMismatch(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
         return self._open[name]
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise CheckpointMismatch(f"{path}: not JSON ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> torch.Tensor:

@@ -92,8 +92,9 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
                 if shard else range(0)
             value = table[name].assemble(hub.read, experts)
             if value.shape != param.shape:
-                raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config "
-                                         f"describes, {tuple(value.shape)} from {table[name].keys[0]}")
+                raise CheckpointMismatch(f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "
+                                         f"model its config describes, {tuple(value.shape)} from "
+                                         f"{table[name].keys[0]}")
             param.copy_(value.to(param.dtype))
 
 
@@ -101,8 +102,8 @@ def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) 
     shapes = [hub.shape(key) for key in link.keys]
     shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
     if shape != tuple(param.shape):
-        raise CheckpointMismatch(f"{hub.path}: {name} is {tuple(param.shape)} in the model its config describes, "
-                                 f"{shape} from {link.keys[0]}")
+        raise CheckpointMismatch(f"{hub.file_of(link.keys[0])}: {name} is {tuple(param.shape)} in the model its "
+                                 f"config describes, {shape} from {link.keys[0]}")
     defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
 
 

@@ -134,3 +134,20 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     refused = run([sys.executable, tool("hf_checkpoint"), "import", hub, run_dir])
     assert refused.returncode == 2 and "holds a run's checkpoints (iterations 2)" in refused.stderr
     assert checkpoint.latest_iteration(run_dir) == 2 and checkpoint.saved_iterations(run_dir) == [2]
+
+
+def test_a_bf16_source_exports_in_bf16_unless_told(tmp_path):
+    """Import keeps fp32 masters; export writes the source's dtype (bf16: the same bytes as the source, half the
+    fp32 size), or the one --dtype names."""
+    import transformers
+
+    fp32, hub, ckpt = str(tmp_path / "fp32"), str(tmp_path / "hub"), str(tmp_path / "ckpt")
+    tiny_model("qwen3_moe", seed=9).float().save_pretrained(fp32)
+    transformers.AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(hub)
+    _tool("import", hub, ckpt)
+    _tool("export", ckpt, str(tmp_path / "back"))
+    source, back = hub_tensors(hub), hub_tensors(str(tmp_path / "back"))
+    assert sorted(back) == sorted(source)
+    assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], source[k]) for k in source)
+    _tool("export", ckpt, str(tmp_path / "wide"), "--dtype", "float32")
+    assert all(t.dtype == torch.float32 for t in hub_tensors(str(tmp_path / "wide")).values())

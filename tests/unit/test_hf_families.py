@@ -222,3 +222,43 @@ def test_an_fp8_checkpoint_exports_dense_and_a_scale_grid_that_does_not_fit_is_r
     with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: model\.layers\.0\.self_attn\.\S+ is an FP8 "
                                                  r".* scales are a .* grid, not the 1 x 1 its 128 x 128 blocks need"):
         hub.from_pretrained(str(tmp_path / "no_block_size"), dtype=torch.float64)
+
+
+def test_damaged_files_are_one_error_naming_file_and_key(tmp_path):
+    """A truncated shard, a key the index names but its shard lacks, a tensor of the wrong shape and a config
+    that is not JSON: one CheckpointMismatch each, naming the file (and the key), not a library traceback."""
+    import shutil
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "good", max_shard_size="20KB")
+    index = json.loads((tmp_path / "good" / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.self_attn.o_proj.weight"
+    shard = index["weight_map"][key]
+
+    def damaged(name, damage):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "good", folder)
+        damage(folder)
+        return str(folder)
+
+    def truncate(folder):
+        os.truncate(folder / shard, 100)
+
+    def missing_key(folder):
+        tensors = hub_tensors(str(folder))
+        kept = {k: v for k, v in tensors.items() if index["weight_map"][k] == shard and k != key}
+        save_file(kept, str(folder / shard))
+
+    def wrong_shape(folder):
+        kept = {k: v for k, v in hub_tensors(str(folder)).items() if index["weight_map"][k] == shard}
+        kept[key] = kept[key][:, :-1].contiguous()
+        save_file(kept, str(folder / shard))
+
+    cases = [(truncate, f"{shard}: not a readable safetensors file"),
+             (missing_key, f"{shard}: cannot read {key}"),
+             (wrong_shape, f"{shard}: layers.1.attention.proj.weight is (32, 48) in the model its config describes, "
+                           f"(32, 47) from {key}"),
+             (lambda folder: (folder / "config.json").write_text("{not json"), "config.json: not JSON")]
+    for i, (damage, needle) in enumerate(cases):
+        with pytest.raises(CheckpointMismatch) as info:
+            hub.from_pretrained(damaged(f"case{i}", damage), dtype=torch.float64)
+        assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
