@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 import typing
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from moezero.config import ConfigError
 from moezero.training.megatron_flags import megatron_table
@@ -215,7 +215,9 @@ def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
 
 
 def parse_configs(argv: Optional[List[str]], config_classes: Sequence[Type], description: str) -> Dict[str, Any]:
-    """Parse argv into configs; bad flags and values exit with one line each, naming the flag."""
+    """Parse argv into configs; bad flags and values exit with one line each, naming the flag. The checkpoint
+    section records which fields the command line set (`given_fields`: --use-checkpoint-args lets an imported
+    model's training values stand in for the others)."""
     parser = build_parser(config_classes, description)
     namespace, problems = parser.parse_with_problems(argv)
     try:
@@ -223,4 +225,21 @@ def parse_configs(argv: Optional[List[str]], config_classes: Sequence[Type], des
     except ConfigError as exc:
         problems += str(exc).splitlines()
     parser.fail(problems)
+    if "checkpoint" in configs and hasattr(configs["checkpoint"], "given_fields"):
+        configs["checkpoint"].given_fields = tuple(sorted(given_dests(parser, argv)))
     return configs
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Set[str]:
+    """The 'section.field' dests the command line sets (a flag typed, whatever its value): argv parsed again
+    with every default suppressed, so only what was typed lands in the namespace."""
+    actions = [a for a in parser._actions if a.default is not argparse.SUPPRESS]
+    saved = [a.default for a in actions]
+    for action in actions:
+        action.default = argparse.SUPPRESS
+    try:
+        namespace, _ = argparse.ArgumentParser.parse_known_args(parser, argv)
+    finally:
+        for action, default in zip(actions, saved):
+            action.default = default
+    return set(vars(namespace)) - set(parser._defaults)

@@ -6,7 +6,7 @@ that plugs more features in extends `Configs` with their sections (see `moezero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, Validated, ZeroConfig,
                             check_experts_divide, option)
@@ -229,6 +229,8 @@ class CheckpointConfig(Validated):
                               "async save); published as latest once every rank finished", flag="--async-save")
     keep_last: int = option(0, "keep only the newest N checkpoints in --save (0 = keep all; Megatron has no such "
                             "flag)", flag="--keep-last-checkpoints")
+    given_fields: Tuple[str, ...] = option((), "the 'section.field's the command line set (filled by the parser)",
+                                           flag=None)
 
     def __post_init__(self):
         self._require(self.save_interval >= 0, "save_interval", "must be >= 0")

@@ -166,13 +166,23 @@ def check_same_model(cfg, point: ResumePoint) -> None:
                               "checkpoint's values or --use-checkpoint-args")
 
 
+# what a Hugging Face config says about training (attention_dropout, router_aux_loss_coef), taken from an
+# imported checkpoint by --use-checkpoint-args where the command line does not set it
+IMPORTED_TRAINING_FIELDS = {"model": ("hidden_dropout", "attention_dropout"), "moe": ("aux_loss_coeff",)}
+
+
 def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]):
     """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
-    where the command line gives none); reports the flags that changed."""
+    where the command line gives none; for a checkpoint from a Hugging Face import, its training values the
+    command line does not set); reports the flags that changed."""
     changes, sections = [], {}
+    imported = point.configs.get("hf") is not None
+    given = set(getattr(cfg.checkpoint, "given_fields", ()))
     for section in _model_sections(cfg):
         current, saved = getattr(cfg, section), point.configs.get(section) or {}
-        names = model_defining_fields(current)
+        names = list(model_defining_fields(current))
+        if imported:
+            names += [n for n in IMPORTED_TRAINING_FIELDS.get(section, ()) if f"{section}.{n}" not in given]
         values = {n: saved[n] for n in names if n in saved}
         values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
                        and getattr(current, n) is None})

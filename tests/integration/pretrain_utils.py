@@ -2,7 +2,7 @@
 import os
 
 from moezero.recipe import CONFIG_CLASSES, RecipeConfigs, pretraining
-from moezero.training.args import build_parser, configs_from_args
+from moezero.training.args import build_parser, configs_from_args, given_dests
 from moezero.training.configs import DESCRIPTION
 from tests.dist_utils import assert_replicas_equal
 
@@ -23,8 +23,11 @@ TINY_SAMPLES = [a for i, a in enumerate(TINY) if "--lr-decay-iters" not in TINY[
 
 
 def configs(argv):
-    namespace = build_parser(CONFIG_CLASSES, DESCRIPTION).parse_args(argv)
-    return RecipeConfigs(**configs_from_args(namespace, CONFIG_CLASSES))
+    """The configs of a command line, as the script parses it (a bad value raises ConfigError here)."""
+    parser = build_parser(CONFIG_CLASSES, DESCRIPTION)
+    built = configs_from_args(parser.parse_args(argv), CONFIG_CLASSES)
+    built["checkpoint"].given_fields = tuple(sorted(given_dests(parser, argv)))
+    return RecipeConfigs(**built)
 
 
 def train(argv, cache_dir):

@@ -151,3 +151,24 @@ def test_a_bf16_source_exports_in_bf16_unless_told(tmp_path):
     assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], source[k]) for k in source)
     _tool("export", ckpt, str(tmp_path / "wide"), "--dtype", "float32")
     assert all(t.dtype == torch.float32 for t in hub_tensors(str(tmp_path / "wide")).values())
+
+
+def test_use_checkpoint_args_takes_an_imported_models_training_values(tmp_path):
+    """A Hugging Face config's attention_dropout and router_aux_loss_coef (and no hidden dropout) are the
+    fine-tune's where the command line sets none (printed); a flag typed wins, even at Megatron's default."""
+    from moezero.training.resume import apply_checkpoint_args, find_resume_point
+    from tests.integration.pretrain_utils import configs
+
+    hub, ckpt = str(tmp_path / "hub"), str(tmp_path / "ckpt")
+    tiny_model("qwen3_moe", seed=3, attention_dropout=0.0, router_aux_loss_coef=0.02).float().save_pretrained(hub)
+    _tool("import", hub, ckpt)
+    base = ["--load", ckpt, "--use-checkpoint-args", "--finetune", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "96", "--seq-length", "16"]
+    cfg = configs(base)
+    report = []
+    taken = apply_checkpoint_args(cfg, find_resume_point(cfg.checkpoint), report.append)
+    assert (taken.model.hidden_dropout, taken.model.attention_dropout, taken.moe.aux_loss_coeff) == (0.0, 0.0, 0.02)
+    assert "--attention-dropout 0.0 (command line: 0.1)" in report[0] and "--moe-aux-loss-coeff 0.02" in report[0]
+    cfg = configs(base + ["--attention-dropout", "0.1", "--moe-aux-loss-coeff", "0"])
+    typed = apply_checkpoint_args(cfg, find_resume_point(cfg.checkpoint), report.append)
+    assert (typed.model.hidden_dropout, typed.model.attention_dropout, typed.moe.aux_loss_coeff) == (0.0, 0.1, 0.0)
