@@ -74,11 +74,23 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
         error = exc
     if not comm.all_true(error is None, group):
-        abandon_save(root, iteration, group)
         reason = _cause(error) if error is not None else "another rank could not write its part"
+        if error is not None and _disk_full(staging):   # torch's writer may report a full disk as a bad offset
+            reason = f"No space left on device: {reason}"
+        abandon_save(root, iteration, group)
         raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
                               "folder is removed and the previous checkpoint stays latest")
     return publish()
+
+
+def _disk_full(path: str) -> bool:
+    """Whether the file system of `path` (or of the nearest folder that exists) has under 1 MiB free."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free < 2 ** 20
+    except OSError:
+        return False
 
 
 def abandon_save(root: str, iteration: int, group) -> None:

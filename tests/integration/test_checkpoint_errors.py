@@ -44,9 +44,14 @@ def _truncate_shard(path):
 
 
 def _shard_of_iteration_1(path):
-    """The same rank's shard of the previous checkpoint, same length: a silent wrong resume without checksums."""
-    shutil.copyfile(os.path.join(checkpoint.iteration_dir(path, 1), "__0_0.distcp"),
-                    os.path.join(checkpoint.iteration_dir(path, 2), "__0_0.distcp"))
+    """The same rank's shard of the previous checkpoint, cut or padded to this one's length (the two may differ by
+    a few bytes of train state): past every length check, a silent wrong resume without checksums."""
+    target = os.path.join(checkpoint.iteration_dir(path, 2), "__0_0.distcp")
+    with open(os.path.join(checkpoint.iteration_dir(path, 1), "__0_0.distcp"), "rb") as f:
+        data = f.read()
+    size = os.path.getsize(target)
+    with open(target, "wb") as f:
+        f.write(data[:size] + b"\0" * max(0, size - len(data)))
 
 
 def _flip_64_bytes(path):
