@@ -17,6 +17,8 @@ from einops import rearrange
 
 from moezero import ops
 from moezero.parallel import comm
+from moezero.parallel.agreement import ExchangeRecord
+from moezero.parallel.groups import SharesProcessGroups
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class DispatchMeta:
     unsort_index_M: Optional[torch.Tensor]  # (local expert, source) order -> (source, local expert) order
 
 
-class TokenDispatcher:
+class TokenDispatcher(SharesProcessGroups):
     """Moves tokens to the ranks holding their experts and back, over the `ep` group."""
 
     def __init__(self, num_experts: int, ep_group: Optional[Any]):
@@ -37,16 +39,23 @@ class TokenDispatcher:
         self.ep_size = comm.group_size(ep_group)
         self.num_local_experts = num_experts // self.ep_size
 
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor
-                 ) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
-        """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine)."""
+    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
+        """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine). `record`
+        rides on the count exchange: every rank checks what every other sent."""
         x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
         if self.ep_size == 1:
             meta = DispatchMeta(row_map_TK, weights_TK, [x_ND.shape[0]], [x_ND.shape[0]], None)
             return x_ND, counts_E.tolist(), meta
         P, L = self.ep_size, self.num_local_experts
         send_PL = counts_E.view(P, L)
-        recv_PL = comm.exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
+        if record is None:
+            recv_PL = comm.exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
+        else:
+            stamped = torch.tensor(record.mine, dtype=send_PL.dtype, device=send_PL.device).expand(P, -1)
+            received = comm.exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group)
+            record.check_received(received[:, L:])
+            recv_PL = received[:, :L].contiguous()
         send_splits = send_PL.sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
         x_MD = comm.all_to_all(x_ND, recv_splits, send_splits, self.ep_group)

@@ -127,9 +127,18 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(L, Fw, D))
         self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None   # Megatron's add_bias_linear
         self.b2 = nn.Parameter(torch.zeros(L, D)) if config.bias else None
+        self.shard = shard
+        self._mark_expert_parallel()
+
+    def _mark_expert_parallel(self) -> None:
         for w in (self.w1, self.w2, self.b1, self.b2):
             if w is not None:
-                mark_expert_parallel(w, shard)
+                mark_expert_parallel(w, self.shard)
+
+    def __setstate__(self, state) -> None:
+        """A copy (copy.deepcopy, a pickled module) holds expert weights too: torch's Parameter copy drops the tag."""
+        super().__setstate__(state)
+        self._mark_expert_parallel()
 
     def forward(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
         if not (self.pad_rows and x_MD.device.type == "cpu"):   # GPU GEMMs cache nothing per shape: it only adds work

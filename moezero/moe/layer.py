@@ -20,6 +20,7 @@ from moezero.moe.dispatch import TokenDispatcher
 from moezero.moe.experts import DenseMLP, GroupedExperts
 from moezero.moe.router import TopKRouter
 from moezero.parallel import ExpertShard, ParallelGroups
+from moezero.parallel.agreement import ExchangeRecord
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,14 @@ class MoELayer(nn.Module):
         if config.shared_expert_gate:   # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
+        # gives the record its exchanges carry (the token counts, the global aux loss's counts): a ZeroOptimizer
+        # sets it, so ranks whose exchanges pair with another layer's or another forward's raise RanksDisagree
+        self.exchange_record: Optional[Callable[[], Optional[ExchangeRecord]]] = None
         self.reset_parameters()
+
+    def runs_collectives(self) -> bool:
+        """Whether its forward talks to other ranks (tokens to other ep ranks, the global aux loss's counts)."""
+        return self.dispatcher.ep_size > 1 or "global_aux_loss" in self.config.balancing_coefficients()
 
     def reset_parameters(self) -> None:
         """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone; biases zero."""
@@ -77,10 +85,11 @@ class MoELayer(nn.Module):
                     prefix=f"layer{self.layer_number}.")
 
     def forward(self, x: torch.Tensor, keys: Optional[SampleKeys] = None):
+        record = self.exchange_record() if self.exchange_record is not None else None
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TD = x.reshape(-1, x.shape[-1])
-        routing = self.router(x_TD, num_sequences=num_sequences, keys=keys)
-        x_MD, counts, meta = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, routing.topk_weights_TK)
+        routing = self.router(x_TD, num_sequences=num_sequences, keys=keys, record=record)
+        x_MD, counts, meta = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, routing.topk_weights_TK, record)
         y_TD = self.dispatcher.combine(self.experts(x_MD, counts), meta)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)

@@ -15,6 +15,8 @@ from typing import Any, Optional, Tuple
 import torch
 
 from moezero.parallel import comm
+from moezero.parallel.agreement import ExchangeRecord
+from moezero.parallel.groups import SharesProcessGroups
 
 TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                  "global_aux_loss": "global_load_balancing_loss"}
@@ -53,7 +55,7 @@ def sequence_aux_loss(probs_BSE: torch.Tensor, map_BSE: torch.Tensor, top_k: int
     return E * torch.sum(f_BE * probs_BSE.mean(1), dim=-1).mean()
 
 
-class GlobalBalancing:
+class GlobalBalancing(SharesProcessGroups):
     """The global-batch aux loss's counts: each micro-batch's tokens per expert summed over the data-parallel
     ranks (one all-reduce, in forward) and averaged over the step's micro-batches so far; `reset()` after each
     optimizer step (the training loop's). Every rank must run the same forwards: the all-reduce is collective."""
@@ -66,12 +68,21 @@ class GlobalBalancing:
         self.counts_E: Optional[torch.Tensor] = None
         self.micro_batches = 0
 
-    def loss(self, probs_TE: torch.Tensor, map_TE: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, int]:
+    def loss(self, probs_TE: torch.Tensor, map_TE: torch.Tensor, top_k: int,
+             record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, int]:
         """(the loss of this micro-batch, the data-parallel ranks' count): Megatron's switch loss of this rank's
-        probabilities against the averaged global counts, over the global batch's tokens."""
+        probabilities against the averaged global counts, over the global batch's tokens. `record` rides on the
+        all-reduce (summed with its square: every rank finds out whether all stated the same)."""
+        E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
+        if record is not None:
+            stamp = torch.tensor(record.mine, dtype=torch.float64, device=local.device)
+            local = torch.cat([local, stamp, stamp * stamp])
         comm.all_reduce(local, self.group)   # counts and tokens of every rank (uneven token counts too)
-        counts_E, total_tokens = local[:-1], float(local[-1])
+        if record is not None:
+            n = len(record.mine)
+            record.check_summed(local[E + 1:E + 1 + n], local[E + 1 + n:], comm.group_size(self.group))
+        counts_E, total_tokens = local[:E], float(local[E])
         self.counts_E = counts_E if self.counts_E is None else self.counts_E + counts_E
         self.micro_batches += 1
         average_E = (self.counts_E / self.micro_batches).to(probs_TE.dtype)

@@ -19,6 +19,7 @@ from torch import nn
 
 from moezero.config import MoEConfig
 from moezero.keyed_random import SampleKeys
+from moezero.parallel.agreement import ExchangeRecord
 from moezero.moe.load_balancing import (TRACKER_NAMES, GlobalBalancing, balancing_scores, sequence_aux_loss,
                                         sinkhorn, switch_aux_loss)
 
@@ -116,7 +117,8 @@ class TopKRouter(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, keys: Optional[SampleKeys] = None) -> Routing:
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, keys: Optional[SampleKeys] = None,
+                record: Optional[ExchangeRecord] = None) -> Routing:
         cfg = self.config
         x_TD = self._jitter(x_TD, num_sequences, keys)
         # fp32 (fp64 for fp64 models) logits with the weight cast inside the op: wg.weight keeps
@@ -133,7 +135,7 @@ class TopKRouter(nn.Module):
             scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
             topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
-        aux_loss, tracked = self._balancing_losses(logits_TE, num_sequences)
+        aux_loss, tracked = self._balancing_losses(logits_TE, num_sequences, record)
         z_loss = logits_TE.new_zeros(())
         if cfg.z_loss_coeff:
             raw = router_z_loss(logits_TE)
@@ -197,7 +199,7 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK * cfg.topk_scaling_factor
         return topk_ids_TK, weights_TK
 
-    def _balancing_losses(self, logits_TE, num_sequences) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def _balancing_losses(self, logits_TE, num_sequences, record=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """(the load-balancing losses that are on, each times its coefficient, summed; {tracker name: each
         without it}). The global one in training forwards only (it counts the step's tokens, collectively)."""
         cfg, total = self.config, logits_TE.new_zeros(())
@@ -210,7 +212,7 @@ class TopKRouter(nn.Module):
             if kind == "global_aux_loss":
                 if not (self.training and torch.is_grad_enabled()):
                     continue
-                loss, ranks = self.global_balancing.loss(probs_TE, map_TE, cfg.top_k)
+                loss, ranks = self.global_balancing.loss(probs_TE, map_TE, cfg.top_k, record)
                 tracked[TRACKER_NAMES[kind]] = loss.detach() * ranks   # Megatron's tracker sums it over ranks
             elif kind == "seq_aux_loss" and logits_TE.shape[0]:
                 S = logits_TE.shape[0] // num_sequences

@@ -64,6 +64,28 @@ class Agreement:
             self.work = None
 
 
+class ExchangeRecord:
+    """A record that rides on an exchange the model makes anyway (an MoE layer's token counts, the global aux
+    loss's counts): no collective of its own, so it costs nothing, and ranks whose exchanges pair up with
+    another layer's or another forward's raise RanksDisagree instead of mixing them."""
+
+    def __init__(self, mine: Sequence[int], describe: Describe):
+        self.mine = [int(v) for v in mine] + [0] * (RECORD_LENGTH - len(mine))
+        self.describe = describe
+
+    def check_received(self, records: torch.Tensor) -> None:
+        """`records`: one row per rank of the exchange (what each sent)."""
+        for theirs in records.tolist():
+            if theirs != self.mine:
+                raise RanksDisagree(disagreement_message(dist.get_rank(), self.mine, theirs, theirs, self.describe))
+
+    def check_summed(self, sums: torch.Tensor, squares: torch.Tensor, ranks: int) -> None:
+        """The record and its square summed over `ranks` ranks: all equal iff ranks * sum(r^2) == sum(r)^2."""
+        if not torch.equal(sums * sums, squares * ranks):
+            raise RanksDisagree("the ranks are not doing the same thing, so their collectives would not pair up: "
+                                f"this rank ({dist.get_rank()}) {self.describe(self.mine)}; another rank was not")
+
+
 def agree(record: Sequence[int], group: Optional[Any], describe: Describe) -> None:
     """Collective over `group`: every rank passes its record; raise on every rank if any differs."""
     Agreement(record, group, describe).check()

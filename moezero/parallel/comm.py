@@ -177,6 +177,12 @@ def add_widened_(out: torch.Tensor, term: torch.Tensor) -> None:
         part.add_(wide)
 
 
+def broadcast(tensor: torch.Tensor, source: int, group: Optional[Any]) -> None:
+    """Rank `source`'s tensor (a global rank in `group`) on every rank of the group, in place."""
+    if group_size(group) > 1:
+        dist.broadcast(tensor, src=source, group=group)
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):
     """Concatenate every rank's `input` into `output` (input may be a view of output's own slice)."""
     if group_size(group) == 1:

@@ -8,6 +8,7 @@ Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1
 """
 from __future__ import annotations
 
+import copy
 import datetime
 
 from dataclasses import dataclass, field
@@ -115,6 +116,9 @@ class ParallelGroups:
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout)
 
+    def __deepcopy__(self, memo) -> "ParallelGroups":
+        return self   # a copied model talks to the same ranks (process groups cannot be copied)
+
     def gather_groups(self) -> Tuple[Optional[Any], Optional[Any]]:
         """(dp, edp)-shaped groups for ZeRO-3 parameter gathers, made on first use (collective: every
         rank asks in the same order). Gathers get groups of their own because they interleave with
@@ -156,3 +160,17 @@ def _new_subgroup(partition: Tuple[Ranks, ...], rank: int, timeout: Optional[dat
         if rank in members:
             mine = group
     return mine
+
+
+class SharesProcessGroups:
+    """For the objects of a model that hold process groups: `copy.deepcopy` (an EMA, a teacher) copies
+    everything else and shares the groups, so the copy talks to the same ranks (a ProcessGroup cannot be
+    copied or pickled)."""
+
+    def __deepcopy__(self, memo: Dict[int, Any]):
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in vars(self).items():
+            shared = value is None or isinstance(value, (dist.ProcessGroup, ParallelGroups))
+            copied.__dict__[key] = value if shared else copy.deepcopy(value, memo)
+        return copied

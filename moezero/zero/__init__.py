@@ -6,7 +6,9 @@ from moezero.zero.param_groups import weight_decay_groups
 from moezero.zero.param_guard import ParamNotGathered
 from moezero.zero.precision_aware_adam import STATE_DTYPES, PrecisionAwareAdam
 from moezero.zero.reducer import GradientHookError
+from moezero.zero.sharded_gradient import GradientIsSharded, ShardedGradient
 from moezero.zero.state import consolidate
 
 __all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "ParamNotGathered",
-           "RanksDisagree", "weight_decay_groups", "consolidate", "PrecisionAwareAdam", "STATE_DTYPES"]
+           "RanksDisagree", "weight_decay_groups", "consolidate", "PrecisionAwareAdam", "STATE_DTYPES",
+           "GradientIsSharded", "ShardedGradient"]

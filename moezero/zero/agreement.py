@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import collections
 import enum
+import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import torch
 
 from moezero.parallel import comm
-from moezero.parallel.agreement import Agreement
+from moezero.parallel.agreement import Agreement, ExchangeRecord
+from moezero.zero.torch_internals import in_backward
 
 
 class Activity(enum.IntEnum):
@@ -32,6 +34,8 @@ class Activity(enum.IntEnum):
     REDUCE = 6
     MODIFY_MODEL = 7
     RECOVERY = 8
+    LEAVE_FULL_PARAMETERS = 9   # the unit field: modifier_rank (-1: none)
+    MODEL_COLLECTIVE = 10       # the unit field: which of the model's collective sites (an MoE layer)
 
 
 @dataclass
@@ -54,6 +58,7 @@ class RankAgreement:
     def __init__(self, group: Optional[Any], unit_names: Optional[List[str]] = None):
         self.group = group
         self.unit_names = list(unit_names or [])
+        self.site_names: List[str] = []   # the model's modules with collectives in forward (MODEL_COLLECTIVE)
         self.progress = Progress()
         self.launched = 0
         self._pending: Deque[Agreement] = collections.deque()
@@ -67,12 +72,14 @@ class RankAgreement:
 
     def launch(self, activity: Activity, unit: int = -1, flag: int = 0) -> Agreement:
         """The same, launched now and settled later: a record ahead of the gather it guards."""
-        p = self.progress
-        record = (int(activity), unit, p.forwards, p.backwards, p.reducing_backwards, int(torch.is_grad_enabled()))
-        agreement = Agreement(record, self.group, self.describe, flag)
+        agreement = Agreement(self.record(activity, unit), self.group, self.describe, flag)
         self._pending.append(agreement)
         self.launched += 1
         return agreement
+
+    def record(self, activity: Activity, unit: int = -1) -> Tuple[int, ...]:
+        p = self.progress
+        return int(activity), unit, p.forwards, p.backwards, p.reducing_backwards, int(torch.is_grad_enabled())
 
     def settle(self, agreement: Agreement) -> None:
         while self._pending:
@@ -91,9 +98,13 @@ class RankAgreement:
         while self._pending:
             self._pending.popleft().wait()
 
+    def _site(self, index: int) -> str:
+        return self.site_names[index] if 0 <= index < len(self.site_names) else f"collective site {index}"
+
     def describe(self, record: Sequence[int]) -> str:
         activity, unit, forwards, backwards, reducing, grad = record[:6]
-        where = f"unit '{self.unit_names[unit] or '<root>'}'" if 0 <= unit < len(self.unit_names) else ""
+        names = activity <= Activity.ON_DEMAND_GATHER and 0 <= unit < len(self.unit_names)
+        where = f"unit '{self.unit_names[unit] or '<root>'}'" if names else ""
         text = {
             Activity.FORWARD_GATHER: f"was gathering {where} for a forward ({'with' if grad else 'without'} grad)",
             Activity.BACKWARD_GATHER: f"was gathering {where} for a backward",
@@ -103,7 +114,29 @@ class RankAgreement:
             Activity.REDUCE: "was in step() / reduce_gradients()",
             Activity.MODIFY_MODEL: "was entering opt.modify_model()",
             Activity.RECOVERY: "was cleaning up after a backward that raised",
+            Activity.LEAVE_FULL_PARAMETERS: f"was leaving opt.full_parameters(modifier_rank={unit})",
+            Activity.MODEL_COLLECTIVE: f"was entering the exchanges of '{self._site(unit)}' in a forward "
+                                       f"({'with' if grad else 'without'} grad)",
         }.get(activity, f"was doing activity {activity}")
         if activity in (Activity.END_OF_BACKWARD, Activity.REDUCE):
             return f"{text}, after {reducing} reducing backwards"
         return f"{text}, after {forwards} forwards and {backwards} backwards of the stage-3 model"
+
+
+class SiteRecords:
+    """Set on a model module whose forward exchanges with other ranks (an MoE layer, as `exchange_record`):
+    called in its forward, it gives the record that rides on that exchange. Holds the agreement weakly and is
+    inert in a copy of the model (copy.deepcopy gives None)."""
+
+    def __init__(self, agreement: RankAgreement, site: int):
+        self._ref = weakref.ref(agreement)
+        self.site = site
+
+    def __call__(self) -> Optional[ExchangeRecord]:
+        agreement = self._ref()
+        if agreement is None or in_backward():   # a recompute follows the forward every rank agreed on
+            return None
+        return ExchangeRecord(agreement.record(Activity.MODEL_COLLECTIVE, self.site), agreement.describe)
+
+    def __deepcopy__(self, memo):
+        return None

@@ -24,7 +24,7 @@ from torch import nn
 
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.agreement import Activity, RankAgreement, SiteRecords
 from moezero.zero.families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
@@ -85,6 +85,7 @@ class ZeroEngine:
         self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
                                    settings.overlap_comm, self.agreement)
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
+        self._collective_sites = self._watch_model_collectives(model)
         self.gatherer = self._unit_gatherer(plan) if plan else None
         self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
         self._flags_in_flight: List[Tuple[ParamFamily, torch.Tensor, object]] = []   # see begin_step
@@ -108,9 +109,23 @@ class ZeroEngine:
         gatherer = UnitGatherer(plan, parts, per_unit, self.agreement)
         self.reducer.on_pass_begin = gatherer.begin_backward
         self.reducer.on_param_done = lambda zp: gatherer.param_done(zp.unit)
+        gatherer.on_written = lambda written: self.master.take_written_values(written)
         for zp in self.records:   # reads outside the unit's forward and backward are guarded
             shard_param_type(zp.param, ShardInfo(zp.name, zp.unit, weakref.ref(gatherer)))
         return gatherer
+
+    def _watch_model_collectives(self, model: nn.Module) -> List[nn.Module]:
+        """Modules whose forward talks to other ranks (MoE layers: `runs_collectives()`) get a record to carry on
+        their exchanges, so ranks in different forwards or layer orders raise RanksDisagree instead of pairing
+        one layer's exchange with another's."""
+        if self.agreement.group is None:
+            return []
+        sites = [(name, m) for name, m in model.named_modules()
+                 if hasattr(m, "exchange_record") and m.runs_collectives()]
+        for index, (_, module) in enumerate(sites):
+            module.exchange_record = SiteRecords(self.agreement, index)
+        self.agreement.site_names = [name for name, _ in sites]
+        return [module for _, module in sites]
 
     # ---- what it manages -------------------------------------------------------------------------
     def params(self) -> List[nn.Parameter]:
@@ -142,6 +157,8 @@ class ZeroEngine:
         """Collective at stage 3. Remove the hooks and give the params full values in storage of their
         own (the engine is discarded)."""
         self._guard.remove()
+        for module in self._collective_sites:
+            module.exchange_record = None
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
@@ -175,16 +192,34 @@ class ZeroEngine:
                 raise unfrozen_by_hand_error(name)
 
     @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Collective at stage 3: every param full inside (stages 0-2 always are)."""
-        if self.gatherer is None:
-            yield
-            return
-        self.gatherer.gather_all()
+    def full_parameters(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Collective at stage 3: every param full inside (stages 0-2 always are). Writes made inside persist
+        (masters and shards); `modifier_rank`: that rank's values are everyone's on the way out (collective at
+        every stage)."""
+        if modifier_rank is not None and not 0 <= modifier_rank < self.groups.world_size:
+            raise ValueError(f"modifier_rank={modifier_rank} is not a rank of this world of {self.groups.world_size}")
+        if self.gatherer is not None:
+            self.gatherer.gather_all(hold=True)
         try:
             yield
+            if modifier_rank is not None:
+                self.agreement.check(Activity.LEAVE_FULL_PARAMETERS, modifier_rank)
+                self._broadcast_values(modifier_rank)
+            self.master.take_written_values(self.records)
         finally:
-            self.gatherer.free_all()
+            if self.gatherer is not None:
+                self.gatherer.free_all(release_hold=True)
+
+    def _broadcast_values(self, modifier_rank: int) -> None:
+        """Every replica of every param takes the values of its replica on `modifier_rank` (expert params: the
+        member of each expert-data-parallel group at modifier_rank's position in its own)."""
+        edp_source = self.groups.layout.edp_group_of(self.groups.rank)[self.groups.layout.edp_group_of(
+            modifier_rank).index(modifier_rank)]
+        with torch.no_grad():
+            for p in self.parts:
+                source = edp_source if p.family.kind == "expert" else modifier_rank
+                for values in p.storage.full_buffers():
+                    comm.broadcast(values, source, p.family.group)
 
     # ---- around backward -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -236,7 +271,7 @@ class ZeroEngine:
         the all-reduce runs while the norm is computed); gathered units are freed (they would be stale after
         the update); the next backward starts from zero."""
         if self.gatherer is not None:
-            self.gatherer.free_all()
+            self.gatherer.free_all(release_hold=True)
         self._settle_gradient_flags()   # a step skipped as non-finite left them unread
         self._flags_in_flight = self._launch_gradient_flags()
         reduced = self.reduced_grads()

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from moezero.zero.families import FamilyParts, ParamFamily
+from moezero.zero.torch_internals import no_subclass_dispatch
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam
 
 ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]   # per family, per bucket (None: frozen)
@@ -101,6 +102,26 @@ class MasterShards:
                 for b, span in enumerate(family.spans):
                     storage.values(b, span).copy_(family.masters[b])
         return storage.start_publish(family.spans)
+
+    def take_written_values(self, params: Sequence[ZeroParam]) -> None:
+        """The params' current values (written by the user in place) become this rank's: its slice of the param
+        storage (stage 3's shard) and the masters, where an element that changed takes the new value and one that
+        did not keeps its wider master. Not collective: each rank takes its own slice (every rank wrote the same)."""
+        wanted = {id(zp) for zp in params}
+        with torch.no_grad(), no_subclass_dispatch():
+            for fm in self.families:
+                storage = fm.parts.storage
+                for piece in self._pieces_of[id(fm)]:
+                    zp = piece.param
+                    if id(zp) not in wanted or not zp.storage_intact():
+                        continue
+                    new = zp.param.reshape(-1)[piece.param_range[0]:piece.param_range[1]]
+                    held = piece.of(storage.values(zp.bucket, fm.spans[zp.bucket]))
+                    if not fm.aliased:
+                        changed = new != piece.master.to(new.dtype)
+                        piece.master.copy_(torch.where(changed, new.to(piece.master.dtype), piece.master))
+                    if held.data_ptr() != new.data_ptr():
+                        held.copy_(new)
 
     def unaliased(self) -> List[torch.Tensor]:
         """The masters that are copies (their bytes are the optimizer's, not the params')."""

@@ -246,10 +246,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.engine.owned_gradients()
 
     @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Collective at stage 3: every param full inside, to read (stages 0-2 always are). To write,
-        or to change the model, use modify_model()."""
-        with self.engine.full_parameters():
+    def full_parameters(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Collective at stage 3: every param full inside (stages 0-2 always are), to read and to write in place
+        (`load_state_dict`, `torch.nn.init.*`, `p.copy_()`): on the way out the written values become the params'
+        and their master weights' (elements left untouched keep their wider masters). Every rank must write
+        the same, or pass `modifier_rank`: that rank's values are every rank's on the way out (collective at
+        every stage; DeepSpeed's GatheredParameters(modifier_rank=...)). To change the model's structure, use
+        modify_model()."""
+        with self.engine.full_parameters(modifier_rank):
             yield
 
     @contextlib.contextmanager

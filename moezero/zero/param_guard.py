@@ -1,5 +1,8 @@
 """What a stage-3 param is outside its unit's forward and backward: a guarded tensor, never a crash.
 
+While the forward/backward schedule holds a param's unit gathered, the param has its own type
+(`expose`): the model's ops on it cost nothing extra; the checks below apply to every other read.
+
 A stage-3 param keeps its full shape over a storage that is resized to zero while its unit is
 free (`sharded_params.py`), so a plain read there (`p.sum()`, `print(p)`, `copy.deepcopy(model)`,
 `model.double()`) would read freed memory. The optimizer therefore gives each such param the type
@@ -189,9 +192,22 @@ def shard_param_type(param: nn.Parameter, info: ShardInfo) -> None:
 
 def unshard_param_type(param: nn.Parameter) -> None:
     """The param's own type back (the optimizer lets go of it)."""
+    expose(param)
+    if hasattr(param, "_zero3"):
+        del param._zero3
+
+
+def expose(param: nn.Parameter) -> None:
+    """The param's own type while the forward/backward schedule holds its unit gathered: ops on it run
+    as on any tensor, with no check (the unit's values are here; saved_params.py covers autograd)."""
     if isinstance(param, _Guarded):
         param.__class__ = type(param)._plain
-        del param._zero3
+
+
+def guard(param: nn.Parameter) -> None:
+    """The guarded type again (its unit is about to be freed, or is held by full_parameters())."""
+    if not isinstance(param, _Guarded):
+        param.__class__ = _PARAM_TYPES[type(param)]
 
 
 def _is_ready(info: ShardInfo) -> bool:

@@ -40,6 +40,10 @@ class ParamStorage(abc.ABC):
     def nbytes(self) -> int:
         """Bytes of param storage held on this rank."""
 
+    @abc.abstractmethod
+    def full_buffers(self) -> List[torch.Tensor]:
+        """The tensors that hold the family's full param values on this rank now."""
+
     def release(self) -> None:
         """Give every param full values in storage of its own (the optimizer lets go of the model)."""
         for zp in self.family.members:
@@ -72,3 +76,6 @@ class ReplicatedParams(ParamStorage):
 
     def nbytes(self):
         return self.buffer.numel() * self.buffer.element_size()
+
+    def full_buffers(self):
+        return [self.buffer]

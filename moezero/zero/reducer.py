@@ -30,6 +30,7 @@ from moezero.zero.agreement import Activity, RankAgreement
 from moezero.zero.families import FamilyParts
 from moezero.zero.launch import build_queues
 from moezero.zero.model_guard import storage_replaced_message
+from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.zero_param import ZeroParam
 from moezero.zero.torch_internals import current_backward, queue_end_of_backward
 
@@ -124,14 +125,14 @@ class GradReducer:
         if self._consumed:
             self.clear_step()
         self._pass_task = task
+        if self.on_pass_begin is not None:   # stage 3: the backward's gather records come first, on every rank
+            self.on_pass_begin()
         self._pass_synced = self.sync_enabled or self._always_reduce
         if self._pass_synced:   # launched now, settled before the end-of-backward wait: no waiting then
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
         queue_end_of_backward(self._end_pass)
-        if self.on_pass_begin is not None:
-            self.on_pass_begin()
 
     def _before_accumulate(self, zp: ZeroParam) -> None:
         """Before autograd adds a param's gradient: make .grad its view of the bucket."""
@@ -140,9 +141,11 @@ class GradReducer:
         self._touch(state, zp.bucket)
         views = state.strategy.accumulation_views(zp.bucket)
         if views is None:
+            if zp.shows_sharded_gradient():
+                zp.param.grad = None   # autograd makes a fresh gradient, which the bucket copies in
             return
         param, view = zp.param, views[zp.position]
-        if param.grad is None:
+        if param.grad is None or isinstance(param.grad, ShardedGradient):
             if zp.exposed:
                 view.zero_()  # the user cleared this gradient (model.zero_grad(), p.grad = None)
         elif param.grad.data_ptr() != view.data_ptr():
@@ -192,8 +195,8 @@ class GradReducer:
             if visible is not None:
                 zp.param.grad = visible[zp.position]
                 zp.exposed = True
-            elif zp.fired or zp.exposed:
-                zp.param.grad = None  # no full-size gradient outlives its bucket (stages 1-3)
+            else:   # no full-size gradient outlives its bucket (stages 1-3): .grad says so when read
+                zp.param.grad = zp.sharded_gradient()
                 zp.exposed = False
         state.staged[bucket] = True
 
@@ -270,7 +273,7 @@ class GradReducer:
             state.strategy.zero()
             for zp in state.family.members:
                 zp.got_grad = False
-                if set_to_none and zp.exposed:
+                if set_to_none and (zp.exposed or zp.shows_sharded_gradient()):
                     zp.param.grad = None
                     zp.exposed = False
         self._dirty = False

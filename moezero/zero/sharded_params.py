@@ -71,6 +71,17 @@ class ShardedParams(ParamStorage):
     def free(self, unit: int) -> None:
         self._full[unit].untyped_storage().resize_(0)
 
+    def members(self, unit: int) -> List[Any]:
+        """The ZeroParams whose values live in the unit's full tensor."""
+        return [zp for b in self.unit_buckets[unit] for zp in self.family.buckets[b]]
+
+    def storage_pointer(self, unit: int) -> int:
+        """Where the unit's values are now (it changes with every gather)."""
+        return self._full[unit].untyped_storage().data_ptr()
+
+    def full_buffers(self):
+        return [full for unit, full in self._full.items() if self.is_gathered(unit)]
+
     def is_gathered(self, unit: int) -> bool:
         return self._full[unit].untyped_storage().nbytes() > 0
 

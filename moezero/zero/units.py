@@ -41,7 +41,8 @@ from moezero.parallel import comm, is_expert_parallel
 from moezero.parallel.agreement import Agreement
 from moezero.zero.agreement import Activity, RankAgreement
 from moezero.zero.hooks import WeakHook
-from moezero.zero.param_guard import COMPILE_REFUSED
+from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
+from moezero.zero.saved_params import SavedParamHooks
 from moezero.zero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
 UnitPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]
@@ -106,8 +107,9 @@ class _Schedule:
     """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
     agreement record of each position, launched ahead so that checking it costs no wait."""
 
-    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement):
+    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement, ahead: int = RECORDS_AHEAD):
         self.order = order
+        self.ahead = ahead
         self.position = {u: i for i, u in enumerate(order)}
         self.activity, self.agreement = activity, agreement
         self.reset(launch_records=False)
@@ -120,14 +122,14 @@ class _Schedule:
         self.records: Dict[int, Agreement] = {}
         self.recorded = 0
         if launch_records:
-            self._launch_records(RECORDS_AHEAD)
+            self._launch_records(self.ahead)
 
     def settle_record(self, unit: int) -> None:
         """Before the gather of `unit`'s position: its record must agree on every rank (RanksDisagree)."""
         position = self.position[unit]
         self._launch_records(position + 1)
         self.agreement.settle(self.records.pop(position))
-        self._launch_records(position + 1 + RECORDS_AHEAD)
+        self._launch_records(position + 1 + self.ahead)
 
     def _launch_records(self, stop: int) -> None:
         while self.recorded < min(stop, len(self.order)):
@@ -163,10 +165,19 @@ class UnitGatherer:
         params_per_unit: per unit, how many trainable params must get their gradient before the unit is
             freed in backward (None: the unit holds frozen params and stays until the end of backward).
         agreement: the records every rank states before a gather.
+        forward_records_ahead: how many forward records are launched before their gather (0 where the model's
+            forward has exchanges of its own, MoE layers': a rank must not have agreed to a gather that its peer
+            reaches only after an exchange of which the records know nothing).
+
+    While the schedule holds a unit gathered its params are exposed (their own type: no per-op check) and
+    their version counters are noted; when it lets the unit go, params written in place meanwhile (a
+    `clamp_()` in forward, `nn.Embedding(max_norm=...)`) are handed to `on_written` before the values go,
+    so the writes reach the shards and the master weights.
     """
 
     def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
-                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement):
+                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement,
+                 forward_records_ahead: int = RECORDS_AHEAD):
         self.plan = plan
         self.parts = parts
         self.params_per_unit = params_per_unit
@@ -174,12 +185,17 @@ class UnitGatherer:
         n = len(plan.modules)
         self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
-        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement)
+        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement, forward_records_ahead)
         self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, agreement)
         self.forward_active = False        # between the root's forward pre-hook and its end
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
         self._pending: Dict[int, Optional[int]] = {}
+        self._exposed: Dict[int, List[Tuple[Any, int]]] = {}   # unit -> (zero param, version when exposed)
+        self.hold_all = False   # inside full_parameters(): units stay gathered until it ends
+        self.on_written: Callable[[List[Any]], None] = lambda written: None
+        ref = weakref.ref(self)
+        self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
         self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
         for unit in plan.forward_order:
             module = plan.modules[unit]
@@ -204,25 +220,54 @@ class UnitGatherer:
         self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
         self.state[unit] = UnitState.INFLIGHT
 
-    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None) -> None:
+    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None,
+               exposed: bool = True) -> None:
+        """The unit's values here (`exposed`: the schedule's gather, its params of their own type)."""
         self.start(unit, activity, schedule)
         if self.state[unit] is UnitState.INFLIGHT:
             for work in self.works[unit]:
                 work.wait()
             self.works[unit] = []
             self.state[unit] = UnitState.READY
+        if exposed and unit not in self._exposed and unit in self.parts:
+            self._expose(unit)
 
     def free(self, unit: int) -> None:
+        """Let the unit go: writes made while it was exposed are handed on; its storage is freed (inside
+        full_parameters() it stays, guarded)."""
         if self.state[unit] is UnitState.FREE:
             return
-        self.ensure(unit, None)  # an in-flight gather must finish before its buffer goes
+        self.ensure(unit, None, exposed=False)  # an in-flight gather must finish before its buffer goes
+        self._unexpose(unit)
+        if self.hold_all:
+            return
         for storage, key in self.parts.get(unit, []):
             storage.free(key)
         self.state[unit] = UnitState.FREE
 
+    def _expose(self, unit: int) -> None:
+        members = [zp for storage, key in self.parts[unit] for zp in storage.members(key)]
+        for zp in members:
+            expose(zp.param)
+        self._exposed[unit] = [(zp, zp.param._version) for zp in members]
+        for storage, key in self.parts[unit]:
+            self.saved.unit_of_storage[storage.storage_pointer(key)] = unit
+
+    def _unexpose(self, unit: int) -> None:
+        noted = self._exposed.pop(unit, None)
+        if noted is None:
+            return
+        for storage, key in self.parts[unit]:
+            self.saved.unit_of_storage.pop(storage.storage_pointer(key), None)
+        written = [zp for zp, version in noted if zp.param._version != version]
+        if written:
+            self.on_written(written)
+        for zp, _ in noted:
+            guard(zp.param)
+
     def _visit(self, schedule: _Schedule, unit: int) -> None:
         for skipped in schedule.skipped_before(unit):  # keep the collectives paired with ranks that ran it
-            self.ensure(skipped, None, schedule)
+            self.ensure(skipped, None, schedule, exposed=False)
             self.free(skipped)
             schedule.visited.add(skipped)
         self.ensure(unit, None, schedule)
@@ -246,7 +291,7 @@ class UnitGatherer:
         if in_backward():
             self._pre_backward(unit)
             return
-        self.ensure(unit, Activity.ON_DEMAND_GATHER)
+        self.ensure(unit, Activity.ON_DEMAND_GATHER, exposed=False)
         self._on_demand.add(unit)   # freed when the forward ends; backward gathers it again
 
     def ensure_before_backward(self, unit: int) -> None:
@@ -263,6 +308,7 @@ class UnitGatherer:
         self.agreement.progress.forwards += 1
         self.forward.reset()
         self.forward_active = True
+        self.saved.push()
         self.ensure(0, Activity.FORWARD_GATHER)
 
     def _pre_forward(self, unit: int) -> None:
@@ -288,7 +334,7 @@ class UnitGatherer:
         if in_backward():
             return
         for skipped in self.forward.skipped_before(None):
-            self.ensure(skipped, None, self.forward)
+            self.ensure(skipped, None, self.forward, exposed=False)
             self.free(skipped)
         if not any(t.requires_grad for t in _tensors(output)):
             self.free(0)  # no backward follows; otherwise the root stays for it
@@ -298,6 +344,7 @@ class UnitGatherer:
         if in_backward():
             return
         self.forward_active = False
+        self.saved.pop()
         for unit in self._on_demand - {0}:
             self.free(unit)
         self._on_demand.clear()
@@ -331,7 +378,7 @@ class UnitGatherer:
 
     def _end_backward(self) -> None:
         for skipped in self.backward.skipped_before(None):
-            self.ensure(skipped, None, self.backward)
+            self.ensure(skipped, None, self.backward, exposed=False)
             self.free(skipped)
         self.free_all()
         self._backward_task = None
@@ -341,17 +388,25 @@ class UnitGatherer:
     def backward_open(self) -> bool:
         return self._backward_task is not None
 
-    def free_all(self) -> None:
+    def free_all(self, release_hold: bool = False) -> None:
+        """Every unit freed (`release_hold`: also those full_parameters() holds)."""
+        self.hold_all = self.hold_all and not release_hold
         for unit in range(len(self.plan.modules)):
             self.free(unit)
 
-    def gather_all(self) -> None:
-        """Collective: every unit full (opt.full_parameters(), and before the optimizer lets go)."""
+    def gather_all(self, hold: bool = False) -> None:
+        """Collective: every unit full (opt.full_parameters(), and before the optimizer lets go); `hold`:
+        until free_all(), whatever forwards run meanwhile."""
         self.agreement.check(Activity.FULL_PARAMETERS)
         for unit in [0] + self.plan.forward_order:
             self.start(unit, None)
         for unit in [0] + self.plan.forward_order:
-            self.ensure(unit, None)
+            self.ensure(unit, None, exposed=False)
+        self.hold_all = hold
+
+    def full_units(self) -> List[Tuple[Any, int]]:
+        """(storage, unit) of every unit gathered now."""
+        return [part for unit, parts in self.parts.items() if self.state[unit] is UnitState.READY for part in parts]
 
     def recover(self, control_group) -> None:
         """Collective, after a backward raised: every rank starts the gathers any rank started (in
@@ -361,7 +416,7 @@ class UnitGatherer:
         for schedule, count in zip((self.forward, self.backward), issued.tolist()):
             for unit in schedule.order[schedule.issued:count]:
                 self.start(unit, None)
-        self.free_all()
+        self.free_all(release_hold=True)
         self.agreement.realign(control_group)
         self.forward.reset(launch_records=False)
         self.backward.reset(launch_records=False)
@@ -379,6 +434,17 @@ def _tensors(output: Any) -> List[torch.Tensor]:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
+
+
+def _regather_saved(ref, unit: int) -> None:
+    """A saved tensor of `unit` is about to be read by autograd."""
+    gatherer = ref()
+    if gatherer is None or gatherer.state[unit] is UnitState.READY:
+        return
+    if not in_backward():
+        raise RuntimeError(f"a tensor saved from unit '{gatherer.plan.names[unit] or '<root>'}' was read outside "
+                           "a backward after the unit was freed")
+    gatherer._pre_backward(unit)
 
 
 def _pre_backward_hook(ref, unit: int):

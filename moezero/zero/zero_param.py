@@ -25,6 +25,7 @@ from torch import nn
 from moezero.parallel import expert_shard_of
 from moezero.parallel.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import ParamSlot, shard_overlap
+from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.torch_internals import storage_key
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class ZeroParam:
     got_grad: bool = False
     got_grad_anywhere: bool = False
     exposed: bool = False
+    _placeholder: Optional[ShardedGradient] = field(default=None, repr=False)
     _home: Optional[int] = field(default=None, repr=False)   # storage_key of where the optimizer put it
 
     def __post_init__(self):
@@ -101,6 +103,15 @@ class ZeroParam:
 
     def global_range(self, param_range: Range) -> Range:
         return self.global_offset + param_range[0], self.global_offset + param_range[1]
+
+    def sharded_gradient(self) -> ShardedGradient:
+        """What its .grad shows once its gradient lives only in the optimizer's shards (made once)."""
+        if self._placeholder is None:
+            self._placeholder = ShardedGradient(self.param, self.name)
+        return self._placeholder
+
+    def shows_sharded_gradient(self) -> bool:
+        return self._placeholder is not None and self.param.grad is self._placeholder
 
     # ---- storage ---------------------------------------------------------------------------------
     def read(self, lo: int, hi: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.moe import MoEConfig, MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.parallel.agreement import agree
 from moezero.zero import RanksDisagree, ZeroOptimizer
@@ -145,3 +146,58 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
         for stage in (0, 2):
             assert "'blocks.1.weight' holds different values" in out["unseeded init", stage]
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, groups, layer_number, load_balancing):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        config = MoEConfig(hidden_size=4, ffn_hidden_size=6, num_experts=2, top_k=1, aux_loss_coeff=0.01,
+                           load_balancing_type=load_balancing)
+        self.moe = MoELayer(config, groups, layer_number=layer_number)
+
+    def forward(self, x):
+        y, stats = self.moe(torch.tanh(self.fc(x)))
+        return x + y + 0 * stats.aux_loss
+
+
+class _MoETower(_Tower):
+    """MoE blocks: their forwards exchange tokens (ep 2) or the global aux loss's counts (ep 1)."""
+
+    def __init__(self, groups, load_balancing):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MoEBlock(groups, i + 1, load_balancing) for i in range(3))
+
+
+def _moe_disagreements():
+    rank = dist.get_rank()
+    out = {}
+    for ep, load_balancing in ((1, "global_aux_loss"), (2, "aux_loss")):
+        for name in ("retried forward", "block order"):
+            for stage in (2, 3):
+                groups = ParallelGroups.build(expert_parallel_size=ep, timeout=datetime.timedelta(seconds=20))
+                model = _MoETower(groups, load_balancing)
+                opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
+                try:
+                    SCENARIOS[name][0](model, opt, rank)
+                    out[name, ep, stage] = "no error"
+                except RanksDisagree as exc:
+                    out[name, ep, stage] = str(exc)
+                except RuntimeError as exc:   # a hang ended by the groups' timeout
+                    out[name, ep, stage] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_moe_exchanges_carry_records_so_ranks_in_different_forwards_raise():
+    """A forward retried on one rank, a rank-dependent block order: the MoE layers' exchanges (token all-to-all,
+    global aux loss counts) would pair with another layer's or forward's. Their records ride on the exchanges:
+    at stage 2 every rank raises RanksDisagree naming both layers. At stage 3 a rank can wait in an exchange
+    while its peer waits in a unit gather (two groups): every rank raises, some at the groups' timeout."""
+    results = run_distributed(_moe_disagreements, 2, isolated=True, timeout=400)
+    for rank, out in enumerate(results):
+        for (name, ep, stage), message in out.items():
+            if stage == 2:
+                assert message.startswith("the ranks are not doing the same thing"), (rank, name, ep, message)
+                assert "exchanges of 'blocks." in message, (rank, name, ep, message)
+            else:
+                assert message != "no error", (rank, name, ep, stage)

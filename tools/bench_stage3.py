@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Stage 3 against stage 2: what sharding the params costs per step, on 2 processes with ep 2.
+
+    python tools/bench_stage3.py [--rounds 4] [--quick]
+
+Both stages train the same GPT-MoE (moezero's benchmark worker, keyed init, the same data) in
+alternating rounds; a ratio is the median over rounds of stage 3's step time over stage 2's from
+the same round. Models: the README's peer GPT-MoE (hidden 256, fp32 and bf16) and a small one
+(hidden 64, fp32) where the per-step host work of stage 3 weighs most.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+
+from rounds import alternate, error_of, ok, spread  # noqa: E402
+from runner import run_worker  # noqa: E402
+
+MODELS = {  # name: worker flags
+    "peer GPT-MoE hidden 256, fp32": ["--layers", "4", "--hidden", "256", "--heads", "4", "--experts", "8",
+                                      "--seq", "128", "--mb", "4", "--dtype", "fp32"],
+    "peer GPT-MoE hidden 256, bf16": ["--layers", "4", "--hidden", "256", "--heads", "4", "--experts", "8",
+                                      "--seq", "128", "--mb", "4", "--dtype", "bf16"],
+    "small GPT-MoE hidden 64, fp32": ["--layers", "4", "--hidden", "64", "--heads", "2", "--experts", "8",
+                                      "--seq", "64", "--mb", "4", "--dtype", "fp32"],
+}
+
+
+def stage_ratios(results) -> list:
+    """Per round: stage 3's step time over stage 2's."""
+    pairs = zip(results["stage 3"], results["stage 2"])
+    return [s3["step_s"] / s2["step_s"] for s3, s2 in pairs if "error" not in s3 and "error" not in s2]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--models", nargs="*", default=list(MODELS), help="a subset of: " + ", ".join(MODELS))
+    p.add_argument("--quick", action="store_true", help="3 steps, 2 rounds, the small model (a smoke test)")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.models = 3, 2, ["small GPT-MoE hidden 64, fp32"]
+    print("| model | stage 2 step (s) | stage 3 step (s) | stage 3 / stage 2 |")
+    print("|---|---|---|---|")
+    for name in args.models:
+        common = MODELS[name] + ["--steps", str(args.steps), "--warmup", "2", "--ep", "2"]
+        systems = [(f"stage {s}", lambda s=s: run_worker("moezero", common + ["--stage", str(s)])) for s in (2, 3)]
+        results = alternate(systems, args.rounds, name)
+        if not (ok(results["stage 2"]) and ok(results["stage 3"])):
+            print(f"| {name} | failed: {(error_of(results['stage 2']) or error_of(results['stage 3']))[:100]} | | |")
+            continue
+        steps = {s: spread([r["step_s"] for r in ok(results[f"stage {s}"])], 3) for s in (2, 3)}
+        print(f"| {name} | {steps[2]} | {steps[3]} | {spread(stage_ratios(results), 2, 'x')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
