@@ -35,8 +35,9 @@ class MoEConfig(Validated):
     group_topk: Optional[int] = option(None, "group-limited routing: tokens choose experts among this many groups "
                                        "(topk_group)", flag="--moe-router-group-topk", defines_model=True)
     group_score: str = option("top_sum", "how a group is scored: the sum of its top --moe-router-topk / "
-                              "--moe-router-group-topk experts (Megatron, DeepSeek-V3), or its best expert "
-                              "(DeepSeek-V2)", flag="--moe-router-group-score", choices=("top_sum", "max"),
+                              "--moe-router-group-topk experts (Megatron), of its two best whatever the top-k "
+                              "(transformers' DeepSeek-V3), or its best expert (DeepSeek-V2)",
+                              flag="--moe-router-group-score", choices=("top_sum", "top2_sum", "max"),
                               defines_model=True)
     load_balancing_type: Union[str, List[str]] = option(
         "aux_loss", "load balancing: the aux loss over each micro-batch, each sequence or the global batch (all "
@@ -122,6 +123,9 @@ class MoEConfig(Validated):
             if self.group_score == "top_sum":
                 self._require(self.top_k % self.group_topk == 0, "group_topk",
                               f"must divide --moe-router-topk ({self.top_k}) to score groups by their top experts")
+            if self.group_score == "top2_sum":
+                self._require(self.num_experts // self.num_groups >= 2, "num_groups",
+                              "must leave two experts per group to score groups by their two best")
         self._require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                       "shared_expert_gate", "needs --moe-shared-expert-intermediate-size")
 

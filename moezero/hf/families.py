@@ -195,13 +195,23 @@ class DeepSeekFamily(Family):
                         aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), **self._router(hf))
         return gpt, moe
 
+    def _holds_group_score(self, moe) -> bool:
+        """DeepSeek-V2 scores a group by its best expert, V3 by its two best (Megatron's top_sum when k = 2 x
+        groups)."""
+        if self.version == 2:
+            return moe.group_score == "max"
+        return moe.group_score == "top2_sum" or (moe.group_score == "top_sum" and moe.top_k == 2 * moe.group_topk)
+
     def _router(self, hf: Dict[str, Any]) -> Dict[str, Any]:
         groups = hf.get("n_group") or 1
         grouped = groups > 1 and (self.version == 3 or hf.get("topk_method") == "group_limited_greedy")
         limits = dict(num_groups=groups, group_topk=hf["topk_group"]) if grouped else {}
         if self.version == 2:
             return dict(score_function="softmax", pre_softmax=True, group_score="max", **limits)
-        return dict(score_function="sigmoid", enable_expert_bias=True, group_score="top_sum", **limits)
+        # transformers scores a group by its two best experts whatever top-k is (Megatron's top_sum when k = 2 x groups)
+        two_per_group = hf["num_experts_per_tok"] == 2 * (hf.get("topk_group") or 1)
+        return dict(score_function="sigmoid", enable_expert_bias=True,
+                    group_score="top_sum" if two_per_group else "top2_sum", **limits)
 
     def _refuse_deepseek(self, hf: Dict[str, Any]) -> None:
         heads = hf["num_attention_heads"]
@@ -215,9 +225,6 @@ class DeepSeekFamily(Family):
             (self.version == 3 and not hf.get("norm_topk_prob", True) and hf["num_experts_per_tok"] > 1,
              "norm_topk_prob=false with sigmoid scores"),
             (self.version == 3 and hf["num_experts_per_tok"] == 1, "one expert per token"),
-            (self.version == 3 and (hf.get("n_group") or 1) > 1
-             and hf["num_experts_per_tok"] != 2 * hf["topk_group"], "n_group > 1 with num_experts_per_tok != "
-                                                                    "2 * topk_group (groups score their top two)"),
             (self.version == 2 and hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"),
              f"topk_method={hf.get('topk_method')!r}"),
         ]
@@ -272,11 +279,10 @@ class DeepSeekFamily(Family):
         if moe.shared_expert_intermediate_size and (moe.shared_expert_intermediate_size % (moe.ffn_hidden_size or 1)
                                                     or moe.shared_expert_gate):
             yield "a shared expert that is not whole experts wide, or gated"
-        if moe.bias or (moe.num_groups and moe.group_score != ("max" if self.version == 2 else "top_sum")):
+        if moe.bias or (moe.num_groups and not self._holds_group_score(moe)):
             yield "router biases or another group score"
-        if self.version == 3 and (moe.score_function != "sigmoid" or not moe.enable_expert_bias or moe.top_k == 1
-                                  or (moe.num_groups and moe.top_k != 2 * moe.group_topk)):
-            yield "a router other than sigmoid scores with an expert bias (and groups scored by their top two)"
+        if self.version == 3 and (moe.score_function != "sigmoid" or not moe.enable_expert_bias or moe.top_k == 1):
+            yield "a router other than sigmoid scores with an expert bias"
         if self.version == 2 and (moe.score_function != "softmax" or not moe.pre_softmax or moe.enable_expert_bias):
             yield "a router other than a softmax over all experts without renormalisation"
 

@@ -78,13 +78,14 @@ def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int
                     top_k: int) -> torch.Tensor:
     """Group-limited routing (DeepSeek-V2/V3): experts form `num_groups` consecutive groups, each token keeps
     the `group_topk` best groups and its other experts get -inf. A group's score is the sum of its top
-    top_k / group_topk selection scores ("top_sum") or its best one ("max")."""
+    top_k / group_topk selection scores ("top_sum"), of its top two ("top2_sum") or its best one ("max")."""
     T, E = selection_TE.shape
     grouped_TGe = selection_TE.view(T, num_groups, E // num_groups)
     if group_score == "max":
         group_TG = grouped_TGe.amax(-1)
     else:
-        group_TG = grouped_TGe.topk(top_k // group_topk, dim=-1).values.sum(-1)
+        best = 2 if group_score == "top2_sum" else top_k // group_topk
+        group_TG = grouped_TGe.topk(best, dim=-1).values.sum(-1)
     kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(group_topk, dim=-1).indices, True)
     return grouped_TGe.masked_fill(~kept_TG.unsqueeze(-1), float("-inf")).view(T, E)
 

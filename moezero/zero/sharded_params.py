@@ -6,10 +6,14 @@ tensor whose params are views; freeing the unit resizes its storage to zero and 
 resizes it back and all-gathers every bucket's slices into it (FSDP's trick: the params keep
 their identity and storage object, so tensors autograd saved in forward see the gathered
 values again in backward, and no version counter moves).
+
+A family whose gather group is one rank (routed experts at ep = world size) holds whole buckets as
+its "slice": its units' full tensors are views of the shard, never freed, and gathering them
+moves nothing (`local`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -23,6 +27,7 @@ class ShardedParams(ParamStorage):
         super().__init__(family, groups)
         dp, edp = groups.gather_groups()
         self.gather_group = edp if family.kind == "expert" else dp
+        self.local = comm.group_size(self.gather_group) == 1
         g = family.group_size
         numels = [family.bucket_numel(b) for b in range(family.num_buckets)]
         self._shard_start = [sum(numels[:b]) // g for b in range(family.num_buckets)]
@@ -46,12 +51,17 @@ class ShardedParams(ParamStorage):
                     shard[offset:offset + hi - lo].copy_(zp.read(lo, hi))
             for unit, buckets in self.unit_buckets.items():
                 numel = sum(family.bucket_numel(b) for b in buckets)
-                full = self._full[unit] = torch.empty(numel, dtype=family.dtype, device=device)
+                if self.local:
+                    start = self._shard_start[buckets[0]]
+                    full = self._full[unit] = self.shard[start:start + numel]
+                else:
+                    full = self._full[unit] = torch.empty(numel, dtype=family.dtype, device=device)
                 for b in buckets:
                     for zp in family.buckets[b]:
                         zp.adopt_storage(family.view_in_bucket(self._bucket_in_unit(unit, b), zp))
-                self._nbytes[unit] = full.untyped_storage().nbytes()
-                full.untyped_storage().resize_(0)  # stored as shards only from now on
+                self._nbytes[unit] = 0 if self.local else full.untyped_storage().nbytes()
+                if not self.local:
+                    full.untyped_storage().resize_(0)  # stored as shards only from now on
 
     def _bucket_in_unit(self, unit: int, bucket: int) -> torch.Tensor:
         first = self.family.layout.buckets[self.unit_buckets[unit][0]].start
@@ -61,6 +71,8 @@ class ShardedParams(ParamStorage):
     # ---- gather / free (driven by units.UnitGatherer) ---------------------------------------------
     def gather(self, unit: int) -> List[Any]:
         """Start all-gathering the unit's buckets into its full tensor; returns the work handles."""
+        if self.local:
+            return []
         self._full[unit].untyped_storage().resize_(self._nbytes[unit])
         works = []
         for b in self.unit_buckets[unit]:
@@ -69,21 +81,22 @@ class ShardedParams(ParamStorage):
         return [w for w in works if w is not None]
 
     def free(self, unit: int) -> None:
-        self._full[unit].untyped_storage().resize_(0)
+        if not self.local:
+            self._full[unit].untyped_storage().resize_(0)
 
     def members(self, unit: int) -> List[Any]:
         """The ZeroParams whose values live in the unit's full tensor."""
         return [zp for b in self.unit_buckets[unit] for zp in self.family.buckets[b]]
 
-    def storage_pointer(self, unit: int) -> int:
-        """Where the unit's values are now (it changes with every gather)."""
-        return self._full[unit].untyped_storage().data_ptr()
+    def storage_pointer(self, unit: int) -> Optional[int]:
+        """Where the unit's values are now (it changes with every gather; None: a local unit, never freed)."""
+        return None if self.local else self._full[unit].untyped_storage().data_ptr()
 
     def full_buffers(self):
         return [full for unit, full in self._full.items() if self.is_gathered(unit)]
 
     def is_gathered(self, unit: int) -> bool:
-        return self._full[unit].untyped_storage().nbytes() > 0
+        return self.local or self._full[unit].untyped_storage().nbytes() > 0
 
     # ---- ParamStorage -----------------------------------------------------------------------------
     def values(self, bucket, span):

@@ -107,9 +107,9 @@ class _Schedule:
     """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
     agreement record of each position, launched ahead so that checking it costs no wait."""
 
-    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement, ahead: int = RECORDS_AHEAD):
+    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement, recorded: Set[int]):
         self.order = order
-        self.ahead = ahead
+        self.recorded_units = recorded   # units whose gather talks to other ranks (the others need no record)
         self.position = {u: i for i, u in enumerate(order)}
         self.activity, self.agreement = activity, agreement
         self.reset(launch_records=False)
@@ -122,18 +122,21 @@ class _Schedule:
         self.records: Dict[int, Agreement] = {}
         self.recorded = 0
         if launch_records:
-            self._launch_records(self.ahead)
+            self._launch_records(RECORDS_AHEAD)
 
     def settle_record(self, unit: int) -> None:
         """Before the gather of `unit`'s position: its record must agree on every rank (RanksDisagree)."""
         position = self.position[unit]
         self._launch_records(position + 1)
-        self.agreement.settle(self.records.pop(position))
-        self._launch_records(position + 1 + self.ahead)
+        record = self.records.pop(position, None)
+        if record is not None:
+            self.agreement.settle(record)
+        self._launch_records(position + 1 + RECORDS_AHEAD)
 
     def _launch_records(self, stop: int) -> None:
         while self.recorded < min(stop, len(self.order)):
-            self.records[self.recorded] = self.agreement.launch(self.activity, self.order[self.recorded])
+            if self.order[self.recorded] in self.recorded_units:
+                self.records[self.recorded] = self.agreement.launch(self.activity, self.order[self.recorded])
             self.recorded += 1
 
     def skipped_before(self, unit: Optional[int]) -> List[int]:
@@ -165,9 +168,6 @@ class UnitGatherer:
         params_per_unit: per unit, how many trainable params must get their gradient before the unit is
             freed in backward (None: the unit holds frozen params and stays until the end of backward).
         agreement: the records every rank states before a gather.
-        forward_records_ahead: how many forward records are launched before their gather (0 where the model's
-            forward has exchanges of its own, MoE layers': a rank must not have agreed to a gather that its peer
-            reaches only after an exchange of which the records know nothing).
 
     While the schedule holds a unit gathered its params are exposed (their own type: no per-op check) and
     their version counters are noted; when it lets the unit go, params written in place meanwhile (a
@@ -176,8 +176,7 @@ class UnitGatherer:
     """
 
     def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
-                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement,
-                 forward_records_ahead: int = RECORDS_AHEAD):
+                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement):
         self.plan = plan
         self.parts = parts
         self.params_per_unit = params_per_unit
@@ -185,8 +184,9 @@ class UnitGatherer:
         n = len(plan.modules)
         self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
-        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement, forward_records_ahead)
-        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, agreement)
+        self.collective_units = {u for u, held in parts.items() if any(not storage.local for storage, _ in held)}
+        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement, self.collective_units)
+        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, agreement, self.collective_units)
         self.forward_active = False        # between the root's forward pre-hook and its end
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
@@ -215,7 +215,7 @@ class UnitGatherer:
             return
         if schedule is not None:
             schedule.settle_record(unit)
-        elif activity is not None:
+        elif activity is not None and unit in self.collective_units:
             self.agreement.check(activity, unit)
         self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
         self.state[unit] = UnitState.INFLIGHT
@@ -251,14 +251,16 @@ class UnitGatherer:
             expose(zp.param)
         self._exposed[unit] = [(zp, zp.param._version) for zp in members]
         for storage, key in self.parts[unit]:
-            self.saved.unit_of_storage[storage.storage_pointer(key)] = unit
+            if not storage.local:
+                self.saved.unit_of_storage[storage.storage_pointer(key)] = unit
 
     def _unexpose(self, unit: int) -> None:
         noted = self._exposed.pop(unit, None)
         if noted is None:
             return
         for storage, key in self.parts[unit]:
-            self.saved.unit_of_storage.pop(storage.storage_pointer(key), None)
+            if not storage.local:
+                self.saved.unit_of_storage.pop(storage.storage_pointer(key), None)
         written = [zp for zp, version in noted if zp.param._version != version]
         if written:
             self.on_written(written)

@@ -302,14 +302,27 @@ def test_stage3_keeps_one_nth_plus_the_working_set():
         assert working >= stage3["params"] + unit_bytes  # the running unit is full
 
 
-def test_full_parameters_gathers_for_the_block_and_frees_after():
+def _full_parameters_memory():
     model = _stack(16, 3)
-    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
+    groups = ParallelGroups.build()
+    opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=3, lr=0.1)
     shard = opt.memory_bytes()["params"]
     with opt.full_parameters():
         inside = opt.memory_bytes()["params"]
         assert model[2].weight.shape == (16, 16) and torch.isfinite(model[2].weight).all()
-    assert inside >= shard + 3 * (16 * 16 + 16) * 4 and opt.memory_bytes()["params"] == shard
+    after = opt.memory_bytes()["params"]
+    groups.destroy()
+    return shard, inside, after
+
+
+def test_full_parameters_gathers_for_the_block_and_frees_after():
+    for shard, inside, after in run_distributed(_full_parameters_memory, 2):
+        assert inside >= shard + 3 * (16 * 16 + 16) * 4 and after == shard
+    model = _stack(16, 3)   # a world of one holds whole buckets: nothing to gather, nothing held twice
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
+    shard = opt.memory_bytes()["params"]
+    with opt.full_parameters():
+        assert opt.memory_bytes()["params"] == shard and torch.isfinite(model[2].weight).all()
 
 
 # ---- a block one rank skips, and a branch inside a block ---------------------------------------------------

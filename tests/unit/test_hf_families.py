@@ -34,6 +34,22 @@ def test_a_transformers_checkpoint_gives_its_logits(family, tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-8)
 
 
+def test_deepseek_v3_groups_score_their_two_best_experts_whatever_top_k(tmp_path):
+    """transformers scores a DeepSeek-V3 expert group by its top two experts for any num_experts_per_tok
+    (Megatron's top_sum takes top_k / topk_group): 3 experts per token among 2 of 4 groups, both ways."""
+    reference = tiny_model("deepseek_v3", num_experts_per_tok=3)
+    reference.save_pretrained(tmp_path / "source")
+    model = hub.from_pretrained(str(tmp_path / "source"), dtype=torch.float64)
+    assert model.moe_config.group_score == "top2_sum"
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    torch.testing.assert_close(ours, hf_logits(reference, TOKENS), rtol=0, atol=1e-8)
+    hub.save_pretrained(model, str(tmp_path / "exported"))
+    again = load_with_transformers(str(tmp_path / "exported"))
+    assert again.config.num_experts_per_tok == 3 and again.config.topk_group == 2
+    torch.testing.assert_close(hf_logits(again, TOKENS), ours, rtol=0, atol=1e-8)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_pretrained_writes_what_transformers_writes(family, tmp_path):
     theirs_dir, ours_dir = str(tmp_path / "theirs"), str(tmp_path / "ours")
