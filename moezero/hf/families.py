@@ -67,9 +67,10 @@ class Family:
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         rope = _rope_parameters(hf)
+        # rotary over the whole head: transformers' models of these families ignore partial_rotary_factor
         gpt = GPTConfig(
             **_decoder_fields(hf, rope), kv_channels=head_dim, group_query_attention=kv_heads != heads,
-            num_query_groups=kv_heads, rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+            num_query_groups=kv_heads, rotary_percent=1.0,
             add_qkv_bias=bool(hf.get(self.qkv_bias_field, False)) if self.qkv_bias_field else False,
             qk_layernorm=self.qk_norm is not None, qk_layernorm_scope=self.qk_norm or "head",
             moe_layer_freq=1 if self.dense else self._moe_layers(hf))
@@ -100,8 +101,6 @@ class Family:
         hf: Dict[str, Any] = dict(_decoder_hf_fields(gpt, self, dtype), num_key_value_heads=gpt.query_groups,
                                   head_dim=gpt.kv_channels,
                                   rope_parameters={"rope_type": "default", "rope_theta": gpt.rotary_base})
-        if gpt.rotary_percent != 1.0:
-            hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"] = gpt.rotary_percent
         if self.qkv_bias_field:
             hf[self.qkv_bias_field] = gpt.add_qkv_bias
         if self.qk_norm or self.dense:
@@ -127,6 +126,8 @@ class Family:
             raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
 
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.rotary_percent != 1.0:
+            yield f"--rotary-percent {gpt.rotary_percent} (transformers rotates the whole head for this family)"
         if gpt.apply_layernorm_1p:
             yield "--apply-layernorm-1p (its norms hold their scale, not the scale - 1)"
         if gpt.multi_latent_attention or gpt.rope_type == "yarn":
@@ -217,6 +218,8 @@ class DeepSeekFamily(Family):
         heads = hf["num_attention_heads"]
         checks = [
             ((hf.get("num_key_value_heads") or heads) != heads, "num_key_value_heads apart from the heads"),
+            (float(_rope_parameters(hf, yarn=True).get("partial_rotary_factor", 1.0)) != 1.0,
+             "partial_rotary_factor (transformers shortens the rotary frequencies but not the rotated part)"),
             (hf["rms_norm_eps"] != 1e-6, f"rms_norm_eps={hf['rms_norm_eps']} (its latent norms use 1e-6 whatever "
                                          "it says; moezero one epsilon for all)"),
             (self.version == 3 and hf.get("rope_interleave") is False, "rope_interleave=false"),

@@ -83,6 +83,42 @@ def test_a_model_from_megatron_flags_exports_as_the_family_that_holds_it(tmp_pat
     torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
 
 
+QWEN3_MOE_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                   "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12", "--qk-layernorm",
+                   "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--norm-epsilon", "1e-6",
+                   "--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "2",
+                   "--moe-ffn-hidden-size", "24", "--untie-embeddings-and-output-weights"]
+
+
+def _set_config_field(folder, name, value):
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config[name] = value
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+
+
+def test_partial_rotary_factor_means_what_transformers_makes_of_it(tmp_path):
+    """The MoE families' transformers models rotate the whole head whatever partial_rotary_factor says: an
+    import does too, and a model rotating part of it (--rotary-percent) is no such family. DeepSeek's
+    shortens its frequencies only, which moezero does not reproduce: refused by name."""
+    for family in ("qwen3_moe", "mixtral"):
+        tiny_model(family).save_pretrained(tmp_path / family)
+        _set_config_field(tmp_path / family, "partial_rotary_factor", 0.5)
+        ours = hub.from_pretrained(str(tmp_path / family), dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(TOKENS)[0], hf_logits(load_with_transformers(str(tmp_path / family)),
+                                                                  TOKENS), rtol=0, atol=1e-8)
+    cfg = configs(QWEN3_MOE_FLAGS + ["--rotary-percent", "0.5"])
+    cfg.model.vocab_size = 97
+    with pytest.raises(UnsupportedModel, match="--rotary-percent 0.5"):
+        hub.save_pretrained(GPTModel(cfg.model, cfg.moe, seed=3), str(tmp_path / "partial"))
+    tiny_model("deepseek_v3").save_pretrained(tmp_path / "v3")
+    _set_config_field(tmp_path / "v3", "partial_rotary_factor", 0.5)
+    with pytest.raises(UnsupportedModel, match="partial_rotary_factor"):
+        hub.from_pretrained(str(tmp_path / "v3"))
+
+
 def test_what_a_family_cannot_hold_is_one_clear_error(tmp_path):
     cfg = configs(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                    "--num-experts", "4"])
