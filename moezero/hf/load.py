@@ -5,6 +5,7 @@ With `groups`, the MoE layers hold this rank's experts only and only their tenso
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import warnings
 from typing import Dict, Optional, Set, Tuple
@@ -59,7 +60,21 @@ def _keep_fp32(model: GPTModel, family, table: Dict[str, Link]) -> None:
 
 def hub_configs(hub: HubDirectory) -> Tuple[GPTConfig, MoEConfig]:
     """moezero's (GPTConfig, MoEConfig) of a Hub directory's model."""
-    return family_of(hub.config).configs(hub.config)
+    gpt, moe = family_of(hub.config).configs(hub.config)
+    if not gpt.untie_embeddings_and_output_weights and _holds_its_own_head(hub):
+        warnings.warn(f"{hub.path}: the config ties the output layer to the embedding but the files hold a "
+                      "different lm_head.weight: it is used untied, as transformers does")
+        gpt = dataclasses.replace(gpt, untie_embeddings_and_output_weights=True)
+    return gpt, moe
+
+
+def _holds_its_own_head(hub: HubDirectory) -> bool:
+    """A tied config whose files hold an lm_head.weight unlike the embedding: transformers then leaves the two
+    untied (and warns)."""
+    keys = set(hub.keys())
+    if "lm_head.weight" not in keys or "model.embed_tokens.weight" not in keys:
+        return False
+    return not torch.equal(hub.read("lm_head.weight"), hub.read("model.embed_tokens.weight"))
 
 
 def hub_dtype(config: Dict) -> torch.dtype:

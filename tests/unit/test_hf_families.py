@@ -119,6 +119,24 @@ def test_partial_rotary_factor_means_what_transformers_makes_of_it(tmp_path):
         hub.from_pretrained(str(tmp_path / "v3"))
 
 
+def test_a_tied_config_whose_files_hold_another_head_is_untied_as_transformers_does(tmp_path):
+    """transformers 5 leaves embedding and lm_head untied (with a warning) when a tied config's files hold a
+    different lm_head.weight; moezero used to drop the file's head silently."""
+    tiny_model("qwen3_moe", tie_word_embeddings=True).save_pretrained(tmp_path)
+    tensors = hub_tensors(str(tmp_path))
+    tensors["lm_head.weight"] = torch.full_like(tensors["model.embed_tokens.weight"], 0.05)
+    for name in os.listdir(tmp_path):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.remove(tmp_path / name)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="different lm_head.weight"):
+        ours = hub.from_pretrained(str(tmp_path), dtype=torch.float64)
+    theirs = load_with_transformers(str(tmp_path))
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS)[0], hf_logits(theirs, TOKENS), rtol=0, atol=1e-8)
+
+
 def test_what_a_family_cannot_hold_is_one_clear_error(tmp_path):
     cfg = configs(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                    "--num-experts", "4"])
