@@ -40,7 +40,8 @@ _NO_READ_METHODS = frozenset(getattr(torch.Tensor, name) for name in (
     "register_post_accumulate_grad_hook", "retain_grad", "__len__", "get_device", "_is_view", "is_shared",
     "__hash__", "__sizeof__", "__dir__") if hasattr(torch.Tensor, name)) | frozenset(
     getattr(torch, name) for name in ("_has_compatible_shallow_copy_type", "is_floating_point", "is_complex",
-                                      "numel") if hasattr(torch, name))
+                                      "numel") if hasattr(torch, name)) | frozenset(
+    (torch.autograd.grad, torch.autograd.backward))   # they name params as graph inputs, reading nothing
 _ALIASING_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # getters that make views
 _CONVERSIONS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
                           torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.type})

@@ -153,3 +153,40 @@ def _one_rank_writes():
 
 def test_full_parameters_with_a_modifier_rank_gives_every_rank_its_values():
     assert all(run_distributed(_one_rank_writes, 2))
+
+
+def _grads_and_evals_like_torch():
+    """torch.autograd.grad w.r.t. params and eval forwards between steps (stop-gradient uses inside) at stage 3:
+    torch's numbers, and the training that follows is torch's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model, ref = _Writer(groups), _Writer(ParallelGroups.single())
+    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=0.02, bucket_size=64,
+                        grad_reduce_dtype=torch.float64)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    for step in range(2):
+        w, ref_w = model.blocks[0].fc.weight, ref.blocks[0].fc.weight
+        (grad,) = torch.autograd.grad(_loss(model, step, rank), [w])
+        (ref_grad,) = torch.autograd.grad(_loss(ref, step, rank), [ref_w])
+        torch.testing.assert_close(grad, ref_grad, rtol=TOL, atol=1e-13)
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(_tokens(7)), ref(_tokens(7)), rtol=TOL, atol=1e-12)
+        model.train(), ref.train()
+        _loss(model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            (_loss(ref, step, r) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with opt.full_parameters():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), local_reference_slice(name, p, q.detach()), rtol=TOL, atol=1e-13,
+                                       msg=lambda m: f"{name}: {m}")
+    groups.destroy()
+    return True
+
+
+def test_autograd_grad_and_eval_forwards_between_steps_are_torchs():
+    assert all(run_distributed(_grads_and_evals_like_torch, 2))
