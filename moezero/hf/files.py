@@ -2,22 +2,17 @@
 
 Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file), so a rank
 reads only what it holds. FP8 weights with 128x128-block scales (DeepSeek-V3's published checkpoints,
-`weight_scale_inv`) are dequantized as they are read. Writing shards tensors in key order into files of at most
-`max_shard_bytes`, into a staging folder first: the target then holds exactly this write's weights (an old
-`model.safetensors` or a surplus shard left beside them is what transformers would load instead).
+`weight_scale_inv`) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import tempfile
 from typing import Dict, Iterable, List, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 INDEX = "model.safetensors.index.json"
@@ -155,59 +150,3 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tupl
 def weight_files(path: str) -> List[str]:
     """The names of the files in `path` a library may read weights from."""
     return sorted(n for n in os.listdir(path) if _WEIGHTS.search(n)) if os.path.isdir(path) else []
-
-
-def _model_files(path: str) -> List[str]:
-    """What describes the model in `path`: its weights, config and generation config (not its tokenizer)."""
-    described = [n for n in ("config.json", "generation_config.json") if os.path.isfile(os.path.join(path, n))]
-    return weight_files(path) + described
-
-
-def write_hub_directory(path: str, config: Dict, tensors: Dict[str, torch.Tensor],
-                        max_shard_bytes: int = 5 * 2 ** 30, overwrite: bool = False) -> List[str]:
-    """config.json, model-0000i-of-0000n.safetensors and the index; returns the shard file names.
-
-    A folder that holds weights already is refused unless `overwrite`, which replaces them and the old model's
-    config and generation config (other files, such as a tokenizer, stay). The files are written into a staging
-    folder beside `path` and moved in once complete."""
-    old = weight_files(path)
-    if old and not overwrite:
-        raise FileExistsError(f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"
-                              "), which transformers could load instead of this export; export into a new folder, "
-                              "or replace them (overwrite=True, --overwrite)")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".moezero-export-", dir=parent)   # same file system: renames, no copies
-    try:
-        names = _write_files(staging, config, tensors, max_shard_bytes)
-        os.makedirs(path, exist_ok=True)
-        for name in _model_files(path):
-            os.remove(os.path.join(path, name))
-        for name in os.listdir(staging):
-            os.replace(os.path.join(staging, name), os.path.join(path, name))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return names
-
-
-def _write_files(path: str, config: Dict, tensors: Dict[str, torch.Tensor], max_shard_bytes: int) -> List[str]:
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor.contiguous()
-        size += nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total},
-             "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
-    with open(os.path.join(path, INDEX), "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    return names

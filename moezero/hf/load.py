@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import warnings
 from typing import Dict, Optional, Set, Tuple
@@ -48,6 +49,27 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
         _refuse_forward_until_read(model)
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
     return model.eval()
+
+
+def run_configs(path: str) -> Dict[str, Dict]:
+    """The configs a training run takes from the Hub directory `path` (what `tools/hf_checkpoint.py import`
+    stores, what --load-hf applies): its model and MoE configs, the Hub config itself, and its tokenizer."""
+    hub = HubDirectory(path)
+    gpt, moe = hub_configs(hub)
+    configs = {"model": dataclasses.asdict(gpt), "moe": dataclasses.asdict(moe or MoEConfig()), "hf": hub.config}
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        configs["data"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(path)}
+    return configs
+
+
+def load_hub_weights(model: GPTModel, path: str) -> None:
+    """The weights of the Hub directory `path` into `model`, built (on the meta device) from its `run_configs`
+    as a training run's: this rank's experts are read now, every other param is left to the ZeroOptimizer,
+    which reads only what the rank keeps (at stage 3 its shard)."""
+    hub = HubDirectory(path)
+    load_weights(model, hub, links(family_of(hub.config), model.config, model.moe_config), lazy=True)
+    _refuse_forward_until_read(model)
+    model.hub_config = hub.config
 
 
 def _keep_fp32(model: GPTModel, family, table: Dict[str, Link]) -> None:

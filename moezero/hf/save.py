@@ -1,22 +1,24 @@
 """moezero.hf.save_pretrained: a Hugging Face model directory from a live moezero GPTModel.
 
-Any layout: routed experts are gathered over `groups.ep` (every rank takes part), and rank 0 writes.
-At ZeRO stage 3 pass the optimizer: its full_parameters() gathers the shards while the tensors are read.
+Any layout, and no rank ever holds the whole model: every rank writes its share of the tensors into files of its
+own (see `write_plan`), a routed-expert stack by one of the ranks holding those experts, and rank 0 adds the
+index and config once all wrote. At ZeRO stage 3 pass the optimizer: it gathers one unit at a time while the
+tensors are read.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from moezero.hf.families import FAMILIES, Family, family_for
-from moezero.hf.files import write_hub_directory
-from moezero.hf.keys import links
+from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
+from moezero.hf.staged_write import abandon_write, finish_write, start_write, write_shard
+from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
-from moezero.parallel import ParallelGroups, comm
+from moezero.parallel import ParallelGroups
 from moezero.parallel.expert_marker import expert_shard_of
 
 
@@ -26,57 +28,140 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
                     overwrite: bool = False) -> None:
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...).
-    A folder holding weights already is refused unless `overwrite` (see files.write_hub_directory).
-    Collective when `groups` splits experts: call it on every rank."""
+    A folder holding weights already is refused unless `overwrite` (see `staged_write.start_write`).
+    Collective under torch.distributed: call it on every rank (`groups`: the ones the model was built with)."""
     gpt, moe = model.config, model.moe_config
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
     family.check_expressible(gpt, moe)
     dtype = dtype or model.embedding.weight.dtype
-    tensors = _hub_tensors(model, links(family, gpt, moe), groups, dtype, optimizer, family)
+    table = links(family, gpt, moe)
+    tensors = model_tensors(model, table)
+    layout = _HubLayout(table, family, dtype, groups)
+    plan = plan_writes(layout.pieces(tensors), _world_size(), max_shard_bytes)
+    staging = _agreed_staging(path, overwrite)
+    mine = layout.own_tensors(tensors, plan, optimizer)
     failure = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
-        config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
-        config.update(family.hf_config(gpt, moe, str(dtype).replace("torch.", "")))
+    try:
+        for name, keys in plan.files(_rank()):
+            write_shard(staging, name, {key: mine.pop(key) for key in keys})
+    except OSError as exc:
+        failure = exc
+    _raise_on_every_rank(failure, path, staging)
+    if _rank() == 0:
         try:
-            write_hub_directory(path, config, tensors, max_shard_bytes, overwrite)
+            finish_write(staging, path, _hub_config(model, family, dtype), plan.file_of, layout.total_bytes)
         except OSError as exc:
             failure = exc
-    _raise_on_every_rank(failure, path)
+    _raise_on_every_rank(failure, path, None)
 
 
-def _raise_on_every_rank(failure: Optional[BaseException], path: str) -> None:
-    """Rank 0's write failing is every rank's error (a barrier would leave the others waiting forever)."""
+class _HubLayout:
+    """The Hub tensors of a model: which pieces there are, their bytes, and this rank's values of its own."""
+
+    def __init__(self, table: Dict[str, Link], family: Family, dtype: torch.dtype,
+                 groups: Optional[ParallelGroups]):
+        self.table, self.family, self.dtype, self.groups = table, family, dtype, groups
+        self.total_bytes = 0
+
+    def dtype_of(self, key: str) -> torch.dtype:
+        """`dtype`, but at least fp32 where transformers keeps fp32 (DeepSeek's router)."""
+        return torch.promote_types(self.dtype, torch.float32) if self.family.keeps_fp32(key) else self.dtype
+
+    def pieces(self, tensors: Dict[str, torch.Tensor]) -> List[Piece]:
+        out = []
+        everyone = tuple(range(_world_size()))
+        for name, tensor in tensors.items():
+            for first, count, holders in self._blocks(name, tensor, everyone):
+                shape = (count,) + tuple(tensor.shape[1:]) if first is not None else tuple(tensor.shape)
+                parts = self.table[name].split(torch.empty(shape, device="meta"), first_expert=first or 0)
+                keys = tuple((key, t.numel() * self.dtype_of(key).itemsize) for key, t in parts.items())
+                self.total_bytes += sum(n for _, n in keys)
+                out.append(Piece(_piece_name(name, first), holders, keys))
+        return out
+
+    def _blocks(self, name: str, tensor: torch.Tensor, everyone):
+        """(first global expert, experts, ranks holding them) of each block of an expert-parallel stack; one
+        (None, None, every rank) for any other tensor."""
+        shard = expert_shard_of(tensor)
+        if shard is None or shard.ep_size == 1:
+            return [(None, None, everyone)]
+        if self.groups is None or self.groups.ep_size != shard.ep_size:
+            raise ValueError(f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
+                             f"ParallelGroups the model was built with")
+        n = shard.num_local_experts
+        return [(j * n, n, self.groups.layout.edp_groups[j]) for j in range(shard.ep_size)]
+
+    def own_tensors(self, tensors: Dict[str, torch.Tensor], plan: WritePlan,
+                    optimizer: Optional[Any]) -> Dict[str, torch.Tensor]:
+        """{Hub key: tensor} of the pieces this rank writes, read unit by unit (collective at stage 3)."""
+        rank, out = _rank(), {}
+        waiting = dict(tensors)
+        units: Iterable[List[torch.Tensor]] = optimizer.params_unit_by_unit() if optimizer is not None else []
+        with torch.no_grad():
+            for held in units:
+                ids = {id(p) for p in held}
+                for name in [n for n, t in waiting.items() if id(t) in ids]:
+                    self._take(name, waiting.pop(name), plan, rank, out)
+            for name, tensor in waiting.items():   # buffers, params outside the optimizer (or no optimizer)
+                self._take(name, tensor, plan, rank, out)
+        return out
+
+    def _take(self, name: str, tensor: torch.Tensor, plan: WritePlan, rank: int, out: Dict) -> None:
+        shard = expert_shard_of(tensor)
+        first = shard.first_global_expert if shard is not None and shard.ep_size > 1 else None
+        if plan.writer[_piece_name(name, first)] != rank:
+            return
+        value = tensor.detach().to(device="cpu")
+        for key, part in self.table[name].split(value, first_expert=first or 0).items():
+            out[key] = part.to(dtype=self.dtype_of(key), memory_format=torch.contiguous_format, copy=True)
+
+
+def _piece_name(name: str, first_expert: Optional[int]) -> str:
+    return name if first_expert is None else f"{name}@experts{first_expert}"
+
+
+def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype) -> Dict:
+    config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
+    config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
+    config.update(family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", "")))
+    return config
+
+
+def _agreed_staging(path: str, overwrite: bool) -> str:
+    """Rank 0's staging folder, known to every rank; its refusal (a folder with weights) raised on every rank."""
+    staging, failure = None, None
+    if _rank() == 0:
+        try:
+            staging = start_write(path, overwrite)
+        except OSError as exc:
+            failure = exc
     if dist.is_initialized():
-        failed = torch.tensor([float(failure is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and failure is None:
-            raise OSError(f"save_pretrained: rank 0 could not write {path} (its error says why)")
+        box = [staging]
+        dist.broadcast_object_list(box, src=0)
+        staging = box[0]
+    _raise_on_every_rank(failure, path, None)
+    return staging
+
+
+def _raise_on_every_rank(failure: Optional[BaseException], path: str, staging: Optional[str]) -> None:
+    """Any rank's failed write is every rank's error (a barrier would leave the others waiting forever); the
+    staging folder goes."""
+    failed = [failure is not None]
+    if dist.is_initialized():
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, failure is not None)
+    if not any(failed):
+        return
+    if staging is not None and _rank() == 0:
+        abandon_write(staging)
     if failure is not None:
         raise failure
+    raise OSError(f"save_pretrained: rank {failed.index(True)} could not write {path} (its error says why)")
 
 
-def _hub_tensors(model: GPTModel, table, groups, dtype, optimizer, family: Family) -> Dict[str, torch.Tensor]:
-    """{Hub key: tensor} in `dtype`, but at least fp32 where transformers keeps fp32 (DeepSeek's router)."""
-    gathered = optimizer.full_parameters() if optimizer is not None else contextlib.nullcontext()
-    wide = torch.promote_types(dtype, torch.float32)
-    tensors: Dict[str, torch.Tensor] = {}
-    with gathered, torch.no_grad():
-        for name, param in model_tensors(model, table).items():
-            whole = _all_experts(name, param, groups).detach().to(device="cpu")
-            tensors.update({key: t.to(wide if family.keeps_fp32(key) else dtype).clone()
-                            for key, t in table[name].split(whole).items()})
-    return tensors
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _all_experts(name: str, param: torch.Tensor, groups: Optional[ParallelGroups]) -> torch.Tensor:
-    """A routed-expert stack with every ep rank's experts (others as they are)."""
-    shard = expert_shard_of(param)
-    if shard is None or shard.ep_size == 1:
-        return param
-    if groups is None or groups.ep_size != shard.ep_size:
-        raise ValueError(f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
-                         f"ParallelGroups the model was built with")
-    out = param.new_empty((shard.num_global_experts,) + tuple(param.shape[1:]))
-    comm.all_gather(out, param.detach().contiguous(), groups.ep)
-    return out
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

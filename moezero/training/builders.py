@@ -6,9 +6,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from moezero.config import ConfigError
 from moezero.data import build_datasets
+from moezero.hf import load_hub_weights
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
@@ -71,12 +73,17 @@ def param_dtype(train: TrainConfig) -> torch.dtype:
     return torch.float64 if train.fp64 else torch.float32
 
 
-def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int) -> GPTModel:
-    """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses."""
+def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int,
+                hub_dir: Optional[str] = None) -> GPTModel:
+    """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses; with
+    `hub_dir` (--load-hf) its weights are that Hugging Face folder's, read lazily (see load_hub_weights)."""
     gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, tokenizer_vocab))
     moe = cfg.moe if cfg.moe.num_experts is not None else None   # no --num-experts: a dense GPT, as Megatron's
-    model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
+    with torch.device("meta") if hub_dir else contextlib.nullcontext():
+        model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
     model = model.to(param_dtype(cfg.train))
+    if hub_dir:
+        load_hub_weights(model, hub_dir)
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         model = model.cuda()
     return model

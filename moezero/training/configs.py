@@ -229,12 +229,26 @@ class CheckpointConfig(Validated):
                               "async save); published as latest once every rank finished", flag="--async-save")
     keep_last: int = option(0, "keep only the newest N checkpoints in --save (0 = keep all; Megatron has no such "
                             "flag)", flag="--keep-last-checkpoints")
+    load_hf: Optional[str] = option(
+        None, "a Hugging Face model folder to start from (Megatron-Bridge's --hf-model): the model flags, its "
+        "training values (dropout, aux loss) and tokenizer as --use-checkpoint-args takes them from an imported "
+        "checkpoint (flags typed win); each rank reads only its experts and what ZeRO keeps on it (at stage 3 its "
+        "shard). A checkpoint of the run's own in --load is resumed instead (a requeued job goes on)",
+        flag="--load-hf")
+    save_hf: Optional[str] = option(None, "write the model as Hugging Face folders DIR/iter_NNNNNNN at the end "
+                                    "(and every --save-hf-interval steps), each rank writing its share",
+                                    flag="--save-hf")
+    save_hf_interval: int = option(0, "with --save-hf: also every N steps (0 = only at the end)",
+                                   flag="--save-hf-interval")
     given_fields: Tuple[str, ...] = option((), "the 'section.field's the command line set (filled by the parser)",
                                            flag=None)
 
     def __post_init__(self):
         self._require(self.save_interval >= 0, "save_interval", "must be >= 0")
         self._require(self.keep_last >= 0, "keep_last", "must be >= 0")
+        self._require(self.save_hf_interval >= 0, "save_hf_interval", "must be >= 0")
+        if self.save_hf_interval:
+            self._require(self.save_hf is not None, "save_hf_interval", "needs --save-hf")
         if self.ckpt_step is not None:
             self._require(self.ckpt_step >= 0, "ckpt_step", "must be >= 0")
         for name in ("ckpt_step", "finetune", "use_checkpoint_args"):   # --no-load-*: nothing to not load

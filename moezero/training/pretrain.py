@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import resource
 from types import MappingProxyType
 from typing import Dict, Iterator, List, Mapping, Optional
@@ -19,7 +20,10 @@ from moezero import checkpoint
 from moezero.checkpoint.pending import PendingSave
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
-from moezero.config import is_moe_layer
+from moezero.config import ConfigError, is_moe_layer
+from moezero.hf import UnsupportedModel, run_configs, save_pretrained
+from moezero.hf.families import family_for
+from moezero.hf.load import hub_dtype
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
@@ -31,8 +35,8 @@ from moezero.training.log_interval import LogInterval
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
-from moezero.training.resume import (ResumePoint, apply_checkpoint_args, check_same_model, check_shapes,
-                                     find_resume_point, start_iteration, start_lr_schedule, start_progress)
+from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
+                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule, start_progress)
 from moezero.training.schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_point
@@ -59,6 +63,14 @@ class Pretraining:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         notices: List[str] = []
         point = find_resume_point(cfg.checkpoint)
+        hub = cfg.checkpoint.load_hf
+        self.hub_config = point.configs.get("hf") if point is not None else None
+        if hub is not None:   # the Hub folder says what the model is, resumed or not
+            hub_configs = run_configs(hub)
+            cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
+            self.hub_config = hub_configs["hf"]
+            if point is not None:
+                notices.append(f" --load-hf: resuming from the run's own checkpoint {point.path}, not {hub}")
         dense_source = None   # --moe-use-upcycling: the dense checkpoint the experts start from
         if point is not None and cfg.moe.use_upcycling:
             point = upcycling_point(point, cfg.model, cfg.moe, notices.append)
@@ -97,7 +109,9 @@ class Pretraining:
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:
                 split.vocab_limit = self.vocab_size
-        self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size)
+        self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
+                                 hub_dir=hub if point is None else None)
+        self._check_exportable()
         if dense_source is not None:   # before the optimizer copies the params into its masters
             upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
@@ -111,6 +125,7 @@ class Pretraining:
         self.stop_reason: Optional[str] = None
         self._saved_at: Optional[int] = None
         self._saved_path: Optional[str] = None
+        self._saved_hf_at: Optional[int] = None
         self._pending: Optional[PendingSave] = None   # --async-save: the save in flight
         self._writer_group = self._async_writer_group()
         if point is not None:
@@ -151,6 +166,8 @@ class Pretraining:
             self._evaluate("test")
         if self.cfg.checkpoint.save and self._saved_at != self.iteration:
             self._save()
+        if self.cfg.checkpoint.save_hf and self._saved_hf_at != self.iteration:
+            self._save_hf()
         self._finish_pending()
         if self.stop_reason is not None:
             saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
@@ -203,6 +220,8 @@ class Pretraining:
                 self._finish_pending()
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
                 self._save()
+            if ck.save_hf and ck.save_hf_interval and self.iteration % ck.save_hf_interval == 0:
+                self._save_hf()
             self.stop_reason = stop.reason(self.iteration)
             if self.stop_reason is not None:
                 return
@@ -299,7 +318,7 @@ class Pretraining:
         ck = self.cfg.checkpoint
         saved = checkpoint.save_checkpoint(
             ck.save, self.iteration, self.model, self.opt,
-            configs={f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)},
+            configs=self._stored_configs(),
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
             progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
             group=self.groups.control, keep_last=ck.keep_last, background=ck.async_save,
@@ -311,6 +330,31 @@ class Pretraining:
         else:
             self._saved_path = saved
             self.logger.print(f" saved checkpoint {saved}")
+
+    def _stored_configs(self) -> Dict[str, Dict]:
+        """The run's config sections, and the Hub config it started from (an export keeps its token ids)."""
+        configs = {f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)}
+        if self.hub_config is not None:
+            configs["hf"] = self.hub_config
+        return configs
+
+    def _check_exportable(self) -> None:
+        """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""
+        if self.cfg.checkpoint.save_hf:
+            try:
+                family_for(self.model.config, self.model.moe_config)
+            except UnsupportedModel as exc:
+                raise ConfigError(f"--save-hf={self.cfg.checkpoint.save_hf}: {exc}") from None
+
+    def _save_hf(self) -> None:
+        """--save-hf: the model as a Hub folder of this iteration, every rank writing its share (in the Hub
+        source's dtype for a run that started from one, else the params')."""
+        path = os.path.join(self.cfg.checkpoint.save_hf, f"iter_{self.iteration:07d}")
+        dtype = hub_dtype(self.hub_config) if self.hub_config is not None else None
+        self.model.hub_config = self.hub_config
+        save_pretrained(self.model, path, groups=self.groups, dtype=dtype, optimizer=self.opt, overwrite=True)
+        self._saved_hf_at = self.iteration
+        self.logger.print(f" saved Hugging Face model {path}")
 
     def _finish_pending(self) -> None:
         """--async-save: wait for the save in flight (every rank), then publish it as latest."""

@@ -171,7 +171,15 @@ def check_same_model(cfg, point: ResumePoint) -> None:
 IMPORTED_TRAINING_FIELDS = {"model": ("hidden_dropout", "attention_dropout"), "moe": ("aux_loss_coeff",)}
 
 
-def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]):
+def apply_hub_configs(cfg, hub_dir: str, configs: Dict[str, Dict[str, Any]], report: Callable[[str], None]):
+    """--load-hf: `cfg` with the Hub folder's model (`configs`: moezero.hf.run_configs) as --use-checkpoint-args
+    takes an imported checkpoint's."""
+    point = ResumePoint(path=hub_dir, iteration=0, configs=configs, param_shapes={})
+    return apply_checkpoint_args(cfg, point, report, source="--load-hf")
+
+
+def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None],
+                          source: str = "--use-checkpoint-args"):
     """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
     where the command line gives none; for a checkpoint from a Hugging Face import, its training values the
     command line does not set); reports the flags that changed."""
@@ -190,7 +198,7 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
                     for n, v in values.items() if v != getattr(current, n)]
         sections[section] = dataclasses.replace(current, **values)
     if changes:
-        report(f" --use-checkpoint-args: {', '.join(changes)}")
+        report(f" {source}: {', '.join(changes)}")
     return dataclasses.replace(cfg, **sections)
 
 

@@ -210,6 +210,23 @@ class ZeroEngine:
             if self.gatherer is not None:
                 self.gatherer.free_all(release_hold=True)
 
+    def params_unit_by_unit(self) -> Iterator[List[torch.Tensor]]:
+        """Collective at stage 3: the managed params one unit at a time, full while it is current (only this
+        unit held: a whole-model read in a rank's own memory); stages 0-2: all of them at once."""
+        if self.gatherer is None:
+            yield [zp.param for zp in self.records]
+            return
+        self.agreement.check(Activity.FULL_PARAMETERS)
+        gatherer = self.gatherer
+        for unit in [0] + gatherer.plan.forward_order:
+            if unit not in gatherer.parts:
+                continue
+            gatherer.ensure(unit, None, exposed=False)
+            try:
+                yield [zp.param for storage, key in gatherer.parts[unit] for zp in storage.members(key)]
+            finally:
+                gatherer.free(unit)
+
     def _broadcast_values(self, modifier_rank: int) -> None:
         """Every replica of every param takes the values of its replica on `modifier_rank` (expert params: the
         member of each expert-data-parallel group at modifier_rank's position in its own)."""

@@ -256,6 +256,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self.engine.full_parameters(modifier_rank):
             yield
 
+    def params_unit_by_unit(self) -> Iterator[List[torch.Tensor]]:
+        """Collective at stage 3 (every rank iterates to the end): the params this optimizer holds, one stage-3
+        unit at a time, full (readable) until the next is asked for; at stages 0-2 all at once. To read the whole
+        model (an export) holding no more than one unit beyond what the rank keeps; writes there are not kept."""
+        self._check_live()
+        yield from self.engine.params_unit_by_unit()
+
     @contextlib.contextmanager
     def modify_model(self) -> Iterator[None]:
         """Collective context: every param full and plain inside; on exit the optimizer adopts the

@@ -81,8 +81,10 @@ def _no_op_conversion(func, tensor: torch.Tensor, args, kwargs) -> bool:
         return False
     with no_subclass_dispatch():
         if func is torch.Tensor.to:
+            if kwargs.get("copy"):   # torch's parser of .to's arguments takes no `copy`
+                return False
             device, dtype, _, memory_format = parse_to_arguments(*args[1:], **kwargs)
-            if kwargs.get("copy") or memory_format not in (None, torch.preserve_format):
+            if memory_format not in (None, torch.preserve_format):
                 return False
             return (device is None or device == tensor.device) and (dtype is None or dtype == tensor.dtype)
         wanted = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,

@@ -2,6 +2,7 @@
 import continues with `--load --use-checkpoint-args --finetune` on 2 ranks (ep 2, ZeRO stage 3) with no model
 flag typed, and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
 imported dense model (Qwen3) is upcycled with --moe-use-upcycling."""
+import json
 import re
 import sys
 
@@ -48,11 +49,27 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
     assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
 
+    # the same run straight from the Hub folder, saving Hub folders itself: each rank writes its share
+    direct = str(tmp_path / "direct")
+    proc_hf = run(torchrun(2, PRETRAIN) + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")]
+                  + ["--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2"], timeout=240)
+    assert proc_hf.returncode == 0, proc_hf.stdout[-2000:] + proc_hf.stderr[-3000:]
+    assert "--load-hf: --num-layers 3" in proc_hf.stdout
+    assert len(_losses(proc.stdout)) == 3 and _losses(proc_hf.stdout) == _losses(proc.stdout)
+    saved, final = hub_tensors(str(tmp_path / "direct" / "iter_0000003")), hub_tensors(out)
+    assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in final)
+    index = json.loads((tmp_path / "direct" / "iter_0000002" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2, "one file per rank"
+
 
 def test_a_directory_moezero_cannot_read_is_one_line(tmp_path):
     proc = run([sys.executable, tool("hf_checkpoint"), "import", str(tmp_path), str(tmp_path / "ckpt")])
     assert proc.returncode == 2 and "no config.json (not a Hugging Face model directory)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _losses(stdout):
+    return re.findall(r"iteration +\d+/ +\d+ .*?lm loss: (\S+)", stdout)
 
 
 def _first_loss(stdout):

@@ -1,0 +1,70 @@
+"""A Hub directory written by every rank at once, swapped into place only when complete.
+
+    staging = start_write(path, overwrite)                 # rank 0: refuses a folder holding weights
+    write_shard(staging, name, {key: tensor})              # each rank, its own files
+    finish_write(staging, path, config, weight_map, size)  # rank 0, once every rank wrote: index, config, swap
+
+The staging folder sits beside the target (same file system: renames, no copies); the target then holds exactly
+this write's weights (an old `model.safetensors` or a surplus shard left beside them is what transformers would
+load instead), and a write that fails leaves the target as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Dict, List
+
+import torch
+from safetensors.torch import save_file
+
+from moezero.hf.files import INDEX, weight_files
+
+
+def start_write(path: str, overwrite: bool) -> str:
+    """The staging folder of a write into `path`. A folder that holds weights already is refused unless
+    `overwrite`, which replaces them and the old model's config and generation config (other files, such as a
+    tokenizer, stay)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{path}: is a file, not a folder to write a model into")
+    old = weight_files(path)
+    if old and not overwrite:
+        raise FileExistsError(f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"
+                              "), which transformers could load instead of this export; export into a new folder, "
+                              "or replace them (overwrite=True, --overwrite)")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=".moezero-export-", dir=parent)
+
+
+def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> None:
+    save_file({key: t.contiguous() for key, t in tensors.items()}, os.path.join(staging, name),
+              metadata={"format": "pt"})
+
+
+def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int) -> None:
+    """The index and config.json into the staging folder, then its files into `path` (the old model's out)."""
+    try:
+        with open(os.path.join(staging, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2,
+                      sort_keys=True)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        os.makedirs(path, exist_ok=True)
+        for name in _model_files(path):
+            os.remove(os.path.join(path, name))
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    finally:
+        abandon_write(staging)
+
+
+def abandon_write(staging: str) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _model_files(path: str) -> List[str]:
+    """What describes the model in `path`: its weights, config and generation config (not its tokenizer)."""
+    described = [n for n in ("config.json", "generation_config.json") if os.path.isfile(os.path.join(path, n))]
+    return weight_files(path) + described
