@@ -4,6 +4,7 @@
     python tools/hf_checkpoint.py import HF_DIR CKPT_DIR
     python tools/hf_checkpoint.py export CKPT_DIR HF_DIR [--iteration N] [--dtype bfloat16] [--family F]
                                                           [--hf-config ORIGINAL_HF_DIR] [--overwrite]
+                                                          [--max-shard-size 5GB]
 
 import writes iteration 0 of CKPT_DIR from the Hub directory (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
 Kimi-K2): the weights and the model's configs, so `--load CKPT_DIR --use-checkpoint-args --finetune` continues
@@ -11,7 +12,8 @@ it on any dp/ep/ZeRO stage with no model flag typed; with a tokenizer.json in HF
 (--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR). export writes the Hub directory of any
 checkpoint's fp32 master weights (default dtype: an imported model's source dtype, else the run's), as the
 family that holds the model; a checkpoint from import keeps its source config's other fields (token ids),
---hf-config gives them for any other.
+--hf-config gives them for any other. Both read and write a piece at a time: the peak memory is about one Hub
+shard file plus one piece (docs: the HF memory benchmark), whatever the model's size.
 """
 import argparse
 import dataclasses
@@ -25,44 +27,47 @@ from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
 from moezero.compression.inference import load_checkpoint_weights
 from moezero.compression.source import load_checkpoint_model
-from moezero.config import ConfigError, MoEConfig
-from moezero.hf import CheckpointMismatch, UnsupportedModel, from_pretrained, save_pretrained
-from moezero.hf.files import HubDirectory
-from moezero.hf.load import hub_configs, hub_dtype
-from moezero.parallel import ParallelGroups
+from moezero.config import ConfigError
+from moezero.hf import CheckpointMismatch, UnsupportedModel, save_pretrained
+from moezero.hf.checkpoint_conversion import export_checkpoint, import_hub
+from moezero.hf.load import hub_dtype
 from moezero.training.args import ArgumentParser
-from moezero.zero import ZeroOptimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def import_directory(hf_dir: str, ckpt_dir: str) -> str:
-    saved = checkpoint.saved_iterations(ckpt_dir)
-    if saved or os.path.exists(os.path.join(ckpt_dir, checkpoint.POINTER)):
-        raise CheckpointError(f"{ckpt_dir}: holds a run's checkpoints (iterations {', '.join(map(str, saved))}); "
-                              "import into a new folder (the import is iteration 0 and would become latest)")
-    hub = HubDirectory(hf_dir)
-    gpt, moe = hub_configs(hub)
-    model = from_pretrained(hf_dir, dtype=torch.float32)
-    configs = {"model": dataclasses.asdict(gpt), "moe": dataclasses.asdict(moe or MoEConfig()), "hf": hub.config}
-    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-        configs["data"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(hf_dir)}
-    opt = ZeroOptimizer(model, torch.optim.AdamW, ParallelGroups.single(), stage=0)
-    return checkpoint.save_checkpoint(ckpt_dir, 0, model, opt, configs, plugins={})
+def shard_bytes(size: str) -> int:
+    """transformers' max_shard_size spelling: "5GB", "500MB", or bytes."""
+    units = {"GB": 10 ** 9, "MB": 10 ** 6, "KB": 10 ** 3, "GIB": 2 ** 30, "MIB": 2 ** 20, "KIB": 2 ** 10}
+    text = size.strip().upper()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if text.endswith(u)), None)
+    try:
+        value = int(float(text[: -len(unit)]) * units[unit]) if unit else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{size!r} is not a size such as 5GB or 500MB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{size!r}: a shard holds at least one byte")
+    return value
 
 
-def export_checkpoint(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False) -> None:
-    source = load_checkpoint_model(ckpt)
-    imported = source.configs.get("hf")
-    dtype = DTYPES[dtype_name] if dtype_name else hub_dtype(imported) if imported else DTYPES[source.description.dtype]
-    fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
-    model = load_checkpoint_weights(dataclasses.replace(source, description=fp32))
-    base = source.configs.get("hf")
+def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False,
+           max_shard_bytes: int = 5 * 10 ** 9) -> None:
+    base = None
     if hf_config:
         with open(os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config) as f:
             base = json.load(f)
-    model.hub_config = base
-    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite)
+    dtype = DTYPES[dtype_name] if dtype_name else None
+    if not os.path.isfile(ckpt):   # a checkpoint folder: read a piece at a time
+        export_checkpoint(ckpt, hf_dir, dtype=dtype, family=family, hub_config=base, overwrite=overwrite,
+                          max_shard_bytes=max_shard_bytes)
+        return
+    source = load_checkpoint_model(ckpt)   # a consolidated file holds the whole model anyway
+    imported = source.configs.get("hf")
+    dtype = dtype or (hub_dtype(imported) if imported else DTYPES[source.description.dtype])
+    fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
+    model = load_checkpoint_weights(dataclasses.replace(source, description=fp32))
+    model.hub_config = base or imported
+    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
 
 def main(argv=None) -> int:
@@ -80,15 +85,17 @@ def main(argv=None) -> int:
     exp.add_argument("--family", default=None, help="the Hub family to write (default: the one that holds the model)")
     exp.add_argument("--overwrite", action="store_true", help="replace the weights HF_DIR holds (by default a "
                      "folder with weights is refused: transformers could load those instead)")
+    exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB", help="the largest file written (transformers' "
+                     "max_shard_size: 5GB, 500MB, ...); export holds about one such file in memory")
     exp.add_argument("--hf-config", default=None, help="a Hub config.json (or its folder) whose other fields "
                                                         "(token ids) the export keeps")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            print(f"wrote {import_directory(args.hf_dir, args.ckpt_dir)}")
+            print(f"wrote {import_hub(args.hf_dir, args.ckpt_dir)}")
             return 0
         ckpt = args.ckpt_dir if args.iteration is None else checkpoint.iteration_dir(args.ckpt_dir, args.iteration)
-        export_checkpoint(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config, args.overwrite)
+        export(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config, args.overwrite, args.max_shard_size)
         print(f"wrote {args.hf_dir}")
     except (CheckpointError, CheckpointMismatch, UnsupportedModel, ConfigError, FileNotFoundError, FileExistsError,
             KeyError) as exc:

@@ -66,6 +66,12 @@ def pieces_from_entries(entries: Dict[str, Any]) -> Dict[str, List[Piece]]:
     return {name: list(by_range.values()) for name, by_range in pieces.items()}
 
 
+def piece_of(key: str) -> Tuple[str, Tuple[int, int]]:
+    """(param name, global range) of a piece key."""
+    match = _PIECE.match(key)
+    return match["name"], (int(match["lo"]), int(match["hi"]))
+
+
 def piece_keys(keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]],
                masters_only: bool = False) -> List[str]:
     """The piece keys among `keys` that overlap `wanted` ({param: global ranges}; None: every piece)."""

@@ -18,7 +18,7 @@ import os
 import random
 import shutil
 import warnings
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from moezero.checkpoint import checksums, keys, layout
 from moezero.checkpoint.errors import CheckpointError, first_line
@@ -81,6 +81,44 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
         raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
                               "folder is removed and the previous checkpoint stays latest")
     return publish()
+
+
+def save_read_checkpoint(root: str, iteration: int, ranges: Dict[str, List[Tuple[int, int]]],
+                         read: Callable[[str, int, int], torch.Tensor], model_state: Dict[str, torch.Tensor],
+                         train_state: Dict[str, Any]) -> str:
+    """One process: iteration `iteration` of `root` as a world of one with fresh optimizer state, whose fp32
+    masters of param `name`, pieces `ranges[name]`, `read(name, lo, hi)` returns when DCP writes them, one piece
+    per file: at most one piece is in memory (an import that never holds the model). Published as save_checkpoint
+    does."""
+    state: Dict[str, Any] = {f"optimizer/{name}/{lo}-{hi}/master": torch.empty(hi - lo, device="meta")
+                             for name, pieces in ranges.items() for lo, hi in pieces}
+    state.update({keys.MODEL_STATE + name: tensor for name, tensor in model_state.items()})
+    state[keys.TRAIN_STATE] = keys.encode(dict(train_state, iteration=iteration, world_size=1))
+    state[keys.rng_key(0)] = keys.encode(_rng_state())
+    layout.remove_stale(root)
+    writer = checksums.HashingWriter(layout.staging_dir(root, iteration), single_file_per_rank=False, thread_count=1)
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=writer, planner=_ReadingPlanner(read), no_dist=True)
+    except (CheckpointException, OSError) as exc:
+        abandon_save(root, iteration, None)
+        raise CheckpointError(f"{root}: writing iteration {iteration} failed ({_cause(exc)})") from None
+    return _publish(root, iteration, 0, None, writer)
+
+
+class _ReadingPlanner(DefaultSavePlanner):
+    """DCP's planner, reading each meta-device piece's values only when DCP writes it."""
+
+    def __init__(self, read: Callable[[str, int, int], torch.Tensor]):
+        super().__init__()
+        self._read = read
+
+    def resolve_data(self, write_item):
+        value = self.lookup_object(write_item.index)
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            name, (lo, hi) = keys.piece_of(write_item.index.fqn)
+            return self._read(name, lo, hi).to(torch.float32).contiguous()
+        return super().resolve_data(write_item)
 
 
 def _disk_full(path: str) -> bool:
@@ -176,6 +214,64 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
     shapes = _train_state(request, path)["param_shapes"]
     full = consolidate([{"pieces": keys.pieces_from_entries(request), "shapes": shapes}])
     return dict(full["params"], **{key[len(keys.MODEL_STATE):]: request[key] for key in model_keys})
+
+
+class CheckpointReader:
+    """One process, no process group: a checkpoint of any layout read a param range at a time (an export that
+    never holds the model). The files are verified once, up front; `read` then loads only the pieces it needs.
+
+        reader = CheckpointReader(path)
+        reader.train_state["param_shapes"]         # {name: global shape}
+        reader.read(name, lo, hi)                  # fp32 masters of flat elements [lo, hi) of `name`
+        reader.model_state()                       # the buffers (small), {name: tensor}
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        index = _index(path)
+        request: Dict[str, Any] = {keys.TRAIN_STATE: b""}
+        _verified_load(request, path, index)
+        self.train_state = _train_state(request, path)
+        manifest = checksums.read_manifest(path)
+        if manifest is not None:   # every file now: the reads below skip the check
+            files = {info.relative_path for info in (index.storage_data or {}).values()}
+            problem = checksums.verify_files(path, manifest, files)
+            if problem is not None:
+                raise CheckpointError(f"{problem}; the checkpoint is refused")
+        self._metadata = index.state_dict_metadata
+        self._pieces: Dict[str, List[Tuple[int, int, str]]] = {}
+        self._last: Dict[str, torch.Tensor] = {}
+        for key in keys.piece_keys(self._metadata, None, masters_only=True):
+            name, (lo, hi) = keys.piece_of(key)
+            self._pieces.setdefault(name, []).append((lo, hi, key))
+
+    def ranges(self, name: str) -> List[Tuple[int, int]]:
+        """The global element ranges of `name`'s saved pieces."""
+        return sorted((lo, hi) for lo, hi, _ in self._pieces.get(name, []))
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        overlapping = sorted(p for p in self._pieces.get(name, []) if p[0] < hi and lo < p[1])
+        wanted = [key for _, _, key in overlapping]
+        if not set(wanted) <= set(self._last):   # keep the pieces last read: an expert stack is read expert by expert
+            self._last = {key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype)
+                          for key in wanted}
+            _load(self._last, self.path)
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        covered = 0
+        for a, b, key in overlapping:
+            start, stop = max(a, lo), min(b, hi)
+            out[start - lo:stop - lo] = self._last[key][start - a:stop - a]
+            covered += stop - start
+        if covered != hi - lo:
+            raise CheckpointError(f"{self.path}: its pieces of {name} do not cover elements [{lo}, {hi})")
+        return out
+
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        wanted = [key for key in self._metadata if key.startswith(keys.MODEL_STATE)]
+        request = {key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype)
+                   for key in wanted}
+        _load(request, self.path)
+        return {key[len(keys.MODEL_STATE):]: value for key, value in request.items()}
 
 
 def _train_state(request: Dict[str, Any], path: str) -> Dict[str, Any]:

@@ -1,8 +1,8 @@
 """A Hugging Face model directory on disk: config.json and safetensors shards with their index.
 
-Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file), so a rank
-reads only what it holds. FP8 weights with 128x128-block scales (DeepSeek-V3's published checkpoints,
-`weight_scale_inv`) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
+Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file, one file at a time),
+so a rank reads only what it holds and keeps no more than one file's pages mapped. FP8 weights with 128x128-block
+scales (DeepSeek-V3's published checkpoints, `weight_scale_inv`) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
 """
 from __future__ import annotations
 
@@ -120,6 +120,9 @@ class HubDirectory:
 
     def _open_file(self, name: str):
         if name not in self._open:
+            # one file mapped at a time: the pages a read touched count as the process's memory until the file
+            # is unmapped (its tensors are views of the mapping until their readers copy them)
+            self._open.clear()
             path = os.path.join(self.path, name)
             try:
                 self._open[name] = safe_open(path, "pt")

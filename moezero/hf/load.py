@@ -110,7 +110,7 @@ def hub_dtype(config: Dict) -> torch.dtype:
 def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], lazy: bool = False) -> None:
     """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack); with
     `lazy`, the params other than expert stacks are deferred to their readers instead."""
-    _check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
+    check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
                     tied=not model.config.untie_embeddings_and_output_weights)
     params = model_tensors(model, table)
     if set(params) != set(table):
@@ -136,12 +136,22 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
 
 
 def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) -> None:
-    shapes = [hub.shape(key) for key in link.keys]
-    shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
-    if shape != tuple(param.shape):
-        raise CheckpointMismatch(f"{hub.file_of(link.keys[0])}: {name} is {tuple(param.shape)} in the model its "
-                                 f"config describes, {shape} from {link.keys[0]}")
+    check_hub_shapes(hub, {name: link}, {name: param})
+    shape = tuple(param.shape)
     defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
+
+
+def check_hub_shapes(hub: HubDirectory, table: Dict[str, Link], params: Dict[str, torch.Tensor]) -> None:
+    """Each param's Hub tensors (an expert stack's: expert 0's) have its shape, read from the files' headers."""
+    for name, param in params.items():
+        link = table[name]
+        keys = [key.format(e=0) for key in link.keys] if link.per_expert else list(link.keys)
+        shapes = [hub.shape(key) for key in keys]
+        shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+        expected = tuple(param.shape[1:][::-1]) if link.per_expert else tuple(param.shape)
+        if shape != expected:
+            raise CheckpointMismatch(f"{hub.file_of(keys[0])}: {name} is {tuple(param.shape)} in the model its "
+                                     f"config describes, {shape} from {keys[0]}")
 
 
 class ParamsNotRead(RuntimeError):
@@ -187,7 +197,7 @@ def model_tensors(model: GPTModel, table: Dict[str, Link]) -> Dict[str, torch.Te
     return tensors
 
 
-def _check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, tied: bool) -> None:
+def check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, tied: bool) -> None:
     expected = {key for link in table.values() for key in link.hub_keys(num_experts)}
     present = set(hub.keys())
     missing = sorted(expected - present)

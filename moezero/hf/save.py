@@ -7,7 +7,7 @@ tensors are read.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from moezero.hf.staged_write import abandon_write, finish_write, start_write, wr
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
+from moezero.parallel.deferred_values import read_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
 
@@ -39,14 +40,10 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     layout = _HubLayout(table, family, dtype, groups)
     plan = plan_writes(layout.pieces(tensors), _world_size(), max_shard_bytes)
     staging = _agreed_staging(path, overwrite)
-    mine = layout.own_tensors(tensors, plan, optimizer)
+    files = _ShareWriter(staging, plan.files(_rank()))
+    layout.read_own_tensors(tensors, plan, optimizer, files.add)
+    _raise_on_every_rank(files.finish(), path, staging)
     failure = None
-    try:
-        for name, keys in plan.files(_rank()):
-            write_shard(staging, name, {key: mine.pop(key) for key in keys})
-    except OSError as exc:
-        failure = exc
-    _raise_on_every_rank(failure, path, staging)
     if _rank() == 0:
         try:
             finish_write(staging, path, _hub_config(model, family, dtype), plan.file_of, layout.total_bytes)
@@ -91,29 +88,71 @@ class _HubLayout:
         n = shard.num_local_experts
         return [(j * n, n, self.groups.layout.edp_groups[j]) for j in range(shard.ep_size)]
 
-    def own_tensors(self, tensors: Dict[str, torch.Tensor], plan: WritePlan,
-                    optimizer: Optional[Any]) -> Dict[str, torch.Tensor]:
-        """{Hub key: tensor} of the pieces this rank writes, read unit by unit (collective at stage 3)."""
-        rank, out = _rank(), {}
+    def read_own_tensors(self, tensors: Dict[str, torch.Tensor], plan: WritePlan, optimizer: Optional[Any],
+                         put: Callable[[str, torch.Tensor], None]) -> None:
+        """put(Hub key, tensor) for each tensor this rank writes, read unit by unit (collective at stage 3)."""
+        rank = _rank()
         waiting = dict(tensors)
         units: Iterable[List[torch.Tensor]] = optimizer.params_unit_by_unit() if optimizer is not None else []
         with torch.no_grad():
             for held in units:
                 ids = {id(p) for p in held}
                 for name in [n for n, t in waiting.items() if id(t) in ids]:
-                    self._take(name, waiting.pop(name), plan, rank, out)
+                    self._take(name, waiting.pop(name), plan, rank, put)
             for name, tensor in waiting.items():   # buffers, params outside the optimizer (or no optimizer)
-                self._take(name, tensor, plan, rank, out)
-        return out
+                self._take(name, tensor, plan, rank, put)
 
-    def _take(self, name: str, tensor: torch.Tensor, plan: WritePlan, rank: int, out: Dict) -> None:
+    def _take(self, name: str, tensor: torch.Tensor, plan: WritePlan, rank: int, put) -> None:
         shard = expert_shard_of(tensor)
         first = shard.first_global_expert if shard is not None and shard.ep_size > 1 else None
         if plan.writer[_piece_name(name, first)] != rank:
             return
-        value = tensor.detach().to(device="cpu")
-        for key, part in self.table[name].split(value, first_expert=first or 0).items():
-            out[key] = part.to(dtype=self.dtype_of(key), memory_format=torch.contiguous_format, copy=True)
+        for start, value in _values(tensor, per_expert=self.table[name].per_expert):
+            for key, part in self.table[name].split(value, first_expert=(first or 0) + start).items():
+                put(key, part.to(dtype=self.dtype_of(key), memory_format=torch.contiguous_format, copy=True))
+
+
+def _values(tensor: torch.Tensor, per_expert: bool) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(first expert, values) of a tensor: itself, or for one whose values are still on disk (an export
+    from a checkpoint) read as needed, an expert stack one expert at a time."""
+    if values_source(tensor) is None:
+        yield 0, tensor.detach().to(device="cpu")
+    elif not per_expert:
+        yield 0, read_values(tensor, 0, tensor.numel()).view(tensor.shape)
+    else:
+        size = tensor[0].numel()
+        for e in range(tensor.shape[0]):
+            yield e, read_values(tensor, e * size, (e + 1) * size).view((1,) + tuple(tensor.shape[1:]))
+
+
+class _ShareWriter:
+    """This rank's files, each written once its tensors are all there (so it holds about one file at a time);
+    the first failed write is kept (the reading goes on: at stage 3 it is collective)."""
+
+    def __init__(self, staging: str, files: List[Tuple[str, List[str]]]):
+        self.staging = staging
+        self.file_of = {key: name for name, keys in files for key in keys}
+        self.missing = {name: len(keys) for name, keys in files}
+        self.ready: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.failure: Optional[OSError] = None
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        name = self.file_of[key]
+        self.ready.setdefault(name, {})[key] = tensor
+        self.missing[name] -= 1
+        if self.missing[name] == 0:
+            tensors = self.ready.pop(name)
+            if self.failure is None:
+                try:
+                    write_shard(self.staging, name, tensors)
+                except OSError as exc:
+                    self.failure = exc
+
+    def finish(self) -> Optional[OSError]:
+        unwritten = [name for name, count in self.missing.items() if count]
+        if unwritten and self.failure is None:
+            raise RuntimeError(f"save_pretrained: no values came for {unwritten[0]} (a bug)")
+        return self.failure
 
 
 def _piece_name(name: str, first_expert: Optional[int]) -> str:
