@@ -49,13 +49,18 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
     assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
 
-    # the same run straight from the Hub folder, saving Hub folders itself: each rank writes its share
-    direct = str(tmp_path / "direct")
-    proc_hf = run(torchrun(2, PRETRAIN) + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")]
-                  + ["--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2"], timeout=240)
-    assert proc_hf.returncode == 0, proc_hf.stdout[-2000:] + proc_hf.stderr[-3000:]
-    assert "--load-hf: --num-layers 3" in proc_hf.stdout
-    assert len(_losses(proc.stdout)) == 3 and _losses(proc_hf.stdout) == _losses(proc.stdout)
+    # the same run straight from the Hub folder, saving Hub folders itself (each rank writes its share),
+    # stopped after 2 iterations and requeued: the run's own checkpoint wins over the Hub folder
+    direct, own = str(tmp_path / "direct"), str(tmp_path / "own")
+    command = torchrun(2, PRETRAIN) + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")] + [
+        "--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2", "--save", own, "--load", own]
+    first = run(command + ["--exit-interval", "2"], timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "--load-hf: --num-layers 3" in first.stdout
+    requeued = run(command, timeout=240)
+    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-3000:]
+    assert "resuming from the run's own checkpoint" in requeued.stdout
+    assert len(_losses(proc.stdout)) == 3 and _losses(first.stdout) + _losses(requeued.stdout) == _losses(proc.stdout)
     saved, final = hub_tensors(str(tmp_path / "direct" / "iter_0000003")), hub_tensors(out)
     assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in final)
     index = json.loads((tmp_path / "direct" / "iter_0000002" / "model.safetensors.index.json").read_text())
