@@ -76,6 +76,12 @@ CONFIGS = {
         **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
                     topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                     rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0))),
+    # GLM-4.5: RoPE on half of each head, q/k/v biases, per-head q/k norms, DeepSeek-V3's router
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, head_dim=12, intermediate_size=40, moe_intermediate_size=12, n_routed_experts=8, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1e6, tie_word_embeddings=False,
+        num_nextn_predict_layers=0),
     # Kimi-K2: DeepSeek-V3's architecture, one expert group, YaRN with beta 1/1 (its config.json says kimi_k2)
     "kimi_k2": lambda: transformers.DeepseekV3Config(
         **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,

@@ -14,6 +14,8 @@ layers route with a softmax top-k; they differ in a few switches:
   llama, qwen3 (dense)         the dense sources of upcycling (--moe-use-upcycling): no MoE layers
   deepseek_v3  DeepSeek-V3,    as V2, routed by sigmoid scores with a correction bias for the choice only,
                Kimi-K2         groups scored by their top two, the top-k weights renormalised and scaled
+  glm4_moe     GLM-4.5/4.6     GQA with RoPE on part of each head, q/k/v biases, optional per-head q/k norms;
+                               DeepSeek-V3's router, shared experts and dense first layers
 
 `Family.configs(hf)` gives (GPTConfig, MoEConfig) from a config.json dict, `Family.hf_config(gpt, moe)` the
 other way; a setting the family cannot express is an UnsupportedModel naming it.
@@ -204,15 +206,12 @@ class DeepSeekFamily(Family):
         return moe.group_score == "top2_sum" or (moe.group_score == "top_sum" and moe.top_k == 2 * moe.group_topk)
 
     def _router(self, hf: Dict[str, Any]) -> Dict[str, Any]:
+        if self.version == 3:
+            return _sigmoid_router(hf)
         groups = hf.get("n_group") or 1
-        grouped = groups > 1 and (self.version == 3 or hf.get("topk_method") == "group_limited_greedy")
-        limits = dict(num_groups=groups, group_topk=hf["topk_group"]) if grouped else {}
-        if self.version == 2:
-            return dict(score_function="softmax", pre_softmax=True, group_score="max", **limits)
-        # transformers scores a group by its two best experts whatever top-k is (Megatron's top_sum when k = 2 x groups)
-        two_per_group = hf["num_experts_per_tok"] == 2 * (hf.get("topk_group") or 1)
-        return dict(score_function="sigmoid", enable_expert_bias=True,
-                    group_score="top_sum" if two_per_group else "top2_sum", **limits)
+        limits = dict(num_groups=groups, group_topk=hf["topk_group"]) \
+            if groups > 1 and hf.get("topk_method") == "group_limited_greedy" else {}
+        return dict(score_function="softmax", pre_softmax=True, group_score="max", **limits)
 
     def _refuse_deepseek(self, hf: Dict[str, Any]) -> None:
         heads = hf["num_attention_heads"]
@@ -290,6 +289,93 @@ class DeepSeekFamily(Family):
             yield "a router other than a softmax over all experts without renormalisation"
 
 
+def _sigmoid_router(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """DeepSeek-V3's router (and GLM-4.5's): sigmoid scores, a correction bias for the choice only, groups."""
+    groups = hf.get("n_group") or 1
+    limits = dict(num_groups=groups, group_topk=hf["topk_group"]) if groups > 1 else {}
+    # transformers scores a group by its two best experts whatever top-k is (Megatron's top_sum when k = 2 x groups)
+    two_per_group = hf["num_experts_per_tok"] == 2 * (hf.get("topk_group") or 1)
+    return dict(score_function="sigmoid", enable_expert_bias=True,
+                group_score="top_sum" if two_per_group else "top2_sum", **limits)
+
+
+def _holds_sigmoid_router(moe: MoEConfig) -> bool:
+    return (moe.score_function == "sigmoid" and moe.enable_expert_bias and moe.top_k > 1 and not moe.bias
+            and (not moe.num_groups or moe.group_score == "top2_sum"
+                 or (moe.group_score == "top_sum" and moe.top_k == 2 * moe.group_topk)))
+
+
+@dataclass(frozen=True)
+class Glm4MoeFamily(Family):
+    """GLM-4.5 / 4.6: GQA rotating part of each head (partial_rotary_factor, 0.5 where the config gives none, as
+    transformers' config class sets it), q/k/v biases (attention_bias: the output projection has none), per-head
+    q/k norms (use_qk_norm), DeepSeek-V3's router, shared experts, the first first_k_dense_replace layers dense."""
+
+    def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        hf = with_defaults(hf, self)
+        _refuse_unsupported(hf, self)
+        if not hf.get("norm_topk_prob", True) or hf["num_experts_per_tok"] == 1:
+            raise UnsupportedModel(f"{self.model_type} config norm_topk_prob=false or one expert per token: "
+                                   "not supported by moezero")
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        rope = _rope_parameters(hf)
+        layers, first_dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace") or 0
+        pattern = [int(i >= first_dense) for i in range(layers)]
+        gpt = GPTConfig(
+            **_decoder_fields(hf, rope), kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+            group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
+            rotary_percent=float(rope.get("partial_rotary_factor", 0.5)), add_qkv_bias=bool(hf["attention_bias"]),
+            qk_layernorm=bool(hf.get("use_qk_norm")), qk_layernorm_scope="head",
+            moe_layer_freq=1 if all(pattern) else pattern)
+        shared = hf.get("n_shared_experts") or 0
+        moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
+                        ffn_hidden_size=hf["moe_intermediate_size"],
+                        shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared if shared else None,
+                        topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), **_sigmoid_router(hf))
+        return gpt, moe
+
+    def hf_config(self, gpt: GPTConfig, moe: MoEConfig, dtype: str) -> Dict[str, Any]:
+        self.check_expressible(gpt, moe)
+        pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
+        return {**_decoder_hf_fields(gpt, self, dtype), "num_key_value_heads": gpt.query_groups,
+                "head_dim": gpt.kv_channels, "partial_rotary_factor": gpt.rotary_percent,
+                "rope_parameters": {"rope_type": "default", "rope_theta": gpt.rotary_base,
+                                    "partial_rotary_factor": gpt.rotary_percent},
+                "attention_bias": gpt.add_qkv_bias, "use_qk_norm": gpt.qk_layernorm,
+                "moe_intermediate_size": moe.ffn_hidden_size or gpt.ffn_hidden_size,
+                "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "n_shared_experts": (moe.shared_expert_intermediate_size or 0) // (moe.ffn_hidden_size or 1),
+                "routed_scaling_factor": moe.topk_scaling_factor or 1.0, "n_group": moe.num_groups or 1,
+                "topk_group": moe.group_topk or 1, "norm_topk_prob": True, "first_k_dense_replace": pattern.index(True),
+                "router_aux_loss_coef": moe.aux_loss_coeff, "num_nextn_predict_layers": 0}
+
+    def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.apply_layernorm_1p:
+            yield "--apply-layernorm-1p (its norms hold their scale, not the scale - 1)"
+        if gpt.multi_latent_attention or gpt.rope_type == "yarn" or gpt.position_embedding_type != "rope" \
+                or gpt.rotary_seq_len_interpolation_factor is not None:
+            yield "multi-latent attention, YaRN or another position embedding (it has RoPE on part of each head)"
+        if gpt.rotary_dim % 2:
+            yield f"an odd number of rotated dimensions ({gpt.rotary_dim})"
+        if gpt.normalization != "RMSNorm" or not gpt.swiglu or not gpt.disable_bias_linear:
+            yield "LayerNorm, GELU or biases other than q/k/v's (it has RMSNorm, SwiGLU, q/k/v biases only)"
+        if gpt.qk_layernorm and gpt.qk_layernorm_scope != "head":
+            yield "q/k norms over all heads' width (its are per head)"
+        if moe is None:
+            yield "no MoE layers (it is an MoE)"
+            return
+        pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
+        if True not in pattern or pattern != sorted(pattern):
+            yield "dense layers after MoE ones (it has the first layers dense, the rest MoE)"
+        if moe.shared_expert_intermediate_size and (moe.shared_expert_intermediate_size % (moe.ffn_hidden_size or 1)
+                                                    or moe.shared_expert_gate):
+            yield "a shared expert that is not whole experts wide, or gated"
+        if not _holds_sigmoid_router(moe):
+            yield "a router other than sigmoid scores with an expert bias (groups by their two best)"
+
+
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts",
            always_renormalises=True),
@@ -305,6 +391,9 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     DeepSeekFamily("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
                    "n_routed_experts", shared_expert_module="shared_experts", version=3,
                    fp32_modules=("e_score_correction_bias", "gate.weight")),
+    Glm4MoeFamily("glm4_moe", "Glm4MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts",
+                  qk_norm="head", qkv_bias_field="attention_bias", shared_expert_module="shared_experts",
+                  fp32_modules=("e_score_correction_bias", "gate.weight")),
 )}
 DENSE = (Family("llama", "LlamaForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", dense=True),
          Family("qwen3", "Qwen3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", qk_norm="head",
@@ -398,7 +487,8 @@ def _refuse_unsupported(hf: Dict[str, Any], family: Family) -> None:
     """Config settings whose numbers moezero's model would not reproduce."""
     checks: List[Tuple[bool, str]] = [
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r} (SwiGLU with silu only)"),
-        (bool(hf.get("attention_bias")), "attention_bias=true (biases on q/k/v and the output projection)"),
+        (bool(hf.get("attention_bias")) and family.qkv_bias_field != "attention_bias",
+         "attention_bias=true (biases on q/k/v and the output projection)"),
         (hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')}"),
         (bool(hf.get("use_sliding_window")), "use_sliding_window=true"),
         (family.model_type == "mixtral" and hf.get("sliding_window") is not None

@@ -56,7 +56,8 @@ def _torch_reference(hub_dir):
 
 
 @pytest.mark.parametrize("family, stage", [("qwen2_moe", 2), ("mixtral", 3), ("qwen3_moe", 3), ("olmoe", 2),
-                                           ("deepseek_v2", 2), ("deepseek_v3", 3), ("kimi_k2", 2)])
+                                           ("deepseek_v2", 2), ("deepseek_v3", 3), ("kimi_k2", 2),
+                                           ("glm4_moe", 3)])
 def test_import_train_on_two_ranks_and_export(family, stage, tmp_path):
     hub_dir, out_dir = str(tmp_path / "hub"), str(tmp_path / "out")
     original = save_tiny_model(family, hub_dir, seed=2)

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints of the MoE families, against transformers (tests/hf_oracle.py): a tiny random model
-of each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, Kimi-K2) that transformers saves
+of each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, Kimi-K2, GLM-4.5) that transformers saves
 loads into moezero with the same logits (float64, <= 1e-8), and moezero's save_pretrained writes the keys and
 tensors transformers itself writes, which it loads back. DeepSeek-V3's FP8 weights and its multi-token
 prediction layer are read as its published checkpoints store them."""
@@ -83,6 +83,26 @@ def test_a_model_from_megatron_flags_exports_as_the_family_that_holds_it(tmp_pat
     torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
 
 
+def test_megatron_flags_of_a_glm_model_export_as_glm4_moe(tmp_path):
+    """RoPE on half of each head, q/k/v biases, DeepSeek-V3's router, a shared expert and a dense first layer
+    (Megatron-Bridge's GLM-4.5 flags, shrunk) are GLM-4.5: transformers loads the export to moezero's logits."""
+    cfg = configs(QWEN3_MOE_FLAGS + ["--rotary-percent", "0.5", "--add-qkv-bias", "--rotary-base", "1000000",
+                                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                     "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
+                                     "--moe-router-group-topk", "1", "--moe-shared-expert-intermediate-size", "24",
+                                     "--moe-layer-freq", "[0,1]"])
+    cfg.model.vocab_size = 97
+    model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
+    with torch.no_grad():
+        model.layers[1].mlp.router.expert_bias.uniform_(-0.1, 0.1)   # the choice's correction bias, nonzero
+    hub.save_pretrained(model, str(tmp_path))
+    exported = load_with_transformers(str(tmp_path))
+    assert type(exported).__name__ == "Glm4MoeForCausalLM"
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
+
+
 QWEN3_MOE_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12", "--qk-layernorm",
                    "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--norm-epsilon", "1e-6",
@@ -117,6 +137,26 @@ def test_partial_rotary_factor_means_what_transformers_makes_of_it(tmp_path):
     _set_config_field(tmp_path / "v3", "partial_rotary_factor", 0.5)
     with pytest.raises(UnsupportedModel, match="partial_rotary_factor"):
         hub.from_pretrained(str(tmp_path / "v3"))
+
+
+@pytest.mark.parametrize("omitted", [("partial_rotary_factor",), ("use_qk_norm", "n_group", "topk_group"),
+                                     ("routed_scaling_factor", "first_k_dense_replace")])
+def test_a_glm4_moe_config_that_omits_fields_means_what_transformers_makes_of_it(omitted, tmp_path):
+    """GLM-4.5 without partial_rotary_factor rotates half of each head (its config class sets 0.5); without
+    use_qk_norm, n_group, routed_scaling_factor or first_k_dense_replace, their declared defaults hold."""
+    tiny_model("glm4_moe", seed=4, use_qk_norm=False).save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    for name in omitted:
+        config.pop(name, None)
+        (config.get("rope_parameters") or {}).pop(name, None)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    theirs = load_with_transformers(str(tmp_path))
+    assert theirs.config.rope_parameters["partial_rotary_factor"] == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(hub.from_pretrained(str(tmp_path), dtype=torch.float64)(TOKENS)[0],
+                                   hf_logits(theirs, TOKENS), rtol=0, atol=1e-8)
 
 
 def test_a_tied_config_whose_files_hold_another_head_is_untied_as_transformers_does(tmp_path):
