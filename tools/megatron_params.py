@@ -49,6 +49,13 @@ CASES = {
     "multi-latent attention without latent norms or a q latent": SHAPE + LLAMA + [
         "--num-experts", "4", "--moe-router-topk", "2", "--multi-latent-attention", "--kv-lora-rank", "32",
         "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"],
+    "GLM-4.5: half-rotary GQA, q/k/v biases, q/k norms, sigmoid routing with groups, a shared expert": SHAPE + LLAMA + [
+        "--num-experts", "8", "--moe-router-topk", "4", "--group-query-attention", "--num-query-groups", "2",
+        "--kv-channels", "24", "--rotary-percent", "0.5", "--add-qkv-bias", "--qk-layernorm",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
+        "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-shared-expert-intermediate-size", "16", "--moe-ffn-hidden-size", "16",
+        "--moe-layer-freq", "([0]*1+[1]*2)"],
 }
 VOCAB = 128
 

@@ -2,7 +2,7 @@
 module: tests/assets/megatron_params.json holds megatron-core's counts (tools/megatron_params.py builds its
 GPTModel on the CPU), for attention variants (grouped-query, wide heads, q/k/v biases, per-head q/k norms,
 multi-latent with and without latents) and MoE variants (shared expert and its gate, narrow experts, dense
-layers, DeepSeek-V3 routing)."""
+layers, DeepSeek-V3 routing, GLM-4.5's half-rotary attention with q/k/v biases)."""
 import json
 import os
 import re
