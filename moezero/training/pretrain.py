@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parametrize
 
 from moezero import checkpoint
 from moezero.checkpoint.pending import PendingSave
@@ -111,11 +112,11 @@ class Pretraining:
                 split.vocab_limit = self.vocab_size
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
                                  hub_dir=hub if point is None else None)
-        self._check_exportable()
         if dense_source is not None:   # before the optimizer copies the params into its masters
             upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
+        self._check_exportable()
         if point is not None:
             check_shapes(self.model, point)
         self.opt = build_optimizer(self.model, cfg, self.groups)
@@ -340,11 +341,16 @@ class Pretraining:
 
     def _check_exportable(self) -> None:
         """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""
-        if self.cfg.checkpoint.save_hf:
-            try:
-                family_for(self.model.config, self.model.moe_config)
-            except UnsupportedModel as exc:
-                raise ConfigError(f"--save-hf={self.cfg.checkpoint.save_hf}: {exc}") from None
+        target = self.cfg.checkpoint.save_hf
+        if not target:
+            return
+        try:
+            family_for(self.model.config, self.model.moe_config)
+        except UnsupportedModel as exc:
+            raise ConfigError(f"--save-hf={target}: {exc}") from None
+        if any(parametrize.is_parametrized(module) for module in self.model.modules()):
+            raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); export a "
+                              "checkpoint with tools/hf_checkpoint.py export instead")
 
     def _save_hf(self) -> None:
         """--save-hf: the model as a Hub folder of this iteration, every rank writing its share (in the Hub

@@ -217,3 +217,19 @@ def test_import_and_export_a_piece_at_a_time(tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
     torch.testing.assert_close(hf_logits(load_with_transformers(back), PROBE),
                                hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0)
+
+
+def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
+    """--save-hf of a model no Hugging Face family holds, or with QAT's reparametrized weights, is refused when
+    the run is built, not after the training."""
+    from moezero.config import ConfigError
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    common = TINY + ["--save-hf", str(tmp_path / "hf"), "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(ConfigError, match="--save-hf=.*no Hugging Face family holds this model"):
+        pretraining(configs(common))
+    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights"]
+    with pytest.raises(ConfigError, match="--save-hf=.*QAT"):
+        pretraining(configs(common + llama + ["--qat-weight-bits", "4", "--qat-groups", "16"]))
