@@ -33,6 +33,9 @@ METRICS: Dict[str, Metric] = {
     "seq_load_balancing_loss": Metric("seq_load_balancing_loss", "seq_load_balancing_loss", ".6E"),
     "global_load_balancing_loss": Metric("global_load_balancing_loss", "global_load_balancing_loss", ".6E"),
     "z_loss": Metric("z_loss", "z_loss", ".6E"),
+    # multi-token prediction: each depth's loss without the scaling factor, as Megatron's MTPLossLoggingHelper
+    # (depths past the fourth are added by mtp_loss_metric)
+    **{f"mtp_{k}_loss": Metric(f"mtp_{k} loss", f"mtp_{k} loss", ".6E") for k in range(1, 5)},
     "router_aux_loss": Metric(None, "aux loss"),   # moezero's: with their coefficients, summed over MoE layers
     "router_z_loss": Metric(None, "z loss"),
     "loss_scale": Metric("loss scale", "loss-scale", ".1f", vs_samples=True),
@@ -66,6 +69,13 @@ METRICS: Dict[str, Metric] = {
     "qat_bits": Metric(None, "qat/bits/{group}"),
     "qat_quant_error": Metric(None, "qat/quant-error/{group}"),
 }
+
+
+def mtp_loss_metric(depth: int) -> str:
+    """The metric name of MTP depth `depth` (1-based), declared here if the table lacks it."""
+    name = f"mtp_{depth}_loss"
+    METRICS.setdefault(name, Metric(f"mtp_{depth} loss", f"mtp_{depth} loss", ".6E"))
+    return name
 
 
 def tag(name: str, **fields) -> str:

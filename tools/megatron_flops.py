@@ -41,6 +41,12 @@ CASES = {
     "moe multi-latent attention without a q latent": SHAPE + [
         "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--multi-latent-attention",
         "--kv-lora-rank", "64", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"],
+    "moe with two multi-token-prediction depths": SHAPE + [
+        "--swiglu", "--num-experts", "8", "--moe-router-topk", "2", "--ffn-hidden-size", "896",
+        "--position-embedding-type", "rope", "--mtp-num-layers", "2"],
+    "moe with a dense last layer and a multi-token-prediction depth": SHAPE + [
+        "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([1]*3+[0]*1)",
+        "--position-embedding-type", "rope", "--mtp-num-layers", "1"],
 }
 PADDED_VOCAB, BATCH = 50304, 16
 

@@ -57,6 +57,8 @@ CASES = {
         "--moe-shared-expert-intermediate-size", "16", "--moe-ffn-hidden-size", "16",
         "--moe-layer-freq", "([0]*1+[1]*2)"],
 }
+CASES["DeepSeek-V3's routing and attention with two multi-token-prediction depths"] = CASES[
+    "multi-latent attention with a q latent, DeepSeek-V3 routing"] + ["--mtp-num-layers", "2"]
 VOCAB = 128
 
 # Megatron's module paths -> the groups tests/unit/test_megatron_shapes.py compares
@@ -72,6 +74,15 @@ GROUPS = [
     (r"^decoder\.layers\.(\d+)\.mlp\.experts\.", r"layer\1.experts"),
     (r"^decoder\.layers\.(\d+)\.mlp\.shared_experts\.", r"layer\1.shared_expert"),
     (r"^decoder\.layers\.(\d+)\.mlp\.linear_fc", r"layer\1.dense_mlp"),
+    (r"^mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj)\.", r"mtp\1.\2"),
+    (r"^mtp\.layers\.(\d+)\.final_layernorm\.", r"mtp\1.final_norm"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.input_layernorm\.", r"mtp\1.input_norm"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.self_attention\.", r"mtp\1.attention"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.pre_mlp_layernorm\.", r"mtp\1.mlp_norm"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.mlp\.router\.", r"mtp\1.router"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.mlp\.experts\.", r"mtp\1.experts"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.mlp\.shared_experts\.", r"mtp\1.shared_expert"),
+    (r"^mtp\.layers\.(\d+)\.(?:transformer_layer|mtp_model_layer)\.mlp\.linear_fc", r"mtp\1.dense_mlp"),
 ]
 
 
@@ -91,7 +102,7 @@ class _NoParamsCoreAttention(torch.nn.Module):
 
 def megatron_model(flags):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.training import arguments
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -112,9 +123,12 @@ def megatron_model(flags):
     for layer in spec.layer_specs if args.multi_latent_attention else ():
         # the local DotProductAttention refuses MLA's arguments; it holds no parameters
         layer.submodules.self_attention.submodules.core_attention = _NoParamsCoreAttention
+    # pretrain_gpt.py's: the MTP depths' layer spec is the decoder's last
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp_num_layers else None
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=args.max_position_embeddings,
                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    mtp_block_spec=mtp)
 
 
 def main():

@@ -282,6 +282,12 @@ class GPTConfig(Validated):
     recompute_num_layers: Optional[int] = option(None, "layers per chunk (uniform) or layers recomputed (block)",
                                                  flag="--recompute-num-layers")
     moe_layer_recompute: bool = option(False, "recompute each MoE layer in backward", flag="--moe-layer-recompute")
+    mtp_num_layers: Optional[int] = option(
+        None, "multi-token prediction (DeepSeek-V3's, Megatron's): this many modules after the last layer, the k-th "
+        "predicting the token k+1 places further on; each has the last layer's kind of MLP and shares the "
+        "embedding and output layer", flag="--mtp-num-layers", defines_model=True)
+    mtp_loss_scaling_factor: float = option(0.1, "weight of the MTP losses' mean in the training loss",
+                                            flag="--mtp-loss-scaling-factor")
 
     def __post_init__(self):
         self._check_all_choices()
@@ -309,6 +315,7 @@ class GPTConfig(Validated):
         for name in ("hidden_dropout", "attention_dropout"):
             self._require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
         self._check_recompute()
+        self._check_multi_token_prediction()
 
     def mlp_activation(self) -> str:
         """The activation of every MLP and expert. Megatron (arguments.py, argument_utils.py, mlp.py):
@@ -389,6 +396,18 @@ class GPTConfig(Validated):
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
         return int(self.kv_channels * self.rotary_percent)
+
+    def _check_multi_token_prediction(self) -> None:
+        """Megatron's rules: 0 layers is none; MTP with positions from RoPE or none (validate_args)."""
+        if self.mtp_num_layers == 0:
+            self.mtp_num_layers = None
+        if self.mtp_num_layers is None:
+            return
+        self._require(self.mtp_num_layers >= 1, "mtp_num_layers", "must be >= 0")
+        self._require(self.position_embedding_type in ("rope", "none"), "mtp_num_layers",
+                      f"needs --position-embedding-type rope or none, not {self.position_embedding_type} (Megatron's "
+                      "rule)")
+        self._require(self.mtp_loss_scaling_factor >= 0.0, "mtp_loss_scaling_factor", "must be >= 0")
 
     def _check_recompute(self) -> None:
         """Megatron's rules: --recompute-activations is selective; full needs a method and a layer count."""

@@ -22,6 +22,7 @@ from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
 from moezero.keyed_random import SampleKeys, init_keyed_, is_bias, keyed_dropout
 from moezero.models.attention import CausalSelfAttention, norm_layer, recomputing
 from moezero.models.mla import MultiLatentAttention
+from moezero.models.mtp import MultiTokenPredictionLayer, shift_left
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
 
@@ -89,11 +90,21 @@ class GPTModel(nn.Module):
         self.output = None
         if config.untie_embeddings_and_output_weights:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if config.mtp_num_layers:   # Megatron's: each depth's MLP is of the last layer's kind
+            last_kind = config.num_layers - 1
+            self.mtp = nn.ModuleList([
+                MultiTokenPredictionLayer(config, TransformerLayer(config, self._mlp(last_kind, layer_moe, moe_layer,
+                                                                                     config.num_layers + k),
+                                                                   config.num_layers + k))
+                for k in range(config.mtp_num_layers)])
         init_keyed_(self, seed, self._init_std)
 
-    def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory) -> nn.Module:
+    def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory,
+             number: Optional[int] = None) -> nn.Module:
+        """Layer `layer_number`'s kind of MLP (an MoE one numbered `number`, default `layer_number`)."""
         if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
-            return moe_layer(moe_config, layer_number=layer_number)
+            return moe_layer(moe_config, layer_number=layer_number if number is None else number)
         return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, self.config.mlp_activation(),
                         bias=not self.config.disable_bias_linear)
 
@@ -109,7 +120,9 @@ class GPTModel(nn.Module):
             std /= math.sqrt(2.0 * self.config.num_layers)
         return std
 
-    def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None):
+    def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False):
+        """(logits, MoE stats); with `mtp` (a model with --mtp-num-layers), (logits, MoE stats of the decoder's
+        and the MTP layers', [logits of each MTP depth])."""
         x = self.embedding(tokens_BS)
         if self.position_embedding is not None:
             x = x + self.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
@@ -122,9 +135,30 @@ class GPTModel(nn.Module):
                 x, stats = self._layers(first, last, x, keys)
             all_stats += stats
         x = self.final_norm(x)
+        if not mtp:
+            return self._logits(x), all_stats
+        depth_logits = [self._logits(hidden) for hidden in self._mtp_depths(tokens_BS, x, keys, all_stats)]
+        return self._logits(x), all_stats, depth_logits
+
+    def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
         # an untied head is called as a module, so whatever wraps modules (ZeRO-3 engines) sees it run
-        logits = F.linear(x, self.embedding.weight) if self.output is None else self.output(x)
-        return logits, all_stats
+        return F.linear(x_BSD, self.embedding.weight) if self.output is None else self.output(x_BSD)
+
+    def _mtp_depths(self, tokens_BS: torch.Tensor, hidden: torch.Tensor, keys: Optional[SampleKeys],
+                    all_stats: List[MoEStats]):
+        """Each MTP depth's hidden states in turn (its MoE stats appended to `all_stats`); Megatron recomputes
+        the depths with --recompute-method uniform."""
+        recompute = self.config.recompute_granularity == "full" and self.config.recompute_method == "uniform"
+        for k, module in enumerate(self.mtp or ()):
+            embedded = keyed_dropout(self.embedding(shift_left(tokens_BS, k + 1)), self.config.hidden_dropout,
+                                     self.training, keys, f"mtp{k}.embedding")
+            if recompute and recomputing(self):
+                hidden, stats = checkpoint(module, embedded, hidden, keys, use_reentrant=False)
+            else:
+                hidden, stats = module(embedded, hidden, keys)
+            if stats is not None:
+                all_stats.append(stats)
+            yield hidden
 
 
     def _layers(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys]):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from moezero.keyed_random import SampleKeys
-from moezero.metrics import tag
+from moezero.metrics import mtp_loss_metric, tag
 from moezero.models import language_model_loss
+from moezero.models.mtp import mtp_losses, shift_left
 from moezero.moe import MoEStats, reset_global_load_balancing
 from moezero.parallel import comm
 
@@ -31,29 +32,54 @@ class StepMetrics:
     dropped_fraction: torch.Tensor    # (MoE layers,)
     layer_tracked_losses: Dict[str, torch.Tensor]   # each router loss without its coefficient per MoE layer,
                                                     # (MoE layers,), under megatron-core's tracker names
+    mtp_losses: Tuple[float, ...] = ()              # each MTP depth's loss (without the scaling factor)
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
         router = {f"router_{name}": value for name, value in self.router_losses.items()}
-        return {"lm_loss": self.lm_loss, **router, "grad_norm": self.grad_norm}
+        return {"lm_loss": self.lm_loss, **router, **self.mtp_values(), "grad_norm": self.grad_norm}
+
+    def mtp_values(self) -> Dict[str, float]:
+        """Each MTP depth's loss under its metric name (Megatron's 'mtp_1 loss', ...)."""
+        return {mtp_loss_metric(k + 1): value for k, value in enumerate(self.mtp_losses)}
 
 
-def _micro_batch_losses(model, batch, keys):
+def _micro_batch_losses(model, batch, keys, mtp: bool = False):
+    """(lm loss, {router loss: value}, MoE stats, [each MTP depth's loss]); the MTP depths run with `mtp` (training:
+    Megatron's evaluation loss is the lm loss alone)."""
     device = model.embedding.weight.device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    logits, stats = model(batch["tokens"], keys)
+    mtp = mtp and model.mtp is not None
+    logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
     lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
-    return lm, router, stats
+    depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], language_model_loss) if mtp else []
+    return lm, router, stats, depth_losses
 
 
-def _named_metrics(lm: torch.Tensor, router: Dict[str, torch.Tensor], stats) -> Dict[str, torch.Tensor]:
+def _mtp_term(model, depth_losses: List[torch.Tensor], batch, token_share: Optional[float]) -> torch.Tensor:
+    """What the MTP depths add to a micro-batch's loss (Megatron's): mtp_loss_scaling_factor / depths x the sum
+    of their losses; with --calculate-per-token-loss each depth's token sum over the global batch's lm tokens
+    (`token_share`: this micro-batch's lm tokens x ranks / the global batch's)."""
+    if not depth_losses:
+        return torch.zeros(())
+    scale = model.config.mtp_loss_scaling_factor / len(depth_losses)
+    if token_share is None:
+        return scale * sum(depth_losses)
+    tokens = batch["loss_mask"].sum().clamp(min=1.0)
+    counts = [shift_left(batch["loss_mask"], k + 1).sum() for k in range(len(depth_losses))]
+    return scale * token_share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
+
+
+def _named_metrics(lm: torch.Tensor, router: Dict[str, torch.Tensor], stats, depths: List[torch.Tensor]
+                   ) -> Dict[str, torch.Tensor]:
     """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next)."""
     layers = {f"tracked_{name}": torch.stack([s.tracked[name] for s in stats])
               for name in (stats[0].tracked if stats else {})}
     per_layer = {"dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
                  "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats
                  else lm.new_zeros(0, 0)}
+    per_layer["mtp_losses"] = torch.stack(depths) if depths else lm.new_zeros(0)
     return {name: t.detach().double() for name, t in dict(lm_loss=lm, **router, **layers, **per_layer).items()}
 
 
@@ -84,13 +110,14 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
         keys = SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
         with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
-            lm, router, stats = _micro_batch_losses(model, batch, keys)
+            lm, router, stats, depths = _micro_batch_losses(model, batch, keys, mtp=True)
+            mtp = _mtp_term(model, depths, batch, None if shares is None else shares[j])
             if shares is None:
-                opt.backward((lm + sum(router.values())) / n)
+                opt.backward((lm + sum(router.values()) + mtp) / n)
             else:   # the router losses stay per micro-batch (Megatron scales them so)
                 lm = lm * (shares[j] * n)   # whose mean over the micro-batches of every rank is the token mean
-                opt.backward(lm / n + sum(router.values()) / n)
-        named = _named_metrics(lm, router, stats)
+                opt.backward(lm / n + sum(router.values()) / n + mtp)
+        named = _named_metrics(lm, router, stats, depths)
         packed = packed or _Packed(named)
         per_micro.append(packed.pack(named))
     stepped = opt.step()
@@ -118,7 +145,8 @@ def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm
                        grad_norm if grad_norm is not None else float("nan"), stepped,
                        tokens_per_expert=totals["tokens_per_expert"], dropped_fraction=mean["dropped_fraction"],
                        layer_tracked_losses={name[len("tracked_"):]: t for name, t in mean.items()
-                                             if name.startswith("tracked_")})
+                                             if name.startswith("tracked_")},
+                       mtp_losses=tuple(mean["mtp_losses"].tolist()))
 
 
 @torch.no_grad()

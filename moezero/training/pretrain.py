@@ -205,7 +205,7 @@ class Pretraining:
                 plugin.on_step_end(self.iteration)
             self.history.append({"iteration": self.iteration, **metrics.values()})
             moe = moe_losses(metrics)
-            interval.add(step_time, {"lm_loss": metrics.lm_loss, **moe}, metrics.stepped)
+            interval.add(step_time, {"lm_loss": metrics.lm_loss, **moe, **metrics.mtp_values()}, metrics.stepped)
             eta = run_timer.elapsed() / (self.iteration - start_iteration) * (t.train_iters - self.iteration)
             # Megatron's: every --log-interval and the run's first iteration (moezero's: and its last)
             console = self.iteration % t.log_interval == 0 or self.iteration in (start_iteration + 1, t.train_iters)
@@ -288,7 +288,11 @@ class Pretraining:
     def _moe_layer_numbers(self) -> List[int]:
         if self.cfg.moe.num_experts is None:
             return []
-        return [i for i in range(self.cfg.model.num_layers) if is_moe_layer(i, self.cfg.model.moe_layer_freq)]
+        model = self.cfg.model
+        decoder = [i for i in range(model.num_layers) if is_moe_layer(i, model.moe_layer_freq)]
+        # the MTP depths' layers are numbered on from the decoder's, with its last layer's kind of MLP
+        depths = range(model.num_layers, model.num_layers + (model.mtp_num_layers or 0))
+        return decoder + (list(depths) if model.num_layers - 1 in decoder else [])
 
     def _evaluate(self, split: str) -> None:
         """Mean lm loss over --eval-iters global batches of the validation split, or of the test split."""

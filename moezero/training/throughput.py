@@ -17,17 +17,20 @@ _FORWARD_AND_BACKWARD, _FMA = 3, 2
 
 def flops_per_batch(model: GPTConfig, moe: Optional[MoEConfig], vocab_size: int, batch_size: int) -> float:
     """FLOPs of one step over `batch_size` sequences of --seq-length tokens (`vocab_size`: the padded one)."""
-    h, layers = model.hidden_size, model.num_layers
+    h, depths = model.hidden_size, model.mtp_num_layers or 0
+    layers = model.num_layers + depths   # Megatron's: an MTP depth's layer is of the last layer's kind
     tokens = batch_size * model.seq_length
     gemms_per_ffn = 3 if model.swiglu else 2   # SwiGLU: gate and up projections, then down; else up, down
-    moe_layers = sum(is_moe_layer(i, model.moe_layer_freq) for i in range(layers)) if moe is not None else 0
+    kinds = [is_moe_layer(min(i, model.num_layers - 1), model.moe_layer_freq) for i in range(layers)]
+    moe_layers = sum(kinds) if moe is not None else 0
     mlp = model.ffn_hidden_size * gemms_per_ffn * (layers - moe_layers)
     if moe_layers:
         expert_width = moe.ffn_hidden_size or model.ffn_hidden_size
         shared_width = moe.shared_expert_intermediate_size or 0
         mlp += (expert_width * moe.top_k + shared_width) * gemms_per_ffn * moe_layers
     projections, core = _latent_attention(model) if model.multi_latent_attention else _attention(model)
-    per_token = h * mlp + layers * projections + h * vocab_size
+    mtp = depths * (3 * h + 2 * h * h)   # each depth's two norms and final norm, its projection of 2h to h
+    per_token = h * mlp + layers * projections + h * vocab_size * (1 + depths) + mtp
     attention = layers * batch_size * model.seq_length ** 2 * core   # QK^T and scores x V, each halved by the mask
     return _FORWARD_AND_BACKWARD * _FMA * (tokens * per_token + attention)
 

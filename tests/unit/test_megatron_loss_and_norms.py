@@ -66,7 +66,7 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
     metrics = train_step(run.model, run.opt, batches, 0, 7, None, per_token_loss=True)
     loss, token_sum = 0.0, 0.0
     for batch in batches:
-        lm, router, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
+        lm, router, _, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
         loss = loss + lm * batch["loss_mask"].sum() / 74 + sum(router.values()) / 2
         token_sum += float(lm * batch["loss_mask"].sum())
     loss.backward()

@@ -2,7 +2,8 @@
 module: tests/assets/megatron_params.json holds megatron-core's counts (tools/megatron_params.py builds its
 GPTModel on the CPU), for attention variants (grouped-query, wide heads, q/k/v biases, per-head q/k norms,
 multi-latent with and without latents) and MoE variants (shared expert and its gate, narrow experts, dense
-layers, DeepSeek-V3 routing, GLM-4.5's half-rotary attention with q/k/v biases)."""
+layers, DeepSeek-V3 routing, GLM-4.5's half-rotary attention with q/k/v biases) and DeepSeek-V3's
+multi-token-prediction depths."""
 import json
 import os
 import re
@@ -28,6 +29,14 @@ GROUPS = [   # moezero's parameter names -> the groups the table counts
     (r"^layers\.(\d+)\.mlp\.experts\.", r"layer\1.experts"),
     (r"^layers\.(\d+)\.mlp\.shared_expert(_gate)?\.", r"layer\1.shared_expert"),
     (r"^layers\.(\d+)\.mlp\.fc", r"layer\1.dense_mlp"),
+    (r"^mtp\.(\d+)\.(enorm|hnorm|eh_proj|final_norm)\.", r"mtp\1.\2"),
+    (r"^mtp\.(\d+)\.layer\.input_norm\.", r"mtp\1.input_norm"),
+    (r"^mtp\.(\d+)\.layer\.attention\.", r"mtp\1.attention"),
+    (r"^mtp\.(\d+)\.layer\.mlp_norm\.", r"mtp\1.mlp_norm"),
+    (r"^mtp\.(\d+)\.layer\.mlp\.router\.", r"mtp\1.router"),
+    (r"^mtp\.(\d+)\.layer\.mlp\.experts\.", r"mtp\1.experts"),
+    (r"^mtp\.(\d+)\.layer\.mlp\.shared_expert(_gate)?\.", r"mtp\1.shared_expert"),
+    (r"^mtp\.(\d+)\.layer\.mlp\.fc", r"mtp\1.dense_mlp"),
 ]
 
 
