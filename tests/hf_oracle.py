@@ -153,3 +153,39 @@ def load_with_transformers(path: str):
                         if key in state and f.get_slice(key).get_dtype() == "F64":
                             state[key].copy_(f.get_tensor(key))
     return model
+
+
+def mtp_layer(tensors, last: int, seed: int = 5):
+    """A multi-token-prediction layer after decoder layer `last`, as DeepSeek's and GLM's own files hold one (Hub
+    layer last + 1): a layer like the last (random weights of its shapes, in its dtype), enorm, hnorm, eh_proj,
+    shared_head.norm, and copies of the embedding and head."""
+    generator = torch.Generator().manual_seed(seed)
+    first, mine = f"model.layers.{last}.", f"model.layers.{last + 1}."
+    dtype = tensors["model.embed_tokens.weight"].dtype
+
+    def rand(*shape, around=0.0):
+        return (around + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(dtype)
+
+    out = {mine + k[len(first):]: rand(*v.shape).to(v.dtype) for k, v in tensors.items() if k.startswith(first)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{mine}{name}.weight"] = rand(hidden, around=1.0)
+    out[mine + "eh_proj.weight"] = rand(hidden, 2 * hidden)
+    out[mine + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    out[mine + "shared_head.head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).clone()
+    return out
+
+
+def add_mtp_layer(path: str) -> None:
+    """A Hub directory with one file (transformers' save of a tiny model) given an MTP layer after its last, and
+    num_nextn_predict_layers 1 in its config."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    tensors = hub_tensors(path)
+    tensors.update(mtp_layer(tensors, config["num_hidden_layers"] - 1))
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

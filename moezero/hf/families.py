@@ -128,6 +128,8 @@ class Family:
             raise UnsupportedModel(f"{self.model_type} cannot hold this model: {problem}")
 
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.mtp_num_layers:
+            yield _NO_MTP
         if gpt.rotary_percent != 1.0:
             yield f"--rotary-percent {gpt.rotary_percent} (transformers rotates the whole head for this family)"
         if gpt.apply_layernorm_1p:
@@ -189,7 +191,7 @@ class DeepSeekFamily(Family):
             mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if yarn else 0.0,
             yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings") if yarn else None,
             yarn_beta_fast=rope.get("beta_fast") if yarn else None, yarn_beta_slow=rope.get("beta_slow") if yarn else None,
-            moe_layer_freq=1 if all(pattern) else pattern)
+            moe_layer_freq=1 if all(pattern) else pattern, mtp_num_layers=mtp_layers(hf) if self.version == 3 else None)
         moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
                         ffn_hidden_size=hf["moe_intermediate_size"],
                         shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf["n_shared_experts"]
@@ -258,7 +260,7 @@ class DeepSeekFamily(Family):
         }
         if self.version == 3:
             hf.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True,
-                      num_nextn_predict_layers=0)
+                      num_nextn_predict_layers=gpt.mtp_num_layers or 0)
         else:
             hf.update(norm_topk_prob=False, topk_method="group_limited_greedy" if moe.num_groups else "greedy")
         return hf
@@ -266,6 +268,8 @@ class DeepSeekFamily(Family):
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
         if gpt.apply_layernorm_1p:
             yield "--apply-layernorm-1p (its norms hold their scale, not the scale - 1)"
+        if self.version == 2 and gpt.mtp_num_layers:
+            yield _NO_MTP
         if moe is None:
             yield "no MoE layers (it is an MoE)"
             return
@@ -287,6 +291,15 @@ class DeepSeekFamily(Family):
             yield "a router other than sigmoid scores with an expert bias"
         if self.version == 2 and (moe.score_function != "softmax" or not moe.pre_softmax or moe.enable_expert_bias):
             yield "a router other than a softmax over all experts without renormalisation"
+
+
+_NO_MTP = "--mtp-num-layers (it has no multi-token prediction layers)"
+
+
+def mtp_layers(hf: Dict[str, Any]) -> Optional[int]:
+    """The MTP layers a DeepSeek-V3 / GLM-4.5 config declares (transformers' default: 1): Hub layers numbered on
+    from num_hidden_layers, which transformers' models skip (hub_configs keeps them where the files hold them)."""
+    return hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or None
 
 
 def _sigmoid_router(hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -327,7 +340,7 @@ class Glm4MoeFamily(Family):
             group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
             rotary_percent=float(rope.get("partial_rotary_factor", 0.5)), add_qkv_bias=bool(hf["attention_bias"]),
             qk_layernorm=bool(hf.get("use_qk_norm")), qk_layernorm_scope="head",
-            moe_layer_freq=1 if all(pattern) else pattern)
+            moe_layer_freq=1 if all(pattern) else pattern, mtp_num_layers=mtp_layers(hf))
         shared = hf.get("n_shared_experts") or 0
         moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
                         ffn_hidden_size=hf["moe_intermediate_size"],
@@ -349,7 +362,7 @@ class Glm4MoeFamily(Family):
                 "n_shared_experts": (moe.shared_expert_intermediate_size or 0) // (moe.ffn_hidden_size or 1),
                 "routed_scaling_factor": moe.topk_scaling_factor or 1.0, "n_group": moe.num_groups or 1,
                 "topk_group": moe.group_topk or 1, "norm_topk_prob": True, "first_k_dense_replace": pattern.index(True),
-                "router_aux_loss_coef": moe.aux_loss_coeff, "num_nextn_predict_layers": 0}
+                "router_aux_loss_coef": moe.aux_loss_coeff, "num_nextn_predict_layers": gpt.mtp_num_layers or 0}
 
     def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
         if gpt.apply_layernorm_1p:

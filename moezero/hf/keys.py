@@ -22,6 +22,8 @@ class Link:
     keys: Tuple[str, ...]
     per_expert: bool = False
     sizes: Optional[Tuple[int, ...]] = None   # rows of each key (None: equal shares)
+    copies: Tuple[str, ...] = ()   # Hub keys holding the same tensor again (an MTP layer's embedding and head):
+                                   # written on export, not read (nor required) on import
 
     def hub_keys(self, num_experts: int) -> List[str]:
         if not self.per_expert:
@@ -51,7 +53,7 @@ class Link:
     def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
         """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`)."""
         if not self.per_expert:
-            return dict(zip(self.keys, self._parts(tensor)))
+            return dict(zip(self.keys + self.copies, self._parts(tensor) + (tensor,) * len(self.copies)))
         out = {}
         for l, expert in enumerate(tensor):
             parts = self._parts(expert.t())
@@ -72,20 +74,36 @@ def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
 def links(family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Link]:
     """moezero tensor name -> its Link, for every parameter (and the expert-bias buffers) of a model of these
     configs."""
-    out = {"embedding.weight": Link(("model.embed_tokens.weight",)),
+    depths = [f"model.layers.{gpt.num_layers + k}." for k in range(gpt.mtp_num_layers or 0)]
+    embedding = tuple(hub + "embed_tokens.weight" for hub in depths)
+    heads = tuple(hub + "shared_head.head.weight" for hub in depths)
+    tied = not gpt.untie_embeddings_and_output_weights
+    out = {"embedding.weight": Link(("model.embed_tokens.weight",), copies=embedding + (heads if tied else ())),
            "final_norm.weight": Link(("model.norm.weight",))}
-    if gpt.untie_embeddings_and_output_weights:
-        out["output.weight"] = Link(("lm_head.weight",))
+    if not tied:
+        out["output.weight"] = Link(("lm_head.weight",), copies=heads)
     for i in range(gpt.num_layers):
-        ours, hub = f"layers.{i}.", f"model.layers.{i}."
-        out[ours + "input_norm.weight"] = Link((hub + "input_layernorm.weight",))
-        out[ours + "mlp_norm.weight"] = Link((hub + "post_attention_layernorm.weight",))
-        attention = _latent_attention if gpt.multi_latent_attention else _attention
-        out.update(attention(ours + "attention.", hub + "self_attn.", gpt))
-        if moe is not None and is_moe_layer(i, gpt.moe_layer_freq):
-            out.update(_moe(ours + "mlp.", f"{hub}{family.moe_block}.", family, moe))
-        else:
-            out.update(_swiglu(ours + "mlp.", hub + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+        out.update(_layer(f"layers.{i}.", f"model.layers.{i}.", i, family, gpt, moe))
+    for k, hub in enumerate(depths):   # DeepSeek-V3's MTP modules: Hub layers after the last
+        ours = f"mtp.{k}."
+        out.update({ours + mine: Link((hub + theirs,)) for mine, theirs in (
+            ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+            ("final_norm.weight", "shared_head.norm.weight"))})
+        out.update(_layer(ours + "layer.", hub, gpt.num_layers - 1, family, gpt, moe))
+    return out
+
+
+def _layer(ours: str, hub: str, kind: int, family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]
+           ) -> Dict[str, Link]:
+    """A transformer layer's links; its MLP is of layer `kind`'s kind."""
+    out = {ours + "input_norm.weight": Link((hub + "input_layernorm.weight",)),
+           ours + "mlp_norm.weight": Link((hub + "post_attention_layernorm.weight",))}
+    attention = _latent_attention if gpt.multi_latent_attention else _attention
+    out.update(attention(ours + "attention.", hub + "self_attn.", gpt))
+    if moe is not None and is_moe_layer(kind, gpt.moe_layer_freq):
+        out.update(_moe(ours + "mlp.", f"{hub}{family.moe_block}.", family, moe))
+    else:
+        out.update(_swiglu(ours + "mlp.", hub + "mlp.", ("gate_proj", "up_proj", "down_proj")))
     return out
 
 

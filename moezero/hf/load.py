@@ -14,7 +14,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from moezero.config import GPTConfig, MoEConfig
-from moezero.hf.families import family_of
+from moezero.hf.families import family_of, mtp_layers
 from moezero.hf.files import CheckpointMismatch, HubDirectory
 from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
@@ -87,7 +87,19 @@ def hub_configs(hub: HubDirectory) -> Tuple[GPTConfig, MoEConfig]:
         warnings.warn(f"{hub.path}: the config ties the output layer to the embedding but the files hold a "
                       "different lm_head.weight: it is used untied, as transformers does")
         gpt = dataclasses.replace(gpt, untie_embeddings_and_output_weights=True)
+    if gpt.mtp_num_layers and not _holds_mtp_layers(hub, gpt.num_layers):
+        if "num_nextn_predict_layers" in hub.config or "num_mtp_layers" in hub.config:
+            warnings.warn(f"{hub.path}: the config gives {gpt.mtp_num_layers} multi-token-prediction layer(s) but the "
+                          f"files hold no model.layers.{gpt.num_layers}.* (transformers does not save them): the "
+                          "model has none")
+        gpt = dataclasses.replace(gpt, mtp_num_layers=None)
     return gpt, moe
+
+
+def _holds_mtp_layers(hub: HubDirectory, num_layers: int) -> bool:
+    """Whether the files hold the first MTP layer (Hub layer `num_layers`), as DeepSeek's and GLM's own do."""
+    prefix = f"model.layers.{num_layers}."
+    return any(key.startswith(prefix) for key in hub.keys())
 
 
 def _holds_its_own_head(hub: HubDirectory) -> bool:
@@ -183,7 +195,7 @@ def _materialize_buffers(model: GPTModel) -> None:
 def _multi_token_prediction_keys(hub: HubDirectory, unexpected: Set[str]) -> Set[str]:
     """DeepSeek-V3's MTP modules: layers numbered from num_hidden_layers, num_nextn_predict_layers of them."""
     config = hub.config
-    first, count = config["num_hidden_layers"], config.get("num_nextn_predict_layers") or 0
+    first, count = config["num_hidden_layers"], mtp_layers(config) or 0
     if not count:
         return set()
     pattern = re.compile(r"^model\.layers\.(\d+)\.")
@@ -199,15 +211,16 @@ def model_tensors(model: GPTModel, table: Dict[str, Link]) -> Dict[str, torch.Te
 
 def check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, tied: bool) -> None:
     expected = {key for link in table.values() for key in link.hub_keys(num_experts)}
+    copies = {key for link in table.values() for key in link.copies}
     present = set(hub.keys())
     missing = sorted(expected - present)
-    mtp = _multi_token_prediction_keys(hub, present - expected)
+    scales = {k for k in present if k.endswith("_scale_inv") and k[: -len("_scale_inv")] in expected}
+    unexpected = present - expected - copies - scales
+    mtp = _multi_token_prediction_keys(hub, unexpected)
     if mtp:
         warnings.warn(f"{hub.path}: skipping the multi-token-prediction layer stored after the last layer "
-                      f"({len(mtp)} tensors): moezero trains next-token prediction only")
-    extra = sorted(k for k in present - expected - mtp if not _NOT_WEIGHTS.search(k)
-                   and not (tied and k == "lm_head.weight")
-                   and not (k.endswith("_scale_inv") and k[: -len("_scale_inv")] in expected))
+                      f"({len(mtp)} tensors): this model has no MTP layers (--mtp-num-layers)")
+    extra = sorted(k for k in unexpected - mtp if not _NOT_WEIGHTS.search(k) and not (tied and k == "lm_head.weight"))
     if missing or extra:
         raise CheckpointMismatch(f"{hub.path}: tensors missing for the config's model: {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}; tensors the model has no place for: "

@@ -1,6 +1,6 @@
 """tools/hf_checkpoint.py: a Hugging Face directory imported as a moezero checkpoint exports back bitwise; the
 import continues with `--load --use-checkpoint-args --finetune` on 2 ranks (ep 2, ZeRO stage 3) with no model
-flag typed, and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
+flag typed (DeepSeek-V3's MTP layer included), and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
 imported dense model (Qwen3) is upcycled with --moe-use-upcycling."""
 import json
 import re
@@ -12,7 +12,7 @@ import torch
 from moezero.compression.inference import load_checkpoint_weights
 from moezero.compression.source import load_checkpoint_model
 from tests.bpe_files import CORPUS_JSONL, write_bpe_files
-from tests.hf_oracle import hf_logits, hub_tensors, load_with_transformers, tiny_model
+from tests.hf_oracle import add_mtp_layer, hf_logits, hub_tensors, load_with_transformers, tiny_model
 from tests.integration.scripts import PRETRAIN, run, tool, torchrun
 
 RUN = ["--use-checkpoint-args", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
@@ -31,6 +31,7 @@ def _tool(*args):
 def test_import_finetune_on_two_ranks_and_export(tmp_path):
     hub, ckpt, back = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "back")
     tiny_model("deepseek_v3", seed=4).float().save_pretrained(hub)   # fp32 weights: the masters hold them exactly
+    add_mtp_layer(hub)   # DeepSeek's multi-token-prediction layer: trained as Megatron's MTP depth, written back
     _tool("import", hub, ckpt)
     _tool("export", ckpt, back)
     original, exported = hub_tensors(hub), hub_tensors(back)
@@ -41,6 +42,7 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "world 2, ep 2, ZeRO stage 3" in proc.stdout and "--use-checkpoint-args: --num-layers 3" in proc.stdout
+    assert "| mtp_1 loss: " in proc.stdout
     _tool("export", tuned, out)
     model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
     with torch.no_grad():

@@ -16,7 +16,8 @@ from moezero.hf import CheckpointMismatch, UnsupportedModel
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
 from moezero.zero import ZeroOptimizer
-from tests.hf_oracle import CONFIGS, hf_logits, hub_tensors, load_with_transformers, save_tiny_model, tiny_model
+from tests.hf_oracle import (CONFIGS, add_mtp_layer, hf_logits, hub_tensors, load_with_transformers, mtp_layer,
+                             save_tiny_model, tiny_model)
 from tests.integration.pretrain_utils import configs
 
 FAMILIES = sorted(CONFIGS)
@@ -64,6 +65,40 @@ def test_save_pretrained_writes_what_transformers_writes(family, tmp_path):
     original, exported = load_with_transformers(theirs_dir), load_with_transformers(ours_dir)
     assert type(exported) is type(original)
     torch.testing.assert_close(hf_logits(exported, TOKENS), hf_logits(original, TOKENS), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_the_mtp_layer_after_the_last_is_the_models_mtp_depth_both_ways(family, tmp_path):
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layer (Hub layer num_hidden_layers) loads as moezero's
+    MTP depth, which runs Megatron's MTP forward on those weights, and exports back bitwise with its copies of the
+    embedding and head; transformers (which skips the layer) loads the export to the same logits."""
+    source, exported = tmp_path / "source", str(tmp_path / "exported")
+    tiny_model(family).save_pretrained(source)
+    add_mtp_layer(str(source))
+    model = hub.from_pretrained(str(source), dtype=torch.float64)
+    assert model.config.mtp_num_layers == 1
+    last = model.config.num_layers
+    stored = hub_tensors(str(source))
+    assert torch.equal(model.mtp[0].eh_proj.weight, stored[f"model.layers.{last}.eh_proj.weight"])
+    assert torch.equal(model.mtp[0].final_norm.weight, stored[f"model.layers.{last}.shared_head.norm.weight"])
+    with torch.no_grad():
+        logits, _, (depth,) = model(TOKENS, mtp=True)
+        # the depth by hand: norms, projection and layer on the shifted tokens' embedding and the final hidden
+        hidden = model.final_norm(model._layers(0, last, model.embedding(TOKENS), None)[0])
+        shifted = torch.cat([TOKENS[:, 1:], torch.zeros_like(TOKENS[:, :1])], dim=1)
+        mtp = model.mtp[0]
+        x = mtp.eh_proj(torch.cat([mtp.enorm(model.embedding(shifted)), mtp.hnorm(hidden)], dim=-1))
+        expected = model.output(mtp.final_norm(mtp.layer(x, None)[0]))
+    torch.testing.assert_close(depth, expected, rtol=0, atol=0)
+    hub.save_pretrained(model, exported)
+    again = hub_tensors(exported)
+    assert sorted(again) == sorted(stored) and all(torch.equal(again[k], stored[k]) for k in stored)
+    with open(os.path.join(exported, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    torch.testing.assert_close(hf_logits(load_with_transformers(exported), TOKENS), logits, rtol=0, atol=1e-8)
+    # a family without MTP layers cannot hold it
+    with pytest.raises(UnsupportedModel, match="--mtp-num-layers"):
+        hub.save_pretrained(model, str(tmp_path / "mixtral"), family="mixtral")
 
 
 def test_a_model_from_megatron_flags_exports_as_the_family_that_holds_it(tmp_path):
@@ -235,30 +270,31 @@ def _write_directory(path, config, tensors):
 
 def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     """Linear weights stored FP8 in 16x16 tiles with weight_scale_inv (DeepSeek-V3's layout, tiles of 128 there)
-    give the logits transformers gives for the dequantized weights; the MTP layer after the last layer is
-    skipped with a notice."""
+    give the logits transformers gives for the dequantized weights; the MTP layer after the last layer (FP8 too,
+    with its copies of the embedding and head) becomes the model's MTP depth."""
     tiny_model("deepseek_v3").save_pretrained(tmp_path / "plain")
     with open(tmp_path / "plain" / "config.json") as f:
         config = json.load(f)
     stored, dequantized = hub_tensors(str(tmp_path / "plain")), {}
+    stored.update(mtp_layer(stored, last=2))
     for key in [k for k in stored if re.search(r"proj(_with_mqa)?\.weight$", k)]:
         quantized, scale_inv, dequantized[key] = _fp8_blocks(stored[key], 16)
         stored[key], stored[key + "_scale_inv"] = quantized, scale_inv
     assert len(dequantized) > 40
-    _write_directory(str(tmp_path / "dequantized"), config, {**hub_tensors(str(tmp_path / "plain")), **dequantized})
-    stored["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)   # the MTP layer's
+    _write_directory(str(tmp_path / "dequantized"), config, {**hub_tensors(str(tmp_path / "plain")), **{
+        k: v for k, v in dequantized.items() if not k.startswith("model.layers.3.")}})
     fp8 = dict(config, num_nextn_predict_layers=1, quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
     _write_directory(str(tmp_path / "fp8"), fp8, stored)
-    with pytest.warns(UserWarning, match="skipping the multi-token-prediction layer"):
-        model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
+    model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
+    assert torch.equal(model.mtp[0].eh_proj.weight, dequantized["model.layers.3.eh_proj.weight"])
+    assert torch.equal(model.mtp[0].layer.attention.proj.weight, dequantized["model.layers.3.self_attn.o_proj.weight"])
     with torch.no_grad():
         ours = model(TOKENS)[0]
     reference = load_with_transformers(str(tmp_path / "dequantized"))
     torch.testing.assert_close(ours, hf_logits(reference, TOKENS), rtol=0, atol=1e-8)
     # read lazily by rows (ZeRO-3's way): each row range meets its blocks' scales
-    with pytest.warns(UserWarning, match="multi-token"):
-        lazy = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64, lazy=True)
+    lazy = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64, lazy=True)
     with pytest.raises(hub.ParamsNotRead, match="build it first"):   # a named error, not torch's device one
         lazy(TOKENS)
     opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
