@@ -16,20 +16,25 @@ from tests.integration.pretrain_utils import TINY, train
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker_pid(torchrun_pid: int, rank: int) -> int:
-    """The pid of the torchrun worker whose environment holds RANK=<rank>."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == torchrun_pid:
-            continue
-        try:
-            if not _descends_from(int(entry), torchrun_pid):
+def _worker_pid(torchrun_pid: int, rank: int, wait_s: float = 10.0) -> int:
+    """The pid of the torchrun worker whose environment holds RANK=<rank> (looked for up to `wait_s`: on a busy
+    machine a listing can fall between a process's start and its /proc entries being readable)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == torchrun_pid:
                 continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return int(entry)
-        except OSError:
-            continue
-    raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+            try:
+                if not _descends_from(int(entry), torchrun_pid):
+                    continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                        return int(entry)
+            except OSError:
+                continue
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+        time.sleep(0.1)
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:
