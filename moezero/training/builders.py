@@ -22,6 +22,7 @@ from moezero.hf import load_hub_weights
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
+from moezero.parallel.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
 from moezero.training.resume import Progress
@@ -85,8 +86,16 @@ def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int,
     if hub_dir:
         load_hub_weights(model, hub_dir)
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        model = model.cuda()
+        model = place_on(model, torch.device("cuda", torch.cuda.current_device()))
     return model
+
+
+def place_on(model: GPTModel, device: torch.device) -> GPTModel:
+    """The model on `device`; params still deferred to their Hub files (--load-hf) are read there whole first
+    (the per-shard read of stage 3 is the CPU path's)."""
+    for param in model.parameters():
+        materialize(param, device)
+    return model.to(device)
 
 
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:

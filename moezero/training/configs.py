@@ -235,9 +235,10 @@ class CheckpointConfig(Validated):
         "checkpoint (flags typed win); each rank reads only its experts and what ZeRO keeps on it (at stage 3 its "
         "shard). A checkpoint of the run's own in --load is resumed instead (a requeued job goes on)",
         flag="--load-hf")
-    save_hf: Optional[str] = option(None, "write the model as Hugging Face folders DIR/iter_NNNNNNN at the end "
-                                    "(and every --save-hf-interval steps), each rank writing its share",
-                                    flag="--save-hf")
+    save_hf: Optional[str] = option(None, "write the model as Hugging Face folders DIR/iter_NNNNNNN at the end of "
+                                    "a finished run (and every --save-hf-interval steps), each rank writing its "
+                                    "share; a run stopped early (signal, --exit-*) spends its time on --save's "
+                                    "checkpoint, which resumes it", flag="--save-hf")
     save_hf_interval: int = option(0, "with --save-hf: also every N steps (0 = only at the end)",
                                    flag="--save-hf-interval")
     given_fields: Tuple[str, ...] = option((), "the 'section.field's the command line set (filled by the parser)",

@@ -167,7 +167,8 @@ class Pretraining:
             self._evaluate("test")
         if self.cfg.checkpoint.save and self._saved_at != self.iteration:
             self._save()
-        if self.cfg.checkpoint.save_hf and self._saved_hf_at != self.iteration:
+        finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
+        if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
             self._save_hf()
         self._finish_pending()
         if self.stop_reason is not None:

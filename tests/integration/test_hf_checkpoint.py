@@ -223,7 +223,7 @@ def test_import_and_export_a_piece_at_a_time(tmp_path):
 
 def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
     """--save-hf of a model no Hugging Face family holds, or with QAT's reparametrized weights, is refused when
-    the run is built, not after the training."""
+    the run is built, not after the training; the end's folder is a finished run's."""
     from moezero.config import ConfigError
     from moezero.recipe import pretraining
     from tests.integration.pretrain_utils import TINY, configs
@@ -235,3 +235,12 @@ def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
              "--untie-embeddings-and-output-weights"]
     with pytest.raises(ConfigError, match="--save-hf=.*QAT"):
         pretraining(configs(common + llama + ["--qat-weight-bits", "4", "--qat-groups", "16"]))
+    # only a finished run writes its last folder: a stopped one's time goes to --save's checkpoint
+    stopped = pretraining(configs(common + llama + ["--train-iters", "4", "--exit-interval", "2"]))
+    stopped.train()
+    stopped.groups.destroy()
+    assert stopped.stop_reason is not None and not (tmp_path / "hf").exists()
+    finished = pretraining(configs(common + llama + ["--train-iters", "2"]))
+    finished.train()
+    finished.groups.destroy()
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_0000002"]

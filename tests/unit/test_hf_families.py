@@ -302,6 +302,20 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
         torch.testing.assert_close(lazy(TOKENS)[0], ours, rtol=0, atol=1e-13)
 
 
+def test_a_lazy_model_placed_on_a_device_reads_its_deferred_params_there(tmp_path):
+    """What a GPU run of --load-hf does before model.cuda() (here with the CPU as the device): every param still
+    deferred to the Hub files is read whole where the model goes; the model then runs as an eager load."""
+    from moezero.training.builders import place_on
+
+    save_tiny_model("mixtral", str(tmp_path))
+    eager = hub.from_pretrained(str(tmp_path), dtype=torch.float64)
+    lazy = place_on(hub.from_pretrained(str(tmp_path), dtype=torch.float64, lazy=True), torch.device("cpu"))
+    for (name, theirs), ours in zip(eager.named_parameters(), lazy.parameters()):
+        assert ours.device.type == "cpu" and torch.equal(ours, theirs), name
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(TOKENS)[0], eager(TOKENS)[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
 def test_greedy_generation_is_transformers(family, tmp_path):
     """moezero.models.generate on a loaded model continues a prompt as transformers' generate does (its KV
