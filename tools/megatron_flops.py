@@ -41,6 +41,11 @@ CASES = {
     "moe multi-latent attention without a q latent": SHAPE + [
         "--swiglu", "--num-experts", "4", "--moe-router-topk", "2", "--multi-latent-attention",
         "--kv-lora-rank", "64", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"],
+    "GPT-OSS's attention and clamped quick GEGLU": SHAPE + [
+        "--num-experts", "8", "--moe-router-topk", "2", "--quick-geglu", "--glu-linear-offset", "1.0",
+        "--activation-func-clamp-value", "7.0", "--softmax-type", "learnable", "--window-size", "128,0",
+        "--window-attn-skip-freq", "2", "--group-query-attention", "--num-query-groups", "2",
+        "--position-embedding-type", "rope"],
     "moe with two multi-token-prediction depths": SHAPE + [
         "--swiglu", "--num-experts", "8", "--moe-router-topk", "2", "--ffn-hidden-size", "896",
         "--position-embedding-type", "rope", "--mtp-num-layers", "2"],

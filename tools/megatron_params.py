@@ -57,6 +57,11 @@ CASES = {
         "--moe-shared-expert-intermediate-size", "16", "--moe-ffn-hidden-size", "16",
         "--moe-layer-freq", "([0]*1+[1]*2)"],
 }
+CASES["GPT-OSS: attention sinks, windows on every other layer, clamped quick GEGLU, biases"] = SHAPE + [
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+    "--group-query-attention", "--num-query-groups", "2", "--quick-geglu", "--glu-linear-offset", "1.0",
+    "--activation-func-clamp-value", "7.0", "--softmax-type", "learnable", "--window-size", "128,0",
+    "--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 CASES["DeepSeek-V3's routing and attention with two multi-token-prediction depths"] = CASES[
     "multi-latent attention with a q latent, DeepSeek-V3 routing"] + ["--mtp-num-layers", "2"]
 VOCAB = 128

@@ -5,7 +5,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from moezero.config.options import ConfigError, Validated, flag_of, option
 
@@ -67,7 +67,11 @@ class MoEConfig(Validated):
     shared_expert_gate: bool = option(False, "scale the shared expert's output by a learned sigmoid gate of the "
                                       "token (Qwen2-MoE)", flag="--moe-shared-expert-gate", defines_model=True)
     activation: str = option("gelu", "expert activation (a GPT's mlp_activation())", flag=None,
-                             choices=("gelu", "gelu_tanh", "swiglu"))
+                             choices=("gelu", "gelu_tanh", "swiglu", "quick_geglu"))
+    glu_linear_offset: float = option(0.0, "a gated activation's offset of the up projection (a GPT's "
+                                      "--glu-linear-offset)", flag=None)
+    activation_clamp: Optional[float] = option(None, "a gated activation's clamp (a GPT's "
+                                               "--activation-func-clamp-value)", flag=None)
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
                                   "--disable-bias-linear decides; a layer built alone has none)", flag=None,
                                   defines_model=True)
@@ -169,6 +173,29 @@ def moe_layer_pattern(text: Any) -> Union[int, List[int]]:
     return value
 
 
+def int_pair(text: Any) -> Tuple[int, int]:
+    """Megatron's tuple type: "128,0" -> (128, 0)."""
+    if isinstance(text, (tuple, list)):
+        return tuple(int(v) for v in text)
+    values = tuple(int(v) for v in str(text).strip("()[] ").split(","))
+    if len(values) != 2:
+        raise ValueError(f"two integers L,R: {text}")
+    return values
+
+
+def is_window_layer(layer_number: int, config: "GPTConfig") -> bool:
+    """Whether layer `layer_number` (from 0; an MTP depth's layer numbered on from the last) attends in a sliding
+    window: Megatron's is_layer_window_attention, which counts layers from 1."""
+    if not config.window_size:
+        return False
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return True
+    if isinstance(freq, int):
+        return (layer_number + 1) % freq != 0
+    return bool(freq[layer_number])
+
+
 def is_moe_layer(layer_number: int, moe_layer_freq: Union[int, List[int]]) -> bool:
     """Megatron's pattern: N means layers 0, N, 2N, ... (1: all of them); a list says it per layer."""
     if isinstance(moe_layer_freq, int):
@@ -219,6 +246,17 @@ class GPTConfig(Validated):
                                      "heads' width at once (OLMoE)", flag="--qk-layernorm-scope",
                                      choices=("head", "full_width"), defines_model=True)
     norm_epsilon: float = option(1e-5, "epsilon of every norm layer", flag="--norm-epsilon", defines_model=True)
+    softmax_type: str = option("vanilla", "attention softmax: vanilla; off-by-one (exp(0) more in each "
+                               "denominator); learnable (a learned logit per head in each denominator, GPT-OSS's "
+                               "attention sinks)", flag="--softmax-type", choices=("vanilla", "off-by-one",
+                                                                                   "learnable"), defines_model=True)
+    window_size: Optional[Tuple[int, int]] = option(
+        None, "sliding-window attention as Megatron's L,R: a query sees itself and the L keys before it (R, the "
+        "keys after it, must be 0 in a causal model)", flag="--window-size", parse=int_pair, defines_model=True)
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = option(
+        None, "with --window-size: N makes every N-th layer (N, 2N, ... counting from 1) full attention; or a list "
+        "expression as --moe-layer-freq's, 1 for each windowed layer", flag="--window-attn-skip-freq",
+        parse=moe_layer_pattern, defines_model=True)
     multi_latent_attention: bool = option(False, "DeepSeek's multi-latent attention (MLA) instead of --kv-channels "
                                           "heads", flag="--multi-latent-attention", defines_model=True)
     q_lora_rank: Optional[int] = option(None, "MLA: the queries' latent width (default: no latent, one projection)",
@@ -258,6 +296,14 @@ class GPTConfig(Validated):
                                       flag="--apply-layernorm-1p", defines_model=True)
     swiglu: bool = option(False, "SwiGLU MLPs and experts instead of GELU (default width int(8h/3/64)*64)",
                           flag="--swiglu", defines_model=True)
+    quick_geglu: bool = option(False, "quick-GELU gated MLPs and experts (GPT-OSS's): x*sigmoid(1.702x) of the gate "
+                               "times the up projection (default width 4h, as Megatron's)", flag="--quick-geglu",
+                               defines_model=True)
+    glu_linear_offset: float = option(0.0, "gated MLPs and experts: act(gate) * (up + this)", flag="--glu-linear-offset",
+                                      defines_model=True)
+    activation_func_clamp_value: Optional[float] = option(
+        None, "gated MLPs and experts: the gate clamped above at this value and the up projection to +-it before "
+        "the product (GPT-OSS's 7)", flag="--activation-func-clamp-value", defines_model=True)
     disable_bias_linear: bool = option(False, "no biases in the linear layers (attention, MLPs, experts, router)",
                                        flag="--disable-bias-linear", defines_model=True)
     no_bias_gelu_fusion: bool = option(
@@ -301,7 +347,8 @@ class GPTConfig(Validated):
         if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
             self.position_embedding_type = "none"
         self._check_attention()
-        if self.swiglu or self.disable_bias_linear:   # no GELU with biases: the flag decides nothing, and one value
+        self._check_gated()
+        if self.gated or self.disable_bias_linear:   # no GELU with biases: the flag decides nothing, and one value
             self.no_bias_gelu_fusion = True          # lets a resume compare models, not spellings (as Megatron's
                                                      # validate_args does without biases)
         if self.ffn_hidden_size is None:   # Megatron's widths: 4h, or 2/3 of it rounded down to 64 for SwiGLU
@@ -317,6 +364,33 @@ class GPTConfig(Validated):
         self._check_recompute()
         self._check_multi_token_prediction()
 
+    @property
+    def gated(self) -> bool:
+        """Gated MLPs and experts (SwiGLU, quick GEGLU): their input projection holds [gate | up]."""
+        return self.swiglu or self.quick_geglu
+
+    def _check_gated(self) -> None:
+        self._require(not (self.swiglu and self.quick_geglu), "quick_geglu", "not with --swiglu (one activation)")
+        if not self.gated:
+            self._require(self.glu_linear_offset == 0.0, "glu_linear_offset", "needs --swiglu or --quick-geglu")
+            self._require(self.activation_func_clamp_value is None, "activation_func_clamp_value",
+                          "needs --swiglu or --quick-geglu")
+        elif self.activation_func_clamp_value is not None:
+            self._require(self.activation_func_clamp_value > 0, "activation_func_clamp_value", "must be > 0")
+        if self.window_size is not None:
+            self._require(self.window_size[0] >= 0 and self.window_size[1] == 0, "window_size",
+                          "L,R with L >= 0 and R = 0 (a causal model sees no key after its query)")
+        else:
+            self._require(self.window_attn_skip_freq is None, "window_attn_skip_freq", "needs --window-size")
+        if isinstance(self.window_attn_skip_freq, int):
+            self._require(self.window_attn_skip_freq >= 1, "window_attn_skip_freq", "must be >= 1")
+        elif self.window_attn_skip_freq is not None:
+            self._require(len(self.window_attn_skip_freq) == self.num_layers
+                          and set(self.window_attn_skip_freq) <= {0, 1}, "window_attn_skip_freq",
+                          f"a list needs one 0 or 1 per layer ({self.num_layers})")
+            self._require(not self.mtp_num_layers, "window_attn_skip_freq",
+                          "a list names no MTP depth's layer (Megatron indexes it by layer): give N, or no MTP")
+
     def mlp_activation(self) -> str:
         """The activation of every MLP and expert. Megatron (arguments.py, argument_utils.py, mlp.py):
         --bias-gelu-fusion is on unless --no-bias-gelu-fusion or --disable-bias-linear, and then a biased GELU
@@ -324,6 +398,8 @@ class GPTConfig(Validated):
         with per-token scales. One GELU for the whole model keeps --moe-use-upcycling exact.)"""
         if self.swiglu:
             return "swiglu"
+        if self.quick_geglu:
+            return "quick_geglu"
         return "gelu" if self.no_bias_gelu_fusion else "gelu_tanh"   # set by --disable-bias-linear too
 
     def _check_attention(self) -> None:
@@ -357,6 +433,8 @@ class GPTConfig(Validated):
         if not self.multi_latent_attention:
             return
         self._require(not self.group_query_attention, "group_query_attention", "not with --multi-latent-attention")
+        self._require(self.softmax_type == "vanilla" and self.window_size is None, "multi_latent_attention",
+                      "not with --softmax-type or --window-size (moezero has them for standard attention)")
         self._require(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be >= 1")
         for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
@@ -454,5 +532,6 @@ def moe_layer_config(gpt: GPTConfig, moe: MoEConfig, seed: int) -> MoEConfig:
     """The MoE layers' config inside a GPT: `moe` with the fields the model decides (width, activation, init)."""
     return dataclasses.replace(moe, hidden_size=gpt.hidden_size,
                                ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
-                               activation=gpt.mlp_activation(), init_std=gpt.init_method_std,
+                               activation=gpt.mlp_activation(), glu_linear_offset=gpt.glu_linear_offset,
+                               activation_clamp=gpt.activation_func_clamp_value, init_std=gpt.init_method_std,
                                init_seed=seed, bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias)

@@ -64,10 +64,12 @@ class CausalSelfAttention(nn.Module):
     heads at once (full_width: H h and G h, OLMoE's) before RoPE.
     """
 
-    def __init__(self, config: GPTConfig, site: str):
+    def __init__(self, config: GPTConfig, site: str, window: Optional[int] = None):
         super().__init__()
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.dropout = config.attention_dropout
+        self.window = window   # a sliding window: each query sees itself and the `window` keys before it
+        self.softmax_offset = softmax_offset(config)
         self.recompute_core = config.recompute_granularity == "selective"
         self.site = site
         bias = not config.disable_bias_linear
@@ -106,7 +108,18 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def _core(self, q, k, v, keys):
-        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site)
+        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, window=self.window,
+                                sinks=self.softmax_offset)
+
+
+def softmax_offset(config: GPTConfig) -> Optional[torch.Tensor]:
+    """--softmax-type's logit per head in each softmax denominator: learnable, a param (GPT-OSS's sinks);
+    off-by-one, zeros (a constant); vanilla, none."""
+    if config.softmax_type == "learnable":
+        return nn.Parameter(torch.zeros(config.num_attention_heads))
+    if config.softmax_type == "off-by-one":
+        return torch.zeros(config.num_attention_heads)
+    return None
 
 
 # SDPA's CPU flash kernel is slower than two GEMMs and a softmax for short sequences in bf16, and faster for long
@@ -118,29 +131,45 @@ EXPLICIT_CPU_MAX_SEQ = 128
 
 
 def causal_attention(q_BHSh, k_BGSh, v_BGSv, dropout: float, training: bool, keys: Optional[SampleKeys], site: str,
-                     scale: Optional[float] = None) -> torch.Tensor:
+                     scale: Optional[float] = None, window: Optional[int] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal (scale default 1/sqrt(h)); each key/value group serves H/G consecutive
     query heads; dropout on the probabilities, drawn from `keys` when given (SDPA's fused dropout draws from the
-    global RNG, so that case runs the explicit path, as do short bf16 sequences on the CPU)."""
+    global RNG, so that case runs the explicit path, as do short bf16 sequences on the CPU). With `window`, a
+    query sees only itself and the `window` keys before it; with `sinks` (H), each head's softmax has that logit
+    in its denominator too (Megatron's SoftmaxOne): both run the explicit path."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
     short = (q_BHSh.device.type == "cpu" and q_BHSh.dtype == torch.bfloat16
              and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ and (dropout == 0 or keyed))
-    if keyed or short:
-        return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale)
+    if keyed or short or window is not None or sinks is not None:
+        return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks)
     return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSv, is_causal=True, scale=scale,
                                           dropout_p=dropout, enable_gqa=k_BGSh.shape[1] != q_BHSh.shape[1])
 
 
-def _explicit_attention(q, k, v, dropout, keys, site, scale):
+def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=None):
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))   # before the product: fp16's range
     scores = q @ k.transpose(-1, -2)
     # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
     # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S
-    probs = torch.softmax(mask_future_(scores), -1)
+    scores = mask_future_(scores) if window is None else _mask_outside_window(scores, window)
+    if sinks is None:
+        probs = torch.softmax(scores, -1)
+    else:   # the sink's column joins each row's softmax and is dropped after it
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), -1)[..., :-1]
     return keyed_dropout(probs, dropout, True, keys, site) @ v
+
+
+def _mask_outside_window(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """-inf where a key lies after its query or more than `window` places before it (Megatron's window L,0)."""
+    queries, keys = scores.shape[-2:]
+    position = torch.arange(queries, device=scores.device)
+    offset = position[:, None] - torch.arange(keys, device=scores.device)[None, :]   # query - key
+    return scores.masked_fill((offset < 0) | (offset > window), float("-inf"))
 
 
 def mask_future_(scores: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer, is_window_layer, moe_layer_config
 from moezero.keyed_random import SampleKeys, init_keyed_, is_bias, keyed_dropout
 from moezero.models.attention import CausalSelfAttention, norm_layer, recomputing
 from moezero.models.mla import MultiLatentAttention
@@ -37,8 +37,11 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.site = f"layer{layer_number}"
         self.input_norm = norm_layer(config)
-        attention = MultiLatentAttention if config.multi_latent_attention else CausalSelfAttention
-        self.attention = attention(config, site=f"{self.site}.attention")
+        if config.multi_latent_attention:
+            self.attention = MultiLatentAttention(config, site=f"{self.site}.attention")
+        else:
+            window = config.window_size[0] if is_window_layer(layer_number, config) else None
+            self.attention = CausalSelfAttention(config, site=f"{self.site}.attention", window=window)
         self.mlp_norm = norm_layer(config)
         self.moe_recompute = config.moe_layer_recompute
         self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
@@ -105,14 +108,17 @@ class GPTModel(nn.Module):
         """Layer `layer_number`'s kind of MLP (an MoE one numbered `number`, default `layer_number`)."""
         if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
             return moe_layer(moe_config, layer_number=layer_number if number is None else number)
-        return DenseMLP(self.config.hidden_size, self.config.ffn_hidden_size, self.config.mlp_activation(),
-                        bias=not self.config.disable_bias_linear)
+        c = self.config
+        return DenseMLP(c.hidden_size, c.ffn_hidden_size, c.mlp_activation(), bias=not c.disable_bias_linear,
+                        offset=c.glu_linear_offset, clamp=c.activation_func_clamp_value)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
         """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); biases zero, norm
         weights their ones."""
         if is_bias(name):
             return 0.0
+        if name.endswith("softmax_offset"):   # Megatron's: its init method, as a weight's
+            return self.config.init_method_std
         if param.ndim < 2:
             return None
         std = self.config.init_method_std

@@ -27,24 +27,31 @@ _SMALLEST_ROW_CLASS = 8
 
 # GELU kinds -> torch's `approximate`: "gelu_tanh" is Megatron's fused bias-GELU (GPTConfig.mlp_activation)
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+GATED = ("swiglu", "quick_geglu")   # input projection [gate | up]: act(gate) * (up + offset)
+ACTIVATIONS = ("gelu", "gelu_tanh") + GATED
 
 
-def activation(h_MF: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "swiglu":
+def activation(h_MF: torch.Tensor, kind: str, offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
+    """The MLP's activation; a gated one (Megatron's glu) with its up projection's `offset` and, with `clamp`,
+    the gate clamped above and the up projection to +-clamp first (GPT-OSS's)."""
+    if kind in GATED:
         gate, up = h_MF.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        gated = F.silu(gate) if kind == "swiglu" else gate * torch.sigmoid(1.702 * gate)   # quick GELU
+        return gated * (up + offset) if offset else gated * up
     approximate = _GELU_APPROXIMATE[kind]
     if fused_gelu_applies(h_MF):
         return bias_gelu(h_MF, approximate=approximate)
     return F.gelu(h_MF, approximate=approximate)
 
 
-def biased_activation(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int], kind: str) -> torch.Tensor:
+def biased_activation(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int], kind: str,
+                      offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
     """activation(y + each expert's bias on its rows); GELU adds the bias in its own pass where it is fused."""
     if kind in _GELU_APPROXIMATE and fused_gelu_applies(y_MF, b_LF):
         return bias_gelu(y_MF, b_LF, counts, _GELU_APPROXIMATE[kind])
-    return activation(_add_bias(y_MF, b_LF, counts), kind)
+    return activation(_add_bias(y_MF, b_LF, counts), kind, offset, clamp)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -119,8 +126,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, config: MoEConfig, shard: ExpertShard):
         super().__init__()
         L, D, Fw = shard.num_local_experts, config.hidden_size, expert_ffn_size(config)
-        fan_out = 2 * Fw if config.activation == "swiglu" else Fw
+        fan_out = 2 * Fw if config.activation in GATED else Fw
         self.activation = config.activation
+        self.offset, self.clamp = config.glu_linear_offset, config.activation_clamp
         self.use_grouped = config.grouped_gemm
         self.pad_rows = config.pad_expert_rows
         self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
@@ -151,7 +159,8 @@ class GroupedExperts(nn.Module):
         return self._ffn(x_PD, padded).index_select(0, rows_M)
 
     def _ffn(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts, self.activation)
+        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts, self.activation,
+                              self.offset, self.clamp)
         return _add_bias(expert_mm(a, self.w2, counts, self.use_grouped), self.b2, counts)
 
 
@@ -185,14 +194,15 @@ class _AddExpertBias(torch.autograd.Function):
 class DenseMLP(nn.Module):
     """A plain MLP (the shared expert, and the dense layers of the GPT model)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation_kind: str, bias: bool = False):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation_kind: str, bias: bool = False,
+                 offset: float = 0.0, clamp: Optional[float] = None):
         super().__init__()
         if activation_kind not in ACTIVATIONS:
             raise ValueError(f"activation {activation_kind!r}: must be one of {', '.join(ACTIVATIONS)}")
-        fan_out = 2 * ffn_hidden_size if activation_kind == "swiglu" else ffn_hidden_size
-        self.activation = activation_kind
+        fan_out = 2 * ffn_hidden_size if activation_kind in GATED else ffn_hidden_size
+        self.activation, self.offset, self.clamp = activation_kind, offset, clamp
         self.fc1 = nn.Linear(hidden_size, fan_out, bias=bias)
         self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), self.activation))
+        return self.fc2(activation(self.fc1(x), self.activation, self.offset, self.clamp))

@@ -66,7 +66,8 @@ class MoELayer(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                          config.activation, bias=bool(config.bias))
+                                          config.activation, bias=bool(config.bias), offset=config.glu_linear_offset,
+                                          clamp=config.activation_clamp)
         if config.shared_expert_gate:   # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)

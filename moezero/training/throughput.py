@@ -20,7 +20,9 @@ def flops_per_batch(model: GPTConfig, moe: Optional[MoEConfig], vocab_size: int,
     h, depths = model.hidden_size, model.mtp_num_layers or 0
     layers = model.num_layers + depths   # Megatron's: an MTP depth's layer is of the last layer's kind
     tokens = batch_size * model.seq_length
-    gemms_per_ffn = 3 if model.swiglu else 2   # SwiGLU: gate and up projections, then down; else up, down
+    # SwiGLU: gate and up projections, then down; else up, down. Megatron's formula asks --swiglu only: it counts
+    # --quick-geglu's three GEMMs as two, and windowed attention as full (its figure is what this reproduces)
+    gemms_per_ffn = 3 if model.swiglu else 2
     kinds = [is_moe_layer(min(i, model.num_layers - 1), model.moe_layer_freq) for i in range(layers)]
     moe_layers = sum(kinds) if moe is not None else 0
     mlp = model.ffn_hidden_size * gemms_per_ffn * (layers - moe_layers)

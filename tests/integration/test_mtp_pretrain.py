@@ -1,11 +1,15 @@
 """Multi-token prediction in a training run (--mtp-num-layers, --mtp-loss-scaling-factor): the lm and MTP loss
 curves are layout invariant (one process = 2 ranks at ep 1 and 2, stages 1 and 3, a stage-3 resume), the MTP
 loss trains the model, and it is logged as Megatron logs it ('mtp_1 loss' on the console and in TensorBoard);
-the MTP depth's MoE layer is counted and logged with the others."""
+the MTP depth's MoE layer is counted and logged with the others. The model has GPT-OSS's attention and experts
+(Megatron's flags), whose curves are layout invariant too."""
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, train
 
-ROPE = TINY + ["--position-embedding-type", "rope", "--train-iters", "8", "--fp64"]
+# with GPT-OSS's attention sinks, windows on every other layer (the MTP depth's too) and clamped quick GEGLU
+ROPE = TINY + ["--position-embedding-type", "rope", "--train-iters", "8", "--fp64", "--softmax-type", "learnable",
+               "--window-size", "8,0", "--window-attn-skip-freq", "2", "--quick-geglu", "--glu-linear-offset", "1",
+               "--activation-func-clamp-value", "0.5"]
 MTP = ROPE + ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 
 
