@@ -82,6 +82,10 @@ CONFIGS = {
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
         attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1e6, tie_word_embeddings=False,
         num_nextn_predict_layers=0),
+    # GPT-OSS: biases, sinks, a 5-key window on layers 1 and 3, YaRN without rounding, a clamp that bites
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON, head_dim=12, intermediate_size=24, num_local_experts=4, sliding_window=5, swiglu_limit=0.5,
+        rope_parameters=_yarn(truncate=False, beta_fast=8.0, beta_slow=1.0), tie_word_embeddings=False),
     # Kimi-K2: DeepSeek-V3's architecture, one expert group, YaRN with beta 1/1 (its config.json says kimi_k2)
     "kimi_k2": lambda: transformers.DeepseekV3Config(
         **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,

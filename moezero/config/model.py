@@ -287,6 +287,9 @@ class GPTConfig(Validated):
                                              defines_model=True)
     yarn_beta_slow: Optional[float] = option(None, "YaRN: beta_slow (default 1)", flag="--yarn-beta-slow",
                                              defines_model=True)
+    no_yarn_correction_range_round_to_int: bool = option(
+        False, "YaRN: keep the ends of the ramp between beta_fast and beta_slow fractional (GPT-OSS's; transformers' "
+        "truncate false)", flag="--no-yarn-correction-range-round-to-int", defines_model=True)
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer instead of tied embeddings",
                                                        flag="--untie-embeddings-and-output-weights", defines_model=True)
     normalization: str = option("LayerNorm", "norm layer", flag="--normalization", choices=("LayerNorm", "RMSNorm"),

@@ -48,7 +48,7 @@ def import_hub(hf_dir: str, ckpt_dir: str, piece_bytes: int = PIECE_BYTES) -> st
     params = dict(model.named_parameters())
     check_hub_shapes(hub, table, params)
     reader = _HubPieces(hub, table, {name: tuple(p.shape) for name, p in params.items()})
-    buffers = {name: table[name].assemble(hub.read).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
+    buffers = {name: table[name].assemble(hub).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
                for name, b in model.named_buffers()}
     train_state = {"param_shapes": reader.shapes, "optimizer": _fresh_adamw_scalars(), "configs": run_configs(hf_dir),
                    "plugins": {}, "progress": {}, "opt_param_scheduler": {}}
@@ -74,7 +74,7 @@ class _HubPieces:
         if not link.per_expert:
             return link.read_range(self.hub, lo, hi, shape).float()
         row = math.prod(shape[1:])
-        return link.assemble(self.hub.read, range(lo // row, hi // row)).float().reshape(-1)
+        return link.assemble(self.hub, range(lo // row, hi // row)).float().reshape(-1)
 
 
 def _fresh_adamw_scalars() -> Dict:
@@ -111,11 +111,14 @@ def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTMod
         if name not in saved_names:
             raise CheckpointError(f"{reader.path}: has no {name} (saved from another model?)")
         defer_values(param, functools.partial(reader.read, saved_names[name]))
-    stored = reader.model_state()
+    stored, persistent = reader.model_state(), set(model.state_dict())
     for name, buffer in model.named_buffers():
+        allocate(buffer)
+        if name not in persistent:   # a checkpoint holds no non-persistent buffer (an unused expert bias): its zeros
+            buffer.zero_()
+            continue
         if name not in stored:
             raise CheckpointError(f"{reader.path}: has no '{name}' (saved from another model?)")
-        allocate(buffer)
         buffer.copy_(stored[name])
     return model
 

@@ -16,6 +16,8 @@ layers route with a softmax top-k; they differ in a few switches:
                Kimi-K2         groups scored by their top two, the top-k weights renormalised and scaled
   glm4_moe     GLM-4.5/4.6     GQA with RoPE on part of each head, q/k/v biases, optional per-head q/k norms;
                                DeepSeek-V3's router, shared experts and dense first layers
+  gpt_oss      GPT-OSS         GQA with biases and attention sinks, sliding windows on alternate layers, YaRN;
+                               experts with biases and a clamped quick GEGLU, stacked in the files (MXFP4 or not)
 
 `Family.configs(hf)` gives (GPTConfig, MoEConfig) from a config.json dict, `Family.hf_config(gpt, moe)` the
 other way; a setting the family cannot express is an UnsupportedModel naming it.
@@ -28,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from moezero.config import GPTConfig, MoEConfig, is_moe_layer
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer, is_window_layer
 
 
 class UnsupportedModel(ValueError):
@@ -50,6 +52,7 @@ class Family:
     shared_expert_module: str = "shared_expert"
     dense: bool = False                    # a dense model (Llama, Qwen3): the source of upcycling
     fp32_modules: Tuple[str, ...] = ()     # transformers' _keep_in_fp32_modules_strict: fp32 in any model dtype
+    stacked_experts: bool = False          # each layer's experts in stacked tensors (GPT-OSS), not one key each
 
     def keeps_fp32(self, hub_key: str) -> bool:
         """Whether transformers keeps the tensor of `hub_key` in fp32 whatever the model's dtype (matched as its
@@ -58,7 +61,7 @@ class Family:
 
     @property
     def expert_width_field(self) -> str:
-        return "intermediate_size" if self.model_type in ("mixtral", "olmoe") else "moe_intermediate_size"
+        return "intermediate_size" if self.model_type in ("mixtral", "olmoe", "gpt_oss") else "moe_intermediate_size"
 
     # ---- Hugging Face config -> moezero configs
 
@@ -191,6 +194,7 @@ class DeepSeekFamily(Family):
             mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if yarn else 0.0,
             yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings") if yarn else None,
             yarn_beta_fast=rope.get("beta_fast") if yarn else None, yarn_beta_slow=rope.get("beta_slow") if yarn else None,
+            no_yarn_correction_range_round_to_int=yarn and rope.get("truncate", True) is False,
             moe_layer_freq=1 if all(pattern) else pattern, mtp_num_layers=mtp_layers(hf) if self.version == 3 else None)
         moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
                         ffn_hidden_size=hf["moe_intermediate_size"],
@@ -244,6 +248,8 @@ class DeepSeekFamily(Family):
                         mscale_all_dim=gpt.mscale_all_dim, beta_fast=gpt.yarn_beta_fast,
                         beta_slow=gpt.yarn_beta_slow,
                         original_max_position_embeddings=gpt.yarn_original_max_position_embeddings)
+            if gpt.no_yarn_correction_range_round_to_int:
+                rope["truncate"] = False
         pattern = [is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)]
         hf: Dict[str, Any] = {
             **_decoder_hf_fields(gpt, self, dtype),
@@ -389,6 +395,99 @@ class Glm4MoeFamily(Family):
             yield "a router other than sigmoid scores with an expert bias (groups by their two best)"
 
 
+@dataclass(frozen=True)
+class GptOssFamily(Family):
+    """GPT-OSS: GQA with biases (attention_bias) and attention sinks, a sliding window on the layers layer_types
+    names (transformers' sliding_window W keys: Megatron's window W - 1, 0), YaRN (truncate false: the correction
+    range unrounded), every layer MoE: a router with a bias, softmax over the top-k logits, experts with biases and
+    quick GELU gated by a clamped, offset up projection (swiglu_limit; alpha 1.702), stacked in the files."""
+
+    def configs(self, hf: Dict[str, Any]) -> Tuple[GPTConfig, MoEConfig]:
+        hf = with_defaults(hf, self)
+        _refuse_unsupported(hf, self)
+        if float(hf.get("swiglu_alpha", 1.702)) != 1.702:
+            raise UnsupportedModel(f"{self.model_type} config swiglu_alpha={hf['swiglu_alpha']} (quick GELU's is "
+                                   "1.702): not supported by moezero")
+        if not (hf.get("rope_parameters") or hf.get("rope_scaling")):   # what its config class fills in
+            hf = dict(hf, rope_parameters=dict(_GPT_OSS_ROPE, rope_theta=hf["rope_theta"]))
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        rope = _rope_parameters(hf, yarn=True)
+        fields = dict(_decoder_fields(hf, rope), swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
+                      activation_func_clamp_value=float(hf["swiglu_limit"]), softmax_type="learnable",
+                      disable_bias_linear=not hf.get("attention_bias", True), kv_channels=hf.get("head_dim")
+                      or hf["hidden_size"] // heads, group_query_attention=kv_heads != heads,
+                      num_query_groups=kv_heads, **_windows(hf), **_yarn_fields(rope))
+        moe = MoEConfig(num_experts=_num_experts(hf), top_k=hf["num_experts_per_tok"],
+                        ffn_hidden_size=hf["intermediate_size"], pre_softmax=False, bias=True,
+                        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+        return GPTConfig(**fields), moe
+
+    def hf_config(self, gpt: GPTConfig, moe: MoEConfig, dtype: str) -> Dict[str, Any]:
+        self.check_expressible(gpt, moe)
+        rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": gpt.rotary_base}
+        if gpt.rope_type == "yarn":
+            rope.update(rope_type="yarn", factor=gpt.rotary_scaling_factor, beta_fast=gpt.yarn_beta_fast,
+                        beta_slow=gpt.yarn_beta_slow, truncate=not gpt.no_yarn_correction_range_round_to_int,
+                        original_max_position_embeddings=gpt.yarn_original_max_position_embeddings)
+        windowed = [is_window_layer(i, gpt) for i in range(gpt.num_layers)]
+        return {**_decoder_hf_fields(gpt, self, dtype), "num_key_value_heads": gpt.query_groups,
+                "head_dim": gpt.kv_channels, "attention_bias": not gpt.disable_bias_linear, "rope_parameters": rope,
+                "sliding_window": gpt.window_size[0] + 1 if gpt.window_size else None,
+                "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+                "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "intermediate_size": moe.ffn_hidden_size or gpt.ffn_hidden_size, "swiglu_alpha": 1.702,
+                "swiglu_limit": gpt.activation_func_clamp_value, "router_aux_loss_coef": moe.aux_loss_coeff}
+
+    def _differences(self, gpt: GPTConfig, moe: Optional[MoEConfig]):
+        if gpt.mtp_num_layers:
+            yield _NO_MTP
+        if gpt.apply_layernorm_1p or gpt.normalization != "RMSNorm":
+            yield "LayerNorm or --apply-layernorm-1p (it has RMSNorm)"
+        if gpt.multi_latent_attention or gpt.qk_layernorm or gpt.position_embedding_type != "rope" \
+                or gpt.rotary_percent != 1.0 or gpt.rotary_seq_len_interpolation_factor is not None:
+            yield "MLA, q/k norms or positions other than RoPE on whole heads"
+        if gpt.add_qkv_bias and gpt.disable_bias_linear:
+            yield "q/k/v biases without the output projection's (its attention_bias is all or none)"
+        if not gpt.quick_geglu or gpt.glu_linear_offset != 1.0 or gpt.activation_func_clamp_value is None:
+            yield "an MLP other than quick GEGLU with offset 1 and a clamp (its experts')"
+        if gpt.softmax_type != "learnable":
+            yield "attention without sinks (--softmax-type learnable)"
+        if moe is None or moe.shared_expert_intermediate_size or not moe.bias or moe.pre_softmax \
+                or moe.score_function != "softmax" or moe.num_groups or moe.enable_expert_bias \
+                or moe.topk_scaling_factor not in (None, 1.0):
+            yield "a router or experts other than softmax over the top-k logits, with biases, no shared expert"
+        elif not all(is_moe_layer(i, gpt.moe_layer_freq) for i in range(gpt.num_layers)):
+            yield "dense layers (every layer of it is MoE)"
+
+
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _windows(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's --window-size and --window-attn-skip-freq of transformers' sliding_window and layer_types
+    (default: sliding, full, sliding, ..., as its config class fills them in)."""
+    layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    pattern = [int(t == "sliding_attention") for t in types]
+    if not window or not any(pattern):
+        return {}
+    every_other = [int((i + 1) % 2 != 0) for i in range(layers)]
+    return dict(window_size=(window - 1, 0), window_attn_skip_freq=2 if pattern == every_other else pattern)
+
+
+def _yarn_fields(rope: Dict[str, Any]) -> Dict[str, Any]:
+    """The GPTConfig fields of a (standard-attention) YaRN rope_parameters; plain RoPE's where it is not YaRN."""
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return dict(rope_type="rope")
+    return dict(rope_type="yarn", rotary_scaling_factor=float(rope.get("factor", 1.0)),
+                mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+                yarn_beta_fast=rope.get("beta_fast"), yarn_beta_slow=rope.get("beta_slow"),
+                no_yarn_correction_range_round_to_int=rope.get("truncate", True) is False)
+
+
 FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts",
            always_renormalises=True),
@@ -407,6 +506,8 @@ FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
     Glm4MoeFamily("glm4_moe", "Glm4MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts",
                   qk_norm="head", qkv_bias_field="attention_bias", shared_expert_module="shared_experts",
                   fp32_modules=("e_score_correction_bias", "gate.weight")),
+    GptOssFamily("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"),
+                 "num_local_experts", qkv_bias_field="attention_bias", stacked_experts=True),
 )}
 DENSE = (Family("llama", "LlamaForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", dense=True),
          Family("qwen3", "Qwen3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), "", qk_norm="head",
@@ -491,8 +592,8 @@ def _rope_parameters(hf: Dict[str, Any], yarn: bool = False) -> Dict[str, Any]:
     allowed = ("default", "yarn") if yarn else ("default",)
     if kind not in allowed:
         raise UnsupportedModel(f"rope_parameters.rope_type={kind!r}: not supported by moezero ({', '.join(allowed)})")
-    if rope.get("attention_factor") is not None or rope.get("truncate") is False:
-        raise UnsupportedModel("rope_parameters.attention_factor / truncate=false: not supported by moezero")
+    if rope.get("attention_factor") is not None or (rope.get("truncate") is False and kind != "yarn"):
+        raise UnsupportedModel("rope_parameters.attention_factor: not supported by moezero")
     return rope
 
 

@@ -2,7 +2,8 @@
 
 Reading is lazy: a tensor is read from its shard when asked for (safetensors maps the file, one file at a time),
 so a rank reads only what it holds and keeps no more than one file's pages mapped. FP8 weights with 128x128-block
-scales (DeepSeek-V3's published checkpoints, `weight_scale_inv`) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
+scales (DeepSeek-V3's published checkpoints, `weight_scale_inv`) and MXFP4 expert stacks (GPT-OSS's, `X_blocks`
+and `X_scales` for a tensor X) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class HubDirectory:
             raise CheckpointMismatch(f"{config_path}: not a config (a JSON object is expected)")
         self._open: Dict[str, object] = {}
         self.weight_map = self._weight_map()
+        self.mxfp4 = {k[:-len("_blocks")] for k in self.weight_map
+                      if k.endswith("_blocks") and k[:-len("_blocks")] + "_scales" in self.weight_map}
 
     def _weight_map(self) -> Dict[str, str]:
         index = os.path.join(self.path, INDEX)
@@ -52,14 +55,20 @@ class HubDirectory:
         return {key: SINGLE for key in self._open_file(SINGLE).keys()}
 
     def keys(self) -> Iterable[str]:
-        return self.weight_map.keys()
+        """The tensors' keys; an MXFP4 tensor's once, under its own name (not its blocks' and scales')."""
+        packed = {k + suffix for k in self.mxfp4 for suffix in ("_blocks", "_scales")}
+        return [k for k in self.weight_map if k not in packed] + sorted(self.mxfp4)
 
     def file_of(self, key: str) -> str:
         """The path of the shard the index names for `key` (the folder where it names none)."""
+        key = key + "_blocks" if key in self.mxfp4 else key
         return os.path.join(self.path, self.weight_map.get(key, ""))
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor `key`; FP8 block-quantized weights (DeepSeek-V3's) come dequantized to fp32."""
+        """The tensor `key`; FP8 block-quantized weights (DeepSeek-V3's) and MXFP4 expert stacks (GPT-OSS's)
+        come dequantized to fp32."""
+        if key in self.mxfp4:
+            return dequantize_mxfp4(self._stored(key + "_blocks"), self._stored(key + "_scales"))
         tensor = self._stored(key)
         if tensor.dtype in FP8_DTYPES:
             self._check_scale_grid(key)
@@ -67,7 +76,9 @@ class HubDirectory:
         return tensor
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor `key` (dim 0), read without the rest; FP8 ones dequantized."""
+        """Rows [start, stop) of tensor `key` (dim 0), read without the rest; FP8 and MXFP4 ones dequantized."""
+        if key in self.mxfp4:   # rows of dim 0 are experts: whole ones, with their scales
+            return dequantize_mxfp4(self._slice(key + "_blocks")[start:stop], self._slice(key + "_scales")[start:stop])
         if not self._slice(key).get_dtype().startswith("F8"):
             return self._slice(key)[start:stop]
         self._check_scale_grid(key)
@@ -78,6 +89,9 @@ class HubDirectory:
         return dequantize_blocks(weight, scale, self.block_size)[start - first:]
 
     def shape(self, key: str) -> Tuple[int, ...]:
+        if key in self.mxfp4:   # blocks (E, out, in / 32, 16 bytes) hold the stack (E, in, out)
+            experts, out, groups, nbytes = self._slice(key + "_blocks").get_shape()
+            return experts, groups * nbytes * 2, out
         return tuple(self._slice(key).get_shape())
 
     @property
@@ -148,6 +162,23 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tupl
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.float() * scale
+
+
+# the values of the 16 FP4 (E2M1) codes
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 expert stack (E, in, out) of MXFP4 blocks (E, out, in / 32, 16 bytes: two FP4 codes a byte, the low
+    nibble first) and their scales (E, out, in / 32: a power of two, biased by 127), as OpenAI's GPT-OSS files
+    hold them."""
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise CheckpointMismatch(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not fit")
+    codes = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    pairs = torch.stack([codes[(blocks & 0x0F).long()], codes[(blocks >> 4).long()]], dim=-1)
+    values = torch.ldexp(pairs.flatten(-2), scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(-2, -1)
 
 
 def weight_files(path: str) -> List[str]:

@@ -3,13 +3,15 @@
 A `Link` says: this moezero tensor is the Hub tensors `keys` concatenated along dim 0 (the fused q/k/v
 projection from q_proj/k_proj/v_proj, a SwiGLU input projection from gate_proj/up_proj). A routed-expert
 stack (L, in, out) is per expert: its keys hold "{e}" for the global expert, and expert e's slice is the
-transpose of the concatenation (Hub weights are (out, in), moezero's expert stacks (in, out)).
+transpose of the concatenation (Hub weights are (out, in), moezero's expert stacks (in, out)); or `stacked`:
+one Hub tensor holds every expert as moezero does (GPT-OSS's), a rank reading its experts' rows, with the gate
+and up columns alternating where `interleaved` (moezero's gated input projection holds [gate | up]).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,17 +26,22 @@ class Link:
     sizes: Optional[Tuple[int, ...]] = None   # rows of each key (None: equal shares)
     copies: Tuple[str, ...] = ()   # Hub keys holding the same tensor again (an MTP layer's embedding and head):
                                    # written on export, not read (nor required) on import
+    stacked: bool = False       # an expert stack held whole by one Hub tensor, in moezero's layout
+    interleaved: bool = False   # a stacked gated projection whose Hub columns alternate gate, up
 
     def hub_keys(self, num_experts: int) -> List[str]:
-        if not self.per_expert:
+        if not self.per_expert or self.stacked:
             return list(self.keys)
         return [key.format(e=e) for e in range(num_experts) for key in self.keys]
 
-    def assemble(self, read: Callable[[str], torch.Tensor], experts: range = range(0)) -> torch.Tensor:
-        """The moezero tensor from the Hub tensors `read` returns (the experts `experts` of a stack)."""
+    def assemble(self, hub, experts: range = range(0)) -> torch.Tensor:
+        """The moezero tensor from the Hub tensors of `hub` (the experts `experts` of a stack)."""
+        if self.stacked:
+            value = hub.read_rows(self.keys[0], experts.start, experts.stop)
+            return _deinterleave(value) if self.interleaved else value
         if not self.per_expert:
-            return _cat([read(key) for key in self.keys])
-        return torch.stack([_cat([read(key.format(e=e)) for key in self.keys]).t() for e in experts])
+            return _cat([hub.read(key) for key in self.keys])
+        return torch.stack([_cat([hub.read(key.format(e=e)) for key in self.keys]).t() for e in experts])
 
     def read_range(self, hub, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
         """Elements [lo, hi) of the flattened moezero tensor of `shape`, reading only the Hub rows they lie in
@@ -51,7 +58,10 @@ class Link:
         return _cat(parts).reshape(-1)[lo - first * row:hi - first * row]
 
     def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
-        """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`)."""
+        """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`; a `stacked` one
+        whole)."""
+        if self.stacked:
+            return {self.keys[0]: _interleave(tensor) if self.interleaved else tensor}
         if not self.per_expert:
             return dict(zip(self.keys + self.copies, self._parts(tensor) + (tensor,) * len(self.copies)))
         out = {}
@@ -69,6 +79,16 @@ class Link:
 
 def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Last-dim columns g0 u0 g1 u1 ... -> [g0 g1 ... | u0 u1 ...]."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
 def links(family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Link]:
@@ -112,8 +132,12 @@ def _attention(ours: str, hub: str, gpt: GPTConfig) -> Dict[str, Link]:
     sizes = (gpt.num_attention_heads * gpt.kv_channels,) + (gpt.query_groups * gpt.kv_channels,) * 2
     out = {ours + "qkv.weight": Link(tuple(k + ".weight" for k in qkv), sizes=sizes),
            ours + "proj.weight": Link((hub + "o_proj.weight",))}
-    if gpt.add_qkv_bias:
+    if gpt.add_qkv_bias or not gpt.disable_bias_linear:
         out[ours + "qkv.bias"] = Link(tuple(k + ".bias" for k in qkv), sizes=sizes)
+    if not gpt.disable_bias_linear:
+        out[ours + "proj.bias"] = Link((hub + "o_proj.bias",))
+    if gpt.softmax_type == "learnable":   # GPT-OSS's attention sinks
+        out[ours + "softmax_offset"] = Link((hub + "sinks",))
     if gpt.qk_layernorm:
         out[ours + "q_norm.weight"] = Link((hub + "q_norm.weight",))
         out[ours + "k_norm.weight"] = Link((hub + "k_norm.weight",))
@@ -135,6 +159,8 @@ def _swiglu(ours: str, hub: str, projections: Tuple[str, str, str]) -> Dict[str,
 
 
 def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]:
+    if family.stacked_experts:
+        return _stacked_moe(ours, hub)
     gate, up, down = (f"{hub}experts.{{e}}.{p}.weight" for p in family.expert_projections)
     out = {ours + "router.wg.weight": Link((hub + "gate.weight",)),
            ours + "experts.w1": Link((gate, up), per_expert=True),
@@ -147,3 +173,14 @@ def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]
     if moe.shared_expert_gate:
         out[ours + "shared_expert_gate.weight"] = Link((hub + "shared_expert_gate.weight",))
     return out
+
+
+def _stacked_moe(ours: str, hub: str) -> Dict[str, Link]:
+    """GPT-OSS's: a router with its bias, each layer's experts in four stacked tensors, gate and up alternating."""
+    return {ours + "router.wg.weight": Link((hub + "router.weight",)),
+            ours + "router.wg.bias": Link((hub + "router.bias",)),
+            ours + "experts.w1": Link((hub + "experts.gate_up_proj",), per_expert=True, stacked=True, interleaved=True),
+            ours + "experts.b1": Link((hub + "experts.gate_up_proj_bias",), per_expert=True, stacked=True,
+                                      interleaved=True),
+            ours + "experts.w2": Link((hub + "experts.down_proj",), per_expert=True, stacked=True),
+            ours + "experts.b2": Link((hub + "experts.down_proj_bias",), per_expert=True, stacked=True)}

@@ -139,7 +139,7 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
                 allocate(param)
             experts = range(shard.first_global_expert, shard.first_global_expert + shard.num_local_experts) \
                 if shard else range(0)
-            value = table[name].assemble(hub.read, experts)
+            value = table[name].assemble(hub, experts)
             if value.shape != param.shape:
                 raise CheckpointMismatch(f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "
                                          f"model its config describes, {tuple(value.shape)} from "
@@ -157,6 +157,13 @@ def check_hub_shapes(hub: HubDirectory, table: Dict[str, Link], params: Dict[str
     """Each param's Hub tensors (an expert stack's: expert 0's) have its shape, read from the files' headers."""
     for name, param in params.items():
         link = table[name]
+        if link.stacked:   # the Hub tensor holds every expert, each as moezero's
+            shape, expected = hub.shape(link.keys[0])[1:], tuple(param.shape[1:])
+            if shape != expected:
+                raise CheckpointMismatch(f"{hub.file_of(link.keys[0])}: {name} holds experts of "
+                                         f"{tuple(param.shape[1:])} in the model its config describes, "
+                                         f"{shape} in {link.keys[0]}")
+            continue
         keys = [key.format(e=0) for key in link.keys] if link.per_expert else list(link.keys)
         shapes = [hub.shape(key) for key in keys]
         shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.distributed as dist
 
-from moezero.hf.families import FAMILIES, Family, family_for
+from moezero.hf.families import FAMILIES, Family, UnsupportedModel, family_for
 from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
 from moezero.hf.staged_write import abandon_write, finish_write, start_write, write_shard
@@ -82,6 +82,11 @@ class _HubLayout:
         shard = expert_shard_of(tensor)
         if shard is None or shard.ep_size == 1:
             return [(None, None, everyone)]
+        if self.table[name].stacked:
+            raise UnsupportedModel(f"{self.family.model_type} holds all experts of a layer in one tensor "
+                                   f"({self.table[name].keys[0]}), which no rank of an ep {shard.ep_size} layout "
+                                   "holds whole: save from an ep 1 layout, or export a checkpoint with "
+                                   "tools/hf_checkpoint.py export")
         if self.groups is None or self.groups.ep_size != shard.ep_size:
             raise ValueError(f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
                              f"ParallelGroups the model was built with")
@@ -107,8 +112,9 @@ class _HubLayout:
         first = shard.first_global_expert if shard is not None and shard.ep_size > 1 else None
         if plan.writer[_piece_name(name, first)] != rank:
             return
-        for start, value in _values(tensor, per_expert=self.table[name].per_expert):
-            for key, part in self.table[name].split(value, first_expert=(first or 0) + start).items():
+        link = self.table[name]
+        for start, value in _values(tensor, per_expert=link.per_expert and not link.stacked):
+            for key, part in link.split(value, first_expert=(first or 0) + start).items():
                 put(key, part.to(dtype=self.dtype_of(key), memory_format=torch.contiguous_format, copy=True))
 
 

@@ -30,12 +30,15 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    round_to_int: bool = True   # the ramp's ends rounded out to whole dimensions (Megatron's default, DeepSeek's)
 
     def inverse_frequencies(self, dim: int, base: float) -> torch.Tensor:
         powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         extrapolated, interpolated = 1.0 / powers, 1.0 / (self.factor * powers)
         low, high = (_correction_dim(b, dim, base, self.original_max_positions) for b in (self.beta_fast, self.beta_slow))
-        low, high = max(math.floor(low), 0), min(math.ceil(high), dim - 1)
+        if self.round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001   # no division by zero
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -60,7 +63,8 @@ def yarn_of(config: GPTConfig) -> Optional[YarnScaling]:
     if config.rope_type != "yarn":
         return None
     return YarnScaling(config.rotary_scaling_factor, config.yarn_original_max_position_embeddings,
-                       config.yarn_beta_fast, config.yarn_beta_slow, config.mscale, config.mscale_all_dim)
+                       config.yarn_beta_fast, config.yarn_beta_slow, config.mscale, config.mscale_all_dim,
+                       round_to_int=not config.no_yarn_correction_range_round_to_int)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -350,9 +350,13 @@ class Pretraining:
         if not target:
             return
         try:
-            family_for(self.model.config, self.model.moe_config)
+            family = family_for(self.model.config, self.model.moe_config)
         except UnsupportedModel as exc:
             raise ConfigError(f"--save-hf={target}: {exc}") from None
+        if family.stacked_experts and self.groups.ep_size > 1:
+            raise ConfigError(f"--save-hf={target}: {family.model_type} holds all experts of a layer in one tensor, "
+                              f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
+                              "export a checkpoint with tools/hf_checkpoint.py export instead")
         if any(parametrize.is_parametrized(module) for module in self.model.modules()):
             raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); export a "
                               "checkpoint with tools/hf_checkpoint.py export instead")

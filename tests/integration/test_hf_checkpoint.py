@@ -69,6 +69,31 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     assert len(set(index["weight_map"].values())) == 2, "one file per rank"
 
 
+def test_gpt_oss_imports_trains_on_two_ranks_and_exports(tmp_path):
+    """GPT-OSS (stacked experts, sinks, windows, YaRN): import -> export is bitwise; the import fine-tunes on 2
+    ranks (ep 2, ZeRO stage 3) and its checkpoint exports to a folder transformers loads to moezero's logits.
+    --save-hf at ep 2 is refused at start: no rank holds a layer's stacked experts whole."""
+    hub, ckpt, back = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    tiny_model("gpt_oss", seed=4).float().save_pretrained(hub)
+    _tool("import", hub, ckpt)
+    _tool("export", ckpt, back)
+    original, exported = hub_tensors(hub), hub_tensors(back)
+    assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
+    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout
+    _tool("export", tuned, out)
+    model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
+    with torch.no_grad():
+        ours = model(PROBE)[0]
+    theirs = hf_logits(load_with_transformers(out), PROBE)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
+    assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
+    refused = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save-hf", str(tmp_path / "hf")] + FINETUNE, timeout=240)
+    assert refused.returncode != 0 and "holds all experts of a layer in one tensor" in refused.stdout + refused.stderr
+
+
 def test_a_directory_moezero_cannot_read_is_one_line(tmp_path):
     proc = run([sys.executable, tool("hf_checkpoint"), "import", str(tmp_path), str(tmp_path / "ckpt")])
     assert proc.returncode == 2 and "no config.json (not a Hugging Face model directory)" in proc.stderr

@@ -223,7 +223,7 @@ def test_what_a_family_cannot_hold_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
-    ({"model_type": "gpt_oss"}, "model_type 'gpt_oss' is not supported by moezero"),
+    ({"model_type": "jamba"}, "model_type 'jamba' is not supported by moezero"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
 ])
@@ -300,6 +300,64 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
     with torch.no_grad(), opt.full_parameters():
         torch.testing.assert_close(lazy(TOKENS)[0], ours, rtol=0, atol=1e-13)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_published_and_export_dense(tmp_path):
+    """GPT-OSS's expert stacks stored MXFP4 (X_blocks and X_scales, as OpenAI's files hold them) give the logits
+    transformers gives for the weights its own dequantization makes, eagerly and lazily at stage 3 (read by
+    expert rows); the export is dense and drops quantization_config."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tiny_model("gpt_oss", intermediate_size=32).save_pretrained(tmp_path / "plain")   # widths of 32-blocks
+    with open(tmp_path / "plain" / "config.json") as f:
+        config = json.load(f)
+    stored, dequantized, g = hub_tensors(str(tmp_path / "plain")), {}, torch.Generator().manual_seed(3)
+    for key in [k for k in stored if k.endswith(("gate_up_proj", "down_proj"))]:
+        experts, inputs, outputs = stored.pop(key).shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g, dtype=torch.int32)
+        scales = torch.randint(120, 125, (experts, outputs, inputs // 32), generator=g, dtype=torch.int32)
+        stored[key + "_blocks"], stored[key + "_scales"] = blocks.to(torch.uint8), scales.to(torch.uint8)
+        dequantized[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float64)
+    _write_directory(str(tmp_path / "dequantized"), config, {**hub_tensors(str(tmp_path / "plain")), **dequantized})
+    _write_directory(str(tmp_path / "mxfp4"), dict(config, quantization_config={"quant_method": "mxfp4"}), stored)
+    reference = hf_logits(load_with_transformers(str(tmp_path / "dequantized")), TOKENS)
+    model = hub.from_pretrained(str(tmp_path / "mxfp4"), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS)[0], reference, rtol=0, atol=1e-8)
+    lazy = hub.from_pretrained(str(tmp_path / "mxfp4"), dtype=torch.float64, lazy=True)
+    opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
+    with torch.no_grad(), opt.full_parameters():
+        torch.testing.assert_close(lazy(TOKENS)[0], model(TOKENS)[0], rtol=0, atol=1e-13)
+    hub.save_pretrained(model, str(tmp_path / "dense"))
+    with open(tmp_path / "dense" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    exported = hub_tensors(str(tmp_path / "dense"))
+    assert all(torch.equal(exported[k], v) for k, v in dequantized.items())
+
+
+def test_megatron_flags_of_a_gpt_oss_model_export_as_gpt_oss(tmp_path):
+    """Megatron's GPT-OSS flags (sinks, a window on every other layer, clamped quick GEGLU) with biases are
+    GPT-OSS: transformers loads the export (sliding_window = the window + 1) to moezero's logits."""
+    cfg = configs(["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+                   "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12",
+                   "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
+                   "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
+                   "--moe-ffn-hidden-size", "24", "--quick-geglu", "--glu-linear-offset", "1",
+                   "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable", "--window-size", "4,0",
+                   "--window-attn-skip-freq", "2"])
+    cfg.model.vocab_size = 97
+    model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
+    with torch.no_grad():   # biases and sinks away from their zero init
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or name.endswith(("b1", "b2")):
+                p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(len(name))))
+    hub.save_pretrained(model, str(tmp_path))
+    exported = load_with_transformers(str(tmp_path))
+    assert type(exported).__name__ == "GptOssForCausalLM" and exported.config.sliding_window == 5
+    assert exported.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
 
 
 def test_a_lazy_model_placed_on_a_device_reads_its_deferred_params_there(tmp_path):
