@@ -238,6 +238,14 @@ def test_a_config_moezero_cannot_reproduce_is_refused(change, message, tmp_path)
         hub.from_pretrained(str(tmp_path))
 
 
+def test_a_gpt_oss_config_moezero_cannot_reproduce_is_refused(tmp_path):
+    """Quick GELU's gain is 1.702 in moezero (and Megatron); another swiglu_alpha is refused by name."""
+    tiny_model("gpt_oss").save_pretrained(tmp_path)
+    _set_config_field(tmp_path, "swiglu_alpha", 1.5)
+    with pytest.raises(UnsupportedModel, match="swiglu_alpha=1.5"):
+        hub.from_pretrained(str(tmp_path))
+
+
 def test_tensors_that_do_not_fit_the_config_are_named(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
