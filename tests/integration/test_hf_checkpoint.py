@@ -28,6 +28,23 @@ def _tool(*args):
     return proc
 
 
+def _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt):
+    """FINETUNE on 2 ranks (ep 2, ZeRO stage 3) from the imported `ckpt`, then its checkpoint exported: the folder
+    transformers loads gives moezero's logits of the checkpoint, not the source's. (the run, the folder)"""
+    tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
+    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout
+    _tool("export", tuned, out)
+    model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
+    with torch.no_grad():
+        ours = model(PROBE)[0]
+    theirs = hf_logits(load_with_transformers(out), PROBE)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
+    assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
+    return proc, out
+
+
 def test_import_finetune_on_two_ranks_and_export(tmp_path):
     hub, ckpt, back = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "back")
     tiny_model("deepseek_v3", seed=4).float().save_pretrained(hub)   # fp32 weights: the masters hold them exactly
@@ -38,18 +55,8 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
-    tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
-    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout and "--use-checkpoint-args: --num-layers 3" in proc.stdout
-    assert "| mtp_1 loss: " in proc.stdout
-    _tool("export", tuned, out)
-    model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
-    with torch.no_grad():
-        ours = model(PROBE)[0]
-    theirs = hf_logits(load_with_transformers(out), PROBE)
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
-    assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
+    proc, out = _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
+    assert "--use-checkpoint-args: --num-layers 3" in proc.stdout and "| mtp_1 loss: " in proc.stdout
 
     # the same run straight from the Hub folder, saving Hub folders itself (each rank writes its share),
     # stopped after 2 iterations and requeued: the run's own checkpoint wins over the Hub folder
@@ -79,17 +86,7 @@ def test_gpt_oss_imports_trains_on_two_ranks_and_exports(tmp_path):
     _tool("export", ckpt, back)
     original, exported = hub_tensors(hub), hub_tensors(back)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
-    tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
-    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout
-    _tool("export", tuned, out)
-    model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
-    with torch.no_grad():
-        ours = model(PROBE)[0]
-    theirs = hf_logits(load_with_transformers(out), PROBE)
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
-    assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
+    _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
     refused = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save-hf", str(tmp_path / "hf")] + FINETUNE, timeout=240)
     assert refused.returncode != 0 and "holds all experts of a layer in one tensor" in refused.stdout + refused.stderr
 
