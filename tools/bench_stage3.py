@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stage 3 against stage 2: what sharding the params costs per step, on 2 processes with ep 2.
 
-    python tools/bench_stage3.py [--rounds 4] [--quick]
+    python tools/bench_stage3.py [--rounds 4] [--quick] [--min-unit-params N]
 
 Both stages train the same GPT-MoE (moezero's benchmark worker, keyed init, the same data) in
 alternating rounds; a ratio is the median over rounds of stage 3's step time over stage 2's from
@@ -39,13 +39,17 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--models", nargs="*", default=list(MODELS), help="a subset of: " + ", ".join(MODELS))
     p.add_argument("--quick", action="store_true", help="3 steps, 2 rounds, the small model (a smoke test)")
+    p.add_argument("--min-unit-params", type=int, default=100_000,
+                   help="stage 3's min_unit_params (the training script's --zero-min-unit-params; 0: every "
+                        "layer a unit)")
     args = p.parse_args()
     if args.quick:
         args.steps, args.rounds, args.models = 3, 2, ["small GPT-MoE hidden 64, fp32"]
     print("| model | stage 2 step (s) | stage 3 step (s) | stage 3 / stage 2 |")
     print("|---|---|---|---|")
     for name in args.models:
-        common = MODELS[name] + ["--steps", str(args.steps), "--warmup", "2", "--ep", "2"]
+        common = MODELS[name] + ["--steps", str(args.steps), "--warmup", "2", "--ep", "2",
+                                 "--min-unit-params", str(args.min_unit_params)]
         systems = [(f"stage {s}", lambda s=s: run_worker("moezero", common + ["--stage", str(s)])) for s in (2, 3)]
         results = alternate(systems, args.rounds, name)
         if not (ok(results["stage 2"]) and ok(results["stage 3"])):

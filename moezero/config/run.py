@@ -59,6 +59,9 @@ class ZeroConfig(Validated):
                                                 "--grad-reduce-dtype's)", flag="--megatron-fsdp-grad-comm-dtype",
                                                 choices=("fp32", "fp16", "bf16", "auto"))
     bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
+    min_unit_params: int = option(100_000, "stage 3: a layer whose params (its experts aside) number fewer than "
+                                  "this is gathered with the model's root, once per step, not alone (0: every "
+                                  "layer alone)", flag="--zero-min-unit-params")
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
                                     choices=("fp32", "bf16", "fp64"))
@@ -100,6 +103,7 @@ class ZeroConfig(Validated):
             self.grad_reduce_dtype = "bf16"
         self._check_precision_aware()
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
+        self._require(self.min_unit_params >= 0, "min_unit_params", "must be >= 0")
         self._require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         self._require(self.max_skipped_steps >= 1, "max_skipped_steps", "must be >= 1")
         self._require(self.initial_loss_scale > 0, "initial_loss_scale", "must be > 0")

@@ -72,6 +72,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             `weight_decay_groups(model, wd)` gives Megatron's no-decay rule for biases/norms/embeddings.
         loss_scaler: fp16 dynamic loss scaler (created automatically for fp16 models).
         max_skipped_steps: raise after this many non-finite steps in a row.
+        min_unit_params: stage 3: a block (a module of an nn.ModuleList/Sequential) whose params, its expert
+            stacks aside, number fewer than this is gathered with its parent's unit (the root's: from the forward's
+            start to the backward's end), not alone (default 0: every block is a unit).
         **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
@@ -80,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  clip_grad: Optional[float] = None, grad_reduce_dtype: torch.dtype = torch.float32,
                  main_grads_dtype: Optional[torch.dtype] = None, param_groups: Any = None,
                  loss_scaler: Optional[DynamicLossScaler] = None,
-                 max_skipped_steps: int = 20, **optimizer_kwargs):
+                 max_skipped_steps: int = 20, min_unit_params: int = 0, **optimizer_kwargs):
         check_elementwise(optimizer_cls)
         self.model = model
         self.groups = resolve_groups(groups)
@@ -89,7 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"main_grads_dtype={main_grads_dtype} needs an optimizer that keeps its own master "
                              f"weights (PrecisionAwareAdam); {optimizer_cls.__name__} steps master copies")
         self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype, main_grads_dtype,
-                                     in_optimizer)
+                                     in_optimizer, min_unit_params)
         self.clip_grad = clip_grad or None
         self.max_skipped_steps = max_skipped_steps
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
@@ -126,7 +129,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    grad_reduce_dtype=REDUCE_DTYPES[config.grad_reduce_dtype], loss_scaler=scaler,
                    main_grads_dtype=(REDUCE_DTYPES[config.main_grads_dtype] if config.use_precision_aware_optimizer
                                      else None),
-                   max_skipped_steps=config.max_skipped_steps, param_groups=param_groups, **optimizer_kwargs)
+                   max_skipped_steps=config.max_skipped_steps, param_groups=param_groups,
+                   min_unit_params=config.min_unit_params, **optimizer_kwargs)
 
     # ---- construction --------------------------------------------------------------------------
     def _build_engine(self, user_groups: List[Dict]):

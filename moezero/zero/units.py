@@ -60,6 +60,23 @@ def default_unit_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
     return isinstance(parent, (nn.ModuleList, nn.Sequential))
 
 
+def unit_policy(min_block_params: int = 0) -> UnitPolicy:
+    """default_unit_policy, where a block whose own params (its expert stacks are units of their own) number fewer
+    than `min_block_params` stays in its parent's unit: gathering it alone costs a collective and an agreement
+    record for a few bytes (DeepSpeed's stage3_param_persistence_threshold, FSDP's size-based wrap policy)."""
+    if min_block_params <= 0:
+        return default_unit_policy
+
+    def policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
+        if any(is_expert_parallel(p) for p in module.parameters(recurse=False)):
+            return True
+        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            return False
+        return sum(p.numel() for p in module.parameters() if not is_expert_parallel(p)) >= min_block_params
+
+    return policy
+
+
 @dataclass
 class UnitPlan:
     modules: List[nn.Module]                    # [0] is the root

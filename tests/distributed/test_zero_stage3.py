@@ -221,8 +221,9 @@ def _gpt(groups):
     return GPTModel(cfg, MoEConfig(num_experts=4, top_k=2), seed=3, moe_layer=expert_parallel(groups)).double()
 
 
-def _gpt_losses(stage, ep, qat_step, steps=4):
-    """Per-step mean lm loss over the global batch (2 sequences per rank of a 2-rank world)."""
+def _gpt_losses(stage, ep, qat_step, steps=4, min_unit_params=0, units=None):
+    """Per-step mean lm loss over the global batch (2 sequences per rank of a 2-rank world); `units` gets the
+    names of the stage-3 units."""
     from moezero.compression import QATConfig, apply_qat
     from moezero.models import language_model_loss
 
@@ -231,7 +232,9 @@ def _gpt_losses(stage, ep, qat_step, steps=4):
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = _gpt(groups)
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=200, lr=0.01,
-                        grad_reduce_dtype=torch.float64)
+                        grad_reduce_dtype=torch.float64, min_unit_params=min_unit_params)
+    if units is not None:
+        units.extend(opt.engine.gatherer.plan.names)
     losses = []
     for step in range(steps):
         if step == qat_step:
@@ -253,6 +256,21 @@ def _gpt_losses(stage, ep, qat_step, steps=4):
         losses.append(summed.item())
     groups.destroy()
     return losses
+
+
+def _small_blocks_with_the_root(_):
+    units = []
+    merged = _gpt_losses(3, 2, qat_step=99, min_unit_params=10 ** 6, units=units)
+    return merged, units, _gpt_losses(3, 2, qat_step=99), _gpt_losses(2, 2, qat_step=99)
+
+
+def test_blocks_under_min_unit_params_are_gathered_with_the_root_and_train_alike():
+    """min_unit_params: blocks smaller than it are no units of their own (their params join the root's, the
+    expert stacks stay units); the losses equal every block a unit and stage 2 (float64, ep 2)."""
+    merged, units, per_block, stage2 = run_distributed(_small_blocks_with_the_root, 2, None)[0]
+    assert units == ["", "layers.0.mlp.experts", "layers.1.mlp.experts"], units
+    torch.testing.assert_close(torch.tensor(merged), torch.tensor(per_block), rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.tensor(merged), torch.tensor(stage2), rtol=1e-12, atol=0)
 
 
 def test_qat_applied_to_a_live_stage3_optimizer_tracks_one_process():

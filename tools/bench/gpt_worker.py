@@ -49,7 +49,8 @@ def build_optimizer(args, model, groups):
         from moezero.zero import ZeroOptimizer
 
         return model, ZeroOptimizer(model, torch.optim.AdamW, groups, stage=args.stage, bucket_size=args.bucket,
-                                    overlap_comm=not args.no_overlap, clip_grad=1.0, **kwargs)
+                                    overlap_comm=not args.no_overlap, clip_grad=1.0,
+                                    min_unit_params=args.min_unit_params, **kwargs)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket * 4 / 2**20)
     if args.system == "ddp":
         return ddp, torch.optim.AdamW(model.parameters(), **kwargs)

@@ -28,6 +28,8 @@ def common_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket", type=int, default=2_000_000)
+    p.add_argument("--min-unit-params", type=int, default=100_000,
+                   help="stage 3: smaller blocks are gathered with the root (the training script's default)")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--no-fused", action="store_true", help="the per-tensor AdamW loop instead of torch's fused "
