@@ -382,7 +382,7 @@ def test_a_lazy_model_placed_on_a_device_reads_its_deferred_params_there(tmp_pat
         torch.testing.assert_close(lazy(TOKENS)[0], eager(TOKENS)[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral", "gpt_oss"])
 def test_greedy_generation_is_transformers(family, tmp_path):
     """moezero.models.generate on a loaded model continues a prompt as transformers' generate does (its KV
     cache, float64 throughout)."""
