@@ -69,7 +69,11 @@ class CausalSelfAttention(nn.Module):
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.dropout = config.attention_dropout
         self.window = window   # a sliding window: each query sees itself and the `window` keys before it
-        self.softmax_offset = softmax_offset(config)
+        offset = softmax_offset(config)
+        if offset is None or isinstance(offset, nn.Parameter):
+            self.softmax_offset = offset
+        else:   # a constant: a buffer, so that moving or casting the model moves it too
+            self.register_buffer("softmax_offset", offset, persistent=False)
         self.recompute_core = config.recompute_granularity == "selective"
         self.site = site
         bias = not config.disable_bias_linear
@@ -159,7 +163,7 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=
     if sinks is None:
         probs = torch.softmax(scores, -1)
     else:   # the sink's column joins each row's softmax and is dropped after it
-        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        sink = sinks.to(scores).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), -1)[..., :-1]
     return keyed_dropout(probs, dropout, True, keys, site) @ v
 

@@ -22,7 +22,7 @@ FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-atten
          "--softmax-type", "learnable", "--window-size", f"{WINDOW},0", "--window-attn-skip-freq", "2"]
 
 
-def _megatron_model():
+def _megatron_model(softmax_type):
     from megatron.core.activations import quick_gelu
     from megatron.core.models.gpt import GPTModel as MegatronGPT
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -32,15 +32,15 @@ def _megatron_model():
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
         activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=CLAMP,
-        softmax_type="learnable", window_size=(WINDOW, 0), window_attn_skip_freq=2, add_bias_linear=True,
+        softmax_type=softmax_type, window_size=(WINDOW, 0), window_attn_skip_freq=2, add_bias_linear=True,
         hidden_dropout=0.0, attention_dropout=0.0, **CPU_BUILD)
     return MegatronGPT(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
                        max_sequence_length=SEQ, position_embedding_type="rope",
                        share_embeddings_and_output_weights=False).double()
 
 
-def _compare():
-    cfg = configs(FLAGS)
+def _compare(softmax_type):
+    cfg = configs([a if a != "learnable" else softmax_type for a in FLAGS])
     cfg.model.vocab_size = VOCAB
     torch.manual_seed(0)
     model = GPTModel(cfg.model, seed=3).double()
@@ -52,7 +52,7 @@ def _compare():
     loss = language_model_loss(model(tokens)[0], labels, torch.ones(2, SEQ))
     loss.backward()
     with megatron_on_cpu():
-        theirs = _megatron_model()
+        theirs = _megatron_model(softmax_type)
         params = dict(theirs.named_parameters())
         state = megatron_state(model, HEADS, GROUPS)
         assert sorted(params) == sorted(state), sorted(set(params) ^ set(state))
@@ -68,11 +68,12 @@ def _compare():
     return loss.item() - their_loss.item(), errors, windowed
 
 
-def test_gpt_oss_flags_build_megatron_cores_model():
-    loss_error, grad_errors, windowed = run_distributed(_compare, 1, timeout=300)[0]
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_gpt_oss_flags_build_megatron_cores_model(softmax_type):
+    loss_error, grad_errors, windowed = run_distributed(_compare, 1, softmax_type, timeout=300)[0]
     assert windowed == [WINDOW, None, WINDOW]   # Megatron counts layers from 1: every 2nd is full attention
     # megatron-core's cross-entropy runs in fp32 (logits.float()), so its loss holds 7 digits and the gradients
     # agree to 1e-7, not 1e-15; a wrong mask, sink, clamp or offset is off by 1e-4 or more
     assert abs(loss_error) < 1e-6
     assert max(grad_errors.values()) < 1e-7, sorted(grad_errors.items(), key=lambda kv: -kv[1])[:3]
-    assert any(name.endswith("softmax_offset") for name in grad_errors)
+    assert any(name.endswith("softmax_offset") for name in grad_errors) == (softmax_type == "learnable")
