@@ -10,6 +10,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+import torch
+
 
 def _do_nothing(*args) -> None:
     return None
@@ -25,6 +27,7 @@ class WeakHook:
         self._bound = bound
         self._pass_last = pass_last
 
+    @torch.compiler.disable   # a compiled module runs its hooks eagerly: they gather, free and count
     def __call__(self, *args) -> None:
         owner = self._ref()
         if owner is not None:

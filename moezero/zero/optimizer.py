@@ -30,10 +30,8 @@ from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.modify import AdoptionFailed, ModifiedDifferently, modify_model
 from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups
-from moezero.zero.param_guard import COMPILE_REFUSED
 from moezero.zero.state import load_state, shard_state
 from moezero.zero.stages import stage_of
-from moezero.zero.torch_internals import is_compiled
 from moezero.zero.zero_param import Range
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -98,7 +96,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
         self._building = True
         self._retired = ""   # why this optimizer no longer manages the model (see _stop())
-        _refuse_compiled(model, stage)
         user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
@@ -330,14 +327,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _check_live(self) -> None:
         if self._retired:
             raise RuntimeError(self._retired)
-
-
-def _refuse_compiled(model: nn.Module, stage: int) -> None:
-    """Stage 3 gathers params in module hooks and guards every read of them, which torch.compile
-    cannot trace: build the optimizer on the plain model and do not compile it."""
-    if stage_of(stage).shards_params and (is_compiled(model)
-                       or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())):
-        raise ValueError(COMPILE_REFUSED)
 
 
 def _retire_previous_owner(model: nn.Module) -> None:

@@ -51,9 +51,9 @@ class ParamNotGathered(RuntimeError):
     """A stage-3 param (or an alias of it) was read where its values are not on this rank."""
 
 
-COMPILE_REFUSED = ("ZeroOptimizer stage 3 does not run under torch.compile (its gathers live in module hooks and "
-                   "its params are guarded tensors, which Dynamo cannot trace): run the model without "
-                   "torch.compile / module.compile(), or use stage 2")
+COMPILE_REFUSED = ("torch.compile traced a read of a param the stage-3 ZeroOptimizer holds sharded, outside its "
+                   "module's forward and backward: compile the model or its blocks (their gathers run eagerly in "
+                   "their hooks), and read weights outside compiled code, inside `with opt.full_parameters():`")
 
 
 @dataclass(frozen=True)

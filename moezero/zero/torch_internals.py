@@ -7,14 +7,12 @@ allows 2.6 <= torch < 3). If a torch release moves one of them, this is the file
   storage_key()            the identity of a tensor's storage, stable across a stage-3 free/regather resize
   parse_to_arguments()     what Tensor.to(...) was asked for (device, dtype, memory format), without running it
   no_subclass_dispatch()   run torch ops on a tensor subclass as on plain tensors (its own __torch_function__)
-  is_compiled()            torch.compile's wrapper module
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 
 def current_backward() -> int:
@@ -43,6 +41,3 @@ def parse_to_arguments(*args: Any, **kwargs: Any):
 def no_subclass_dispatch():
     return torch._C.DisableTorchFunctionSubclass()
 
-
-def is_compiled(model: nn.Module) -> bool:
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
