@@ -11,7 +11,8 @@ the argparse parser from these declarations: the argparse dest of a field is
 Validation lives in `__post_init__` and raises `ConfigError` naming the offending flag,
 its value and what is allowed.
 """
-from moezero.config.model import (GPTConfig, MoEConfig, expert_ffn_size, is_moe_layer, is_window_layer,
+from moezero.config.moe import MoEConfig
+from moezero.config.model import (GPTConfig, expert_ffn_size, is_moe_layer, is_window_layer,
                                   moe_layer_config, moe_layer_pattern, upgrade_stored_configs)
 from moezero.config.options import (ConfigError, Validated, check_experts_divide, flag_of, model_defining_fields,
                                     option)
