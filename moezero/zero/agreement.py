@@ -1,6 +1,7 @@
 """The optimizer's agreement points: what every rank states before a collective that pairs by order.
 
-    a stage-3 unit gather   (forward schedule, backward schedule, on demand, full_parameters)
+    a stage-3 unit gather   (forward schedule, backward schedule, on demand, full_parameters; a pass's end)
+    an MoE layer's exchanges (riding on them; at stage 3 also in the gathers' sequence: SiteRecords)
     the end of a backward that reduces gradients (its reductions are then waited for)
     reduce_gradients() / step()
     modify_model()
@@ -36,6 +37,8 @@ class Activity(enum.IntEnum):
     RECOVERY = 8
     LEAVE_FULL_PARAMETERS = 9   # the unit field: modifier_rank (-1: none)
     MODEL_COLLECTIVE = 10       # the unit field: which of the model's collective sites (an MoE layer)
+    FORWARD_GATHERS_END = 11    # a forward's schedule has no unit left to gather
+    BACKWARD_GATHERS_END = 12
 
 
 @dataclass
@@ -81,7 +84,8 @@ class RankAgreement:
         p = self.progress
         return int(activity), unit, p.forwards, p.backwards, p.reducing_backwards, int(torch.is_grad_enabled())
 
-    def settle(self, agreement: Agreement) -> None:
+    def settle(self, agreement: Optional[Agreement] = None) -> None:
+        """Check `agreement` and every record launched before it (None: every record launched so far)."""
         while self._pending:
             first = self._pending.popleft()
             first.check()
@@ -117,6 +121,8 @@ class RankAgreement:
             Activity.LEAVE_FULL_PARAMETERS: f"was leaving opt.full_parameters(modifier_rank={unit})",
             Activity.MODEL_COLLECTIVE: f"was entering the exchanges of '{self._site(unit)}' in a forward "
                                        f"({'with' if grad else 'without'} grad)",
+            Activity.FORWARD_GATHERS_END: "was heading for the end of a forward's unit gathers",
+            Activity.BACKWARD_GATHERS_END: "was heading for the end of a backward's unit gathers",
         }.get(activity, f"was doing activity {activity}")
         if activity in (Activity.END_OF_BACKWARD, Activity.REDUCE):
             return f"{text}, after {reducing} reducing backwards"
@@ -126,16 +132,24 @@ class RankAgreement:
 class SiteRecords:
     """Set on a model module whose forward exchanges with other ranks (an MoE layer, as `exchange_record`):
     called in its forward, it gives the record that rides on that exchange. Holds the agreement weakly and is
-    inert in a copy of the model (copy.deepcopy gives None)."""
+    inert in a copy of the model (copy.deepcopy gives None).
 
-    def __init__(self, agreement: RankAgreement, site: int):
+    `on_channel` (stage 3): the record is also checked on the agreement group first. There a rank can wait in
+    this exchange while a peer waits in a unit gather (another group), each for the other; with the record in
+    the same sequence as the gathers' records, the two meet at differing records and both raise.
+    """
+
+    def __init__(self, agreement: RankAgreement, site: int, on_channel: bool = False):
         self._ref = weakref.ref(agreement)
         self.site = site
+        self.on_channel = on_channel
 
     def __call__(self) -> Optional[ExchangeRecord]:
         agreement = self._ref()
         if agreement is None or in_backward():   # a recompute follows the forward every rank agreed on
             return None
+        if self.on_channel:
+            agreement.check(Activity.MODEL_COLLECTIVE, self.site)
         return ExchangeRecord(agreement.record(Activity.MODEL_COLLECTIVE, self.site), agreement.describe)
 
     def __deepcopy__(self, memo):

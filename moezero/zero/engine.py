@@ -87,8 +87,8 @@ class ZeroEngine:
         self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
                                    settings.overlap_comm, self.agreement)
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
-        self._collective_sites = self._watch_model_collectives(model)
         self.gatherer = self._unit_gatherer(plan) if plan else None
+        self._collective_sites = self._watch_model_collectives(model)
         self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
         self._flags_in_flight: List[Tuple[ParamFamily, torch.Tensor, object]] = []   # see begin_step
 
@@ -119,13 +119,15 @@ class ZeroEngine:
     def _watch_model_collectives(self, model: nn.Module) -> List[nn.Module]:
         """Modules whose forward talks to other ranks (MoE layers: `runs_collectives()`) get a record to carry on
         their exchanges, so ranks in different forwards or layer orders raise RanksDisagree instead of pairing
-        one layer's exchange with another's."""
+        one layer's exchange with another's. Where a forward also gathers units, the record is checked in the
+        gathers' sequence too (see SiteRecords)."""
         if self.agreement.group is None:
             return []
         sites = [(name, m) for name, m in model.named_modules()
                  if hasattr(m, "exchange_record") and m.runs_collectives()]
+        on_channel = self.gatherer is not None and self.gatherer.gathers_in_forward()
         for index, (_, module) in enumerate(sites):
-            module.exchange_record = SiteRecords(self.agreement, index)
+            module.exchange_record = SiteRecords(self.agreement, index, on_channel)
         self.agreement.site_names = [name for name, _ in sites]
         return [module for _, module in sites]
 

@@ -21,8 +21,11 @@ reads them for the input gradient), or at the end of backward.
 
 Every gather waits for an agreement record (`agreement.py`: the unit, why, this rank's forward
 and backward counts), so ranks that run different forwards or another unit order raise instead of
-hanging or mixing units. The records of a pass's schedule positions are launched two positions
-ahead, so ranks in step find them settled; a gather outside the schedule states its record then.
+hanging or mixing units. The records of a pass's schedule positions, and of its end, are launched
+two positions ahead, so ranks in step find them settled; a gather outside the schedule states its
+record then. A gather's wait cannot be interrupted, so before it every record launched so far must
+agree: a peer that went elsewhere (a retried forward, another unit order, an MoE layer's exchange,
+whose record joins this sequence) has then launched a differing record, and both raise.
 A read of a param whose unit is free (`param_guard.py`) gathers it on demand while the model's
 forward or a backward runs, and raises outside them.
 """
@@ -124,11 +127,15 @@ class _Schedule:
     """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
     agreement record of each position, launched ahead so that checking it costs no wait."""
 
-    def __init__(self, order: List[int], activity: Activity, agreement: RankAgreement, recorded: Set[int]):
+    def __init__(self, order: List[int], activity: Activity, end: Activity, agreement: RankAgreement,
+                 recorded: Set[int]):
         self.order = order
         self.recorded_units = recorded   # units whose gather talks to other ranks (the others need no record)
         self.position = {u: i for i, u in enumerate(order)}
-        self.activity, self.agreement = activity, agreement
+        self.activity, self.end_activity, self.agreement = activity, end, agreement
+        # the pass's end has a record too (when any gather has one), launched ahead like the others, so that a
+        # rank waiting in the last gathers still has a record ahead for a peer elsewhere to meet
+        self.records_end = len(order) + int(any(u in recorded for u in order))
         self.reset(launch_records=False)
 
     def reset(self, launch_records: bool = True) -> None:
@@ -150,9 +157,18 @@ class _Schedule:
             self.agreement.settle(record)
         self._launch_records(position + 1 + RECORDS_AHEAD)
 
+    def settle_end(self) -> None:
+        """The pass reached its end (its skipped units caught up with): the end's record must agree."""
+        self._launch_records(self.records_end)
+        record = self.records.pop(len(self.order), None)
+        if record is not None:
+            self.agreement.settle(record)
+
     def _launch_records(self, stop: int) -> None:
-        while self.recorded < min(stop, len(self.order)):
-            if self.order[self.recorded] in self.recorded_units:
+        while self.recorded < min(stop, self.records_end):
+            if self.recorded == len(self.order):
+                self.records[self.recorded] = self.agreement.launch(self.end_activity)
+            elif self.order[self.recorded] in self.recorded_units:
                 self.records[self.recorded] = self.agreement.launch(self.activity, self.order[self.recorded])
             self.recorded += 1
 
@@ -202,8 +218,10 @@ class UnitGatherer:
         self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
         self.collective_units = {u for u, held in parts.items() if any(not storage.local for storage, _ in held)}
-        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, agreement, self.collective_units)
-        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, agreement, self.collective_units)
+        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END,
+                                 agreement, self.collective_units)
+        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
+                                  agreement, self.collective_units)
         self.forward_active = False        # between the root's forward pre-hook and its end
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
@@ -224,6 +242,10 @@ class UnitGatherer:
             handle.remove()
         self._handles = []
 
+    def gathers_in_forward(self) -> bool:
+        """Whether a forward gathers units from other ranks after the root (its records then guard waits)."""
+        return any(unit in self.collective_units for unit in self.plan.forward_order)
+
     # ---- gather and free -----------------------------------------------------------------------
     def start(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None) -> None:
         """Launch the unit's gather once every rank agreed: on the record of its position in `schedule`
@@ -242,6 +264,9 @@ class UnitGatherer:
         """The unit's values here (`exposed`: the schedule's gather, its params of their own type)."""
         self.start(unit, activity, schedule)
         if self.state[unit] is UnitState.INFLIGHT:
+            # a gather's wait cannot be interrupted (gloo): first every record launched ahead must agree, so a
+            # rank whose peer went elsewhere (another forward, a layer's exchange) raises instead of waiting
+            self.agreement.settle()
             for work in self.works[unit]:
                 work.wait()
             self.works[unit] = []
@@ -355,6 +380,7 @@ class UnitGatherer:
         for skipped in self.forward.skipped_before(None):
             self.ensure(skipped, None, self.forward, exposed=False)
             self.free(skipped)
+        self.forward.settle_end()
         if not any(t.requires_grad for t in _tensors(output)):
             self.free(0)  # no backward follows; otherwise the root stays for it
 
@@ -399,6 +425,7 @@ class UnitGatherer:
         for skipped in self.backward.skipped_before(None):
             self.ensure(skipped, None, self.backward, exposed=False)
             self.free(skipped)
+        self.backward.settle_end()
         self.free_all()
         self._backward_task = None
 
@@ -435,8 +462,8 @@ class UnitGatherer:
         for schedule, count in zip((self.forward, self.backward), issued.tolist()):
             for unit in schedule.order[schedule.issued:count]:
                 self.start(unit, None)
+        self.agreement.realign(control_group)   # first: the failed pass's records are dropped, not compared
         self.free_all(release_hold=True)
-        self.agreement.realign(control_group)
         self.forward.reset(launch_records=False)
         self.backward.reset(launch_records=False)
         self._backward_task = None
