@@ -48,6 +48,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) tools/bench_zero.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_moe_layer.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_scaling.py
+	OMP_NUM_THREADS=1 $(PY) tools/bench_growth.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_memory.py
 	OMP_NUM_THREADS=1 $(PY) tools/bench_mfu.py --hidden 256,1024
 	OMP_NUM_THREADS=1 $(PY) tools/bench_precision_aware.py
