@@ -6,7 +6,8 @@ A unit is a module whose params are full only around its own forward and backwar
   - the root: every other param (embeddings, final norm, an output head, small branches). The
     root is gathered from the start of the forward to the end of the following backward, so a
     param used outside its own module's forward (a tied output head using the embedding weight
-    in the root's forward) is always full when it is used.
+    in the root's forward) is always full when it is used. So is the unit the backward starts
+    with (the last block), which would otherwise be freed and gathered again at once.
 A param registered under two units belongs to the root. Units nest (an expert stack inside a
 block): a unit's params are those of its subtree outside nested units.
 
@@ -367,11 +368,16 @@ class UnitGatherer:
     def _post_forward(self, unit: int, output: Any) -> None:
         if in_backward():
             return
+        backward_follows = False
         if torch.is_grad_enabled():
             ref = weakref.ref(self)
             for tensor in _tensors(output):
                 if tensor.requires_grad:
+                    backward_follows = True
                     tensor.register_hook(_pre_backward_hook(ref, unit))
+        if backward_follows and self.backward.order[:1] == [unit]:
+            self._unexpose(unit)   # the backward starts here: its values stay (as the root's), guarded
+            return
         self.free(unit)
 
     def root_post_forward(self, output: Any) -> None:
