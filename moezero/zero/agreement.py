@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
@@ -39,6 +40,7 @@ class Activity(enum.IntEnum):
     MODEL_COLLECTIVE = 10       # the unit field: which of the model's collective sites (an MoE layer)
     FORWARD_GATHERS_END = 11    # a forward's schedule has no unit left to gather
     BACKWARD_GATHERS_END = 12
+    UNIT_PLAN = 13              # the unit field: unit_plan_fingerprint()
 
 
 @dataclass
@@ -121,12 +123,22 @@ class RankAgreement:
             Activity.LEAVE_FULL_PARAMETERS: f"was leaving opt.full_parameters(modifier_rank={unit})",
             Activity.MODEL_COLLECTIVE: f"was entering the exchanges of '{self._site(unit)}' in a forward "
                                        f"({'with' if grad else 'without'} grad)",
+            Activity.UNIT_PLAN: f"built a ZeroOptimizer whose stage-3 plan has {unit >> 32} gather units "
+                                f"(fingerprint {unit & 0xFFFFFFFF:08x}; every rank must pass the same model and "
+                                "min_unit_params / --zero-min-unit-params)",
             Activity.FORWARD_GATHERS_END: "was heading for the end of a forward's unit gathers",
             Activity.BACKWARD_GATHERS_END: "was heading for the end of a backward's unit gathers",
         }.get(activity, f"was doing activity {activity}")
         if activity in (Activity.END_OF_BACKWARD, Activity.REDUCE):
             return f"{text}, after {reducing} reducing backwards"
+        if activity == Activity.UNIT_PLAN:
+            return text
         return f"{text}, after {forwards} forwards and {backwards} backwards of the stage-3 model"
+
+
+def unit_plan_fingerprint(unit_names: Sequence[str]) -> int:
+    """The unit count and a CRC-32 of the units' names in one integer (a UNIT_PLAN record's unit field)."""
+    return (len(unit_names) << 32) | zlib.crc32("\n".join(unit_names).encode())
 
 
 class SiteRecords:

@@ -24,7 +24,7 @@ from torch import nn
 
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.agreement import Activity, RankAgreement, SiteRecords
+from moezero.zero.agreement import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
 from moezero.zero.families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
@@ -84,6 +84,8 @@ class ZeroEngine:
         managed = {id(p) for _, p in named_params}
         self._outside = {id(p) for p in model.parameters() if id(p) not in managed}  # in no param group
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
+        if plan is not None:   # units pair their gathers by position: every rank must plan the same ones
+            self.agreement.check(Activity.UNIT_PLAN, unit_plan_fingerprint(plan.names))
         self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
                                    settings.overlap_comm, self.agreement)
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)

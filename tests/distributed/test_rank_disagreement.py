@@ -110,7 +110,18 @@ def _disagreements():
             except RanksDisagree as exc:
                 out[name, stage] = str(exc)
     out["timeout"] = _peer_never_arrives(rank)
+    out["unit plans"] = _different_unit_plans(rank)
     return out
+
+
+def _different_unit_plans(rank):
+    """Ranks given different min_unit_params (a launch line per rank): told at construction, naming the knob."""
+    try:
+        ZeroOptimizer(_Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1,
+                      min_unit_params=0 if rank == 0 else 1000)
+        return "no error"
+    except RanksDisagree as exc:
+        return str(exc)
 
 
 def _peer_never_arrives(rank):
@@ -127,7 +138,7 @@ def _peer_never_arrives(rank):
 def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
     results = run_distributed(_disagreements, 2, isolated=True, timeout=300)
     for rank, out in enumerate(results):
-        for (name, stage), message in ((k, v) for k, v in out.items() if k != "timeout"):
+        for (name, stage), message in ((k, v) for k, v in out.items() if k not in ("timeout", "unit plans")):
             if name in ("swap on one rank", "different shapes", "unseeded init"):
                 assert message.startswith("opt.modify_model(): the ranks made different changes"), message
                 assert "rank 0" in message and "rank 1" in message, (name, stage, message)
@@ -146,6 +157,10 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
         for stage in (0, 2):
             assert "'blocks.1.weight' holds different values" in out["unseeded init", stage]
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
+    for rank, out in enumerate(results):   # _Tower: the root and its 3 blocks vs the root alone
+        assert "stage-3 plan has 4 gather units" in out["unit plans"], out["unit plans"]
+        assert "stage-3 plan has 1 gather units" in out["unit plans"], out["unit plans"]
+        assert "min_unit_params" in out["unit plans"]
 
 
 class _MoEBlock(nn.Module):
