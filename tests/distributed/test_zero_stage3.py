@@ -282,6 +282,38 @@ def test_qat_applied_to_a_live_stage3_optimizer_tracks_one_process():
             assert max(abs(a - b) / b for a, b in zip(losses, single)) < 1e-9, (losses, single)
 
 
+def _tanh_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def _dropped_forwards():
+    """The unit a backward starts with stays gathered from its forward: forwards whose output is dropped (one
+    between a backward and its step), a step with no gradients and eval forwards must not leave it stale."""
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, model = _tanh_stack(), _tanh_stack()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, ParallelGroups.build(), stage=3, lr=0.05)
+    for step in range(4):
+        model(x)   # with grad, output dropped
+        if step == 1:
+            opt.step()
+            ref_opt.step()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            (m(x) ** 2).sum().backward()
+            m(x)   # dropped again, now before the step that changes the params
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            model(x)
+    with opt.full_parameters():
+        return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_dropped_forwards_and_idle_steps_leave_no_stale_unit():
+    assert max(run_distributed(_dropped_forwards, 2)) < 1e-15
+
+
 # ---- memory: what a rank keeps, and the working set ----------------------------------------------------
 def _stack(width=128, depth=8):
     torch.manual_seed(0)
