@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, versus_cells  # noqa: E402
 from runner import run_worker  # noqa: E402
 from synthetic import bf16_native  # noqa: E402
 
@@ -42,10 +42,6 @@ def systems(name, dtype):
             (f"DeepSpeed {name} {dtype}", lambda: run_worker("deepspeed", argv + ["--no-overlap"]))]
 
 
-def peak_rss(runs):
-    return spread([max(r["peak_rss_mb"]) for r in ok(runs)])
-
-
 def print_rows(results, sizes, dtypes):
     print("| size | dtype | moezero tokens/s | DeepSpeed tokens/s | moezero vs DeepSpeed | "
           "moezero peak RSS/rank (MB) | DeepSpeed peak RSS/rank (MB) |")
@@ -55,12 +51,7 @@ def print_rows(results, sizes, dtypes):
         label = f"{name}: {layers} layers, hidden {hidden}, E={experts}, seq {seq}, mb {mb}"
         for dtype in dtypes:
             ours, theirs = results[f"moezero {name} {dtype}"], results[f"DeepSpeed {name} {dtype}"]
-            if not ok(ours) or not ok(theirs):
-                print(f"| {label} | {dtype} | {error_of(ours) or 'ok'} | {error_of(theirs) or 'ok'} | | | |")
-                continue
-            print(f"| {label} | {dtype} | {spread([r['tokens_per_s'] for r in ok(ours)])} | "
-                  f"{spread([r['tokens_per_s'] for r in ok(theirs)])} | {spread(ratios(ours, theirs), 2, 'x')} | "
-                  f"{peak_rss(ours)} | {peak_rss(theirs)} |")
+            print(f"| {label} | {dtype} |" + versus_cells(ours, theirs, lambda r: max(r["peak_rss_mb"])))
 
 
 def main():

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, error_of, ok, ratios, spread, versus_cells  # noqa: E402
 from runner import run_worker  # noqa: E402
 
 BASE = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--mb", "4", "--vocab", "1024",
@@ -58,12 +58,7 @@ def print_fine_grained(results):
     print("|---|---|---|---|---|---|")
     for label in ("8 x FFN 1024, top-2", "64 x FFN 256, top-8"):
         ours, theirs = results[f"moezero {label}"], results[f"DeepSpeed {label}"]
-        if not ok(ours) or not ok(theirs):
-            print(f"| {label} | {error_of(ours) or 'ok'} | {error_of(theirs) or 'ok'} | | | |")
-            continue
-        print(f"| {label} | {spread([r['tokens_per_s'] for r in ok(ours)])} | "
-              f"{spread([r['tokens_per_s'] for r in ok(theirs)])} | {spread(ratios(ours, theirs), 2, 'x')} | "
-              f"{spread([r['rss_end_mb'] for r in ok(ours)])} | {spread([r['rss_end_mb'] for r in ok(theirs)])} |")
+        print(f"| {label} |" + versus_cells(ours, theirs, lambda r: r["rss_end_mb"]))
 
 
 def main():

@@ -48,3 +48,13 @@ def ratios(results: List[dict], baseline: List[dict], key: str = "tokens_per_s")
 def error_of(results: List[dict]) -> str:
     failed = [r["error"] for r in results if "error" in r]
     return failed[-1] if failed else ""
+
+
+def versus_cells(ours: List[dict], theirs: List[dict], memory: Callable[[dict], float]) -> str:
+    """The cells of a moezero-vs-peer row: tokens/s of each, the ratio, `memory` of a run for each, or the
+    errors where either failed (each cell ends with '|')."""
+    if not ok(ours) or not ok(theirs):
+        return f" {error_of(ours) or 'ok'} | {error_of(theirs) or 'ok'} | | | |"
+    return (f" {spread([r['tokens_per_s'] for r in ok(ours)])} | {spread([r['tokens_per_s'] for r in ok(theirs)])} | "
+            f"{spread(ratios(ours, theirs), 2, 'x')} | {spread([memory(r) for r in ok(ours)])} | "
+            f"{spread([memory(r) for r in ok(theirs)])} |")
