@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, is_expert_parallel
-from moezero.parallel.agreement import Agreement
 from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.gather_schedule import GatherSchedule
 from moezero.zero.hooks import WeakHook
 from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
 from moezero.zero.saved_params import SavedParamHooks
@@ -121,78 +121,6 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], policy: UnitPol
     return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used])
 
 
-RECORDS_AHEAD = 2   # a schedule position's agreement record is launched this many positions before its gather
-
-
-class _Schedule:
-    """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
-    agreement record of each position, launched ahead so that checking it costs no wait."""
-
-    def __init__(self, order: List[int], activity: Activity, end: Activity, agreement: RankAgreement,
-                 recorded: Set[int]):
-        self.order = order
-        self.recorded_units = recorded   # units whose gather talks to other ranks (the others need no record)
-        self.position = {u: i for i, u in enumerate(order)}
-        self.activity, self.end_activity, self.agreement = activity, end, agreement
-        # the pass's end has a record too (when any gather has one), launched ahead like the others, so that a
-        # rank waiting in the last gathers still has a record ahead for a peer elsewhere to meet
-        self.records_end = len(order) + int(any(u in recorded for u in order))
-        self.reset(launch_records=False)
-
-    def reset(self, launch_records: bool = True) -> None:
-        """A new pass (launch_records=False: a pass that gathers nothing, after a failed one)."""
-        self.visited: Set[int] = set()
-        self.cursor = 0
-        self.issued = 0  # schedule positions whose gather was started (visited or prefetched), in order
-        self.records: Dict[int, Agreement] = {}
-        self.recorded = 0
-        if launch_records:
-            self._launch_records(RECORDS_AHEAD)
-
-    def settle_record(self, unit: int) -> None:
-        """Before the gather of `unit`'s position: its record must agree on every rank (RanksDisagree)."""
-        position = self.position[unit]
-        self._launch_records(position + 1)
-        record = self.records.pop(position, None)
-        if record is not None:
-            self.agreement.settle(record)
-        self._launch_records(position + 1 + RECORDS_AHEAD)
-
-    def settle_end(self) -> None:
-        """The pass reached its end (its skipped units caught up with): the end's record must agree."""
-        self._launch_records(self.records_end)
-        record = self.records.pop(len(self.order), None)
-        if record is not None:
-            self.agreement.settle(record)
-
-    def _launch_records(self, stop: int) -> None:
-        while self.recorded < min(stop, self.records_end):
-            if self.recorded == len(self.order):
-                self.records[self.recorded] = self.agreement.launch(self.end_activity)
-            elif self.order[self.recorded] in self.recorded_units:
-                self.records[self.recorded] = self.agreement.launch(self.activity, self.order[self.recorded])
-            self.recorded += 1
-
-    def skipped_before(self, unit: Optional[int]) -> List[int]:
-        """Units the schedule reaches before `unit` (None: the end) that this pass has not visited."""
-        stop = len(self.order) if unit is None else self.position.get(unit, 0)
-        out = []
-        while self.cursor < stop:
-            u = self.order[self.cursor]
-            if u not in self.visited:
-                out.append(u)
-            self.cursor += 1
-        return out
-
-    def next_after(self, unit: int) -> Optional[int]:
-        i = self.position.get(unit)
-        while i is not None and i + 1 < len(self.order):
-            i += 1
-            if self.order[i] not in self.visited:
-                return self.order[i]
-        return None
-
-
 class UnitGatherer:
     """Gathers and frees stage-3 units around forward and backward (see the module docstring).
 
@@ -219,9 +147,9 @@ class UnitGatherer:
         self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
         self.collective_units = {u for u, held in parts.items() if any(not storage.local for storage, _ in held)}
-        self.forward = _Schedule(plan.forward_order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END,
+        self.forward = GatherSchedule(plan.forward_order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END,
                                  agreement, self.collective_units)
-        self.backward = _Schedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
+        self.backward = GatherSchedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
                                   agreement, self.collective_units)
         self.forward_active = False        # between the root's forward pre-hook and its end
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
@@ -248,7 +176,7 @@ class UnitGatherer:
         return any(unit in self.collective_units for unit in self.plan.forward_order)
 
     # ---- gather and free -----------------------------------------------------------------------
-    def start(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None) -> None:
+    def start(self, unit: int, activity: Optional[Activity], schedule: Optional[GatherSchedule] = None) -> None:
         """Launch the unit's gather once every rank agreed: on the record of its position in `schedule`
         (launched ahead), or on a record for `activity` stated now (None: already agreed)."""
         if self.state[unit] is not UnitState.FREE or unit not in self.parts:
@@ -260,7 +188,7 @@ class UnitGatherer:
         self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
         self.state[unit] = UnitState.INFLIGHT
 
-    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[_Schedule] = None,
+    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[GatherSchedule] = None,
                exposed: bool = True) -> None:
         """The unit's values here (`exposed`: the schedule's gather, its params of their own type)."""
         self.start(unit, activity, schedule)
@@ -310,7 +238,7 @@ class UnitGatherer:
         for zp, _ in noted:
             guard(zp.param)
 
-    def _visit(self, schedule: _Schedule, unit: int) -> None:
+    def _visit(self, schedule: GatherSchedule, unit: int) -> None:
         for skipped in schedule.skipped_before(unit):  # keep the collectives paired with ranks that ran it
             self.ensure(skipped, None, schedule, exposed=False)
             self.free(skipped)
