@@ -27,7 +27,7 @@ from moezero.hf.keys import Link, links
 from moezero.hf.load import check_hub_shapes, check_key_sets, hub_configs, hub_dtype, run_configs
 from moezero.hf.save import save_pretrained
 from moezero.models import GPTModel
-from moezero.parallel.deferred_values import allocate, defer_values
+from moezero.deferred_values import allocate, defer_values
 
 PIECE_BYTES = 1 << 30
 

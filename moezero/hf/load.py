@@ -20,7 +20,7 @@ from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
 from moezero.moe import MoELayer, expert_parallel
 from moezero.parallel import ParallelGroups
-from moezero.parallel.deferred_values import allocate, defer_values, values_source
+from moezero.deferred_values import allocate, defer_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
 # Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)

@@ -19,7 +19,7 @@ from moezero.hf.staged_write import abandon_write, finish_write, start_write, wr
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
-from moezero.parallel.deferred_values import read_values, values_source
+from moezero.deferred_values import read_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
 

@@ -22,7 +22,7 @@ from moezero.hf import load_hub_weights
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
-from moezero.parallel.deferred_values import materialize
+from moezero.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
 from moezero.training.resume import Progress

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import expert_shard_of
-from moezero.parallel.deferred_values import allocate, read_values, values_arrived
+from moezero.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.torch_internals import storage_key
