@@ -1,7 +1,7 @@
 """ZeroEngine: the sharding machinery for one set of params, behind one interface.
 
     records (zero_param.py)         one per param: where it sits, its master piece, its per-step state
-    families (families.py)          the params reduced over one group in one dtype, in one flat layout
+    families (param_families.py)    the params reduced over one group in one dtype, in one flat layout
       x param side (param_storage)  where param values live: replicated (0-2) or sharded (3)
       x grad side (grad_strategies) how gradients are accumulated and reduced (per stage, stages.py)
     reducer (reducer.py)            hooks, per-backward bookkeeping, launch order
@@ -25,7 +25,7 @@ from torch import nn
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
 from moezero.zero.agreement import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
-from moezero.zero.families import FamilyParts, ParamFamily, build_families
+from moezero.zero.param_families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
 from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfrozen_by_hand_error,

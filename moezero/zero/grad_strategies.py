@@ -27,7 +27,7 @@ import torch
 
 from moezero import ops
 from moezero.parallel import comm
-from moezero.zero.families import ParamFamily, Range
+from moezero.zero.param_families import ParamFamily, Range
 from moezero.zero.launch import InFlight
 from moezero.zero.zero_param import ZeroParam
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from moezero.zero.families import FamilyParts, ParamFamily
+from moezero.zero.param_families import FamilyParts, ParamFamily
 from moezero.zero.torch_internals import no_subclass_dispatch
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.families import ParamFamily
+from moezero.zero.param_families import ParamFamily
 from moezero.zero.param_storage import ParamStorage
 
 

@@ -29,7 +29,7 @@ from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.torch_internals import storage_key
 
 if TYPE_CHECKING:
-    from moezero.zero.families import ParamFamily
+    from moezero.zero.param_families import ParamFamily
 
 Range = Tuple[int, int]
 
