@@ -24,7 +24,7 @@ from torch import nn
 
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.agreement import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
+from moezero.zero.agreement_points import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
 from moezero.zero.param_families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of

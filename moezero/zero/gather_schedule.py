@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set
 
 from moezero.parallel.agreement import Agreement
-from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.agreement_points import Activity, RankAgreement
 
 RECORDS_AHEAD = 2   # a schedule position's agreement record is launched this many positions before its gather
 

@@ -14,7 +14,7 @@ so no gradient is ever added into a bucket whose reduction is running. Every gra
 
 Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
 on every rank, `launch.py`) and completed reductions are only polled. Before the end-of-backward
-wait, and before step() reduces, every rank states an agreement record (`agreement.py`), so a
+wait, and before step() reduces, every rank states an agreement record (`agreement_points.py`), so a
 rank whose backward reached no param (its peers would wait for it forever) makes every rank raise.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 
 from moezero.parallel import comm
-from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.agreement_points import Activity, RankAgreement
 from moezero.zero.param_families import FamilyParts
 from moezero.zero.launch import build_queues
 from moezero.zero.model_guard import storage_replaced_message

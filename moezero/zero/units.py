@@ -20,7 +20,7 @@ prefetched (async) when a unit starts. In backward a unit is freed once all its 
 got their gradient (a unit holding frozen params: at the end of backward, since autograd still
 reads them for the input gradient), or at the end of backward.
 
-Every gather waits for an agreement record (`agreement.py`: the unit, why, this rank's forward
+Every gather waits for an agreement record (`agreement_points.py`: the unit, why, this rank's forward
 and backward counts), so ranks that run different forwards or another unit order raise instead of
 hanging or mixing units. The records of a pass's schedule positions, and of its end, are launched
 two positions ahead, so ranks in step find them settled; a gather outside the schedule states its
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, is_expert_parallel
-from moezero.zero.agreement import Activity, RankAgreement
+from moezero.zero.agreement_points import Activity, RankAgreement
 from moezero.zero.gather_schedule import GatherSchedule
 from moezero.zero.hooks import WeakHook
 from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
