@@ -13,7 +13,7 @@ so no gradient is ever added into a bucket whose reduction is running. Every gra
 (grad_strategies.py) relies on this and on nothing else for its buffers' reuse.
 
 Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
-on every rank, `launch.py`) and completed reductions are only polled. Before the end-of-backward
+on every rank, `launch_queue.py`) and completed reductions are only polled. Before the end-of-backward
 wait, and before step() reduces, every rank states an agreement record (`agreement_points.py`), so a
 rank whose backward reached no param (its peers would wait for it forever) makes every rank raise.
 """
@@ -28,7 +28,7 @@ import torch
 from moezero.parallel import comm
 from moezero.zero.agreement_points import Activity, RankAgreement
 from moezero.zero.param_families import FamilyParts
-from moezero.zero.launch import build_queues
+from moezero.zero.launch_queue import build_queues
 from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.zero_param import ZeroParam
