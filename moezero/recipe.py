@@ -16,7 +16,7 @@ from moezero.parallel import ParallelGroups
 from moezero.training.args import parse_configs
 from moezero.training.configs import CONFIG_CLASSES as TRAINING_CONFIG_CLASSES
 from moezero.training.configs import DESCRIPTION, Configs
-from moezero.training.launch import run
+from moezero.training.job import run
 from moezero.training.pretrain import Pretraining
 
 CONFIG_CLASSES = TRAINING_CONFIG_CLASSES + (QATConfig,)

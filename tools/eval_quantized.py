@@ -23,7 +23,7 @@ from moezero.config import ConfigError, DataConfig  # noqa: E402
 from moezero.data import DataError  # noqa: E402
 from moezero.parallel import ParallelGroups  # noqa: E402
 from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args  # noqa: E402
-from moezero.training.launch import init_distributed  # noqa: E402
+from moezero.training.job import init_distributed  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
