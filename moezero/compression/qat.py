@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from moezero.compression.config import QATConfig
 from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight, QATState
 from moezero.compression.quantizer import quantize_rows, to_rows
-from moezero.compression.schedule import bits_at
+from moezero.compression.bits_schedule import bits_at
 from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
 from moezero.metrics import tag
 from moezero.moe.experts import GroupedExperts

@@ -14,7 +14,7 @@ from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 
 
 @dataclass

@@ -38,7 +38,7 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
                                      check_shapes, find_resume_point, start_iteration, start_lr_schedule, start_progress)
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_point
 from moezero.training.stopping import StopConditions

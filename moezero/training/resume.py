@@ -26,7 +26,7 @@ from moezero.checkpoint import CheckpointError
 from moezero.config import ConfigError, flag_of, model_defining_fields
 from moezero.parallel import expert_shard_of
 from moezero.training.configs import TrainConfig
-from moezero.training.schedule import LearningRateSchedule, resumed_schedule
+from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
 
 TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")   # taken from a checkpoint only when not given
 

@@ -7,7 +7,7 @@ import pytest
 from moezero.config import ConfigError
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.configs import TrainConfig, validate
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 from tests.integration.pretrain_utils import TINY, TINY_SAMPLES, configs
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from moezero.config import ConfigError
 from moezero.training.configs import TrainConfig
-from moezero.training.schedule import LearningRateSchedule, resumed_schedule
+from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
 
 optimizer_param_scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
 

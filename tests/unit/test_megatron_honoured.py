@@ -13,7 +13,7 @@ from moezero.moe import MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.training.builders import build_model
 from moezero.training.configs import TrainConfig
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 from tests.integration.pretrain_utils import configs
 
 SMALL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40, hidden_dropout=0.0,

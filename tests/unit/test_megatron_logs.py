@@ -8,7 +8,7 @@ import re
 import pytest
 
 from moezero.training.log_interval import LogInterval
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 from tests.integration.pretrain_utils import TINY, configs, train
 
 MEGATRON_LINE = re.compile(

@@ -4,7 +4,7 @@ import torch
 
 from moezero.compression.packing import pack_rows, storage_kind, unpack_rows
 from moezero.compression.quantizer import (fake_quantize, fake_quantize_per_token, quantize_rows, to_rows)
-from moezero.compression.schedule import bits_at
+from moezero.compression.bits_schedule import bits_at
 
 
 def _rows(seed=0, shape=(6, 50)):

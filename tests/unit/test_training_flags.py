@@ -12,7 +12,7 @@ from moezero.recipe import CONFIG_CLASSES
 from moezero.training.args import build_parser, parse_configs
 from moezero.training.configs import DESCRIPTION, TrainConfig
 from moezero.training.job import interrupt_message
-from moezero.training.schedule import LearningRateSchedule
+from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.stopping import StopConditions
 from tests.dist_utils import run_distributed
 
