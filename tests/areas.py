@@ -1,4 +1,4 @@
-"""Test areas, as pytest markers: `pytest -m zero` (or moe, hf, megatron, data, checkpoint, ops, qat, training)
+"""Test areas, as pytest markers: `pytest -m zero` (or moe, hf, megatron, data, checkpoint, ops, qat, training, docs)
 runs one area. A test file's areas come from its name (its folder for ops); conftest.py marks every test."""
 from pathlib import PurePath
 from typing import List
@@ -18,6 +18,7 @@ AREAS = {   # area: what it covers, words of the file names that belong to it
     "training": ("the model and the training loop", ("pretrain", "training", "lr_schedule", "config", "throughput",
                                                     "generate", "sampling", "attention", "gpt_oracle", "architecture",
                                                     "rank_layout", "mtp", "expert_shapes")),
+    "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),
 }
 
 

@@ -1,0 +1,209 @@
+"""The README and the docs site are checked, so they cannot drift from the code:
+
+- the site builds with MkDocs in strict mode (a broken link, a missing anchor or a page outside the navigation
+  fails), and the README's links reach existing pages;
+- the README's Python example runs as it is;
+- every shell command shown in a ```bash block runs here: the tools that work on small inputs run for real on a
+  tiny Hub folder, corpus and checkpoint named as the docs name them; a launch line of the pretraining script has
+  its flags parsed by the script's parser and its configs resolved (from the Hub folder or checkpoint it names) and
+  checked for the process count it gives, as the script does at start; a benchmark (hours) and a tool that needs a
+  trained quantized model have their flags parsed by their own parser; a make target is dry-run.
+A command no rule covers fails the test, so a new command gets a rule when it is written.
+"""
+import argparse
+import contextlib
+import glob
+import json
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Iterator, List, Tuple
+from unittest import mock
+
+import pytest
+
+from tests.integration.pretrain_utils import CORPUS, TINY, configs, train
+from tests.integration.scripts import ENV, REPO, run
+
+PAGES = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+PRETRAIN = "examples_moe/pretrain_gpt_moe.py"
+RUN_FOR_REAL = {"tools/preprocess_data.py", "tools/hf_checkpoint.py", "tools/generate.py",
+                "tools/export_quantized.py", "tools/consolidate_checkpoint.py"}
+
+
+def _blocks(path: str, language: str) -> Iterator[str]:
+    with open(path) as f:
+        text = f.read()
+    yield from re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def doc_commands() -> List[Tuple[str, List[str]]]:
+    """(page, words) of every command in the pages' bash blocks, continuation lines joined, comments dropped."""
+    found = []
+    for page in PAGES:
+        for block in _blocks(page, "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words:
+                    found.append((os.path.relpath(page, REPO), words))
+    return found
+
+
+# ---- the site and the README ----------------------------------------------------------------------------
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env=dict(ENV, NO_MKDOCS_2_WARNING="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert os.path.exists(tmp_path / "stage3" / "index.html")
+
+
+def test_the_readme_links_reach_pages():
+    with open(PAGES[0]) as f:
+        targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", f.read())
+    local = [t for t in targets if not re.match(r"https?://", t)]
+    assert local, "the README links to the docs"
+    assert not [t for t in local if not os.path.exists(os.path.join(REPO, t))]
+
+
+def test_the_readme_python_example_runs(tmp_path):
+    blocks = list(_blocks(PAGES[0], "python"))
+    assert blocks
+    for block in blocks:
+        (tmp_path / "example.py").write_text(block)
+        result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=ENV, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+
+
+# ---- the commands -----------------------------------------------------------------------------------------
+
+class _Parsed(Exception):
+    """Raised where a script's own parser finished: its flags were accepted; nothing else ran."""
+
+
+@contextlib.contextmanager
+def _stop_after_parsing() -> Iterator[None]:
+    parse_args, parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    depth = [0]
+
+    def parse_args_then_stop(self, args=None, namespace=None):
+        depth[0] += 1
+        try:
+            namespace = parse_args(self, args, namespace)
+        finally:
+            depth[0] -= 1
+        raise _Parsed(namespace)
+
+    def parse_known_args_then_stop(self, args=None, namespace=None):   # a tool calling it directly
+        depth[0] += 1
+        try:
+            result = parse_known_args(self, args, namespace)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            raise _Parsed(result[0])
+        return result
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args_then_stop), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", parse_known_args_then_stop):
+        yield
+
+
+def _parse_only(script: str, argv: List[str]) -> None:
+    with _stop_after_parsing(), mock.patch.object(sys, "argv", [script, *argv]), pytest.raises(_Parsed):
+        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+
+
+def _launch(words: List[str]) -> Tuple[int, str, List[str]]:
+    """(process count, script, its arguments) of `python S ...` or `torchrun [--opts] S ...`."""
+    if words[0] == "python":
+        return 1, words[1], words[2:]
+    if words[0] != "torchrun":
+        pytest.fail(f"no rule checks this command: {shlex.join(words)} (add one to tests/integration/test_docs.py)")
+    nproc, i = 1, 1
+    while words[i].startswith("--"):
+        flag, _, value = words[i].partition("=")
+        if not value and flag == "--nproc_per_node":
+            value, i = words[i + 1], i + 1
+        if flag == "--nproc_per_node":
+            nproc = int(value)
+        i += 1
+    return nproc, words[i], words[i + 1:]
+
+
+def _check_launch_line(argv: List[str], world: int) -> None:
+    """The configs the script would run with (the Hub folder's or checkpoint's model where the line takes it
+    from there), passing the checks the script makes at start for `world` processes."""
+    from moezero.hf.load import run_configs
+    from moezero.training.configs import validate
+    from moezero.training.resume import apply_checkpoint_args, apply_hub_configs, find_resume_point
+    cfg = configs(argv)
+    if cfg.checkpoint.load_hf:
+        cfg = apply_hub_configs(cfg, cfg.checkpoint.load_hf, run_configs(cfg.checkpoint.load_hf), lambda _: None)
+    if cfg.checkpoint.use_checkpoint_args:
+        point = find_resume_point(cfg.checkpoint)
+        assert point is not None, f"--load {cfg.checkpoint.load}: the docs' earlier command should have made it"
+        cfg = apply_checkpoint_args(cfg, point, lambda _: None)
+    validate(cfg, world)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder holding what the docs' commands name: the Hub folders, a corpus, a trained checkpoint."""
+    hf_oracle = pytest.importorskip("tests.hf_oracle")
+    path = tmp_path_factory.mktemp("docs_commands")
+    long = dict(max_position_embeddings=4096)   # the launch lines keep the script's sequence length
+    hf_oracle.tiny_model("qwen3_moe", num_experts=8, **long).save_pretrained(path / "Qwen3-30B-A3B")
+    hf_oracle.tiny_model("deepseek_v3", **long).save_pretrained(path / "DeepSeek-V3")
+    with open(path / "docs.jsonl", "w") as f:
+        for i in range(20):
+            f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n")
+    (path / "ckpt").mkdir()
+    os.symlink(path / "ckpt" / "qwen3", path / "ckpt" / "tuned")   # the fine-tuned run's checkpoint, as exported
+    train(TINY + ["--train-iters", "2", "--save", str(path / "ckpt"), "--qat-weight-bits", "8"],
+          str(path / "cache"))
+    for suffix in (".bin", ".idx"):   # my_corpus_text_document until the docs' preprocess_data writes it
+        shutil.copy(CORPUS + suffix, path / f"my_corpus_text_document{suffix}")
+    return path
+
+
+def _check(words: List[str], cwd) -> None:
+    if words[0] == "make":
+        result = subprocess.run(["make", "-n", *words[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+    elif words[0] == "tensorboard":
+        result = run([sys.executable, "-m", "tensorboard.main", *words[1:], "--inspect"], timeout=120)
+        assert result.returncode == 0, result.stderr
+    elif words[0].endswith("python") and words[1:3] == ["-m", "pytest"]:
+        result = run([sys.executable, "-m", "pytest", *words[3:], "--collect-only", "-q"], timeout=300)
+        assert result.returncode == 0 and re.search(r"\d+/\d+ tests collected|\d+ tests collected",
+                                                    result.stdout), result.stdout[-2000:]
+    else:
+        world, script, argv = _launch(words)
+        if script == PRETRAIN:
+            _check_launch_line(argv, world)
+        elif script in RUN_FOR_REAL and world == 1:
+            result = subprocess.run([sys.executable, os.path.join(REPO, script), *argv], cwd=cwd, env=ENV,
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        else:
+            _parse_only(script, argv)
+
+
+def test_every_command_in_the_docs_runs(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)   # relative paths in the commands are the workdir's
+    commands = doc_commands()
+    assert len(commands) > 20
+    failures = []
+    for page, words in commands:
+        try:
+            _check(words, workdir)
+        except BaseException as exc:   # SystemExit from a parser's error included
+            failures.append(f"{page}: {shlex.join(words)}\n    {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures)
