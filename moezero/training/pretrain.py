@@ -25,6 +25,7 @@ from moezero.config import ConfigError, is_moe_layer
 from moezero.hf import UnsupportedModel, run_configs, save_pretrained
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
+from moezero.models.upcycling import check_upcyclable, upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
@@ -37,10 +38,10 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
-                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule, start_progress)
+                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule, start_progress,
+                                     upcycling_point)
 from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
-from moezero.training.upcycling import check_upcyclable, upcycle, upcycling_point
 from moezero.training.stopping import StopConditions
 
 

@@ -4,6 +4,8 @@
     progress = start_progress(point, finetune)       # the samples it consumed
     schedule, steps = start_lr_schedule(LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint,
                                         cfg.train)   # the lr schedule and where it stands (changed: refused)
+    point = upcycling_point(point, cfg.model, cfg.moe, print)   # --moe-use-upcycling: a dense checkpoint as the
+                                                               # MoE run's (which starts at 0, as --finetune)
     cfg = apply_checkpoint_args(cfg, point, print)   # --use-checkpoint-args
     check_same_model(cfg, point)                     # else: each differing flag, old and new value
     check_shapes(model, point)                       # the built model against the saved global shapes
@@ -23,7 +25,7 @@ from torch import nn
 
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
-from moezero.config import ConfigError, flag_of, model_defining_fields
+from moezero.config import ConfigError, GPTConfig, MoEConfig, flag_of, model_defining_fields
 from moezero.parallel import expert_shard_of
 from moezero.training.configs import TrainConfig
 from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
@@ -169,6 +171,19 @@ def check_same_model(cfg, point: ResumePoint) -> None:
 # what a Hugging Face config says about training (attention_dropout, router_aux_loss_coef), taken from an
 # imported checkpoint by --use-checkpoint-args where the command line does not set it
 IMPORTED_TRAINING_FIELDS = {"model": ("hidden_dropout", "attention_dropout"), "moe": ("aux_loss_coeff",)}
+
+
+def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig,
+                    report: Callable[[str], None]) -> ResumePoint:
+    """The dense checkpoint seen as the MoE run's: its MoE section and layer pattern are the command line's,
+    so --use-checkpoint-args and the same-model check apply to the rest. Errors name what cannot upcycle."""
+    if (point.configs.get("moe") or {}).get("num_experts"):
+        raise ConfigError(f"--moe-use-upcycling: {point.path} is already an MoE checkpoint (it needs a dense one)")
+    report(f" --moe-use-upcycling: the experts start as the dense MLPs of {point.path} (iteration "
+           f"{point.iteration}); starting at 0")
+    configs = dict(point.configs, moe=dataclasses.asdict(moe),
+                   model=dict(point.configs.get("model") or {}, moe_layer_freq=model.moe_layer_freq))
+    return dataclasses.replace(point, configs=configs)
 
 
 def apply_hub_configs(cfg, hub_dir: str, configs: Dict[str, Dict[str, Any]], report: Callable[[str], None]):

@@ -9,7 +9,7 @@ from moezero.config import ConfigError, GPTConfig, MoEConfig
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
-from moezero.training.upcycling import check_upcyclable, upcycle
+from moezero.models.upcycling import check_upcyclable, upcycle
 from tests.dist_utils import run_distributed
 
 DENSE = {"llama-like": dict(swiglu=True, disable_bias_linear=True, normalization="RMSNorm",

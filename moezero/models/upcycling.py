@@ -1,36 +1,22 @@
-"""--moe-use-upcycling (Megatron's; Komatsuzaki et al. 2022, "Sparse Upcycling"): an MoE run starts from a
-dense checkpoint. Every expert of layer i is a copy of layer i's dense MLP, the routers keep their fresh
+"""--moe-use-upcycling (Megatron's; Komatsuzaki et al. 2022, "Sparse Upcycling"): an MoE model starts from a
+dense model's weights. Every expert of layer i is a copy of layer i's dense MLP, the routers keep their fresh
 init, everything else is the dense model's. When a token's top-k weights sum to 1 (a renormalised softmax,
 or sigmoid scores over k > 1) and nothing is dropped, its MoE output is the dense MLP's output, so the
-upcycled model's logits start as the dense model's. The run then starts at iteration 0 as --finetune does.
+upcycled model's logits start as the dense model's. Model surgery only: which checkpoint a run upcycles and
+where it starts is the training layer's (`moezero.training.resume.upcycling_point`).
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-from typing import Callable, Dict
+from typing import Dict
 
 import torch
 
 from moezero.config import ConfigError, GPTConfig, MoEConfig
-from moezero.models import GPTModel
-from moezero.training.resume import ResumePoint
+from moezero.models.gpt import GPTModel
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(w1|w2|b1|b2)$")
 _DENSE = {"w1": ("fc1.weight", True), "w2": ("fc2.weight", True), "b1": ("fc1.bias", False), "b2": ("fc2.bias", False)}
-
-
-def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig,
-                    report: Callable[[str], None]) -> ResumePoint:
-    """The dense checkpoint seen as the MoE run's: its MoE section and layer pattern are the command line's,
-    so --use-checkpoint-args and the same-model check apply to the rest. Errors name what cannot upcycle."""
-    if (point.configs.get("moe") or {}).get("num_experts"):
-        raise ConfigError(f"--moe-use-upcycling: {point.path} is already an MoE checkpoint (it needs a dense one)")
-    report(f" --moe-use-upcycling: the experts start as the dense MLPs of {point.path} (iteration "
-           f"{point.iteration}); starting at 0")
-    configs = dict(point.configs, moe=dataclasses.asdict(moe),
-                   model=dict(point.configs.get("model") or {}, moe_layer_freq=model.moe_layer_freq))
-    return dataclasses.replace(point, configs=configs)
 
 
 def check_upcyclable(model: GPTConfig, moe: MoEConfig) -> None:
