@@ -6,7 +6,8 @@ megatron-core 0.19 (whose wheel carries megatron/training/arguments.py) installs
 moezero's venv is 3.11; its Python files are read directly, with two stand-ins the parser never calls:
 
     pip download "megatron-core==0.19.2" --no-deps -d /tmp/mcore && unzip -q /tmp/mcore/*.whl -d /tmp/mcore/x
-    PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_arguments.py > moezero/training/megatron_arguments.json
+    PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_arguments.py \
+        > moezero/training/assets/megatron_arguments.json
 """
 import argparse
 import enum

@@ -4,7 +4,7 @@
                         kernel, an attention backend, a dispatcher, Transformer Engine): accepted so launch
                         scripts run unchanged, recorded with the run's flags, and nothing to do (moezero has
                         one implementation of each, with the same numbers);
-  megatron_table()      every flag of Megatron's parser (megatron_arguments.json, written by
+  megatron_table()      every flag of Megatron's parser (assets/megatron_arguments.json, written by
                         tools/megatron_arguments.py from megatron-core 0.19.2), so a Megatron flag moezero
                         lacks is "not supported by moezero" in one line, not a misleading did-you-mean.
 """
@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 from moezero.config import Validated, option
 
-_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_arguments.json")
+_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "megatron_arguments.json")
 SAME_NUMBERS = "accepted: Megatron's choice of implementation, with the same numbers here"
 
 

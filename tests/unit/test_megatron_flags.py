@@ -2,7 +2,7 @@
 Megatron's default, takes its value the same way, and the widths Megatron derives are derived alike.
 
 The oracle is megatron-core 0.19.2's `megatron/training/arguments.py`, read into
-moezero/training/megatron_arguments.json by tools/megatron_arguments.py (the version is recorded there).
+moezero/training/assets/megatron_arguments.json by tools/megatron_arguments.py (the version is recorded there).
 """
 from moezero.config import MoEConfig
 from moezero.recipe import CONFIG_CLASSES
