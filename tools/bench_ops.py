@@ -12,7 +12,8 @@ reference once, so no baseline is faster because it computes something else. A "
 only)" row (D = 1) shows the counting sort against argsort without the row copy, which is
 memory-bound and, on CPU, mostly page faults of the freshly allocated output. Then it times an
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
-Times are medians over --reps runs; other processes on the machine make them noisy.
+The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
+backward is one multiply). Times are medians over --reps runs; other processes on the machine make them noisy.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from moezero.ops import _library, _loader, reference
+from moezero.ops.gelu import bias_gelu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -221,6 +223,30 @@ def bucket_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def gelu_rows(ext, args, device) -> List[Row]:
+    """The fused bias + GELU (one expert block, CPU), forward + backward, against torch's GELU of the bias add."""
+    if device != "cpu":
+        return []
+    rows = []
+    for dname in args.dtypes:
+        y = torch.randn(args.tokens // 8, args.hidden, device=device).to(DTYPES[dname])
+        bias, grad = torch.randn(1, args.hidden).to(y.dtype), torch.randn_like(y)
+        for approximate in ("none", "tanh"):
+            def step(gelu_of_bias_add, a=approximate):
+                y_in, b_in = y.clone().requires_grad_(), bias.clone().requires_grad_()
+                out = gelu_of_bias_add(y_in, b_in, a)
+                out.backward(grad)
+                return out.detach(), y_in.grad, b_in.grad
+            fused = lambda: step(lambda y_in, b_in, a: bias_gelu(y_in, b_in, [y.shape[0]], approximate=a))
+            plain = lambda: step(lambda y_in, b_in, a: torch.nn.functional.gelu(y_in + b_in, approximate=a))
+            for got, want in zip(fused(), plain()):   # the bias gradient sums rows: within 2% of its largest
+                assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+            timed = median_ms({COMPILED: fused, "gelu(y + b)": plain}, args.reps, device)
+            rows.append((f"bias_gelu fwd+bwd ({approximate})", f"{dname} {y.shape[0]} x {args.hidden}",
+                         timed[COMPILED], "gelu(y + b)", timed["gelu(y + b)"]))
+    return rows
+
+
 def print_op_table(rows: List[Row]) -> None:
     print(f"{'op':28s} {'config':44s} {'compiled':>10s} {'best torch':>11s}  {'ratio':>6s}  best torch version")
     for op, cfg, ms, name, best_ms in rows:
@@ -284,7 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--layer-ffn", type=int, default=1024)
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
-    p.add_argument("--only", choices=("routing", "bucket"), help="time one op family only")
+    p.add_argument("--only", choices=("routing", "bucket", "gelu"), help="time one op family only")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -301,6 +327,8 @@ def main(argv=None) -> int:
         rows += routing_rows(ext, args, args.device)
     if args.only in (None, "bucket"):
         rows += bucket_rows(ext, args, args.device)
+    if args.only in (None, "gelu"):
+        rows += gelu_rows(ext, args, args.device)
     print_op_table(rows)
     if not args.skip_layer:
         layer_step_ms(args, args.device)
