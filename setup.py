@@ -92,10 +92,10 @@ setup(
     # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x: experts_implementation),
     # never a runtime dependency;
     # sentencepiece: the SentencePiece tokenizer types only; tiktoken: TikTokenizer only; wandb: --wandb-project
-    # only (the tests read an offline run); mkdocs-material: the docs site (a test builds it with --strict)
+    # only (the tests read an offline run); mkdocs-material, mkdocstrings: the docs site (a test builds it with --strict)
     extras_require={"dev": ["pytest", "ninja", "transformers>=5", "sentencepiece", "tiktoken", "wandb",
-                            "mkdocs-material"],
-                    "docs": ["mkdocs-material"],
+                            "mkdocs-material", "mkdocstrings[python]"],
+                    "docs": ["mkdocs-material", "mkdocstrings[python]"],
                     "sentencepiece": ["sentencepiece"], "tiktoken": ["tiktoken"], "wandb": ["wandb"],
                     "bench": ["matplotlib"]},
     ext_modules=ext_modules,

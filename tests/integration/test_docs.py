@@ -63,6 +63,13 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert os.path.exists(tmp_path / "stage3" / "index.html")
 
 
+def test_every_zero_module_has_its_design_note_on_the_site():
+    with open(os.path.join(REPO, "docs", "zero-internals.md")) as f:
+        shown = set(re.findall(r"^::: moezero\.zero\.(\w+)$", f.read(), re.M))
+    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "moezero", "zero", "*.py"))}
+    assert modules - {"__init__"} <= shown, f"add to docs/zero-internals.md: {sorted(modules - shown - {'__init__'})}"
+
+
 def test_the_readme_links_reach_pages():
     with open(PAGES[0]) as f:
         targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", f.read())
