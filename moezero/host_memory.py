@@ -20,7 +20,9 @@ over 6 rounds [-3.2%, +18.6%]; the same thresholds from the environment, 25 step
 RSS over 200 steps +16 MB instead of +1, flat after step 50. A process whose environment sets any MALLOC_*
 variable or GLIBC_TUNABLES keeps its own settings.
 
-ZeroOptimizer calls `after_step()`; MOEZERO_KEEP_MALLOC=1 turns all of it off. Linux/glibc only.
+A process-wide policy, so the training loop chooses it: building a `HeapTrimmer` sets the thresholds (once per
+process) and the loop calls `after_step()` after each optimizer step (the pretraining script does, unless
+--no-host-heap-policy). MOEZERO_KEEP_MALLOC=1 turns all of it off. Linux/glibc only.
 """
 from __future__ import annotations
 
@@ -73,7 +75,9 @@ WARMUP_STEPS = 3
 
 
 class HeapTrimmer:
-    """Trims the heap after a step that ends `slack` bytes above the warmed-up ceiling."""
+    """The host heap policy: built, it sets glibc's thresholds for the whole process (`keep_freed_memory`, once);
+    `after_step()`, called after each optimizer step, trims the heap after a step that ends `slack` bytes above
+    the warmed-up ceiling. `steps` counts the steps it saw, `trims` the trims (both 0 where it is off)."""
 
     def __init__(self, slack: int = SLACK_BYTES):
         self.slack = slack
@@ -81,15 +85,15 @@ class HeapTrimmer:
         if self._libc is not None:
             keep_freed_memory(self._libc)
         self._ceiling = 0
-        self._steps = 0
+        self.steps = 0
         self.trims = 0
 
     def after_step(self) -> None:
         if self._libc is None:
             return
-        self._steps += 1
+        self.steps += 1
         rss = resident_bytes()
-        if self._steps <= WARMUP_STEPS:
+        if self.steps <= WARMUP_STEPS:
             self._ceiling = max(self._ceiling, rss)
         elif rss > self._ceiling + self.slack:
             self._libc.malloc_trim(0)

@@ -106,6 +106,12 @@ class TrainConfig(Validated):
                                 "of N (0 = run to --train-iters)", flag="--exit-interval")
     dist_timeout_minutes: float = option(10, "minutes a collective may wait before a dead peer fails the job",
                                          flag="--distributed-timeout-minutes")
+    host_heap_policy: bool = option(True, "the host heap policy (HeapTrimmer): glibc keeps freed tensors' memory "
+                                    "for reuse instead of unmapping it, and the heap is trimmed after a step that "
+                                    "ends well above its warmed-up size, so host memory stays flat over a long run; "
+                                    "--no-host-heap-policy leaves glibc's defaults (as MOEZERO_KEEP_MALLOC=1 does; "
+                                    "a MALLOC_* or GLIBC_TUNABLES variable keeps its own thresholds). moezero's own "
+                                    "flag", flag="--host-heap-policy")
 
     def __post_init__(self):
         self._check_all_choices()

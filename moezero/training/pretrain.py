@@ -25,6 +25,7 @@ from moezero.config import ConfigError, is_moe_layer
 from moezero.hf import UnsupportedModel, run_configs, save_pretrained
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
+from moezero.host_memory import HeapTrimmer
 from moezero.models.upcycling import check_upcyclable, upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
@@ -38,8 +39,8 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
-                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule, start_progress,
-                                     upcycling_point)
+                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule,
+                                     start_progress, upcycling_point)
 from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.stopping import StopConditions
@@ -122,6 +123,8 @@ class Pretraining:
             check_shapes(self.model, point)
         self.opt = build_optimizer(self.model, cfg, self.groups)
         self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
+        # process-wide: glibc's thresholds now, a trim after each step that ends well above the warmed-up heap
+        self.heap = HeapTrimmer() if cfg.train.host_heap_policy else None
         ExpertBiasUpdater(self.model, self.groups.dp).attach(self.opt)   # counts in forward, updates after step
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
         self.stop_reason: Optional[str] = None
@@ -198,6 +201,8 @@ class Pretraining:
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
                                  per_token_loss=t.calculate_per_token_loss)
+            if self.heap is not None:
+                self.heap.after_step()
             step_time = timer.elapsed()
             if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
                 self.lr_schedule_steps += batch_size

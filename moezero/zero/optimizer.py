@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moezero.config import ZeroConfig
-from moezero.host_memory import HeapTrimmer
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.loss_scaler import DynamicLossScaler
@@ -111,7 +110,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_num_zeros_in_grad: Optional[int] = None
         self.skipped_steps = 0
         self.consecutive_skips = 0
-        self._trimmer = HeapTrimmer()  # host RSS must not creep over a long run (host_memory.py)
         object.__setattr__(model, _OWNER, OwnerMark(self))
 
     @classmethod
@@ -194,11 +192,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce, clip and update; returns False when a non-finite gradient skipped the step."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure (no element-wise optimizer needs one)")
-        stepped = self._step()
-        self._trimmer.after_step()
-        return stepped
-
-    def _step(self) -> bool:
         self.reduce_gradients()
         engine = self.engine
         reduced = engine.begin_step()

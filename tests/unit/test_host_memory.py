@@ -1,4 +1,4 @@
-"""RSS does not creep over a long MoE run (moezero/host_memory.py)."""
+"""RSS does not creep over a long MoE run with the host heap policy applied (moezero/host_memory.py)."""
 import os
 import subprocess
 import sys
@@ -6,12 +6,13 @@ import sys
 import pytest
 
 from moezero.ops import _loader
+from tests.dist_utils import run_distributed
 
 LOOP = r"""
 import sys
 import torch
 import moezero.moe.experts
-from moezero.host_memory import resident_bytes
+from moezero.host_memory import HeapTrimmer, resident_bytes
 from moezero.moe import MoEConfig, MoELayer
 from moezero.zero import ZeroOptimizer
 if sys.argv[1] == "torch_gelu":   # torch's GELU and bias add: their odd-sized temporaries fragment the heap
@@ -19,15 +20,17 @@ if sys.argv[1] == "torch_gelu":   # torch's GELU and bias add: their odd-sized t
 torch.manual_seed(0)
 layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2), None)
 opt = ZeroOptimizer(layer, torch.optim.AdamW, lr=1e-3)
+heap = HeapTrimmer()   # the policy a training loop applies (pretraining: --host-heap-policy)
 rss = []
 for step in range(60):
     x = torch.randn(int(torch.randint(1024, 3072, ())), 256)   # token counts vary, as routing does
     y, stats = layer(x)
     (y.square().mean() + stats.aux_loss).backward()
     opt.step()
+    heap.after_step()
     opt.zero_grad()
     rss.append(resident_bytes())
-print(max(rss[:3]), max(rss[3:]), opt._trimmer.trims)
+print(max(rss[:3]), max(rss[3:]), heap.trims)
 """
 
 
@@ -87,3 +90,26 @@ def test_freed_tensors_stay_in_the_heap_unless_the_user_tunes_malloc():
     assert _kept_after_free({}) > 16 * 2 ** 20
     assert _kept_after_free({"MALLOC_ARENA_MAX": "8"}) < 4 * 2 ** 20
     assert _kept_after_free({"MOEZERO_KEEP_MALLOC": "1"}) < 4 * 2 ** 20
+
+
+def _pretraining_heap_steps(cache_dir):
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    out = {}
+    for extra in ([], ["--no-host-heap-policy"]):
+        run = pretraining(configs(TINY + ["--train-iters", "3", "--data-cache-path", cache_dir] + extra))
+        run.train()
+        out[" ".join(extra) or "default"] = (None if run.heap is None else run.heap.steps,
+                                             [h["lm_loss"] for h in run.history])
+        run.groups.destroy()
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_the_pretraining_loop_applies_the_policy_unless_told_not_to(tmp_path):
+    """The policy is the training loop's choice, not the optimizer's: by default the pretraining script applies it
+    and trims after every step; --no-host-heap-policy leaves the process's malloc alone. The losses are the same."""
+    out = run_distributed(_pretraining_heap_steps, 1, str(tmp_path), isolated=True, timeout=300)[0]
+    assert out["default"][0] == 3 and out["--no-host-heap-policy"][0] is None, out
+    assert out["default"][1] == out["--no-host-heap-policy"][1], out

@@ -59,7 +59,7 @@ def build_optimizer(args, model, groups):
     return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
 
 
-def train_step(args, model, opt, step, rank):
+def train_step(args, model, opt, step, rank, heap=None):
     tokens, labels = batch(args, step, rank)
     output = model(tokens)
     ce, loss = lm_loss(output, labels)
@@ -68,6 +68,8 @@ def train_step(args, model, opt, step, rank):
     if args.system != "moezero":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+    if heap is not None:
+        heap.after_step()
     opt.zero_grad()
     return ce.detach(), time.perf_counter() - backward_done, expert_assignments(output)
 
@@ -96,13 +98,13 @@ MATRIX_PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                       "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def matrix_product_seconds(args, model, opt, rank, first_step):
+def matrix_product_seconds(args, model, opt, rank, first_step, heap):
     """Seconds per step this rank spends inside matrix-product kernels, over `--gemm-steps` profiled steps."""
     from torch.profiler import profile
 
     with profile() as prof:
         for step in range(first_step, first_step + args.gemm_steps):
-            train_step(args, model, opt, step, rank)
+            train_step(args, model, opt, step, rank, heap)
     self_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATRIX_PRODUCT_OPS)
     return self_us / 1e6 / args.gemm_steps
 
@@ -133,6 +135,11 @@ def main():
     groups = ParallelGroups.build(expert_parallel_size=args.ep)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
+    heap = None
+    if args.system == "moezero":   # the host heap policy moezero's training loop applies (--host-heap-policy)
+        from moezero.host_memory import HeapTrimmer
+
+        heap = HeapTrimmer()
     losses, times, opt_times, memory, main_cpu, process_cpu, loads = [], [], [], [], [], [], []
     for step in range(args.steps):
         dist.barrier()
@@ -142,12 +149,12 @@ def main():
             from torch.profiler import profile
 
             with profile(record_shapes=False) as prof:
-                ce, opt_s, assignments = train_step(args, model, opt, step, rank)
+                ce, opt_s, assignments = train_step(args, model, opt, step, rank, heap)
             if rank == 0:
                 prof.export_chrome_trace(args.profile)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
         else:
-            ce, opt_s, assignments = train_step(args, model, opt, step, rank)
+            ce, opt_s, assignments = train_step(args, model, opt, step, rank, heap)
         times.append(time.perf_counter() - start)
         cpu_end = cpu_seconds()
         main_cpu.append(cpu_end[0] - cpu_start[0])
@@ -169,7 +176,7 @@ def main():
     gemm_s = None
     if args.gemm_steps:   # after the peak RSS was read: the profiler's own memory is not the run's
         gemm_s = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gemm_s, torch.tensor([matrix_product_seconds(args, model, opt, rank, args.steps)],
+        dist.all_gather(gemm_s, torch.tensor([matrix_product_seconds(args, model, opt, rank, args.steps, heap)],
                                              dtype=torch.float64))
     peaks = None
     if peak is not None:
