@@ -8,7 +8,7 @@ fairness rules as bench_vs_peers.py. For every system: resident set (RSS) at a f
 growth after warm-up, and, for moezero, where the bytes are: the optimizer's own accounting, the
 heap in use (every live allocation) and the heap held free (holes: fragmentation). The "before"
 row is moezero without its heap trimming (MOEZERO_KEEP_MALLOC=1): glibc's default behaviour, what
-moezero did before moezero/host_memory.py.
+moezero did before moezero/training/host_memory.py.
 """
 import argparse
 import os

@@ -25,7 +25,6 @@ from moezero.config import ConfigError, is_moe_layer
 from moezero.hf import UnsupportedModel, run_configs, save_pretrained
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
-from moezero.host_memory import HeapTrimmer
 from moezero.models.upcycling import check_upcyclable, upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
@@ -33,6 +32,7 @@ from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
 from moezero.training.configs import Configs, validate
+from moezero.training.host_memory import HeapTrimmer
 from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
 from moezero.training.log_interval import LogInterval
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,

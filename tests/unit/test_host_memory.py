@@ -1,4 +1,4 @@
-"""RSS does not creep over a long MoE run with the host heap policy applied (moezero/host_memory.py)."""
+"""RSS does not creep over a long MoE run with the host heap policy (moezero/training/host_memory.py) applied."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ LOOP = r"""
 import sys
 import torch
 import moezero.moe.experts
-from moezero.host_memory import HeapTrimmer, resident_bytes
+from moezero.training.host_memory import HeapTrimmer, resident_bytes
 from moezero.moe import MoEConfig, MoELayer
 from moezero.zero import ZeroOptimizer
 if sys.argv[1] == "torch_gelu":   # torch's GELU and bias add: their odd-sized temporaries fragment the heap
@@ -65,7 +65,7 @@ def test_the_fused_gelu_leaves_no_creep_to_trim():
 
 KEEP = r"""
 import torch
-from moezero.host_memory import HeapTrimmer, resident_bytes
+from moezero.training.host_memory import HeapTrimmer, resident_bytes
 HeapTrimmer()
 before = resident_bytes()
 t = torch.ones(5 * 2 ** 20)   # 20 MB, touched

@@ -137,7 +137,7 @@ def main():
     model, opt = build_optimizer(args, build_model(args, groups), groups)
     heap = None
     if args.system == "moezero":   # the host heap policy moezero's training loop applies (--host-heap-policy)
-        from moezero.host_memory import HeapTrimmer
+        from moezero.training.host_memory import HeapTrimmer
 
         heap = HeapTrimmer()
     losses, times, opt_times, memory, main_cpu, process_cpu, loads = [], [], [], [], [], [], []

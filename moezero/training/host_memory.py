@@ -20,9 +20,14 @@ over 6 rounds [-3.2%, +18.6%]; the same thresholds from the environment, 25 step
 RSS over 200 steps +16 MB instead of +1, flat after step 50. A process whose environment sets any MALLOC_*
 variable or GLIBC_TUNABLES keeps its own settings.
 
-A process-wide policy, so the training loop chooses it: building a `HeapTrimmer` sets the thresholds (once per
-process) and the loop calls `after_step()` after each optimizer step (the pretraining script does, unless
---no-host-heap-policy). MOEZERO_KEEP_MALLOC=1 turns all of it off. Linux/glibc only.
+A process-wide policy, so the training loop chooses it (the pretraining script does, unless
+--no-host-heap-policy); a loop of one's own applies it explicitly:
+
+    heap = HeapTrimmer()        # sets glibc's thresholds for the whole process (once)
+    for batch in ...:
+        ...; opt.step(); heap.after_step(); opt.zero_grad()
+
+MOEZERO_KEEP_MALLOC=1 turns all of it off. Linux/glibc only.
 """
 from __future__ import annotations
 
