@@ -28,7 +28,7 @@ from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.modify import AdoptionFailed, ModifiedDifferently, modify_model
 from moezero.zero.hooks import OwnerMark
-from moezero.zero.param_groups import check_elementwise, normalize_param_groups
+from moezero.zero.param_groups import check_elementwise, normalize_param_groups, steps_per_family_by_default
 from moezero.zero.state import load_state, shard_state
 from moezero.zero.stages import stage_of
 from moezero.zero.zero_param import Range
@@ -72,6 +72,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         min_unit_params: stage 3: a block (a module of an nn.ModuleList/Sequential) whose params, its expert
             stacks aside, number fewer than this is gathered with its parent's unit (the root's: from the forward's
             start to the backward's end), not alone (default 0: every block is a unit).
+        step_per_family: step the inner optimizer once per family (the params of one reduce group and dtype: dense,
+            experts), the families that gather over other ranks first, each family's all-gather running while the
+            next one steps; right only for an optimizer whose step() skips params without a gradient and keeps all
+            its state per param. False: one step over all families, then the all-gathers. None (default):
+            `steps_per_family_by_default(optimizer_cls)`: True for torch's element-wise classes themselves and
+            PrecisionAwareAdam (not their subclasses), False for any other class.
         **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
@@ -80,7 +86,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  clip_grad: Optional[float] = None, grad_reduce_dtype: torch.dtype = torch.float32,
                  main_grads_dtype: Optional[torch.dtype] = None, param_groups: Any = None,
                  loss_scaler: Optional[DynamicLossScaler] = None,
-                 max_skipped_steps: int = 20, min_unit_params: int = 0, **optimizer_kwargs):
+                 max_skipped_steps: int = 20, min_unit_params: int = 0, step_per_family: Optional[bool] = None,
+                 **optimizer_kwargs):
         check_elementwise(optimizer_cls)
         self.model = model
         self.groups = resolve_groups(groups)
@@ -98,9 +105,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
-        # torch's element-wise optimizers step only the params that have a gradient and keep every count per
-        # param, so stepping the families one by one is the same as one step (not known of other classes)
-        self._steps_per_param = type(self.inner).__module__.startswith("torch.optim") or in_optimizer
+        self.step_per_family = (steps_per_family_by_default(optimizer_cls) if step_per_family is None
+                                else bool(step_per_family))
         super().__init__(user_groups, self.inner.defaults)
         self._building = False
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
@@ -206,7 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.scale_reduced(reduced, coefficient)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        engine.update(reduced, self.inner.step, per_family=self._steps_per_param)
+        engine.update(reduced, self.inner.step, per_family=self.step_per_family)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0

@@ -18,6 +18,14 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+def steps_per_family_by_default(optimizer_cls: type) -> bool:
+    """ZeroOptimizer's `step_per_family=None`: True for exactly the classes above and for an optimizer that keeps
+    its own master weights. Their step() skips a param without a gradient and keeps every count per param, so
+    stepping one family at a time gives the numbers of one step over all; a subclass may keep state across
+    params (a global step count), so it is stepped once unless it says otherwise."""
+    return optimizer_cls in ELEMENTWISE_OPTIMIZERS or bool(getattr(optimizer_cls, "holds_master_weights", False))
+
+
 def check_elementwise(optimizer_cls: type) -> None:
     if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS):
         return
