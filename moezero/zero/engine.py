@@ -51,6 +51,7 @@ class ZeroSettings:
     main_grads_dtype: Optional[torch.dtype] = None   # the optimizer's gradients (None: the master dtype)
     masters_in_optimizer: bool = False               # the inner optimizer keeps the master weights itself
     min_unit_params: int = 0                         # stage 3: a smaller block is gathered with its parent's unit
+    check_exchanges_with_gathers: bool = True        # stage 3: MoE layers' records also in the gathers' sequence
 
     def __post_init__(self):
         stage_of(self.stage)   # a known stage, or one clear error
@@ -122,12 +123,13 @@ class ZeroEngine:
         """Modules whose forward talks to other ranks (MoE layers: `runs_collectives()`) get a record to carry on
         their exchanges, so ranks in different forwards or layer orders raise RanksDisagree instead of pairing
         one layer's exchange with another's. Where a forward also gathers units, the record is checked in the
-        gathers' sequence too (see SiteRecords)."""
+        gathers' sequence too (see SiteRecords), unless the settings say not to."""
         if self.agreement.group is None:
             return []
         sites = [(name, m) for name, m in model.named_modules()
                  if hasattr(m, "exchange_record") and m.runs_collectives()]
-        on_channel = self.gatherer is not None and self.gatherer.gathers_in_forward()
+        on_channel = (self.settings.check_exchanges_with_gathers and self.gatherer is not None
+                      and self.gatherer.gathers_in_forward())
         for index, (_, module) in enumerate(sites):
             module.exchange_record = SiteRecords(self.agreement, index, on_channel)
         self.agreement.site_names = [name for name, _ in sites]

@@ -78,6 +78,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             its state per param. False: one step over all families, then the all-gathers. None (default):
             `steps_per_family_by_default(optimizer_cls)`: True for torch's element-wise classes themselves and
             PrecisionAwareAdam (not their subclasses), False for any other class.
+        check_exchanges_with_gathers: stage 3, where a forward gathers units: before an MoE layer's exchanges the
+            ranks also check its agreement record in the sequence of the gathers' records (one small all-reduce per
+            MoE layer and forward), so that a rank entering the exchange while a peer waits in a unit gather raises
+            RanksDisagree on both instead of hanging. False saves that all-reduce where every rank is known to run
+            the same forwards in the same layer order: the record riding on the exchange itself still catches ranks
+            that reach different exchanges, but the case above waits for the group's timeout. Default True.
         **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
@@ -87,7 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  main_grads_dtype: Optional[torch.dtype] = None, param_groups: Any = None,
                  loss_scaler: Optional[DynamicLossScaler] = None,
                  max_skipped_steps: int = 20, min_unit_params: int = 0, step_per_family: Optional[bool] = None,
-                 **optimizer_kwargs):
+                 check_exchanges_with_gathers: bool = True, **optimizer_kwargs):
         check_elementwise(optimizer_cls)
         self.model = model
         self.groups = resolve_groups(groups)
@@ -96,7 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"main_grads_dtype={main_grads_dtype} needs an optimizer that keeps its own master "
                              f"weights (PrecisionAwareAdam); {optimizer_cls.__name__} steps master copies")
         self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype, main_grads_dtype,
-                                     in_optimizer, min_unit_params)
+                                     in_optimizer, min_unit_params, check_exchanges_with_gathers)
         self.clip_grad = clip_grad or None
         self.max_skipped_steps = max_skipped_steps
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
