@@ -152,7 +152,7 @@ inline void forward_element(float h, T* a, T* d, int64_t i) {
 }
 
 // bf16 rows go in blocks of kBlock: widen (and add the bias), compute in fp32, narrow; loops of one element type
-// each vectorise better (one loop doing all three took 1.2x the time); fp32 rows are faster in one loop.
+// each vectorise better (one loop doing all three was slower); fp32 rows are faster in one loop.
 constexpr int64_t kBlock = 256;
 
 template <bool Tanh, typename T>

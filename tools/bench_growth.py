@@ -3,7 +3,7 @@
 
     python tools/bench_growth.py [--rounds 2] [--dtype fp32,bf16] [--sizes small,medium,large] [--quick]
 
-The sizes run from the README's peer GPT-MoE to one whose DeepSpeed run takes ~15 of a 24 GiB machine's
+The sizes run from the README's peer GPT-MoE to one whose DeepSpeed run takes most of a 24 GiB machine's
 memory on 2 ranks (fp32 Adam states included): widths 256 / 1024 / 2048, 8 / 16 / 16 experts (top-2, FFN 4h), sequence
 128 / 512 / 1024. The fairness rules are bench_vs_peers.py's (the same worker, init, data, fused AdamW, true
 dropless top-2, no overlap for DeepSpeed on the CPU). Each row: tokens/s and peak RSS per rank of each system,
@@ -25,7 +25,7 @@ from synthetic import bf16_native  # noqa: E402
 SIZES = {  # name: (layers, hidden, experts, seq, micro-batch, timed steps)
     "small": (4, 256, 8, 128, 4, 10),
     "medium": (4, 1024, 16, 512, 1, 4),
-    "large": (2, 2048, 16, 1024, 1, 3),   # DeepSpeed: 7.7 GB per rank
+    "large": (2, 2048, 16, 1024, 1, 3),   # DeepSpeed holds the most per rank here: the limit of a 24 GiB machine
 }
 
 

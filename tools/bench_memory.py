@@ -56,7 +56,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--bf16-steps", type=int, default=None, help="default: 200 where bf16 GEMMs are native, else "
-                   "30 (emulated bf16 GEMMs take ~27x the fp32 time)")
+                   "30 (emulated bf16 GEMMs take many times the fp32 time)")
     args = p.parse_args()
     if args.bf16_steps is None:
         args.bf16_steps = 200 if bf16_native() else 30

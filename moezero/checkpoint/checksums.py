@@ -1,8 +1,8 @@
 """What a checkpoint must contain, recorded when it is written and verified before it is read.
 
 Each rank's DCP writer hashes every byte it writes to its shard files as it writes them (xxh3-64, the
-`xxhash` package: no extra read pass, and fast enough that a save costs under 5% more, where zlib's crc32
-would not be; the docs' checkpoint benchmark has the figures); rank 0 gathers the digests and writes
+`xxhash` package: no extra read pass, and fast enough that a save costs little more, where zlib's crc32
+would not be; tools/bench_checkpoint_checksums.py measures it); rank 0 gathers the digests and writes
 `checksums.json` into the staging folder before it is renamed into place:
 
     {"format": ..., "iteration": N, "world_size": W, "algorithm": "xxh3_64",

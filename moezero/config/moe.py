@@ -80,7 +80,7 @@ class MoEConfig(Validated):
                                 flag="--moe-grouped-gemm")
     pad_expert_rows: bool = option(True, "on CPUs, pad each local expert's rows with zero rows to a size class (at "
                                    "most a quarter more), so a run meets a few GEMM shapes, not new ones every "
-                                   "step: oneDNN caches a primitive per shape (bf16 held 1.7x the memory without "
+                                   "step: oneDNN caches a primitive per shape (bf16 held far more memory without "
                                    "it); the numbers are unchanged. moezero's own flag", flag="--moe-pad-expert-rows")
     use_upcycling: bool = option(False, "start from the dense checkpoint of --load: every expert a copy of its "
                                  "layer's dense MLP, the routers new (the logits start as the dense model's)",

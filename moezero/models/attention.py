@@ -126,11 +126,10 @@ def softmax_offset(config: GPTConfig) -> Optional[torch.Tensor]:
     return None
 
 
-# SDPA's CPU flash kernel is slower than two GEMMs and a softmax for short sequences in bf16, and faster for long
-# ones. fwd+bwd of one layer on AVX-512 BF16, batch 4: 4 heads x 128: 6.7 vs 4.1 ms; 8 heads of 32 x 128: 14.2 vs
-# 5.2 ms; 4 heads x 256: 17.7 vs 18.1 ms; 1,024: 126 vs 411 ms. fp32 gains nothing (4.1 vs 4.1 ms). In fp16, on a
-# CPU without fp16 units (AVX-512 without AVX512-FP16/AMX-FP16), SDPA is the faster at every length: 4 heads x
-# 128: 25.9 vs 40.9 ms, x 512: 394 vs 722 ms.
+# SDPA's CPU flash kernel (forward and backward) is slower than two GEMMs and a softmax for short sequences in bf16,
+# and much faster for long ones; the two break even a little above this length. In fp32 the explicit path gains
+# nothing. In fp16, on a CPU without fp16 units (AVX-512 without AVX512-FP16/AMX-FP16), SDPA is the faster at every
+# length.
 EXPLICIT_CPU_MAX_SEQ = 128
 
 
@@ -178,10 +177,9 @@ def _mask_outside_window(scores: torch.Tensor, window: int) -> torch.Tensor:
 
 def mask_future_(scores: torch.Tensor) -> torch.Tensor:
     """-inf where a key lies after its query (the last two dims, square: query, key), in place: the product's
-    backward needs q and k, not its output, so the masked scores need no copy. Adding a 0 / -inf bias takes a third
-    of the time of masked_fill_ and needs no op in backward (0.06 vs 0.17 ms forward for 4 x 4 x 128 x 128 bf16),
-    and gives the same bits for finite scores; fp16 keeps masked_fill_, as there a score can overflow to +inf,
-    which the bias would turn into NaN where masked_fill_ writes -inf."""
+    backward needs q and k, not its output, so the masked scores need no copy. Adding a 0 / -inf bias is faster
+    than masked_fill_, needs no op in backward and gives the same bits for finite scores; fp16 keeps masked_fill_,
+    as there a score can overflow to +inf, which the bias would turn into NaN where masked_fill_ writes -inf."""
     queries, keys = scores.shape[-2:]
     if scores.dtype == torch.float16:
         causal = torch.ones(queries, keys, dtype=torch.bool, device=scores.device).tril()

@@ -18,10 +18,10 @@ from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Row size classes. Dropless routing gives every expert a new row count every step, and oneDNN (the CPU's
-# bf16 GEMMs) builds and caches a primitive per GEMM shape, up to 1,024 of them: bf16 training held 70% more
+# bf16 GEMMs) builds and caches a primitive per GEMM shape, up to 1,024 of them: bf16 training held far more
 # memory than fp32 (issue 24). Rounding rows up to a multiple of 2^(floor(log2 rows) - 2) gives four classes per
 # power of two and at most 25% padding, so a run meets O(log max rows) shapes. Up to 8 rows are one class: there
-# a bf16 GEMM costs the same whatever its rows (1, 4 and 8 rows x 256 x 1024: 55, 43, 53 us on AVX-512 BF16).
+# a bf16 GEMM costs about the same whatever its rows (a GEMM that small is all overhead).
 _SMALLEST_ROW_CLASS = 8
 
 

@@ -1,10 +1,10 @@
 """gloo's all-gather and reduce-scatter as point-to-point exchanges: each rank sends every peer the one slice
 that peer needs, straight from where it lies, and receives each peer's slice straight into its place.
 
-Why: gloo's own collectives move more than the bytes they must. Measured on 2 ranks of a 2-core CPU (medians
-of 20): all_gather_into_tensor of 2M bf16 3.96 ms, the same bytes by isend/irecv 2.29 ms (fp32: 5.63 vs 1.86);
-all_to_all_single of 2M fp32 (what the reduce-scatter used) 2.76 ms, isend/irecv 1.86. In the bf16 peer
-benchmark (tools/bench_vs_peers.py) the parameter all-gather after each step was ~5 ms of a 180 ms step.
+Why: gloo's own collectives move more than the bytes they must, so its all_gather_into_tensor and
+all_to_all_single (what the reduce-scatter used) took clearly longer than the same bytes sent by isend/irecv, in
+bf16 and fp32; and the parameter all-gather after each step is a visible share of a small model's step
+(tools/bench_vs_peers.py).
 
 Matching: gloo pairs a send with the receive of the same (source, destination, tag). Every exchange on a group
 takes the group's next tag, and every rank issues its group's exchanges in the same order (as it must issue

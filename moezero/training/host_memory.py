@@ -3,22 +3,20 @@
 Training allocates and frees large tensors every step, from several threads (compute, gloo), in an
 order that changes from step to step; MoE adds tensors whose sizes change too (tokens per expert).
 glibc reuses freed chunks, but the holes they leave do not always fit later requests, so the heap it
-holds grows: measured on a 2-rank GPT-MoE (fp32, ZeRO-2), RSS went 528 -> 757 MB in 40 steps while
-the memory in use stayed flat. Pinning glibc's mmap threshold stops that, but then every large tensor
-is mapped anew and its pages fault in every step (22% slower in the same run). Instead, glibc keeps
-its fast default, and after an optimizer step that ends `slack` bytes above the warmed-up ceiling
-(the highest step-end RSS of the first steps, raised when memory really in use grows),
-malloc_trim(0) returns the free pages to the OS: RSS stays within the slack, and the pages fault
-back in only after the rare trim (measured: ~2% of step time, RSS 539 -> ~590 MB instead of ~890 MB).
+holds grows over a run while the memory in use stays flat. Pinning glibc's mmap threshold stops that,
+but then every large tensor is mapped anew and its pages fault in every step, which costs more time than
+it saves. Instead, glibc keeps its fast default, and after an optimizer step that ends `slack` bytes above
+the warmed-up ceiling (the highest step-end RSS of the first steps, raised when memory really in use
+grows), malloc_trim(0) returns the free pages to the OS: RSS stays within the slack, and the pages fault
+back in only after the rare trim.
 
 Freed memory stays with the process between trims: the trimmer also sets glibc's thresholds (`mallopt`) so
 that free() neither returns the top of the heap to the OS nor maps tensors under 32 MB on their own. glibc's
-defaults did both every step for the routing-sized activations of an MoE layer: 2,000-4,000 page faults per
-step and rank in the bf16 peer benchmark, none from about step 13 on with the thresholds set (the heap first
-grows to its peak). Measured there, alternating rounds: 60 steps (the last 45 timed) +6.7% tokens/s median
-over 6 rounds [-3.2%, +18.6%]; the same thresholds from the environment, 25 steps, +5.2% over 10 rounds;
-RSS over 200 steps +16 MB instead of +1, flat after step 50. A process whose environment sets any MALLOC_*
-variable or GLIBC_TUNABLES keeps its own settings.
+defaults did both every step for the routing-sized activations of an MoE layer, so their pages faulted in
+anew each step; with the thresholds set, the heap grows to its peak once and then serves them without a
+fault: steps are faster, at the price of a heap held at its peak (RSS grows a little more at first, then
+stays flat). The figures are on the docs' benchmark pages (tools/bench_memory.py, tools/bench_vs_peers.py).
+A process whose environment sets any MALLOC_* variable or GLIBC_TUNABLES keeps its own settings.
 
 A process-wide policy, so the training loop chooses it (the pretraining script does, unless
 --no-host-heap-policy); a loop of one's own applies it explicitly:

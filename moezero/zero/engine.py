@@ -357,7 +357,7 @@ class ZeroEngine:
 
         `per_family` (an optimizer whose step touches only the params that have a gradient, as torch's do): one
         step per family, the families that gather over other ranks first, each family's all-gather running while
-        the next one steps (bf16 peer run: the dense all-gather, ~4 ms, behind the experts' ~6 ms of AdamW)."""
+        the next one steps (the dense params' all-gather hides behind the experts' update)."""
         self._settle_gradient_flags()
         if not per_family:
             self.master.assign_grads(reduced)

@@ -66,7 +66,8 @@ def kernel_paths() -> dict:
 
 
 def bf16_native() -> bool:
-    """bf16 GEMMs run on dedicated units here (bf16 runs are then as long as fp32 ones, not ~27x)."""
+    """bf16 GEMMs run on dedicated units here (bf16 runs are then as long as fp32 ones, not many times longer:
+    kernel_paths()'s bf16_gemm_slowdown says how many here)."""
     return kernel_paths()["bf16_units"] is not None
 
 
