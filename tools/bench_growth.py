@@ -25,7 +25,7 @@ from synthetic import bf16_native  # noqa: E402
 SIZES = {  # name: (layers, hidden, experts, seq, micro-batch, timed steps)
     "small": (4, 256, 8, 128, 4, 10),
     "medium": (4, 1024, 16, 512, 1, 4),
-    "large": (2, 2048, 16, 1024, 1, 3),   # DeepSpeed holds the most per rank here: the limit of a 24 GiB machine
+    "large": (2, 2048, 16, 1024, 1, 3),   # sized so that DeepSpeed fits a 24 GiB machine on 2 ranks
 }
 
 
