@@ -74,7 +74,7 @@ setup(
     description="Mixture-of-Experts GPT training with a correct ZeRO-1/2 optimizer and expert parallelism",
     packages=find_packages(include=["moezero", "moezero.*"]),
     # Megatron's flags (tools/megatron_arguments.py), transformers' config defaults (tools/hf_config_defaults.py)
-    package_data={"moezero.training": ["megatron_arguments.json"], "moezero.hf": ["config_defaults.json"]},
+    package_data={"moezero.training": ["assets/megatron_arguments.json"], "moezero.hf": ["config_defaults.json"]},
     python_requires=">=3.10",
     # torch: this machine pins 2.13.0 (CPU build); GPU users may use any 2.6 <= torch < 3 with CUDA.
     install_requires=[

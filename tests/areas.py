@@ -6,7 +6,7 @@ from typing import List
 AREAS = {   # area: what it covers, words of the file names that belong to it
     "zero": ("the ZeRO optimizer: buckets, stages 0-3, agreement, master weights",
              ("zero", "partition", "rank_disagreement", "precision_aware", "model_copies", "add_widened",
-              "host_memory", "groups_and_comm", "harness", "frozen")),
+              "groups_and_comm", "harness", "frozen", "optimizer_choices")),
     "moe": ("the MoE layer: routing, dispatch, experts, load balancing, upcycling",
             ("moe", "expert", "load_balancing", "upcycling")),
     "hf": ("Hugging Face checkpoints and configs", ("hf",)),
@@ -16,7 +16,7 @@ AREAS = {   # area: what it covers, words of the file names that belong to it
     "ops": ("the C++/CUDA kernels", ("ops/", "gelu")),
     "qat": ("quantization-aware training", ("qat",)),
     "training": ("the model and the training loop", ("pretrain", "training", "lr_schedule", "config", "throughput",
-                                                    "generate", "sampling", "attention", "gpt_oracle", "architecture",
+                                                    "generate", "sampling", "attention", "gpt_oracle", "architecture", "host_memory",
                                                     "rank_layout", "mtp", "expert_shapes")),
     "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),
 }
