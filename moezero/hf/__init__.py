@@ -1,4 +1,4 @@
-"""Hugging Face MoE checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (see families.py).
+"""Hugging Face MoE checkpoints in and out, of the families families.py lists.
 
     model = moezero.hf.from_pretrained("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, groups=groups)
     moezero.hf.save_pretrained(model, "out/", groups=groups)
