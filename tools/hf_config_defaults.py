@@ -1,6 +1,6 @@
 """transformers' config defaults of every family moezero reads, as JSON: what a config.json that omits a field
 means (published configs omit many: Qwen1.5-MoE has no qkv_bias, whose default is true). moezero completes a
-config with them before reading it (moezero/hf/families.py), and tests/unit/test_hf_config_defaults.py checks
+config with them before reading it (moezero/hf/defaults.py), and tests/unit/test_hf_config_defaults.py checks
 the file against transformers' own config classes.
 
     .venv/bin/python tools/hf_config_defaults.py > moezero/hf/config_defaults.json

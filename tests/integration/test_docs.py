@@ -70,6 +70,35 @@ def test_every_zero_module_has_its_design_note_on_the_site():
     assert modules - {"__init__"} <= shown, f"add to docs/zero-internals.md: {sorted(modules - shown - {'__init__'})}"
 
 
+def _layout_entries() -> Iterator[Tuple[str, str]]:
+    """(path, description) of each entry of docs/layout.md's tree."""
+    block = next(_blocks(os.path.join(REPO, "docs", "layout.md"), "text"))
+    entry = None
+    for line in block.splitlines():
+        if line[:1].strip():
+            if entry:
+                yield entry
+            path, _, description = line.partition(" ")
+            entry = (path, description)
+        elif entry:
+            entry = (entry[0], entry[1] + " " + line.strip())
+    if entry:
+        yield entry
+
+
+def test_the_layout_page_names_every_module_and_only_existing_ones():
+    named = set()
+    for path, description in _layout_entries():
+        folder = path if path.endswith("/") else ""
+        for name in [path] if not folder else re.findall(r"[\w*/]+\.(?:py|json)\b", description):
+            found = glob.glob(os.path.join(REPO, folder, name))
+            assert found, f"docs/layout.md names {folder}{name}, which does not exist"
+            named.update(os.path.relpath(f, REPO) for f in found)
+    modules = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "moezero", "**", "*.py"), recursive=True)
+               if not os.path.basename(p).startswith("_")}
+    assert not sorted(modules - named), f"say in docs/layout.md what these hold: {sorted(modules - named)}"
+
+
 def test_the_readme_links_reach_pages():
     with open(PAGES[0]) as f:
         targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", f.read())
