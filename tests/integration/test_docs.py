@@ -42,15 +42,16 @@ def _blocks(path: str, language: str) -> Iterator[str]:
 
 
 def doc_commands() -> List[Tuple[str, List[str]]]:
-    """(page, words) of every command in the pages' bash blocks, continuation lines joined, comments dropped."""
-    found = []
+    """(page, words) of every command in the pages' bash blocks, continuation lines joined, comments dropped;
+    a command shown on several pages once."""
+    found = {}
     for page in PAGES:
         for block in _blocks(page, "bash"):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
                 if words:
-                    found.append((os.path.relpath(page, REPO), words))
-    return found
+                    found.setdefault(tuple(words), os.path.relpath(page, REPO))
+    return [(page, list(words)) for words, page in found.items()]
 
 
 # ---- the site and the README ----------------------------------------------------------------------------
