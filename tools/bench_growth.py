@@ -3,14 +3,14 @@
 
     python tools/bench_growth.py [--rounds 2] [--dtype fp32,bf16] [--sizes small,medium,large] [--quick]
 
-The sizes run from the README's peer GPT-MoE to one whose DeepSpeed run takes most of a 24 GiB machine's
-memory on 2 ranks (fp32 Adam states included): widths 256 / 1024 / 2048, 8 / 16 / 16 experts (top-2, FFN 4h), sequence
-128 / 512 / 1024. The fairness rules are bench_vs_peers.py's (the same worker, init, data, fused AdamW, true
-dropless top-2, no overlap for DeepSpeed on the CPU). Each row: tokens/s and peak RSS per rank of each system,
-medians over alternating rounds with [min-max], and moezero's ratio (the median of per-round ratios), so a
-reader sees whether the ratio holds as the model grows. ZeRO-3 has no row: DeepSpeed refuses its native MoE at
-stage 3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3"); tools/bench_stage3.py compares moezero's
-stages 3 and 2.
+The sizes run from the end-to-end benchmark's GPT-MoE (docs/benchmarks.md) to one whose DeepSpeed run takes most
+of a 24 GiB machine's memory on 2 ranks (fp32 Adam states included): widths 256 / 1024 / 2048, 8 / 16 / 16
+experts (top-2, FFN 4h), sequence 128 / 512 / 1024. The fairness rules are bench_vs_peers.py's (the same worker,
+init, data, fused AdamW, true dropless top-2, no overlap for DeepSpeed on the CPU). Each row: tokens/s and peak
+RSS per rank of each system, medians over alternating rounds with [min-max], and moezero's ratio (the median of
+per-round ratios), so a reader sees whether the ratio holds as the model grows. ZeRO-3 has no row: DeepSpeed
+refuses its native MoE at stage 3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3");
+tools/bench_stage3.py compares moezero's stages 3 and 2.
 """
 import argparse
 import os

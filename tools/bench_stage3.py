@@ -5,7 +5,7 @@
 
 Both stages train the same GPT-MoE (moezero's benchmark worker, keyed init, the same data) in
 alternating rounds; a ratio is the median over rounds of stage 3's step time over stage 2's from
-the same round. Models: the README's peer GPT-MoE (hidden 256, fp32 and bf16) and a small one
+the same round. Models: the end-to-end benchmark's GPT-MoE (hidden 256, fp32 and bf16) and a small one
 (hidden 64, fp32) where the per-step host work of stage 3 weighs most.
 """
 import argparse

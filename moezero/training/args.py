@@ -102,8 +102,8 @@ class ArgumentParser(argparse.ArgumentParser):
         lines = []
         for flag, words in _by_flag(message.split(":", 1)[1].split()):
             if flag in megatron:
-                lines.append(f"{flag}: not supported by moezero (a Megatron-LM flag; see the README, 'Coming from "
-                             "Megatron-LM')")
+                lines.append(f"{flag}: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, "
+                             "'Coming from Megatron-LM')")
             else:
                 lines.append(f"unrecognized arguments: {' '.join(words)}{self._did_you_mean(flag)}")
         return lines

@@ -31,8 +31,8 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     assert len(lines) == 1 and "--tensor-model-parallel-size=2: not supported by moezero" in lines[0]
     lines = _error_of(["--fp8-format", "hybrid", "--fp8-margin", "0", "--hiden-size", "64"], capsys)
     assert [line.split("error: ", 1)[1] for line in lines] == [
-        "--fp8-format: not supported by moezero (a Megatron-LM flag; see the README, 'Coming from Megatron-LM')",
-        "--fp8-margin: not supported by moezero (a Megatron-LM flag; see the README, 'Coming from Megatron-LM')",
+        "--fp8-format: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
+        "--fp8-margin: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
         "unrecognized arguments: --hiden-size 64; did you mean --hidden-size? (see --help)"], lines
     lines = _error_of(["--mtp-standalone"], capsys)   # never a did-you-mean to another flag (--mtp-num-layers)
     assert len(lines) == 1 and "--mtp-standalone: not supported by moezero" in lines[0] and "mean" not in lines[0]
