@@ -81,8 +81,11 @@ class Experts(Part):
         return out
 
     def write(self, gpt, moe):
+        # transformers' router_aux_loss_coef is one number, its loss over the batch: Megatron's aux_loss (a
+        # sequence or global-batch loss, alone or beside it, has no field there)
         return {"num_experts_per_tok": moe.top_k, self.count: moe.num_experts,
-                self.width: moe.ffn_hidden_size or gpt.ffn_hidden_size, "router_aux_loss_coef": moe.aux_loss_coeff}
+                self.width: moe.ffn_hidden_size or gpt.ffn_hidden_size,
+                "router_aux_loss_coef": moe.balancing_coefficients().get("aux_loss", 0.0)}
 
 
 def num_experts_of(hf: Dict[str, Any]) -> int:

@@ -238,3 +238,14 @@ def test_each_tiny_model_is_held_by_its_family_alone(name):
     holders = [f.model_type for f in FAMILIES.values() if next(f.differences(*configs), None) is None]
     assert holders == [family_of(hf).model_type]
     assert family_for(*configs).model_type == holders[0]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_several_load_balancing_losses_write_the_batch_losss_coefficient(model_type):
+    gpt, moe = _base(model_type)
+    moe = dataclasses.replace(moe, load_balancing_type=["aux_loss", "seq_aux_loss"], aux_loss_coeff=[0.01, 0.001])
+    written = FAMILIES[model_type].hf_config(gpt, moe, "bfloat16")
+    assert written["router_aux_loss_coef"] == 0.01   # a number, as transformers' config classes declare it
+    assert FAMILIES[model_type].configs(written)[1].aux_loss_coeff == 0.01
+    without = dataclasses.replace(moe, load_balancing_type=["seq_aux_loss"], aux_loss_coeff=[0.001])
+    assert FAMILIES[model_type].hf_config(gpt, without, "bfloat16")["router_aux_loss_coef"] == 0.0
