@@ -19,6 +19,7 @@ import re
 import runpy
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Iterator, List, Tuple
@@ -152,9 +153,19 @@ def _stop_after_parsing() -> Iterator[None]:
         yield
 
 
-def _parse_only(script: str, argv: List[str]) -> None:
-    with _stop_after_parsing(), mock.patch.object(sys, "argv", [script, *argv]), pytest.raises(_Parsed):
-        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+def _parse_only(script: str, argv: List[str], timeout: float = 60) -> None:
+    """Run `script` until its parser finished; a script that gets past it without one fails, not runs for hours."""
+    def too_long(*_):
+        raise TimeoutError(f"{script} ran {timeout} s without reaching an argparse parser")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with _stop_after_parsing(), mock.patch.object(sys, "argv", [script, *argv]), pytest.raises(_Parsed):
+            runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _launch(words: List[str]) -> Tuple[int, str, List[str]]:

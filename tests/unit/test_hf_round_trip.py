@@ -182,7 +182,8 @@ def _changed(configs, change):
 
 def _reads_back_as_itself(family, configs) -> bool:
     """Whether the model the family's config.json of `configs` reads back as is the same model: the same configs,
-    or the same weights (names, shapes) computing the same logits, every weight and buffer random."""
+    or the same weights (names, shapes) computing the same logits, every weight and buffer random (float64: equal to
+    1e-10, so two code paths that reassociate a sum agree on any CPU's SIMD; a different model is off by far more)."""
     try:
         back = family.configs(family._written(*configs, "float32"))
     except ValueError:   # UnsupportedModel, ConfigError: no config.json of the family reads as it
@@ -193,7 +194,7 @@ def _reads_back_as_itself(family, configs) -> bool:
     if {k: v.shape for k, v in ours.state_dict().items()} != {k: v.shape for k, v in theirs.state_dict().items()}:
         return False
     with torch.no_grad():
-        return torch.equal(ours(TOKENS)[0], theirs(TOKENS)[0])
+        return torch.allclose(ours(TOKENS)[0], theirs(TOKENS)[0], rtol=1e-10, atol=1e-10)
 
 
 def _random_model(configs):
