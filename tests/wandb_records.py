@@ -42,12 +42,15 @@ def history(run_dir: str) -> Dict[int, Dict[str, float]]:
     with open(files[-1], "rb") as f:
         data = f.read()
     rows: Dict[int, Dict[str, float]] = {}
+    kinds = []
     for blob in _records(data):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(blob)
-        if record.WhichOneof("record_type") != "history":
+        kinds.append(record.WhichOneof("record_type"))
+        if kinds[-1] != "history":
             continue
         items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
         step = int(items.pop("_step", record.history.step.num))
         rows.setdefault(step, {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    assert rows, f"no history in {files[-1]} ({len(data)} bytes; records: {kinds})"
     return rows

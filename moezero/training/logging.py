@@ -55,7 +55,14 @@ class WandbRun:
         self.run.log(dict(scalars), step=step)
 
     def close(self) -> None:
+        """Finish the run and, unless the process holds other W&B runs, wait for W&B's service to write it out:
+        `finish()` only asks the service to close the run file, and a process that ends without the atexit hook
+        (a multiprocessing child) or reads the file at once would find it incomplete."""
+        import wandb
+
         self.run.finish()
+        if wandb.run is None:
+            wandb.teardown()
 
 
 class TensorBoardLogger:
