@@ -59,9 +59,10 @@ class ZeroConfig(Validated):
                                                 "--grad-reduce-dtype's)", flag="--megatron-fsdp-grad-comm-dtype",
                                                 choices=("fp32", "fp16", "bf16", "auto"))
     bucket_size: int = option(2_000_000, "elements per gradient bucket", flag="--ddp-bucket-size")
-    min_unit_params: int = option(100_000, "stage 3: a layer whose params (its experts aside) number fewer than "
-                                  "this is gathered with the model's root, once per step, not alone (0: every "
-                                  "layer alone)", flag="--zero-min-unit-params")
+    min_unit_params: int = option(100_000, "stage 3: consecutive layers are gathered together until their params "
+                                  "(their experts aside) reach this; layers that all together fall short of it "
+                                  "are gathered with the model's root, once per step (0: every layer alone)",
+                                  flag="--zero-min-unit-params")
     overlap_comm: bool = option(True, "reduce buckets during backward", flag="--overlap-grad-reduce")
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
                                     choices=("fp32", "bf16", "fp64"))

@@ -34,7 +34,7 @@ from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
 from moezero.zero.torch_internals import in_backward
-from moezero.zero.units import UnitGatherer, UnitPlan, plan_units, unit_policy
+from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
@@ -76,7 +76,7 @@ class ZeroEngine:
                  settings: ZeroSettings):
         self.model, self.groups, self.settings = model, groups, settings
         self.stage = stage_of(settings.stage)
-        plan = plan_units(model, [p for _, p in named_params], unit_policy(settings.min_unit_params)) \
+        plan = plan_units(model, [p for _, p in named_params], settings.min_unit_params) \
             if self.stage.shards_params else None
         families = build_families(named_params, groups, settings.bucket_size, plan.unit_of if plan else None)
         self.parts = [FamilyParts(f, self.stage.param_storage(f, groups), self._grad_strategy(f)) for f in families]

@@ -69,9 +69,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             `weight_decay_groups(model, wd)` gives Megatron's no-decay rule for biases/norms/embeddings.
         loss_scaler: fp16 dynamic loss scaler (created automatically for fp16 models).
         max_skipped_steps: raise after this many non-finite steps in a row.
-        min_unit_params: stage 3: a block (a module of an nn.ModuleList/Sequential) whose params, its expert
-            stacks aside, number fewer than this is gathered with its parent's unit (the root's: from the forward's
-            start to the backward's end), not alone (default 0: every block is a unit).
+        min_unit_params: stage 3: consecutive blocks (modules of an nn.ModuleList/Sequential) share a gather
+            unit until their params, expert stacks aside, reach this (a short last run joins the one before);
+            blocks that all together fall short of it are gathered with their parent's unit (the root's: from the
+            forward's start to the backward's end). Default 0: every block is a unit.
         step_per_family: step the inner optimizer once per family (the params of one reduce group and dtype: dense,
             experts), the families that gather over other ranks first, each family's all-gather running while the
             next one steps; right only for an optimizer whose step() skips params without a gradient and keeps all

@@ -1,8 +1,9 @@
 """Stage 3 gather units: which params are gathered together, and when.
 
-A unit is a module whose params are full only around its own forward and backward:
+A unit is a module (or a run of modules) whose params are full only around its own forward and backward:
   - every routed-expert stack (a module that directly owns expert-tagged params),
-  - every block: a module held in an nn.ModuleList or nn.Sequential,
+  - every block: a module held in an nn.ModuleList or nn.Sequential; with `min_unit_params`, a run of
+    consecutive blocks whose params reach it (from the first one's forward to the last one's),
   - the root: every other param (embeddings, final norm, an output head, small branches). The
     root is gathered from the start of the forward to the end of the following backward, so a
     param used outside its own module's forward (a tied output head using the embedding weight
@@ -49,76 +50,105 @@ from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
 from moezero.zero.saved_params import SavedParamHooks
 from moezero.zero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
-UnitPolicy = Callable[[nn.Module, Optional[nn.Module]], bool]
-
-
 class UnitState(enum.Enum):
     FREE = "free"           # storage resized to zero
     INFLIGHT = "inflight"   # all-gather launched, not waited for
     READY = "ready"         # full values here
 
 
-def default_unit_policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
-    if any(is_expert_parallel(p) for p in module.parameters(recurse=False)):
-        return True
-    return isinstance(parent, (nn.ModuleList, nn.Sequential))
-
-
-def unit_policy(min_block_params: int = 0) -> UnitPolicy:
-    """default_unit_policy, where a block whose own params (its expert stacks are units of their own) number fewer
-    than `min_block_params` stays in its parent's unit: gathering it alone costs a collective and an agreement
-    record for a few bytes (DeepSpeed's stage3_param_persistence_threshold, FSDP's size-based wrap policy)."""
-    if min_block_params <= 0:
-        return default_unit_policy
-
-    def policy(module: nn.Module, parent: Optional[nn.Module]) -> bool:
-        if any(is_expert_parallel(p) for p in module.parameters(recurse=False)):
-            return True
-        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            return False
-        return sum(p.numel() for p in module.parameters() if not is_expert_parallel(p)) >= min_block_params
-
-    return policy
-
-
 @dataclass
 class UnitPlan:
-    modules: List[nn.Module]                    # [0] is the root
+    modules: List[nn.Module]                    # a unit's first module; [0] is the root
     names: List[str]
     unit_of: Dict[int, int]                     # id(param) -> unit
     forward_order: List[int] = field(default_factory=list)    # units but the root, module pre-order
     backward_order: List[int] = field(default_factory=list)   # reverse post-order
+    last_modules: List[nn.Module] = field(default_factory=list)   # a unit's last module (its forward ends it)
 
 
-def plan_units(model: nn.Module, params: Sequence[torch.Tensor], policy: UnitPolicy = default_unit_policy
-               ) -> UnitPlan:
+def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params: int = 0) -> UnitPlan:
+    """The units of `model` for the managed `params`. Consecutive blocks of one container share a unit until
+    their params (their expert stacks' aside) reach `min_unit_params`; a last group short of it joins the group
+    before it, and blocks that all together fall short of it stay in their parent's unit: gathering a few bytes
+    alone costs a collective and an agreement record all the same (DeepSpeed's prefetch buckets and
+    stage3_param_persistence_threshold, FSDP's size-based wrap policy)."""
     managed = {id(p) for p in params}
-    modules, names, pre, post = [model], [""], [], []
+    modules, last_modules, names, pre, post = [model], [model], [""], [], []
     owner: Dict[int, int] = {}   # id(param) -> unit, 0 when registered under two units
     seen: Set[int] = set()
+
+    def new_unit(first: nn.Module, last: nn.Module, name: str) -> int:
+        modules.append(first)
+        last_modules.append(last)
+        names.append(name)
+        pre.append(len(modules) - 1)
+        return len(modules) - 1
 
     def walk(module: nn.Module, name: str, unit: int) -> None:
         for p in module.parameters(recurse=False):
             if id(p) in managed:
                 owner[id(p)] = unit if owner.get(id(p), unit) == unit else 0
+        children = []
         for child_name, child in module.named_children():
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            full = f"{name}.{child_name}" if name else child_name
-            child_unit = unit
-            if policy(child, module) and any(id(p) in managed for p in child.parameters()):
-                child_unit = len(modules)
-                modules.append(child)
-                names.append(full)
-                pre.append(child_unit)
-            walk(child, full, child_unit)
-            if child_unit != unit:
-                post.append(child_unit)
+            if id(child) not in seen:
+                seen.add(id(child))
+                children.append((f"{name}.{child_name}" if name else child_name, child))
+        groups = _block_groups(children, managed, min_unit_params) \
+            if isinstance(module, (nn.ModuleList, nn.Sequential)) else []
+        first_of = {id(group[0][1]): group for group in groups}
+        group_unit, group_last = unit, None
+        for full, child in children:
+            group = first_of.get(id(child))
+            if group is not None:
+                group_unit, group_last = new_unit(child, group[-1][1], _group_name(group)), group[-1][1]
+            if _owns_experts(child, managed):
+                own = new_unit(child, child, full)
+                walk(child, full, own)
+                post.append(own)
+            else:
+                walk(child, full, group_unit)
+            if child is group_last:
+                post.append(group_unit)
+                group_unit, group_last = unit, None
 
     walk(model, "", 0)
     used = set(owner.values())  # units left without params of their own (pure containers) are not gathered
-    return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used])
+    return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used],
+                    last_modules)
+
+
+def _owns_experts(module: nn.Module, managed: Set[int]) -> bool:
+    """A routed-expert stack: a unit of its own wherever it sits."""
+    return any(is_expert_parallel(p) and id(p) in managed for p in module.parameters(recurse=False))
+
+
+def _dense_params(module: nn.Module, managed: Set[int]) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) in managed and not is_expert_parallel(p))
+
+
+def _block_groups(children: List[Tuple[str, nn.Module]], managed: Set[int], min_params: int
+                  ) -> List[List[Tuple[str, nn.Module]]]:
+    """A container's blocks (children holding managed params) in consecutive groups of >= min_params."""
+    blocks = [(name, child) for name, child in children
+              if any(id(p) in managed for p in child.parameters()) and not _owns_experts(child, managed)]
+    groups: List[List[Tuple[str, nn.Module]]] = []
+    current: List[Tuple[str, nn.Module]] = []
+    size = 0
+    for name, block in blocks:
+        current.append((name, block))
+        size += _dense_params(block, managed)
+        if size >= min_params:
+            groups.append(current)
+            current, size = [], 0
+    if current and groups:
+        groups[-1].extend(current)   # a short tail joins the group before it
+    return groups
+
+
+def _group_name(group: List[Tuple[str, nn.Module]]) -> str:
+    """`layers.3` for one block, `layers.0..3` for blocks 0 to 3."""
+    first, last = group[0][0], group[-1][0]
+    return first if len(group) == 1 else f"{first}..{last.rsplit('.', 1)[-1]}"
 
 
 class UnitGatherer:
@@ -162,9 +192,9 @@ class UnitGatherer:
         self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
         self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
         for unit in plan.forward_order:
-            module = plan.modules[unit]
-            self._handles.append(module.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
-            self._handles.append(module.register_forward_hook(WeakHook(self, "_post_forward", unit, pass_last=True)))
+            first, last = plan.modules[unit], plan.last_modules[unit]
+            self._handles.append(first.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
+            self._handles.append(last.register_forward_hook(WeakHook(self, "_post_forward", unit, pass_last=True)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -258,19 +258,28 @@ def _gpt_losses(stage, ep, qat_step, steps=4, min_unit_params=0, units=None):
     return losses
 
 
-def _small_blocks_with_the_root(_):
-    units = []
-    merged = _gpt_losses(3, 2, qat_step=99, min_unit_params=10 ** 6, units=units)
-    return merged, units, _gpt_losses(3, 2, qat_step=99), _gpt_losses(2, 2, qat_step=99)
+def _small_blocks_together(_):
+    from moezero.parallel import is_expert_parallel
+
+    groups = ParallelGroups.build()
+    dense = sum(p.numel() for p in _gpt(groups).layers[0].parameters() if not is_expert_parallel(p))
+    groups.destroy()
+    merged, run = [], []
+    losses = {"root": _gpt_losses(3, 2, qat_step=99, min_unit_params=10 ** 6, units=merged),
+              "run": _gpt_losses(3, 2, qat_step=99, min_unit_params=dense + 1, units=run)}
+    return losses, merged, run, _gpt_losses(3, 2, qat_step=99), _gpt_losses(2, 2, qat_step=99)
 
 
-def test_blocks_under_min_unit_params_are_gathered_with_the_root_and_train_alike():
-    """min_unit_params: blocks smaller than it are no units of their own (their params join the root's, the
-    expert stacks stay units); the losses equal every block a unit and stage 2 (float64, ep 2)."""
-    merged, units, per_block, stage2 = run_distributed(_small_blocks_with_the_root, 2, None)[0]
-    assert units == ["", "layers.0.mlp.experts", "layers.1.mlp.experts"], units
-    torch.testing.assert_close(torch.tensor(merged), torch.tensor(per_block), rtol=1e-12, atol=0)
-    torch.testing.assert_close(torch.tensor(merged), torch.tensor(stage2), rtol=1e-12, atol=0)
+def test_small_blocks_are_gathered_together_and_train_alike():
+    """min_unit_params: blocks that together fall short of it join the root's unit, blocks that reach it
+    together share one (the expert stacks stay units either way); the losses equal every block a unit and
+    stage 2 (float64, ep 2)."""
+    losses, merged, run, per_block, stage2 = run_distributed(_small_blocks_together, 2, None)[0]
+    assert merged == ["", "layers.0.mlp.experts", "layers.1.mlp.experts"], merged
+    assert run == ["", "layers.0..1", "layers.0.mlp.experts", "layers.1.mlp.experts"], run
+    for together in losses.values():
+        torch.testing.assert_close(torch.tensor(together), torch.tensor(per_block), rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.tensor(per_block), torch.tensor(stage2), rtol=1e-12, atol=0)
 
 
 def test_qat_applied_to_a_live_stage3_optimizer_tracks_one_process():

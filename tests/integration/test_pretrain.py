@@ -36,6 +36,10 @@ def _two_rank_layouts(cache_dir, save_dir):
     # recompute redraws the same dropout masks and jitter, so the curve does not move
     runs["2 ranks ep2 stage2 recompute"] = [h["lm_loss"] for h in train(
         TINY + ITERS + FP64 + ep2 + ["--recompute-activations"], cache_dir)]
+    # both layers one stage-3 unit (a run of layers), each layer recomputed whole in backward
+    runs["2 ranks ep2 stage3, layers.0..1 one unit, full recompute"] = [h["lm_loss"] for h in train(
+        TINY + ITERS + FP64 + ep2 + ["--zero-stage", "3", "--zero-min-unit-params", "5000", "--recompute-granularity",
+                                     "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], cache_dir)]
     # the first half, saved to resume on one process (another dp and ep)
     runs["2 ranks ep2, first half"] = [h["lm_loss"] for h in train(
         TINY + ITERS + FP64 + ep2 + ["--exit-interval", "10", "--save", save_dir], cache_dir)]
