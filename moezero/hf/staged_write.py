@@ -6,20 +6,25 @@
 
 The staging folder sits beside the target (same file system: renames, no copies); the target then holds exactly
 this write's weights (an old `model.safetensors` or a surplus shard left beside them is what transformers would
-load instead), and a write that fails leaves the target as it was.
+load instead), and a write that fails leaves the target as it was. A write that was killed leaves its staging
+folder, which the next write into the same target removes.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from typing import Dict, List
 
 import torch
 from safetensors.torch import save_file
 
 from moezero.hf.files import INDEX, weight_files
+
+STAGING_PREFIX = ".moezero-export-"   # + the target folder's name + "." + mkdtemp's 8 characters
 
 
 def start_write(path: str, overwrite: bool) -> str:
@@ -33,9 +38,21 @@ def start_write(path: str, overwrite: bool) -> str:
         raise FileExistsError(f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"
                               "), which transformers could load instead of this export; export into a new folder, "
                               "or replace them (overwrite=True, --overwrite)")
-    parent = os.path.dirname(os.path.abspath(path))
+    parent, base = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".moezero-export-", dir=parent)
+    _remove_unfinished(parent, base)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{base}.", dir=parent)
+
+
+def _remove_unfinished(parent: str, base: str) -> None:
+    """Staging folders an interrupted write into `parent/base` left (a killed job writes no `finally`): the next
+    write into the same folder removes them, as the next checkpoint save removes an unfinished `iter_N.tmp`."""
+    mine = re.compile(re.escape(f"{STAGING_PREFIX}{base}.") + r"[a-z0-9_]{8}$")
+    for name in sorted(os.listdir(parent)):
+        if mine.match(name) and os.path.isdir(os.path.join(parent, name)):
+            warnings.warn(f"{os.path.join(parent, base)}: removing {name}, the staging folder of an export into it "
+                          "that did not finish")
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> None:
