@@ -13,7 +13,10 @@ document boundaries (sequence indices, first 0, last n).
 from __future__ import annotations
 
 import os
+import re
+import socket
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -102,10 +105,12 @@ def write_indexed_dataset(prefix: str, documents: Iterable, vocab_size: int) -> 
 
     Empty documents are skipped. The files are written under temporary names and renamed into
     place (.bin first, .idx last), so a reader never sees a half-written pair: a crash leaves
-    either the old files or a mismatch that `check_indexed_dataset` reports.
+    either the old files or a mismatch that `check_indexed_dataset` reports. The temporary files a
+    killed write left on this host are removed by the next write of the same prefix.
     """
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    tmp = f"{prefix}.tmp{os.getpid()}"
+    _remove_killed_writes(prefix)
+    tmp = f"{prefix}.tmp-{socket.gethostname()}-{os.getpid()}"
     builder = megatron_datasets().IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(vocab_size))
     try:
         for doc in documents:
@@ -122,4 +127,26 @@ def write_indexed_dataset(prefix: str, documents: Iterable, vocab_size: int) -> 
     os.replace(tmp + ".bin", prefix + ".bin")
     os.replace(tmp + ".idx", prefix + ".idx")
     return check_indexed_dataset(prefix, flag="output")
+
+
+def _remove_killed_writes(prefix: str) -> None:
+    """The temporary files of earlier writes of `prefix` whose process, on this host, is gone (killed: no
+    cleanup ran); those of another host, or of a process still running, are left."""
+    folder, name = os.path.split(os.path.abspath(prefix))
+    pattern = re.compile(re.escape(f"{name}.tmp-{socket.gethostname()}-") + r"(\d+)\.(bin|idx)$")
+    for entry in sorted(os.listdir(folder)):
+        match = pattern.match(entry)
+        if match and not _process_alive(int(match.group(1))):
+            warnings.warn(f"{prefix}: removing {entry}, left by a write of it that was killed")
+            os.remove(os.path.join(folder, entry))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's
+        return True
+    return True
 

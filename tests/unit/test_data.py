@@ -78,6 +78,51 @@ def test_indexed_dataset_round_trip(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if "tmp" in p]     # temporaries renamed away
 
 
+KILLED_WRITE = """
+import sys, time
+import numpy as np
+from moezero.data import write_indexed_dataset
+
+prefix, marker = sys.argv[1:3]
+
+def documents():
+    yield np.arange(1000) % 256
+    open(marker, "w").close()
+    time.sleep(600)
+
+write_indexed_dataset(prefix, documents(), vocab_size=257)
+"""
+
+
+def test_a_killed_writes_temporary_files_go_with_the_next_write(tmp_path):
+    """preprocess_data killed mid-write (SIGKILL: no cleanup) leaves `<prefix>.tmp-<host>-<pid>.bin`; the next
+    write of the prefix removes it with a warning, and leaves one of a process still running."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    prefix, marker = str(tmp_path / "d"), str(tmp_path / "marker")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITE, prefix, marker], env=dict(os.environ, PYTHONPATH=repo))
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            assert child.poll() is None and time.monotonic() < deadline, "the write never started"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    killed = f"d.tmp-{socket.gethostname()}-{child.pid}.bin"
+    running = f"d.tmp-{socket.gethostname()}-{os.getppid()}.idx"   # this process's parent: still running
+    (tmp_path / running).write_bytes(b"")
+    assert killed in os.listdir(tmp_path)
+    with pytest.warns(UserWarning, match=f"removing {killed}, left by a write of it that was killed"):
+        write_indexed_dataset(prefix, random_docs(3), vocab_size=257)
+    assert sorted(os.listdir(tmp_path)) == sorted(["d.bin", "d.idx", "marker", running])
+    assert len(open_indexed_dataset(prefix)) == 3
+
+
 def test_missing_files_name_the_path_and_flag(tmp_path):
     with pytest.raises(DataError, match=r"--data-path: .*nope\.idx does not exist"):
         check_indexed_dataset(str(tmp_path / "nope"))
