@@ -22,10 +22,10 @@ from moezero.checkpoint.pending import PendingSave
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
 from moezero.config import ConfigError, is_moe_layer
-from moezero.hf import UnsupportedModel, run_configs, save_pretrained
+from moezero.hf import UnsupportedModel, save_pretrained
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
-from moezero.models.upcycling import check_upcyclable, upcycle
+from moezero.models.upcycling import upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
@@ -38,9 +38,9 @@ from moezero.training.log_interval import LogInterval
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
-from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
-                                     check_shapes, find_resume_point, start_iteration, start_lr_schedule,
-                                     start_progress, upcycling_point)
+from moezero.training.resume import (ResumePoint, check_shapes, start_iteration, start_lr_schedule,
+                                     start_progress)
+from moezero.training.run_start import resolve_start
 from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
 from moezero.training.stopping import StopConditions
@@ -64,32 +64,12 @@ class Pretraining:
 
     def __init__(self, cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        notices: List[str] = []
-        point = find_resume_point(cfg.checkpoint)
-        hub = cfg.checkpoint.load_hf
-        self.hub_config = point.configs.get("hf") if point is not None else None
-        if hub is not None:   # the Hub folder says what the model is, resumed or not
-            hub_configs = run_configs(hub)
-            cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
-            self.hub_config = hub_configs["hf"]
-            if point is not None:
-                notices.append(f" --load-hf: resuming from the run's own checkpoint {point.path}, not {hub}")
-        dense_source = None   # --moe-use-upcycling: the dense checkpoint the experts start from
-        if point is not None and cfg.moe.use_upcycling:
-            point = upcycling_point(point, cfg.model, cfg.moe, notices.append)
-        if point is not None and cfg.checkpoint.use_checkpoint_args:
-            cfg = apply_checkpoint_args(cfg, point, notices.append)
-        elif point is not None:
-            check_same_model(cfg, point)
-        elif cfg.checkpoint.load:
-            notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
-                           "from scratch")
+        start = resolve_start(cfg)
+        cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
+        self.hub_config = start.hub_config
         self.cfg = cfg
         if cfg.checkpoint.save:
             checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
-        if point is not None and cfg.moe.use_upcycling:
-            check_upcyclable(cfg.model, cfg.moe)
-            dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
         progress = start_progress(point, cfg.checkpoint.finetune)
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
@@ -113,7 +93,7 @@ class Pretraining:
             if split is not None:
                 split.vocab_limit = self.vocab_size
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
-                                 hub_dir=hub if point is None else None)
+                                 hub_dir=cfg.checkpoint.load_hf if point is None else None)
         if dense_source is not None:   # before the optimizer copies the params into its masters
             upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)

@@ -187,18 +187,20 @@ def _launch(words: List[str]) -> Tuple[int, str, List[str]]:
 
 def _check_launch_line(argv: List[str], world: int) -> None:
     """The configs the script would run with (the Hub folder's or checkpoint's model where the line takes it
-    from there), passing the checks the script makes at start for `world` processes."""
-    from moezero.hf.load import run_configs
+    from there, resolved as the script resolves them), passing the checks the script makes at start for `world`
+    processes. A line that would resume its own run (--load without --use-checkpoint-args) is checked as that
+    run's first launch: the workdir's `ckpt` holds another command's tiny model."""
+    import dataclasses
+
     from moezero.training.configs import validate
-    from moezero.training.resume import apply_checkpoint_args, apply_hub_configs, find_resume_point
+    from moezero.training.run_start import resolve_start
     cfg = configs(argv)
-    if cfg.checkpoint.load_hf:
-        cfg = apply_hub_configs(cfg, cfg.checkpoint.load_hf, run_configs(cfg.checkpoint.load_hf), lambda _: None)
-    if cfg.checkpoint.use_checkpoint_args:
-        point = find_resume_point(cfg.checkpoint)
-        assert point is not None, f"--load {cfg.checkpoint.load}: the docs' earlier command should have made it"
-        cfg = apply_checkpoint_args(cfg, point, lambda _: None)
-    validate(cfg, world)
+    if not cfg.checkpoint.use_checkpoint_args:
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=None))
+    start = resolve_start(cfg)
+    assert start.point is not None or not cfg.checkpoint.use_checkpoint_args, \
+        f"--load {cfg.checkpoint.load}: the docs' earlier command should have made it"
+    validate(start.cfg, world)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""What a run starts from, decided from its flags before anything is built: the checkpoint it resumes, the
+model a Hub folder (--load-hf) or the checkpoint (--use-checkpoint-args) defines, the dense checkpoint
+--moe-use-upcycling starts the experts from. The pretraining script and the docs' command checks call it,
+so a launch line shown in the docs is resolved exactly as the script resolves it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from moezero.hf import run_configs
+from moezero.models.upcycling import check_upcyclable
+from moezero.training.configs import Configs
+from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
+                                     find_resume_point, upcycling_point)
+
+
+@dataclass
+class RunStart:
+    cfg: Configs                                  # the flags, with the model a Hub folder or checkpoint defines
+    point: Optional[ResumePoint]                  # the checkpoint the run resumes from (None: a new run)
+    hub_config: Optional[Dict[str, Any]]          # the Hub config the model came from (--load-hf), if any
+    dense_source: Optional[ResumePoint] = None    # --moe-use-upcycling: the dense checkpoint of the experts
+    notices: List[str] = field(default_factory=list)   # lines for the run's log
+
+
+def resolve_start(cfg: Configs) -> RunStart:
+    notices: List[str] = []
+    point = find_resume_point(cfg.checkpoint)
+    hub = cfg.checkpoint.load_hf
+    hub_config = point.configs.get("hf") if point is not None else None
+    if hub is not None:   # the Hub folder says what the model is, resumed or not
+        hub_configs = run_configs(hub)
+        cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
+        hub_config = hub_configs["hf"]
+        if point is not None:
+            notices.append(f" --load-hf: resuming from the run's own checkpoint {point.path}, not {hub}")
+    if point is not None and cfg.moe.use_upcycling:
+        point = upcycling_point(point, cfg.model, cfg.moe, notices.append)
+    if point is not None and cfg.checkpoint.use_checkpoint_args:
+        cfg = apply_checkpoint_args(cfg, point, notices.append)
+    elif point is not None:
+        check_same_model(cfg, point)
+    elif cfg.checkpoint.load:
+        notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
+                       "from scratch")
+    dense_source = None
+    if point is not None and cfg.moe.use_upcycling:
+        check_upcyclable(cfg.model, cfg.moe)
+        dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
+    return RunStart(cfg, point, hub_config, dense_source, notices)
