@@ -137,8 +137,11 @@ def _remove_killed_writes(prefix: str) -> None:
     for entry in sorted(os.listdir(folder)):
         match = pattern.match(entry)
         if match and not _process_alive(int(match.group(1))):
-            warnings.warn(f"{prefix}: removing {entry}, left by a write of it that was killed")
-            os.remove(os.path.join(folder, entry))
+            try:
+                os.remove(os.path.join(folder, entry))
+                warnings.warn(f"{prefix}: removed {entry}, left by a write of it that was killed")
+            except OSError as exc:   # not ours to remove (another user's): it costs disk, not this write
+                warnings.warn(f"{prefix}: could not remove {entry}, left by a write of it that was killed ({exc})")
 
 
 def _process_alive(pid: int) -> bool:

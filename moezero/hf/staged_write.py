@@ -50,9 +50,10 @@ def _remove_unfinished(parent: str, base: str) -> None:
     mine = re.compile(re.escape(f"{STAGING_PREFIX}{base}.") + r"[a-z0-9_]{8}$")
     for name in sorted(os.listdir(parent)):
         if mine.match(name) and os.path.isdir(os.path.join(parent, name)):
-            warnings.warn(f"{os.path.join(parent, base)}: removing {name}, the staging folder of an export into it "
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)   # what it cannot remove costs disk only
+            done = "could not remove" if os.path.exists(os.path.join(parent, name)) else "removed"
+            warnings.warn(f"{os.path.join(parent, base)}: {done} {name}, the staging folder of an export into it "
                           "that did not finish")
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> None:

@@ -117,10 +117,34 @@ def test_a_killed_writes_temporary_files_go_with_the_next_write(tmp_path):
     running = f"d.tmp-{socket.gethostname()}-{os.getppid()}.idx"   # this process's parent: still running
     (tmp_path / running).write_bytes(b"")
     assert killed in os.listdir(tmp_path)
-    with pytest.warns(UserWarning, match=f"removing {killed}, left by a write of it that was killed"):
+    with pytest.warns(UserWarning, match=f"removed {killed}, left by a write of it that was killed"):
         write_indexed_dataset(prefix, random_docs(3), vocab_size=257)
     assert sorted(os.listdir(tmp_path)) == sorted(["d.bin", "d.idx", "marker", running])
     assert len(open_indexed_dataset(prefix)) == 3
+
+
+def test_a_leftover_that_cannot_be_removed_does_not_stop_a_write(tmp_path, monkeypatch):
+    """Another user's leftover (removal refused): the write goes on, and the warning says it could not remove it."""
+    import socket
+    import subprocess
+
+    import moezero.data.indexed as indexed
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    leftover = f"d.tmp-{socket.gethostname()}-{gone.pid}.bin"
+    (tmp_path / leftover).write_bytes(b"x")
+    removing = indexed.os.remove
+
+    def refuse(path):
+        if path.endswith(leftover):
+            raise PermissionError(1, "Operation not permitted", path)
+        removing(path)
+
+    monkeypatch.setattr(indexed.os, "remove", refuse)
+    with pytest.warns(UserWarning, match=f"could not remove {leftover}"):
+        write_indexed_dataset(str(tmp_path / "d"), random_docs(3), vocab_size=257)
+    assert len(open_indexed_dataset(str(tmp_path / "d"))) == 3
 
 
 def test_missing_files_name_the_path_and_flag(tmp_path):

@@ -57,7 +57,7 @@ def test_the_next_export_removes_a_killed_exports_staging_folder(tmp_path):
     assert not os.path.exists(os.path.join(target, "model.safetensors.index.json"))
 
     model = hub.from_pretrained(source)
-    with pytest.warns(UserWarning, match=f"removing {os.path.basename(left[0])}, the staging folder of an export"):
+    with pytest.warns(UserWarning, match=f"removed {os.path.basename(left[0])}, the staging folder of an export"):
         hub.save_pretrained(model, target)
     assert not os.path.exists(left[0])
     # another target's staging folder (out.v2's, whose name starts like out's) is not this export's to remove
