@@ -16,7 +16,6 @@ import os
 import re
 import socket
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from moezero.data._megatron import megatron_datasets
 from moezero.data.errors import DataError
+from moezero.leftovers import remove_leftovers
 
 _HEADER = b"MMIDIDX\x00\x00"
 _FIXED_BYTES = len(_HEADER) + 8 + 1 + 8 + 8
@@ -134,14 +134,9 @@ def _remove_killed_writes(prefix: str) -> None:
     cleanup ran); those of another host, or of a process still running, are left."""
     folder, name = os.path.split(os.path.abspath(prefix))
     pattern = re.compile(re.escape(f"{name}.tmp-{socket.gethostname()}-") + r"(\d+)\.(bin|idx)$")
-    for entry in sorted(os.listdir(folder)):
-        match = pattern.match(entry)
-        if match and not _process_alive(int(match.group(1))):
-            try:
-                os.remove(os.path.join(folder, entry))
-                warnings.warn(f"{prefix}: removed {entry}, left by a write of it that was killed")
-            except OSError as exc:   # not ours to remove (another user's): it costs disk, not this write
-                warnings.warn(f"{prefix}: could not remove {entry}, left by a write of it that was killed ({exc})")
+    killed = [entry for entry in sorted(os.listdir(folder))
+              if (match := pattern.match(entry)) and not _process_alive(int(match.group(1)))]
+    remove_leftovers(folder, killed, prefix, "left by a write of it that was killed")
 
 
 def _process_alive(pid: int) -> bool:

@@ -16,13 +16,13 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from typing import Dict, List
 
 import torch
 from safetensors.torch import save_file
 
 from moezero.hf.files import INDEX, weight_files
+from moezero.leftovers import remove_leftovers
 
 STAGING_PREFIX = ".moezero-export-"   # + the target folder's name + "." + mkdtemp's 8 characters
 
@@ -48,12 +48,10 @@ def _remove_unfinished(parent: str, base: str) -> None:
     """Staging folders an interrupted write into `parent/base` left (a killed job writes no `finally`): the next
     write into the same folder removes them, as the next checkpoint save removes an unfinished `iter_N.tmp`."""
     mine = re.compile(re.escape(f"{STAGING_PREFIX}{base}.") + r"[a-z0-9_]{8}$")
-    for name in sorted(os.listdir(parent)):
-        if mine.match(name) and os.path.isdir(os.path.join(parent, name)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)   # what it cannot remove costs disk only
-            done = "could not remove" if os.path.exists(os.path.join(parent, name)) else "removed"
-            warnings.warn(f"{os.path.join(parent, base)}: {done} {name}, the staging folder of an export into it "
-                          "that did not finish")
+    unfinished = [name for name in sorted(os.listdir(parent))
+                  if mine.match(name) and os.path.isdir(os.path.join(parent, name))]
+    remove_leftovers(parent, unfinished, os.path.join(parent, base),
+                     "the staging folder of an export into it that did not finish")
 
 
 def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> None:
