@@ -53,7 +53,8 @@ class TokenDispatcher(SharesProcessGroups):
             recv_PL = comm.exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
         else:
             stamped = torch.tensor(record.mine, dtype=send_PL.dtype, device=send_PL.device).expand(P, -1)
-            received = comm.exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group)
+            received = comm.exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group,
+                                            record.prepare(self.ep_group))
             record.check_received(received[:, L:])
             recv_PL = received[:, :L].contiguous()
         send_splits = send_PL.sum(1).tolist()

@@ -75,10 +75,15 @@ class GlobalBalancing(SharesProcessGroups):
         all-reduce (summed with its square: every rank finds out whether all stated the same)."""
         E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
+        wait = None
         if record is not None:
             stamp = torch.tensor(record.mine, dtype=torch.float64, device=local.device)
             local = torch.cat([local, stamp, stamp * stamp])
-        comm.all_reduce(local, self.group)   # counts and tokens of every rank (uneven token counts too)
+            wait = record.prepare(self.group)
+        if wait is None:
+            comm.all_reduce(local, self.group)   # counts and tokens of every rank (uneven token counts too)
+        else:
+            wait(comm.all_reduce(local, self.group, async_op=True))
         if record is not None:
             n = len(record.mine)
             record.check_summed(local[E + 1:E + 1 + n], local[E + 1 + n:], comm.group_size(self.group))

@@ -10,18 +10,26 @@ whether any rank has something to do, e.g. gradients left unreduced), so records
 records and never abort; when the maximum and the minimum differ, every rank raises
 `RanksDisagree`, naming what it was doing and what another rank was doing (with two ranks: the
 other one exactly). A record can be launched ahead and checked when it matters (`Agreement`), so a
-check costs no waiting when the ranks are in step. A rank whose peers never arrive (blocked in a
-collective of their own, or gone) raises when the group's timeout expires, naming where it waited.
+check costs no waiting when the ranks are in step; records launched together share one message (an
+all-reduce's cost is per message, hardly per integer: docs/benchmarks.md#stage3). A rank
+whose peers never arrive (blocked in a collective of their own, or gone) raises when the group's
+timeout expires, naming where it waited. A record that rides on a model's exchange and is stated
+among the records too lets that exchange wait watching them (`watched_wait`): a rank whose peer
+went elsewhere finds the peer's differing record there and raises instead of waiting.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import datetime
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 RECORD_LENGTH = 6
+WATCH_SLICE = datetime.timedelta(milliseconds=20)   # a watched wait checks the agreement records this often
+RECORDS_PER_MESSAGE = 8   # records launched together travel in one all-reduce (a short message: padded)
 Describe = Callable[[Sequence[int]], str]
+Record = Sequence[int]
 
 
 class RanksDisagree(RuntimeError):
@@ -29,19 +37,30 @@ class RanksDisagree(RuntimeError):
 
 
 class Agreement:
-    """One record, launched now (async) on `group`; `check()` waits for it and raises on a difference."""
+    """Up to RECORDS_PER_MESSAGE records, launched now (async) on `group` as one all-reduce; `check()` waits for
+    it and raises on a difference. Every message has the same length (unused slots are zeros), so a message
+    only ever pairs with another message, whatever each holds."""
 
-    def __init__(self, record: Sequence[int], group: Optional[Any], describe: Describe, flag: int = 0):
-        self.record = list(record) + [0] * (RECORD_LENGTH - len(record))
+    def __init__(self, records: Sequence[Record], group: Optional[Any], describe: Describe, flag: int = 0):
+        if not 1 <= len(records) <= RECORDS_PER_MESSAGE:
+            raise ValueError(f"an agreement message holds 1 to {RECORDS_PER_MESSAGE} records, not {len(records)}")
+        self.records = [_padded(r) for r in records]
         self.describe = describe
         self.work = None
+        self.checked = False        # check() or wait() ran
         self.flag_anywhere = flag   # the flag's maximum over the ranks, once checked
         if group is not None and dist.get_world_size(group) > 1:
-            mine = torch.tensor(self.record, dtype=torch.int64)
-            self.extremes = torch.cat([mine, -mine, torch.tensor([flag], dtype=torch.int64)])
+            unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
+            mine = [v for r in self.records for v in r] + unused
+            self.extremes = torch.tensor(mine + [-v for v in mine] + [flag], dtype=torch.int64)   # one tensor op
             self.work = dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
+    @property
+    def record(self) -> List[int]:
+        return self.records[0]
+
     def check(self) -> None:
+        self.checked = True
         if self.work is None:
             return
         work, self.work = self.work, None
@@ -51,27 +70,58 @@ class Agreement:
             raise RanksDisagree(f"rank {dist.get_rank()} {self.describe(self.record)}, and not every other rank "
                                 "arrived there (one is blocked in a collective of its own, ran a different number "
                                 f"of forwards or backwards, or exited): {str(exc).splitlines()[0]}") from None
-        high, low = self.extremes[:RECORD_LENGTH].tolist(), (-self.extremes[RECORD_LENGTH:-1]).tolist()
+        size = RECORDS_PER_MESSAGE * RECORD_LENGTH
+        high, low = self.extremes[:size], -self.extremes[size:-1]
         self.flag_anywhere = int(self.extremes[-1])
-        if high != low:
-            raise RanksDisagree(disagreement_message(dist.get_rank(), self.record, high, low, self.describe))
+        if torch.equal(high, low):   # every rank stated the same (the common case: no per-record loop)
+            return
+        high, low = high.view(-1, RECORD_LENGTH), low.view(-1, RECORD_LENGTH)
+        empty = [[0] * RECORD_LENGTH] * (RECORDS_PER_MESSAGE - len(self.records))   # what an unused slot holds
+        for mine, hi, lo in zip(self.records + empty, high.tolist(), low.tolist()):
+            if hi != lo:
+                raise RanksDisagree(disagreement_message(dist.get_rank(), mine, hi, lo, self.describe))
 
+    def arrived(self) -> bool:
+        """Whether check() would return at once (every rank launched this message, or it needs none)."""
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> None:
         """Wait without comparing (the record belongs to a pass every rank abandoned)."""
+        self.checked = True
         if self.work is not None:
             self.work.wait()
             self.work = None
 
 
+def _padded(record: Record) -> List[int]:
+    return [int(v) for v in record] + [0] * (RECORD_LENGTH - len(record))
+
+
 class ExchangeRecord:
     """A record that rides on an exchange the model makes anyway (an MoE layer's token counts, the global aux
     loss's counts): no collective of its own, so it costs nothing, and ranks whose exchanges pair up with
-    another layer's or another forward's raise RanksDisagree instead of mixing them."""
+    another layer's or another forward's raise RanksDisagree instead of mixing them.
 
-    def __init__(self, mine: Sequence[int], describe: Describe):
-        self.mine = [int(v) for v in mine] + [0] * (RECORD_LENGTH - len(mine))
+    `channel` (stage 3): (settle, check_arrived) of the same record stated in the agreement sequence too, where
+    a peer waiting in a unit gather meets it. The exchange then waits watching that sequence (gloo), so a rank
+    whose peer went elsewhere raises instead of waiting in the exchange for it; where a wait cannot be watched,
+    the record is settled before the exchange."""
+
+    def __init__(self, mine: Record, describe: Describe,
+                 channel: Optional[Tuple[Callable[[], None], Callable[[], None]]] = None):
+        self.mine = _padded(mine)
         self.describe = describe
+        self.channel = channel
+
+    def prepare(self, group: Any) -> Optional[Callable[[Any], None]]:
+        """Before the exchange on `group`: how to wait for its (async) work; None: run it as usual."""
+        if self.channel is None:
+            return None
+        settle, check_arrived = self.channel
+        if dist.get_backend(group) != "gloo":   # only gloo's waits can be left and resumed
+            settle()
+            return None
+        return lambda work: watched_wait(work, check_arrived)
 
     def check_received(self, records: torch.Tensor) -> None:
         """`records`: one row per rank of the exchange (what each sent)."""
@@ -86,9 +136,25 @@ class ExchangeRecord:
                                 f"this rank ({dist.get_rank()}) {self.describe(self.mine)}; another rank was not")
 
 
+def watched_wait(work: Any, check_arrived: Callable[[], None]) -> None:
+    """Wait for a gloo collective in slices; between them `check_arrived()` raises if an agreement record that
+    arrived meanwhile differs (a peer that went elsewhere stated it there and will not join this collective)."""
+    if work is None:
+        return
+    while True:
+        try:
+            work.wait(WATCH_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():   # it ended meanwhile, or failed: wait() says which
+                work.wait()
+                return
+            check_arrived()
+
+
 def agree(record: Sequence[int], group: Optional[Any], describe: Describe) -> None:
     """Collective over `group`: every rank passes its record; raise on every rank if any differs."""
-    Agreement(record, group, describe).check()
+    Agreement([record], group, describe).check()
 
 
 def disagreement_message(rank: int, mine: List[int], high: List[int], low: List[int], describe: Describe) -> str:

@@ -5,7 +5,7 @@ relies on the default group implicitly.)
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,12 +59,16 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 
 
-def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """All-to-all of an int64 tensor shaped (group size, n): row j goes to rank j, row i comes from rank i."""
+def exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
+                    wait: Optional[Callable[[Any], None]] = None) -> torch.Tensor:
+    """All-to-all of an int64 tensor shaped (group size, n): row j goes to rank j, row i comes from rank i.
+    `wait`: waits for the launched exchange (None: a synchronous one)."""
     if group_size(group) == 1:
         return send_counts.clone()
     recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=wait is not None)
+    if wait is not None:
+        wait(work)
     return recv
 
 

@@ -2,7 +2,9 @@
 
     a stage-3 unit gather   (forward schedule, backward schedule, on demand, full_parameters; a pass's end)
     an MoE layer's exchanges (riding on them; at stage 3 also in the gathers' sequence: SiteRecords)
-    the end of a backward that reduces gradients (its reductions are then waited for)
+    the end of a backward that reduces gradients (its reductions are then waited for; launched when the
+        backward begins, at stage 3 when it ends: a rank may gather a freed unit again mid-backward,
+        stating a record its peers do not, and only a record launched after that meets it)
     reduce_gradients() / step()
     modify_model()
 
@@ -23,7 +25,7 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from moezero.parallel import comm
-from moezero.parallel.agreement import Agreement, ExchangeRecord
+from moezero.parallel.agreement import Agreement, ExchangeRecord, RanksDisagree
 from moezero.zero.torch_internals import in_backward
 
 
@@ -77,7 +79,11 @@ class RankAgreement:
 
     def launch(self, activity: Activity, unit: int = -1, flag: int = 0) -> Agreement:
         """The same, launched now and settled later: a record ahead of the gather it guards."""
-        agreement = Agreement(self.record(activity, unit), self.group, self.describe, flag)
+        return self.launch_many([(activity, unit)], flag)
+
+    def launch_many(self, entries: Sequence[Tuple[Activity, int]], flag: int = 0) -> Agreement:
+        """Several (activity, unit) records in one message (at most RECORDS_PER_MESSAGE), launched now."""
+        agreement = Agreement([self.record(a, u) for a, u in entries], self.group, self.describe, flag)
         self._pending.append(agreement)
         self.launched += 1
         return agreement
@@ -88,11 +94,26 @@ class RankAgreement:
 
     def settle(self, agreement: Optional[Agreement] = None) -> None:
         """Check `agreement` and every record launched before it (None: every record launched so far)."""
+        if agreement is not None and agreement.checked:   # a message of several records, settled for another
+            return
         while self._pending:
             first = self._pending.popleft()
             first.check()
             if first is agreement:
                 return
+
+    def check_arrived(self) -> None:
+        """Check the records launched so far that every rank launched (RanksDisagree); never waits."""
+        while self._pending and self._pending[0].arrived():
+            self._pending.popleft().check()
+
+    def waited_in_vain(self, doing: str, exc: BaseException) -> None:
+        """A wait outside the records (a unit's gather) failed: raise RanksDisagree, from a record that arrived
+        and differs if there is one (the peer went elsewhere and stated it), else naming where this rank waited."""
+        self.check_arrived()
+        raise RanksDisagree(f"rank {torch.distributed.get_rank()} {doing}, and not every other rank arrived there "
+                            "(one is blocked in a collective of its own, ran a different number of forwards or "
+                            f"backwards, or exited): {str(exc).splitlines()[0]}") from None
 
     def realign(self, control_group: Optional[Any]) -> None:
         """Collective, after a pass failed part-way on every rank (at different points): launch the records
@@ -109,6 +130,8 @@ class RankAgreement:
 
     def describe(self, record: Sequence[int]) -> str:
         activity, unit, forwards, backwards, reducing, grad = record[:6]
+        if activity == 0:   # an unused slot of a message
+            return "had no agreement record left in that message (a pass with fewer unit gathers)"
         names = activity <= Activity.ON_DEMAND_GATHER and 0 <= unit < len(self.unit_names)
         where = f"unit '{self.unit_names[unit] or '<root>'}'" if names else ""
         text = {
@@ -160,9 +183,11 @@ class SiteRecords:
         agreement = self._ref()
         if agreement is None or in_backward():   # a recompute follows the forward every rank agreed on
             return None
+        channel = None
         if self.on_channel:
-            agreement.check(Activity.MODEL_COLLECTIVE, self.site)
-        return ExchangeRecord(agreement.record(Activity.MODEL_COLLECTIVE, self.site), agreement.describe)
+            message = agreement.launch(Activity.MODEL_COLLECTIVE, self.site)
+            channel = (lambda: agreement.settle(message), agreement.check_arrived)
+        return ExchangeRecord(agreement.record(Activity.MODEL_COLLECTIVE, self.site), agreement.describe, channel)
 
     def __deepcopy__(self, memo):
         return None

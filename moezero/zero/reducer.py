@@ -91,7 +91,7 @@ class GradReducer:
         self._always_reduce = bool(self.states) and self.states[0].strategy.reduces_under_no_sync
         self._pass_task: Optional[int] = None
         self._pass_synced = False
-        self._end_record = None   # the agreement record of this backward's end (launched when it begins)
+        self._end_record = None   # the agreement record of this backward's end (stages 0-2: launched when it begins)
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
         self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
@@ -128,7 +128,10 @@ class GradReducer:
         if self.on_pass_begin is not None:   # stage 3: the backward's gather records come first, on every rank
             self.on_pass_begin()
         self._pass_synced = self.sync_enabled or self._always_reduce
-        if self._pass_synced:   # launched now, settled before the end-of-backward wait: no waiting then
+        # launched now, settled before the end-of-backward wait: no waiting then. Not at stage 3 (a gatherer):
+        # there one rank may state a record mid-backward (a freed unit gathered again, which its peers do not),
+        # and only a record launched after it meets it, so the end's record is launched at the end
+        if self._pass_synced and self.on_pass_begin is None:
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
@@ -214,7 +217,8 @@ class GradReducer:
             for queue in self.queues:
                 queue.launch_ready()
             # before waiting for the reductions: a peer whose backward reached no param never joins them
-            self.agreement.settle(self._end_record)
+            self.agreement.settle(self._end_record or self.agreement.launch(Activity.END_OF_BACKWARD))
+            self._end_record = None
             self.agreement.progress.reducing_backwards += 1
             self._finish_round()
             self._dirty = False

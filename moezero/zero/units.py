@@ -24,8 +24,9 @@ reads them for the input gradient), or at the end of backward.
 Every gather waits for an agreement record (`agreement_points.py`: the unit, why, this rank's forward
 and backward counts), so ranks that run different forwards or another unit order raise instead of
 hanging or mixing units. The records of a pass's schedule positions, and of its end, are launched
-two positions ahead, so ranks in step find them settled; a gather outside the schedule states its
-record then. A gather's wait cannot be interrupted, so before it every record launched so far must
+two positions ahead, so ranks in step find them settled (`gather_schedule.py`: in forward a message
+each, the root's riding with the first; in backward together); a gather outside the schedule states
+its record then. A gather's wait cannot be interrupted, so before it every record launched so far must
 agree: a peer that went elsewhere (a retried forward, another unit order, an MoE layer's exchange,
 whose record joins this sequence) has then launched a differing record, and both raise.
 A read of a param whose unit is free (`param_guard.py`) gathers it on demand while the model's
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, is_expert_parallel
+from moezero.parallel.agreement import RECORDS_PER_MESSAGE
 from moezero.zero.agreement_points import Activity, RankAgreement
 from moezero.zero.gather_schedule import GatherSchedule
 from moezero.zero.hooks import WeakHook
@@ -178,9 +180,9 @@ class UnitGatherer:
         self.works: List[List[Any]] = [[] for _ in range(n)]
         self.collective_units = {u for u, held in parts.items() if any(not storage.local for storage, _ in held)}
         self.forward = GatherSchedule(plan.forward_order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END,
-                                 agreement, self.collective_units)
+                                      agreement, self.collective_units, lead=0)
         self.backward = GatherSchedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
-                                  agreement, self.collective_units)
+                                       agreement, self.collective_units, per_message=RECORDS_PER_MESSAGE)
         self.forward_active = False        # between the root's forward pre-hook and its end
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
@@ -226,8 +228,12 @@ class UnitGatherer:
             # a gather's wait cannot be interrupted (gloo): first every record launched ahead must agree, so a
             # rank whose peer went elsewhere (another forward, a layer's exchange) raises instead of waiting
             self.agreement.settle()
-            for work in self.works[unit]:
-                work.wait()
+            try:
+                for work in self.works[unit]:
+                    work.wait()
+            except RuntimeError as exc:   # the group's timeout, or a peer that exited
+                self.agreement.waited_in_vain(f"was gathering unit '{self.plan.names[unit] or '<root>'}' for a "
+                                              f"{'backward' if in_backward() else 'forward'}", exc)
             self.works[unit] = []
             self.state[unit] = UnitState.READY
         if exposed and unit not in self._exposed and unit in self.parts:
@@ -312,7 +318,8 @@ class UnitGatherer:
         self.forward.reset()
         self.forward_active = True
         self.saved.push()
-        self.ensure(0, Activity.FORWARD_GATHER)
+        self.forward.settle_lead()   # the root's record leads the forward's first message
+        self.ensure(0, None)
 
     def _pre_forward(self, unit: int) -> None:
         if in_backward():  # recompute of a checkpointed block inside backward

@@ -6,13 +6,15 @@ so the world is killed afterwards) and returns each rank's error message.
 """
 import datetime
 
+import pytest
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moezero.moe import MoEConfig, MoELayer
 from moezero.parallel import ParallelGroups
-from moezero.parallel.agreement import agree
+from moezero.parallel.agreement import Agreement, agree
 from moezero.zero import RanksDisagree, ZeroOptimizer
 from tests.dist_utils import run_distributed
 
@@ -117,6 +119,8 @@ def _disagreements():
             out[name, "one unit of blocks"] = "no error"
         except RanksDisagree as exc:
             out[name, "one unit of blocks"] = str(exc)
+    out["several records"] = _several_records_in_one_message(rank, [[1, 0], [2, rank], [3, 0]])
+    out["unused slot"] = _several_records_in_one_message(rank, [[1, 0], [2, 0], [3, 0]][:2 + rank])
     out["timeout"] = _peer_never_arrives(rank)
     out["unit plans"] = _different_unit_plans(rank)
     return out
@@ -127,6 +131,17 @@ def _different_unit_plans(rank):
     try:
         ZeroOptimizer(_Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1,
                       min_unit_params=0 if rank == 0 else 1000)
+        return "no error"
+    except RanksDisagree as exc:
+        return str(exc)
+
+
+def _several_records_in_one_message(rank, records):
+    """Records launched together travel in one all-reduce: the report names the first that differs."""
+    group = ParallelGroups.build().agreement_group()
+    describe = lambda record: f"did {record[0]}.{record[1]}" if record[0] else "had no record left there"
+    try:
+        Agreement(records, group, describe).check()
         return "no error"
     except RanksDisagree as exc:
         return str(exc)
@@ -148,7 +163,7 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
     for rank, out in enumerate(results):
         # one unit for the 3 blocks: their order changes no gather, so ranks pair as at stage 2 (no error either)
         assert out.pop(("block order", "one unit of blocks")) == "no error"
-        for (name, stage), message in ((k, v) for k, v in out.items() if k not in ("timeout", "unit plans")):
+        for (name, stage), message in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
             if name in ("swap on one rank", "different shapes", "unseeded init"):
                 assert message.startswith("opt.modify_model(): the ranks made different changes"), message
                 assert "rank 0" in message and "rank 1" in message, (name, stage, message)
@@ -168,6 +183,10 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
             assert "(2, 4)" in out["different shapes", stage] and "(3, 4)" in out["different shapes", stage]
         for stage in (0, 2):
             assert "'blocks.1.weight' holds different values" in out["unseeded init", stage]
+    assert results[0]["several records"].endswith("this rank (0) did 2.0; another rank did 2.1")
+    assert results[1]["several records"].endswith("this rank (1) did 2.1; another rank did 2.0")
+    assert results[0]["unused slot"].endswith("this rank (0) had no record left there; another rank did 3.0")
+    assert results[1]["unused slot"].endswith("this rank (1) did 3.0; another rank had no record left there")
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
     for rank, out in enumerate(results):   # _Tower: the root and its 3 blocks vs the root alone
         assert "stage-3 plan has 4 gather units" in out["unit plans"], out["unit plans"]
@@ -228,3 +247,44 @@ def test_moe_exchanges_carry_records_so_ranks_in_different_forwards_raise():
                 assert "exchanges of 'blocks." in message, (rank, name, ep, message)
     for name, ep in (("retried forward", 1), ("retried forward", 2), ("block order", 1), ("block order", 2)):
         assert any("exchanges of 'blocks." in out[name, ep, 3] for out in results), (name, ep, results)
+
+
+class _DetachedUse(nn.Module):
+    """A block that, when `uses`, also reads its weight detached before its own forward (saved for backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.uses = False
+
+    def forward(self, x):
+        if self.uses:
+            x = x @ self.fc.weight.detach().t()
+        return self.fc(x)
+
+
+def _detached_use_on_one_rank(block):
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=5))
+    model = _Tower()
+    model.blocks = nn.ModuleList(_DetachedUse() for _ in range(3))
+    model.blocks[block].uses = rank == 0   # its backward gathers the freed unit again: rank 0 alone
+    opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=3, lr=0.1)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return "no error"
+    except RanksDisagree as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("block", [0, 1, 2])
+def test_a_unit_gathered_again_in_one_ranks_backward_raises_on_every_rank(block):
+    """Only rank 0's backward reads a freed unit again (a detached use of its weight that rank 1 does not make):
+    its gather has a record of its own, which rank 1's backward does not state. Every rank raises RanksDisagree:
+    at the latest when the group's timeout ends a wait that no record guards."""
+    results = run_distributed(_detached_use_on_one_rank, 2, block, isolated=True, timeout=120)
+    for rank, message in enumerate(results):
+        assert (message.startswith(f"the ranks are not doing the same thing") and f"this rank ({rank})" in message
+                or message.startswith(f"rank {rank} was gathering unit") and "not every other rank" in message), \
+            (block, rank, message)

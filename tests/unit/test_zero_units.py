@@ -74,3 +74,42 @@ def test_expert_stacks_stay_units_of_their_own_and_do_not_count():
                         "layers.0..1", "layers.1.experts", "layers.0.experts"]
     experts = {plan.unit_of[id(b.experts.w)] for b in model.layers}
     assert len(experts) == 4 and not experts & {plan.unit_of[id(b.proj.weight)] for b in model.layers}
+
+
+def _messages(schedule):
+    """Schedule positions (the lead: -1) grouped by the agreement message their records travel in."""
+    by_message = {}
+    for position, message in schedule.records.items():
+        by_message.setdefault(id(message), []).append(position)
+    return sorted(sorted(positions) for positions in by_message.values())
+
+
+def test_forward_records_travel_one_per_message_and_backward_records_together():
+    """A forward's records are launched a message per position, two positions ahead (an MoE layer's or an
+    on-demand gather's record may fall between them, and a rank about to wait in a gather must have launched
+    one its peer has not); a backward's, where nothing falls between them, all in its first message."""
+    from moezero.parallel.agreement import RECORDS_PER_MESSAGE
+    from moezero.zero.agreement_points import Activity, RankAgreement
+    from moezero.zero.gather_schedule import GatherSchedule
+
+    order = [1, 2, 3, 4, 5]   # units; their positions 0-4, the pass's end 5
+    forward = GatherSchedule(order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END, RankAgreement(None),
+                             set(order) | {0}, lead=0)
+    forward.reset()
+    assert _messages(forward) == [[-1, 0], [1]]   # the root's record rides with the first position's
+    forward.settle_lead()
+    forward.settle_record(1)
+    assert _messages(forward) == [[1], [2]]
+    forward.settle_record(4)   # position 3 (positions 1 and 2 left unsettled, as a pass that skipped them)
+    assert _messages(forward) == [[1], [2], [4], [5]]
+    backward = GatherSchedule(order[::-1], Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
+                              RankAgreement(None), set(order), per_message=RECORDS_PER_MESSAGE)
+    backward.reset()
+    assert _messages(backward) == [[0, 1, 2, 3, 4, 5]]
+    assert backward.agreement.launched == 1
+    long_pass = GatherSchedule(list(range(1, 12)), Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
+                               RankAgreement(None), set(range(1, 12)), per_message=RECORDS_PER_MESSAGE)
+    long_pass.reset()
+    long_pass.settle_record(7)   # position 6: the second message (positions 8-10 and the end) is launched
+    assert _messages(long_pass) == [[0, 1, 2, 3, 4, 5, 7], [8, 9, 10, 11]]
+    assert long_pass.agreement.launched == 2
