@@ -10,6 +10,7 @@ the same round. Models: the end-to-end benchmark's GPT-MoE (hidden 256, fp32 and
 """
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
@@ -33,6 +34,25 @@ def stage_ratios(results) -> list:
     return [s3["step_s"] / s2["step_s"] for s3, s2 in pairs if "error" not in s3 and "error" not in s2]
 
 
+def agreement_share(result) -> float:
+    """The CPU a rank spends on agreement messages per step over the CPU of its whole step (every thread)."""
+    step_cpu = statistics.median(m + o for m, o in zip(result["main_thread_cpu_s_per_rank"],
+                                                       result["other_threads_cpu_s_per_rank"]))
+    return result["agreement_messages_per_step"] * result["agreement_message_cpu_s"] / step_cpu
+
+
+def agreement_rows(name, results) -> list:
+    """Per stage: messages per step, CPU per message, their share of the step's CPU (medians over rounds)."""
+    rows = []
+    for stage in (2, 3):
+        runs = [r for r in ok(results[f"stage {stage}"]) if "agreement_message_cpu_s" in r]
+        if runs:
+            rows.append(f"| {name} | {stage} | {spread([r['agreement_messages_per_step'] for r in runs])} | "
+                        f"{spread([1e3 * r['agreement_message_cpu_s'] for r in runs], 2)} | "
+                        f"{spread([100 * agreement_share(r) for r in runs], 1, '%')} |")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
@@ -47,6 +67,7 @@ def main():
         args.steps, args.rounds, args.models = 3, 2, ["small GPT-MoE hidden 64, fp32"]
     print("| model | stage 2 step (s) | stage 3 step (s) | stage 3 / stage 2 |")
     print("|---|---|---|---|")
+    agreement = []
     for name in args.models:
         common = MODELS[name] + ["--steps", str(args.steps), "--warmup", "2", "--ep", "2",
                                  "--min-unit-params", str(args.min_unit_params)]
@@ -57,6 +78,13 @@ def main():
             continue
         steps = {s: spread([r["step_s"] for r in ok(results[f"stage {s}"])], 3) for s in (2, 3)}
         print(f"| {name} | {steps[2]} | {steps[3]} | {spread(stage_ratios(results), 2, 'x')} |", flush=True)
+        agreement += agreement_rows(name, results)
+    print("\nAgreement records (every rank states what it does before collectives that pair by order): messages "
+          "per step, each one's CPU (every thread of a rank, timed after training on the same group), and their "
+          "share of the rank's step CPU")
+    print("| model | stage | messages per step | CPU per message (ms) | share of step CPU |")
+    print("|---|---|---|---|---|")
+    print("\n".join(agreement))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,26 @@ def cpu_seconds():
     return time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID), usage.ru_utime + usage.ru_stime
 
 
+def agreement_of(opt):
+    """The optimizer's agreement records (moezero), or None."""
+    engine = getattr(opt, "engine", None)
+    return getattr(engine, "agreement", None)
+
+
+def agreement_message_cpu_s(agreement, messages=500):
+    """Process CPU seconds (every thread) one agreement message costs a rank here, timed on the optimizer's own
+    agreement group after training: what a step's messages cost, apart from any wait for a peer."""
+    from moezero.parallel.agreement import RECORDS_PER_MESSAGE, Agreement
+    from moezero.zero.agreement_points import Activity
+
+    records = [agreement.record(Activity.FORWARD_GATHER, 1)] * RECORDS_PER_MESSAGE
+    dist.barrier()
+    start = cpu_seconds()[1]
+    for _ in range(messages):
+        Agreement(records, agreement.group, agreement.describe).check()
+    return (cpu_seconds()[1] - start) / messages
+
+
 def gathered(value, world):
     values = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
@@ -141,7 +161,9 @@ def main():
 
         heap = HeapTrimmer()
     losses, times, opt_times, memory, main_cpu, process_cpu, loads = [], [], [], [], [], [], []
+    agreement, messages = agreement_of(opt), []
     for step in range(args.steps):
+        launched = agreement.launched if agreement is not None else 0
         dist.barrier()
         cpu_start = cpu_seconds()
         start = time.perf_counter()
@@ -164,6 +186,7 @@ def main():
         dist.all_reduce(ce)
         losses.append(ce.item() / world)
         loads.append(slowest_rank_load(assignments, groups))
+        messages.append((agreement.launched if agreement is not None else 0) - launched)
     timed = slice(args.warmup, None) if len(times) > args.warmup else slice(None)
     step_s, opt_s = statistics.median(times[timed]), statistics.median(opt_times[timed])
     # where a rank's step goes: its main thread on a core, the other threads (gloo's transport) on a core
@@ -192,7 +215,10 @@ def main():
               "optimizer_bytes": opt.memory_bytes() if hasattr(opt, "memory_bytes") else None,
               "rss_end_mb": max_over_ranks(memory[-1]["rss_mb"], world), "kernel_paths": kernel_paths(),
               "main_thread_cpu_s_per_rank": main_cpu_s, "other_threads_cpu_s_per_rank": other_threads_cpu_s,
-              "slowest_rank_expert_load": statistics.median(loads[timed])}
+              "slowest_rank_expert_load": statistics.median(loads[timed]),
+              "agreement_messages_per_step": statistics.median(messages[timed])}
+    if agreement is not None and agreement.group is not None:
+        result["agreement_message_cpu_s"] = max_over_ranks(agreement_message_cpu_s(agreement), world)
     if gemm_s is not None:
         result["matrix_product_s_per_rank"] = [g.item() for g in gemm_s]
     if peaks is not None:
