@@ -82,9 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_exchanges_with_gathers: stage 3, where a forward gathers units: an MoE layer's agreement record is
             also stated in the sequence of the gathers' records (one small all-reduce per MoE layer and forward)
             and its exchange waits watching that sequence, so that a rank in the exchange while a peer waits in a
-            unit gather raises RanksDisagree on both instead of hanging. False saves that all-reduce where every rank is known to run
-            the same forwards in the same layer order: the record riding on the exchange itself still catches ranks
-            that reach different exchanges, but the case above waits for the group's timeout. Default True.
+            unit gather raises RanksDisagree on both instead of hanging. False saves that all-reduce where every
+            rank is known to run the same forwards in the same layer order: the record riding on the exchange itself
+            still catches ranks that reach different exchanges, but the case above waits for the group's timeout.
+            Default True.
         **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
