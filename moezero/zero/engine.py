@@ -33,7 +33,7 @@ from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfroz
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
-from moezero.zero.torch_internals import in_backward
+from moezero.zero.torch_internals import in_backward, no_subclass_dispatch
 from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
 
@@ -189,6 +189,10 @@ class ZeroEngine:
             self.gatherer.root_post_forward(output)
 
     def _check_model(self, during_forward: bool) -> None:
+        with no_subclass_dispatch():   # a stage-3 param's attribute reads skip its guard (one switch, not per read)
+            self._check_params(during_forward)
+
+    def _check_params(self, during_forward: bool) -> None:
         for name, p in self.model.named_parameters():
             zp = self._record_of.get(id(p))
             if zp is None:
