@@ -80,10 +80,10 @@ class GlobalBalancing(SharesProcessGroups):
             stamp = torch.tensor(record.mine, dtype=torch.float64, device=local.device)
             local = torch.cat([local, stamp, stamp * stamp])
             wait = record.prepare(self.group)
-        if wait is None:
-            comm.all_reduce(local, self.group)   # counts and tokens of every rank (uneven token counts too)
-        else:
-            wait(comm.all_reduce(local, self.group, async_op=True))
+        # counts and tokens of every rank (uneven token counts too)
+        work = comm.all_reduce(local, self.group, async_op=wait is not None)
+        if wait is not None:
+            wait(work)
         if record is not None:
             n = len(record.mine)
             record.check_summed(local[E + 1:E + 1 + n], local[E + 1 + n:], comm.group_size(self.group))

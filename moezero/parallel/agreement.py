@@ -67,9 +67,7 @@ class Agreement:
         try:
             work.wait()
         except RuntimeError as exc:   # the group's timeout, or a peer that exited
-            raise RanksDisagree(f"rank {dist.get_rank()} {self.describe(self.record)}, and not every other rank "
-                                "arrived there (one is blocked in a collective of its own, ran a different number "
-                                f"of forwards or backwards, or exited): {str(exc).splitlines()[0]}") from None
+            raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
         size = RECORDS_PER_MESSAGE * RECORD_LENGTH
         high, low = self.extremes[:size], -self.extremes[size:-1]
         self.flag_anywhere = int(self.extremes[-1])
@@ -155,6 +153,13 @@ def watched_wait(work: Any, check_arrived: Callable[[], None]) -> None:
 def agree(record: Sequence[int], group: Optional[Any], describe: Describe) -> None:
     """Collective over `group`: every rank passes its record; raise on every rank if any differs."""
     Agreement([record], group, describe).check()
+
+
+def not_arrived_message(doing: str, exc: BaseException) -> str:
+    """A wait that ended without every peer: what this rank was doing, and the backend's reason."""
+    return (f"rank {dist.get_rank()} {doing}, and not every other rank arrived there (one is blocked in a "
+            "collective of its own, ran a different number of forwards or backwards, or exited): "
+            f"{str(exc).splitlines()[0]}")
 
 
 def disagreement_message(rank: int, mine: List[int], high: List[int], low: List[int], describe: Describe) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple
 import torch
 
 from moezero.parallel import comm
-from moezero.parallel.agreement import Agreement, ExchangeRecord, RanksDisagree
+from moezero.parallel.agreement import Agreement, ExchangeRecord, RanksDisagree, not_arrived_message
 from moezero.zero.torch_internals import in_backward
 
 
@@ -111,9 +111,7 @@ class RankAgreement:
         """A wait outside the records (a unit's gather) failed: raise RanksDisagree, from a record that arrived
         and differs if there is one (the peer went elsewhere and stated it), else naming where this rank waited."""
         self.check_arrived()
-        raise RanksDisagree(f"rank {torch.distributed.get_rank()} {doing}, and not every other rank arrived there "
-                            "(one is blocked in a collective of its own, ran a different number of forwards or "
-                            f"backwards, or exited): {str(exc).splitlines()[0]}") from None
+        raise RanksDisagree(not_arrived_message(doing, exc)) from None
 
     def realign(self, control_group: Optional[Any]) -> None:
         """Collective, after a pass failed part-way on every rank (at different points): launch the records

@@ -113,6 +113,7 @@ class ZeroEngine:
                 per_unit[zp.unit] = None if count is None or not p.family.trainable else count + 1
         gatherer = UnitGatherer(plan, parts, per_unit, self.agreement)
         self.reducer.on_pass_begin = gatherer.begin_backward
+        self.reducer.records_mid_backward = True
         self.reducer.on_param_done = lambda zp: gatherer.param_done(zp.unit)
         gatherer.on_written = lambda written: self.master.take_written_values(written)
         for zp in self.records:   # reads outside the unit's forward and backward are guarded

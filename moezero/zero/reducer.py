@@ -95,6 +95,9 @@ class GradReducer:
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
         self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
+        # stage 3: a rank may state a record mid-backward (a freed unit gathered again, which its peers do not),
+        # and only a record launched after it meets it: the end's record is then launched at the end
+        self.records_mid_backward = False
         self.on_param_done: Optional[Callable[[ZeroParam], None]] = None
         # the hooks hold the reducer weakly and their param's record by position: a hook that held the record
         # would close a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded
@@ -128,10 +131,7 @@ class GradReducer:
         if self.on_pass_begin is not None:   # stage 3: the backward's gather records come first, on every rank
             self.on_pass_begin()
         self._pass_synced = self.sync_enabled or self._always_reduce
-        # launched now, settled before the end-of-backward wait: no waiting then. Not at stage 3 (a gatherer):
-        # there one rank may state a record mid-backward (a freed unit gathered again, which its peers do not),
-        # and only a record launched after it meets it, so the end's record is launched at the end
-        if self._pass_synced and self.on_pass_begin is None:
+        if self._pass_synced and not self.records_mid_backward:   # settled before the end-of-backward wait
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
