@@ -10,13 +10,14 @@ Shapes: T tokens, E experts, B sequences, S tokens per sequence.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from moezero.parallel import comm
 from moezero.parallel.agreement import ExchangeRecord
 from moezero.parallel.groups import SharesProcessGroups
+from moezero.torch_internals import in_backward
 
 TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                  "global_aux_loss": "global_load_balancing_loss"}
@@ -58,7 +59,8 @@ def sequence_aux_loss(probs_BSE: torch.Tensor, map_BSE: torch.Tensor, top_k: int
 class GlobalBalancing(SharesProcessGroups):
     """The global-batch aux loss's counts: each micro-batch's tokens per expert summed over the data-parallel
     ranks (one all-reduce, in forward) and averaged over the step's micro-batches so far; `reset()` after each
-    optimizer step (the training loop's). Every rank must run the same forwards: the all-reduce is collective."""
+    optimizer step (the training loop's). Every rank must run the same forwards: the all-reduce is collective.
+    A recompute in backward uses what its forward counted (counting again would count its tokens twice)."""
 
     def __init__(self, group: Optional[Any]):
         self.group = group
@@ -67,12 +69,18 @@ class GlobalBalancing(SharesProcessGroups):
     def reset(self) -> None:
         self.counts_E: Optional[torch.Tensor] = None
         self.micro_batches = 0
+        self._counted: List[Tuple[torch.Tensor, float]] = []   # each forward's (average counts, global tokens)
 
     def loss(self, probs_TE: torch.Tensor, map_TE: torch.Tensor, top_k: int,
              record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, int]:
         """(the loss of this micro-batch, the data-parallel ranks' count): Megatron's switch loss of this rank's
         probabilities against the averaged global counts, over the global batch's tokens. `record` rides on the
         all-reduce (summed with its square: every rank finds out whether all stated the same)."""
+        if in_backward():   # a recompute (activation checkpointing) of a forward that counted already: the
+            # backward takes forwards latest first (one micro-batch's, or an interleaved pair's, see phases.py)
+            average_E, total_tokens = self._counted.pop()
+            return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), \
+                comm.group_size(self.group)
         E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
         wait = None
@@ -91,6 +99,7 @@ class GlobalBalancing(SharesProcessGroups):
         self.counts_E = counts_E if self.counts_E is None else self.counts_E + counts_E
         self.micro_batches += 1
         average_E = (self.counts_E / self.micro_batches).to(probs_TE.dtype)
+        self._counted.append((average_E, total_tokens))
         return switch_aux_loss(probs_TE, average_E, top_k, total_tokens), comm.group_size(self.group)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from moezero.parallel import comm
 from moezero.parallel.agreement import Agreement, ExchangeRecord, RanksDisagree, not_arrived_message
-from moezero.zero.torch_internals import in_backward
+from moezero.torch_internals import in_backward
 
 
 class Activity(enum.IntEnum):

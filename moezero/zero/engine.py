@@ -33,7 +33,7 @@ from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfroz
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
-from moezero.zero.torch_internals import in_backward, no_subclass_dispatch
+from moezero.torch_internals import in_backward, no_subclass_dispatch
 from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from moezero.zero.param_families import FamilyParts, ParamFamily
-from moezero.zero.torch_internals import no_subclass_dispatch
+from moezero.torch_internals import no_subclass_dispatch
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam
 
 ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]   # per family, per bucket (None: frozen)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from moezero.zero.torch_internals import in_backward, no_subclass_dispatch, parse_to_arguments, storage_key
+from moezero.torch_internals import in_backward, no_subclass_dispatch, parse_to_arguments, storage_key
 
 _NO_READ_METHODS = frozenset(getattr(torch.Tensor, name) for name in (
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",

@@ -32,7 +32,7 @@ from moezero.zero.launch_queue import build_queues
 from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.zero_param import ZeroParam
-from moezero.zero.torch_internals import current_backward, queue_end_of_backward
+from moezero.torch_internals import current_backward, queue_end_of_backward
 
 
 class GradientHookError(RuntimeError):

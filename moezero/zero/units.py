@@ -50,7 +50,7 @@ from moezero.zero.gather_schedule import GatherSchedule
 from moezero.zero.hooks import WeakHook
 from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
 from moezero.zero.saved_params import SavedParamHooks
-from moezero.zero.torch_internals import current_backward, in_backward, queue_end_of_backward
+from moezero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
 class UnitState(enum.Enum):
     FREE = "free"           # storage resized to zero

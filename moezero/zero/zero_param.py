@@ -26,7 +26,7 @@ from moezero.parallel import expert_shard_of
 from moezero.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
-from moezero.zero.torch_internals import storage_key
+from moezero.torch_internals import storage_key
 
 if TYPE_CHECKING:
     from moezero.zero.param_families import ParamFamily

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.utils.checkpoint import checkpoint
+
 from moezero.moe import MoEConfig, MoELayer, reset_global_load_balancing
 from moezero.parallel import ParallelGroups
 from tests.dist_utils import run_distributed
@@ -43,3 +45,27 @@ def _global_loss_is_megatrons():
 
 def test_global_load_balancing_loss_is_megatrons():
     assert all(run_distributed(_global_loss_is_megatrons, 2))
+
+
+def _recompute_counts_each_micro_batch_once():
+    config = MoEConfig(hidden_size=12, ffn_hidden_size=16, num_experts=E, top_k=K, init_seed=3,
+                       load_balancing_type=["global_aux_loss"], aux_loss_coeff=[COEFF])
+    grads, losses = [], []
+    for recompute in (False, True):
+        layer = MoELayer(config, ParallelGroups.build(expert_parallel_size=1)).double().train()
+        for micro in range(3):
+            x = torch.randn(T, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(
+                10 * micro + dist.get_rank()))
+            y, stats = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+            (0.1 * y.sum() + stats.aux_loss).backward()
+            losses.append(stats.aux_loss.detach())
+        grads.append(layer.router.wg.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.stack(losses[3:]), torch.stack(losses[:3]), rtol=1e-12, atol=0)
+    return True
+
+
+def test_a_recomputed_layer_counts_its_tokens_once():
+    """--moe-layer-recompute: the recompute in backward uses the counts its forward saw (it added them again, so
+    the next micro-batch's logged loss was off)."""
+    assert all(run_distributed(_recompute_counts_each_micro_batch_once, 2))

@@ -114,7 +114,7 @@ PRIVATE_TORCH = {"_current_graph_task_id", "_execution_engine", "_cdata", "_pars
 
 
 def test_private_torch_apis_live_in_one_module():
-    """zero/torch_internals.py states the torch versions they are tested with; nothing else reaches them."""
+    """torch_internals.py states the torch versions they are tested with; nothing else reaches them."""
     found = [f"{path}:{node.lineno} .{node.attr}" for path, tree in _sources("moezero")
              if not path.endswith("torch_internals.py")
              for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH]

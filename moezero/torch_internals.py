@@ -1,5 +1,6 @@
-"""The private torch APIs the ZeRO optimizer relies on, in one place (tested with torch 2.13.0; setup.py
-allows 2.6 <= torch < 3). If a torch release moves one of them, this is the file to change.
+"""The private torch APIs moezero relies on (the ZeRO optimizer; a router that sees its recompute), in one place
+(tested with torch 2.13.0; setup.py allows 2.6 <= torch < 3). If a torch release moves one of them, this is the
+file to change.
 
   current_backward()       which autograd backward is running (torch._C._current_graph_task_id, -1: none):
                            hooks of one backward recognise each other, a nested one is detected
