@@ -2,7 +2,7 @@
 """Model FLOPs utilisation (MFU) on this CPU: the FLOP/s a training run achieves against the GEMM peak.
 
     python tools/bench_mfu.py [--hidden 256,1024] [--dtype fp32,bf16] [--steps 20] [--warmup 10] [--rounds 3]
-                              [--quick]
+                              [--micro-batches 1|2|4 [--overlap-moe-comm]] [--quick]
 
 - Peak, per dtype: the best of a few torch.mm of two large square matrices on one thread, as each training
   process runs (OMP_NUM_THREADS=1), measured in this process while no training runs.
@@ -24,6 +24,8 @@
   experts, its own micro-batch, no exchange: the same FLOPs per token and expert shapes), in the same rounds;
   its MFU is what a rank would reach without the other. With it, the busiest rank's expert rows over the mean
   (routing imbalance, which every other rank waits for at each MoE layer's all-to-all).
+- With --overlap-moe-comm, a third run per configuration: the 2 ranks with their micro-batches in interleaved
+  pairs (--overlap-moe-expert-parallel-comm), against the same alone run.
 """
 import argparse
 import os
@@ -46,18 +48,23 @@ EXPERTS = 8
 GEMM_STEPS = 3
 
 
-def worker_args(hidden, dtype, steps, warmup, experts=EXPERTS, ep=WORLD):
-    """The peer configuration of bench_vs_peers.py at width `hidden`; the first `warmup` steps not timed."""
+def worker_args(hidden, dtype, steps, warmup, micro_batches=1, experts=EXPERTS, ep=WORLD):
+    """The peer configuration of bench_vs_peers.py at width `hidden` (each rank's 4 sequences in `micro_batches`
+    micro-batches); the first `warmup` steps not timed."""
     return ["--layers", "4", "--hidden", str(hidden), "--heads", str(hidden // 64), "--seq", "128", "--mb", "4",
             "--experts", str(experts), "--k", "2", "--vocab", "1024", "--ep", str(ep), "--stage", "2",
             "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype, "--bucket", "2000000",
-            "--gemm-steps", str(GEMM_STEPS)]
+            "--gemm-steps", str(GEMM_STEPS), "--micro-batches", str(micro_batches)]
 
 
-def alone_args(hidden, dtype, steps, warmup):
-    """One process doing one rank's share of the 2-rank run and nothing else: its micro-batch routed among its
+def alone_args(hidden, dtype, steps, warmup, micro_batches=1):
+    """One process doing one rank's share of the 2-rank run and nothing else: its micro-batches routed among its
     E / ep experts (the same expert sizes, top-k and so FLOPs per token), no other rank to exchange with."""
-    return worker_args(hidden, dtype, steps, warmup, experts=EXPERTS // WORLD, ep=1)
+    return worker_args(hidden, dtype, steps, warmup, micro_batches, experts=EXPERTS // WORLD, ep=1)
+
+
+# the runs of each (dtype, hidden): their name's suffix and what the tables call them
+RUNS = {"": f"{WORLD} ranks", " overlapped": f"{WORLD} ranks, overlapped", " alone": "alone"}
 
 
 def step_flops(argv, world=WORLD):
@@ -111,18 +118,20 @@ def print_table(configs, lone_configs, results, peaks, steps, warmup):
 def print_distribution_cost(configs, lone_configs, results, peaks):
     """The 2-rank run against one rank's share run alone: what distributing costs (the exchanges, waiting for the
     busiest rank's experts, sharing the cores with the other rank and gloo's threads)."""
-    print("\n| dtype | hidden | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
+    print("\n| dtype | hidden | run | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
           "| busiest rank's expert rows / mean |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for (dtype, hidden), argv in configs.items():
-        runs, lone = ok(results[f"{dtype} h{hidden}"]), ok(results[f"{dtype} h{hidden} alone"])
-        if not runs or not lone:
-            continue
-        steps = [r["step_s"] / a["step_s"] for r, a in zip(runs, lone)]
-        mfu = [g / peaks[dtype] for g in model_gflops(runs, argv)]
-        lone_mfu = [g / peaks[dtype] for g in model_gflops(lone, lone_configs[(dtype, hidden)], world=1)]
-        print(f"| {dtype} | {hidden} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
-              f"{spread(steps, 2)} | {spread([r['slowest_rank_expert_load'] for r in runs], 2)} |")
+        lone = ok(results[f"{dtype} h{hidden} alone"])
+        for suffix in ("", " overlapped"):
+            runs = ok(results.get(f"{dtype} h{hidden}{suffix}", []))
+            if not runs or not lone:
+                continue
+            steps = [r["step_s"] / a["step_s"] for r, a in zip(runs, lone)]
+            mfu = [g / peaks[dtype] for g in model_gflops(runs, argv)]
+            lone_mfu = [g / peaks[dtype] for g in model_gflops(lone, lone_configs[(dtype, hidden)], world=1)]
+            print(f"| {dtype} | {hidden} | {RUNS[suffix]} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
+                  f"{spread(steps, 2)} | {spread([r['slowest_rank_expert_load'] for r in runs], 2)} |")
     print(f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
           f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
           "rows: per MoE layer, the busiest rank's routed rows over the ranks' mean, averaged over the layers "
@@ -140,8 +149,8 @@ def print_step_split(configs, results):
           "| other threads' CPU |")
     print("|---|---|---|---|---|---|---|---|")
     for (dtype, hidden) in configs:
-        for run, suffix in ((f"{WORLD} ranks", ""), ("alone", " alone")):
-            runs = [r for r in ok(results[f"{dtype} h{hidden}{suffix}"]) if "main_thread_cpu_s_per_rank" in r]
+        for suffix, run in RUNS.items():
+            runs = [r for r in ok(results.get(f"{dtype} h{hidden}{suffix}", [])) if "main_thread_cpu_s_per_rank" in r]
             if not runs:
                 continue
             main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
@@ -166,8 +175,16 @@ def main():
                         "over 180-199)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peak-size", type=int, default=2048, help="side of the square matrices of the peak GEMM")
+    p.add_argument("--micro-batches", type=int, default=1, help="each rank's 4 sequences per step in this many "
+                   "micro-batches (1, 2 or 4), in every run")
+    p.add_argument("--overlap-moe-comm", action="store_true", help="also run the 2 ranks with their micro-batches "
+                   "in interleaved pairs (--overlap-moe-expert-parallel-comm; needs --micro-batches 2 or 4)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps (2 timed), 1 round, a 1024 peak GEMM")
     args = p.parse_args()
+    if args.micro_batches not in (1, 2, 4):
+        p.error(f"--micro-batches {args.micro_batches}: must be 1, 2 or 4 (it splits 4 sequences)")
+    if args.overlap_moe_comm and args.micro_batches == 1:
+        p.error("--overlap-moe-comm: needs --micro-batches 2 or 4 (it interleaves pairs of micro-batches)")
     if args.quick:
         args.steps, args.warmup, args.rounds, args.peak_size = 4, 2, 1, 1024
     if not 0 <= args.warmup < args.steps:
@@ -178,12 +195,16 @@ def main():
         p.error(f"--dtype {','.join(sorted(unknown))}: must be among {', '.join(DTYPES)}")
     print_cpu(kernel_paths())
     peaks = peak_gflops(dtypes, args.peak_size)
-    configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup) for dtype in dtypes
-               for h in args.hidden.split(",")}
-    lone_configs = {(dtype, hidden): alone_args(hidden, dtype, args.steps, args.warmup) for dtype, hidden in configs}
+    configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup, args.micro_batches)
+               for dtype in dtypes for h in args.hidden.split(",")}
+    lone_configs = {(dtype, hidden): alone_args(hidden, dtype, args.steps, args.warmup, args.micro_batches)
+                    for dtype, hidden in configs}
     systems = []
     for (dtype, hidden), argv in configs.items():
         systems.append((f"{dtype} h{hidden}", lambda argv=argv: run_worker("moezero", argv)))
+        if args.overlap_moe_comm:
+            systems.append((f"{dtype} h{hidden} overlapped",
+                            lambda argv=argv: run_worker("moezero", argv + ["--overlap-moe-comm"])))
         systems.append((f"{dtype} h{hidden} alone",
                         lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1)))
     print_table(configs, lone_configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps, args.warmup)

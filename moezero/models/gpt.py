@@ -25,6 +25,7 @@ from moezero.models.mla import MultiLatentAttention
 from moezero.models.mtp import MultiTokenPredictionLayer, shift_left
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
+from moezero import phases
 
 MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
 
@@ -47,12 +48,18 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]):
+        return phases.run(self.forward_steps(x_BSD, keys, phased=False))
+
+    def forward_steps(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys], phased: bool = True) -> phases.Steps:
+        """forward() in phases (moezero.phases): with `phased`, the MoE layer's."""
         attn = self.attention(self.input_norm(x_BSD), keys)
         x_BSD = x_BSD + keyed_dropout(attn, self.hidden_dropout, self.training, keys, self.site + ".attn_out")
         h = self.mlp_norm(x_BSD)
         stats = None
         if isinstance(self.mlp, MoELayer) and self.moe_recompute and recomputing(self):
             out, stats = checkpoint(self.mlp, h, keys, use_reentrant=False)
+        elif isinstance(self.mlp, MoELayer) and phased:
+            out, stats = yield from phases.module_steps(self.mlp, h, keys)
         elif isinstance(self.mlp, MoELayer):
             out, stats = self.mlp(h, keys)
         else:
@@ -129,6 +136,12 @@ class GPTModel(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False):
         """(logits, MoE stats); with `mtp` (a model with --mtp-num-layers), (logits, MoE stats of the decoder's
         and the MTP layers', [logits of each MTP depth])."""
+        return phases.run(self.forward_steps(tokens_BS, keys, mtp, phased=False))
+
+    def forward_steps(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False,
+                      phased: bool = True) -> phases.Steps:
+        """forward() in phases (moezero.phases): with `phased`, the MoE layers' (a recomputed chunk of
+        layers and the MTP depths run whole)."""
         x = self.embedding(tokens_BS)
         if self.position_embedding is not None:
             x = x + self.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
@@ -138,7 +151,7 @@ class GPTModel(nn.Module):
             if recompute and recomputing(self):
                 x, stats = checkpoint(self._layers, first, last, x, keys, use_reentrant=False)
             else:
-                x, stats = self._layers(first, last, x, keys)
+                x, stats = yield from self._layer_steps(first, last, x, keys, phased)
             all_stats += stats
         x = self.final_norm(x)
         if not mtp:
@@ -169,9 +182,13 @@ class GPTModel(nn.Module):
 
     def _layers(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys]):
         """Layers [first, last) in order; their MoE stats."""
+        return phases.run(self._layer_steps(first, last, x, keys, phased=False))
+
+    def _layer_steps(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys], phased: bool
+                     ) -> phases.Steps:
         all_stats = []
         for layer in self.layers[first:last]:
-            x, stats = layer(x, keys)
+            x, stats = (yield from phases.module_steps(layer, x, keys)) if phased else layer(x, keys)
             if stats is not None:
                 all_stats.append(stats)
         return x, all_stats

@@ -16,6 +16,7 @@ import torch
 from einops import rearrange
 
 from moezero import ops
+from moezero import phases
 from moezero.parallel import comm
 from moezero.parallel.agreement import ExchangeRecord
 from moezero.parallel.groups import SharesProcessGroups
@@ -43,6 +44,16 @@ class TokenDispatcher(SharesProcessGroups):
                  record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
         """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine). `record`
         rides on the count exchange: every rank checks what every other sent."""
+        return phases.run(self.dispatch_steps(x_TD, topk_ids_TK, weights_TK, record))
+
+    def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Expert outputs back in token order, summed over the top-k with their weights."""
+        return phases.run(self.combine_steps(y_MD, meta))
+
+    def dispatch_steps(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       record: Optional[ExchangeRecord] = None) -> phases.Steps:
+        """dispatch() in phases (moezero.phases): yields after launching the count exchange and after
+        launching the rows' all-to-all."""
         x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
         if self.ep_size == 1:
             meta = DispatchMeta(row_map_TK, weights_TK, [x_ND.shape[0]], [x_ND.shape[0]], None)
@@ -50,26 +61,33 @@ class TokenDispatcher(SharesProcessGroups):
         P, L = self.ep_size, self.num_local_experts
         send_PL = counts_E.view(P, L)
         if record is None:
-            recv_PL = comm.exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
+            pending = comm.launch_exchange_counts(send_PL, self.ep_group)  # row i: what rank i sends my experts
+            yield
+            recv_PL = pending.wait()
         else:
             stamped = torch.tensor(record.mine, dtype=send_PL.dtype, device=send_PL.device).expand(P, -1)
-            received = comm.exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group,
-                                            record.prepare(self.ep_group))
+            pending = comm.launch_exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group,
+                                                  record.prepare(self.ep_group))
+            yield
+            received = pending.wait()
             record.check_received(received[:, L:])
             recv_PL = received[:, :L].contiguous()
         send_splits = send_PL.sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
-        x_MD = comm.all_to_all(x_ND, recv_splits, send_splits, self.ep_group)
+        rows = comm.launch_all_to_all(x_ND, recv_splits, send_splits, self.ep_group)
+        yield
         sort_index, unsort_index = _chunk_transpose_indices(recv_PL)
-        x_MD = x_MD.index_select(0, sort_index)
+        x_MD = rows.wait().index_select(0, sort_index)
         meta = DispatchMeta(row_map_TK, weights_TK, send_splits, recv_splits, unsort_index)
         return x_MD, recv_PL.sum(0).tolist(), meta
 
-    def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
-        """Expert outputs back in token order, summed over the top-k with their weights."""
+    def combine_steps(self, y_MD: torch.Tensor, meta: DispatchMeta) -> phases.Steps:
+        """combine() in phases: yields after launching the rows' all-to-all back."""
         if meta.unsort_index_M is not None:
             y_MD = y_MD.index_select(0, meta.unsort_index_M)
-            y_MD = comm.all_to_all(y_MD, meta.send_splits, meta.recv_splits, self.ep_group)
+            rows = comm.launch_all_to_all(y_MD, meta.send_splits, meta.recv_splits, self.ep_group)
+            yield
+            y_MD = rows.wait()
         return ops.unpermute_combine(y_MD, meta.row_map_TK, meta.weights_TK)
 
 

@@ -19,6 +19,7 @@ from moezero.keyed_random import SampleKeys, init_keyed_, is_bias
 from moezero.moe.dispatch import TokenDispatcher
 from moezero.moe.experts import DenseMLP, GroupedExperts
 from moezero.moe.router import TopKRouter
+from moezero import phases
 from moezero.parallel import ExpertShard, ParallelGroups
 from moezero.parallel.agreement import ExchangeRecord
 
@@ -86,12 +87,18 @@ class MoELayer(nn.Module):
                     prefix=f"layer{self.layer_number}.")
 
     def forward(self, x: torch.Tensor, keys: Optional[SampleKeys] = None):
+        return phases.run(self.forward_steps(x, keys))
+
+    def forward_steps(self, x: torch.Tensor, keys: Optional[SampleKeys] = None) -> phases.Steps:
+        """forward() in phases (moezero.phases): yields after launching each of the dispatcher's
+        exchanges."""
         record = self.exchange_record() if self.exchange_record is not None else None
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TD = x.reshape(-1, x.shape[-1])
         routing = self.router(x_TD, num_sequences=num_sequences, keys=keys, record=record)
-        x_MD, counts, meta = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, routing.topk_weights_TK, record)
-        y_TD = self.dispatcher.combine(self.experts(x_MD, counts), meta)
+        x_MD, counts, meta = yield from self.dispatcher.dispatch_steps(x_TD, routing.topk_ids_TK,
+                                                                       routing.topk_weights_TK, record)
+        y_TD = yield from self.dispatcher.combine_steps(self.experts(x_MD, counts), meta)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

@@ -48,6 +48,22 @@ def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: Lis
     return out
 
 
+def launch_all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                      group: Optional[Any]):
+    """all_to_all, launched: an object whose `wait()` gives the rows (a group of one: `x` at once)."""
+    if group_size(group) == 1:
+        return _Ready(x)
+    return PendingAllToAll(x, output_splits, input_splits, group)
+
+
+class _Ready:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
 def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                group: Optional[Any]) -> torch.Tensor:
     """Send rows x[sum(input_splits[:j]) : ...] to rank j of `group`; autograd-aware.
@@ -59,17 +75,89 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 
 
-def exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
-                    wait: Optional[Callable[[Any], None]] = None) -> torch.Tensor:
-    """All-to-all of an int64 tensor shaped (group size, n): row j goes to rank j, row i comes from rank i.
-    `wait`: waits for the launched exchange (None: a synchronous one)."""
+class PendingAllToAll:
+    """An autograd-aware all-to-all launched now and waited for later (`wait()` gives the rows).
+
+    Its backward is split the same way: the reverse all-to-all is launched where autograd reaches the wait and
+    waited where it reaches the launch, so whatever the forward ran between the two (another micro-batch's
+    phase, see moezero.phases) runs, in reverse, while the gradient travels."""
+
+    def __init__(self, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Any):
+        self.output_splits, self.input_splits, self.group = list(output_splits), list(input_splits), group
+        self.work = self.grad_work = None
+        self.sent = self.grad_sent = self.grad_received = None   # kept alive while their exchange travels
+        self.rows = _LaunchAllToAll.apply(x, self)
+
+    def wait(self) -> torch.Tensor:
+        rows, self.rows = self.rows, None   # the rows' autograd node holds this object: no cycle through them
+        return _WaitAllToAll.apply(rows, self)
+
+
+class _LaunchAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        pending.sent = x.contiguous()
+        out = x.new_empty((sum(pending.output_splits),) + tuple(x.shape[1:]))
+        pending.work = dist.all_to_all_single(out, pending.sent, output_split_sizes=pending.output_splits,
+                                              input_split_sizes=pending.input_splits, group=pending.group,
+                                              async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_rows):
+        pending = ctx.pending
+        pending.grad_work.wait()
+        grad_in, pending.grad_received, pending.grad_sent = pending.grad_received, None, None
+        return grad_in, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, pending):
+        ctx.pending = pending
+        pending.work.wait()
+        pending.sent = None
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        pending = ctx.pending
+        pending.grad_sent = grad_rows.contiguous()
+        pending.grad_received = grad_rows.new_empty((sum(pending.input_splits),) + tuple(grad_rows.shape[1:]))
+        pending.grad_work = dist.all_to_all_single(pending.grad_received, pending.grad_sent,
+                                                   output_split_sizes=pending.input_splits,
+                                                   input_split_sizes=pending.output_splits, group=pending.group,
+                                                   async_op=True)
+        return grad_rows, None   # its shape autograd expects; the launch's backward returns what arrives
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
+    """All-to-all of an int64 tensor shaped (group size, n): row j goes to rank j, row i comes from rank i."""
+    return launch_exchange_counts(send_counts, group).wait()
+
+
+def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
+                           wait: Optional[Callable[[Any], None]] = None):
+    """exchange_counts, launched: an object whose `wait()` gives the received counts. `wait`: how to wait for
+    the work (default: its own wait)."""
     if group_size(group) == 1:
-        return send_counts.clone()
+        return _Ready(send_counts.clone())
     recv = torch.empty_like(send_counts)
-    work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=wait is not None)
-    if wait is not None:
-        wait(work)
-    return recv
+    work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=True)
+    return _Waited(work, recv, wait)
+
+
+class _Waited:
+    def __init__(self, work, value, wait: Optional[Callable[[Any], None]]):
+        self.work, self.value, self.how = work, value, wait
+
+    def wait(self):
+        if self.how is None:
+            self.work.wait()
+        else:
+            self.how(self.work)
+        return self.value
 
 
 def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):

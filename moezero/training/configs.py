@@ -98,6 +98,10 @@ class TrainConfig(Validated):
     calculate_per_token_loss: bool = option(False, "the lm loss summed over the global batch's tokens and divided "
                                             "by their count, not averaged per micro-batch (Megatron's)",
                                             flag="--calculate-per-token-loss")
+    overlap_moe_expert_parallel_comm: bool = option(
+        False, "micro-batches in pairs whose forwards run interleaved, one's expert-parallel exchanges travelling "
+        "while the other computes, and whose backward is one, interleaved the same way (the same numbers)",
+        flag="--overlap-moe-expert-parallel-comm")
     exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
                                        "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
     exit_duration_in_mins: Optional[float] = option(None, "save (with --save) and exit 0 once the run has taken "
@@ -288,6 +292,19 @@ def _check_precision_aware(cfg: Configs) -> None:
         raise ConfigError("--main-grads-dtype bf16: needs --bf16 (the params' gradients are not bf16)")
 
 
+def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
+    """Megatron's: the overlap is of expert-parallel exchanges. Stage 3 gathers a layer's params around its
+    forward, which an interleaved pair enters twice before leaving."""
+    if not cfg.train.overlap_moe_expert_parallel_comm:
+        return
+    if ep < 2:
+        raise ConfigError("--overlap-moe-expert-parallel-comm: needs --expert-model-parallel-size > 1 (it overlaps "
+                          "the expert-parallel exchanges; Megatron's rule)")
+    if cfg.zero.stage == 3:
+        raise ConfigError("--overlap-moe-expert-parallel-comm: not with --zero-stage 3 (each layer's params are "
+                          "gathered around one forward at a time there)")
+
+
 def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0) -> int:
     """Checks across configs for a run that starts at `start_iteration` having consumed `consumed_samples`
     (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags.
@@ -314,10 +331,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
-    if "global_aux_loss" in cfg.moe.balancing_coefficients() and (cfg.model.recompute_granularity == "full" or
-                                                                   cfg.model.moe_layer_recompute):
-        raise ConfigError("--moe-router-load-balancing-type global_aux_loss: not with --recompute-granularity full "
-                          "or --moe-layer-recompute (a recomputed router would count its tokens twice)")
+    _check_moe_comm_overlap(cfg, ep)
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "
                           "written under <--save>/wandb by default, as Megatron's)")

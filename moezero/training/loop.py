@@ -17,6 +17,7 @@ from moezero.metrics import mtp_loss_metric, tag
 from moezero.models import language_model_loss
 from moezero.models.mtp import mtp_losses, shift_left
 from moezero.moe import MoEStats, reset_global_load_balancing
+from moezero import phases
 from moezero.parallel import comm
 
 
@@ -47,10 +48,18 @@ class StepMetrics:
 def _micro_batch_losses(model, batch, keys, mtp: bool = False):
     """(lm loss, {router loss: value}, MoE stats, [each MTP depth's loss]); the MTP depths run with `mtp` (training:
     Megatron's evaluation loss is the lm loss alone)."""
+    return phases.run(_micro_batch_steps(model, batch, keys, mtp, phased=False))
+
+
+def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.Steps:
+    """_micro_batch_losses in phases (moezero.phases): with `phased`, the model's forward's."""
     device = model.embedding.weight.device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     mtp = mtp and model.mtp is not None
-    logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
+    if phased:
+        logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp)
+    else:
+        logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
     lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
     depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], language_model_loss) if mtp else []
@@ -98,34 +107,53 @@ class _Packed:
 
 
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
-               group, per_token_loss: bool = False) -> StepMetrics:
+               group, per_token_loss: bool = False, overlap_moe_comm: bool = False) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
-    `per_token_loss` (--calculate-per-token-loss): the lm loss is the global batch's token mean instead."""
+    `per_token_loss` (--calculate-per-token-loss): the lm loss is the global batch's token mean instead.
+    `overlap_moe_comm` (--overlap-moe-expert-parallel-comm): micro-batches go in pairs whose forwards run
+    interleaved (one's MoE exchanges travel while the other computes) and whose backward is one, interleaved the
+    same way; the same numbers."""
     model.train()
     n = len(micro_batches)
     shares = _token_shares(micro_batches, group) if per_token_loss else None
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     packed = None
-    for j, batch in enumerate(micro_batches):
-        keys = SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
+    together = 2 if overlap_moe_comm else 1
+    for first in range(0, n, together):
+        js = range(first, min(first + together, n))
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
-        with opt.no_sync() if j < n - 1 else contextlib.nullcontext():
-            lm, router, stats, depths = _micro_batch_losses(model, batch, keys, mtp=True)
-            mtp = _mtp_term(model, depths, batch, None if shares is None else shares[j])
-            if shares is None:
-                opt.backward((lm + sum(router.values()) + mtp) / n)
-            else:   # the router losses stay per micro-batch (Megatron scales them so)
-                lm = lm * (shares[j] * n)   # whose mean over the micro-batches of every rank is the token mean
-                opt.backward(lm / n + sum(router.values()) / n + mtp)
-        named = _named_metrics(lm, router, stats, depths)
-        packed = packed or _Packed(named)
-        per_micro.append(packed.pack(named))
+        with opt.no_sync() if js[-1] < n - 1 else contextlib.nullcontext():
+            forwards = [_micro_batch_steps(model, micro_batches[j], _keys(seed, iteration, micro_batches[j]),
+                                           mtp=True, phased=len(js) > 1) for j in js]
+            results = phases.run_interleaved(forwards)
+            losses = []
+            for j, (lm, router, stats, depths) in zip(js, results):
+                loss, lm = _micro_batch_loss(model, micro_batches[j], lm, router, depths, n,
+                                             None if shares is None else shares[j])
+                losses.append(loss)
+                named = _named_metrics(lm, router, stats, depths)
+                packed = packed or _Packed(named)
+                per_micro.append(packed.pack(named))
+            opt.backward(sum(losses[1:], losses[0]))
     stepped = opt.step()
     opt.zero_grad()
     reset_global_load_balancing(model)   # the global-batch aux loss counts each step's tokens
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)   # one all-reduce for every metric
     return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
+
+
+def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKeys:
+    return SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
+
+
+def _micro_batch_loss(model, batch, lm, router, depths, n: int, share: Optional[float]):
+    """(what one of n micro-batches adds to the loss that is backpropagated, its lm loss as logged)."""
+    mtp = _mtp_term(model, depths, batch, share)
+    if share is None:
+        return (lm + sum(router.values()) + mtp) / n, lm
+    lm = lm * (share * n)   # whose mean over the micro-batches of every rank is the token mean
+    return lm / n + sum(router.values()) / n + mtp, lm   # the router losses stay per micro-batch (Megatron's)
 
 
 def _token_shares(micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> List[float]:

@@ -180,7 +180,8 @@ class Pretraining:
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
-                                 per_token_loss=t.calculate_per_token_loss)
+                                 per_token_loss=t.calculate_per_token_loss,
+                                 overlap_moe_comm=t.overlap_moe_expert_parallel_comm)
             if self.heap is not None:
                 self.heap.after_step()
             step_time = timer.elapsed()

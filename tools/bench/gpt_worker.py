@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from moezero import phases  # noqa: E402
+
 from memtrace import sample as memory_sample  # noqa: E402
 from moezero_gpt import build_moezero_gpt, lm_loss  # noqa: E402
 from synthetic import (adamw_kwargs, batch, common_parser, gemm_peak_flops, kernel_paths,  # noqa: E402
@@ -31,6 +33,10 @@ def parse():
     p.add_argument("--profile", default="", help="write a torch.profiler chrome trace of one step here")
     p.add_argument("--gemm-steps", type=int, default=0,
                    help="after the timed steps, profile this many more and report the time in matrix products")
+    p.add_argument("--micro-batches", type=int, default=1, help="split each rank's --mb sequences into this many "
+                   "micro-batches (gradient accumulation)")
+    p.add_argument("--overlap-moe-comm", action="store_true", help="micro-batches in pairs, their forwards "
+                   "interleaved (moezero's --overlap-moe-expert-parallel-comm)")
     return p.parse_args()
 
 
@@ -61,9 +67,19 @@ def build_optimizer(args, model, groups):
 
 def train_step(args, model, opt, step, rank, heap=None):
     tokens, labels = batch(args, step, rank)
-    output = model(tokens)
-    ce, loss = lm_loss(output, labels)
-    loss.backward()
+    pieces = list(zip(tokens.chunk(args.micro_batches), labels.chunk(args.micro_batches)))
+    together = 2 if args.overlap_moe_comm else 1
+    ce = 0.0
+    for first in range(0, len(pieces), together):
+        group = pieces[first:first + together]
+        if len(group) > 1:
+            outputs = phases.run_interleaved([phases.module_steps(model, t) for t, _ in group])
+        else:
+            outputs = [model(group[0][0])]
+        losses = [lm_loss(output, y) for output, (_, y) in zip(outputs, group)]
+        sum(loss for _, loss in losses).div(len(pieces)).backward()
+        ce = ce + sum(c.detach() for c, _ in losses) / len(pieces)
+        output = outputs[-1]
     backward_done = time.perf_counter()
     if args.system != "moezero":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,140 @@
+"""--overlap-moe-expert-parallel-comm: micro-batches in pairs, their forwards interleaved phase by phase and their
+backward one; the numbers of the micro-batches one after another (float64, 2 ranks, ep 2, ZeRO stages 0-2)."""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moezero.models import GPTModel
+from moezero.moe import expert_parallel
+from moezero.config.options import ConfigError
+from moezero.parallel import ParallelGroups
+from moezero.torch_internals import in_backward
+from moezero.training.configs import validate
+from moezero.training.loop import train_step
+from moezero.zero import ZeroOptimizer
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, configs
+
+pytestmark = pytest.mark.moe
+
+VOCAB, SEQ, MB = 64, 32, 2
+FLAGS = {
+    "TINY": [],
+    "shared expert, global aux loss, a dense layer, MTP, MoE recompute": [
+        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "global_aux_loss",
+        "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1", "--moe-layer-recompute",
+        "--position-embedding-type", "rope"],
+}
+
+
+def _micro_batches(step, count):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 * step + rank)
+    batches = []
+    for j in range(count):
+        first = (step * count + j) * 2 * MB + rank * MB
+        batches.append({"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                        "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.1).double(),
+                        "sample_index": torch.arange(first, first + MB)})
+    return batches
+
+
+def _train(flags, stage, micro_batches, overlap, steps=2):
+    cfg = configs(TINY + flags)
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3,
+                     moe_layer=expert_parallel(groups)).double()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=300, clip_grad=1.0,
+                        grad_reduce_dtype=torch.float64, lr=1e-2)
+    history = []
+    for step in range(steps):
+        m = train_step(model, opt, _micro_batches(step, micro_batches), step, 7, groups.dp,
+                       overlap_moe_comm=overlap)
+        history.append((m.lm_loss, m.router_losses, m.grad_norm, m.tokens_per_expert))
+    with opt.full_parameters():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups.destroy()
+    return history, params
+
+
+def _compare_overlap(flags, stage, micro_batches):
+    plain_history, plain = _train(flags, stage, micro_batches, overlap=False)
+    history, params = _train(flags, stage, micro_batches, overlap=True)
+    for (lm, router, norm, counts), (lm0, router0, norm0, counts0) in zip(history, plain_history):
+        assert lm == pytest.approx(lm0, rel=1e-12) and norm == pytest.approx(norm0, rel=1e-12), (lm, lm0, norm, norm0)
+        assert router == pytest.approx(router0, rel=1e-12)
+        assert torch.equal(counts, counts0)
+    for name, p in plain.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-11, atol=1e-13, msg=name)
+
+
+def _all_cases():
+    for flags in FLAGS.values():
+        for stage, micro_batches in ((0, 4), (2, 3), (1, 2)):
+            _compare_overlap(flags, stage, micro_batches)
+
+
+def test_interleaved_micro_batches_give_the_numbers_of_consecutive_ones():
+    run_distributed(_all_cases, 2)
+
+
+
+class _InFlight:
+    """Counts the token all-to-alls launched and not yet waited for, the most at once in forward and backward."""
+
+    def __init__(self, monkeypatch_target):
+        self.now, self.most = 0, {"forward": 0, "backward": 0}
+        self.launch = monkeypatch_target.all_to_all_single
+
+    def __call__(self, out, x, *args, async_op=False, **kwargs):
+        work = self.launch(out, x, *args, async_op=async_op, **kwargs)
+        if not async_op or out.dtype == torch.int64:   # the token rows only, not the counts
+            return work
+        self.now += 1
+        phase = "backward" if in_backward() else "forward"
+        self.most[phase] = max(self.most[phase], self.now)
+        return _Counted(work, self)
+
+
+class _Counted:
+    def __init__(self, work, counter):
+        self.work, self.counter, self.done = work, counter, False
+
+    def wait(self, *args):
+        result = self.work.wait(*args)
+        if not self.done:
+            self.done, self.counter.now = True, self.counter.now - 1
+        return result
+
+
+def _most_in_flight(overlap):
+    from moezero.parallel import comm
+
+    counter = _InFlight(comm.dist)
+    comm.dist.all_to_all_single = counter
+    try:
+        _train([], 2, 2, overlap, steps=1)
+    finally:
+        comm.dist.all_to_all_single = counter.launch
+    return counter.most
+
+
+def test_a_pairs_exchanges_travel_while_the_other_micro_batch_computes():
+    """The interleaving happens, in forward and (autograd taking the latest-made node first) in backward: one
+    micro-batch's token all-to-all is launched before the other's is waited for; one after another, never."""
+    for most in run_distributed(_most_in_flight, 2, True):
+        assert most == {"forward": 2, "backward": 2}, most
+    for most in run_distributed(_most_in_flight, 2, False):
+        assert most == {"forward": 1, "backward": 1}, most
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
+    (["--expert-model-parallel-size", "2", "--zero-stage", "3"], "not with --zero-stage 3")])
+def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
+    cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm"] + flags)
+    with pytest.raises(ConfigError, match=f"--overlap-moe-expert-parallel-comm: {message}"):
+        validate(cfg, world_size=2)
