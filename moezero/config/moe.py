@@ -82,6 +82,9 @@ class MoEConfig(Validated):
                                    "most a quarter more), so a run meets a few GEMM shapes, not new ones every "
                                    "step: oneDNN caches a primitive per shape (bf16 held far more memory without "
                                    "it); the numbers are unchanged. moezero's own flag", flag="--moe-pad-expert-rows")
+    delay_wgrad_compute: bool = option(False, "the routed experts' weight gradients in a backward node of their "
+                                       "own, after the rows' all-to-all back is launched (with --overlap-moe-"
+                                       "expert-parallel-comm; the same numbers)", flag="--delay-wgrad-compute")
     use_upcycling: bool = option(False, "start from the dense checkpoint of --load: every expert a copy of its "
                                  "layer's dense MLP, the routers new (the logits start as the dense model's)",
                                  flag="--moe-use-upcycling")

@@ -44,7 +44,7 @@ class TokenDispatcher(SharesProcessGroups):
                  record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
         """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine). `record`
         rides on the count exchange: every rank checks what every other sent."""
-        return phases.run(self.dispatch_steps(x_TD, topk_ids_TK, weights_TK, record))
+        return phases.run(self.dispatch_steps(x_TD, topk_ids_TK, weights_TK, record)).receive()
 
     def combine(self, y_MD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """Expert outputs back in token order, summed over the top-k with their weights."""
@@ -52,12 +52,12 @@ class TokenDispatcher(SharesProcessGroups):
 
     def dispatch_steps(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                        record: Optional[ExchangeRecord] = None) -> phases.Steps:
-        """dispatch() in phases (moezero.phases): yields after launching the count exchange and after
-        launching the rows' all-to-all."""
+        """dispatch() in phases (moezero.phases): yields after launching the count exchange; returns, having
+        launched the rows' all-to-all, what `receive()`s them (the caller yields in between)."""
         x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
         if self.ep_size == 1:
             meta = DispatchMeta(row_map_TK, weights_TK, [x_ND.shape[0]], [x_ND.shape[0]], None)
-            return x_ND, counts_E.tolist(), meta
+            return _Rows(comm.launch_all_to_all(x_ND, [], [], None), None, counts_E.tolist(), meta)
         P, L = self.ep_size, self.num_local_experts
         send_PL = counts_E.view(P, L)
         if record is None:
@@ -75,11 +75,9 @@ class TokenDispatcher(SharesProcessGroups):
         send_splits = send_PL.sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
         rows = comm.launch_all_to_all(x_ND, recv_splits, send_splits, self.ep_group)
-        yield
         sort_index, unsort_index = _chunk_transpose_indices(recv_PL)
-        x_MD = rows.wait().index_select(0, sort_index)
         meta = DispatchMeta(row_map_TK, weights_TK, send_splits, recv_splits, unsort_index)
-        return x_MD, recv_PL.sum(0).tolist(), meta
+        return _Rows(rows, sort_index, recv_PL.sum(0).tolist(), meta)
 
     def combine_steps(self, y_MD: torch.Tensor, meta: DispatchMeta) -> phases.Steps:
         """combine() in phases: yields after launching the rows' all-to-all back."""
@@ -89,6 +87,23 @@ class TokenDispatcher(SharesProcessGroups):
             yield
             y_MD = rows.wait()
         return ops.unpermute_combine(y_MD, meta.row_map_TK, meta.weights_TK)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows' all-to-all to the experts, launched: `receive()` waits and gives (x_MD, rows per local expert,
+    metadata for combine)."""
+
+    rows: Any
+    sort_index_M: Optional[torch.Tensor]   # (source, local expert) order -> (local expert, source) order
+    counts: List[int]
+    meta: DispatchMeta
+
+    def receive(self) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
+        x_MD = self.rows.wait()
+        if self.sort_index_M is not None:
+            x_MD = x_MD.index_select(0, self.sort_index_M)
+        return x_MD, self.counts, self.meta
 
 
 def _chunk_transpose_indices(counts_PL: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

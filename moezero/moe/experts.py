@@ -109,10 +109,92 @@ def padded_positions(counts: List[int], padded: List[int], device: torch.device)
         shift_L, torch.tensor(counts, device=device), output_size=rows)
 
 
-def expert_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int], use_grouped: bool) -> torch.Tensor:
-    if use_grouped and grouped_mm_supported(x_MD, w_LDF):
-        return grouped_mm(x_MD, w_LDF, counts)
-    return loop_mm(x_MD, w_LDF, counts)
+def expert_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int], use_grouped: bool,
+              deferred: Optional["DeferredWeightGrads"] = None) -> torch.Tensor:
+    """Rows of expert l times w_LDF[l]; with `deferred`, w's gradient is left to it (--delay-wgrad-compute)."""
+    grouped = use_grouped and grouped_mm_supported(x_MD, w_LDF)
+    if deferred is not None:
+        return _InputGradOnlyMM.apply(x_MD, w_LDF, counts, grouped, deferred)
+    return grouped_mm(x_MD, w_LDF, counts) if grouped else loop_mm(x_MD, w_LDF, counts)
+
+
+class DeferredWeightGrads:
+    """--delay-wgrad-compute (Megatron's): one forward's expert GEMMs give autograd their input gradients only,
+    keeping (input, output gradient) here; the weights' gradients are computed by a node of their own, made where
+    the MoE layer makes this object (after launching the rows' all-to-all), which autograd, taking the latest-made
+    node first, reaches after it launched that all-to-all's gradient and before it waits for it. The same GEMMs
+    as autograd's own backward (the same numbers)."""
+
+    def __init__(self, experts: "GroupedExperts"):
+        self.weights = [experts.w1, experts.w2]
+        self.kept: dict = {}
+        self.trigger = _WeightGradNode.apply(self, *self.weights)
+
+    def slot_of(self, w: torch.Tensor) -> int:
+        return next(i for i, weight in enumerate(self.weights) if weight is w)
+
+    def keep(self, slot: int, x_MD, grad_MF, counts: List[int], grouped: bool) -> None:
+        self.kept[slot] = (x_MD, grad_MF, counts, grouped)
+
+    def weight_grads(self) -> List[torch.Tensor]:
+        if len(self.kept) != len(self.weights):   # autograd reaches this node after the GEMMs' backward
+            raise RuntimeError("--delay-wgrad-compute: the experts' weight gradients were asked for before their "
+                               "GEMMs' backward ran")
+        return [_weight_grad(*self.kept.pop(slot)) for slot in range(len(self.weights))]
+
+    def attach(self, y: torch.Tensor) -> torch.Tensor:
+        """`y` unchanged, with the weights' node in its graph (its gradient reaches the node as a zero)."""
+        return _Attach.apply(y, self.trigger)
+
+
+def _weight_grad(x_MD: torch.Tensor, grad_MF: torch.Tensor, counts: List[int], grouped: bool) -> torch.Tensor:
+    if grouped:
+        offs = torch.tensor(counts, dtype=torch.int32, device=x_MD.device).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x_MD.t(), grad_MF, offs=offs)
+    pairs = zip(torch.split(x_MD, counts), torch.split(grad_MF, counts))
+    return torch.stack([x.t().mm(g) for x, g in pairs])
+
+
+class _InputGradOnlyMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD, w_LDF, counts, grouped, deferred):
+        ctx.save_for_backward(x_MD, w_LDF)
+        ctx.counts, ctx.grouped, ctx.deferred, ctx.slot = counts, grouped, deferred, deferred.slot_of(w_LDF)
+        return grouped_mm(x_MD, w_LDF, counts) if grouped else loop_mm(x_MD, w_LDF, counts)
+
+    @staticmethod
+    def backward(ctx, grad_MF):
+        x_MD, w_LDF = ctx.saved_tensors
+        grad_MF = grad_MF.contiguous()
+        ctx.deferred.keep(ctx.slot, x_MD, grad_MF, ctx.counts, ctx.grouped)
+        w_FD = w_LDF.transpose(-2, -1)
+        if ctx.grouped:
+            offs = torch.tensor(ctx.counts, dtype=torch.int32, device=x_MD.device).cumsum(0, dtype=torch.int32)
+            grad_MD = torch._grouped_mm(grad_MF, w_FD, offs=offs)
+        else:
+            grad_MD = torch.cat([g.mm(w_FD[l]) for l, g in enumerate(torch.split(grad_MF, ctx.counts))])
+        return grad_MD, None, None, None, None
+
+
+class _WeightGradNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, deferred, *weights):
+        ctx.deferred = deferred
+        return weights[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _zero):
+        return (None, *ctx.deferred.weight_grads())
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, trigger):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_zeros(())
 
 
 class GroupedExperts(nn.Module):
@@ -130,6 +212,7 @@ class GroupedExperts(nn.Module):
         self.activation = config.activation
         self.offset, self.clamp = config.glu_linear_offset, config.activation_clamp
         self.use_grouped = config.grouped_gemm
+        self.delay_wgrad = config.delay_wgrad_compute
         self.pad_rows = config.pad_expert_rows
         self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
         self.w2 = nn.Parameter(torch.empty(L, Fw, D))
@@ -148,20 +231,30 @@ class GroupedExperts(nn.Module):
         super().__setstate__(state)
         self._mark_expert_parallel()
 
-    def forward(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    def defer_weight_grads(self) -> Optional[DeferredWeightGrads]:
+        """With --delay-wgrad-compute in a forward that builds a graph: where the weights' gradients will be
+        computed (the MoE layer makes it after launching the rows' all-to-all); else None."""
+        if not (self.delay_wgrad and torch.is_grad_enabled() and (self.w1.requires_grad or self.w2.requires_grad)):
+            return None
+        return DeferredWeightGrads(self)
+
+    def forward(self, x_MD: torch.Tensor, counts: List[int],
+                deferred: Optional[DeferredWeightGrads] = None) -> torch.Tensor:
         if not (self.pad_rows and x_MD.device.type == "cpu"):   # GPU GEMMs cache nothing per shape: it only adds work
-            return self._ffn(x_MD, counts)
+            return self._ffn(x_MD, counts, deferred)
         # each expert's rows padded to its size class with zero rows, whose outputs are dropped: their gradients
         # are zero, so every GEMM (forward and backward) has a class's shape and the numbers are unchanged
         padded = [row_size_class(n) for n in counts]
         rows_M = padded_positions(counts, padded, x_MD.device)
         x_PD = x_MD.new_zeros(sum(padded), x_MD.shape[1]).index_copy(0, rows_M, x_MD)
-        return self._ffn(x_PD, padded).index_select(0, rows_M)
+        return self._ffn(x_PD, padded, deferred).index_select(0, rows_M)
 
-    def _ffn(self, x_MD: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped), self.b1, counts, self.activation,
-                              self.offset, self.clamp)
-        return _add_bias(expert_mm(a, self.w2, counts, self.use_grouped), self.b2, counts)
+    def _ffn(self, x_MD: torch.Tensor, counts: List[int], deferred: Optional[DeferredWeightGrads] = None
+             ) -> torch.Tensor:
+        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped, deferred), self.b1, counts,
+                              self.activation, self.offset, self.clamp)
+        y = _add_bias(expert_mm(a, self.w2, counts, self.use_grouped, deferred), self.b2, counts)
+        return y if deferred is None else deferred.attach(y)
 
 
 def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:

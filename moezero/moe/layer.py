@@ -96,9 +96,13 @@ class MoELayer(nn.Module):
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TD = x.reshape(-1, x.shape[-1])
         routing = self.router(x_TD, num_sequences=num_sequences, keys=keys, record=record)
-        x_MD, counts, meta = yield from self.dispatcher.dispatch_steps(x_TD, routing.topk_ids_TK,
-                                                                       routing.topk_weights_TK, record)
-        y_TD = yield from self.dispatcher.combine_steps(self.experts(x_MD, counts), meta)
+        sent = yield from self.dispatcher.dispatch_steps(x_TD, routing.topk_ids_TK, routing.topk_weights_TK, record)
+        # made now, its node is reached in backward after the rows' gradient is sent back (--delay-wgrad-compute)
+        deferred = self.experts.defer_weight_grads()
+        yield
+        x_MD, counts, meta = sent.receive()
+        experts_out = self.experts(x_MD, counts) if deferred is None else self.experts(x_MD, counts, deferred)
+        y_TD = yield from self.dispatcher.combine_steps(experts_out, meta)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

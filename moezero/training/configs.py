@@ -295,6 +295,8 @@ def _check_precision_aware(cfg: Configs) -> None:
 def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
     """Megatron's: the overlap is of expert-parallel exchanges. Stage 3 gathers a layer's params around its
     forward, which an interleaved pair enters twice before leaving."""
+    if cfg.moe.delay_wgrad_compute and not cfg.train.overlap_moe_expert_parallel_comm:
+        raise ConfigError("--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm (Megatron's rule)")
     if not cfg.train.overlap_moe_expert_parallel_comm:
         return
     if ep < 2:

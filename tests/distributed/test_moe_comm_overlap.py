@@ -1,5 +1,6 @@
 """--overlap-moe-expert-parallel-comm: micro-batches in pairs, their forwards interleaved phase by phase and their
-backward one; the numbers of the micro-batches one after another (float64, 2 ranks, ep 2, ZeRO stages 0-2)."""
+backward one; the numbers of the micro-batches one after another (float64, 2 ranks, ep 2, ZeRO stages 0-2), with
+--delay-wgrad-compute too."""
 import dataclasses
 
 import pytest
@@ -60,9 +61,10 @@ def _train(flags, stage, micro_batches, overlap, steps=2):
     return history, params
 
 
-def _compare_overlap(flags, stage, micro_batches):
+def _compare_overlap(flags, stage, micro_batches, delay_wgrad=False):
     plain_history, plain = _train(flags, stage, micro_batches, overlap=False)
-    history, params = _train(flags, stage, micro_batches, overlap=True)
+    history, params = _train(flags + (["--delay-wgrad-compute"] if delay_wgrad else []), stage, micro_batches,
+                             overlap=True)
     for (lm, router, norm, counts), (lm0, router0, norm0, counts0) in zip(history, plain_history):
         assert lm == pytest.approx(lm0, rel=1e-12) and norm == pytest.approx(norm0, rel=1e-12), (lm, lm0, norm, norm0)
         assert router == pytest.approx(router0, rel=1e-12)
@@ -73,8 +75,8 @@ def _compare_overlap(flags, stage, micro_batches):
 
 def _all_cases():
     for flags in FLAGS.values():
-        for stage, micro_batches in ((0, 4), (2, 3), (1, 2)):
-            _compare_overlap(flags, stage, micro_batches)
+        for stage, micro_batches, delay_wgrad in ((0, 4, False), (2, 3, True), (1, 2, False)):
+            _compare_overlap(flags, stage, micro_batches, delay_wgrad)
 
 
 def test_interleaved_micro_batches_give_the_numbers_of_consecutive_ones():
@@ -137,4 +139,10 @@ def test_a_pairs_exchanges_travel_while_the_other_micro_batch_computes():
 def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
     cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm"] + flags)
     with pytest.raises(ConfigError, match=f"--overlap-moe-expert-parallel-comm: {message}"):
+        validate(cfg, world_size=2)
+
+
+def test_delayed_weight_gradients_need_the_overlap():
+    cfg = configs(TINY + ["--expert-model-parallel-size", "2", "--delay-wgrad-compute"])
+    with pytest.raises(ConfigError, match="--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm"):
         validate(cfg, world_size=2)

@@ -37,6 +37,8 @@ def parse():
                    "micro-batches (gradient accumulation)")
     p.add_argument("--overlap-moe-comm", action="store_true", help="micro-batches in pairs, their forwards "
                    "interleaved (moezero's --overlap-moe-expert-parallel-comm)")
+    p.add_argument("--delay-wgrad-compute", action="store_true", help="the experts' weight gradients after the "
+                   "rows' all-to-all back is launched (with --overlap-moe-comm)")
     return p.parse_args()
 
 

@@ -15,7 +15,8 @@ def moezero_configs(args):
     moe = None
     if args.experts:
         moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux,
-                        ffn_hidden_size=getattr(args, "expert_ffn", None) or None)
+                        ffn_hidden_size=getattr(args, "expert_ffn", None) or None,
+                        delay_wgrad_compute=getattr(args, "delay_wgrad_compute", False))
     return gpt, moe
 
 
