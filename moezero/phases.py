@@ -52,9 +52,10 @@ def run_interleaved(all_steps: Sequence[Steps]) -> List[Any]:
 
 def module_steps(module: nn.Module, *args, **kwargs) -> Steps:
     """`module(*args, **kwargs)` in phases: its forward pre-hooks, `module.forward_steps(*args, **kwargs)`, its
-    forward hooks, as nn.Module.__call__ runs them. A module with hooks of another kind (with kwargs, backward
-    hooks, global ones) runs whole, through __call__: the same numbers, no overlap there."""
-    if not _plain_hooks_only(module):
+    forward hooks, as nn.Module.__call__ runs them. A module that __call__ runs otherwise (compiled, or with hooks
+    of another kind: with kwargs, backward hooks, global ones) runs whole, through __call__: the same numbers, no
+    overlap there."""
+    if not (_runs_its_forward(module) and _plain_hooks_only(module)):
         return module(*args, **kwargs)
     for hook in tuple(module._forward_pre_hooks.values()):
         changed = hook(module, args)
@@ -66,6 +67,11 @@ def module_steps(module: nn.Module, *args, **kwargs) -> Steps:
         if changed is not None:
             output = changed
     return output
+
+
+def _runs_its_forward(module: nn.Module) -> bool:
+    """Its class has forward_steps and __call__ would run its forward (not a torch.compile'd module)."""
+    return hasattr(type(module), "forward_steps") and getattr(module, "_compiled_call_impl", None) is None
 
 
 def _plain_hooks_only(module: nn.Module) -> bool:

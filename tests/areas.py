@@ -8,7 +8,7 @@ AREAS = {   # area: what it covers, words of the file names that belong to it
              ("zero", "partition", "rank_disagreement", "precision_aware", "model_copies", "add_widened",
               "groups_and_comm", "harness", "frozen", "optimizer_choices")),
     "moe": ("the MoE layer: routing, dispatch, experts, load balancing, upcycling",
-            ("moe", "expert", "load_balancing", "upcycling")),
+            ("moe", "expert", "load_balancing", "upcycling", "wgrad", "phases")),
     "hf": ("Hugging Face checkpoints and configs", ("hf",)),
     "megatron": ("Megatron flags, scripts and megatron-core oracles", ("megatron",)),
     "data": ("datasets, tokenizers and loaders", ("data", "tokenizer", "batch_schedule", "corpus")),

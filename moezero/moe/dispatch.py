@@ -15,8 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from einops import rearrange
 
-from moezero import ops
-from moezero import phases
+from moezero import ops, phases
 from moezero.parallel import comm
 from moezero.parallel.agreement import ExchangeRecord
 from moezero.parallel.groups import SharesProcessGroups
@@ -57,7 +56,7 @@ class TokenDispatcher(SharesProcessGroups):
         x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
         if self.ep_size == 1:
             meta = DispatchMeta(row_map_TK, weights_TK, [x_ND.shape[0]], [x_ND.shape[0]], None)
-            return _Rows(comm.launch_all_to_all(x_ND, [], [], None), None, counts_E.tolist(), meta)
+            return _Rows(comm.Ready(x_ND), None, counts_E.tolist(), meta)
         P, L = self.ep_size, self.num_local_experts
         send_PL = counts_E.view(P, L)
         if record is None:

@@ -14,12 +14,12 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 
+from moezero import phases
 from moezero.config import MoEConfig, check_experts_divide
 from moezero.keyed_random import SampleKeys, init_keyed_, is_bias
 from moezero.moe.dispatch import TokenDispatcher
 from moezero.moe.experts import DenseMLP, GroupedExperts
 from moezero.moe.router import TopKRouter
-from moezero import phases
 from moezero.parallel import ExpertShard, ParallelGroups
 from moezero.parallel.agreement import ExchangeRecord
 

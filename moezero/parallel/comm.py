@@ -26,37 +26,17 @@ def group_rank(group: Optional[Any]) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its gradient is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.group = group
-        ctx.output_splits, ctx.input_splits = output_splits, input_splits
-        return _all_to_all_raw(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_in = _all_to_all_raw(grad_out.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group)
-        return grad_in, None, None, None
-
-
-def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(output_splits),
-                           input_split_sizes=list(input_splits), group=group)
-    return out
-
-
 def launch_all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                       group: Optional[Any]):
     """all_to_all, launched: an object whose `wait()` gives the rows (a group of one: `x` at once)."""
     if group_size(group) == 1:
-        return _Ready(x)
+        return Ready(x)
     return PendingAllToAll(x, output_splits, input_splits, group)
 
 
-class _Ready:
+class Ready:
+    """What a launched exchange gives when there was nothing to exchange: `wait()` returns `value` at once."""
+
     def __init__(self, value):
         self.value = value
 
@@ -70,9 +50,7 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
 
     `input_splits[j]` rows go to rank j; `output_splits[j]` rows arrive from rank j.
     """
-    if group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+    return launch_all_to_all(x, output_splits, input_splits, group).wait()
 
 
 class PendingAllToAll:
@@ -142,7 +120,7 @@ def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
     """exchange_counts, launched: an object whose `wait()` gives the received counts. `wait`: how to wait for
     the work (default: its own wait)."""
     if group_size(group) == 1:
-        return _Ready(send_counts.clone())
+        return Ready(send_counts.clone())
     recv = torch.empty_like(send_counts)
     work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=True)
     return _Waited(work, recv, wait)

@@ -18,8 +18,6 @@ from moezero.zero import ZeroOptimizer
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
-pytestmark = pytest.mark.moe
-
 VOCAB, SEQ, MB = 64, 32, 2
 FLAGS = {
     "TINY": [],

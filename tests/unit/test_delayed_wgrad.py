@@ -10,8 +10,6 @@ from moezero.moe import MoEConfig, MoELayer
 from moezero.moe.experts import GroupedExperts
 from moezero.parallel.expert_marker import ExpertShard
 
-pytestmark = pytest.mark.moe
-
 COUNTS = [5, 0, 11, 16]
 
 
