@@ -87,6 +87,7 @@ class _LaunchAllToAll(torch.autograd.Function):
         pending = ctx.pending
         pending.grad_work.wait()
         grad_in, pending.grad_received, pending.grad_sent = pending.grad_received, None, None
+        pending.grad_work = None
         return grad_in, None
 
 
@@ -95,7 +96,9 @@ class _WaitAllToAll(torch.autograd.Function):
     def forward(ctx, rows, pending):
         ctx.pending = pending
         pending.work.wait()
-        pending.sent = None
+        # a waited work still holds its tensors, the rows among them, whose autograd node holds `pending`: a
+        # cycle through C++ that Python's collector cannot see, so every step's exchanges would stay alive
+        pending.work = pending.sent = None
         return rows.view_as(rows)
 
     @staticmethod
