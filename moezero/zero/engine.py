@@ -33,6 +33,7 @@ from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfroz
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
+from moezero.zero.step_totals import StepTotals
 from moezero.torch_internals import in_backward, no_subclass_dispatch
 from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
 from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
@@ -93,7 +94,8 @@ class ZeroEngine:
         self.gatherer = self._unit_gatherer(plan) if plan else None
         self._collective_sites = self._watch_model_collectives(model)
         self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
-        self._flags_in_flight: List[Tuple[ParamFamily, torch.Tensor, object]] = []   # see begin_step
+        self.step_totals = StepTotals(families, groups)
+        self._flags_unread = False   # see begin_step
 
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
         settings = self.settings
@@ -297,13 +299,12 @@ class ZeroEngine:
     # ---- at step() -------------------------------------------------------------------------------
     def begin_step(self) -> ReducedGrads:
         """Collective, after finish_reductions: the step's averaged gradients, per family and bucket over
-        the optimizer range. Starts marking which params got a gradient on any rank (settled by update(), so
-        the all-reduce runs while the norm is computed); gathered units are freed (they would be stale after
-        the update); the next backward starts from zero."""
+        the optimizer range. Which params got a gradient on some rank is read with the norm (one all-reduce,
+        StepTotals), or by update(); gathered units are freed (they would be stale after the update); the next
+        backward starts from zero."""
         if self.gatherer is not None:
             self.gatherer.free_all(release_hold=True)
-        self._settle_gradient_flags()   # a step skipped as non-finite left them unread
-        self._flags_in_flight = self._launch_gradient_flags()
+        self._flags_unread = True   # they ride on the norm's all-reduce (StepTotals), or update() reads them
         reduced = self.reduced_grads()
         self.reducer.mark_consumed()
         return reduced
@@ -313,26 +314,11 @@ class ZeroEngine:
         return {p.family: [p.strategy.reduced_grad(b) if p.family.trainable else None
                            for b in range(p.family.num_buckets)] for p in self.parts}
 
-    def _launch_gradient_flags(self) -> List[Tuple[ParamFamily, torch.Tensor, object]]:
-        """Per trainable family: did any rank of its group get a gradient for each param (an all-reduce each)."""
-        launched = []
-        for p in self.parts:
-            if not p.family.trainable:
-                for zp in p.family.members:
-                    zp.got_grad_anywhere = False
-                continue
-            flags = torch.tensor([zp.got_grad for zp in p.family.members], dtype=torch.int32)
-            work = comm.all_reduce(flags, p.family.group, op=torch.distributed.ReduceOp.MAX, async_op=True)
-            launched.append((p.family, flags, work))
-        return launched
-
     def _settle_gradient_flags(self) -> None:
-        for family, flags, work in self._flags_in_flight:
-            if work is not None:
-                work.wait()
-            for zp, flag in zip(family.members, flags.tolist()):
-                zp.got_grad_anywhere = bool(flag)
-        self._flags_in_flight = []
+        """Which params got a gradient on some rank of their group, unless the norm brought it already."""
+        if self._flags_unread:
+            self.step_totals.sum(None, with_flags=True)
+            self._flags_unread = False
 
     def owned_sum_of_squares(self, reduced: ReducedGrads) -> float:
         """Sum of squared gradients over the elements this rank owns, summed over all ranks.
@@ -343,7 +329,9 @@ class ZeroEngine:
         """
         owned = [reduced[p.family][b][optimizer_slice(p.family.owned[b], p.strategy.optimizer_range(b))]
                  for p in self.parts if p.family.trainable for b in range(p.family.num_buckets)]
-        return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
+        total = self.step_totals.sum(ops.sum_of_squares(owned).to(torch.float64), with_flags=self._flags_unread)
+        self._flags_unread = False
+        return total
 
     def owned_zero_count(self, reduced: ReducedGrads) -> int:
         """Gradient elements that are exactly zero, over the model's params (each counted once; a bucket's
