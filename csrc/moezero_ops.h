@@ -45,4 +45,14 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& y_MF, const std::
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_gelu_backward(
     const at::Tensor& grad_a_MF, const at::Tensor& d_MF, const std::vector<int64_t>& counts, bool bias_grad);
 
+// cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
+// labelled ignore_index has loss 0.
+std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,
+                                                 int64_t ignore_index);
+
+// cross_entropy.cpp: grad_NV = grad_N * (softmax(logits) - one_hot(labels)) in logits_NV's dtype (0 on an ignored
+// row), from the forward's lse_N.
+at::Tensor cross_entropy_backward(const at::Tensor& grad_N, const at::Tensor& logits_NV, const at::Tensor& labels_N,
+                                  const at::Tensor& lse_N, int64_t ignore_index);
+
 }  // namespace moezero

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from moezero.ops import _library, _loader, reference
+from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -247,6 +248,32 @@ def gelu_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def cross_entropy_rows(ext, args, device) -> List[Row]:
+    """The fused token cross-entropy (--cross-entropy-loss-fusion), forward + backward, against F.cross_entropy on
+    the logits widened to fp32 (the unfused loss), at each --vocab, --tokens // 8 rows."""
+    if device != "cpu":
+        return []
+    rows = []
+    for dname in args.dtypes:
+        for vocab in args.vocab:
+            g = torch.Generator().manual_seed(0)
+            logits = torch.randn(args.tokens // 8, vocab, generator=g).to(DTYPES[dname])
+            labels = torch.randint(0, vocab, (logits.shape[0],), generator=g)
+
+            def step(fused):
+                x = logits.clone().requires_grad_()
+                losses = token_cross_entropy(x, labels, fused=fused)
+                losses.mean().backward()
+                return losses.detach(), x.grad
+            for got, want in zip(step(True), step(False)):
+                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+            timed = median_ms({COMPILED: lambda: step(True), "cross_entropy(x.float())": lambda: step(False)},
+                              args.reps, device)
+            rows.append(("cross_entropy fwd+bwd", f"{dname} {logits.shape[0]} x {vocab}", timed[COMPILED],
+                         "cross_entropy(x.float())", timed["cross_entropy(x.float())"]))
+    return rows
+
+
 def print_op_table(rows: List[Row]) -> None:
     print(f"{'op':28s} {'config':44s} {'compiled':>10s} {'best torch':>11s}  {'ratio':>6s}  best torch version")
     for op, cfg, ms, name, best_ms in rows:
@@ -310,7 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("--layer-ffn", type=int, default=1024)
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu"), help="time one op family only")
+    p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
+    p.add_argument("--only", choices=("routing", "bucket", "gelu", "cross_entropy"), help="time one op family only")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -329,6 +357,8 @@ def main(argv=None) -> int:
         rows += bucket_rows(ext, args, args.device)
     if args.only in (None, "gelu"):
         rows += gelu_rows(ext, args, args.device)
+    if args.only in (None, "cross_entropy"):
+        rows += cross_entropy_rows(ext, args, args.device)
     print_op_table(rows)
     if not args.skip_layer:
         layer_step_ms(args, args.device)

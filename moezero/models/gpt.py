@@ -25,6 +25,7 @@ from moezero.models.mla import MultiLatentAttention
 from moezero.models.mtp import MultiTokenPredictionLayer, shift_left
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
+from moezero.ops.cross_entropy import token_cross_entropy
 from moezero import phases
 
 MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
@@ -205,10 +206,10 @@ def recompute_chunks(config: GPTConfig) -> List[Tuple[int, int, bool]]:
     return [(i, i + 1, True) for i in range(k)] + ([(k, n, False)] if k < n else [])
 
 
-def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor
-                        ) -> torch.Tensor:
-    """Mean token cross-entropy of one micro-batch (fp32), over the positions the mask keeps."""
-    logits = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels_BS.reshape(-1), reduction="none")
+def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
+                        fused: bool = False) -> torch.Tensor:
+    """Mean token cross-entropy of one micro-batch (fp32), over the positions the mask keeps; `fused`:
+    --cross-entropy-loss-fusion (moezero.ops.cross_entropy)."""
+    losses = token_cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), labels_BS.reshape(-1), fused)
     mask = loss_mask_BS.reshape(-1).to(losses.dtype)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)

@@ -132,3 +132,24 @@ def bias_gelu_backward(grad_a_MF: torch.Tensor, d_MF: torch.Tensor, counts: Sequ
     for l, block in enumerate(grad_h.split(list(counts))):
         sums[l] = block.float().sum(0)
     return grad_h, sums
+
+
+def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(losses_N, lse_N), fp32: lse_i = log sum_j exp(x_ij), loss_i = lse_i - x_i,label_i (0 where the label is
+    ignore_index), from the logits widened to fp32."""
+    wide = logits_NV.float()
+    lse = torch.logsumexp(wide, dim=-1)
+    kept = labels_N != ignore_index
+    picked = wide.gather(1, torch.where(kept, labels_N, 0)[:, None])[:, 0]
+    return torch.where(kept, lse - picked, 0.0), lse
+
+
+def cross_entropy_backward(grad_N: torch.Tensor, logits_NV: torch.Tensor, labels_N: torch.Tensor,
+                           lse_N: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """grad_N * (softmax - one_hot(labels)) in fp32, rounded to the logits' dtype (0 on an ignored row)."""
+    kept = labels_N != ignore_index
+    grad = torch.where(kept, grad_N, 0.0)[:, None]
+    out = torch.exp(logits_NV.float() - lse_N[:, None]) * grad
+    out[kept, labels_N[kept]] -= grad[kept, 0]
+    return out.to(logits_NV.dtype)

@@ -6,6 +6,7 @@ metrics are all-reduced on every rank before anyone writes them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -60,9 +61,10 @@ def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.St
         logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp)
     else:
         logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
-    lm = language_model_loss(logits, batch["labels"], batch["loss_mask"])
+    loss = functools.partial(language_model_loss, fused=model.config.cross_entropy_loss_fusion)
+    lm = loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
-    depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], language_model_loss) if mtp else []
+    depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], loss) if mtp else []
     return lm, router, stats, depth_losses
 
 

@@ -81,7 +81,6 @@ class ImplementationConfig(Validated):
                                                   flag="--check-for-nan-in-loss-and-grad")
     enable_experimental: bool = option(False, "accepted: moezero has no experimental switches",
                                        flag="--enable-experimental")
-    cross_entropy_loss_fusion: bool = option(False, SAME_NUMBERS, flag="--cross-entropy-loss-fusion")
     logging_level: Optional[int] = option(None, "accepted: moezero's console lines are its own (Python's logging "
                                           "is left as it is)", flag="--logging-level")
     empty_unused_memory_level: int = option(0, "accepted: the caching allocator is left as it is",

@@ -75,7 +75,7 @@ def test_values_megatron_accepts_are_accepted_with_its_meaning(tmp_path, capsys)
 
 
 def test_flags_that_change_nothing_here_are_accepted():
-    cfg = configs(["--logging-level", "20", "--cross-entropy-loss-fusion", "--empty-unused-memory-level", "2",
+    cfg = configs(["--logging-level", "20", "--empty-unused-memory-level", "2",
                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--tiktoken-pattern", "v2",
                    "--grad-reduce-in-bf16"])
     assert cfg.zero.grad_reduce_dtype == "bf16"   # --grad-reduce-in-bf16 is --grad-reduce-dtype bf16
