@@ -20,12 +20,6 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define MOEZERO_CE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MOEZERO_CE_MULTIVERSION
-#endif
-
 namespace moezero {
 namespace {
 
@@ -38,8 +32,7 @@ constexpr int64_t kBlock = 512;
 
 // The row's max, and whether all its elements are finite (a sum of x * 0, which NaN or inf makes NaN): a
 // NaN-propagating max does not vectorise, so a row that is not finite takes the exact scalar path instead.
-template <typename T>
-MOEZERO_CE_MULTIVERSION float row_max(const T* x, int64_t n, bool& finite) {
+MOEZERO_ELEMENT_MULTIVERSION float row_max(const float* x, int64_t n, bool& finite) {
   float lanes[kLanes], probe[kLanes] = {};
   for (int64_t l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
@@ -64,16 +57,15 @@ MOEZERO_CE_MULTIVERSION float row_max(const T* x, int64_t n, bool& finite) {
   return m;
 }
 
-// sum_j exp(x_j - m) over [begin, end), m >= every x_j.
-template <typename T>
-MOEZERO_CE_MULTIVERSION float block_exp_sum(const T* x, int64_t begin, int64_t end, float m) {
+// sum_j exp(x_j - m) over a block, m >= every x_j.
+MOEZERO_ELEMENT_MULTIVERSION float block_exp_sum(const float* x, int64_t n, float m) {
   float lanes[kLanes] = {};
-  int64_t j = begin;
-  for (; j + kLanes <= end; j += kLanes) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) lanes[l] += exp_nonpositive(load(x, j + l) - m);
   }
   float s = 0.0f;
-  for (; j < end; ++j) s += exp_nonpositive(load(x, j) - m);
+  for (; j < n; ++j) s += exp_nonpositive(load(x, j) - m);
   for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
   return s;
 }
@@ -81,7 +73,7 @@ MOEZERO_CE_MULTIVERSION float block_exp_sum(const T* x, int64_t begin, int64_t e
 // x[begin, end) as floats: x itself for fp32; bf16 widened into `buffer` (a loop of one element type each
 // vectorises better than widening inside the reductions).
 template <typename T>
-MOEZERO_CE_MULTIVERSION const float* widened(const T* x, int64_t begin, int64_t end, float* buffer) {
+MOEZERO_ELEMENT_MULTIVERSION const float* widened(const T* x, int64_t begin, int64_t end, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
     return x + begin;
   } else {
@@ -116,7 +108,7 @@ float row_log_sum_exp(const T* x, int64_t n) {
   double s = 0.0;
   for (int64_t begin = 0; begin < n; begin += kBlock) {
     const int64_t end = std::min(n, begin + kBlock);
-    s += block_exp_sum(widened(x, begin, end, buffer), 0, end - begin, m);
+    s += block_exp_sum(widened(x, begin, end, buffer), end - begin, m);
   }
   return static_cast<float>(m + std::log(s));
 }
@@ -124,7 +116,7 @@ float row_log_sum_exp(const T* x, int64_t n) {
 // g * softmax of one row (its label's column is fixed by the caller); a row whose lse is not finite goes through
 // std::exp so that its NaN or inf reaches the gradient, as torch's does.
 template <typename T>
-MOEZERO_CE_MULTIVERSION void row_gradient(const T* x, int64_t n, float lse, float g, T* out) {
+MOEZERO_ELEMENT_MULTIVERSION void row_gradient(const T* x, int64_t n, float lse, float g, T* out) {
   if (!std::isfinite(lse)) {
     for (int64_t j = 0; j < n; ++j) store(out, j, g * std::exp(load(x, j) - lse));
     return;
@@ -205,8 +197,9 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad_N, const at::Tensor& lo
                 t->size(0) == logits_NV.size(0), "cross_entropy_backward: grad_N and lse_N must be contiguous "
                 "float32 vectors of ", logits_NV.size(0));
   }
-  at::Tensor out = at::empty_like(logits_NV);
   const int64_t* labels = labels_N.data_ptr<int64_t>();
+  check_labels(labels, logits_NV.size(0), logits_NV.size(1), ignore_index);
+  at::Tensor out = at::empty_like(logits_NV);
   if (logits_NV.scalar_type() == at::kFloat) {
     backward_rows<float>(logits_NV, labels, ignore_index, grad_N.data_ptr<float>(), lse_N.data_ptr<float>(), out);
   } else {

@@ -10,6 +10,14 @@
 #include <cstring>
 #include <type_traits>
 
+// The element loops marked MOEZERO_ELEMENT_MULTIVERSION are compiled for AVX-512, AVX2 and the baseline, and the
+// loader picks one for this CPU (GNU ifunc).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define MOEZERO_ELEMENT_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MOEZERO_ELEMENT_MULTIVERSION
+#endif
+
 namespace moezero {
 namespace element {
 

@@ -28,14 +28,6 @@
 #include <cstring>
 #include <type_traits>
 
-// The element loops are plain C++ that GCC vectorises; compiled for AVX-512, AVX2 and the baseline, and the
-// loader picks one for this CPU (GNU ifunc).
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define MOEZERO_GELU_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MOEZERO_GELU_MULTIVERSION
-#endif
-
 namespace moezero {
 namespace {
 
@@ -92,7 +84,7 @@ inline void forward_element(float h, T* a, T* d, int64_t i) {
 constexpr int64_t kBlock = 256;
 
 template <bool Tanh, typename T>
-MOEZERO_GELU_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T* d, int64_t n) {
+MOEZERO_ELEMENT_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T* d, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     if (bias != nullptr) {
       for (int64_t i = 0; i < n; ++i) forward_element<Tanh>(y[i] + bias[i], a, d, i);
@@ -121,7 +113,7 @@ MOEZERO_GELU_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T* d
 
 // grad_h of one row (and its addition to the column sums when `sums` is given).
 template <typename T>
-MOEZERO_GELU_MULTIVERSION void backward_row(const T* g, const T* d, T* grad_h, float* sums, int64_t n) {
+MOEZERO_ELEMENT_MULTIVERSION void backward_row(const T* g, const T* d, T* grad_h, float* sums, int64_t n) {
   if (sums != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       const float v = round_to<T>(load(g, i) * load(d, i));

@@ -61,6 +61,10 @@ def test_fused_cross_entropy_names_a_label_outside_the_vocabulary():
     labels[2] = 10
     with pytest.raises(RuntimeError, match="label 10 of row 2 is outside the vocabulary"):
         token_cross_entropy(logits, labels, fused=True)
+    from moezero.ops import _library   # the backward kernel checks too: it would write outside the gradient
+    with pytest.raises(RuntimeError, match="label 10 of row 2 is outside the vocabulary"):
+        _library.kernel("cross_entropy_backward", logits.device)(torch.ones(4), logits, labels, torch.zeros(4),
+                                                                   IGNORE_INDEX)
 
 
 def test_unfused_and_float64_are_torchs_own():
