@@ -4,14 +4,14 @@ Collectives pair up by their order on a process group: a rank that runs one more
 units in another order, or a backward that reaches no parameter, pairs its next collective with
 a different one on its peers, which hangs, aborts the process on a size mismatch (gloo), or
 silently mixes unrelated tensors. So before such a collective every rank states what it is doing
-as a short record of integers. Records travel on a group that carries nothing else, always as the
-same all-reduce (the maximum of the record and of its negation, and of one flag that rides along:
-whether any rank has something to do, e.g. gradients left unreduced), so records only ever pair with
-records and never abort; when the maximum and the minimum differ, every rank raises
-`RanksDisagree`, naming what it was doing and what another rank was doing (with two ranks: the
-other one exactly). A record can be launched ahead and checked when it matters (`Agreement`), so a
-check costs no waiting when the ranks are in step; records launched together share one message (an
-all-reduce's cost is per message, hardly per integer: docs/benchmarks.md#stage3). A rank
+as a short record of integers. Records travel on a gloo group that carries nothing else, always as
+the same all-gather (every rank's records and one flag that rides along: whether any rank has something
+to do, e.g. gradients left unreduced), so records only ever pair with records and never abort; when
+any rank's record differs, every rank raises `RanksDisagree`, naming what it was doing and what another
+rank was doing. A record can be launched ahead and checked when it matters (`Agreement`), so a
+check costs no waiting when the ranks are in step; records launched together share one message (a
+message's cost is its rounds, hardly its integers: docs/benchmarks.md#stage3; an all-gather, not an
+all-reduce, for the same reason: `small_reduce.py`). A rank
 whose peers never arrive (blocked in a collective of their own, or gone) raises when the group's
 timeout expires, naming where it waited. A record that rides on a model's exchange and is stated
 among the records too lets that exchange wait watching them (`watched_wait`): a rank whose peer
@@ -25,6 +25,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from moezero.parallel import small_reduce
+
 RECORD_LENGTH = 6
 WATCH_SLICE = datetime.timedelta(milliseconds=20)   # a watched wait checks the agreement records this often
 RECORDS_PER_MESSAGE = 8   # records launched together travel in one all-reduce (a short message: padded)
@@ -37,9 +39,9 @@ class RanksDisagree(RuntimeError):
 
 
 class Agreement:
-    """Up to RECORDS_PER_MESSAGE records, launched now (async) on `group` as one all-reduce; `check()` waits for
-    it and raises on a difference. Every message has the same length (unused slots are zeros), so a message
-    only ever pairs with another message, whatever each holds."""
+    """Up to RECORDS_PER_MESSAGE records, launched now (async) on `group` (gloo) as one all-gather of every rank's
+    message; `check()` waits for it and raises on a difference. Every message has the same length (unused slots
+    are zeros), so a message only ever pairs with another message, whatever each holds."""
 
     def __init__(self, records: Sequence[Record], group: Optional[Any], describe: Describe, flag: int = 0):
         if not 1 <= len(records) <= RECORDS_PER_MESSAGE:
@@ -51,9 +53,8 @@ class Agreement:
         self.flag_anywhere = flag   # the flag's maximum over the ranks, once checked
         if group is not None and dist.get_world_size(group) > 1:
             unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
-            mine = [v for r in self.records for v in r] + unused
-            self.extremes = torch.tensor(mine + [-v for v in mine] + [flag], dtype=torch.int64)   # one tensor op
-            self.work = dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            self.mine = torch.tensor([v for r in self.records for v in r] + unused + [flag], dtype=torch.int64)
+            self.every, self.work = small_reduce.gather_copies(self.mine, group)
 
     @property
     def record(self) -> List[int]:
@@ -68,16 +69,17 @@ class Agreement:
             work.wait()
         except RuntimeError as exc:   # the group's timeout, or a peer that exited
             raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
-        size = RECORDS_PER_MESSAGE * RECORD_LENGTH
-        high, low = self.extremes[:size], -self.extremes[size:-1]
-        self.flag_anywhere = int(self.extremes[-1])
-        if torch.equal(high, low):   # every rank stated the same (the common case: no per-record loop)
+        every = self.every.view(-1, self.mine.numel())
+        self.flag_anywhere = int(every[:, -1].max())
+        records = every[:, :-1]
+        if torch.equal(records, self.mine[:-1].expand_as(records)):   # the common case: no per-record loop
             return
-        high, low = high.view(-1, RECORD_LENGTH), low.view(-1, RECORD_LENGTH)
         empty = [[0] * RECORD_LENGTH] * (RECORDS_PER_MESSAGE - len(self.records))   # what an unused slot holds
-        for mine, hi, lo in zip(self.records + empty, high.tolist(), low.tolist()):
-            if hi != lo:
-                raise RanksDisagree(disagreement_message(dist.get_rank(), mine, hi, lo, self.describe))
+        theirs = records.view(len(every), RECORDS_PER_MESSAGE, RECORD_LENGTH).transpose(0, 1).tolist()
+        for mine, of_ranks in zip(self.records + empty, theirs):   # the first record that differs, on any rank
+            for other in of_ranks:
+                if other != mine:
+                    raise RanksDisagree(disagreement_message(dist.get_rank(), mine, other, self.describe))
 
     def arrived(self) -> bool:
         """Whether check() would return at once (every rank launched this message, or it needs none)."""
@@ -125,7 +127,7 @@ class ExchangeRecord:
         """`records`: one row per rank of the exchange (what each sent)."""
         for theirs in records.tolist():
             if theirs != self.mine:
-                raise RanksDisagree(disagreement_message(dist.get_rank(), self.mine, theirs, theirs, self.describe))
+                raise RanksDisagree(disagreement_message(dist.get_rank(), self.mine, theirs, self.describe))
 
     def check_summed(self, sums: torch.Tensor, squares: torch.Tensor, ranks: int) -> None:
         """The record and its square summed over `ranks` ranks: all equal iff ranks * sum(r^2) == sum(r)^2."""
@@ -162,10 +164,8 @@ def not_arrived_message(doing: str, exc: BaseException) -> str:
             f"{str(exc).splitlines()[0]}")
 
 
-def disagreement_message(rank: int, mine: List[int], high: List[int], low: List[int], describe: Describe) -> str:
-    """This rank's record and another's: per field the extreme that is not this rank's (with two ranks,
-    exactly the other rank's record)."""
-    other = [lo if m == hi else hi for m, hi, lo in zip(mine, high, low)]
+def disagreement_message(rank: int, mine: List[int], other: List[int], describe: Describe) -> str:
+    """This rank's record and another rank's."""
     return ("the ranks are not doing the same thing, so their collectives would not pair up (every rank must run "
             f"the same forwards, backwards and optimizer calls, in the same order): this rank ({rank}) "
             f"{describe(mine)}; another rank {describe(other)}")

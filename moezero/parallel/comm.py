@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import peer_exchange
+from moezero.parallel import peer_exchange, small_reduce
 
 
 # torch >= 2.11 renamed the flat-tensor collectives; keep older torch working
@@ -144,10 +144,17 @@ class _Waited:
 def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce; returns the work handle (None when nothing was launched).
 
+    On gloo a short one (flags, norms, records) travels as an all-gather each rank reduces (small_reduce.py).
     NCCL reduces only device tensors: a small CPU tensor (a flag, a metric) is reduced through the
     current CUDA device and copied back (synchronous calls only).
     """
     if group_size(group) == 1:
+        return None
+    if small_reduce.reduces_small(x, group, op):
+        work = small_reduce.all_reduce_small(x, group, op)
+        if async_op:
+            return work
+        work.wait()
         return None
     if x.device.type == "cpu" and not async_op and dist.get_backend(group) == "nccl":
         staged = x.to(torch.device("cuda", torch.cuda.current_device()))

@@ -80,9 +80,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             `steps_per_family_by_default(optimizer_cls)`: True for torch's element-wise classes themselves and
             PrecisionAwareAdam (not their subclasses), False for any other class.
         check_exchanges_with_gathers: stage 3, where a forward gathers units: an MoE layer's agreement record is
-            also stated in the sequence of the gathers' records (one small all-reduce per MoE layer and forward)
+            also stated in the sequence of the gathers' records (one small message per MoE layer and forward)
             and its exchange waits watching that sequence, so that a rank in the exchange while a peer waits in a
-            unit gather raises RanksDisagree on both instead of hanging. False saves that all-reduce where every
+            unit gather raises RanksDisagree on both instead of hanging. False saves that message where every
             rank is known to run the same forwards in the same layer order: the record riding on the exchange itself
             still catches ranks that reach different exchanges, but the case above waits for the group's timeout.
             Default True.

@@ -1,3 +1,4 @@
+import datetime
 import gc
 import weakref
 
@@ -149,15 +150,69 @@ def _check_all_gather():
     groups.destroy()
 
 
+def _rank_values(r, dtype):
+    """Rank r's values; the last one sums differently in another order (1 + half an ulp, three times)."""
+    if not dtype.is_floating_point:
+        return torch.tensor([7, -3, r + 1, r % 3, -r, 2 * r, 5 - r, 10 ** 12 * r], dtype=dtype)
+    half_ulp = torch.finfo(dtype).eps / 2
+    return torch.tensor([1e3, -3.0, 0.1 * (r + 1), r % 3, -r, 2.5 * r, 5 - r, 1.0 if r == 0 else half_ulp], dtype=dtype)
+
+
+def _check_small_all_reduce():
+    """Short all-reduces (gloo, as an all-gather each rank reduces): SUM / MAX / MIN equal the values reduced here,
+    the sum in rank order bit for bit (another order rounds 1 + 3 half ulps otherwise), the same on every rank;
+    waited in slices of a timeout and resumed, as watched waits do; a NaN wins MAX and MIN; a long tensor still
+    and a single flag take gloo's all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = ParallelGroups.build(expert_parallel_size=1)
+    sums = []
+    for dtype in (torch.int64, torch.float64, torch.float32, torch.bfloat16):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            x, ordered = _rank_values(rank, dtype), _rank_values(0, dtype)
+            assert comm.small_reduce.reduces_small(x, groups.control, op)
+            if op == dist.ReduceOp.SUM:
+                for r in range(1, world):
+                    ordered.add_(_rank_values(r, dtype))
+            else:
+                ordered = torch.stack([_rank_values(r, dtype) for r in range(world)])
+                ordered = ordered.amax(0) if op == dist.ReduceOp.MAX else ordered.amin(0)
+            work = comm.all_reduce(x, groups.control, op=op, async_op=True)
+            if rank == 0:
+                try:   # the peers are still behind the barrier: the slice times out, a later wait resumes
+                    work.wait(datetime.timedelta(milliseconds=1))
+                except RuntimeError:
+                    pass
+                dist.barrier(groups.dp)
+            else:
+                dist.barrier(groups.dp)
+            work.wait()
+            assert work.is_completed()
+            assert torch.equal(x, ordered), (dtype, op, x, ordered)
+            if op == dist.ReduceOp.SUM:
+                sums.append(x.tolist())
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        x = torch.tensor([float("nan") if rank == 1 else 1.0, float(rank)] * world)
+        comm.all_reduce(x, groups.control, op=op)
+        assert x[0].isnan() and x[1] == (world - 1 if op == dist.ReduceOp.MAX else 0)
+    long, flag = torch.full((64 * 1024,), float(rank)), torch.tensor([float(rank)])
+    assert not comm.small_reduce.reduces_small(long, groups.control, dist.ReduceOp.SUM)
+    assert not comm.small_reduce.reduces_small(flag, groups.control, dist.ReduceOp.SUM)
+    comm.all_reduce(long, groups.control)
+    assert torch.equal(long, torch.full_like(long, sum(range(world))))
+    groups.destroy()
+    return sums
+
+
 def _check_collectives(hidden):
     _check_reduce_scatter()
     _check_all_gather()
-    return _check_all_to_all(hidden)
+    return _check_small_all_reduce(), _check_all_to_all(hidden)
 
 
 def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter_and_all_gather():
-    sizes = run_distributed(_check_collectives, 4, 3)
-    assert sizes == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
+    results = run_distributed(_check_collectives, 4, 3)
+    assert all(sums == results[0][0] for sums, _ in results)   # the same bits on every rank
+    assert [size for _, size in results] == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
 
 
 def test_world_of_one_is_identity():

@@ -146,7 +146,7 @@ def test_delayed_weight_gradients_need_the_overlap():
         validate(cfg, world_size=2)
 
 
-def _live_tensors_per_step(stage, overlap, steps=4):
+def _live_tensors_per_step(stage, overlap, steps=6):
     """Python tensors alive after each training step (gc collected), the model's and optimizer's included."""
     import gc
 
@@ -171,7 +171,9 @@ def _live_tensors_by_run():
 
 def test_training_steps_leave_no_tensors_behind():
     """A long run's memory stays flat: after the first steps, every step frees all it made (a launched
-    all-to-all once kept its rows alive through its work, ~8 MB a step on the benchmarks' GPT-MoE)."""
+    all-to-all once kept its rows alive through its work, ~8 MB a step on the benchmarks' GPT-MoE). A leak
+    raises the count at every later step; a gloo worker thread still releasing a work that completed (its
+    tensors, for a moment) raises one step's, hence the least of the last three."""
     for by_run in run_distributed(_live_tensors_by_run, 2):
         for run, alive in by_run.items():
-            assert alive[-1] == alive[2], (run, alive)
+            assert min(alive[3:]) == alive[2], (run, alive)
