@@ -8,12 +8,17 @@ file to change.
   storage_key()            the identity of a tensor's storage, stable across a stage-3 free/regather resize
   parse_to_arguments()     what Tensor.to(...) was asked for (device, dtype, memory format), without running it
   no_subclass_dispatch()   run torch ops on a tensor subclass as on plain tensors (its own __torch_function__)
+  all_gather_single, reduce_scatter_single   the flat-tensor collectives (renamed in torch 2.11; older names before)
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def current_backward() -> int:

@@ -11,11 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moezero.parallel import peer_exchange, small_reduce
-
-
-# torch >= 2.11 renamed the flat-tensor collectives; keep older torch working
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from moezero.torch_internals import all_gather_single, reduce_scatter_single
 
 
 def group_size(group: Optional[Any]) -> int:
@@ -151,7 +147,7 @@ def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, asyn
     if group_size(group) == 1:
         return None
     if small_reduce.reduces_small(x, group, op):
-        work = small_reduce.all_reduce_small(x, group, op)
+        work = small_reduce.GatheredReduce(x, group, op)
         if async_op:
             return work
         work.wait()
@@ -200,7 +196,7 @@ def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op:
     if sum_into is not None:
         raise ValueError("sum_into needs a group whose reduce-scatter sums the received pieces here (gloo)")
     output = torch.empty(n, dtype=input.dtype, device=input.device)
-    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
+    return reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
 
 
 class _SummedPieces:
@@ -276,4 +272,4 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], 
             return work
         work.wait()
         return None
-    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+    return all_gather_single(output, input, group=group, async_op=async_op)

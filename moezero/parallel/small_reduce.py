@@ -3,9 +3,10 @@ rank then reduces itself.
 
 Why: a short all-reduce costs its rounds, not its bytes, and gloo's ring takes twice the rounds of its
 all-gather: from a few elements per rank on, gloo's all-reduce costs ~1.5-2x the CPU of this one
-(`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce), and a stage-3 step states ~10 agreement records.
-Below 2 elements per rank gloo's own is the faster (it reduces them in one step), so it keeps those. The reduction runs in rank order with exact elementwise ops, so every rank
-gets the same bits whatever its CPU. gloo's own all-gather, not the point-to-point exchange of
+(`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce), and a stage-3 step states ~10 agreement
+records. Below 2 elements per rank gloo's own is the faster (it reduces them in one step), so it keeps those.
+The reduction runs in rank order with exact elementwise ops, so every rank gets the same bits whatever its
+CPU. gloo's own all-gather, not the point-to-point exchange of
 `peer_exchange.py`: a gloo receive reports completion only once waited for, and a wait given a timeout ends it,
 while waits watched in slices (`agreement.watched_wait`) and records checked as they arrive need both.
 """
@@ -17,20 +18,21 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from moezero.torch_internals import all_gather_single
+
 SMALL_REDUCE_BYTES = 64 * 1024   # an all-reduce whose gathered copies (ranks x bytes) fit this travels as one
 _OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def gather_copies(x: torch.Tensor, group: Any) -> Tuple[torch.Tensor, Any]:
     """(every rank's copy of the short CPU tensor `x`, flat in rank order, valid once the work completed; the
     async work of gloo's all-gather, which reports completion as soon as it completed)."""
     copies = torch.empty(dist.get_world_size(group) * x.numel(), dtype=x.dtype)
-    return copies, _ALL_GATHER(copies, x.reshape(-1), group=group, async_op=True)
+    return copies, all_gather_single(copies, x.reshape(-1), group=group, async_op=True)
 
 
 def reduces_small(x: torch.Tensor, group: Any, op: Any) -> bool:
-    """Whether all_reduce_small serves this all-reduce (a gloo group, a short CPU tensor of at least 2 elements
+    """Whether GatheredReduce serves this all-reduce (a gloo group, a short CPU tensor of at least 2 elements
     per rank, SUM / MAX / MIN)."""
     if group is None or dist.get_backend(group) != "gloo" or x.device.type != "cpu" or op not in _OPS:
         return False
@@ -73,7 +75,3 @@ def _reduced(copies: torch.Tensor, op: Any) -> torch.Tensor:
             total = torch.where(keep | row.isnan(), row, total)   # NaN wins, as in torch.maximum
     return total
 
-
-def all_reduce_small(x: torch.Tensor, group: Any, op: Any) -> GatheredReduce:
-    """Launch the reduction of `x` over `group` (reduces_small(x, group, op)); `x` holds it once waited for."""
-    return GatheredReduce(x, group, op)
