@@ -173,7 +173,7 @@ def test_training_steps_leave_no_tensors_behind():
     """A long run's memory stays flat: after the first steps, every step frees all it made (a launched
     all-to-all once kept its rows alive through its work, ~8 MB a step on the benchmarks' GPT-MoE). A leak
     raises the count at every later step; a gloo worker thread still releasing a work that completed (its
-    tensors, for a moment) raises one step's, hence the least of the last three."""
+    tensors, for a moment) raises one step's, the baseline's too, hence the least of each window."""
     for by_run in run_distributed(_live_tensors_by_run, 2):
         for run, alive in by_run.items():
-            assert min(alive[3:]) == alive[2], (run, alive)
+            assert min(alive[4:]) <= min(alive[2:4]), (run, alive)
