@@ -29,14 +29,18 @@ from moezero.training.resume import NothingToTrain
 
 
 def init_distributed(backend: str, timeout_minutes: float) -> None:
-    """Join the torchrun world (no-op for a single process) with --distributed-backend; nccl on a machine
-    without CUDA runs gloo (Megatron's default is nccl, and moezero trains on CPUs too).
+    """Join the torchrun world with --distributed-backend; nccl on a machine without CUDA runs gloo (Megatron's
+    default is nccl, and moezero trains on CPUs too). One process joins only with nccl on a CUDA machine, a
+    world of one as Megatron's, so that it trains on its GPU (the model follows the backend's device).
 
     Under torchrun each restart attempt (`--max-restarts`) keys its process groups in torchrun's store under a
     prefix of its own: the store outlives the workers, and a restarted rank would otherwise read the address a
     dead rank of the previous attempt published and fail to connect (gloo's "connectFullMesh ... Connection
     refused"), or succeed only when the new rank happened to publish first."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    if dist.is_initialized():
+        return
+    one_gpu = backend == "nccl" and torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not one_gpu:
         return
     if backend == "nccl" and not torch.cuda.is_available():
         backend = "gloo"
@@ -45,6 +49,9 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "MASTER_ADDR" not in os.environ:   # `python pretrain_gpt_moe.py` on a GPU machine: a world of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend, timeout=timeout)
