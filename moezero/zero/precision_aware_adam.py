@@ -89,7 +89,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: Dict) -> None:
         if not p.is_contiguous():
             raise ValueError("PrecisionAwareAdam steps contiguous params only")
-        state["step"] = torch.tensor(0.0)
+        state["step"] = torch.tensor(0.0, device=p.device)   # the fused kernel reads it on its device
         for k in MOMENTS:
             dtype = self.moment_dtypes[k]
             state[k] = torch.zeros(p.numel(), dtype=dtype, device=p.device)
@@ -166,7 +166,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             return
         state = self.state[p]
         self._init_state(p, state)
-        state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).clone()
+        state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).to(p.device, copy=True)
         for k in MOMENTS:
             _pack(state[k], state.get(k + "_scale"), slice(0, p.numel()), saved[k].reshape(-1).float().clone())
         self._init_master(p, state, master.reshape(-1).float().clone())

@@ -102,6 +102,7 @@ def load_state(opt, source: Dict[str, Any]) -> None:
     """Load a shard (this rank's, any stage) or a consolidated state (any layout), then publish."""
     engine = opt.engine
     pieces = pieces_by_name(source)
+    step_on_device = bool(opt.inner.defaults.get("fused") or opt.inner.defaults.get("capturable"))
     with torch.no_grad():
         for master_piece in engine.master_pieces():
             zp, leaf = master_piece.param, master_piece.master
@@ -112,12 +113,25 @@ def load_state(opt, source: Dict[str, Any]) -> None:
                 continue
             leaf.copy_(master)
             if state:
-                opt.inner.state[leaf] = {k: (v.to(leaf.dtype) if _is_elementwise(v, hi - lo) and
-                                             v.is_floating_point() else v) for k, v in state.items()}
+                opt.inner.state[leaf] = {k: _placed(leaf, k, v, hi - lo, step_on_device)
+                                         for k, v in state.items()}
             else:
                 opt.inner.state.pop(leaf, None)
     opt.load_scalar_state(source)
     engine.publish()
+
+
+def _placed(leaf: torch.Tensor, key: str, value: Any, n: int, step_on_device: bool) -> Any:
+    """A loaded state value where torch's Optimizer.load_state_dict puts it: on the leaf's device (a checkpoint
+    is read on the CPU), elementwise floats in the leaf's dtype, and `step` on the device only for the fused and
+    capturable kernels, which read it there."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        return value.to(device=leaf.device, dtype=torch.float32) if step_on_device else value
+    if _is_elementwise(value, n) and value.is_floating_point():
+        return value.to(device=leaf.device, dtype=leaf.dtype)
+    return value.to(leaf.device)
 
 
 def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
