@@ -2,6 +2,8 @@
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,13 @@ def _device(kind):
     import torch
 
     return torch.device(kind)
+
+
+def test_the_extension_shares_the_process_libstdcxx(cpu_ext):
+    """A compiler that links libstdc++ into the extension statically turns every TORCH_CHECK in it into a
+    segfault (its own copy of ostream formats the message against the process's locale). Seen on a GPU image
+    whose CXX, a /opt/gcc/bin/g++ wrapper script, built a _C without libstdc++ in ldd; CXX=/usr/bin/g++ fixed it."""
+    if shutil.which("ldd") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs ldd (Linux)")
+    linked = subprocess.run(["ldd", cpu_ext.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++" in linked, f"{cpu_ext.__file__} has libstdc++ linked in statically; rebuild with another CXX"
