@@ -1,7 +1,7 @@
 """Time each compiled moezero kernel against the best pure-PyTorch version of the same op.
 
     python tools/bench_ops.py                      # CPU, 16k tokens, hidden 1024, E = 8 and 64, k = 2
-    python tools/bench_ops.py --device cuda        # the (experimental) CUDA kernels
+    python tools/bench_ops.py --device cuda        # the CUDA kernels
     python tools/bench_ops.py --reps 3 --skip-layer
 
 For every op, dtype and E it prints the compiled kernel's time, the fastest of several
