@@ -27,7 +27,11 @@ def _extensions():
     cpu_sources = [s for s in cpu_sources if s != cuda_binding]
     if not cpu_sources:
         return [], {}
-    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    linux = sys.platform.startswith("linux")
+    openmp = ["-fopenmp"] if linux else []
+    # libstdc++ named on the link line: a compiler that links it in statically (one GPU image's g++ wrapper did)
+    # then links the process's shared one instead, and a TORCH_CHECK raises rather than crashing the process
+    shared_libstdcxx = ["-lstdc++"] if linux else []
     # no -std flag: cpp_extension adds the standard the installed torch's headers need. -fno-trapping-math: no
     # kernel reads the floating-point exception flags, and it lets GCC vectorise the selects around a float -> int
     # conversion (gelu.cpp's exp) for AVX2, which has no masked conversions. -ffp-contract=off: only the std::fma
@@ -35,13 +39,13 @@ def _extensions():
     exts = [cpp_extension.CppExtension(
         EXT_NAME, cpu_sources,
         extra_compile_args={"cxx": ["-O3", "-fno-trapping-math", "-ffp-contract=off"] + openmp},
-        extra_link_args=openmp)]
+        extra_link_args=openmp + shared_libstdcxx)]
     if torch.cuda.is_available() or os.environ.get("MOEZERO_BUILD_CUDA") == "1":
         if torch.version.cuda and cpp_extension.CUDA_HOME:
             cu_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
             exts.append(cpp_extension.CUDAExtension(
                 CUDA_EXT_NAME, cu_sources,
-                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}))
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}, extra_link_args=shared_libstdcxx))
     return exts, {"build_ext": _optional_build_ext(cpp_extension.BuildExtension)}
 
 

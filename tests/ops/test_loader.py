@@ -74,7 +74,7 @@ def test_the_extension_shares_the_process_libstdcxx(cpu_ext):
     own copy of ostream formats the message against the process's locale). Seen on a GPU image whose CXX, a
     /opt/gcc/bin/g++ wrapper script, built a _C without libstdc++ in ldd (GCC 13's, in a process holding a newer
     one); CXX=/usr/bin/g++ fixed it. The same static link with GCC 12 and torch 2.13 happened to work here: only
-    the dynamic link is safe everywhere."""
+    the dynamic link is safe everywhere, and setup.py names libstdc++ on the link line to get it."""
     if shutil.which("ldd") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs ldd (Linux)")
     linked = subprocess.run(["ldd", cpu_ext.__file__], capture_output=True, text=True, check=True).stdout
