@@ -12,9 +12,9 @@ import torch.distributed as dist
 from moezero.recipe import pretraining
 from moezero.training.job import init_distributed
 from tests.integration.pretrain_utils import TINY, configs
+from tests.integration.test_pretrain import FP64
 
 ITERS = ["--train-iters", "10"]
-FP64 = ["--fp64"]
 PRECISION_AWARE = ["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype",
                    "bf16", "--exp-avg-sq-dtype", "bf16"]
 
