@@ -4,6 +4,14 @@ Layout invariance needs every random draw to depend only on stable keys: a param
 on (seed, parameter name, global expert index); dropout and router jitter on (seed, iteration,
 global sample index, site). Then one process, two processes, ep 1 or ep 2 draw the same numbers
 for the same weights and samples, and activation recompute redraws the same masks for free.
+
+Initial weights are drawn on the CPU, so a GPU run starts from the CPU's weights. Per-sample draws
+(dropout masks, router jitter) are made on the device they are applied on, from that device's
+generator seeded with the same key: a CPU's stream on a CPU, a GPU's (Philox) on a GPU. Drawing a
+GPU's masks on its host would make the host the step (an attention mask of a 1024-token sequence
+is 16M numbers per head group and sample). Layouts agree on either kind of device; the two kinds
+draw different masks for the same key, and GPU models may differ among themselves (torch's CUDA
+streams depend on the launch grid).
 """
 from __future__ import annotations
 
@@ -76,25 +84,27 @@ class SampleKeys:
     iteration: int
     sample_ids: tuple
 
-    def _per_sample(self, site: str, shape, draw) -> torch.Tensor:
-        out = []
-        for sample in self.sample_ids:
-            g = keyed_generator(self.seed, self.iteration, int(sample), site)
-            out.append(draw(torch.empty(shape, dtype=torch.float32), g))
-        return torch.stack(out) if out else torch.empty((0,) + tuple(shape))
+    def _per_sample(self, site: str, shape, draw, device) -> torch.Tensor:
+        """(B, *shape) fp32 on `device`: sample b's numbers from its own generator on that device."""
+        device = torch.device(device)
+        out = torch.empty((len(self.sample_ids),) + tuple(shape), dtype=torch.float32, device=device)
+        for row, sample in zip(out, self.sample_ids):
+            draw(row, keyed_generator(self.seed, self.iteration, int(sample), site, device=device))
+        return out
 
-    def uniform(self, site: str, shape_per_sample, low: float, high: float) -> torch.Tensor:
+    def uniform(self, site: str, shape_per_sample, low: float, high: float,
+                device: torch.device | str = "cpu") -> torch.Tensor:
         """(B, *shape) uniform numbers in [low, high), one independent stream per sample."""
-        return self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(low, high, generator=g))
+        return self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(low, high, generator=g), device)
 
-    def normal(self, site: str, shape_per_sample) -> torch.Tensor:
+    def normal(self, site: str, shape_per_sample, device: torch.device | str = "cpu") -> torch.Tensor:
         """(B, *shape) standard normal numbers, one independent stream per sample."""
-        return self._per_sample(site, shape_per_sample, lambda t, g: t.normal_(generator=g))
+        return self._per_sample(site, shape_per_sample, lambda t, g: t.normal_(generator=g), device)
 
-    def dropout_mask(self, site: str, shape_per_sample, p: float) -> torch.Tensor:
+    def dropout_mask(self, site: str, shape_per_sample, p: float, device: torch.device | str = "cpu") -> torch.Tensor:
         """(B, *shape) keep-mask already scaled by 1/(1-p), as nn.Dropout applies it."""
-        keep = self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(0.0, 1.0, generator=g)) >= p
-        return keep.to(torch.float32) / (1.0 - p)
+        uniform = self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(0.0, 1.0, generator=g), device)
+        return (uniform >= p).to(torch.float32) / (1.0 - p)
 
 
 def keyed_dropout(x: torch.Tensor, p: float, training: bool, keys: Optional[SampleKeys], site: str) -> torch.Tensor:
@@ -103,5 +113,5 @@ def keyed_dropout(x: torch.Tensor, p: float, training: bool, keys: Optional[Samp
         return x
     if keys is None:
         return nn.functional.dropout(x, p, training=True)
-    mask = keys.dropout_mask(site, x.shape[1:], p).to(device=x.device, dtype=x.dtype)
+    mask = keys.dropout_mask(site, x.shape[1:], p, device=x.device).to(dtype=x.dtype)
     return x * mask

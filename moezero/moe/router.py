@@ -155,8 +155,8 @@ class TopKRouter(nn.Module):
         if keys is None or T == 0:
             random_TE = torch.randn(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
         else:
-            random_TE = keys.normal(self.site + ".force_balance", (T // num_sequences, E)).reshape(T, E)
-            random_TE = random_TE.to(device=logits_TE.device, dtype=logits_TE.dtype)
+            random_TE = keys.normal(self.site + ".force_balance", (T // num_sequences, E), logits_TE.device)
+            random_TE = random_TE.reshape(T, E).to(dtype=logits_TE.dtype)
         return random_TE + (logits_TE - logits_TE.detach())
 
     def _select_sinkhorn(self, logits_TE):
@@ -179,8 +179,8 @@ class TopKRouter(nn.Module):
         if keys is None:
             noise = torch.empty_like(x_TD, dtype=torch.float32).uniform_(1.0 - eps, 1.0 + eps)
         else:
-            noise = keys.uniform(self.site + ".jitter", (T // num_sequences, D), 1.0 - eps, 1.0 + eps)
-        return x_TD * noise.reshape(T, D).to(device=x_TD.device, dtype=x_TD.dtype)
+            noise = keys.uniform(self.site + ".jitter", (T // num_sequences, D), 1.0 - eps, 1.0 + eps, x_TD.device)
+        return x_TD * noise.reshape(T, D).to(dtype=x_TD.dtype)
 
     def _select(self, logits_TE, scores_TE):
         cfg = self.config
