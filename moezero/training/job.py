@@ -46,19 +46,20 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
         backend = "gloo"
         if os.environ.get("RANK", "0") == "0":
             print(" --distributed-backend=nccl: no CUDA device here, using gloo", flush=True)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    options = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+    if backend == "nccl":   # bound to its GPU from the start, as Megatron's (NCCL need not guess it from the rank)
+        options["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(options["device_id"])
     if "MASTER_ADDR" not in os.environ:   # `python pretrain_gpt_moe.py` on a GPU machine: a world of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, **options)
         return
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=options["timeout"]))
     dist.init_process_group(backend, store=dist.PrefixStore(f"moezero/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+                            world_size=world_size, **options)
 
 
 def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:
