@@ -17,7 +17,8 @@ AREAS = {   # area: what it covers, words of the file names that belong to it
     "qat": ("quantization-aware training", ("qat",)),
     "training": ("the model and the training loop", ("pretrain", "training", "lr_schedule", "config", "throughput",
                                                     "generate", "sampling", "attention", "gpt_oracle", "architecture", "host_memory",
-                                                    "rank_layout", "mtp", "expert_shapes")),
+                                                    "rank_layout", "mtp", "expert_shapes", "keyed_random", "job_init",
+                                                    "profiling")),
     "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),
 }
 

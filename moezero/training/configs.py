@@ -14,6 +14,7 @@ from moezero.data import num_micro_steps
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
+from moezero.training.profiling import ProfilingConfig, check_profiling
 from moezero.training.lr_schedule import LearningRateSchedule
 
 
@@ -268,7 +269,7 @@ class CheckpointConfig(Validated):
 
 
 CONFIG_CLASSES = (ParallelConfig, GPTConfig, MoEConfig, ZeroConfig, TrainConfig, DataConfig, CheckpointConfig,
-                  ImplementationConfig)
+                  ImplementationConfig, ProfilingConfig)
 DESCRIPTION = "Pretrain a GPT Mixture-of-Experts model with ZeRO and expert parallelism (Megatron flag names)."
 
 
@@ -282,6 +283,7 @@ class Configs:
     data: DataConfig
     checkpoint: CheckpointConfig
     implementation: ImplementationConfig = field(default_factory=ImplementationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 def _check_precision_aware(cfg: Configs) -> None:
@@ -338,6 +340,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "
                           "written under <--save>/wandb by default, as Megatron's)")
     _check_precision_aware(cfg)
+    check_profiling(cfg.profiling, cfg.train.tensorboard_dir)
     if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")

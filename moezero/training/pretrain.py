@@ -38,6 +38,7 @@ from moezero.training.log_interval import LogInterval
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
+from moezero.training.profiling import StepProfiler
 from moezero.training.resume import (ResumePoint, check_shapes, start_iteration, start_lr_schedule,
                                      start_progress)
 from moezero.training.run_start import resolve_start
@@ -142,9 +143,11 @@ class Pretraining:
         self._print_header()
         stop = StopConditions(t, self.groups.control)
         loader = MicroBatchLoader(self.data.train, self._train_index_lists(), self.cfg.data.num_workers)
+        profiler = StepProfiler(self.cfg.profiling, self.groups.rank, t.tensorboard_dir, self.iteration)
         try:
-            self._loop(stop, loader)
+            self._loop(stop, loader, profiler)
         finally:
+            profiler.close()
             loader.close()
             stop.close()
         if self.stop_reason is None and self.data.test is not None:
@@ -168,7 +171,7 @@ class Pretraining:
             yield from micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.groups.rank, self.world)
             consumed += batch_size
 
-    def _loop(self, stop: StopConditions, loader: MicroBatchLoader) -> None:
+    def _loop(self, stop: StopConditions, loader: MicroBatchLoader, profiler: StepProfiler) -> None:
         t, ck = self.cfg.train, self.cfg.checkpoint
         run_timer, interval = Timer(), LogInterval()
         start_iteration = self.iteration
@@ -177,6 +180,7 @@ class Pretraining:
             batch_size = self.batch_schedule.batch_size(consumed)
             for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
                 group["lr"] = self.lr_schedule.lr(self.lr_schedule_steps, group.get("max_lr"), group.get("min_lr"))
+            profiler.before_iteration(self.iteration)
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
@@ -188,6 +192,7 @@ class Pretraining:
             if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
                 self.lr_schedule_steps += batch_size
             self.iteration += 1
+            profiler.after_iteration(self.iteration)
             self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
             for plugin in self.plugins.values():
                 plugin.on_step_end(self.iteration)
