@@ -48,9 +48,13 @@ def test_a_resumed_run_profiles_the_flags_iterations(tmp_path):
 
 
 def test_a_run_that_ends_inside_the_window_still_writes_its_trace(tmp_path):
+    """... and its Chakra execution trace (--pytorch-profiler-collect-chakra), next to the profile."""
     train(TINY + ITERS + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "5", "--profile-step-end",
-                          "20", "--tensorboard-dir", str(tmp_path / "tb")], str(tmp_path / "cache"))
+                          "20", "--pytorch-profiler-collect-chakra", "--tensorboard-dir", str(tmp_path / "tb")],
+          str(tmp_path / "cache"))
     assert iterations_in(trace_of(tmp_path)) == [5, 6]
+    with gzip.open(tmp_path / "chakra" / "rank-0.json.gz") as f:
+        assert json.load(f)["nodes"]
 
 
 @pytest.mark.parametrize("argv, message", [
