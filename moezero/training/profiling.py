@@ -124,19 +124,20 @@ class StepProfiler:
         """`done` iterations are complete (the one just run included)."""
         if not self.active:
             return
-        if self._mark is not None:
-            self._mark.__exit__(None, None, None)
-            self._mark = None
+        self._end_mark()
         if self._prof is not None and done == self.cfg.profile_step_end - 1:
             self.close()
         elif self._capturing and done == self.cfg.profile_step_end:
             self.close()
 
-    def close(self) -> None:
-        """End a profile in progress (the run ended inside the window, or the window closed): its trace is saved."""
-        if self._mark is not None:   # an iteration that raised
+    def _end_mark(self) -> None:
+        if self._mark is not None:
             self._mark.__exit__(None, None, None)
             self._mark = None
+
+    def close(self) -> None:
+        """End a profile in progress (the run ended inside the window, or the window closed): its trace is saved."""
+        self._end_mark()   # an iteration that raised leaves its range open
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()

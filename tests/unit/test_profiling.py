@@ -108,3 +108,21 @@ def test_nsys_capture_range_is_megatrons(monkeypatch):
     assert calls == ["iteration 1", "iteration 2", "start", "iteration 3", "iteration 4", "stop", "iteration 5",
                      "iteration 6"]
     assert not os.path.exists("torch_profile")
+
+
+def test_an_iteration_that_raises_inside_the_window_keeps_its_error_and_the_trace(tmp_path, monkeypatch):
+    """The error reaches the caller as it was; the trace holds the iterations up to the one that raised."""
+    import moezero.training.pretrain as pretrain
+    real, calls = pretrain.train_step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a step that fails")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pretrain, "train_step", failing)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        train(TINY + ITERS + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                              "--profile-step-end", "6", "--tensorboard-dir", str(tmp_path / "tb")],
+              str(tmp_path / "cache"))
+    assert iterations_in(trace_of(tmp_path)) == [2, 3]
