@@ -1,19 +1,24 @@
 """Quiet, lazy access to megatron-core's dataset modules.
 
-Importing anything under `megatron.core` runs its package `__init__`, which imports its models,
-optimizers, FSDP and torch.compile'd fusions (2.8 s of every training process's start, 0.75 s without it) and
-warns that Transformer Engine and Apex are missing. None of that concerns the data layer, so the dataset modules
-are imported with the package's `__init__` deferred: the first attribute asked of `megatron.core` itself
-(`from megatron.core import tensor_parallel`, `megatron.core.__version__`) runs it, so other users of
-megatron-core in the process see the whole package. The import happens only when data is first built, with the
-warnings raised during it and its INFO log lines silenced; its dataset loggers are held at WARNING (the
-blended-dataset one at ERROR: its warnings are about choices this package makes on purpose).
+Importing anything under `megatron.core` runs its package `__init__`, which imports its models, optimizers,
+FSDP and torch.compile'd fusions (2.8 s of every training process's start, 0.75 s without it) and warns that
+Transformer Engine and Apex are missing. None of that concerns the data layer, so the dataset modules are
+imported with the package's `__init__` deferred: submodules still import as usual, and the first other
+attribute asked of `megatron.core` itself (`megatron.core.__version__`, `from megatron.core import mpu`) runs
+it, so other users of megatron-core in the process see the whole package. One side effect waits for it:
+megatron-core's `register_safe_globals()` (the classes `torch.load(weights_only=True)` accepts in a Megatron
+checkpoint); a process that loads one after building data calls it, or imports `megatron.core` before.
+
+The import happens only when data is first built, with the warnings raised during it and its INFO log lines
+silenced; its dataset loggers are held at WARNING (the blended-dataset one at ERROR: its warnings are about
+choices this package makes on purpose).
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
 import sys
+import threading
 import types
 import warnings
 
@@ -59,16 +64,37 @@ def _defer_package_init(name: str) -> None:
     if spec is None:
         raise ImportError(f"No module named {name!r}")
     package = importlib.util.module_from_spec(spec)
-
-    def run_init(attribute: str):
-        if importlib.util.find_spec(f"{name}.{attribute}") is not None:
-            return importlib.import_module(f"{name}.{attribute}")
-        del package.__getattr__
-        spec.loader.exec_module(package)
-        return getattr(package, attribute)
-
-    package.__getattr__ = run_init
+    package.__getattr__ = _DeferredInit(package)
     sys.modules[name] = package
     parent, _, child = name.rpartition(".")
     if parent:
         setattr(sys.modules[parent], child, package)   # as the import system binds a loaded submodule
+
+
+class _DeferredInit:
+    """The `__getattr__` of a package whose `__init__` has not run: a submodule's name imports the submodule, any
+    other name runs the `__init__` once. Other threads wait for it, as an import's module lock makes them; one that
+    fails leaves the package to try again, and one that succeeds leaves a plain package."""
+
+    def __init__(self, package):
+        self.package = package
+        self.lock = threading.RLock()
+        self.running = False   # the __init__'s own reads of names it has not defined yet fail, as in an import
+
+    def __call__(self, attribute: str):
+        name = self.package.__name__
+        if "." not in attribute and importlib.util.find_spec(f"{name}.{attribute}") is not None:
+            return importlib.import_module(f"{name}.{attribute}")
+        with self.lock:
+            if not self.running and vars(self.package).get("__getattr__") is self:
+                self.running = True
+                try:
+                    self.package.__spec__.loader.exec_module(self.package)
+                    if vars(self.package).get("__getattr__") is self:
+                        del self.package.__getattr__
+                finally:
+                    self.running = False
+        try:
+            return vars(self.package)[attribute]
+        except KeyError:
+            raise AttributeError(f"module {name!r} has no attribute {attribute!r}") from None
