@@ -4,11 +4,15 @@
 
 Per size (an agreement message's 97 integers, a flag, StepTotals-sized float64 messages), alternating rounds
 of `--calls` calls each on one process group: process CPU (every thread) and wall time per call on rank 0, and
-moezero's over gloo's, median [min-max] over the rounds. Docs: docs/benchmarks.md#small-reduce.
+moezero's over gloo's, median [min-max] over the rounds. Then, for the agreement message, the all-gather it
+travels as against point-to-point sends and receives with every peer (not used by moezero: measured as the next
+candidate). Docs: docs/benchmarks.md#small-reduce.
 """
 import argparse
 import os
+import queue as queues
 import sys
+import threading
 import time
 import warnings
 
@@ -18,6 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moezero.parallel import comm   # noqa: E402
+from moezero.torch_internals import all_gather_single   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
 
 SIZES = [("a flag (1 x float64)", 1, torch.float64), ("an agreement message (97 x int64)", 97, torch.int64),
@@ -32,6 +37,49 @@ def _per_call(run, calls, group):
     for _ in range(calls):
         run()
     return (time.process_time() - cpu) / calls * 1e3, (time.perf_counter() - wall) / calls * 1e3
+
+
+class _PointToPoint:
+    """One message to every peer and from every peer (isend / irecv, a tag per message), checked as the agreement
+    checks its all-gather: a gloo receive reports completion only once waited for, so a waiter thread waits and
+    reports it (what `arrived()` needs)."""
+
+    def __init__(self, group):
+        self.group, self.tag = group, 0
+        self.jobs = queues.SimpleQueue()
+        threading.Thread(target=self._wait_forever, daemon=True).start()
+
+    def _wait_forever(self):
+        while True:
+            works, done = self.jobs.get()
+            for work in works:
+                work.wait()
+            done.set()
+
+    def launch(self, mine, every):
+        me, rows = dist.get_rank(self.group), every.view(dist.get_world_size(self.group), -1)
+        rows[me].copy_(mine)
+        peers = [p for p in range(len(rows)) if p != me]
+        self.tag += 1
+        works = [dist.irecv(rows[p], group=self.group, group_src=p, tag=self.tag) for p in peers]
+        works += [dist.isend(mine, group=self.group, group_dst=p, tag=self.tag) for p in peers]
+        done = threading.Event()
+        self.jobs.put((works, done))
+        return done
+
+
+def _transports(group, world, rounds, calls):
+    """An agreement message (97 x int64) as gloo's all-gather (moezero's) and as point-to-point messages."""
+    mine = torch.ones(97, dtype=torch.int64)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64)
+    p2p = _PointToPoint(group)
+    systems = [("all-gather", lambda: all_gather_single(every, mine, group=group, async_op=True).wait()),
+               ("point-to-point", lambda: p2p.launch(mine, every).wait())]
+    found = {name: [] for name, _ in systems}
+    for index in range(rounds):
+        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
+            found[name].append(_per_call(run, calls, group))
+    return found
 
 
 def _worker(rank, world, port, rounds, calls, queue):
@@ -50,8 +98,9 @@ def _worker(rank, world, port, rounds, calls, queue):
             for name, run in systems if index % 2 == 0 else list(reversed(systems)):
                 found[name].append(_per_call(run, calls, group))
         rows.append((label, found))
+    transports = _transports(group, world, rounds, calls)
     if rank == 0:
-        queue.put(rows)
+        queue.put((rows, transports))
     dist.destroy_process_group()
 
 
@@ -68,13 +117,24 @@ def main():
     print(f"{args.ranks} ranks, {args.rounds} alternating rounds of {args.calls} MAX all-reduces; rank 0, ms per call")
     print("| message | gloo CPU | moezero CPU | moezero / gloo CPU | gloo wall | moezero wall | moezero / gloo wall |")
     print("|---|---|---|---|---|---|---|")
-    for label, found in queue.get():
-        gloo_cpu, gloo_wall = zip(*found["gloo"])
-        ours_cpu, ours_wall = zip(*found["moezero"])
-        cpu_ratio = [o / g for o, g in zip(ours_cpu, gloo_cpu)]
-        wall_ratio = [o / g for o, g in zip(ours_wall, gloo_wall)]
-        print(f"| {label} | {spread(gloo_cpu, 2)} | {spread(ours_cpu, 2)} | {spread(cpu_ratio, 2)}x | "
-              f"{spread(gloo_wall, 2)} | {spread(ours_wall, 2)} | {spread(wall_ratio, 2)}x |")
+    rows, transports = queue.get()
+    for label, found in rows:
+        print(_row(label, found["gloo"], found["moezero"]))
+    print("\nAn agreement message (97 x int64): gloo's all-gather (moezero's) against point-to-point messages")
+    print("| message | all-gather CPU | point-to-point CPU | p2p / all-gather CPU | all-gather wall | "
+          "point-to-point wall | p2p / all-gather wall |")
+    print("|---|---|---|---|---|---|---|")
+    print(_row("an agreement message (97 x int64)", transports["all-gather"], transports["point-to-point"]))
+
+
+def _row(label, base, other):
+    """A table row: CPU and wall per call of `base` and `other` (lists of (cpu, wall) per round), and ratios."""
+    base_cpu, base_wall = zip(*base)
+    other_cpu, other_wall = zip(*other)
+    cpu_ratio = [o / b for o, b in zip(other_cpu, base_cpu)]
+    wall_ratio = [o / b for o, b in zip(other_wall, base_wall)]
+    return (f"| {label} | {spread(base_cpu, 2)} | {spread(other_cpu, 2)} | {spread(cpu_ratio, 2)}x | "
+            f"{spread(base_wall, 2)} | {spread(other_wall, 2)} | {spread(wall_ratio, 2)}x |")
 
 
 if __name__ == "__main__":
