@@ -39,6 +39,10 @@ def parse():
                    "interleaved (moezero's --overlap-moe-expert-parallel-comm)")
     p.add_argument("--delay-wgrad-compute", action="store_true", help="the experts' weight gradients after the "
                    "rows' all-to-all back is launched (with --overlap-moe-comm)")
+    p.add_argument("--no-agreement-messages", action="store_true",
+                   help="measurement only (moezero): the ranks' agreement records send no message (those riding on "
+                   "the MoE exchanges stay), so a step shows what the messages cost in it; ranks that disagree are "
+                   "then not caught")
     return p.parse_args()
 
 
@@ -172,6 +176,8 @@ def main():
     groups = ParallelGroups.build(expert_parallel_size=args.ep)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
+    if args.no_agreement_messages and agreement_of(opt) is not None:
+        agreement_of(opt).group = None   # every record is then checked against this rank's own only
     heap = None
     if args.system == "moezero":   # the host heap policy moezero's training loop applies (--host-heap-policy)
         from moezero.training.host_memory import HeapTrimmer
