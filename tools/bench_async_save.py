@@ -13,7 +13,6 @@ named: a figure holds for the CPU it ran on.
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -23,19 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from moezero.recipe import parse, pretraining  # noqa: E402
+from tools.bench.machine import cpu_model  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--num-experts", "8", "--moe-router-topk", "2",
          "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000",
          "--eval-interval", "0", "--num-workers", "0"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def timed_run(steps: int, cache: str, save_flags):
@@ -75,7 +67,7 @@ def main():
                 times[label].append(elapsed)
                 stood[label] += stops[1:]
     base = statistics.median(times["no save"])
-    print(f"\n{cpu_name()}, 1 process, {args.steps} steps, {saves} saves, median of {args.rounds} rounds\n")
+    print(f"\n{cpu_model()}, 1 process, {args.steps} steps, {saves} saves, median of {args.rounds} rounds\n")
     print("| run | ms per step | extra ms per save | loop stands still per save (ms) |")
     print("|---|---|---|---|")
     extra, still = {}, {}

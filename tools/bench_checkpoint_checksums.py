@@ -28,7 +28,7 @@ from moezero.checkpoint import checksums  # noqa: E402
 from moezero.config import GPTConfig, MoEConfig  # noqa: E402
 from moezero.models import GPTModel, language_model_loss  # noqa: E402
 from moezero.zero import ZeroOptimizer  # noqa: E402
-from tools.bench_async_save import cpu_name  # noqa: E402
+from tools.bench.machine import cpu_model  # noqa: E402
 
 GPT = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=32000,
                 moe_layer_freq=1)
@@ -91,7 +91,7 @@ def main():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fs = os.popen(f"df -T {args.dir} | tail -1").read().split()
-    print(f"CPU: {cpu_name()}; folder {args.dir} on {fs[1] if len(fs) > 1 else '?'}; checkpoint {size / 2**20:.0f} MB;"
+    print(f"CPU: {cpu_model()}; folder {args.dir} on {fs[1] if len(fs) > 1 else '?'}; checkpoint {size / 2**20:.0f} MB;"
           f" {args.rounds} rounds\n")
     print("| | without checksums (s) | with (s) | added |")
     print("|---|---|---|---|")

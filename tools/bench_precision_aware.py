@@ -26,7 +26,7 @@ from moezero.parallel import ParallelGroups  # noqa: E402
 from moezero.recipe import parse, pretraining  # noqa: E402
 from moezero.zero import PrecisionAwareAdam, ZeroOptimizer  # noqa: E402
 from tests.heap import heap_bytes  # noqa: E402
-from tools.bench_async_save import cpu_name  # noqa: E402
+from tools.bench.machine import cpu_model  # noqa: E402
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 OPTIMIZERS = {   # label: (optimizer class, ZeroOptimizer keyword arguments)
@@ -100,7 +100,7 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--data-cache-path", default=os.path.expanduser("~/.cache/moezero"))
     args = p.parse_args()
-    print(f"CPU: {cpu_name()}\n")
+    print(f"CPU: {cpu_model()}\n")
     memory_table()
     loss_curves(args.steps, args.data_cache_path)
 

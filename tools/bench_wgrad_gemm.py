@@ -20,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tools.bench.machine import bf16_units, cpu_model   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
 
 # (label, tokens, in features, out features): dW = dY^T X is (out x in), summed over the tokens
@@ -65,26 +66,13 @@ def per_call(fn, calls):
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def cpu_name() -> str:
-    """The model name and the bf16 units this CPU has (what decides a bf16 GEMM's speed)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    units = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{name} ({', '.join(units) or 'no bf16 units'})"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     gemm = mkl_gemm()
-    print(f"{cpu_name()}, torch {torch.__version__}, one thread")
+    print(f"{cpu_model()} ({', '.join(bf16_units()) or 'no bf16 units'}), torch {torch.__version__}, one thread")
     if gemm is None:
         print("this torch build exports no cblas_gemm_bf16bf16f32: nothing to compare")
         return

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from machine import bf16_units
+
 
 def common_parser() -> argparse.ArgumentParser:
     """The model, run and ZeRO flags every training worker shares (same meaning on every system)."""
@@ -46,13 +48,7 @@ def adamw_kwargs(args) -> dict:
 
 def kernel_paths() -> dict:
     """Which GEMM paths this CPU has: bf16 runs on dedicated units (AVX-512 BF16 / AMX) or is emulated."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    hardware = [name for name in ("avx512_bf16", "amx_bf16") if name in flags.split()]
+    hardware = bf16_units()
     seconds = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
