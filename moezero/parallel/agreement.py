@@ -4,13 +4,15 @@ Collectives pair up by their order on a process group: a rank that runs one more
 units in another order, or a backward that reaches no parameter, pairs its next collective with
 a different one on its peers, which hangs, aborts the process on a size mismatch (gloo), or
 silently mixes unrelated tensors. So before such a collective every rank states what it is doing
-as a short record of integers. Records travel on a gloo group that carries nothing else, always as
-the same all-gather (every rank's records and one flag that rides along: whether any rank has something
-to do, e.g. gradients left unreduced), so records only ever pair with records and never abort; when
+as a short record of integers. Records travel as messages of one length that every rank sends every
+rank (its records and one flag that rides along: whether any rank has something to do, e.g. gradients
+left unreduced), on a channel that carries nothing else: the group's pipes when its ranks share a host
+(`local_channel.py`: ~15 us a message), else a gloo group's all-gather (~0.4 ms). Messages pair by
+their index, so records only ever pair with records and never abort; when
 any rank's record differs, every rank raises `RanksDisagree`, naming what it was doing and what another
 rank was doing. A record can be launched ahead and checked when it matters (`Agreement`), so a
 check costs no waiting when the ranks are in step; records launched together share one message (a
-message's cost is its rounds, hardly its integers: docs/benchmarks.md#stage3; an all-gather, not an
+message's cost is its rounds, hardly its integers: docs/benchmarks.md#stage3; on gloo an all-gather, not an
 all-reduce, for the same reason: `small_reduce.py`). A rank
 whose peers never arrive (blocked in a collective of their own, or gone) raises when the group's
 timeout expires, naming where it waited. A record that rides on a model's exchange and is stated
@@ -20,12 +22,13 @@ went elsewhere finds the peer's differing record there and raises instead of wai
 from __future__ import annotations
 
 import datetime
+import struct
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import small_reduce
+from moezero.parallel import local_channel, small_reduce
 
 RECORD_LENGTH = 6
 WATCH_SLICE = datetime.timedelta(milliseconds=20)   # a watched wait checks the agreement records this often
@@ -39,22 +42,24 @@ class RanksDisagree(RuntimeError):
 
 
 class Agreement:
-    """Up to RECORDS_PER_MESSAGE records, launched now (async) on `group` (gloo) as one all-gather of every rank's
-    message; `check()` waits for it and raises on a difference. Every message has the same length (unused slots
-    are zeros), so a message only ever pairs with another message, whatever each holds."""
+    """Up to RECORDS_PER_MESSAGE records, launched now (async) on `group` as one message to every rank (through
+    the group's pipes when its ranks share a host, `local_channel.py`, else gloo's all-gather); `check()` waits
+    for every rank's and raises on a difference. Every message has the same length (unused slots are zeros), so
+    a message only ever pairs with another message, whatever each holds."""
 
     def __init__(self, records: Sequence[Record], group: Optional[Any], describe: Describe, flag: int = 0):
         if not 1 <= len(records) <= RECORDS_PER_MESSAGE:
             raise ValueError(f"an agreement message holds 1 to {RECORDS_PER_MESSAGE} records, not {len(records)}")
         self.records = [_padded(r) for r in records]
         self.describe = describe
-        self.work = None
+        self.message: Optional[Any] = None
         self.checked = False        # check() or wait() ran
         self.flag_anywhere = flag   # the flag's maximum over the ranks, once checked
         if group is not None and dist.get_world_size(group) > 1:
             unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
-            self.mine = torch.tensor([v for r in self.records for v in r] + unused + [flag], dtype=torch.int64)
-            self.every, self.work = small_reduce.gather_copies(self.mine, group)
+            self.mine = [v for r in self.records for v in r] + unused + [int(flag)]
+            channel = local_channel.of(group)
+            self.message = _PipeMessage(channel, self.mine) if channel is not None else _GlooMessage(self.mine, group)
 
     @property
     def record(self) -> List[int]:
@@ -62,35 +67,64 @@ class Agreement:
 
     def check(self) -> None:
         self.checked = True
-        if self.work is None:
+        if self.message is None:
             return
-        work, self.work = self.work, None
+        message, self.message = self.message, None
         try:
-            work.wait()
+            every = message.wait()
         except RuntimeError as exc:   # the group's timeout, or a peer that exited
             raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
-        every = self.every.view(-1, self.mine.numel())
-        self.flag_anywhere = int(every[:, -1].max())
-        records = every[:, :-1]
-        if torch.equal(records, self.mine[:-1].expand_as(records)):   # the common case: no per-record loop
+        self.flag_anywhere = max(row[-1] for row in every)
+        mine = self.mine[:-1]
+        if all(row[:-1] == mine for row in every):   # the common case: no per-record loop
             return
         empty = [[0] * RECORD_LENGTH] * (RECORDS_PER_MESSAGE - len(self.records))   # what an unused slot holds
-        theirs = records.view(len(every), RECORDS_PER_MESSAGE, RECORD_LENGTH).transpose(0, 1).tolist()
-        for mine, of_ranks in zip(self.records + empty, theirs):   # the first record that differs, on any rank
-            for other in of_ranks:
-                if other != mine:
-                    raise RanksDisagree(disagreement_message(dist.get_rank(), mine, other, self.describe))
+        for slot, record in enumerate(self.records + empty):   # the first record that differs, on any rank
+            for row in every:
+                other = row[slot * RECORD_LENGTH:(slot + 1) * RECORD_LENGTH]
+                if other != record:
+                    raise RanksDisagree(disagreement_message(dist.get_rank(), record, other, self.describe))
 
     def arrived(self) -> bool:
         """Whether check() would return at once (every rank launched this message, or it needs none)."""
-        return self.work is None or self.work.is_completed()
+        return self.message is None or self.message.arrived()
 
     def wait(self) -> None:
         """Wait without comparing (the record belongs to a pass every rank abandoned)."""
         self.checked = True
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        if self.message is not None:
+            message, self.message = self.message, None
+            message.wait()
+
+
+class _GlooMessage:
+    """One agreement message as gloo's all-gather (ranks on several hosts)."""
+
+    def __init__(self, values: List[int], group: Any):
+        self.length = len(values)
+        self.every, self.work = small_reduce.gather_copies(torch.tensor(values, dtype=torch.int64), group)
+
+    def arrived(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> List[List[int]]:
+        self.work.wait()
+        return self.every.view(-1, self.length).tolist()
+
+
+class _PipeMessage:
+    """One agreement message through the group's pipes (every rank on this host)."""
+
+    def __init__(self, channel: Any, values: List[int]):
+        self.channel = channel
+        self.format = struct.Struct(f"<{len(values)}q")
+        self.index = channel.post(self.format.pack(*values))
+
+    def arrived(self) -> bool:
+        return self.channel.arrived(self.index)
+
+    def wait(self) -> List[List[int]]:
+        return [list(self.format.unpack(payload)) for payload in self.channel.wait(self.index)]
 
 
 def _padded(record: Record) -> List[int]:

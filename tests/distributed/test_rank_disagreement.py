@@ -215,20 +215,26 @@ class _MoETower(_Tower):
         self.blocks = nn.ModuleList(_MoEBlock(groups, i + 1, load_balancing) for i in range(3))
 
 
+def _moe_disagreement(name, ep, load_balancing, stage, local_records=True):
+    groups = ParallelGroups.build(expert_parallel_size=ep, timeout=datetime.timedelta(seconds=20),
+                                  local_records=local_records)
+    model = _MoETower(groups, load_balancing)
+    opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
+    try:
+        SCENARIOS[name][0](model, opt, dist.get_rank())
+        return "no error"
+    except RanksDisagree as exc:
+        return str(exc)
+
+
 def _moe_disagreements():
-    rank = dist.get_rank()
     out = {}
     for ep, load_balancing in ((1, "global_aux_loss"), (2, "aux_loss")):
         for name in ("retried forward", "block order"):
             for stage in (2, 3):
-                groups = ParallelGroups.build(expert_parallel_size=ep, timeout=datetime.timedelta(seconds=20))
-                model = _MoETower(groups, load_balancing)
-                opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
-                try:
-                    SCENARIOS[name][0](model, opt, rank)
-                    out[name, ep, stage] = "no error"
-                except RanksDisagree as exc:
-                    out[name, ep, stage] = str(exc)
+                out[name, ep, stage] = _moe_disagreement(name, ep, load_balancing, stage)
+    for name in ("retried forward", "block order"):   # records on gloo, as when ranks are on several hosts
+        out[name + " (gloo records)", 2, 3] = _moe_disagreement(name, 2, "aux_loss", 3, local_records=False)
     return out
 
 
@@ -238,14 +244,16 @@ def test_moe_exchanges_carry_records_so_ranks_in_different_forwards_raise():
     at stage 2 every rank raises RanksDisagree naming both layers. At stage 3 a rank could wait in an exchange
     while its peer waits in a unit gather (two groups): the exchange's record is also checked in the sequence of
     the gathers' records, and no gather waits before the records launched ahead agree, so every rank raises
-    RanksDisagree there too, at once (the groups' timeout of 20 s is never reached)."""
+    RanksDisagree there too, at once (the groups' timeout of 20 s is never reached), whether the records travel
+    through pipes (ranks on one host) or on gloo."""
     results = run_distributed(_moe_disagreements, 2, isolated=True, timeout=400)
     for rank, out in enumerate(results):
         for (name, ep, stage), message in out.items():
             assert message.startswith("the ranks are not doing the same thing"), (rank, name, ep, stage, message)
             if stage == 2:
                 assert "exchanges of 'blocks." in message, (rank, name, ep, message)
-    for name, ep in (("retried forward", 1), ("retried forward", 2), ("block order", 1), ("block order", 2)):
+    for name, ep in (("retried forward", 1), ("retried forward", 2), ("block order", 1), ("block order", 2),
+                     ("retried forward (gloo records)", 2), ("block order (gloo records)", 2)):
         assert any("exchanges of 'blocks." in out[name, ep, 3] for out in results), (name, ep, results)
 
 

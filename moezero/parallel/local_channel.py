@@ -1,0 +1,253 @@
+"""Short messages between the ranks of a group that all run on one host, through pipes.
+
+What travels here: the agreement records (`agreement.py`), a few integers that every rank states before a
+collective that pairs by order, ~10 messages a stage-3 step. gloo's all-gather of such a message costs
+~0.4 ms of wall time and ~0.27 ms of CPU, on a CPU rank the same cores as the model's work; a pipe costs
+~15 us and ~7 us (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL does the same
+(shared memory between the GPUs of one node).
+
+How: each rank writes its k-th message to one pipe per peer and waits for every peer's k-th message, so
+messages pair by their index as collectives pair by their order, and a message can be posted now and
+collected later (async), or polled (`arrived`) while a rank waits elsewhere. A peer that exits closes its
+pipes: its readers see end-of-file at once. A peer that never writes makes a wait raise at the group's
+timeout. Built (collectively, once per group) when every rank sees the same host and the same temp
+directory; otherwise `connect` gives None and the caller keeps gloo. The pipes' names are removed as soon
+as every rank opened them, so nothing is left on disk.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import select
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+_HEADER = struct.Struct("<qq")   # message index, payload bytes
+_READ_CHUNK = 1 << 16
+_channels: "weakref.WeakKeyDictionary[Any, LocalChannel]" = weakref.WeakKeyDictionary()   # group -> channel
+_open_channels: "weakref.WeakSet[LocalChannel]" = weakref.WeakSet()
+
+
+class ChannelError(RuntimeError):
+    """A peer's message did not come: the peer exited, or the timeout passed."""
+
+
+class LocalChannel:
+    """Messages of this rank (group rank `me` of `size`) to and from its peers, by index."""
+
+    def __init__(self, me: int, size: int, readers: Dict[int, int], writers: Dict[int, int],
+                 timeout: datetime.timedelta):
+        self.me, self.size = me, size
+        self.readers, self.writers = readers, writers   # peer -> fd
+        self.timeout = timeout.total_seconds()
+        self.posted = 0
+        self._mine: Dict[int, bytes] = {}
+        self._received: Dict[int, Dict[int, bytes]] = {peer: {} for peer in readers}   # peer -> index -> payload
+        self._unparsed: Dict[int, bytearray] = {peer: bytearray() for peer in readers}
+        self._gone: Dict[int, str] = {}   # peer -> why its messages stopped
+        self._lock = threading.Lock()
+        _open_channels.add(self)
+
+    def post(self, payload: bytes) -> int:
+        """Send this rank's next message to every peer; returns its index (for arrived / wait)."""
+        with self._lock:
+            index = self.posted
+            self.posted += 1
+            self._mine[index] = payload
+            frame = _HEADER.pack(index, len(payload)) + payload
+            for peer, fd in self.writers.items():
+                if peer not in self._gone:
+                    self._write(peer, fd, frame)
+            return index
+
+    def arrived(self, index: int) -> bool:
+        """Whether wait(index) would return (or raise) at once; never blocks."""
+        with self._lock:
+            self._drain(list(self.readers))
+            return not self._missing(index)
+
+    def wait(self, index: int) -> List[bytes]:
+        """Every rank's message `index`, in group rank order; ChannelError if a peer exited or the timeout passed."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with self._lock:   # not held while blocked: another thread may post or poll meanwhile
+                self._drain(list(self.readers))
+                missing = self._missing(index)
+                if not missing:
+                    return self._take(index)
+                waiting_on = [self.readers[p] for p in missing]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelError(f"no message {index} from rank {missing[0]} of the agreement group within "
+                                   f"the group's timeout ({self.timeout:.0f} s)")
+            select.select(waiting_on, [], [], left)
+
+    def _take(self, index: int) -> List[bytes]:
+        for peer, why in self._gone.items():
+            if index not in self._received[peer]:
+                raise ChannelError(f"rank {peer} of the agreement group {why}")
+        return [self._mine.pop(index) if rank == self.me else self._received[rank].pop(index)
+                for rank in range(self.size)]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in list(self.readers.values()) + list(self.writers.values()):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.readers, self.writers = {}, {}
+
+    def _missing(self, index: int) -> List[int]:
+        """Peers whose message `index` has not come and still may."""
+        return [p for p in self.readers if index not in self._received[p] and p not in self._gone]
+
+    def _write(self, peer: int, fd: int, frame: bytes) -> None:
+        view = memoryview(frame)
+        deadline = time.monotonic() + self.timeout
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:   # the pipe is full: the peer is far behind
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._gone[peer] = "read no message within the group's timeout"
+                    return
+                select.select([], [fd], [], left)
+            except BrokenPipeError:
+                self._gone[peer] = "exited (its end of the pipe is closed)"
+                return
+
+    def _drain(self, peers: List[int]) -> None:
+        """Read what has come from `peers`, without blocking."""
+        for peer in peers:
+            if peer in self._gone:
+                continue
+            fd, buffer = self.readers[peer], self._unparsed[peer]
+            while True:
+                try:
+                    chunk = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    self._gone[peer] = "exited (its end of the pipe is closed)"
+                    break
+                buffer += chunk
+                if len(chunk) < _READ_CHUNK:
+                    break
+            self._parse(peer, buffer)
+
+    def _parse(self, peer: int, buffer: bytearray) -> None:
+        while len(buffer) >= _HEADER.size:
+            index, length = _HEADER.unpack_from(buffer)
+            end = _HEADER.size + length
+            if len(buffer) < end:
+                return
+            self._received[peer][index] = bytes(buffer[_HEADER.size:end])
+            del buffer[:end]
+
+
+def of(group: Any) -> Optional[LocalChannel]:
+    """The channel `connect` built for `group`, or None."""
+    return _channels.get(group) if group is not None else None
+
+
+def connect(group: Any, timeout: Optional[datetime.timedelta] = None) -> Optional[LocalChannel]:
+    """Collective over `group`: build its channel when every rank is on this host and sees this temp directory
+    (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for groups)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size < 2 or not hasattr(os, "mkfifo"):
+        return None
+    here = (_host_identity(), uuid.uuid4().hex, tempfile.gettempdir())
+    every: List[Any] = [None] * size
+    dist.all_gather_object(every, here, group=group)
+    if any(e[0] != here[0] for e in every):
+        return None
+    token, folder = every[0][1], every[0][2]
+    path = lambda sender, receiver: os.path.join(folder, f"moezero-records-{token}-{sender}-{receiver}")
+    peers = [p for p in range(size) if p != me]
+    readers: Dict[int, int] = {}
+    writers: Dict[int, int] = {}
+    try:
+        ok = _each_rank_did(lambda: _open_readers(peers, me, path, readers), group)
+        ok = ok and _each_rank_did(lambda: writers.update(
+            {p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK) for p in peers}), group)
+    finally:
+        for p in peers:   # every rank opened both ends (or gave up): the names are not needed any more
+            _remove(path(p, me))
+    channel = LocalChannel(me, size, readers, writers, timeout or _default_timeout())
+    if not ok:
+        channel.close()
+        return None
+    _channels[group] = channel
+    return channel
+
+
+def disconnect(group: Any) -> None:
+    channel = _channels.pop(group, None) if group is not None else None
+    if channel is not None:
+        channel.close()
+
+
+def _open_readers(peers: List[int], me: int, path: Any, readers: Dict[int, int]) -> None:
+    for p in peers:
+        os.mkfifo(path(p, me), 0o600)
+        readers[p] = os.open(path(p, me), os.O_RDONLY | os.O_NONBLOCK)
+
+
+def _each_rank_did(action: Any, group: Any) -> bool:
+    """Run `action` here; whether it worked on every rank (collective)."""
+    try:
+        action()
+        done = True
+    except OSError:
+        done = False
+    every: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, done, group=group)
+    return all(every)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _host_identity() -> str:
+    """This host's name and boot: ranks on other machines (or another boot of a namesake) differ."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _default_timeout() -> datetime.timedelta:
+    from torch.distributed.constants import default_pg_timeout
+    return default_pg_timeout
+
+
+def _close_in_child() -> None:
+    """A forked child (a data loader's worker) must not keep a peer's pipes open: its end-of-file would never come."""
+    for channel in list(_open_channels):
+        for fd in list(channel.readers.values()) + list(channel.writers.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        channel.readers, channel.writers = {}, {}
+        channel._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)

@@ -1,0 +1,119 @@
+"""The agreement records' pipes between ranks on one host (`moezero/parallel/local_channel.py`): messages pair by
+index and arrive async, a peer that exits is known at once (also with a forked child alive), one that never
+writes at the group's timeout, and a world that cannot share pipes keeps gloo on every rank."""
+import datetime
+import glob
+import os
+import tempfile
+import time
+
+import torch.distributed as dist
+
+from moezero.parallel import ParallelGroups, local_channel
+from moezero.parallel.agreement import Agreement, RanksDisagree
+from tests.dist_utils import run_distributed
+
+
+def _names():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "moezero-records-*")))
+
+
+def _messages_pair_by_index(out, rank):
+    names = _names()
+    group = ParallelGroups.build().agreement_group()
+    channel = local_channel.of(group)
+    out["channel"] = channel is not None
+    out["gloo when asked"] = local_channel.of(ParallelGroups.build(local_records=False).agreement_group()) is None
+    out["no names left"] = _names() <= names
+    if rank == 0:   # three messages ahead of rank 1: none has its pair yet
+        indices = [channel.post(f"zero {i}".encode()) for i in range(3)]
+        out["arrived early"] = channel.arrived(indices[0])
+        dist.barrier(group)
+    else:
+        dist.barrier(group)
+        indices = [channel.post(f"one {i}".encode()) for i in range(3)]
+    out["messages"] = [channel.wait(i) for i in indices]
+    agreement = Agreement([[4, 2]], group, str, flag=7 * rank)
+    agreement.check()
+    out["flag"] = agreement.flag_anywhere
+
+
+def _timeout_and_exit(out, rank):
+    groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
+    group = groups.agreement_group()
+    if rank == 0:   # rank 1 never states this record
+        start = time.monotonic()
+        try:
+            Agreement([[5]], group, lambda record: "was ending a backward").check()
+        except RanksDisagree as exc:
+            out["timeout"], out["waited"] = str(exc), time.monotonic() - start
+    dist.barrier()
+    group = ParallelGroups.build(timeout=datetime.timedelta(seconds=60)).agreement_group()
+    channel = local_channel.of(group)
+    if rank == 1:   # a forked child (a data loader's worker) holds no pipe: closing ours is an exit seen at once
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if not channel.readers and not channel.writers else 3)
+        channel.post(b"last")
+        channel.close()
+        out["child"] = os.waitpid(child, 0)[1]
+        dist.barrier()
+    else:
+        first = channel.post(b"first")
+        dist.barrier()
+        out["last"] = channel.wait(first)
+        start = time.monotonic()
+        try:
+            channel.wait(channel.post(b"next"))
+        except local_channel.ChannelError as exc:
+            out["exit"], out["exit waited"] = str(exc), time.monotonic() - start
+
+
+def _worlds_without_pipes(out, rank, monkeypatch_host):
+    names = _names()
+    if monkeypatch_host:   # rank 1 on another machine
+        original = local_channel._host_identity
+        local_channel._host_identity = lambda: "elsewhere" if rank == 1 else original()
+    else:   # rank 1 cannot make pipes here (another temp directory, a read-only one)
+        original = os.mkfifo
+
+        def refuse(*args, **kwargs):
+            raise PermissionError("read-only")
+        os.mkfifo = refuse if rank == 1 else original
+    try:
+        group = ParallelGroups.build().agreement_group()
+    finally:
+        if monkeypatch_host:
+            local_channel._host_identity = original
+        else:
+            os.mkfifo = original
+    out["channel", monkeypatch_host] = local_channel.of(group) is not None
+    Agreement([[1, rank % 1]], group, str).check()   # the records travel on gloo instead
+    out["no names left", monkeypatch_host] = _names() <= names
+
+
+def _channel_cases():
+    rank, out = dist.get_rank(), {}
+    _messages_pair_by_index(out, rank)
+    _timeout_and_exit(out, rank)
+    for monkeypatch_host in (True, False):
+        _worlds_without_pipes(out, rank, monkeypatch_host)
+    return out
+
+
+def test_local_channel_pairs_messages_and_reports_missing_peers():
+    results = run_distributed(_channel_cases, 2, isolated=True, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["channel"] and out["gloo when asked"] and out["no names left"], out
+        assert out["messages"] == [[f"zero {i}".encode(), f"one {i}".encode()] for i in range(3)], out["messages"]
+        assert out["flag"] == 7
+        for host in (True, False):
+            assert out["channel", host] is False and out["no names left", host], (rank, host, out)
+    assert results[0]["arrived early"] is False
+    assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
+    assert "no message 0 from rank 1" in results[0]["timeout"] and "timeout (2 s)" in results[0]["timeout"]
+    assert 1.9 <= results[0]["waited"] < 30, results[0]["waited"]
+    assert results[1]["child"] == 0   # the forked child had closed its copies of the pipes
+    assert results[0]["last"] == [b"first", b"last"]   # what a peer sent before it exited still counts
+    assert "rank 1 of the agreement group exited" in results[0]["exit"], results[0]["exit"]
+    assert results[0]["exit waited"] < 30, results[0]["exit waited"]   # at once, not at the 60 s timeout
