@@ -5,8 +5,9 @@
 Per size (an agreement message's 97 integers, a flag, StepTotals-sized float64 messages), alternating rounds
 of `--calls` calls each on one process group: process CPU (every thread) and wall time per call on rank 0, and
 moezero's over gloo's, median [min-max] over the rounds. Then, for the agreement message, the all-gather it
-travels as against point-to-point sends and receives with every peer (not used by moezero: measured as the next
-candidate). Docs: docs/benchmarks.md#small-reduce.
+travels as against point-to-point sends and receives with every peer (not used by moezero). Last, a whole
+agreement message (`Agreement(...).check()`, records compared) on gloo, as between hosts, against the pipes
+ranks on one host use (`local_channel.py`). Docs: docs/benchmarks.md#small-reduce.
 """
 import argparse
 import os
@@ -21,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moezero.parallel import comm   # noqa: E402
+from moezero.parallel import comm, local_channel   # noqa: E402
+from moezero.parallel.agreement import Agreement   # noqa: E402
 from moezero.torch_internals import all_gather_single   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
 
@@ -82,6 +84,21 @@ def _transports(group, world, rounds, calls):
     return found
 
 
+def _agreement_transports(group, world, rounds, calls):
+    """A whole agreement message (one record, checked) on gloo (`group`) and through a pipe channel."""
+    piped = dist.new_group(list(range(world)))
+    local_channel.connect(piped)
+    record = [1, 3, 5, 7, 0, 1]
+    systems = [("gloo", lambda: Agreement([record], group, str).check()),
+               ("pipes", lambda: Agreement([record], piped, str).check())]
+    found = {name: [] for name, _ in systems}
+    for index in range(rounds):
+        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
+            found[name].append(_per_call(run, calls, group))
+    local_channel.disconnect(piped)
+    return found
+
+
 def _worker(rank, world, port, rounds, calls, queue):
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -99,8 +116,9 @@ def _worker(rank, world, port, rounds, calls, queue):
                 found[name].append(_per_call(run, calls, group))
         rows.append((label, found))
     transports = _transports(group, world, rounds, calls)
+    agreements = _agreement_transports(group, world, rounds, calls)
     if rank == 0:
-        queue.put((rows, transports))
+        queue.put((rows, transports, agreements))
     dist.destroy_process_group()
 
 
@@ -117,7 +135,7 @@ def main():
     print(f"{args.ranks} ranks, {args.rounds} alternating rounds of {args.calls} MAX all-reduces; rank 0, ms per call")
     print("| message | gloo CPU | moezero CPU | moezero / gloo CPU | gloo wall | moezero wall | moezero / gloo wall |")
     print("|---|---|---|---|---|---|---|")
-    rows, transports = queue.get()
+    rows, transports, agreements = queue.get()
     for label, found in rows:
         print(_row(label, found["gloo"], found["moezero"]))
     print("\nAn agreement message (97 x int64): gloo's all-gather (moezero's) against point-to-point messages")
@@ -125,6 +143,10 @@ def main():
           "point-to-point wall | p2p / all-gather wall |")
     print("|---|---|---|---|---|---|---|")
     print(_row("an agreement message (97 x int64)", transports["all-gather"], transports["point-to-point"]))
+    print("\nA whole agreement message (records compared): on gloo (ranks on several hosts) against the pipes (one host)")
+    print("| message | gloo CPU | pipes CPU | pipes / gloo CPU | gloo wall | pipes wall | pipes / gloo wall |")
+    print("|---|---|---|---|---|---|---|")
+    print(_row("Agreement([record]).check()", agreements["gloo"], agreements["pipes"]))
 
 
 def _row(label, base, other):

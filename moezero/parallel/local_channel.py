@@ -1,10 +1,10 @@
 """Short messages between the ranks of a group that all run on one host, through pipes.
 
 What travels here: the agreement records (`agreement.py`), a few integers that every rank states before a
-collective that pairs by order, ~10 messages a stage-3 step. gloo's all-gather of such a message costs
-~0.4 ms of wall time and ~0.27 ms of CPU, on a CPU rank the same cores as the model's work; a pipe costs
-~15 us and ~7 us (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL does the same
-(shared memory between the GPUs of one node).
+collective that pairs by order, ~10 messages a stage-3 step. A whole agreement message on gloo (an
+all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out of the cores the model's work
+uses; through pipes ~0.02 ms of each (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL
+does the same between the GPUs of one node (shared memory).
 
 How: each rank writes its k-th message to one pipe per peer and waits for every peer's k-th message, so
 messages pair by their index as collectives pair by their order, and a message can be posted now and
