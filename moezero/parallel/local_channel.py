@@ -88,7 +88,7 @@ class LocalChannel:
             if left <= 0:
                 raise ChannelError(f"no message {index} from rank {missing[0]} of the agreement group within "
                                    f"the group's timeout ({self.timeout:.0f} s)")
-            select.select(waiting_on, [], [], left)
+            _wait_for(waiting_on, select.POLLIN, left)
 
     def _take(self, index: int) -> List[bytes]:
         for peer, why in self._gone.items():
@@ -121,7 +121,7 @@ class LocalChannel:
                 if left <= 0:
                     self._gone[peer] = "read no message within the group's timeout"
                     return
-                select.select([], [fd], [], left)
+                _wait_for([fd], select.POLLOUT, left)
             except BrokenPipeError:
                 self._gone[peer] = "exited (its end of the pipe is closed)"
                 return
@@ -153,6 +153,15 @@ class LocalChannel:
                 return
             self._received[peer][index] = bytes(buffer[_HEADER.size:end])
             del buffer[:end]
+
+
+def _wait_for(fds: List[int], event: int, seconds: float) -> None:
+    """Block until one of `fds` is ready for `event` (or closed), at most `seconds`. poll, not select: a
+    process with many groups and files has descriptors above select's limit of 1024."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, event)
+    poller.poll(max(1, int(seconds * 1000)))
 
 
 def of(group: Any) -> Optional[LocalChannel]:
