@@ -4,7 +4,8 @@
 
 Per size (an agreement message's 97 integers, a flag, StepTotals-sized float64 messages), alternating rounds
 of `--calls` calls each on one process group: process CPU (every thread) and wall time per call on rank 0, and
-moezero's over gloo's, median [min-max] over the rounds. Then, for the agreement message, the all-gather it
+moezero's over gloo's, median [min-max] over the rounds; moezero's on gloo (ranks on several hosts) and through
+pipes (ranks on one host: the dp and control groups' short all-reduces, `local_channel.py`). Then, for the agreement message, the all-gather it
 travels as against point-to-point sends and receives with every peer (not used by moezero). Last, a whole
 agreement message (`Agreement(...).check()`, records compared) on gloo, as between hosts, against the pipes
 ranks on one host use (`local_channel.py`). Docs: docs/benchmarks.md#small-reduce.
@@ -105,11 +106,14 @@ def _worker(rank, world, port, rounds, calls, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
+    piped = dist.new_group(list(range(world)))
+    local_channel.connect(piped)
     rows = []
     for label, numel, dtype in SIZES:
         x = torch.ones(numel, dtype=dtype)
         systems = [("gloo", lambda: dist.all_reduce(x, group=group, op=dist.ReduceOp.MAX)),
-                   ("moezero", lambda: comm.all_reduce(x, group, op=dist.ReduceOp.MAX))]
+                   ("moezero", lambda: comm.all_reduce(x, group, op=dist.ReduceOp.MAX)),
+                   ("moezero, pipes", lambda: comm.all_reduce(x, piped, op=dist.ReduceOp.MAX))]
         found = {name: [] for name, _ in systems}
         for index in range(rounds):
             for name, run in systems if index % 2 == 0 else list(reversed(systems)):
@@ -138,6 +142,11 @@ def main():
     rows, transports, agreements = queue.get()
     for label, found in rows:
         print(_row(label, found["gloo"], found["moezero"]))
+    print("\nThe same, ranks on one host: moezero's through pipes (local_channel.py) against gloo's own")
+    print("| message | gloo CPU | pipes CPU | pipes / gloo CPU | gloo wall | pipes wall | pipes / gloo wall |")
+    print("|---|---|---|---|---|---|---|")
+    for label, found in rows:
+        print(_row(label, found["gloo"], found["moezero, pipes"]))
     print("\nAn agreement message (97 x int64): gloo's all-gather (moezero's) against point-to-point messages")
     print("| message | all-gather CPU | point-to-point CPU | p2p / all-gather CPU | all-gather wall | "
           "point-to-point wall | p2p / all-gather wall |")

@@ -69,7 +69,7 @@ class ParallelGroups:
     edp: Optional[Any] = None
     control: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None   # every group's (None: torch's default for new groups)
-    local_records: bool = True   # agreement records through pipes when every rank is on this host
+    local_records: bool = True   # records and short all-reduces through pipes when every rank is on this host
     _lazy: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -107,7 +107,7 @@ class ParallelGroups:
         """Create the groups; every rank must call this in the same order (after init_process_group).
         `timeout`: how long a collective of any of them waits for a peer (torch's new groups do not take the
         default group's: pass the run's, e.g. --distributed-timeout-minutes). `local_records=False`: agreement
-        records on gloo even when every rank is on one host."""
+        records and the dp and control groups' short all-reduces on gloo even when every rank is on one host."""
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
                 raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
@@ -119,6 +119,8 @@ class ParallelGroups:
         control = dist.new_group(list(range(world)), timeout=timeout)
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
+        if local_records and dist.get_backend(control) == "gloo":   # their short all-reduces: small_reduce.py
+            local_channel.connect_all([(dp, "data-parallel group"), (control, "control group")], timeout)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)
 
@@ -149,7 +151,7 @@ class ParallelGroups:
             group = None if self.dp is None else dist.new_group(list(range(world)), backend="gloo",
                                                                 timeout=self.timeout)
             if group is not None and self.local_records:
-                local_channel.connect(group, self.timeout)
+                local_channel.connect(group, self.timeout, "agreement group")
             self._lazy["agreement"] = group
         return self._lazy["agreement"]
 

@@ -1,10 +1,11 @@
 """Short messages between the ranks of a group that all run on one host, through pipes.
 
 What travels here: the agreement records (`agreement.py`), a few integers that every rank states before a
-collective that pairs by order, ~10 messages a stage-3 step. A whole agreement message on gloo (an
-all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out of the cores the model's work
-uses; through pipes ~0.02 ms of each (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL
-does the same between the GPUs of one node (shared memory).
+collective that pairs by order, ~10 messages a stage-3 step; and the short all-reduces of the data-parallel
+and control groups (`small_reduce.py`: the step's norm and flags, the metrics, the stop check). A whole
+agreement message on gloo (an all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out
+of the cores the model's work uses; through pipes ~0.02 ms of each (`tools/bench_small_reduce.py`,
+docs/benchmarks.md#small-reduce). NCCL does the same between the GPUs of one node (shared memory).
 
 How: each rank writes its k-th message to one pipe per peer and waits for every peer's k-th message, so
 messages pair by their index as collectives pair by their order, and a message can be posted now and
@@ -26,7 +27,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -40,12 +41,16 @@ class ChannelError(RuntimeError):
     """A peer's message did not come: the peer exited, or the timeout passed."""
 
 
+class ChannelTimeout(RuntimeError):
+    """A wait shorter than the group's timeout ended before the message came (a watched wait's slice)."""
+
+
 class LocalChannel:
     """Messages of this rank (group rank `me` of `size`) to and from its peers, by index."""
 
     def __init__(self, me: int, size: int, readers: Dict[int, int], writers: Dict[int, int],
-                 timeout: datetime.timedelta):
-        self.me, self.size = me, size
+                 timeout: datetime.timedelta, name: str = "group"):
+        self.me, self.size, self.name = me, size, name
         self.readers, self.writers = readers, writers   # peer -> fd
         self.timeout = timeout.total_seconds()
         self.posted = 0
@@ -74,9 +79,10 @@ class LocalChannel:
             self._drain(list(self.readers))
             return not self._missing(index)
 
-    def wait(self, index: int) -> List[bytes]:
-        """Every rank's message `index`, in group rank order; ChannelError if a peer exited or the timeout passed."""
-        deadline = time.monotonic() + self.timeout
+    def wait(self, index: int, seconds: Optional[float] = None) -> List[bytes]:
+        """Every rank's message `index`, in group rank order; ChannelError if a peer exited or `seconds` (default:
+        the group's timeout) passed. After a timeout a later wait for the same message resumes."""
+        deadline = time.monotonic() + (self.timeout if seconds is None else seconds)
         while True:
             with self._lock:   # not held while blocked: another thread may post or poll meanwhile
                 self._drain(list(self.readers))
@@ -86,14 +92,16 @@ class LocalChannel:
                 waiting_on = [self.readers[p] for p in missing]
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ChannelError(f"no message {index} from rank {missing[0]} of the agreement group within "
+                if seconds is not None and seconds < self.timeout:
+                    raise ChannelTimeout(f"message {index} not here from rank {missing[0]} within {seconds:.3f} s")
+                raise ChannelError(f"no message {index} from rank {missing[0]} of the {self.name} within "
                                    f"the group's timeout ({self.timeout:.0f} s)")
             _wait_for(waiting_on, select.POLLIN, left)
 
     def _take(self, index: int) -> List[bytes]:
         for peer, why in self._gone.items():
             if index not in self._received[peer]:
-                raise ChannelError(f"rank {peer} of the agreement group {why}")
+                raise ChannelError(f"rank {peer} of the {self.name} {why}")
         return [self._mine.pop(index) if rank == self.me else self._received[rank].pop(index)
                 for rank in range(self.size)]
 
@@ -169,35 +177,52 @@ def of(group: Any) -> Optional[LocalChannel]:
     return _channels.get(group) if group is not None else None
 
 
-def connect(group: Any, timeout: Optional[datetime.timedelta] = None) -> Optional[LocalChannel]:
+def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str = "group") -> Optional[LocalChannel]:
     """Collective over `group`: build its channel when every rank is on this host and sees this temp directory
-    (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for groups)."""
+    (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for groups);
+    `name`: the group, as errors call it."""
+    return connect_all([(group, name)], timeout)[0]
+
+
+def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None
+                ) -> List[Optional[LocalChannel]]:
+    """`connect` for several (group, name) of the same ranks in the same order, with one exchange of the hosts
+    and two of the outcome for all of them (on the first group)."""
+    group = named_groups[0][0]
     size, me = dist.get_world_size(group), dist.get_rank(group)
+    none: List[Optional[LocalChannel]] = [None] * len(named_groups)
+    if any(dist.get_world_size(g) != size or dist.get_rank(g) != me for g, _ in named_groups):
+        raise ValueError("local_channel.connect_all: the groups must hold the same ranks in the same order")
     if size < 2 or not hasattr(os, "mkfifo"):
-        return None
+        return none
     here = (_host_identity(), uuid.uuid4().hex, tempfile.gettempdir())
     every: List[Any] = [None] * size
     dist.all_gather_object(every, here, group=group)
     if any(e[0] != here[0] for e in every):
-        return None
+        return none
     token, folder = every[0][1], every[0][2]
-    path = lambda sender, receiver: os.path.join(folder, f"moezero-records-{token}-{sender}-{receiver}")
+    paths = [lambda sender, receiver, c=c: os.path.join(folder, f"moezero-records-{token}-{c}-{sender}-{receiver}")
+             for c in range(len(named_groups))]
     peers = [p for p in range(size) if p != me]
-    readers: Dict[int, int] = {}
-    writers: Dict[int, int] = {}
+    readers: List[Dict[int, int]] = [{} for _ in named_groups]
+    writers: List[Dict[int, int]] = [{} for _ in named_groups]
     try:
-        ok = _each_rank_did(lambda: _open_readers(peers, me, path, readers), group)
-        ok = ok and _each_rank_did(lambda: writers.update(
-            {p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK) for p in peers}), group)
+        ok = _each_rank_did(lambda: [_open_readers(peers, me, path, r) for path, r in zip(paths, readers)], group)
+        ok = ok and _each_rank_did(lambda: [w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK)
+                                                     for p in peers}) for path, w in zip(paths, writers)], group)
     finally:
-        for p in peers:   # every rank opened both ends (or gave up): the names are not needed any more
-            _remove(path(p, me))
-    channel = LocalChannel(me, size, readers, writers, timeout or _default_timeout())
+        for path in paths:   # every rank opened both ends (or gave up): the names are not needed any more
+            for p in peers:
+                _remove(path(p, me))
+    channels = [LocalChannel(me, size, r, w, timeout or _default_timeout(), name)
+                for r, w, (_, name) in zip(readers, writers, named_groups)]
     if not ok:
-        channel.close()
-        return None
-    _channels[group] = channel
-    return channel
+        for channel in channels:
+            channel.close()
+        return none
+    for (g, _), channel in zip(named_groups, channels):
+        _channels[g] = channel
+    return list(channels)
 
 
 def disconnect(group: Any) -> None:

@@ -158,13 +158,14 @@ def _rank_values(r, dtype):
     return torch.tensor([1e3, -3.0, 0.1 * (r + 1), r % 3, -r, 2.5 * r, 5 - r, 1.0 if r == 0 else half_ulp], dtype=dtype)
 
 
-def _check_small_all_reduce():
-    """Short all-reduces (gloo, as an all-gather each rank reduces): SUM / MAX / MIN equal the values reduced here,
-    the sum in rank order bit for bit (another order rounds 1 + 3 half ulps otherwise), the same on every rank;
-    waited in slices of a timeout and resumed, as watched waits do; a NaN wins MAX and MIN; a long tensor still
-    and a single flag take gloo's all-reduce."""
+def _check_small_all_reduce(local_records):
+    """Short all-reduces (through the control group's pipes, or on gloo as an all-gather, each rank reducing the
+    copies): SUM / MAX / MIN equal the values reduced here, the sum in rank order bit for bit (another order
+    rounds 1 + 3 half ulps otherwise), the same on every rank; waited in slices of a timeout and resumed, as
+    watched waits do; a NaN wins MAX and MIN; a long tensor still takes gloo's all-reduce, and on gloo a single
+    flag too."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = ParallelGroups.build(expert_parallel_size=1)
+    groups = ParallelGroups.build(expert_parallel_size=1, local_records=local_records)
     sums = []
     for dtype in (torch.int64, torch.float64, torch.float32, torch.bfloat16):
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
@@ -196,7 +197,7 @@ def _check_small_all_reduce():
         assert x[0].isnan() and x[1] == (world - 1 if op == dist.ReduceOp.MAX else 0)
     long, flag = torch.full((64 * 1024,), float(rank)), torch.tensor([float(rank)])
     assert not comm.small_reduce.reduces_small(long, groups.control, dist.ReduceOp.SUM)
-    assert not comm.small_reduce.reduces_small(flag, groups.control, dist.ReduceOp.SUM)
+    assert comm.small_reduce.reduces_small(flag, groups.control, dist.ReduceOp.SUM) == local_records
     comm.all_reduce(long, groups.control)
     assert torch.equal(long, torch.full_like(long, sum(range(world))))
     groups.destroy()
@@ -206,7 +207,9 @@ def _check_small_all_reduce():
 def _check_collectives(hidden):
     _check_reduce_scatter()
     _check_all_gather()
-    return _check_small_all_reduce(), _check_all_to_all(hidden)
+    sums = [_check_small_all_reduce(local_records) for local_records in (True, False)]
+    assert sums[0] == sums[1]   # the pipes' sums, bit for bit gloo's
+    return sums[0], _check_all_to_all(hidden)
 
 
 def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter_and_all_gather():

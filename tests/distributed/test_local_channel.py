@@ -7,9 +7,10 @@ import os
 import tempfile
 import time
 
+import torch
 import torch.distributed as dist
 
-from moezero.parallel import ParallelGroups, local_channel
+from moezero.parallel import ParallelGroups, comm, local_channel
 from moezero.parallel.agreement import Agreement, RanksDisagree
 from tests.dist_utils import run_distributed
 
@@ -112,8 +113,44 @@ def _high_descriptors(out, rank):
             os.close(fd)
 
 
+def _short_all_reduces(out, rank):
+    """The dp and control groups' short all-reduces travel through pipes too: the same values as gloo's, any
+    length and dtype; a wait in slices (a watched wait) resumes; a peer that never comes ends it at the timeout."""
+    groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
+    out["short piped"] = all(local_channel.of(g) is not None for g in (groups.dp, groups.control))
+    values = {}
+    for name, x, op in (("sum", torch.tensor([0.1 * (rank + 1), 1e16, -rank], dtype=torch.float64), "SUM"),
+                        ("flag", torch.tensor([float(rank)]), "MIN"),
+                        ("max", torch.tensor([[rank, 7 - rank]], dtype=torch.int64), "MAX"),
+                        ("bf16", torch.tensor([1.5 + rank, 3.0], dtype=torch.bfloat16), "SUM")):
+        assert comm.small_reduce.reduces_small(x, groups.control, getattr(dist.ReduceOp, op))
+        comm.all_reduce(x, groups.control, op=getattr(dist.ReduceOp, op))
+        values[name] = x.tolist()
+    out["short values"] = values
+    x = torch.tensor([1.0, rank])
+    if rank == 1:
+        time.sleep(0.2)
+    work = comm.all_reduce(x, groups.dp, async_op=True)
+    slices = 0
+    while True:
+        try:
+            work.wait(datetime.timedelta(milliseconds=20))
+            break
+        except RuntimeError:
+            slices += 1
+    out["sliced"] = (x.tolist(), slices)
+    if rank == 0:   # rank 1 never joins this one
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(2), groups.control)
+        except RuntimeError as exc:
+            out["short timeout"] = (str(exc), time.monotonic() - start)
+    dist.barrier()
+
+
 def _channel_cases():
     rank, out = dist.get_rank(), {}
+    _short_all_reduces(out, rank)
     _high_descriptors(out, rank)
     _messages_pair_by_index(out, rank)
     _timeout_and_exit(out, rank)
@@ -131,6 +168,14 @@ def test_local_channel_pairs_messages_and_reports_missing_peers():
         for host in (True, False):
             assert out["channel", host] is False and out["no names left", host], (rank, host, out)
     assert results[0]["arrived early"] is False
+    for out in results:
+        assert out["short piped"], out
+        assert out["short values"] == {"sum": [0.1 + 0.2, 2e16, -1.0], "flag": [0.0], "max": [[1, 7]],
+                                       "bf16": [4.0, 6.0]}, out["short values"]
+        assert out["sliced"][0] == [2.0, 1.0], out["sliced"]
+    assert results[0]["sliced"][1] >= 3   # rank 0 waited ~0.2 s in 20 ms slices, then had its sum
+    message, waited = results[0]["short timeout"]
+    assert "no message" in message and "control group" in message and 1.9 <= waited < 30, (message, waited)
     for out in results:
         assert out["high"] == "skipped" or out["high fds"] and out["high"] == [b"x0", b"x1"], out["high"]
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
