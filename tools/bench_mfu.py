@@ -2,7 +2,7 @@
 """Model FLOPs utilisation (MFU) on this CPU: the FLOP/s a training run achieves against the GEMM peak.
 
     python tools/bench_mfu.py [--hidden 256,1024] [--dtype fp32,bf16] [--steps 20] [--warmup 10] [--rounds 3]
-                              [--micro-batches 1|2|4 [--overlap-moe-comm]] [--quick]
+                              [--micro-batches 1|2|4 [--overlap-moe-comm]] [--gloo-records] [--quick]
 
 - Peak, per dtype: the best of a few torch.mm of two large square matrices on one thread, as each training
   process runs (OMP_NUM_THREADS=1), measured in this process while no training runs.
@@ -26,6 +26,8 @@
   (routing imbalance, which every other rank waits for at each MoE layer's all-to-all).
 - With --overlap-moe-comm, a third run per configuration: the 2 ranks with their micro-batches in interleaved
   pairs (--overlap-moe-expert-parallel-comm), against the same alone run.
+- With --gloo-records, every 2-rank run also runs with the agreement records and the short all-reduces on
+  gloo, as between ranks on several hosts, and a last table gives the step through pipes over that one.
 """
 import argparse
 import os
@@ -179,6 +181,8 @@ def main():
                    "micro-batches (1, 2 or 4), in every run")
     p.add_argument("--overlap-moe-comm", action="store_true", help="also run the 2 ranks with their micro-batches "
                    "in interleaved pairs (--overlap-moe-expert-parallel-comm; needs --micro-batches 2 or 4)")
+    p.add_argument("--gloo-records", action="store_true", help="also run every 2-rank configuration with the "
+                   "agreement records and short all-reduces on gloo (as between hosts) and print the step ratio")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps (2 timed), 1 round, a 1024 peak GEMM")
     args = p.parse_args()
     if args.micro_batches not in (1, 2, 4):
@@ -207,7 +211,34 @@ def main():
                             lambda argv=argv: run_worker("moezero", argv + ["--overlap-moe-comm"])))
         systems.append((f"{dtype} h{hidden} alone",
                         lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1)))
-    print_table(configs, lone_configs, alternate(systems, args.rounds, "mfu"), peaks, args.steps, args.warmup)
+    if args.gloo_records:
+        for label, run in [(label, run) for label, run in systems if not label.endswith("alone")]:
+            flags = ["--overlap-moe-comm"] if label.endswith("overlapped") else []
+            argv = configs[_config_of(label)] + flags + ["--gloo-records"]
+            systems.append((f"{label}, gloo records", lambda argv=argv: run_worker("moezero", argv)))
+    results = alternate(systems, args.rounds, "mfu")
+    print_table(configs, lone_configs, results, peaks, args.steps, args.warmup)
+    if args.gloo_records:
+        print_gloo_records(systems, results)
+
+
+def _config_of(label):
+    dtype, hidden = label.split()[:2]
+    return dtype, int(hidden[1:])
+
+
+def print_gloo_records(systems, results):
+    """The 2-rank step with the records and short all-reduces through pipes over the same on gloo, per round."""
+    print("\n| run | step, pipes (ms) | step, gloo records (ms) | pipes / gloo records |")
+    print("|---|---|---|---|")
+    for label, _ in systems:
+        if label.endswith("alone") or label.endswith("gloo records"):
+            continue
+        pairs = [(a["step_s"], b["step_s"]) for a, b in zip(results[label], results[f"{label}, gloo records"])
+                 if "error" not in a and "error" not in b]
+        if pairs:
+            print(f"| {label} | {spread([1e3 * a for a, _ in pairs])} | {spread([1e3 * b for _, b in pairs])} | "
+                  f"{spread([a / b for a, b in pairs], 2)}x |")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def parse():
                    help="measurement only (moezero): the ranks' agreement records send no message (those riding on "
                    "the MoE exchanges stay), so a step shows what the messages cost in it; ranks that disagree are "
                    "then not caught")
+    p.add_argument("--gloo-records", action="store_true",
+                   help="measurement only (moezero): agreement records and short all-reduces on gloo, as between "
+                   "ranks on several hosts, instead of the pipes ranks on one host use (local_channel.py)")
     return p.parse_args()
 
 
@@ -173,7 +176,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     from moezero.parallel import ParallelGroups
 
-    groups = ParallelGroups.build(expert_parallel_size=args.ep)
+    groups = ParallelGroups.build(expert_parallel_size=args.ep, local_records=not args.gloo_records)
     peak = gemm_peak_flops() if args.peak else None
     model, opt = build_optimizer(args, build_model(args, groups), groups)
     if args.no_agreement_messages and agreement_of(opt) is not None:
