@@ -107,12 +107,15 @@ class LocalChannel:
 
     def close(self) -> None:
         with self._lock:
-            for fd in list(self.readers.values()) + list(self.writers.values()):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self.readers, self.writers = {}, {}
+            self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        for fd in list(self.readers.values()) + list(self.writers.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.readers, self.writers = {}, {}
 
     def _missing(self, index: int) -> List[int]:
         """Peers whose message `index` has not come and still may."""
@@ -274,13 +277,8 @@ def _default_timeout() -> datetime.timedelta:
 def _close_in_child() -> None:
     """A forked child (a data loader's worker) must not keep a peer's pipes open: its end-of-file would never come."""
     for channel in list(_open_channels):
-        for fd in list(channel.readers.values()) + list(channel.writers.values()):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        channel.readers, channel.writers = {}, {}
-        channel._lock = threading.Lock()
+        channel._lock = threading.Lock()   # another thread of the parent may have held it at the fork
+        channel._close_descriptors()
 
 
 if hasattr(os, "register_at_fork"):
