@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 _HEADER = struct.Struct("<qq")   # message index, payload bytes
 _READ_CHUNK = 1 << 16
+_NAP = 0.05   # the longest a wait blocks before looking again (seconds)
 _channels: "weakref.WeakKeyDictionary[Any, LocalChannel]" = weakref.WeakKeyDictionary()   # group -> channel
 _open_channels: "weakref.WeakSet[LocalChannel]" = weakref.WeakSet()
 
@@ -54,49 +55,63 @@ class LocalChannel:
         self.readers, self.writers = readers, writers   # peer -> fd
         self.timeout = timeout.total_seconds()
         self.posted = 0
+        self.closed = False
         self._mine: Dict[int, bytes] = {}
         self._received: Dict[int, Dict[int, bytes]] = {peer: {} for peer in readers}   # peer -> index -> payload
         self._unparsed: Dict[int, bytearray] = {peer: bytearray() for peer in readers}
-        self._gone: Dict[int, str] = {}   # peer -> why its messages stopped
+        self._gone: Dict[int, str] = {}   # peer -> why no more of its messages will come (end-of-file)
         self._lock = threading.Lock()
         _open_channels.add(self)
+        weakref.finalize(self, _close_all, readers, writers)   # a channel dropped without close()
 
     def post(self, payload: bytes) -> int:
         """Send this rank's next message to every peer; returns its index (for arrived / wait)."""
         with self._lock:
+            self._check_open()
             index = self.posted
             self.posted += 1
             self._mine[index] = payload
             frame = _HEADER.pack(index, len(payload)) + payload
-            for peer, fd in self.writers.items():
-                if peer not in self._gone:
-                    self._write(peer, fd, frame)
+            for peer in list(self.writers):
+                self._write(peer, frame)
             return index
 
     def arrived(self, index: int) -> bool:
         """Whether wait(index) would return (or raise) at once; never blocks."""
         with self._lock:
-            self._drain(list(self.readers))
+            self._check_open()
+            self._drain()
             return not self._missing(index)
 
-    def wait(self, index: int, seconds: Optional[float] = None) -> List[bytes]:
-        """Every rank's message `index`, in group rank order; ChannelError if a peer exited or `seconds` (default:
-        the group's timeout) passed. After a timeout a later wait for the same message resumes."""
+    def wait(self, index: int, seconds: Optional[float] = None, final: bool = True) -> List[bytes]:
+        """Every rank's message `index`, in group rank order. ChannelError if a peer exited or `seconds` (default:
+        the group's timeout) passed; with final=False a wait that ran out of `seconds` raises ChannelTimeout
+        instead (a watched wait's slice), and a later wait for the same message resumes."""
         deadline = time.monotonic() + (self.timeout if seconds is None else seconds)
         while True:
             with self._lock:   # not held while blocked: another thread may post or poll meanwhile
-                self._drain(list(self.readers))
+                self._check_open()
+                self._drain()
                 missing = self._missing(index)
                 if not missing:
                     return self._take(index)
-                waiting_on = [self.readers[p] for p in missing]
+                waiting_on = {self.readers[p]: select.POLLIN for p in missing}
             left = deadline - time.monotonic()
             if left <= 0:
-                if seconds is not None and seconds < self.timeout:
+                if not final:
                     raise ChannelTimeout(f"message {index} not here from rank {missing[0]} within {seconds:.3f} s")
                 raise ChannelError(f"no message {index} from rank {missing[0]} of the {self.name} within "
                                    f"the group's timeout ({self.timeout:.0f} s)")
-            _wait_for(waiting_on, select.POLLIN, left)
+            _wait_for(waiting_on, min(left, _NAP))   # a nap: another thread may have read the message meanwhile
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            _close_all(self.readers, self.writers)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ChannelError(f"the {self.name}'s pipes were closed (its process group was destroyed)")
 
     def _take(self, index: int) -> List[bytes]:
         for peer, why in self._gone.items():
@@ -105,51 +120,45 @@ class LocalChannel:
         return [self._mine.pop(index) if rank == self.me else self._received[rank].pop(index)
                 for rank in range(self.size)]
 
-    def close(self) -> None:
-        with self._lock:
-            self._close_descriptors()
-
-    def _close_descriptors(self) -> None:
-        for fd in list(self.readers.values()) + list(self.writers.values()):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.readers, self.writers = {}, {}
-
     def _missing(self, index: int) -> List[int]:
         """Peers whose message `index` has not come and still may."""
         return [p for p in self.readers if index not in self._received[p] and p not in self._gone]
 
-    def _write(self, peer: int, fd: int, frame: bytes) -> None:
-        view = memoryview(frame)
+    def _write(self, peer: int, frame: bytes) -> None:
+        """The whole frame into the peer's pipe. While it is full, read what the peers sent (they may be writing
+        to this rank just as hard); a peer that reads nothing for the group's timeout, or exited, loses its pipe:
+        closed, so that it sees end-of-file rather than a torn frame."""
+        fd, view = self.writers[peer], memoryview(frame)
         deadline = time.monotonic() + self.timeout
         while view:
             try:
                 view = view[os.write(fd, view):]
-            except BlockingIOError:   # the pipe is full: the peer is far behind
+            except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._gone[peer] = "read no message within the group's timeout"
-                    return
-                _wait_for([fd], select.POLLOUT, left)
+                    break
+                self._drain()
+                events = {r: select.POLLIN for p, r in self.readers.items() if p not in self._gone}
+                events[fd] = select.POLLOUT
+                _wait_for(events, min(left, _NAP))
             except BrokenPipeError:
-                self._gone[peer] = "exited (its end of the pipe is closed)"
-                return
+                break
+        if view:
+            os.close(self.writers.pop(peer))
 
-    def _drain(self, peers: List[int]) -> None:
-        """Read what has come from `peers`, without blocking."""
-        for peer in peers:
+    def _drain(self) -> None:
+        """Read what has come from the peers, without blocking."""
+        for peer, fd in self.readers.items():
             if peer in self._gone:
                 continue
-            fd, buffer = self.readers[peer], self._unparsed[peer]
+            buffer = self._unparsed[peer]
             while True:
                 try:
                     chunk = os.read(fd, _READ_CHUNK)
                 except BlockingIOError:
                     break
                 if not chunk:
-                    self._gone[peer] = "exited (its end of the pipe is closed)"
+                    self._gone[peer] = "exited or stopped reading (its end of the pipe is closed)"
                     break
                 buffer += chunk
                 if len(chunk) < _READ_CHUNK:
@@ -166,11 +175,21 @@ class LocalChannel:
             del buffer[:end]
 
 
-def _wait_for(fds: List[int], event: int, seconds: float) -> None:
-    """Block until one of `fds` is ready for `event` (or closed), at most `seconds`. poll, not select: a
+def _close_all(readers: Dict[int, int], writers: Dict[int, int]) -> None:
+    for fd in list(readers.values()) + list(writers.values()):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    readers.clear()
+    writers.clear()
+
+
+def _wait_for(events: Dict[int, int], seconds: float) -> None:
+    """Block until one descriptor is ready for its event (or closed), at most `seconds`. poll, not select: a
     process with many groups and files has descriptors above select's limit of 1024."""
     poller = select.poll()
-    for fd in fds:
+    for fd, event in events.items():
         poller.register(fd, event)
     poller.poll(max(1, int(seconds * 1000)))
 
@@ -213,10 +232,15 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
         ok = _each_rank_did(lambda: [_open_readers(peers, me, path, r) for path, r in zip(paths, readers)], group)
         ok = ok and _each_rank_did(lambda: [w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK)
                                                      for p in peers}) for path, w in zip(paths, writers)], group)
+    except BaseException:   # a peer died or timed out during the setup: nothing stays open
+        for r, w in zip(readers, writers):
+            _close_all(r, w)
+        raise
     finally:
-        for path in paths:   # every rank opened both ends (or gave up): the names are not needed any more
-            for p in peers:
-                _remove(path(p, me))
+        for path in paths:   # every rank opened both ends (or gave up): no name is needed any more (every
+            for sender in range(size):   # rank removes them all, in case the one that made them died)
+                for receiver in range(size):
+                    _remove(path(sender, receiver))
     channels = [LocalChannel(me, size, r, w, timeout or _default_timeout(), name)
                 for r, w, (_, name) in zip(readers, writers, named_groups)]
     if not ok:
@@ -278,7 +302,8 @@ def _close_in_child() -> None:
     """A forked child (a data loader's worker) must not keep a peer's pipes open: its end-of-file would never come."""
     for channel in list(_open_channels):
         channel._lock = threading.Lock()   # another thread of the parent may have held it at the fork
-        channel._close_descriptors()
+        channel.closed = True
+        _close_all(channel.readers, channel.writers)
 
 
 if hasattr(os, "register_at_fork"):

@@ -90,9 +90,11 @@ class _PipedCopies:
         return self.channel.arrived(self.index) or time.monotonic() >= self.deadline
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        left = self.deadline - time.monotonic()
-        seconds = left if timeout is None else min(left, timeout.total_seconds())
-        every = self.channel.wait(self.index, seconds if seconds < left else None)
+        left = max(0.0, self.deadline - time.monotonic())
+        if timeout is None or timeout.total_seconds() >= left:   # up to the group's timeout from the launch
+            every = self.channel.wait(self.index, left)
+        else:   # a slice: ChannelTimeout, and a later wait resumes
+            every = self.channel.wait(self.index, timeout.total_seconds(), final=False)
         if any(len(m) != len(every[0]) for m in every):
             raise RuntimeError(f"a short all-reduce of {self.numel} elements met a rank's of another length: the "
                                "ranks are not running the same collectives")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups, comm, local_channel
-from moezero.parallel.agreement import Agreement, RanksDisagree
+from moezero.parallel.agreement import Agreement, RanksDisagree, watched_wait
 from tests.dist_utils import run_distributed
 
 
@@ -148,8 +148,34 @@ def _short_all_reduces(out, rank):
     dist.barrier()
 
 
+def _full_pipes_and_deadlines(out, rank):
+    """Both ranks post far more than a pipe holds before waiting (small buckets all launched before any wait):
+    each reads while its writes wait for room, so both get through. A watched wait of a piped reduce whose peer
+    never comes ends at the group's timeout from its launch, not later; a closed channel says so."""
+    group = ParallelGroups.build(timeout=datetime.timedelta(seconds=10)).agreement_group()
+    channel = local_channel.of(group)
+    indices = [channel.post(bytes([rank, i % 256]) * 512) for i in range(300)]   # 300 KiB each way
+    out["full pipes"] = all(channel.wait(i) == [bytes([0, i % 256]) * 512, bytes([1, i % 256]) * 512]
+                            for i in indices)
+    groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
+    if rank == 0:   # rank 1 never joins
+        start = time.monotonic()
+        work = comm.all_reduce(torch.ones(2), groups.control, async_op=True)
+        try:
+            watched_wait(work, lambda: None)
+        except local_channel.ChannelError as exc:
+            out["deadline"] = (str(exc), time.monotonic() - start)
+    dist.barrier()
+    channel.close()
+    try:
+        channel.post(b"late")
+    except local_channel.ChannelError as exc:
+        out["closed"] = str(exc)
+
+
 def _channel_cases():
     rank, out = dist.get_rank(), {}
+    _full_pipes_and_deadlines(out, rank)
     _short_all_reduces(out, rank)
     _high_descriptors(out, rank)
     _messages_pair_by_index(out, rank)
@@ -168,6 +194,10 @@ def test_local_channel_pairs_messages_and_reports_missing_peers():
         for host in (True, False):
             assert out["channel", host] is False and out["no names left", host], (rank, host, out)
     assert results[0]["arrived early"] is False
+    for out in results:
+        assert out["full pipes"] and "pipes were closed" in out["closed"], out
+    message, waited = results[0]["deadline"]
+    assert "control group" in message and 1.9 <= waited < 3.5, (message, waited)
     for out in results:
         assert out["short piped"], out
         assert out["short values"] == {"sum": [0.1 + 0.2, 2e16, -1.0], "flag": [0.0], "max": [[1, 7]],
