@@ -7,7 +7,7 @@ silently mixes unrelated tensors. So before such a collective every rank states 
 as a short record of integers. Records travel as messages of one length that every rank sends every
 rank (its records and one flag that rides along: whether any rank has something to do, e.g. gradients
 left unreduced), on a channel that carries nothing else: the group's pipes when its ranks share a host
-(`local_channel.py`: ~0.02 ms a message), else a gloo group's all-gather (~0.5 ms). Messages pair by
+(`local_channel.py`: ~0.05 ms a message), else a gloo group's all-gather (~0.5 ms). Messages pair by
 their index, so records only ever pair with records and never abort; when
 any rank's record differs, every rank raises `RanksDisagree`, naming what it was doing and what another
 rank was doing. A record can be launched ahead and checked when it matters (`Agreement`), so a
@@ -22,13 +22,12 @@ went elsewhere finds the peer's differing record there and raises instead of wai
 from __future__ import annotations
 
 import datetime
-import struct
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import local_channel, small_reduce
+from moezero.parallel import small_reduce
 
 RECORD_LENGTH = 6
 WATCH_SLICE = datetime.timedelta(milliseconds=20)   # a watched wait checks the agreement records this often
@@ -58,8 +57,7 @@ class Agreement:
         if group is not None and dist.get_world_size(group) > 1:
             unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
             self.mine = [v for r in self.records for v in r] + unused + [int(flag)]
-            channel = local_channel.of(group)
-            self.message = _PipeMessage(channel, self.mine) if channel is not None else _GlooMessage(self.mine, group)
+            self.message = small_reduce.gather_copies(torch.tensor(self.mine, dtype=torch.int64), group)
 
     @property
     def record(self) -> List[int]:
@@ -71,9 +69,10 @@ class Agreement:
             return
         message, self.message = self.message, None
         try:
-            every = message.wait()
+            message.wait()
         except RuntimeError as exc:   # the group's timeout, or a peer that exited
             raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
+        every = message.copies.view(-1, len(self.mine)).tolist()
         self.flag_anywhere = max(row[-1] for row in every)
         mine = self.mine[:-1]
         if all(row[:-1] == mine for row in every):   # the common case: no per-record loop
@@ -87,7 +86,7 @@ class Agreement:
 
     def arrived(self) -> bool:
         """Whether check() would return at once (every rank launched this message, or it needs none)."""
-        return self.message is None or self.message.arrived()
+        return self.message is None or self.message.is_completed()
 
     def wait(self) -> None:
         """Wait without comparing (the record belongs to a pass every rank abandoned)."""
@@ -95,36 +94,6 @@ class Agreement:
         if self.message is not None:
             message, self.message = self.message, None
             message.wait()
-
-
-class _GlooMessage:
-    """One agreement message as gloo's all-gather (ranks on several hosts)."""
-
-    def __init__(self, values: List[int], group: Any):
-        self.length = len(values)
-        self.every, self.work = small_reduce.gather_copies(torch.tensor(values, dtype=torch.int64), group)
-
-    def arrived(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> List[List[int]]:
-        self.work.wait()
-        return self.every.view(-1, self.length).tolist()
-
-
-class _PipeMessage:
-    """One agreement message through the group's pipes (every rank on this host)."""
-
-    def __init__(self, channel: Any, values: List[int]):
-        self.channel = channel
-        self.format = struct.Struct(f"<{len(values)}q")
-        self.index = channel.post(self.format.pack(*values))
-
-    def arrived(self) -> bool:
-        return self.channel.arrived(self.index)
-
-    def wait(self) -> List[List[int]]:
-        return [list(self.format.unpack(payload)) for payload in self.channel.wait(self.index)]
 
 
 def _padded(record: Record) -> List[int]:

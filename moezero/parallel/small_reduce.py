@@ -1,6 +1,6 @@
 """A short all-reduce (a flag, a norm's sum of squares, the step's metrics) as every rank's copy sent to every
 rank, which then reduces the copies itself: through the group's pipes when its ranks share a host
-(`local_channel.py`: ~0.02 ms, any length), else as gloo's all-gather.
+(`local_channel.py`: ~0.05-0.1 ms, any length), else as gloo's all-gather.
 
 Why: a short all-reduce costs its rounds, not its bytes, and gloo's ring takes twice the rounds of its
 all-gather: from a few elements per rank on, gloo's all-reduce costs ~1.5-2x the CPU of this one
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,12 @@ SMALL_REDUCE_BYTES = 64 * 1024   # an all-reduce whose gathered copies (ranks x 
 _OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
 
-def gather_copies(x: torch.Tensor, group: Any) -> Tuple[torch.Tensor, Any]:
-    """(every rank's copy of the short CPU tensor `x`, flat in rank order, valid once the work completed; the
-    async work of gloo's all-gather, which reports completion as soon as it completed)."""
-    copies = torch.empty(dist.get_world_size(group) * x.numel(), dtype=x.dtype)
-    return copies, all_gather_single(copies, x.reshape(-1), group=group, async_op=True)
+def gather_copies(x: torch.Tensor, group: Any) -> Any:
+    """Every rank's copy of the short CPU tensor `x`, launched now: a work handle (is_completed, wait(timeout))
+    whose `copies`, once waited for, holds them flat in rank order; through the group's pipes when it has them
+    (`local_channel.py`), else gloo's all-gather (which reports completion as soon as it completed)."""
+    channel = local_channel.of(group)
+    return _PipedCopies(channel, x) if channel is not None else _GlooCopies(x, group)
 
 
 def reduces_small(x: torch.Tensor, group: Any, op: Any) -> bool:
@@ -52,10 +53,7 @@ class GatheredReduce:
 
     def __init__(self, x: torch.Tensor, group: Any, op: Any):
         self.x, self.op = x, op
-        channel = local_channel.of(group)
-        self.work = _PipedCopies(channel, x) if channel is not None else None
-        if self.work is None:
-            self.copies, self.work = gather_copies(x, group)
+        self.work = gather_copies(x, group)
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -64,21 +62,33 @@ class GatheredReduce:
         """Block until reduced (`timeout`: RuntimeError after it, and a later wait resumes)."""
         if self.work is None:
             return True
+        self.work.wait(timeout)
+        copies, self.work = self.work.copies, None
+        self.x.copy_(_reduced(copies.view(-1, self.x.numel()), self.op).view_as(self.x))
+        return True
+
+
+class _GlooCopies:
+    """gather_copies on gloo: its all-gather."""
+
+    def __init__(self, x: torch.Tensor, group: Any):
+        self.copies = torch.empty(dist.get_world_size(group) * x.numel(), dtype=x.dtype)
+        self.work = all_gather_single(self.copies, x.reshape(-1), group=group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if timeout is None:
             self.work.wait()
         else:
             self.work.wait(timeout)
-        if isinstance(self.work, _PipedCopies):
-            self.copies = self.work.copies
-        self.work = None
-        self.x.copy_(_reduced(self.copies.view(-1, self.x.numel()), self.op).view_as(self.x))
-        self.copies = None
         return True
 
 
 class _PipedCopies:
-    """Every rank's copy of `x` through the group's pipes, as a work handle: completed once every copy came or
-    the group's timeout passed since the launch (wait() then raises, as a gloo work's would)."""
+    """gather_copies through the group's pipes: completed once every copy came or the group's timeout passed
+    since the launch (wait() then raises, as a gloo work's would)."""
 
     def __init__(self, channel: Any, x: torch.Tensor):
         self.channel, self.dtype, self.numel = channel, x.dtype, x.numel()
