@@ -13,7 +13,8 @@ only)" row (D = 1) shows the counting sort against argsort without the row copy,
 memory-bound and, on CPU, mostly page faults of the freshly allocated output. Then it times an
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
 The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
-backward is one multiply). Times are medians over --reps runs; other processes on the machine make them noisy.
+backward is one multiply). The dispatch rows time the public ops' eager path against the same kernels
+through their torch.library custom ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from moezero.ops import _library, _loader, reference
+from moezero import ops
+from moezero.ops import _library, _loader, eager, reference
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 
@@ -274,8 +276,52 @@ def cross_entropy_rows(ext, args, device) -> List[Row]:
     return rows
 
 
-def print_op_table(rows: List[Row]) -> None:
-    print(f"{'op':28s} {'config':44s} {'compiled':>10s} {'best torch':>11s}  {'ratio':>6s}  best torch version")
+def dispatch_rows(args, device) -> List[Row]:
+    """The public ops called as a step calls them, on the eager path (ops/eager.py) against the torch.library custom
+    ops (what torch.compile traces): the MoE round trip (permute, combine, forward + backward) at a small rank's
+    share and the gradient staging of a layer's worth of small tensors, where the per-call cost shows."""
+    def custom_ops(fn):
+        def run():
+            applies, eager.applies = eager.applies, lambda *tensors: False
+            try:
+                return fn()
+            finally:
+                eager.applies = applies
+        return run
+
+    rows = []
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        for T, D, E in ((256, 256, 4), (2048, 1024, 8)):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(T, D, generator=g).to(device, dtype).requires_grad_()
+            w = torch.rand(T, args.topk, generator=g).to(device, dtype).requires_grad_()
+            ids = routing(T, args.topk, E, device)
+
+            def round_trip():
+                x.grad = w.grad = None
+                x_ND, _, row_map = ops.permute_tokens(x, ids, E)
+                out = ops.unpermute_combine(x_ND * 2, row_map, w)
+                out.sum().backward()
+                return out.detach(), x.grad, w.grad
+            for got, want in zip(round_trip(), custom_ops(round_trip)()):
+                assert torch.equal(got, want)
+            timed = median_ms({"eager": round_trip, "custom op": custom_ops(round_trip)}, args.reps, device)
+            rows.append(("permute+combine fwd+bwd", f"{dname} T={T} D={D} E={E} k={args.topk}", timed["eager"],
+                         "custom op", timed["custom op"]))
+        grads = [torch.randn(n, device=device).to(dtype) for n in (256 * 768, 768, 256 * 256, 256, 256, 256) * 4]
+        flat = torch.zeros(sum(t.numel() for t in grads), device=device)
+        offsets = [sum(t.numel() for t in grads[:i]) for i in range(len(grads))]
+        # one call per tensor: what each call costs beyond its kernel
+        per_param = lambda: [ops.flatten_into(flat, [t], [o], accumulate=True) for t, o in zip(grads, offsets)]
+        timed = median_ms({"eager": per_param, "custom op": custom_ops(per_param)}, args.reps, device)
+        rows.append(("flatten_into, one per param", f"{dname} {len(grads)} tensors, {flat.numel()} elements",
+                     timed["eager"], "custom op", timed["custom op"]))
+    return rows
+
+
+def print_op_table(rows: List[Row], ours: str = "compiled", theirs: str = "best torch") -> None:
+    print(f"{'op':28s} {'config':44s} {ours:>10s} {theirs:>11s}  {'ratio':>6s}  {theirs} version")
     for op, cfg, ms, name, best_ms in rows:
         print(f"{op:28s} {cfg:44s} {ms:8.2f}ms {best_ms:9.2f}ms  {best_ms / ms:5.2f}x  {name}")
 
@@ -338,7 +384,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
     p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu", "cross_entropy"), help="time one op family only")
+    p.add_argument("--only", choices=("routing", "bucket", "gelu", "cross_entropy", "dispatch"), help="time one op family only")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -359,7 +405,11 @@ def main(argv=None) -> int:
         rows += gelu_rows(ext, args, args.device)
     if args.only in (None, "cross_entropy"):
         rows += cross_entropy_rows(ext, args, args.device)
-    print_op_table(rows)
+    if rows:
+        print_op_table(rows)
+    if args.only in (None, "dispatch"):
+        print("\nThe eager path (ops/eager.py) against the same kernels through the torch.library custom ops:")
+        print_op_table(dispatch_rows(args, args.device), "eager", "custom op")
     if not args.skip_layer:
         layer_step_ms(args, args.device)
     return 0

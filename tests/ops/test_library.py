@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moezero import ops
-from moezero.ops import _library
+from moezero.ops import _library, eager
 from tests.ops.helpers import CASES, Case, bucket_tensors, make_ids, offsets_of, rand
 
 ALL_OPS = frozenset(_library.OPS)
@@ -62,6 +62,41 @@ def test_compiled_and_reference_paths_agree(monkeypatch, cpu_ext):
         results.append((out.detach(), x.grad, w.grad))
     for got, want in zip(*results):  # fp32 dot products of rows scaled up to N: summation order shows
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_eager_path_and_custom_ops_give_the_same_bits(backend, monkeypatch):
+    """ops.* call the kernels directly in eager mode (ops/eager.py); the custom ops are what torch.compile sees."""
+    case = Case(60, 2, 4, 16, drop=0.2)
+    ids = make_ids(case)
+    tensors = [t for t in bucket_tensors() if t.dtype != torch.float64]
+    offsets, size = offsets_of(tensors)
+    results = []
+    for take_eager in (True, False):
+        monkeypatch.setattr(eager, "applies", lambda *tensors, take=take_eager: take)
+        x = rand((case.T, case.D), torch.bfloat16, "cpu", 0).requires_grad_()
+        w = rand((case.T, case.K), torch.float32, "cpu", 1).requires_grad_()
+        out = moe_like(x, w, ids, case.E)
+        out.backward(torch.ones_like(out))
+        flat = torch.zeros(size)
+        version = flat._version
+        ops.flatten_into(flat, tensors, offsets, scale=0.5)
+        ops.flatten_into(flat, tensors, offsets, scale=3.0, accumulate=True)
+        assert flat._version > version   # a mutation autograd can see, on both paths
+        results.append((out.detach(), x.grad, w.grad, flat, ops.sum_of_squares([flat, *tensors])))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_eager_path_only_for_plain_tensors_outside_compile():
+    plain = torch.randn(3)
+    assert eager.applies(plain, None, torch.zeros(2, dtype=torch.int64))
+    assert not eager.applies(plain, torch.empty(3, device="meta"))
+    assert not eager.applies(torch.nn.Parameter(plain))
+    with FakeTensorMode() as mode:
+        assert not eager.applies(mode.from_tensor(plain))
+    seen = []
+    torch.compile(lambda t: seen.append(eager.applies(t)) or t + 1, backend="eager")(plain)
+    assert seen == [False]
 
 
 def test_opcheck(backend):
