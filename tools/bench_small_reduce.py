@@ -8,7 +8,8 @@ moezero's over gloo's, median [min-max] over the rounds; moezero's on gloo (rank
 pipes (ranks on one host: the dp and control groups' short all-reduces, `local_channel.py`). Then, for the agreement message, the all-gather it
 travels as against point-to-point sends and receives with every peer (not used by moezero). Last, a whole
 agreement message (`Agreement(...).check()`, records compared) on gloo, as between hosts, against the pipes
-ranks on one host use (`local_channel.py`). Docs: docs/benchmarks.md#small-reduce.
+ranks on one host use (`local_channel.py`), and the MoE layers' count exchange the same two ways.
+Docs: docs/benchmarks.md#small-reduce.
 """
 import argparse
 import os
@@ -100,6 +101,19 @@ def _agreement_transports(group, world, rounds, calls):
     return found
 
 
+def _count_exchanges(group, piped, world, rounds, calls):
+    """The MoE layer's count exchange (comm.launch_exchange_counts: each rank's row per expert-parallel peer, a
+    record riding along) on gloo's all-to-all (ranks on several hosts) and through the pipes (one host)."""
+    table = torch.arange(world * 10, dtype=torch.int64).view(world, 10)   # 4 local experts' counts + a record
+    systems = [("gloo", lambda: comm.launch_exchange_counts(table, group).wait()),
+               ("pipes", lambda: comm.launch_exchange_counts(table, piped).wait())]
+    found = {name: [] for name, _ in systems}
+    for index in range(rounds):
+        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
+            found[name].append(_per_call(run, calls, group))
+    return found
+
+
 def _worker(rank, world, port, rounds, calls, queue):
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -121,8 +135,9 @@ def _worker(rank, world, port, rounds, calls, queue):
         rows.append((label, found))
     transports = _transports(group, world, rounds, calls)
     agreements = _agreement_transports(group, world, rounds, calls)
+    counts = _count_exchanges(group, piped, world, rounds, calls)
     if rank == 0:
-        queue.put((rows, transports, agreements))
+        queue.put((rows, transports, agreements, counts))
     dist.destroy_process_group()
 
 
@@ -139,7 +154,7 @@ def main():
     print(f"{args.ranks} ranks, {args.rounds} alternating rounds of {args.calls} MAX all-reduces; rank 0, ms per call")
     print("| message | gloo CPU | moezero CPU | moezero / gloo CPU | gloo wall | moezero wall | moezero / gloo wall |")
     print("|---|---|---|---|---|---|---|")
-    rows, transports, agreements = queue.get()
+    rows, transports, agreements, counts = queue.get()
     for label, found in rows:
         print(_row(label, found["gloo"], found["moezero"]))
     print("\nThe same, ranks on one host: moezero's through pipes (local_channel.py) against gloo's own")
@@ -156,6 +171,10 @@ def main():
     print("| message | gloo CPU | pipes CPU | pipes / gloo CPU | gloo wall | pipes wall | pipes / gloo wall |")
     print("|---|---|---|---|---|---|---|")
     print(_row("Agreement([record]).check()", agreements["gloo"], agreements["pipes"]))
+    print("\nThe MoE layers' count exchange (a rank x 10 int64 table): gloo's all-to-all against the pipes (one host)")
+    print("| message | gloo CPU | pipes CPU | pipes / gloo CPU | gloo wall | pipes wall | pipes / gloo wall |")
+    print("|---|---|---|---|---|---|---|")
+    print(_row("comm.launch_exchange_counts(...).wait()", counts["gloo"], counts["pipes"]))
 
 
 def _row(label, base, other):

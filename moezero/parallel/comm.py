@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import peer_exchange, small_reduce
+from moezero.parallel import local_channel, peer_exchange, small_reduce
 from moezero.torch_internals import all_gather_single, reduce_scatter_single
 
 
@@ -120,6 +120,10 @@ def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
     the work (default: its own wait)."""
     if group_size(group) == 1:
         return Ready(send_counts.clone())
+    if local_channel.of(group) is not None and send_counts.device.type == "cpu":
+        # every rank on this host: each posts its whole table to the group's pipes and keeps its row of each
+        # (~0.05 ms, where gloo's all-to-all takes ~0.3 ms and its threads' CPU)
+        return _RowsOfCopies(small_reduce.gather_copies(send_counts, group), send_counts, group_rank(group), wait)
     recv = torch.empty_like(send_counts)
     work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=True)
     return _Waited(work, recv, wait)
@@ -135,6 +139,18 @@ class _Waited:
         else:
             self.how(self.work)
         return self.value
+
+
+class _RowsOfCopies(_Waited):
+    """An all-to-all of one row per rank, as every rank's copy of the whole table: row `me` of each copy."""
+
+    def __init__(self, work, sent: torch.Tensor, me: int, wait: Optional[Callable[[Any], None]]):
+        super().__init__(work, None, wait)
+        self.shape, self.me = sent.shape, me
+
+    def wait(self):
+        super().wait()
+        return self.work.copies.view(-1, *self.shape)[:, self.me].clone()
 
 
 def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):

@@ -107,7 +107,8 @@ class ParallelGroups:
         """Create the groups; every rank must call this in the same order (after init_process_group).
         `timeout`: how long a collective of any of them waits for a peer (torch's new groups do not take the
         default group's: pass the run's, e.g. --distributed-timeout-minutes). `local_records=False`: agreement
-        records and the dp and control groups' short all-reduces on gloo even when every rank is on one host."""
+        records, the dp and control groups' short all-reduces and the ep group's count exchanges on gloo even when
+        every rank is on one host."""
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
                 raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
@@ -121,6 +122,8 @@ class ParallelGroups:
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
         if local_records and dist.get_backend(control) == "gloo":   # their short all-reduces: small_reduce.py
             local_channel.connect_all([(dp, "data-parallel group"), (control, "control group")], timeout)
+            if ep is not None and dist.get_world_size(ep) > 1:   # the MoE layers' count exchanges: comm.py
+                local_channel.connect(ep, timeout, "expert-parallel group")
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)
 

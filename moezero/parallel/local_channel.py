@@ -2,7 +2,8 @@
 
 What travels here: the agreement records (`agreement.py`), a few integers that every rank states before a
 collective that pairs by order, ~10 messages a stage-3 step; and the short all-reduces of the data-parallel
-and control groups (`small_reduce.py`: the step's norm and flags, the metrics, the stop check). A whole
+and control groups (`small_reduce.py`: the step's norm and flags, the metrics, the stop check); and the
+expert-parallel group's count exchanges (`comm.launch_exchange_counts`, one per MoE layer forward). A whole
 agreement message on gloo (an all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out
 of the cores the model's work uses; through pipes ~0.05 ms of each (`tools/bench_small_reduce.py`,
 docs/benchmarks.md#small-reduce). NCCL does the same between the GPUs of one node (shared memory).

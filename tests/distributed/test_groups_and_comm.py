@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups, rank_layout
-from moezero.parallel import comm
+from moezero.parallel import comm, local_channel
 from tests.dist_utils import run_distributed
 
 
@@ -204,9 +204,25 @@ def _check_small_all_reduce(local_records):
     return sums
 
 
+def _check_count_exchange(local_records):
+    """Row j of each rank's table goes to rank j of its ep group (through the ep group's pipes on one host)."""
+    for ep in (2, 4):
+        groups = ParallelGroups.build(expert_parallel_size=ep, local_records=local_records)
+        assert (local_channel.of(groups.ep) is not None) == local_records
+        me = dist.get_rank(groups.ep)
+        table = torch.tensor([[100 * dist.get_rank() + j, j, -me] for j in range(ep)])
+        for waited_by in (None, lambda work: work.wait()):
+            got = comm.launch_exchange_counts(table, groups.ep, waited_by).wait()
+            members = rank_layout(4, ep).ep_group_of(dist.get_rank())
+            assert got.tolist() == [[100 * members[i] + me, me, -i] for i in range(ep)], (ep, got)
+        groups.destroy()
+
+
 def _check_collectives(hidden):
     _check_reduce_scatter()
     _check_all_gather()
+    for local_records in (True, False):
+        _check_count_exchange(local_records)
     sums = [_check_small_all_reduce(local_records) for local_records in (True, False)]
     assert sums[0] == sums[1]   # the pipes' sums, bit for bit gloo's
     return sums[0], _check_all_to_all(hidden)
