@@ -5,8 +5,8 @@ from typing import List
 
 AREAS = {   # area: what it covers, words of the file names that belong to it
     "zero": ("the ZeRO optimizer: buckets, stages 0-3, agreement, master weights",
-             ("zero", "partition", "rank_disagreement", "local_channel", "precision_aware", "model_copies",
-              "add_widened",
+             ("zero", "partition", "rank_disagreement", "local_channel", "local_exchange", "precision_aware",
+              "model_copies", "add_widened",
               "groups_and_comm", "harness", "frozen", "optimizer_choices")),
     "moe": ("the MoE layer: routing, dispatch, experts, load balancing, upcycling",
             ("moe", "expert", "load_balancing", "upcycling", "wgrad", "phases")),

@@ -8,7 +8,8 @@ moezero's over gloo's, median [min-max] over the rounds; moezero's on gloo (rank
 pipes (ranks on one host: the dp and control groups' short all-reduces, `local_channel.py`). Then, for the agreement message, the all-gather it
 travels as against point-to-point sends and receives with every peer (not used by moezero). Last, a whole
 agreement message (`Agreement(...).check()`, records compared) on gloo, as between hosts, against the pipes
-ranks on one host use (`local_channel.py`), and the MoE layers' count exchange the same two ways.
+ranks on one host use (`local_channel.py`), the MoE layers' count exchange the same two ways, and their token
+all-to-all on gloo against shared memory (`local_exchange.py`).
 Docs: docs/benchmarks.md#small-reduce.
 """
 import argparse
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moezero.parallel import comm, local_channel   # noqa: E402
+from moezero.parallel import comm, local_channel, local_exchange   # noqa: E402
 from moezero.parallel.agreement import Agreement   # noqa: E402
 from moezero.torch_internals import all_gather_single   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
@@ -114,6 +115,22 @@ def _count_exchanges(group, piped, world, rounds, calls):
     return found
 
 
+def _token_exchanges(group, piped, world, rounds, calls):
+    """The MoE layer's token all-to-all (comm.launch_all_to_all: 256 rows of 256 bf16 to every rank) on gloo's
+    all-to-all and through shared memory (local_exchange.py: ranks on one host)."""
+    local_exchange.connect(piped)
+    rows = torch.randn(256 * world, 256).bfloat16()
+    splits = [256] * world
+    systems = [("gloo", lambda: comm.launch_all_to_all(rows, splits, splits, group).wait()),
+               ("shared memory", lambda: comm.launch_all_to_all(rows, splits, splits, piped).wait())]
+    found = {name: [] for name, _ in systems}
+    for index in range(rounds):
+        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
+            found[name].append(_per_call(run, calls, group))
+    local_exchange.disconnect(piped)
+    return found
+
+
 def _worker(rank, world, port, rounds, calls, queue):
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -136,8 +153,9 @@ def _worker(rank, world, port, rounds, calls, queue):
     transports = _transports(group, world, rounds, calls)
     agreements = _agreement_transports(group, world, rounds, calls)
     counts = _count_exchanges(group, piped, world, rounds, calls)
+    tokens = _token_exchanges(group, piped, world, rounds, calls)
     if rank == 0:
-        queue.put((rows, transports, agreements, counts))
+        queue.put((rows, transports, agreements, counts, tokens))
     dist.destroy_process_group()
 
 
@@ -154,7 +172,7 @@ def main():
     print(f"{args.ranks} ranks, {args.rounds} alternating rounds of {args.calls} MAX all-reduces; rank 0, ms per call")
     print("| message | gloo CPU | moezero CPU | moezero / gloo CPU | gloo wall | moezero wall | moezero / gloo wall |")
     print("|---|---|---|---|---|---|---|")
-    rows, transports, agreements, counts = queue.get()
+    rows, transports, agreements, counts, tokens = queue.get()
     for label, found in rows:
         print(_row(label, found["gloo"], found["moezero"]))
     print("\nThe same, ranks on one host: moezero's through pipes (local_channel.py) against gloo's own")
@@ -175,6 +193,11 @@ def main():
     print("| message | gloo CPU | pipes CPU | pipes / gloo CPU | gloo wall | pipes wall | pipes / gloo wall |")
     print("|---|---|---|---|---|---|---|")
     print(_row("comm.launch_exchange_counts(...).wait()", counts["gloo"], counts["pipes"]))
+    print("\nThe MoE layers' token all-to-all (256 rows of 256 bf16 to every rank): gloo's against shared memory")
+    print("| message | gloo CPU | shared memory CPU | shm / gloo CPU | gloo wall | shared memory wall | "
+          "shm / gloo wall |")
+    print("|---|---|---|---|---|---|---|")
+    print(_row("comm.launch_all_to_all(...).wait()", tokens["gloo"], tokens["shared memory"]))
 
 
 def _row(label, base, other):

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import local_channel, peer_exchange, small_reduce
+from moezero.parallel import local_channel, local_exchange, peer_exchange, small_reduce
 from moezero.torch_internals import all_gather_single, reduce_scatter_single
 
 
@@ -67,15 +67,23 @@ class PendingAllToAll:
         return _WaitAllToAll.apply(rows, self)
 
 
+def _launch(out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group):
+    """The all-to-all's work: through the group's shared memory when its ranks share this host
+    (local_exchange.py), else gloo's (or NCCL's)."""
+    exchange = local_exchange.of(group)
+    if exchange is not None and sent.device.type == "cpu":
+        return exchange.launch(out, sent, output_splits, input_splits, group)
+    return dist.all_to_all_single(out, sent, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                                  group=group, async_op=True)
+
+
 class _LaunchAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending):
         ctx.pending = pending
         pending.sent = x.contiguous()
         out = x.new_empty((sum(pending.output_splits),) + tuple(x.shape[1:]))
-        pending.work = dist.all_to_all_single(out, pending.sent, output_split_sizes=pending.output_splits,
-                                              input_split_sizes=pending.input_splits, group=pending.group,
-                                              async_op=True)
+        pending.work = _launch(out, pending.sent, pending.output_splits, pending.input_splits, pending.group)
         return out
 
     @staticmethod
@@ -102,10 +110,8 @@ class _WaitAllToAll(torch.autograd.Function):
         pending = ctx.pending
         pending.grad_sent = grad_rows.contiguous()
         pending.grad_received = grad_rows.new_empty((sum(pending.input_splits),) + tuple(grad_rows.shape[1:]))
-        pending.grad_work = dist.all_to_all_single(pending.grad_received, pending.grad_sent,
-                                                   output_split_sizes=pending.input_splits,
-                                                   input_split_sizes=pending.output_splits, group=pending.group,
-                                                   async_op=True)
+        pending.grad_work = _launch(pending.grad_received, pending.grad_sent, pending.input_splits,
+                                    pending.output_splits, pending.group)
         return grad_rows, None   # its shape autograd expects; the launch's backward returns what arrives
 
 

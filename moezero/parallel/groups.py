@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
-from moezero.parallel import local_channel
+from moezero.parallel import local_channel, local_exchange
 
 Ranks = Tuple[int, ...]
 
@@ -122,8 +122,9 @@ class ParallelGroups:
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
         if local_records and dist.get_backend(control) == "gloo":   # their short all-reduces: small_reduce.py
             local_channel.connect_all([(dp, "data-parallel group"), (control, "control group")], timeout)
-            if ep is not None and dist.get_world_size(ep) > 1:   # the MoE layers' count exchanges: comm.py
+            if ep is not None and dist.get_world_size(ep) > 1:   # the MoE layers' exchanges: comm.py
                 local_channel.connect(ep, timeout, "expert-parallel group")
+                local_exchange.connect(ep)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)
 
@@ -164,6 +165,7 @@ class ParallelGroups:
         for group in (self.dp, self.ep, self.edp, self.control, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
+                local_exchange.disconnect(group)
                 local_channel.disconnect(group)
                 dist.destroy_process_group(group)
 

@@ -67,14 +67,18 @@ class LocalChannel:
 
     def post(self, payload: bytes) -> int:
         """Send this rank's next message to every peer; returns its index (for arrived / wait)."""
+        return self.post_each({rank: payload for rank in range(self.size)})
+
+    def post_each(self, payloads: Dict[int, bytes]) -> int:
+        """Send this rank's next message, payloads[peer] to each peer (payloads[me]: what wait gives as this
+        rank's own); returns its index."""
         with self._lock:
             self._check_open()
             index = self.posted
             self.posted += 1
-            self._mine[index] = payload
-            frame = _HEADER.pack(index, len(payload)) + payload
+            self._mine[index] = payloads[self.me]
             for peer in list(self.writers):
-                self._write(peer, frame)
+                self._write(peer, _HEADER.pack(index, len(payloads[peer])) + payloads[peer])
             return index
 
     def arrived(self, index: int) -> bool:
@@ -230,8 +234,8 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
     readers: List[Dict[int, int]] = [{} for _ in named_groups]
     writers: List[Dict[int, int]] = [{} for _ in named_groups]
     try:
-        ok = _each_rank_did(lambda: [_open_readers(peers, me, path, r) for path, r in zip(paths, readers)], group)
-        ok = ok and _each_rank_did(lambda: [w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK)
+        ok = each_rank_did(lambda: [_open_readers(peers, me, path, r) for path, r in zip(paths, readers)], group)
+        ok = ok and each_rank_did(lambda: [w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK)
                                                      for p in peers}) for path, w in zip(paths, writers)], group)
     except BaseException:   # a peer died or timed out during the setup: nothing stays open
         for r, w in zip(readers, writers):
@@ -241,7 +245,7 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
         for path in paths:   # every rank opened both ends (or gave up): no name is needed any more (every
             for sender in range(size):   # rank removes them all, in case the one that made them died)
                 for receiver in range(size):
-                    _remove(path(sender, receiver))
+                    remove(path(sender, receiver))
     channels = [LocalChannel(me, size, r, w, timeout or _default_timeout(), name)
                 for r, w, (_, name) in zip(readers, writers, named_groups)]
     if not ok:
@@ -265,7 +269,7 @@ def _open_readers(peers: List[int], me: int, path: Any, readers: Dict[int, int])
         readers[p] = os.open(path(p, me), os.O_RDONLY | os.O_NONBLOCK)
 
 
-def _each_rank_did(action: Any, group: Any) -> bool:
+def each_rank_did(action: Any, group: Any) -> bool:
     """Run `action` here; whether it worked on every rank (collective)."""
     try:
         action()
@@ -277,7 +281,7 @@ def _each_rank_did(action: Any, group: Any) -> bool:
     return all(every)
 
 
-def _remove(path: str) -> None:
+def remove(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

@@ -30,7 +30,8 @@ def uses_peer_exchange(group: Optional[Any]) -> bool:
     return group is not None and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 
 
-def _take_tag(group: Any) -> int:
+def take_tag(group: Any) -> int:
+    """The group's next tag (every rank takes one per exchange, in the same order)."""
     tag = _next_tags.get(group, 0)
     _next_tags[group] = (tag + 1) % _TAG_LIMIT
     return tag
@@ -55,7 +56,7 @@ class PeerExchange:
 def exchange(sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]],
              group: Any) -> PeerExchange:
     """Post every (group rank, contiguous tensor) send and receive of one exchange, with the group's next tag."""
-    tag = _take_tag(group)
+    tag = take_tag(group)
     works = [dist.irecv(t, group=group, group_src=peer, tag=tag) for peer, t in receives if t.numel()]
     works += [dist.isend(t, group=group, group_dst=peer, tag=tag) for peer, t in sends if t.numel()]
     return PeerExchange(works)

@@ -1,0 +1,237 @@
+"""The token all-to-alls between the ranks of a group that all run on one host: the bytes through shared memory,
+a notice through the group's pipes (local_channel.py).
+
+Why: gloo moves an all-to-all through the TCP stack and wakes its own threads on both ranks, ~0.3 ms of latency
+and as much CPU per exchange whatever its size, taken from the cores the model's work holds; an MoE step has
+four per MoE layer and micro-batch. Here the sender copies each peer's rows into a ring of shared memory it
+writes to that peer and posts one notice per peer (where the rows lie); the receiver, when it waits, copies them
+out and frees the space. Nothing runs in between, so the exchange costs two copies on the ranks' own threads and
+no wake-up (tools/bench_small_reduce.py, docs/benchmarks.md#small-reduce).
+
+Every rank posts one notice per exchange to every peer (also where it sends nothing), so notices pair by index as
+the exchanges pair by order. A message larger than an eighth of a ring goes as a gloo send and receive instead
+(both ends know its size, so both decide alike), as does one that finds its ring full (its receive posted when the
+notice is read). Only notices go through the pipes: a post never waits for a peer to read.
+A peer that exits closes its pipes, and a wait for its notice raises at once; one that never posts raises at the
+group's timeout (local_channel.py).
+
+Rings are built with the group's channel (`connect`, collective) in /dev/shm where it exists, their space
+reserved up front (a full /dev/shm makes `connect` give None, never a SIGBUS later), their names removed once
+every rank mapped them.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import uuid
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moezero.parallel import local_channel, peer_exchange
+
+RANK_RINGS_BYTES = 32 << 20   # a rank's rings from all its peers together (shared memory: the host's RAM) ...
+RING_BYTES = (256 << 10, 8 << 20)   # ... each ring within these bounds
+_HEADER_BYTES = 64     # the ring's shared word (how far the receiver freed), on its own cache line
+_NOTICE = struct.Struct("<qqq")   # start, end (positions in the ring's running count; start -1: no ring), bytes
+_BY_GLOO, _LATE_GLOO = -1, -2   # a notice's start when the message does not lie in the ring
+_exchanges: "weakref.WeakKeyDictionary[Any, LocalExchange]" = weakref.WeakKeyDictionary()   # group -> exchange
+
+
+class _Ring:
+    """One sender's bytes to one receiver in a shared file both map. Positions count every byte the sender ever
+    placed (a message's data lies at position % capacity, never split by the wrap); the receiver frees a
+    message's span once it copied it out, and the shared word says up to where every span was freed."""
+
+    def __init__(self, mapped: mmap.mmap, capacity: int):
+        self.mapped, self.capacity = mapped, capacity
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        self.freed_word = whole[:8].view(torch.int64)
+        self.data = whole[_HEADER_BYTES:]
+        self.head = 0                          # sender: the running count after its last message
+        self.freed_spans: Dict[int, int] = {}  # receiver: start -> end of spans copied out, not yet contiguous
+
+    def place(self, source: torch.Tensor) -> Optional[tuple]:
+        """Sender: copy `source` (bytes) in; (start, end) of its span, or None when the ring has no room."""
+        n, freed = source.numel(), int(self.freed_word.item())
+        at = self.head % self.capacity
+        # to the ring's start: a message never wraps, and an empty ring starts over (the same pages stay in use)
+        skip = self.capacity - at if at and (at + n > self.capacity or (freed == self.head and n <= at)) else 0
+        if self.head + skip + n - freed > self.capacity:
+            return None
+        start, self.head = self.head, self.head + skip + n
+        offset = (self.head - n) % self.capacity
+        self.data[offset:offset + n].copy_(source)
+        return start, self.head
+
+    def take(self, start: int, end: int, n: int, into: torch.Tensor) -> None:
+        """Receiver: copy the message of span [start, end) out, then free every span now contiguous."""
+        offset = (end - n) % self.capacity
+        into.copy_(self.data[offset:offset + n])
+        self.freed_spans[start] = end
+        freed = int(self.freed_word.item())
+        while freed in self.freed_spans:
+            freed = self.freed_spans.pop(freed)
+        self.freed_word.fill_(freed)   # after the copy: the sender may now write there
+
+    def close(self) -> None:
+        self.freed_word = self.data = None
+        try:
+            self.mapped.close()
+        except BufferError:   # a tensor still views it: the mapping goes with the last view
+            pass
+
+
+class LocalExchange:
+    """The rings of this rank (group rank `me`) to and from every peer of a group, with the group's channel."""
+
+    def __init__(self, channel: local_channel.LocalChannel, outgoing: Dict[int, _Ring], incoming: Dict[int, _Ring]):
+        self.channel, self.outgoing, self.incoming = channel, outgoing, incoming
+        self.me, self.size = channel.me, channel.size
+        self.limit = min([ring.capacity for ring in outgoing.values()] or [0]) // 8
+        self.lock = threading.Lock()   # the rings' positions (a backward may run on another thread)
+
+    def launch(self, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Any) -> "LocalAllToAll":
+        """Rows x[sum(input_splits[:j]) ...] to rank j, rows from rank i into `out` (contiguous), launched."""
+        return LocalAllToAll(self, out, x, output_splits, input_splits, group)
+
+    def close(self) -> None:
+        for ring in list(self.outgoing.values()) + list(self.incoming.values()):
+            ring.close()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class LocalAllToAll:
+    """One all-to-all in flight (a work handle: is_completed, wait). Every message to a peer goes one of three
+    ways, which its notice names: through the ring (the usual), as a gloo send and receive posted now by both ends
+    (larger than the limit: both know its size), or as a gloo send posted now and a receive posted when the
+    receiver reads the notice (its ring was full). No bytes ride in the pipes, so a post never waits for a reader."""
+
+    def __init__(self, exchange: LocalExchange, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int],
+                 input_splits: Sequence[int], group: Any):
+        self.exchange, self.group, me = exchange, group, exchange.me
+        self.tag = peer_exchange.take_tag(group)   # every rank, every exchange: the tags stay paired
+        sends = [_bytes(t) for t in x.contiguous().split(list(input_splits))]
+        self.pieces = [_bytes(t) for t in out.split(list(output_splits))]
+        self.pieces[me].copy_(sends[me])
+        self.works = [dist.irecv(piece, group=group, group_src=p, tag=self.tag)
+                      for p, piece in enumerate(self.pieces) if p != me and piece.numel() > exchange.limit]
+        notices = {me: b""}
+        for p, sent in enumerate(sends):
+            if p != me:
+                notices[p] = self._send(p, sent)
+        self.keep = sends   # a gloo send reads its rows until completed
+        self.index = exchange.channel.post_each(notices)
+
+    def _send(self, peer: int, sent: torch.Tensor) -> bytes:
+        n = sent.numel()
+        span = None
+        if 0 < n <= self.exchange.limit:
+            with self.exchange.lock:
+                span = self.exchange.outgoing[peer].place(sent)
+        if span is not None:
+            return _NOTICE.pack(span[0], span[1], n)
+        if n:
+            self.works.append(dist.isend(sent, group=self.group, group_dst=peer, tag=self.tag))
+        return _NOTICE.pack(_BY_GLOO if n > self.exchange.limit else _LATE_GLOO, 0, n)
+
+    def is_completed(self) -> bool:
+        return self.exchange.channel.arrived(self.index) and all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        if self.pieces is None:
+            return True
+        every = self.exchange.channel.wait(self.index)
+        for peer, notice in enumerate(every):
+            if peer != self.exchange.me:
+                self._receive(peer, notice)
+        for work in self.works:
+            work.wait()
+        self.pieces = self.keep = self.works = None
+        return True
+
+    def _receive(self, peer: int, notice: bytes) -> None:
+        start, end, n = _NOTICE.unpack_from(notice)
+        piece = self.pieces[peer]
+        if n != piece.numel():
+            raise RuntimeError(f"an all-to-all expected {piece.numel()} bytes from rank {peer} of its group and "
+                               f"that rank sent {n}: the ranks exchanged different splits")
+        if start == _LATE_GLOO and n:
+            self.works.append(dist.irecv(piece, group=self.group, group_src=peer, tag=self.tag))
+        elif start >= 0:
+            with self.exchange.lock:
+                self.exchange.incoming[peer].take(start, end, n, piece)
+
+
+def of(group: Any) -> Optional[LocalExchange]:
+    """The exchange `connect` built for `group`, or None."""
+    return _exchanges.get(group) if group is not None else None
+
+
+def connect(group: Any) -> Optional[LocalExchange]:
+    """Collective over `group`, which has a channel (local_channel.connect): build its rings (None on every rank
+    when any rank could not)."""
+    channel = local_channel.of(group)
+    if channel is None:
+        return None
+    size, me = channel.size, channel.me
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    tokens: List[Any] = [None] * size
+    dist.all_gather_object(tokens, uuid.uuid4().hex, group=group)
+    capacity = ring_bytes(size)
+    path = lambda sender, receiver: os.path.join(folder, f"moezero-rows-{tokens[0]}-{sender}-{receiver}")
+    peers = [p for p in range(size) if p != me]
+    incoming: Dict[int, _Ring] = {}
+    outgoing: Dict[int, _Ring] = {}
+    make_incoming = lambda: incoming.update({p: _make_ring(path(p, me), capacity) for p in peers})
+    map_outgoing = lambda: outgoing.update({p: _map_ring(path(me, p), capacity) for p in peers})
+    try:
+        ok = local_channel.each_rank_did(make_incoming, group) and local_channel.each_rank_did(map_outgoing, group)
+    finally:
+        for sender in range(size):
+            for receiver in range(size):
+                local_channel.remove(path(sender, receiver))
+    exchange = LocalExchange(channel, outgoing, incoming)
+    if not ok:
+        exchange.close()
+        return None
+    _exchanges[group] = exchange
+    return exchange
+
+
+def disconnect(group: Any) -> None:
+    exchange = _exchanges.pop(group, None) if group is not None else None
+    if exchange is not None:
+        exchange.close()
+
+
+def ring_bytes(size: int) -> int:
+    """Each ring's capacity in a group of `size` ranks: RANK_RINGS_BYTES shared out, within RING_BYTES."""
+    low, high = RING_BYTES
+    return max(low, min(high, RANK_RINGS_BYTES // max(1, size - 1)))
+
+
+def _make_ring(path: str, capacity: int) -> _Ring:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, _HEADER_BYTES + capacity)   # the space now, or an error now
+        return _Ring(mmap.mmap(fd, _HEADER_BYTES + capacity), capacity)
+    finally:
+        os.close(fd)
+
+
+def _map_ring(path: str, capacity: int) -> _Ring:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return _Ring(mmap.mmap(fd, _HEADER_BYTES + capacity), capacity)
+    finally:
+        os.close(fd)
