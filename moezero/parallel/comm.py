@@ -67,6 +67,7 @@ class PendingAllToAll:
         return _WaitAllToAll.apply(rows, self)
 
 
+@torch.compiler.disable   # as launch_exchange_counts
 def _launch(out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group):
     """The all-to-all's work: through the group's shared memory when its ranks share this host
     (local_exchange.py), else gloo's (or NCCL's)."""
@@ -120,6 +121,7 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Te
     return launch_exchange_counts(send_counts, group).wait()
 
 
+@torch.compiler.disable   # a transport's messages and bytes, not graph ops: run as they are, compiled model or not
 def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
                            wait: Optional[Callable[[Any], None]] = None):
     """exchange_counts, launched: an object whose `wait()` gives the received counts. `wait`: how to wait for
@@ -154,6 +156,7 @@ class _RowsOfCopies(_Waited):
         super().__init__(work, None, wait)
         self.shape, self.me = sent.shape, me
 
+    @torch.compiler.disable
     def wait(self):
         super().wait()
         return self.work.copies.view(-1, *self.shape)[:, self.me].clone()

@@ -147,6 +147,7 @@ class LocalAllToAll:
     def is_completed(self) -> bool:
         return self.exchange.channel.arrived(self.index) and all(w.is_completed() for w in self.works)
 
+    @torch.compiler.disable   # inside a compiled model's forward or backward too: bytes, not graph ops
     def wait(self) -> bool:
         if self.pieces is None:
             return True
