@@ -120,11 +120,14 @@ class ParallelGroups:
         control = dist.new_group(list(range(world)), timeout=timeout)
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
-        if local_records and dist.get_backend(control) == "gloo":   # their short all-reduces: small_reduce.py
-            local_channel.connect_all([(dp, "data-parallel group"), (control, "control group")], timeout)
-            if ep is not None and dist.get_world_size(ep) > 1:   # the MoE layers' exchanges: comm.py
+        if local_records and dist.get_backend(control) == "gloo":
+            # the dp and control groups' short all-reduces (small_reduce.py), the ep group's exchanges (comm.py)
+            named = [(dp, "data-parallel group"), (control, "control group")]
+            wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all three
+            local_channel.connect_all(named + ([(ep, "expert-parallel group")] if wide_ep else []), timeout)
+            if not wide_ep and ep is not None and dist.get_world_size(ep) > 1:
                 local_channel.connect(ep, timeout, "expert-parallel group")
-                local_exchange.connect(ep)
+            local_exchange.connect(ep)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)
 
