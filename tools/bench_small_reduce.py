@@ -44,6 +44,15 @@ def _per_call(run, calls, group):
     return (time.process_time() - cpu) / calls * 1e3, (time.perf_counter() - wall) / calls * 1e3
 
 
+def _alternate(systems, rounds, calls, group):
+    """Each (name, run) of `systems` timed in `rounds` rounds, their order reversed every other round."""
+    found = {name: [] for name, _ in systems}
+    for index in range(rounds):
+        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
+            found[name].append(_per_call(run, calls, group))
+    return found
+
+
 class _PointToPoint:
     """One message to every peer and from every peer (isend / irecv, a tag per message), checked as the agreement
     checks its all-gather: a gloo receive reports completion only once waited for, so a waiter thread waits and
@@ -80,11 +89,7 @@ def _transports(group, world, rounds, calls):
     p2p = _PointToPoint(group)
     systems = [("all-gather", lambda: all_gather_single(every, mine, group=group, async_op=True).wait()),
                ("point-to-point", lambda: p2p.launch(mine, every).wait())]
-    found = {name: [] for name, _ in systems}
-    for index in range(rounds):
-        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
-            found[name].append(_per_call(run, calls, group))
-    return found
+    return _alternate(systems, rounds, calls, group)
 
 
 def _agreement_transports(group, world, rounds, calls):
@@ -94,10 +99,7 @@ def _agreement_transports(group, world, rounds, calls):
     record = [1, 3, 5, 7, 0, 1]
     systems = [("gloo", lambda: Agreement([record], group, str).check()),
                ("pipes", lambda: Agreement([record], piped, str).check())]
-    found = {name: [] for name, _ in systems}
-    for index in range(rounds):
-        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
-            found[name].append(_per_call(run, calls, group))
+    found = _alternate(systems, rounds, calls, group)
     local_channel.disconnect(piped)
     return found
 
@@ -108,11 +110,7 @@ def _count_exchanges(group, piped, world, rounds, calls):
     table = torch.arange(world * 10, dtype=torch.int64).view(world, 10)   # 4 local experts' counts + a record
     systems = [("gloo", lambda: comm.launch_exchange_counts(table, group).wait()),
                ("pipes", lambda: comm.launch_exchange_counts(table, piped).wait())]
-    found = {name: [] for name, _ in systems}
-    for index in range(rounds):
-        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
-            found[name].append(_per_call(run, calls, group))
-    return found
+    return _alternate(systems, rounds, calls, group)
 
 
 def _token_exchanges(group, piped, world, rounds, calls):
@@ -123,10 +121,7 @@ def _token_exchanges(group, piped, world, rounds, calls):
     splits = [256] * world
     systems = [("gloo", lambda: comm.launch_all_to_all(rows, splits, splits, group).wait()),
                ("shared memory", lambda: comm.launch_all_to_all(rows, splits, splits, piped).wait())]
-    found = {name: [] for name, _ in systems}
-    for index in range(rounds):
-        for name, run in systems if index % 2 == 0 else list(reversed(systems)):
-            found[name].append(_per_call(run, calls, group))
+    found = _alternate(systems, rounds, calls, group)
     local_exchange.disconnect(piped)
     return found
 
@@ -145,11 +140,7 @@ def _worker(rank, world, port, rounds, calls, queue):
         systems = [("gloo", lambda: dist.all_reduce(x, group=group, op=dist.ReduceOp.MAX)),
                    ("moezero", lambda: comm.all_reduce(x, group, op=dist.ReduceOp.MAX)),
                    ("moezero, pipes", lambda: comm.all_reduce(x, piped, op=dist.ReduceOp.MAX))]
-        found = {name: [] for name, _ in systems}
-        for index in range(rounds):
-            for name, run in systems if index % 2 == 0 else list(reversed(systems)):
-                found[name].append(_per_call(run, calls, group))
-        rows.append((label, found))
+        rows.append((label, _alternate(systems, rounds, calls, group)))
     transports = _transports(group, world, rounds, calls)
     agreements = _agreement_transports(group, world, rounds, calls)
     counts = _count_exchanges(group, piped, world, rounds, calls)
