@@ -17,12 +17,13 @@ group's timeout (local_channel.py).
 
 Rings are built with the group's channel (`connect`, collective) in /dev/shm where it exists, their space
 reserved up front (a full /dev/shm makes `connect` give None, never a SIGBUS later), their names removed once
-every rank mapped them.
+every rank mapped them; on x86 hosts only (see _ORDERED_STORES).
 """
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import struct
 import tempfile
 import threading
@@ -40,6 +41,9 @@ RING_BYTES = (256 << 10, 8 << 20)   # ... each ring within these bounds
 _HEADER_BYTES = 64     # the ring's shared word (how far the receiver freed), on its own cache line
 _NOTICE = struct.Struct("<qqq")   # start, end (positions in the ring's running count; start -1: no ring), bytes
 _BY_GLOO, _LATE_GLOO = -1, -2   # a notice's start when the message does not lie in the ring
+# The receiver frees a span by a plain store after its copy out, which the sender reads without a syscall between:
+# safe where a store is never seen before earlier loads (x86's total store order); elsewhere gloo.
+_ORDERED_STORES = ("x86_64", "amd64")
 _exchanges: "weakref.WeakKeyDictionary[Any, LocalExchange]" = weakref.WeakKeyDictionary()   # group -> exchange
 
 
@@ -182,7 +186,7 @@ def connect(group: Any) -> Optional[LocalExchange]:
     """Collective over `group`, which has a channel (local_channel.connect): build its rings (None on every rank
     when any rank could not)."""
     channel = local_channel.of(group)
-    if channel is None:
+    if channel is None or platform.machine().lower() not in _ORDERED_STORES:
         return None
     size, me = channel.size, channel.me
     folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
