@@ -192,6 +192,14 @@ def all_true(ok: bool, group: Optional[Any]) -> bool:
     return bool(flag.item() == 1.0)
 
 
+def _pieces_transport(group: Any, tensor: torch.Tensor):
+    """What moves a gloo group's reduce-scatter pieces and all-gather slices: its shared-memory rings when its
+    ranks share this host (local_exchange.py: copies on the ranks' own threads, where gloo's TCP path held the
+    caller for milliseconds a bucket), else point-to-point sends (peer_exchange.py). Both give a work handle."""
+    exchange = local_exchange.of(group)
+    return exchange if exchange is not None and tensor.device.type == "cpu" else peer_exchange
+
+
 def receives_pieces(group: Optional[Any]) -> bool:
     """Whether reduce_scatter_in_place on `group` receives every peer's piece into an input-sized buffer."""
     return peer_exchange.uses_peer_exchange(group)
@@ -212,7 +220,7 @@ def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op:
     n = input.numel() // size
     if receives_pieces(group):
         pieces = received if received is not None else torch.empty_like(input)
-        work = _SummedPieces(peer_exchange.scatter_pieces(input, pieces, group), pieces.view(size, n),
+        work = _SummedPieces(_pieces_transport(group, input).scatter_pieces(input, pieces, group), pieces.view(size, n),
                              input.view(size, n), dist.get_rank(group), sum_into)
         if async_op:
             return work, work.out
@@ -292,7 +300,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], 
             output.copy_(input)
         return None
     if peer_exchange.uses_peer_exchange(group) and output.is_contiguous():
-        work = peer_exchange.all_gather(output, input, group)
+        work = _pieces_transport(group, output).all_gather(output, input, group)
         if async_op:
             return work
         work.wait()

@@ -123,10 +123,23 @@ class ParallelGroups:
         if local_records and dist.get_backend(control) == "gloo":
             # the dp and control groups' short all-reduces (small_reduce.py), the ep group's exchanges (comm.py)
             named = [(dp, "data-parallel group"), (control, "control group")]
-            wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all three
-            local_channel.connect_all(named + ([(ep, "expert-parallel group")] if wide_ep else []), timeout)
+            wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all of them
+            edp_spans_world = layout.expert_parallel_size == 1
+            shared = named + ([(ep, "expert-parallel group")] if wide_ep else [])
+            # the buckets' reduce-scatters and all-gathers get a channel of their own: their notices must not pair
+            # with the group's short all-reduces, which ranks may issue in another order around them
+            buckets = [(dp, "data-parallel group's buckets")] + ([(edp, "expert data-parallel group's buckets")]
+                                                                 if edp_spans_world else [])
+            channels = local_channel.connect_all(shared + buckets, timeout, private=len(buckets))
+            for (group, _), channel in zip(buckets, channels[len(shared):]):
+                if channel is not None:
+                    local_exchange.connect(group, local_exchange.BUCKETS, channel)
             if not wide_ep and ep is not None and dist.get_world_size(ep) > 1:
                 local_channel.connect(ep, timeout, "expert-parallel group")
+            if not edp_spans_world and edp is not None and dist.get_world_size(edp) > 1:
+                channel = local_channel.connect(edp, timeout, "expert data-parallel group's buckets", private=True)
+                if channel is not None:
+                    local_exchange.connect(edp, local_exchange.BUCKETS, channel)
             local_exchange.connect(ep)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)

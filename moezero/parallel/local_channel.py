@@ -204,17 +204,19 @@ def of(group: Any) -> Optional[LocalChannel]:
     return _channels.get(group) if group is not None else None
 
 
-def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str = "group") -> Optional[LocalChannel]:
+def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str = "group",
+            private: bool = False) -> Optional[LocalChannel]:
     """Collective over `group`: build its channel when every rank is on this host and sees this temp directory
     (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for groups);
-    `name`: the group, as errors call it."""
-    return connect_all([(group, name)], timeout)[0]
+    `name`: the group, as errors call it; `private`: not registered as the group's channel (`of`), but a
+    transport's own (local_exchange.py), so that its messages never pair with the group's other ones."""
+    return connect_all([(group, name)], timeout, private=int(private))[0]
 
 
-def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None
-                ) -> List[Optional[LocalChannel]]:
+def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None,
+                private: int = 0) -> List[Optional[LocalChannel]]:
     """`connect` for several (group, name) of the same ranks in the same order, with one exchange of the hosts
-    and two of the outcome for all of them (on the first group)."""
+    and two of the outcome for all of them (on the first group); the last `private` of them are private."""
     group = named_groups[0][0]
     size, me = dist.get_world_size(group), dist.get_rank(group)
     none: List[Optional[LocalChannel]] = [None] * len(named_groups)
@@ -252,7 +254,7 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
         for channel in channels:
             channel.close()
         return none
-    for (g, _), channel in zip(named_groups, channels):
+    for (g, _), channel in zip(named_groups[:len(named_groups) - private], channels):
         _channels[g] = channel
     return list(channels)
 

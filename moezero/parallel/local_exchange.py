@@ -1,15 +1,19 @@
-"""The token all-to-alls between the ranks of a group that all run on one host: the bytes through shared memory,
-a notice through the group's pipes (local_channel.py).
+"""The exchanges between the ranks of a group that all run on one host: the bytes through shared memory, a notice
+through pipes (local_channel.py). The ep group's token all-to-alls (notices on the group's channel), and the
+dp and edp groups' ZeRO bucket reduce-scatters and all-gathers (their own rings, sized for bucket slices, and a
+private channel: their notices never pair with the group's short all-reduces).
 
 Why: gloo moves an all-to-all through the TCP stack and wakes its own threads on both ranks, ~0.3 ms of latency
 and as much CPU per exchange whatever its size, taken from the cores the model's work holds; an MoE step has
 four per MoE layer and micro-batch. Here the sender copies each peer's rows into a ring of shared memory it
 writes to that peer and posts one notice per peer (where the rows lie); the receiver, when it waits, copies them
 out and frees the space. Nothing runs in between, so the exchange costs two copies on the ranks' own threads and
-no wake-up (tools/bench_small_reduce.py, docs/benchmarks.md#small-reduce).
+no wake-up (tools/bench_small_reduce.py, docs/benchmarks.md#small-reduce). For a bucket's slices (MBs) gloo's
+TCP path is worse: posting a receive itself held the caller 1.6-4.9 ms a bucket in a bf16 step (torch.profiler's
+c10d::recv_), ~13 ms of its 100 (docs/benchmarks.md#distribution).
 
 Every rank posts one notice per exchange to every peer (also where it sends nothing), so notices pair by index as
-the exchanges pair by order. A message larger than an eighth of a ring goes as a gloo send and receive instead
+the exchanges pair by order. A message larger than a share of a ring (RingSizes) goes as a gloo send and receive instead
 (both ends know its size, so both decide alike), as does one that finds its ring full (its receive posted when the
 notice is read). Only notices go through the pipes: a post never waits for a peer to read.
 A peer that exits closes its pipes, and a wait for its notice raises at once; one that never posts raises at the
@@ -29,15 +33,34 @@ import tempfile
 import threading
 import uuid
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from moezero.parallel import local_channel, peer_exchange
 
-RANK_RINGS_BYTES = 32 << 20   # a rank's rings from all its peers together (shared memory: the host's RAM) ...
-RING_BYTES = (256 << 10, 8 << 20)   # ... each ring within these bounds
+
+@dataclass(frozen=True)
+class RingSizes:
+    """How large a group's rings are, and which messages take them."""
+
+    rank_bytes: int              # a rank's rings from all its peers together (shared memory: the host's RAM) ...
+    bounds: Tuple[int, int]      # ... each ring within these
+    largest_share: int           # a message over capacity / largest_share goes by gloo
+
+    def ring_bytes(self, size: int) -> int:
+        """Each ring's capacity in a group of `size` ranks."""
+        low, high = self.bounds
+        return max(low, min(high, self.rank_bytes // max(1, size - 1)))
+
+
+# the token all-to-alls: many messages of every size in flight (two micro-batches' layers)
+TOKENS = RingSizes(32 << 20, (256 << 10, 8 << 20), 8)
+# ZeRO's bucket reduce-scatters and all-gathers: a few slices of a bucket each (2M fp32 over 2 ranks: 4 MB)
+BUCKETS = RingSizes(32 << 20, (1 << 20, 16 << 20), 2)
+
 _HEADER_BYTES = 64     # the ring's shared word (how far the receiver freed), on its own cache line
 _NOTICE = struct.Struct("<qqq")   # start, end (positions in the ring's running count; start -1: no ring), bytes
 _BY_GLOO, _LATE_GLOO = -1, -2   # a notice's start when the message does not lie in the ring
@@ -92,22 +115,44 @@ class _Ring:
 
 
 class LocalExchange:
-    """The rings of this rank (group rank `me`) to and from every peer of a group, with the group's channel."""
+    """The rings of this rank (group rank `me`) to and from every peer of a group, with a channel for the notices
+    (the group's, or one of the exchange's own, which it closes with the rings)."""
 
-    def __init__(self, channel: local_channel.LocalChannel, outgoing: Dict[int, _Ring], incoming: Dict[int, _Ring]):
+    def __init__(self, channel: local_channel.LocalChannel, outgoing: Dict[int, _Ring], incoming: Dict[int, _Ring],
+                 largest_share: int = 8, owns_channel: bool = False):
         self.channel, self.outgoing, self.incoming = channel, outgoing, incoming
-        self.me, self.size = channel.me, channel.size
-        self.limit = min([ring.capacity for ring in outgoing.values()] or [0]) // 8
+        self.me, self.size, self.owns_channel = channel.me, channel.size, owns_channel
+        self.limit = min([ring.capacity for ring in outgoing.values()] or [0]) // largest_share
         self.lock = threading.Lock()   # the rings' positions (a backward may run on another thread)
 
     def launch(self, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                group: Any) -> "LocalAllToAll":
         """Rows x[sum(input_splits[:j]) ...] to rank j, rows from rank i into `out` (contiguous), launched."""
-        return LocalAllToAll(self, out, x, output_splits, input_splits, group)
+        sends = [_bytes(t) for t in x.contiguous().split(list(input_splits))]
+        pieces = [_bytes(t) for t in out.split(list(output_splits))]
+        pieces[self.me].copy_(sends[self.me])
+        return LocalAllToAll(self, sends, pieces, group)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> "LocalAllToAll":
+        """Rank j's `input` into slice j of the flat, contiguous `output` (input may already be this rank's
+        slice), launched (peer_exchange.all_gather's contract)."""
+        slices = output.view(-1).split(input.numel())
+        mine = slices[self.me]
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input.reshape(-1))
+        return LocalAllToAll(self, [_bytes(mine)] * self.size, [_bytes(t) for t in slices], group)
+
+    def scatter_pieces(self, input: torch.Tensor, received: torch.Tensor, group: Any) -> "LocalAllToAll":
+        """Slice j of `input` to rank j; slice me of every peer j into slice j of `received` (its own slot
+        unused), launched (peer_exchange.scatter_pieces's contract)."""
+        sends, pieces = input.view(self.size, -1), received.view(self.size, -1)
+        return LocalAllToAll(self, [_bytes(t) for t in sends], [_bytes(t) for t in pieces], group)
 
     def close(self) -> None:
         for ring in list(self.outgoing.values()) + list(self.incoming.values()):
             ring.close()
+        if self.owns_channel:
+            self.channel.close()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +165,12 @@ class LocalAllToAll:
     (larger than the limit: both know its size), or as a gloo send posted now and a receive posted when the
     receiver reads the notice (its ring was full). No bytes ride in the pipes, so a post never waits for a reader."""
 
-    def __init__(self, exchange: LocalExchange, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int],
-                 input_splits: Sequence[int], group: Any):
+    def __init__(self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any):
+        """sends[j]: the bytes for rank j; pieces[i]: where rank i's bytes go (contiguous; this rank's own entries
+        are not moved: the caller did what it needs)."""
         self.exchange, self.group, me = exchange, group, exchange.me
         self.tag = peer_exchange.take_tag(group)   # every rank, every exchange: the tags stay paired
-        sends = [_bytes(t) for t in x.contiguous().split(list(input_splits))]
-        self.pieces = [_bytes(t) for t in out.split(list(output_splits))]
-        self.pieces[me].copy_(sends[me])
+        self.pieces = pieces
         self.works = [dist.irecv(piece, group=group, group_src=p, tag=self.tag)
                       for p, piece in enumerate(self.pieces) if p != me and piece.numel() > exchange.limit]
         notices = {me: b""}
@@ -182,17 +226,22 @@ def of(group: Any) -> Optional[LocalExchange]:
     return _exchanges.get(group) if group is not None else None
 
 
-def connect(group: Any) -> Optional[LocalExchange]:
-    """Collective over `group`, which has a channel (local_channel.connect): build its rings (None on every rank
-    when any rank could not)."""
-    channel = local_channel.of(group)
+def connect(group: Any, sizes: RingSizes = TOKENS, channel: Optional[local_channel.LocalChannel] = None
+            ) -> Optional[LocalExchange]:
+    """Collective over `group`: build its rings (None on every rank when any rank could not), their notices
+    through the group's channel (local_channel.connect), or through `channel`, a private one of the group's
+    ranks that the exchange then owns (messages on it never pair with the group's other ones)."""
+    owns_channel = channel is not None
+    channel = channel or local_channel.of(group)
     if channel is None or platform.machine().lower() not in _ORDERED_STORES:
+        if owns_channel:
+            channel.close()
         return None
     size, me = channel.size, channel.me
     folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     tokens: List[Any] = [None] * size
     dist.all_gather_object(tokens, uuid.uuid4().hex, group=group)
-    capacity = ring_bytes(size)
+    capacity = sizes.ring_bytes(size)
     path = lambda sender, receiver: os.path.join(folder, f"moezero-rows-{tokens[0]}-{sender}-{receiver}")
     peers = [p for p in range(size) if p != me]
     incoming: Dict[int, _Ring] = {}
@@ -205,7 +254,7 @@ def connect(group: Any) -> Optional[LocalExchange]:
         for sender in range(size):
             for receiver in range(size):
                 local_channel.remove(path(sender, receiver))
-    exchange = LocalExchange(channel, outgoing, incoming)
+    exchange = LocalExchange(channel, outgoing, incoming, sizes.largest_share, owns_channel)
     if not ok:
         exchange.close()
         return None
@@ -219,10 +268,9 @@ def disconnect(group: Any) -> None:
         exchange.close()
 
 
-def ring_bytes(size: int) -> int:
-    """Each ring's capacity in a group of `size` ranks: RANK_RINGS_BYTES shared out, within RING_BYTES."""
-    low, high = RING_BYTES
-    return max(low, min(high, RANK_RINGS_BYTES // max(1, size - 1)))
+def ring_bytes(size: int, sizes: RingSizes = TOKENS) -> int:
+    """Each ring's capacity in a group of `size` ranks."""
+    return sizes.ring_bytes(size)
 
 
 def _make_ring(path: str, capacity: int) -> _Ring:

@@ -1,4 +1,5 @@
-"""The token all-to-alls through shared memory between ranks on one host (`moezero/parallel/local_exchange.py`):
+"""The token all-to-alls and ZeRO's bucket exchanges through shared memory between ranks on one host
+(`moezero/parallel/local_exchange.py`):
 the same bytes as gloo's all-to-all for uneven splits (empty ones too), by ring, by gloo send and receive, and by
 a receive posted late when a ring is full (with the peers busy elsewhere meanwhile: nobody waits for a reader),
 waited in any order; nothing left in /dev/shm; a peer that exits is an error at once."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import ParallelGroups, local_channel, local_exchange
+from moezero.parallel import ParallelGroups, comm, local_channel, local_exchange
 from tests.dist_utils import run_distributed
 
 
@@ -87,8 +88,62 @@ def _exchange_cases(out, rank):
     gloo.destroy()
 
 
+def _bucket_cases(out, rank):
+    """ZeRO's bucket reduce-scatters and all-gathers on the dp group: through rings of their own, the same bits as
+    the point-to-point gloo path (sums in rank order either way), with messages by ring, by gloo (over the limit)
+    and by late receive (ring full); their notices never pair with the group's short all-reduces, which the ranks
+    issue here in different orders around them."""
+    world, names = dist.get_world_size(), _names()
+    piped = ParallelGroups.build(expert_parallel_size=world)
+    gloo = ParallelGroups.build(expert_parallel_size=world, local_records=False)
+    exchange = local_exchange.of(piped.dp)
+    out["bucket rings"] = (exchange is not None and exchange.channel is not local_channel.of(piped.dp)
+                           and local_exchange.of(gloo.dp) is None and local_exchange.of(piped.edp) is None)
+    out["bucket ring kB"] = exchange.outgoing[(rank + 1) % world].capacity >> 10
+    wide = ParallelGroups.build(expert_parallel_size=1)   # experts reduced over every rank: their rings too
+    out["edp rings"] = local_exchange.of(wide.edp) is not None and local_exchange.of(wide.edp) is not exchange
+    wide.destroy()
+    equal = []
+    for limit in (exchange.limit, 256):   # 256 bytes: most messages by gloo send and receive
+        exchange.limit = limit
+        for step, (n, dtype) in enumerate([(3 * 4096, torch.float32), (3 * 1000, torch.bfloat16), (3, torch.float64)]):
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            grads = (torch.randn(n, generator=g) * 10).to(dtype)
+            got = [None, None]
+            for slot, groups in enumerate((piped, gloo)):
+                source = grads.clone()
+                if rank == 1:   # a short all-reduce on the dp group before the launch here, after it elsewhere
+                    comm.all_reduce(torch.ones(2), groups.dp)
+                work, mine = comm.reduce_scatter_in_place(source, groups.dp, async_op=True,
+                                                          sum_into=torch.empty(n // world) if dtype == torch.bfloat16
+                                                          else None)
+                if rank != 1:
+                    comm.all_reduce(torch.ones(2), groups.dp)
+                work.wait()
+                gathered = torch.empty(n, dtype=dtype)
+                comm.all_gather(gathered, mine.to(dtype), groups.dp)
+                got[slot] = (mine.clone(), gathered)
+            equal.append(torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]))
+    out["bucket equal"] = equal
+    exchange.limit = local_exchange.BUCKETS.ring_bytes(world) // local_exchange.BUCKETS.largest_share
+    ring = exchange.outgoing[(rank + 1) % world]
+    in_flight = []   # 12 reduce-scatters of 3 x 1.5 MB: the 16 MB ring fills, the rest go as late gloo receives
+    for step in range(12):
+        in_flight.append(comm.reduce_scatter_in_place(torch.full((world * 393216,), float(rank + step)), piped.dp,
+                                                      async_op=True))
+    out["bucket ring filled"] = int(ring.freed_word.item()) < ring.head - ring.capacity // 2
+    dist.barrier(gloo.dp)
+    out["bucket full ring"] = all(work.wait() and torch.equal(mine, torch.full_like(mine, float(sum(range(world))
+                                                                                                 + world * step)))
+                                  for step, (work, mine) in enumerate(in_flight))
+    piped.destroy()
+    gloo.destroy()
+    out["bucket names left"] = bool(_names() - names)
+
+
 def _cases():
     out = {}
+    _bucket_cases(out, dist.get_rank())
     _exchange_cases(out, dist.get_rank())
     return out
 
@@ -102,4 +157,7 @@ def test_local_exchange_matches_gloo_and_reports_gone_peers():
         assert out["sizes"] == [8192, 8192, 4096, 256], out["sizes"]
         assert out["equal"] == [True] * 18, out["equal"]
         assert out["ring filled"] and out["full ring"] and out["ring freed"], out
+        assert out["bucket rings"] and out["edp rings"] and out["bucket ring kB"] == 16384, out
+        assert out["bucket equal"] == [True] * 6, out["bucket equal"]
+        assert out["bucket ring filled"] and out["bucket full ring"] and not out["bucket names left"], out
     assert "rank 1" in results[0]["peer gone"] and "exited" in results[0]["peer gone"], results[0]

@@ -145,7 +145,7 @@ def test_delayed_weight_gradients_need_the_overlap():
         validate(cfg, world_size=2)
 
 
-def _live_tensors_per_step(stage, overlap, steps=6):
+def _live_tensors_per_step(stage, overlap, steps=8):
     """Python tensors alive after each training step (gc collected), the model's and optimizer's included."""
     import gc
 
@@ -158,9 +158,25 @@ def _live_tensors_per_step(stage, overlap, steps=6):
     for step in range(steps):
         train_step(model, opt, _micro_batches(step, 2), step, 7, groups.dp, overlap_moe_comm=overlap)
         gc.collect()
-        alive.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
+        pooled = _pooled_storages(opt)
+        alive.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o) and _storage(o) not in pooled))
     groups.destroy()
     return alive
+
+
+def _storage(tensor):
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:   # a tensor without storage of its own (a wrapper subclass): counted
+        return None
+
+
+def _pooled_storages(opt):
+    """The gradient staging buffers stages 2 and 3 keep for reuse (at most two buckets' worth: bounded, tested in
+    test_zero_behaviour). Not counted: how many a step leaves pooled, and the params' views each builds for the
+    buckets it served, depend on when the ranks' reductions completed against when they were polled."""
+    return {staging.tensor.untyped_storage().data_ptr() for part in opt.engine.parts
+            for buffers in getattr(part.strategy, "_pool", {}).values() for staging in buffers}
 
 
 def _live_tensors_by_run():
@@ -171,8 +187,8 @@ def _live_tensors_by_run():
 def test_training_steps_leave_no_tensors_behind():
     """A long run's memory stays flat: after the first steps, every step frees all it made (a launched
     all-to-all once kept its rows alive through its work, ~8 MB a step on the benchmarks' GPT-MoE). A leak
-    raises the count at every later step; a gloo worker thread still releasing a work that completed (its
-    tensors, for a moment) raises one step's, the baseline's too, hence the least of each window."""
+    raises the count at every later step, so the last steps' least stays above the earlier steps' most; a gloo
+    worker thread still releasing a work that completed (its tensors, for a moment) raises one step's count."""
     for by_run in run_distributed(_live_tensors_by_run, 2):
         for run, alive in by_run.items():
-            assert min(alive[4:]) <= min(alive[2:4]), (run, alive)
+            assert min(alive[5:]) <= max(alive[2:5]), (run, alive)
