@@ -23,7 +23,9 @@
 - What distributing costs: each configuration also runs one rank's share alone (one process, E / ep of the
   experts, its own micro-batch, no exchange: the same FLOPs per token and expert shapes), in the same rounds;
   its MFU is what a rank would reach without the other. With it, the busiest rank's expert rows over the mean
-  (routing imbalance, which every other rank waits for at each MoE layer's all-to-all).
+  (routing imbalance, which every other rank waits for at each MoE layer's all-to-all). The same lone share
+  also runs as two processes started at once, each alone in its world: the 2-rank step over theirs is what
+  distributing costs beyond sharing the host's cores, caches and memory.
 - With --overlap-moe-comm, a third run per configuration: the 2 ranks with their micro-batches in interleaved
   pairs (--overlap-moe-expert-parallel-comm), against the same alone run.
 - With --gloo-records, every 2-rank run also runs with the agreement records and the short all-reduces on
@@ -40,8 +42,8 @@ import torch  # noqa: E402
 
 from moezero.training.throughput import flops_per_batch, tflops_per_rank  # noqa: E402
 from moezero_gpt import moezero_configs  # noqa: E402
-from rounds import alternate, error_of, ok, spread  # noqa: E402
-from runner import run_worker  # noqa: E402
+from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from runner import run_side_by_side, run_worker  # noqa: E402
 from synthetic import common_parser, gemm_peak_flops, kernel_paths  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,7 +68,8 @@ def alone_args(hidden, dtype, steps, warmup, micro_batches=1):
 
 
 # the runs of each (dtype, hidden): their name's suffix and what the tables call them
-RUNS = {"": f"{WORLD} ranks", " overlapped": f"{WORLD} ranks, overlapped", " alone": "alone"}
+RUNS = {"": f"{WORLD} ranks", " overlapped": f"{WORLD} ranks, overlapped", " alone": "alone",
+        " side by side": f"{WORLD} alone at once"}
 
 
 def step_flops(argv, world=WORLD):
@@ -119,25 +122,30 @@ def print_table(configs, lone_configs, results, peaks, steps, warmup):
 
 def print_distribution_cost(configs, lone_configs, results, peaks):
     """The 2-rank run against one rank's share run alone: what distributing costs (the exchanges, waiting for the
-    busiest rank's experts, sharing the cores with the other rank and gloo's threads)."""
+    busiest rank's experts, sharing the cores with the other rank and gloo's threads), and that split in two by
+    the lone share run twice at once: sharing the host, and the rest."""
     print("\n| dtype | hidden | run | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
-          "| busiest rank's expert rows / mean |")
-    print("|---|---|---|---|---|---|---|")
+          f"| {WORLD} alone at once / alone | 2 ranks / {WORLD} alone at once | busiest rank's expert rows / mean |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (dtype, hidden), argv in configs.items():
-        lone = ok(results[f"{dtype} h{hidden} alone"])
+        lone = results[f"{dtype} h{hidden} alone"]
+        shared = results.get(f"{dtype} h{hidden} side by side", [])
         for suffix in ("", " overlapped"):
-            runs = ok(results.get(f"{dtype} h{hidden}{suffix}", []))
-            if not runs or not lone:
+            runs = results.get(f"{dtype} h{hidden}{suffix}", [])
+            if not ok(runs) or not ok(lone):
                 continue
-            steps = [r["step_s"] / a["step_s"] for r, a in zip(runs, lone)]
-            mfu = [g / peaks[dtype] for g in model_gflops(runs, argv)]
-            lone_mfu = [g / peaks[dtype] for g in model_gflops(lone, lone_configs[(dtype, hidden)], world=1)]
+            mfu = [g / peaks[dtype] for g in model_gflops(ok(runs), argv)]
+            lone_mfu = [g / peaks[dtype] for g in model_gflops(ok(lone), lone_configs[(dtype, hidden)], world=1)]
             print(f"| {dtype} | {hidden} | {RUNS[suffix]} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
-                  f"{spread(steps, 2)} | {spread([r['slowest_rank_expert_load'] for r in runs], 2)} |")
+                  f"{spread(ratios(runs, lone, 'step_s'), 2)} | {spread(ratios(shared, lone, 'step_s'), 2)} | "
+                  f"{spread(ratios(runs, shared, 'step_s'), 2)} | "
+                  f"{spread([r['slowest_rank_expert_load'] for r in ok(runs)], 2)} |")
     print(f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
           f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
           "rows: per MoE layer, the busiest rank's routed rows over the ranks' mean, averaged over the layers "
-          "(medians over the timed steps); the other rank waits for that excess at the layer's all-to-all.")
+          "(medians over the timed steps); the other rank waits for that excess at the layer's all-to-all. "
+          f"{WORLD} alone at once: {WORLD} such processes started together, each alone in its world (what sharing "
+          "this host's cores, caches and memory costs without any exchange); step: the mean of theirs.")
 
 
 def ms(seconds):
@@ -211,8 +219,10 @@ def main():
                             lambda argv=argv: run_worker("moezero", argv + ["--overlap-moe-comm"])))
         systems.append((f"{dtype} h{hidden} alone",
                         lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1)))
+        systems.append((f"{dtype} h{hidden} side by side",
+                        lambda a=lone_configs[(dtype, hidden)]: run_side_by_side("moezero", a, copies=WORLD)))
     if args.gloo_records:
-        for label, run in [(label, run) for label, run in systems if not label.endswith("alone")]:
+        for label, run in [(label, run) for label, run in systems if _two_ranks(label)]:
             flags = ["--overlap-moe-comm"] if label.endswith("overlapped") else []
             argv = configs[_config_of(label)] + flags + ["--gloo-records"]
             systems.append((f"{label}, gloo records", lambda argv=argv: run_worker("moezero", argv)))
@@ -220,6 +230,10 @@ def main():
     print_table(configs, lone_configs, results, peaks, args.steps, args.warmup)
     if args.gloo_records:
         print_gloo_records(systems, results)
+
+
+def _two_ranks(label):
+    return not label.endswith(("alone", "side by side"))
 
 
 def _config_of(label):
@@ -232,7 +246,7 @@ def print_gloo_records(systems, results):
     print("\n| run | step, pipes (ms) | step, gloo records (ms) | pipes / gloo records |")
     print("|---|---|---|---|")
     for label, _ in systems:
-        if label.endswith("alone") or label.endswith("gloo records"):
+        if not _two_ranks(label) or label.endswith("gloo records"):
             continue
         pairs = [(a["step_s"], b["step_s"]) for a, b in zip(results[label], results[f"{label}, gloo records"])
                  if "error" not in a and "error" not in b]

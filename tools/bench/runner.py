@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -11,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PEER_DIR = os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/moezero-peers/deepspeed"))
 DEEPSPEED_VERSION = "0.19.8"
 _port = [29700]
+_port_lock = threading.Lock()   # side-by-side runs start workers from several threads
 
 
 def deepspeed_python(install: bool = True) -> Optional[str]:
@@ -39,7 +41,9 @@ def _imports(python: str, module: str) -> bool:
 def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int = 1800,
                python: Optional[str] = None, env_extra: Optional[Dict[str, str]] = None) -> Dict:
     """Run one configuration; returns the worker's RESULT dict, or {"error": ...}."""
-    _port[0] += 1
+    with _port_lock:
+        _port[0] += 1
+        port = _port[0]
     deepspeed = system == "deepspeed"
     script = os.path.join(HERE, "deepspeed_worker.py" if deepspeed else "gpt_worker.py")
     python = python or (deepspeed_python() if deepspeed else sys.executable)
@@ -48,7 +52,7 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--master_port={_port[0]}", script] + worker_args
+           f"--master_port={port}", script] + worker_args
     if not deepspeed:
         cmd += ["--system", system]
     try:
@@ -59,6 +63,31 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     return {"error": _exception_line(proc.stdout + proc.stderr) or f"exit code {proc.returncode}"}
+
+
+def run_side_by_side(system: str, worker_args: List[str], copies: int = 2, **kwargs) -> Dict:
+    """`copies` one-process runs of the same configuration started at once (each its own world of one, sharing
+    the host's cores, caches and memory as the ranks of one run do): the first one's RESULT with `step_s` the
+    mean of theirs and each per-rank list holding every copy's value."""
+    results: List[Dict] = [{}] * copies
+
+    def run(k: int) -> None:
+        results[k] = run_worker(system, worker_args, nproc=1, **kwargs)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(copies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    merged = dict(results[0], step_s=sum(r["step_s"] for r in results) / copies,
+                  tokens_per_s=sum(r["tokens_per_s"] for r in results), side_by_side=copies)
+    for key, value in results[0].items():
+        if key.endswith("_per_rank") and isinstance(value, list):
+            merged[key] = [v for r in results for v in r[key]]
+    return merged
 
 
 _EXCEPTION = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception)\b: .*)")
