@@ -136,10 +136,8 @@ class ParallelGroups:
                     local_exchange.connect(group, local_exchange.BUCKETS, channel)
             if not wide_ep and ep is not None and dist.get_world_size(ep) > 1:
                 local_channel.connect(ep, timeout, "expert-parallel group")
-            if not edp_spans_world and edp is not None and dist.get_world_size(edp) > 1:
-                channel = local_channel.connect(edp, timeout, "expert data-parallel group's buckets", private=True)
-                if channel is not None:
-                    local_exchange.connect(edp, local_exchange.BUCKETS, channel)
+            if not edp_spans_world:
+                _connect_bucket_rings(edp, timeout, "expert data-parallel group's buckets")
             local_exchange.connect(ep)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
                    local_records=local_records)
@@ -156,8 +154,11 @@ class ParallelGroups:
                 self._lazy.update(dp=None, edp=None)
             else:
                 world = self.layout.world_size
-                self._lazy["dp"] = dist.new_group(list(range(world)), timeout=self.timeout)
-                self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank, self.timeout)
+                dp = self._lazy["dp"] = dist.new_group(list(range(world)), timeout=self.timeout)
+                edp = self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank, self.timeout)
+                if self.local_records and dist.get_backend(dp) == "gloo":   # as the buckets', when on one host
+                    _connect_bucket_rings(dp, self.timeout, "data-parallel gather group")
+                    _connect_bucket_rings(edp, self.timeout, "expert data-parallel gather group")
         return self._lazy["dp"], self._lazy["edp"]
 
     def agreement_group(self) -> Optional[Any]:
@@ -184,6 +185,16 @@ class ParallelGroups:
                 local_exchange.disconnect(group)
                 local_channel.disconnect(group)
                 dist.destroy_process_group(group)
+
+
+def _connect_bucket_rings(group: Optional[Any], timeout: Optional[datetime.timedelta], name: str) -> None:
+    """Collective over `group` (a rank's own, or None): shared-memory rings for its bucket-sized exchanges when its
+    ranks share this host, their notices on a channel of their own (local_exchange.connect)."""
+    if group is None or dist.get_world_size(group) < 2:
+        return
+    channel = local_channel.connect(group, timeout, name, private=True)
+    if channel is not None:
+        local_exchange.connect(group, local_exchange.BUCKETS, channel)
 
 
 def _new_subgroup(partition: Tuple[Ranks, ...], rank: int, timeout: Optional[datetime.timedelta] = None) -> Any:

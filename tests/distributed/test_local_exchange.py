@@ -102,6 +102,10 @@ def _bucket_cases(out, rank):
     out["bucket ring kB"] = exchange.outgoing[(rank + 1) % world].capacity >> 10
     wide = ParallelGroups.build(expert_parallel_size=1)   # experts reduced over every rank: their rings too
     out["edp rings"] = local_exchange.of(wide.edp) is not None and local_exchange.of(wide.edp) is not exchange
+    # stage 3's gather groups (made on first use): rings of their own, none between hosts' settings
+    gathers = [local_exchange.of(group) for group in wide.gather_groups()]
+    out["gather rings"] = (None not in gathers and len({id(e) for e in gathers + [exchange]}) == 3
+                           and [local_exchange.of(group) for group in gloo.gather_groups()] == [None, None])
     wide.destroy()
     equal = []
     for limit in (exchange.limit, 256):   # 256 bytes: most messages by gloo send and receive
@@ -158,6 +162,7 @@ def test_local_exchange_matches_gloo_and_reports_gone_peers():
         assert out["equal"] == [True] * 18, out["equal"]
         assert out["ring filled"] and out["full ring"] and out["ring freed"], out
         assert out["bucket rings"] and out["edp rings"] and out["bucket ring kB"] == 16384, out
+        assert out["gather rings"], out
         assert out["bucket equal"] == [True] * 6, out["bucket equal"]
         assert out["bucket ring filled"] and out["bucket full ring"] and not out["bucket names left"], out
     assert "rank 1" in results[0]["peer gone"] and "exited" in results[0]["peer gone"], results[0]
