@@ -13,7 +13,10 @@ def _cpuinfo_field(name: str) -> str:
 
 
 def cpu_model() -> str:
-    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    """The model name, with its family and model numbers (a VM's name can be as bare as "AMD EPYC")."""
+    name = _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model")
+    return f"{name} (family {family} model {model})" if family and model else name
 
 
 def bf16_units() -> List[str]:
