@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, versus_cells  # noqa: E402
+from rounds import alternate, name_machine, versus_cells  # noqa: E402
 from runner import run_worker  # noqa: E402
 from synthetic import bf16_native  # noqa: E402
 
@@ -61,6 +61,7 @@ def main():
     p.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: " + ", ".join(SIZES))
     p.add_argument("--quick", action="store_true", help="the small size, fp32, one round (a smoke test)")
     args = p.parse_args()
+    name_machine()
     sizes, dtypes = args.sizes.split(","), args.dtype.split(",")
     if args.quick:
         sizes, dtypes, args.rounds = ["small"], ["fp32"], 1

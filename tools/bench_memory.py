@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
+from rounds import name_machine  # noqa: E402
 from runner import run_worker  # noqa: E402
 from synthetic import bf16_native  # noqa: E402
 
@@ -58,6 +59,7 @@ def main():
     p.add_argument("--bf16-steps", type=int, default=None, help="default: 200 where bf16 GEMMs are native, else "
                    "30 (emulated bf16 GEMMs take many times the fp32 time)")
     args = p.parse_args()
+    name_machine()
     if args.bf16_steps is None:
         args.bf16_steps = 200 if bf16_native() else 30
     report("fp32", args.steps)

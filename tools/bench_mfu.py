@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from moezero.training.throughput import flops_per_batch, tflops_per_rank  # noqa: E402
 from moezero_gpt import moezero_configs  # noqa: E402
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, ratios, spread  # noqa: E402
 from runner import run_side_by_side, run_worker  # noqa: E402
 from synthetic import common_parser, gemm_peak_flops, kernel_paths  # noqa: E402
 
@@ -193,6 +193,7 @@ def main():
                    "agreement records and short all-reduces on gloo (as between hosts) and print the step ratio")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps (2 timed), 1 round, a 1024 peak GEMM")
     args = p.parse_args()
+    name_machine()
     if args.micro_batches not in (1, 2, 4):
         p.error(f"--micro-batches {args.micro_batches}: must be 1, 2 or 4 (it splits 4 sequences)")
     if args.overlap_moe_comm and args.micro_batches == 1:

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, ratios, spread  # noqa: E402
 from runner import HERE, REPO, deepspeed_python  # noqa: E402
 
 
@@ -69,6 +69,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-deepspeed", action="store_true")
     args = p.parse_args()
+    name_machine()
     ds = None if args.no_deepspeed else deepspeed_python()
     for title, skew in (("balanced routing (a fresh router)", 0.0), ("skewed routing (a trained router)", 0.1)):
         results = alternate(systems(args, ds, skew), args.rounds, title.split()[0])

@@ -394,8 +394,10 @@ def main(argv=None) -> int:
     if ext is None:
         print(f"the compiled extension for {args.device} is not built; nothing to compare", file=sys.stderr)
         return 1
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"median of {args.reps}")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+    from machine import describe
+
+    print(f"Machine: {describe()}; device {args.device}, threads {torch.get_num_threads()}, median of {args.reps}")
     rows = []
     if args.only in (None, "routing"):
         rows += routing_rows(ext, args, args.device)

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread, versus_cells  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, ratios, spread, versus_cells  # noqa: E402
 from runner import run_worker  # noqa: E402
 
 BASE = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--mb", "4", "--vocab", "1024",
@@ -67,6 +67,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-experts", type=int, default=128)
     args = p.parse_args()
+    name_machine()
     experts = [e for e in (4, 8, 16, 32, 64, 128) if e <= args.max_experts]
     systems = [s for e in experts for s in pair(f"E={e}", ["--experts", str(e), "--k", "2"], args.steps)]
     sweep = alternate(systems, args.rounds, "experts")

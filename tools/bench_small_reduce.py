@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moezero.parallel import comm, local_channel, local_exchange   # noqa: E402
 from moezero.parallel.agreement import Agreement   # noqa: E402
 from moezero.torch_internals import all_gather_single   # noqa: E402
+from tools.bench.machine import describe   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
 
 SIZES = [("a flag (1 x float64)", 1, torch.float64), ("an agreement message (97 x int64)", 97, torch.int64),
@@ -160,6 +161,7 @@ def main():
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(args.ranks, 29000 + os.getpid() % 1000, args.rounds, args.calls, queue),
              nprocs=args.ranks)
+    print(f"Machine: {describe()}")
     print(f"{args.ranks} ranks, {args.rounds} alternating rounds of {args.calls} MAX all-reduces; rank 0, ms per call")
     print("| message | gloo CPU | moezero CPU | moezero / gloo CPU | gloo wall | moezero wall | moezero / gloo wall |")
     print("|---|---|---|---|---|---|---|")

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, spread  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, spread  # noqa: E402
 from runner import run_worker  # noqa: E402
 
 MODELS = {  # name: worker flags
@@ -83,6 +83,7 @@ def main():
                    help="stage 3's min_unit_params (the training script's --zero-min-unit-params; 0: every "
                         "layer a unit)")
     args = p.parse_args()
+    name_machine()
     if args.quick:
         args.steps, args.rounds, args.models = 3, 2, ["small GPT-MoE hidden 64, fp32"]
     print("| model | stage 2 step (s) | stage 3 step (s) | stage 3 / stage 2 | the same, records sending no message |")

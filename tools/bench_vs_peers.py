@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, ratios, spread  # noqa: E402
 from runner import run_worker  # noqa: E402
 from synthetic import bf16_native  # noqa: E402
 
@@ -85,6 +85,7 @@ def main():
     p.add_argument("--large", action="store_true", help="also hidden 1024, seq 1024 (fp32, ep 2)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (a smoke test)")
     args = p.parse_args()
+    name_machine()
     if args.bf16_steps is None:
         args.bf16_steps = 25 if bf16_native() else 6
     if args.quick:

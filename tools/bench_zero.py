@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
 
-from rounds import alternate, error_of, ok, ratios, spread  # noqa: E402
+from rounds import alternate, error_of, name_machine, ok, ratios, spread  # noqa: E402
 from runner import run_worker  # noqa: E402
 
 MODELS = {  # name: (model flags, DeepSpeed stages that run it)
@@ -69,6 +69,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="4 steps, 2 rounds (a smoke test)")
     args = p.parse_args()
+    name_machine()
     if args.quick:
         args.steps, args.rounds = 4, 2
     for name, (model_args, ds_stages) in MODELS.items():

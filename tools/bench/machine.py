@@ -1,4 +1,5 @@
 """What a benchmark's figures ran on: the CPU's model name and its bf16 units (read from /proc/cpuinfo)."""
+import os
 import platform
 from typing import List
 
@@ -23,3 +24,11 @@ def bf16_units() -> List[str]:
     """The units that run bf16 GEMMs natively here (AVX-512 BF16, AMX); empty: bf16 is emulated."""
     flags = _cpuinfo_field("flags").split()
     return [name for name in ("avx512_bf16", "amx_bf16") if name in flags]
+
+
+def describe() -> str:
+    """One line naming the machine, printed above every benchmark's tables."""
+    import torch
+
+    return (f"{cpu_model()}, {os.cpu_count()} cores, bf16 units: {', '.join(bf16_units()) or 'none'}, "
+            f"torch {torch.__version__}")

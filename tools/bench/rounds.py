@@ -8,12 +8,26 @@ import statistics
 import sys
 from typing import Callable, Dict, List, Sequence, Tuple
 
+if __package__:   # imported as tools.bench.rounds, or with tools/bench on the path
+    from .machine import describe
+else:
+    from machine import describe
+
 System = Tuple[str, Callable[[], dict]]   # (label, run one configuration -> RESULT dict)
+_named = [False]   # whether this process printed the machine line
+
+
+def name_machine() -> None:
+    """Print the machine line once per benchmark (before its first table: every figure holds for its CPU)."""
+    if not _named[0]:
+        print(f"Machine: {describe()}", flush=True)
+        _named[0] = True
 
 
 def alternate(systems: Sequence[System], rounds: int, name: str = "") -> Dict[str, List[dict]]:
     """Run every system once per round, in forward then reverse order; results by label."""
     results: Dict[str, List[dict]] = {label: [] for label, _ in systems}
+    name_machine()
     for index in range(rounds):
         order = systems if index % 2 == 0 else list(reversed(systems))
         for label, run in order:
