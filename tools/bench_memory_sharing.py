@@ -12,6 +12,7 @@ Docs: docs/benchmarks.md#distribution.
 """
 import argparse
 import os
+import queue
 import statistics
 import sys
 import time
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moezero import ops   # noqa: E402
-from tools.bench.machine import bf16_units, cpu_model   # noqa: E402
+from tools.bench.machine import describe   # noqa: E402
 from tools.bench.rounds import spread   # noqa: E402
 
 
@@ -65,6 +66,21 @@ def worker(rank, numel, reps, rounds, barrier, results):
     results.put((rank, out))
 
 
+def _collect(results, procs):
+    """Each worker's (rank, timings); raises as soon as a worker died without sending them (no hang)."""
+    got = []
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=5))
+        except queue.Empty:
+            dead = [proc for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a worker exited with code {dead[0].exitcode} before reporting")
+    return got
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=6.9, help="millions of params (6.9: bench_mfu's lone bf16 rank)")
@@ -79,11 +95,10 @@ def main():
              for r in range(2)]
     for proc in procs:
         proc.start()
-    by_rank = dict(results.get(timeout=1800) for _ in procs)
+    by_rank = dict(_collect(results, procs))
     for proc in procs:
         proc.join(timeout=60)
-    print(f"CPU: {cpu_model()}; bf16 units: {', '.join(bf16_units()) or 'none'}; {args.params:g}M params, "
-          f"{args.rounds} rounds of {args.reps} repetitions\n")
+    print(f"Machine: {describe()}; {args.params:g}M params, {args.rounds} rounds of {args.reps} repetitions\n")
     print("| pass | alone (ms) | 2 processes at once (ms) | at once / alone |")
     print("|---|---|---|---|")
     alone = by_rank[0]
