@@ -81,6 +81,7 @@ class _Ring:
         self.freed_word = whole[:8].view(torch.int64)
         self.data = whole[_HEADER_BYTES:]
         self.head = 0                          # sender: the running count after its last message
+        self.skips: Dict[int, int] = {}        # sender: span start -> the bytes it skipped to the ring's start
         self.freed_spans: Dict[int, int] = {}  # receiver: start -> end of spans copied out, not yet contiguous
 
     def place(self, source: torch.Tensor) -> Optional[tuple]:
@@ -89,8 +90,14 @@ class _Ring:
         at = self.head % self.capacity
         # to the ring's start: a message never wraps, and an empty ring starts over (the same pages stay in use)
         skip = self.capacity - at if at and (at + n > self.capacity or (freed == self.head and n <= at)) else 0
-        if self.head + skip + n - freed > self.capacity:
+        # bytes skipped by the oldest span still held hold no data: counting them as used would leave an empty
+        # ring that started over with `at` bytes of room until that span is freed (small messages then fell to gloo)
+        if self.head + skip + n - freed > self.capacity + self.skips.get(freed, 0):
             return None
+        for old in [key for key in self.skips if key < freed]:
+            del self.skips[old]
+        if skip:
+            self.skips[self.head] = skip
         start, self.head = self.head, self.head + skip + n
         offset = (self.head - n) % self.capacity
         self.data[offset:offset + n].copy_(source)
@@ -124,6 +131,15 @@ class LocalExchange:
         self.me, self.size, self.owns_channel = channel.me, channel.size, owns_channel
         self.limit = min([ring.capacity for ring in outgoing.values()] or [0]) // largest_share
         self.lock = threading.Lock()   # the rings' positions (a backward may run on another thread)
+        # every gloo send and receive posted, with its bytes, until it completed: an exchange that a rank drops
+        # unwaited (it raised) keeps its part of the transfer, which a peer may be waiting for
+        self.unfinished: List[Tuple[Any, torch.Tensor]] = []
+
+    def hold(self, work: Any, buffer: torch.Tensor) -> Any:
+        """Keep a posted gloo `work` and its bytes alive until it completed; returns the work."""
+        with self.lock:
+            self.unfinished[:] = [(w, b) for w, b in self.unfinished if not w.is_completed()] + [(work, buffer)]
+        return work
 
     def launch(self, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
                group: Any) -> "LocalAllToAll":
@@ -162,8 +178,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class LocalAllToAll:
     """One all-to-all in flight (a work handle: is_completed, wait). Every message to a peer goes one of three
     ways, which its notice names: through the ring (the usual), as a gloo send and receive posted now by both ends
-    (larger than the limit: both know its size), or as a gloo send posted now and a receive posted when the
-    receiver reads the notice (its ring was full). No bytes ride in the pipes, so a post never waits for a reader."""
+    (larger than the limit: both know its size), or as a gloo send of a copy posted now and a receive posted when
+    the receiver reads the notice (its ring was full; the sender's wait does not wait for that send, which a peer
+    that raised before its wait never receives). No bytes ride in the pipes, so a post never waits for a reader."""
 
     def __init__(self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any):
         """sends[j]: the bytes for rank j; pieces[i]: where rank i's bytes go (contiguous; this rank's own entries
@@ -171,7 +188,7 @@ class LocalAllToAll:
         self.exchange, self.group, me = exchange, group, exchange.me
         self.tag = peer_exchange.take_tag(group)   # every rank, every exchange: the tags stay paired
         self.pieces = pieces
-        self.works = [dist.irecv(piece, group=group, group_src=p, tag=self.tag)
+        self.works = [exchange.hold(dist.irecv(piece, group=group, group_src=p, tag=self.tag), piece)
                       for p, piece in enumerate(self.pieces) if p != me and piece.numel() > exchange.limit]
         notices = {me: b""}
         for p, sent in enumerate(sends):
@@ -188,8 +205,14 @@ class LocalAllToAll:
                 span = self.exchange.outgoing[peer].place(sent)
         if span is not None:
             return _NOTICE.pack(span[0], span[1], n)
-        if n:
-            self.works.append(dist.isend(sent, group=self.group, group_dst=peer, tag=self.tag))
+        if n > self.exchange.limit:   # both ends post now: waiting for it needs nothing more of the peer
+            self.works.append(self.exchange.hold(dist.isend(sent, group=self.group, group_dst=peer, tag=self.tag),
+                                                 sent))
+        elif n:
+            # the peer posts its receive only when it waits for this exchange, which a peer that raised never does:
+            # a copy is sent, held until done, and this rank's wait does not wait for it (no deadlock)
+            copy = sent.clone()
+            self.exchange.hold(dist.isend(copy, group=self.group, group_dst=peer, tag=self.tag), copy)
         return _NOTICE.pack(_BY_GLOO if n > self.exchange.limit else _LATE_GLOO, 0, n)
 
     def is_completed(self) -> bool:
@@ -215,7 +238,8 @@ class LocalAllToAll:
             raise RuntimeError(f"an all-to-all expected {piece.numel()} bytes from rank {peer} of its group and "
                                f"that rank sent {n}: the ranks exchanged different splits")
         if start == _LATE_GLOO and n:
-            self.works.append(dist.irecv(piece, group=self.group, group_src=peer, tag=self.tag))
+            self.works.append(self.exchange.hold(dist.irecv(piece, group=self.group, group_src=peer, tag=self.tag),
+                                                 piece))
         elif start >= 0:
             with self.exchange.lock:
                 self.exchange.incoming[peer].take(start, end, n, piece)

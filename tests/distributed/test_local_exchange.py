@@ -2,7 +2,8 @@
 (`moezero/parallel/local_exchange.py`):
 the same bytes as gloo's all-to-all for uneven splits (empty ones too), by ring, by gloo send and receive, and by
 a receive posted late when a ring is full (with the peers busy elsewhere meanwhile: nobody waits for a reader),
-waited in any order; nothing left in /dev/shm; a peer that exits is an error at once."""
+waited in any order; nothing left in /dev/shm; a peer that exits is an error at once; a peer that never waits
+(it raised) leaves no sender waiting for it."""
 import glob
 import platform
 import tempfile
@@ -145,10 +146,31 @@ def _bucket_cases(out, rank):
     out["bucket names left"] = bool(_names() - names)
 
 
+def _late_send_cases(out, rank):
+    """A message that finds its ring full goes as a gloo send whose receive the peer posts when it waits: a peer
+    that raised before waiting never posts it, so the sender's own wait must not wait for that send (it did, and
+    a rank that raised mid-forward at stage 3 left its peer waiting for ever). Rank 1's ring to rank 0 is filled
+    with bytes rank 0 never reads; rank 0 launches the exchange and never waits for it."""
+    world = dist.get_world_size()
+    piped = ParallelGroups.build(expert_parallel_size=world)
+    exchange = local_exchange.of(piped.ep)
+    if rank == 1:
+        ring = exchange.outgoing[0]
+        ring.place(torch.zeros(ring.capacity, dtype=torch.uint8))
+    x = torch.full((world * 4, 2), float(rank))
+    got = torch.empty_like(x)
+    work = exchange.launch(got, x, [4] * world, [4] * world, piped.ep)
+    if rank != 0:
+        work.wait()
+        out["late send"] = all(torch.equal(part, torch.full_like(part, float(r))) for r, part in enumerate(got.split(4)))
+    dist.barrier()   # the world is torn down after (rank 1's send to rank 0 never completes)
+
+
 def _cases():
     out = {}
     _bucket_cases(out, dist.get_rank())
     _exchange_cases(out, dist.get_rank())
+    _late_send_cases(out, dist.get_rank())
     return out
 
 
@@ -166,3 +188,4 @@ def test_local_exchange_matches_gloo_and_reports_gone_peers():
         assert out["bucket equal"] == [True] * 6, out["bucket equal"]
         assert out["bucket ring filled"] and out["bucket full ring"] and not out["bucket names left"], out
     assert "rank 1" in results[0]["peer gone"] and "exited" in results[0]["peer gone"], results[0]
+    assert [out.get("late send") for out in results] == [None, True, True]
