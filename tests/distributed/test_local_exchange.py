@@ -71,6 +71,7 @@ def _exchange_cases(out, rank):
         ok = ok and all(torch.equal(part, torch.full_like(part, float(r + step)))
                         for r, part in enumerate(got.split(600)))
     out["full ring"] = ok
+    dist.barrier(gloo.dp)   # the peer frees this rank's spans in its own waits (no wait here waits for it)
     out["ring freed"] = int(ring.freed_word.item()) == ring.head
     if rank == 1:   # as if it exited: its pipes close, rank 0 knows at its next wait
         local_channel.of(piped.ep).close()
@@ -186,6 +187,6 @@ def test_local_exchange_matches_gloo_and_reports_gone_peers():
         assert out["bucket rings"] and out["edp rings"] and out["bucket ring kB"] == 16384, out
         assert out["gather rings"], out
         assert out["bucket equal"] == [True] * 6, out["bucket equal"]
-        assert out["bucket full ring"] and not out["bucket names left"], out
+        assert out["bucket ring filled"] and out["bucket full ring"] and not out["bucket names left"], out
     assert "rank 1" in results[0]["peer gone"] and "exited" in results[0]["peer gone"], results[0]
     assert [out.get("late send") for out in results] == [None, True, True]
