@@ -7,7 +7,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moezero CPU kernels: permute / unpermute_combine / flatten_into / sum_of_squares / bias_gelu / "
-            "cross_entropy";
+            "grouped_bias_add / cross_entropy";
   m.def("permute", &moezero::permute, "(x_ND, counts_E, row_map_TK) sorted by expert",
         py::arg("x_TD"), py::arg("topk_ids_TK"), py::arg("num_experts"));
   m.def("unpermute_combine", &moezero::unpermute_combine, "weighted top-k sum back in token order",
@@ -21,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("y_MF"), py::arg("bias_LF"), py::arg("counts"), py::arg("tanh") = false);
   m.def("bias_gelu_backward", &moezero::bias_gelu_backward, "(grad_h, per-expert bias gradient or None)",
         py::arg("grad_a_MF"), py::arg("d_MF"), py::arg("counts"), py::arg("bias_grad"));
+  m.def("grouped_bias_add", &moezero::grouped_bias_add, "y + each row's expert bias", py::arg("y_MF"),
+        py::arg("bias_LF"), py::arg("counts"));
+  m.def("grouped_bias_grad", &moezero::grouped_bias_grad, "each expert's column sums of its rows, fp32",
+        py::arg("grad_MF"), py::arg("counts"));
   m.def("cross_entropy", &moezero::cross_entropy, "(losses_N, lse_N) in fp32", py::arg("logits_NV"),
         py::arg("labels_N"), py::arg("ignore_index"));
   m.def("cross_entropy_backward", &moezero::cross_entropy_backward, "grad_N * (softmax - one_hot)",

@@ -45,6 +45,12 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& y_MF, const std::
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_gelu_backward(
     const at::Tensor& grad_a_MF, const at::Tensor& d_MF, const std::vector<int64_t>& counts, bool bias_grad);
 
+// bias_add.cpp: y + bias[expert of the row], float32 / bfloat16 (y's and the bias's dtype alike).
+at::Tensor grouped_bias_add(const at::Tensor& y_MF, const at::Tensor& bias_LF, const std::vector<int64_t>& counts);
+
+// bias_add.cpp: each expert's bias gradient, the column sums of its rows of grad_MF, in fp32 (L, F).
+at::Tensor grouped_bias_grad(const at::Tensor& grad_MF, const std::vector<int64_t>& counts);
+
 // cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
 // labelled ignore_index has loss 0.
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,

@@ -13,8 +13,9 @@ only)" row (D = 1) shows the counting sort against argsort without the row copy,
 memory-bound and, on CPU, mostly page faults of the freshly allocated output. Then it times an
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
 The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
-backward is one multiply). The dispatch rows time the public ops' eager path against the same kernels
-through their torch.library custom ops. Times are medians over --reps runs; other processes on the machine make them noisy.
+backward is one multiply); the expert bias add rows time the one-pass add and sums against one op per expert.
+The dispatch rows time the public ops' eager path against the same kernels through their torch.library custom
+ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 
 from moezero import ops
 from moezero.ops import _library, _loader, eager, reference
+from moezero.ops.bias_add import _ExpertBiasLoop, _FusedExpertBias
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 
@@ -250,6 +252,33 @@ def gelu_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def bias_add_rows(ext, args, device) -> List[Row]:
+    """Each expert's bias on its rows (the experts' b2; b1 under SwiGLU), forward + backward, at each --experts
+    (--tokens // 8 rows spread over them), against the per-expert add and sum it replaced."""
+    if device != "cpu":
+        return []
+    rows = []
+    for dname in args.dtypes:
+        for E in args.experts:
+            g = torch.Generator().manual_seed(0)
+            y = torch.randn(args.tokens // 8, args.hidden, generator=g).to(DTYPES[dname])
+            counts = torch.randint(0, E, (y.shape[0],), generator=g).bincount(minlength=E).tolist()
+            bias, grad = torch.randn(E, args.hidden, generator=g).to(y.dtype), torch.randn_like(y)
+
+            def step(function):
+                y_in, b_in = y.clone().requires_grad_(), bias.clone().requires_grad_()
+                out = function.apply(y_in, b_in, counts)
+                out.backward(grad)
+                return out.detach(), y_in.grad, b_in.grad
+            fused, loop = (lambda: step(_FusedExpertBias)), (lambda: step(_ExpertBiasLoop))
+            for got, want in zip(fused(), loop()):   # the bias gradient sums rows in another order
+                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+            timed = median_ms({COMPILED: fused, "add and sum per expert": loop}, args.reps, device)
+            rows.append(("expert bias add fwd+bwd", f"{dname} {y.shape[0]} x {args.hidden}, E={E}", timed[COMPILED],
+                         "add and sum per expert", timed["add and sum per expert"]))
+    return rows
+
+
 def cross_entropy_rows(ext, args, device) -> List[Row]:
     """The fused token cross-entropy (--cross-entropy-loss-fusion), forward + backward, against F.cross_entropy on
     the logits widened to fp32 (the unfused loss), at each --vocab, --tokens // 8 rows."""
@@ -384,7 +413,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
     p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu", "cross_entropy", "dispatch"), help="time one op family only")
+    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "cross_entropy", "dispatch"),
+                   help="time one op family only")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -405,6 +435,8 @@ def main(argv=None) -> int:
         rows += bucket_rows(ext, args, args.device)
     if args.only in (None, "gelu"):
         rows += gelu_rows(ext, args, args.device)
+    if args.only in (None, "bias_add"):
+        rows += bias_add_rows(ext, args, args.device)
     if args.only in (None, "cross_entropy"):
         rows += cross_entropy_rows(ext, args, args.device)
     if rows:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.config import MoEConfig, expert_ffn_size
+from moezero.ops.bias_add import add_expert_bias
 from moezero.ops.gelu import bias_gelu, fused_gelu_applies
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
@@ -259,29 +260,7 @@ class GroupedExperts(nn.Module):
 
 def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:
     """Each expert's bias added to its rows (rows are grouped by expert, counts[l] of them)."""
-    if b_LF is None:
-        return y_MF
-    return _AddExpertBias.apply(y_MF, b_LF, counts)
-
-
-class _AddExpertBias(torch.autograd.Function):
-    """y + b[l] on expert l's rows, one broadcast add per expert; the bias gradient is each block's row sum (a
-    repeat_interleave of the biases would write an M x F tensor, and its backward scatter-adds it back)."""
-
-    @staticmethod
-    def forward(ctx, y_MF, b_LF, counts):
-        ctx.counts, ctx.bias_dtype = counts, b_LF.dtype
-        out = torch.empty_like(y_MF)
-        bias = b_LF.to(y_MF.dtype)
-        for l, (rows, into) in enumerate(zip(torch.split(y_MF, counts), torch.split(out, counts))):
-            torch.add(rows, bias[l], out=into)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_MF):
-        blocks = torch.split(grad_MF, ctx.counts)
-        grad_LF = torch.stack([block.sum(0, dtype=ctx.bias_dtype) for block in blocks])
-        return grad_MF, grad_LF, None
+    return y_MF if b_LF is None else add_expert_bias(y_MF, b_LF, counts)
 
 
 class DenseMLP(nn.Module):

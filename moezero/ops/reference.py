@@ -134,6 +134,19 @@ def bias_gelu_backward(grad_a_MF: torch.Tensor, d_MF: torch.Tensor, counts: Sequ
     return grad_h, sums
 
 
+def grouped_bias_add(y_MF: torch.Tensor, bias_LF: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """y + the bias of each row's expert (rows grouped by expert, counts[l] of them), in y's dtype."""
+    return y_MF + _expert_rows(bias_LF, counts)
+
+
+def grouped_bias_grad(grad_MF: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Each expert's bias gradient: the column sums of its rows of grad_MF, in fp32 (L, F)."""
+    sums = grad_MF.new_zeros(len(counts), grad_MF.shape[1], dtype=torch.float32)
+    for l, block in enumerate(grad_MF.split(list(counts))):
+        sums[l] = block.float().sum(0)
+    return sums
+
+
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(losses_N, lse_N), fp32: lse_i = log sum_j exp(x_ij), loss_i = lse_i - x_i,label_i (0 where the label is

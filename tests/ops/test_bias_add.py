@@ -1,0 +1,121 @@
+"""The experts' bias add (csrc/bias_add.cpp) against its reference and against the per-expert loop it replaces, in
+fp32 and bf16, with experts that got no rows and with 1 and 2 threads; its autograd against the loop's."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moezero.ops import bias_add, reference
+
+COUNTS = ([7, 0, 12, 1], [20], [0, 0], [3, 0, 0, 17, 5])
+WIDTH = 300   # not a multiple of a vector
+
+
+def _inputs(counts, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(sum(counts), WIDTH, generator=g) * 3).to(dtype)
+    bias = torch.randn(len(counts), WIDTH, generator=g).to(dtype)
+    return y, bias
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_add_has_the_bits_of_the_reference_and_of_the_loop(cpu_ext, num_threads, counts, dtype):
+    y, bias = _inputs(counts, dtype)
+    out = cpu_ext.grouped_bias_add(y, bias, counts)
+    assert out.dtype == dtype and out.shape == y.shape
+    assert torch.equal(out, reference.grouped_bias_add(y, bias, counts))
+    assert torch.equal(out, bias_add._ExpertBiasLoop.apply(y, bias, counts))
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_bias_gradient_is_each_experts_column_sums(cpu_ext, num_threads, counts, dtype):
+    grad = _inputs(counts, dtype, seed=1)[0]
+    sums = cpu_ext.grouped_bias_grad(grad, counts)
+    assert sums.dtype == torch.float32 and sums.shape == (len(counts), WIDTH)
+    exact = torch.stack([block.double().sum(0) for block in grad.split(counts)]) if counts else None
+    torch.testing.assert_close(sums.double(), exact, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sums, reference.grouped_bias_grad(grad, counts), rtol=1e-6, atol=1e-5)
+    torch.set_num_threads(1)   # threads split the columns: the same bits whatever their number
+    assert torch.equal(sums, cpu_ext.grouped_bias_grad(grad, counts))
+
+
+@pytest.mark.parametrize("dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)], ids=str)
+def test_autograd_matches_the_per_expert_loop(cpu_ext, dtype, bias_dtype):
+    counts = [9, 0, 30, 4]
+    y, bias = _inputs(counts, dtype, seed=2)
+    bias = bias.to(bias_dtype)
+    grad = _inputs(counts, dtype, seed=3)[0]
+    results = []
+    for function in (bias_add._FusedExpertBias, bias_add._ExpertBiasLoop):
+        y_, b_ = y.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+        out = function.apply(y_, b_, counts)
+        out.backward(grad)
+        results.append((out, y_.grad, b_.grad))
+    (out, grad_y, grad_b), (loop_out, loop_grad_y, loop_grad_b) = results
+    assert torch.equal(out, loop_out) and torch.equal(grad_y, loop_grad_y)
+    assert grad_b.dtype == bias_dtype
+    # the same sums in another order: within fp32 rounding, then each rounded to the bias's dtype
+    torch.testing.assert_close(grad_b.float(), loop_grad_b.float(),
+                               **(dict(rtol=1e-5, atol=1e-4) if bias_dtype == torch.float32 else
+                                  dict(rtol=2 ** -7, atol=1e-2)))
+
+
+def test_the_experts_take_the_kernel_where_it_applies(cpu_ext, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bias_add._FusedExpertBias, "apply", lambda *a: calls.append(a) or a[0] + 0)
+    y, bias = _inputs([2, 3], torch.float32)
+    bias_add.add_expert_bias(y, bias, [2, 3])
+    assert len(calls) == 1
+    assert not bias_add.fused_bias_add_applies(y.double())   # float64 (the HF oracles): the loop
+    bias_add.add_expert_bias(y.double(), bias.double(), [2, 3])
+    assert len(calls) == 1
+
+
+def test_a_second_derivative_goes_through_the_bias_gradient(cpu_ext):
+    """The kernel's sums build no graph: with create_graph the backward takes torch's sums, so a gradient of the
+    bias gradient is the loop's, not silently zero."""
+    counts = [3, 0, 5]
+    y, bias = _inputs(counts, torch.float32, seed=4)
+    seconds = []
+    for function in (bias_add._FusedExpertBias, bias_add._ExpertBiasLoop):
+        y_, b_ = y.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+        out = function.apply(y_, b_, counts)
+        (grad_b,) = torch.autograd.grad((out * out).sum(), b_, create_graph=True)
+        (second,) = torch.autograd.grad((grad_b * grad_b).sum(), y_)
+        seconds.append(second)
+    assert seconds[0].abs().sum() > 0
+    torch.testing.assert_close(seconds[0], seconds[1], rtol=1e-5, atol=1e-4)
+
+
+BAD_INPUTS = r"""
+import torch, moezero._C as C
+y, b = torch.randn(6, 8), torch.randn(2, 8)
+cases = {
+    "counts exceed": lambda: C.grouped_bias_add(y, b, [4, 4]),
+    "counts add up": lambda: C.grouped_bias_add(y, b, [2, 2]),
+    "bias_LF must be": lambda: C.grouped_bias_add(y, torch.randn(3, 8), [2, 4]),
+    "dtype differs": lambda: C.grouped_bias_add(y, b.bfloat16(), [2, 4]),
+    "float32 or bfloat16": lambda: C.grouped_bias_add(y.double(), b.double(), [2, 4]),
+    "contiguous 2-D": lambda: C.grouped_bias_add(y.t(), torch.randn(2, 6), [4, 4]),
+    "grad_MF must be float32": lambda: C.grouped_bias_grad(y.double(), [6]),
+    "grouped_bias_grad: counts add up": lambda: C.grouped_bias_grad(y, [1]),
+}
+for needle, call in cases.items():
+    try:
+        call()
+    except RuntimeError as exc:
+        assert needle in str(exc), (needle, str(exc))
+    else:
+        raise AssertionError(f"no error for {needle}")
+print("ok")
+"""
+
+
+def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
+    """Wrong counts, shapes or dtypes are a RuntimeError naming the problem, never a crash."""
+    out = subprocess.run([sys.executable, "-c", BAD_INPUTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
