@@ -13,7 +13,8 @@ only)" row (D = 1) shows the counting sort against argsort without the row copy,
 memory-bound and, on CPU, mostly page faults of the freshly allocated output. Then it times an
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
 The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
-backward is one multiply); the expert bias add rows time the one-pass add and sums against one op per expert.
+backward is one multiply); the expert bias add rows time the one-pass add and sums against
+the torch ops other devices run and one op per expert.
 The dispatch rows time the public ops' eager path against the same kernels through their torch.library custom
 ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
@@ -30,7 +31,7 @@ import torch
 
 from moezero import ops
 from moezero.ops import _library, _loader, eager, reference
-from moezero.ops.bias_add import _ExpertBiasLoop, _FusedExpertBias
+from moezero.ops.bias_add import _ExpertBiasOps, _FusedExpertBias
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 
@@ -252,9 +253,22 @@ def gelu_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+class _BiasPerExpert(torch.autograd.Function):
+    """What the experts did before the kernel: one broadcast add per expert, one `sum` per expert in backward."""
+
+    @staticmethod
+    def forward(ctx, y, bias, counts):
+        ctx.counts = counts
+        return torch.cat([rows + bias[l] for l, rows in enumerate(y.split(counts))])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.stack([block.sum(0) for block in grad.split(ctx.counts)]), None
+
+
 def bias_add_rows(ext, args, device) -> List[Row]:
     """Each expert's bias on its rows (the experts' b2; b1 under SwiGLU), forward + backward, at each --experts
-    (--tokens // 8 rows spread over them), against the per-expert add and sum it replaced."""
+    (--tokens // 8 rows spread over them), against the torch ops of other devices and one add and sum per expert."""
     if device != "cpu":
         return []
     rows = []
@@ -270,12 +284,15 @@ def bias_add_rows(ext, args, device) -> List[Row]:
                 out = function.apply(y_in, b_in, counts)
                 out.backward(grad)
                 return out.detach(), y_in.grad, b_in.grad
-            fused, loop = (lambda: step(_FusedExpertBias)), (lambda: step(_ExpertBiasLoop))
-            for got, want in zip(fused(), loop()):   # the bias gradient sums rows in another order
-                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
-            timed = median_ms({COMPILED: fused, "add and sum per expert": loop}, args.reps, device)
-            rows.append(("expert bias add fwd+bwd", f"{dname} {y.shape[0]} x {args.hidden}, E={E}", timed[COMPILED],
-                         "add and sum per expert", timed["add and sum per expert"]))
+            candidates = {"torch ops (no kernel, GPU)": lambda: step(_ExpertBiasOps),
+                          "add and sum per expert": lambda: step(_BiasPerExpert)}
+            for candidate in candidates.values():   # the bias gradient sums rows in another order
+                for got, want in zip(step(_FusedExpertBias), candidate()):
+                    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+            timed = median_ms({COMPILED: lambda: step(_FusedExpertBias), **candidates}, args.reps, device)
+            for name in candidates:   # a row each: the other devices' path, and what it replaced
+                rows.append(("expert bias add fwd+bwd", f"{dname} {y.shape[0]} x {args.hidden}, E={E}",
+                             timed[COMPILED], name, timed[name]))
     return rows
 
 

@@ -1,10 +1,11 @@
 """Each expert's bias added to its rows (rows grouped by expert, counts[l] of them): the experts' b2, and b1 where
 the activation is not the fused GELU (SwiGLU: GPT-OSS).
 
-On the CPU in fp32 / bf16 one kernel pass over the rows (csrc/bias_add.cpp) does it, and one the bias gradient (each
-expert's column sums, in fp32 and row order, as the fused bias-GELU's); elsewhere (a GPU, fp64: the HF oracles,
-torch.compile) one broadcast add per expert and one sum per expert. The forward's bits are the same either way
-(one rounded add); the gradient's sums differ in order (torch's `sum` is a cascade), within fp32 rounding.
+On the CPU in fp32 / bf16 one kernel pass over the rows (csrc/bias_add.cpp) does it, and one the bias gradient;
+elsewhere (a GPU, fp64: the HF oracles, torch.compile) a few torch ops whatever the number of experts (one add and
+one sum per expert were 2-4 x E ops a layer: thousands of kernel launches a step at GPT-OSS's 128 experts). Both
+give the same bits: one rounded add, and each expert's column sums in row order, in fp32 (fp64 for fp64 rows),
+as the fused bias-GELU's.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def add_expert_bias(y_MF: Tensor, b_LF: Tensor, counts: List[int]) -> Tensor:
     """y + b_LF[l] on expert l's rows, in y's dtype; differentiable in both."""
     if fused_bias_add_applies(y_MF):
         return _FusedExpertBias.apply(y_MF, b_LF, counts)
-    return _ExpertBiasLoop.apply(y_MF, b_LF, counts)
+    return _ExpertBiasOps.apply(y_MF, b_LF, counts)
 
 
 class _FusedExpertBias(torch.autograd.Function):
@@ -43,28 +44,44 @@ class _FusedExpertBias(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return grad_MF, None, None
         if torch.is_grad_enabled():   # create_graph: a graph through the sums (the kernel builds none)
-            return grad_MF, _block_sums(grad_MF, ctx.counts, ctx.bias_dtype), None
+            return grad_MF, _segment_sums(grad_MF, ctx.counts).to(ctx.bias_dtype), None
         sums = _library.kernel("grouped_bias_grad", grad_MF.device)(grad_MF.contiguous(), ctx.counts)
         return grad_MF, sums.to(ctx.bias_dtype), None
 
 
-class _ExpertBiasLoop(torch.autograd.Function):
-    """One broadcast add per expert; the bias gradient is each block's row sum (a repeat_interleave of the biases
-    would write an M x F tensor, and its backward scatter-adds it back)."""
+class _ExpertBiasOps(torch.autograd.Function):
+    """The same with torch ops, on any device: the biases repeated to the rows and added (one add, as the kernel's),
+    the gradient summed in row order (torch.segment_reduce: one thread per column and expert on CUDA, no atomics),
+    in fp32 at least."""
 
     @staticmethod
     def forward(ctx, y_MF, b_LF, counts):
         ctx.counts, ctx.bias_dtype = counts, b_LF.dtype
-        out = torch.empty_like(y_MF)
-        bias = b_LF.to(y_MF.dtype)
-        for l, (rows, into) in enumerate(zip(torch.split(y_MF, counts), torch.split(out, counts))):
-            torch.add(rows, bias[l], out=into)
-        return out
+        return y_MF + _rows_of(b_LF.to(y_MF.dtype), counts)
 
     @staticmethod
     def backward(ctx, grad_MF):
-        return grad_MF, _block_sums(grad_MF, ctx.counts, ctx.bias_dtype), None
+        if not ctx.needs_input_grad[1]:
+            return grad_MF, None, None
+        return grad_MF, _segment_sums(grad_MF, ctx.counts).to(ctx.bias_dtype), None
 
 
-def _block_sums(grad_MF: Tensor, counts: List[int], dtype: torch.dtype) -> Tensor:
-    return torch.stack([block.sum(0, dtype=dtype) for block in torch.split(grad_MF, counts)])
+def _lengths(counts: List[int], device: torch.device) -> Tensor:
+    return torch.tensor(counts, dtype=torch.int64, device=device)
+
+
+def _rows_of(b_LF: Tensor, counts: List[int]) -> Tensor:
+    """(L, F) -> (M, F): expert l's row repeated counts[l] times."""
+    return torch.repeat_interleave(b_LF, _lengths(counts, b_LF.device), dim=0, output_size=sum(counts))
+
+
+def _segment_sums(grad_MF: Tensor, counts: List[int]) -> Tensor:
+    """Each expert's column sums of its rows, in row order, in fp32 (fp64 for fp64 rows)."""
+    wide = grad_MF.to(torch.promote_types(grad_MF.dtype, torch.float32))
+    lengths = _lengths(counts, grad_MF.device)
+    if grad_MF.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager index_add_ adds the rows in order on the CPU, 10x faster there than segment_reduce (it adds
+        # with atomics on CUDA: not in a fixed order)
+        experts = torch.repeat_interleave(torch.arange(len(counts)), lengths, output_size=wide.shape[0])
+        return wide.new_zeros(len(counts), wide.shape[1]).index_add_(0, experts, wide)
+    return torch.segment_reduce(wide, "sum", lengths=lengths, axis=0)

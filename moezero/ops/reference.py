@@ -140,11 +140,9 @@ def grouped_bias_add(y_MF: torch.Tensor, bias_LF: torch.Tensor, counts: Sequence
 
 
 def grouped_bias_grad(grad_MF: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """Each expert's bias gradient: the column sums of its rows of grad_MF, in fp32 (L, F)."""
-    sums = grad_MF.new_zeros(len(counts), grad_MF.shape[1], dtype=torch.float32)
-    for l, block in enumerate(grad_MF.split(list(counts))):
-        sums[l] = block.float().sum(0)
-    return sums
+    """Each expert's bias gradient: the column sums of its rows of grad_MF, in row order, in fp32 (L, F)."""
+    lengths = torch.tensor(list(counts), dtype=torch.int64, device=grad_MF.device)
+    return torch.segment_reduce(grad_MF.float(), "sum", lengths=lengths, axis=0)
 
 
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
