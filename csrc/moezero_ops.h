@@ -51,6 +51,15 @@ at::Tensor grouped_bias_add(const at::Tensor& y_MF, const at::Tensor& bias_LF, c
 // bias_add.cpp: each expert's bias gradient, the column sums of its rows of grad_MF, in fp32 (L, F).
 at::Tensor grouped_bias_grad(const at::Tensor& grad_MF, const std::vector<int64_t>& counts);
 
+// rms_norm.cpp: (y_NH, rstd_N fp32) of RMSNorm over the rows of x_NH, float32 / bfloat16, optional weight_H.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_NH, const std::optional<at::Tensor>& weight_H,
+                                            double eps);
+
+// rms_norm.cpp: (grad_x_NH, grad_weight_H in fp32 when weight_grad, else None) from the forward's rstd_N.
+std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_backward(
+    const at::Tensor& grad_NH, const at::Tensor& x_NH, const at::Tensor& rstd_N,
+    const std::optional<at::Tensor>& weight_H, bool weight_grad);
+
 // cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
 // labelled ignore_index has loss 0.
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,

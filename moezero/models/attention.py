@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from moezero.config import GPTConfig
 from moezero.keyed_random import SampleKeys, keyed_dropout
 from moezero.models.rope import Rotary, yarn_of
+from moezero.ops.rms_norm import rms_norm
 
 
 def recomputing(module: nn.Module) -> bool:
@@ -29,7 +30,7 @@ def norm_layer(config: GPTConfig, size: Optional[int] = None) -> nn.Module:
     --apply-layernorm-1p)."""
     size = config.hidden_size if size is None else size
     if config.normalization == "RMSNorm":
-        return (RMSNorm1p if config.apply_layernorm_1p else nn.RMSNorm)(size, eps=config.norm_epsilon)
+        return (RMSNorm1p if config.apply_layernorm_1p else RMSNorm)(size, eps=config.norm_epsilon)
     return (LayerNorm1p if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
 
 
@@ -45,7 +46,14 @@ class LayerNorm1p(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class RMSNorm1p(nn.RMSNorm):
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm module, computed by moezero's kernel on the CPU (moezero/ops/rms_norm.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, list(self.normalized_shape), self.weight, self.eps)
+
+
+class RMSNorm1p(RMSNorm):
     """RMSNorm with Megatron's zero-centred gamma (Transformer Engine's zero_centered_gamma)."""
 
     def reset_parameters(self) -> None:
@@ -53,7 +61,7 @@ class RMSNorm1p(nn.RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+        return rms_norm(x, list(self.normalized_shape), self.weight + 1, self.eps)
 
 
 class CausalSelfAttention(nn.Module):

@@ -145,6 +145,24 @@ def grouped_bias_grad(grad_MF: torch.Tensor, counts: Sequence[int]) -> torch.Ten
     return torch.segment_reduce(grad_MF.float(), "sum", lengths=lengths, axis=0)
 
 
+def rms_norm(x_NH: torch.Tensor, weight_H: torch.Tensor | None, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd fp32): rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w, in float64, rounded once."""
+    wide = x_NH.double()
+    rstd = torch.rsqrt(wide.square().mean(-1) + eps)
+    y = wide * rstd[:, None]
+    return (y if weight_H is None else y * weight_H.double()).to(x_NH.dtype), rstd.float()
+
+
+def rms_norm_backward(grad_NH: torch.Tensor, x_NH: torch.Tensor, rstd_N: torch.Tensor, weight_H: torch.Tensor | None,
+                      weight_grad: bool) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad_x = rstd (gw - x rstd^2 mean(gw x)) with gw = g w, the weight's gradient sum(g x rstd) in fp32 or
+    None), in float64 before the last rounding."""
+    g, x, rstd = grad_NH.double(), x_NH.double(), rstd_N.double()[:, None]
+    gw = g if weight_H is None else g * weight_H.double()
+    grad_x = (rstd * (gw - x * rstd * rstd * (gw * x).mean(-1, keepdim=True))).to(x_NH.dtype)
+    return grad_x, (g * x * rstd).sum(0).float() if weight_grad else None
+
+
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(losses_N, lse_N), fp32: lse_i = log sum_j exp(x_ij), loss_i = lse_i - x_i,label_i (0 where the label is
