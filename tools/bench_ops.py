@@ -14,7 +14,8 @@ memory-bound and, on CPU, mostly page faults of the freshly allocated output. Th
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
 The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
 backward is one multiply); the expert bias add rows time the one-pass add and sums against
-the torch ops other devices run and one op per expert.
+the torch ops other devices run and one op per expert; the rms_norm rows the kernel against torch's
+RMSNorm, forward and backward.
 The dispatch rows time the public ops' eager path against the same kernels through their torch.library custom
 ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
@@ -34,6 +35,7 @@ from moezero.ops import _library, _loader, eager, reference
 from moezero.ops.bias_add import _ExpertBiasOps, _FusedExpertBias
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
+from moezero.ops.rms_norm import rms_norm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -296,6 +298,31 @@ def bias_add_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def rms_norm_rows(ext, args, device) -> List[Row]:
+    """RMSNorm forward + backward over --tokens // 8 rows of --hidden (CPU), against torch's F.rms_norm (a composite
+    on the CPU)."""
+    if device != "cpu":
+        return []
+    rows = []
+    for dname in args.dtypes:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(args.tokens // 8, args.hidden, generator=g).to(DTYPES[dname])
+        weight, grad = (torch.rand(args.hidden, generator=g) + 0.5).to(x.dtype), torch.randn_like(x)
+
+        def step(norm):
+            x_in, w_in = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = norm(x_in, [args.hidden], w_in, 1e-5)
+            out.backward(grad)
+            return out.detach(), x_in.grad, w_in.grad
+        for got, want in zip(step(rms_norm), step(torch.nn.functional.rms_norm)):
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        timed = median_ms({COMPILED: lambda: step(rms_norm), "F.rms_norm": lambda: step(torch.nn.functional.rms_norm)},
+                          args.reps, device)
+        rows.append(("rms_norm fwd+bwd", f"{dname} {x.shape[0]} x {args.hidden}", timed[COMPILED], "F.rms_norm",
+                     timed["F.rms_norm"]))
+    return rows
+
+
 def cross_entropy_rows(ext, args, device) -> List[Row]:
     """The fused token cross-entropy (--cross-entropy-loss-fusion), forward + backward, against F.cross_entropy on
     the logits widened to fp32 (the unfused loss), at each --vocab, --tokens // 8 rows."""
@@ -430,7 +457,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
     p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "cross_entropy", "dispatch"),
+    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "rms_norm", "cross_entropy",
+                            "dispatch"),
                    help="time one op family only")
     args = p.parse_args(argv)
 
@@ -454,6 +482,8 @@ def main(argv=None) -> int:
         rows += gelu_rows(ext, args, args.device)
     if args.only in (None, "bias_add"):
         rows += bias_add_rows(ext, args, args.device)
+    if args.only in (None, "rms_norm"):
+        rows += rms_norm_rows(ext, args, args.device)
     if args.only in (None, "cross_entropy"):
         rows += cross_entropy_rows(ext, args, args.device)
     if rows:
