@@ -60,6 +60,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_backward(
     const at::Tensor& grad_NH, const at::Tensor& x_NH, const at::Tensor& rstd_N,
     const std::optional<at::Tensor>& weight_H, bool weight_grad);
 
+// swiglu.cpp: silu(gate) * up of rows [gate | up] (M, 2F) -> (M, F), float32 / bfloat16.
+at::Tensor swiglu(const at::Tensor& h_M2F);
+
+// swiglu.cpp: the gradient of the rows [gate | up] (M, 2F) from grad_MF.
+at::Tensor swiglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F);
+
 // cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
 // labelled ignore_index has loss 0.
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,

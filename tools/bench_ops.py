@@ -14,8 +14,8 @@ memory-bound and, on CPU, mostly page faults of the freshly allocated output. Th
 end-to-end MoELayer forward + backward with the extension and with MOEZERO_DISABLE_EXT=1.
 The fused bias + GELU rows time forward and backward together (the kernel saves gelu'(h) so that the
 backward is one multiply); the expert bias add rows time the one-pass add and sums against
-the torch ops other devices run and one op per expert; the rms_norm rows the kernel against torch's
-RMSNorm, forward and backward.
+the torch ops other devices run and one op per expert; the rms_norm and swiglu rows the kernels against
+torch's RMSNorm and silu(gate) * up, forward and backward.
 The dispatch rows time the public ops' eager path against the same kernels through their torch.library custom
 ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
@@ -36,6 +36,7 @@ from moezero.ops.bias_add import _ExpertBiasOps, _FusedExpertBias
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 from moezero.ops.rms_norm import rms_norm
+from moezero.ops.swiglu import swiglu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -323,6 +324,31 @@ def rms_norm_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def swiglu_rows(ext, args, device) -> List[Row]:
+    """SwiGLU forward + backward over --tokens // 8 rows of [gate | up] (2 x --hidden; CPU), against torch's chunk,
+    silu and mul."""
+    if device != "cpu":
+        return []
+    rows = []
+    for dname in args.dtypes:
+        g = torch.Generator().manual_seed(0)
+        h = (torch.randn(args.tokens // 8, 2 * args.hidden, generator=g) * 2).to(DTYPES[dname])
+        grad = torch.randn(h.shape[0], args.hidden, generator=g).to(h.dtype)
+
+        def step(fused):
+            h_in = h.clone().requires_grad_()
+            gate, up = h_in.chunk(2, dim=-1)
+            out = swiglu(h_in) if fused else torch.nn.functional.silu(gate) * up
+            out.backward(grad)
+            return out.detach(), h_in.grad
+        for got, want in zip(step(True), step(False)):
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        timed = median_ms({COMPILED: lambda: step(True), "silu(gate) * up": lambda: step(False)}, args.reps, device)
+        rows.append(("swiglu fwd+bwd", f"{dname} {h.shape[0]} x {h.shape[1]}", timed[COMPILED], "silu(gate) * up",
+                     timed["silu(gate) * up"]))
+    return rows
+
+
 def cross_entropy_rows(ext, args, device) -> List[Row]:
     """The fused token cross-entropy (--cross-entropy-loss-fusion), forward + backward, against F.cross_entropy on
     the logits widened to fp32 (the unfused loss), at each --vocab, --tokens // 8 rows."""
@@ -457,8 +483,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
     p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "rms_norm", "cross_entropy",
-                            "dispatch"),
+    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "rms_norm", "swiglu",
+                            "cross_entropy", "dispatch"),
                    help="time one op family only")
     args = p.parse_args(argv)
 
@@ -484,6 +510,8 @@ def main(argv=None) -> int:
         rows += bias_add_rows(ext, args, args.device)
     if args.only in (None, "rms_norm"):
         rows += rms_norm_rows(ext, args, args.device)
+    if args.only in (None, "swiglu"):
+        rows += swiglu_rows(ext, args, args.device)
     if args.only in (None, "cross_entropy"):
         rows += cross_entropy_rows(ext, args, args.device)
     if rows:

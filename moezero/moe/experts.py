@@ -15,6 +15,7 @@ from torch import nn
 from moezero.config import MoEConfig, expert_ffn_size
 from moezero.ops.bias_add import add_expert_bias
 from moezero.ops.gelu import bias_gelu, fused_gelu_applies
+from moezero.ops.swiglu import fused_swiglu_applies, swiglu
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,6 +36,8 @@ ACTIVATIONS = ("gelu", "gelu_tanh") + GATED
 def activation(h_MF: torch.Tensor, kind: str, offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
     """The MLP's activation; a gated one (Megatron's glu) with its up projection's `offset` and, with `clamp`,
     the gate clamped above and the up projection to +-clamp first (GPT-OSS's)."""
+    if kind == "swiglu" and clamp is None and not offset and fused_swiglu_applies(h_MF):
+        return swiglu(h_MF)
     if kind in GATED:
         gate, up = h_MF.chunk(2, dim=-1)
         if clamp is not None:

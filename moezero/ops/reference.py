@@ -163,6 +163,24 @@ def rms_norm_backward(grad_NH: torch.Tensor, x_NH: torch.Tensor, rstd_N: torch.T
     return grad_x, (g * x * rstd).sum(0).float() if weight_grad else None
 
 
+def swiglu(h_M2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up], silu's output rounded to the rows' dtype before the product."""
+    gate, up = h_M2F.double().chunk(2, dim=-1)
+    s = (gate * torch.sigmoid(gate)).to(h_M2F.dtype).double()
+    return (s * up).to(h_M2F.dtype)
+
+
+def swiglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor) -> torch.Tensor:
+    """[grad_gate | grad_up]: grad_up = g s, grad_s = g up (each rounded), and
+    grad_gate = grad_s sig (1 + gate (1 - sig))."""
+    dtype = h_M2F.dtype
+    gate, up = h_M2F.double().chunk(2, dim=-1)
+    g, sig = grad_MF.double(), torch.sigmoid(gate)
+    s = (gate * sig).to(dtype).double()
+    grad_s = (g * up).to(dtype).double()
+    return torch.cat([(grad_s * sig * (1 + gate * (1 - sig))).to(dtype), (g * s).to(dtype)], dim=-1)
+
+
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(losses_N, lse_N), fp32: lse_i = log sum_j exp(x_ij), loss_i = lse_i - x_i,label_i (0 where the label is
