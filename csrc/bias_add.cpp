@@ -8,6 +8,7 @@
 #include "moezero_ops.h"
 #include "cpu_utils.h"
 #include "element_math.h"
+#include "row_checks.h"
 
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -23,13 +24,6 @@ namespace {
 
 using element::load;
 using element::store;
-
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": the CPU kernel got ", name, " on ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-              op, ": ", name, " must be float32 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name, " must be a contiguous 2-D tensor");
-}
 
 // The first row of every expert (and, last, the row count), checking that the counts cover the rows exactly.
 std::vector<int64_t> expert_starts(const std::vector<int64_t>& counts, int64_t rows, const char* op) {

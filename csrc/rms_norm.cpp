@@ -11,6 +11,7 @@
 #include "moezero_ops.h"
 #include "cpu_utils.h"
 #include "element_math.h"
+#include "row_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -29,13 +30,6 @@ using element::load;
 using element::store;
 
 constexpr int kLanes = 8;   // partial sums per row: a vector's worth, combined in a fixed order
-
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": the CPU kernel got ", name, " on ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-              op, ": ", name, " must be float32 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name, " must be a contiguous 2-D tensor");
-}
 
 void check_weight(const std::optional<at::Tensor>& weight, const at::Tensor& x, const char* op) {
   if (!weight.has_value()) return;

@@ -9,6 +9,7 @@
 #include "moezero_ops.h"
 #include "cpu_utils.h"
 #include "element_math.h"
+#include "row_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -33,13 +34,6 @@ inline float sigmoid(float x) {
   const float e = v < 87.0f ? exp_nonpositive(-v) : 0.0f;
   const float inv = 1.0f / (1.0f + e);
   return x >= 0.0f ? inv : (x == x ? e * inv : x);
-}
-
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": the CPU kernel got ", name, " on ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-              op, ": ", name, " must be float32 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name, " must be a contiguous 2-D tensor");
 }
 
 // silu's output rounded to T, and (for the backward) the sigmoid, of one gate value

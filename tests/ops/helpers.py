@@ -126,3 +126,26 @@ def check_sum_of_squares(ext, tensors):
     got, want = ext.sum_of_squares(tensors), reference.sum_of_squares(tensors)
     assert got.dtype == want.dtype and got.shape == want.shape == ()
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+
+
+_RAISE_EACH = r"""
+for needle, call in cases.items():
+    try:
+        call()
+    except RuntimeError as exc:
+        assert needle in str(exc), (needle, str(exc))
+    else:
+        raise AssertionError(f"no error for {needle}")
+print("ok")
+"""
+
+
+def assert_each_case_raises(cases_source: str) -> None:
+    """Run `cases_source` (it defines `cases`: {message needle: call}) in a child process and check that every call
+    raises a RuntimeError naming its needle: a kernel that crashes on bad input fails this test, not the run."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", cases_source + _RAISE_EACH], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
