@@ -126,6 +126,27 @@ def test_a_second_derivative_goes_through_the_bias_gradient(cpu_ext):
     assert torch.equal(seconds[0], seconds[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_gpu_path_sums_in_row_order_and_launches_no_op_per_expert(dtype):
+    """On CUDA (tools/gpu_check.sh): the torch ops give the CPU reference's bits (segment_reduce sums each column of
+    each expert in row order, no atomics: the same bits run after run), with a launch count that does not grow
+    with the experts."""
+    counts = [40, 0, 300, 17] * 32   # 128 experts, GPT-OSS-120B's
+    y, bias = _inputs(counts, dtype, seed=6)
+    grad = _inputs(counts, dtype, seed=7)[0]
+    runs = [_forward_and_grads(bias_add._ExpertBiasOps.apply, *(t.cuda() for t in (y, bias, grad)), counts)
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    cpu = _forward_and_grads(bias_add._ExpertBiasOps.apply, y, bias, grad, counts)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(runs[0], cpu))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _forward_and_grads(bias_add._ExpertBiasOps.apply, *(t.cuda() for t in (y, bias, grad)), counts)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) < 40, [e.name for e in kernels]
+
+
 BAD_INPUTS = r"""
 import torch, moezero._C as C
 y, b = torch.randn(6, 8), torch.randn(2, 8)
