@@ -38,7 +38,7 @@ def test_forward_and_backward_match_the_reference(cpu_ext, num_threads, width, d
     # torch's own formula): a few ulps of the largest value at most; in bf16 that flips a rounding of silu's
     # output now and then (an ulp)
     for got, want in ((y, reference.swiglu(h)), (grad_h, reference.swiglu_backward(grad, h))):
-        floor = 4 * 2.0 ** -23 * want.double().abs().max().item()
+        floor = 8 * 2.0 ** -23 * want.double().abs().max().item()
         within, worst = _close_in_ulps(got, want, dtype, 1, floor)
         assert within > 0.99 and _close_in_ulps(got, want, dtype, 3, floor)[0] == 1.0, (within, worst)
     torch.set_num_threads(1)   # rows are independent: the same bits whatever the threads
@@ -66,8 +66,8 @@ def test_autograd_agrees_with_torchs_silu_times_up(cpu_ext, dtype):
         if dtype == torch.bfloat16:   # most bit for bit; the rest an ulp of silu's rounding
             assert (ours == theirs).double().mean() > 0.98
             torch.testing.assert_close(ours, theirs, rtol=2 ** -6, atol=2 ** -6)
-        else:
-            torch.testing.assert_close(ours, theirs, rtol=4e-7, atol=1e-6)
+        else:   # two sigmoids (torch's exp and ours) an ulp or two apart, 1 - sigmoid cancelling for large gates
+            torch.testing.assert_close(ours, theirs, rtol=4e-7, atol=8 * 2.0 ** -23 * theirs.abs().max().item())
 
 
 def test_the_activation_takes_the_kernel_only_for_plain_swiglu(cpu_ext, monkeypatch):
