@@ -14,7 +14,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from moezero.ops import _library, _loader
+from moezero.ops import _library, _loader, reference
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,8 +51,7 @@ class _FusedExpertBias(torch.autograd.Function):
 
 class _ExpertBiasOps(torch.autograd.Function):
     """The same with torch ops, on any device: the biases repeated to the rows and added (one add, as the kernel's),
-    the gradient summed in row order (torch.segment_reduce: one thread per column and expert on CUDA, no atomics),
-    in fp32 at least."""
+    the gradient summed in row order (reference.grouped_bias_grad off the CPU), in fp32 at least."""
 
     @staticmethod
     def forward(ctx, y_MF, b_LF, counts):
@@ -66,22 +65,17 @@ class _ExpertBiasOps(torch.autograd.Function):
         return grad_MF, _segment_sums(grad_MF, ctx.counts).to(ctx.bias_dtype), None
 
 
-def _lengths(counts: List[int], device: torch.device) -> Tensor:
-    return torch.tensor(counts, dtype=torch.int64, device=device)
-
-
 def _rows_of(b_LF: Tensor, counts: List[int]) -> Tensor:
     """(L, F) -> (M, F): expert l's row repeated counts[l] times."""
-    return torch.repeat_interleave(b_LF, _lengths(counts, b_LF.device), dim=0, output_size=sum(counts))
+    return reference._expert_rows(b_LF, counts)
 
 
 def _segment_sums(grad_MF: Tensor, counts: List[int]) -> Tensor:
     """Each expert's column sums of its rows, in row order, in fp32 (fp64 for fp64 rows)."""
+    if grad_MF.device.type != "cpu" or torch.compiler.is_compiling():
+        return reference.grouped_bias_grad(grad_MF, counts)
+    # eager index_add_ adds the rows in order on the CPU, 10x faster there than segment_reduce (on CUDA it adds
+    # with atomics: not in a fixed order)
     wide = grad_MF.to(torch.promote_types(grad_MF.dtype, torch.float32))
-    lengths = _lengths(counts, grad_MF.device)
-    if grad_MF.device.type == "cpu" and not torch.compiler.is_compiling():
-        # eager index_add_ adds the rows in order on the CPU, 10x faster there than segment_reduce (it adds
-        # with atomics on CUDA: not in a fixed order)
-        experts = torch.repeat_interleave(torch.arange(len(counts)), lengths, output_size=wide.shape[0])
-        return wide.new_zeros(len(counts), wide.shape[1]).index_add_(0, experts, wide)
-    return torch.segment_reduce(wide, "sum", lengths=lengths, axis=0)
+    experts = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=wide.shape[0])
+    return wide.new_zeros(len(counts), wide.shape[1]).index_add_(0, experts, wide)

@@ -140,9 +140,11 @@ def grouped_bias_add(y_MF: torch.Tensor, bias_LF: torch.Tensor, counts: Sequence
 
 
 def grouped_bias_grad(grad_MF: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """Each expert's bias gradient: the column sums of its rows of grad_MF, in row order, in fp32 (L, F)."""
+    """Each expert's bias gradient: the column sums of its rows of grad_MF, in row order, in fp32 (L, F; fp64 for
+    fp64 rows). segment_reduce sums each column of each segment in row order (on CUDA a thread each, no atomics)."""
     lengths = torch.tensor(list(counts), dtype=torch.int64, device=grad_MF.device)
-    return torch.segment_reduce(grad_MF.float(), "sum", lengths=lengths, axis=0)
+    wide = grad_MF.to(torch.promote_types(grad_MF.dtype, torch.float32))
+    return torch.segment_reduce(wide, "sum", lengths=lengths, axis=0)
 
 
 def rms_norm(x_NH: torch.Tensor, weight_H: torch.Tensor | None, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:

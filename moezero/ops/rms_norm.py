@@ -1,11 +1,11 @@
 """RMSNorm over the last dimension: one kernel pass forward and one backward on the CPU (csrc/rms_norm.cpp).
 
-torch's CPU RMSNorm is a composite of ~10 ops whose autograd adds as many (it has a fused kernel on CUDA only),
-4-5x the time of its own LayerNorm; every family of HF MoE models and most Megatron MoE scripts use it, in the
+torch's CPU RMSNorm is a composite of ~10 ops whose autograd adds as many (its fused backward is CUDA-only),
+4-7x the time of its own LayerNorm; every family of HF MoE models and most Megatron MoE scripts use it, in the
 layers' norms and in the q/k norms. The kernel computes in fp32 and rounds once, as torch's forward and its
 autograd do, so values agree with torch's to fp32 rounding in the row's sums (in bf16 an ulp where that flips a
-rounding); reference.py has its float64 oracle. Elsewhere (a GPU, fp64: the HF
-oracles, torch.compile, no extension) torch's F.rms_norm runs.
+rounding); reference.py has its float64 oracle. Elsewhere (a GPU, fp64: the HF oracles, torch.compile, no
+extension) torch's F.rms_norm runs.
 """
 from __future__ import annotations
 
