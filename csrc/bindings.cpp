@@ -7,7 +7,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moezero CPU kernels: permute / unpermute_combine / flatten_into / sum_of_squares / bias_gelu / "
-            "grouped_bias_add / rms_norm / swiglu / cross_entropy";
+            "grouped_bias_add / rms_norm / swiglu / quick_geglu / cross_entropy";
   m.def("permute", &moezero::permute, "(x_ND, counts_E, row_map_TK) sorted by expert",
         py::arg("x_TD"), py::arg("topk_ids_TK"), py::arg("num_experts"));
   m.def("unpermute_combine", &moezero::unpermute_combine, "weighted top-k sum back in token order",
@@ -32,6 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &moezero::swiglu, "silu(gate) * up of rows [gate | up]", py::arg("h_M2F"));
   m.def("swiglu_backward", &moezero::swiglu_backward, "the gradient of rows [gate | up]", py::arg("grad_MF"),
         py::arg("h_M2F"));
+  m.def("quick_geglu", &moezero::quick_geglu, "GPT-OSS's clamped quick GEGLU of rows [gate | up]",
+        py::arg("h_M2F"), py::arg("alpha"), py::arg("offset"), py::arg("clamp"));
+  m.def("quick_geglu_backward", &moezero::quick_geglu_backward, "the gradient of rows [gate | up]",
+        py::arg("grad_MF"), py::arg("h_M2F"), py::arg("alpha"), py::arg("offset"), py::arg("clamp"));
   m.def("cross_entropy", &moezero::cross_entropy, "(losses_N, lse_N) in fp32", py::arg("logits_NV"),
         py::arg("labels_N"), py::arg("ignore_index"));
   m.def("cross_entropy_backward", &moezero::cross_entropy_backward, "grad_N * (softmax - one_hot)",

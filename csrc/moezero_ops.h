@@ -66,6 +66,14 @@ at::Tensor swiglu(const at::Tensor& h_M2F);
 // swiglu.cpp: the gradient of the rows [gate | up] (M, 2F) from grad_MF.
 at::Tensor swiglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F);
 
+// swiglu.cpp: GPT-OSS's quick GEGLU of rows [gate | up] (M, 2F) -> (M, F): min(gate, c) sigmoid(alpha min(gate, c))
+// (clamp(up, -c, c) + offset), rounded where torch's ops round; no clamp where clamp is None.
+at::Tensor quick_geglu(const at::Tensor& h_M2F, double alpha, double offset, std::optional<double> clamp);
+
+// swiglu.cpp: the gradient of the rows [gate | up] of quick_geglu from grad_MF.
+at::Tensor quick_geglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F, double alpha, double offset,
+                                std::optional<double> clamp);
+
 // cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
 // labelled ignore_index has loss 0.
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,

@@ -15,7 +15,7 @@ from torch import nn
 from moezero.config import MoEConfig, expert_ffn_size
 from moezero.ops.bias_add import add_expert_bias
 from moezero.ops.gelu import bias_gelu, fused_gelu_applies
-from moezero.ops.swiglu import fused_swiglu_applies, swiglu
+from moezero.ops.swiglu import fused_glu_applies, quick_geglu, swiglu
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,18 +31,22 @@ _SMALLEST_ROW_CLASS = 8
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 GATED = ("swiglu", "quick_geglu")   # input projection [gate | up]: act(gate) * (up + offset)
 ACTIVATIONS = ("gelu", "gelu_tanh") + GATED
+QUICK_GELU_ALPHA = 1.702   # quick GELU: x sigmoid(1.702 x)
 
 
 def activation(h_MF: torch.Tensor, kind: str, offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
     """The MLP's activation; a gated one (Megatron's glu) with its up projection's `offset` and, with `clamp`,
     the gate clamped above and the up projection to +-clamp first (GPT-OSS's)."""
-    if kind == "swiglu" and clamp is None and not offset and fused_swiglu_applies(h_MF):
-        return swiglu(h_MF)
+    if kind in GATED and fused_glu_applies(h_MF):
+        if kind == "quick_geglu":
+            return quick_geglu(h_MF, QUICK_GELU_ALPHA, offset, clamp)
+        if clamp is None and not offset:
+            return swiglu(h_MF)
     if kind in GATED:
         gate, up = h_MF.chunk(2, dim=-1)
         if clamp is not None:
             gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
-        gated = F.silu(gate) if kind == "swiglu" else gate * torch.sigmoid(1.702 * gate)   # quick GELU
+        gated = F.silu(gate) if kind == "swiglu" else gate * torch.sigmoid(QUICK_GELU_ALPHA * gate)
         return gated * (up + offset) if offset else gated * up
     approximate = _GELU_APPROXIMATE[kind]
     if fused_gelu_applies(h_MF):

@@ -24,7 +24,8 @@ OPS = ("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_in
 # called from an autograd.Function (gelu.py, bias_add.py, rms_norm.py, swiglu.py), not registered as custom ops:
 # a custom op's dispatch costs more per call than these element-wise kernels take on an expert's rows
 DIRECT_OPS = ("bias_gelu", "bias_gelu_backward", "grouped_bias_add", "grouped_bias_grad", "rms_norm",
-              "rms_norm_backward", "swiglu", "swiglu_backward", "cross_entropy", "cross_entropy_backward")
+              "rms_norm_backward", "swiglu", "swiglu_backward", "quick_geglu", "quick_geglu_backward", "cross_entropy",
+              "cross_entropy_backward")
 WIRED = MappingProxyType({
     "cpu": frozenset(OPS + DIRECT_OPS),
     "cuda": frozenset(("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into")),

@@ -1,5 +1,6 @@
-"""The SwiGLU kernel (csrc/swiglu.cpp) against its float64 reference and against torch's silu(gate) * up, forward
-and backward, fp32 and bf16, widths off the vector length and the kernel's block, 1 and 2 threads."""
+"""The gated activations' kernels (csrc/swiglu.cpp): SwiGLU against its float64 reference and torch's
+silu(gate) * up, GPT-OSS's clamped quick GEGLU against its reference and torch's chain of ops; forward and backward,
+fp32 and bf16, widths off the vector length and the kernel's block, 1 and 2 threads."""
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_autograd_agrees_with_torchs_silu_times_up(cpu_ext, dtype):
     for fused in (True, False):
         h_ = h.clone().requires_grad_(True)
         if fused:
-            assert swiglu.fused_swiglu_applies(h_)
+            assert swiglu.fused_glu_applies(h_)
             out = activation(h_, "swiglu")
         else:
             gate, up = h_.chunk(2, dim=-1)
@@ -70,16 +71,20 @@ def test_autograd_agrees_with_torchs_silu_times_up(cpu_ext, dtype):
             torch.testing.assert_close(ours, theirs, rtol=4e-7, atol=8 * 2.0 ** -23 * theirs.abs().max().item())
 
 
-def test_the_activation_takes_the_kernel_only_for_plain_swiglu(cpu_ext, monkeypatch):
+def test_the_activation_takes_the_kernels_for_plain_swiglu_and_any_quick_geglu(cpu_ext, monkeypatch):
     calls = []
-    monkeypatch.setattr(swiglu._SwiGLU, "apply", lambda h: calls.append(h.shape) or h[:, : h.shape[1] // 2] * 1)
+    half = lambda h: h[:, : h.shape[1] // 2] * 1
+    monkeypatch.setattr(swiglu._SwiGLU, "apply", lambda h: calls.append("swiglu") or half(h))
+    monkeypatch.setattr(swiglu._QuickGEGLU, "apply", lambda h, *p: calls.append(("quick_geglu",) + p) or half(h))
     h = torch.randn(3, 8)
     activation(h, "swiglu")
     activation(h, "swiglu", offset=1.0)         # Megatron's --glu-linear-offset: torch's ops
-    activation(h, "swiglu", clamp=7.0)          # GPT-OSS's clamped SwiGLU: torch's ops
+    activation(h, "swiglu", clamp=7.0)          # a clamped SwiGLU: torch's ops
+    activation(h, "quick_geglu", 1.0, 7.0)      # GPT-OSS's: its own kernel, with any offset and clamp
     activation(h, "quick_geglu")
     activation(h.double(), "swiglu")            # float64 (the HF oracles): torch's ops
-    assert calls == [(3, 8)]
+    activation(h.double(), "quick_geglu", 1.0, 7.0)
+    assert calls == ["swiglu", ("quick_geglu", 1.702, 1.0, 7.0), ("quick_geglu", 1.702, 0.0, None)]
 
 
 def test_non_finite_values_follow_torch(cpu_ext):
@@ -116,3 +121,111 @@ cases = {
 def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
     """Wrong shapes or dtypes are a RuntimeError naming the problem, never a crash."""
     assert_each_case_raises(BAD_INPUTS)
+
+
+# GPT-OSS's (offset 1, clamp 7), a clamp alone, an offset alone, neither
+GEGLU_CASES = [(1.0, 7.0), (0.0, 2.0), (1.0, None), (0.0, None)]
+
+
+def _torch_quick_geglu(h, offset, clamp):
+    """The chain of torch ops the kernel replaces (experts.activation without it)."""
+    gate, up = h.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    gated = gate * torch.sigmoid(1.702 * gate)
+    return gated * (up + offset) if offset else gated * up
+
+
+@pytest.mark.parametrize("offset,clamp", GEGLU_CASES, ids=str)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quick_geglu_matches_the_reference(cpu_ext, num_threads, width, dtype, offset, clamp):
+    h, grad = _inputs(37, width, dtype, seed=2)
+    y = cpu_ext.quick_geglu(h, 1.702, offset, clamp)
+    grad_h = cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp)
+    assert y.shape == (37, width) and grad_h.shape == h.shape and y.dtype == grad_h.dtype == dtype
+    want_y = reference.quick_geglu(h, 1.702, offset, clamp)
+    want_grad = reference.quick_geglu_backward(grad, h, 1.702, offset, clamp)
+    # as SwiGLU's: the sigmoid within an ulp or two, 1 - s cancelling for large gates (a floor of a few ulps of the
+    # largest value); the reference rounds a product of three once where torch rounds twice (fp32: an ulp more)
+    for got, want in ((y, want_y), (grad_h, want_grad)):
+        floor = 8 * 2.0 ** -23 * want.double().abs().max().item()
+        within, worst = _close_in_ulps(got, want, dtype, 1, floor)
+        assert within > 0.99 and _close_in_ulps(got, want, dtype, 4, floor)[0] == 1.0, (within, worst)
+    if clamp is not None:   # what a clamp held gets no gradient, exactly
+        gate, up = h.chunk(2, dim=-1)
+        assert (grad_h[:, :width][gate > clamp] == 0).all() and (grad_h[:, width:][up.abs() > clamp] == 0).all()
+        assert (gate > clamp).any() and (up.abs() > clamp).any()
+    torch.set_num_threads(1)
+    assert torch.equal(y, cpu_ext.quick_geglu(h, 1.702, offset, clamp))
+    assert torch.equal(grad_h, cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp))
+
+
+@pytest.mark.parametrize("offset,clamp", GEGLU_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quick_geglu_autograd_agrees_with_torchs_chain(cpu_ext, dtype, offset, clamp):
+    h, grad = _inputs(64, 96, dtype, seed=3)
+    h, grad = h.view(4, 16, 192), grad.view(4, 16, 96)
+    results = []
+    for fused in (True, False):
+        h_ = h.clone().requires_grad_(True)
+        out = activation(h_, "quick_geglu", offset, clamp) if fused else _torch_quick_geglu(h_, offset, clamp)
+        out.backward(grad)
+        results.append((out, h_.grad))
+    for ours, theirs in zip(*results):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        if dtype == torch.bfloat16:   # rounded where torch rounds: bit for bit but where a sigmoid's bit moves one
+            assert (ours == theirs).double().mean() > 0.99
+            torch.testing.assert_close(ours, theirs, rtol=2 ** -6, atol=2 ** -6)
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=8 * 2.0 ** -23 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("offset,clamp", GEGLU_CASES, ids=str)
+def test_quick_geglus_reference_is_torchs_chain(offset, clamp):
+    """The oracle rounds where torch's ops round: bf16 values equal but where float64's sigmoid rounds apart."""
+    h, grad = _inputs(64, 96, torch.bfloat16, seed=4)
+    h_ = h.clone().requires_grad_(True)
+    out = _torch_quick_geglu(h_, offset, clamp)
+    out.backward(grad)
+    assert (reference.quick_geglu(h, 1.702, offset, clamp) == out).double().mean() > 0.99
+    assert (reference.quick_geglu_backward(grad, h, 1.702, offset, clamp) == h_.grad).double().mean() > 0.99
+
+
+def test_quick_geglu_non_finite_values_follow_torch(cpu_ext):
+    nan, inf = float("nan"), float("inf")
+    h = torch.tensor([[0.0, 100.0, -100.0, nan, inf, -inf, 1.0, 1.0, nan, 1.0, inf, -inf, 1.0, 2.0]])
+    for offset, clamp in GEGLU_CASES:
+        h_ = h.clone().requires_grad_(True)
+        want = _torch_quick_geglu(h_, offset, clamp)
+        want.backward(torch.ones_like(want))
+        got = cpu_ext.quick_geglu(h, 1.702, offset, clamp)
+        got_grad = cpu_ext.quick_geglu_backward(torch.ones_like(want), h, 1.702, offset, clamp)
+        for ours, theirs in ((got, want.detach()), (got_grad, h_.grad)):
+            assert torch.equal(ours.isnan(), theirs.isnan()), (offset, clamp, ours, theirs)
+            finite = ~theirs.isnan()
+            torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-6, atol=1e-30)
+
+
+def test_quick_geglu_double_backward_raises(cpu_ext):
+    h = torch.randn(4, 8, requires_grad=True)
+    out = swiglu.quick_geglu(h, 1.702, 1.0, 7.0)
+    (grad,) = torch.autograd.grad((out * out).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        grad.sum().backward()
+
+
+GEGLU_BAD_INPUTS = r"""
+import torch, moezero._C as C
+h = torch.randn(6, 8)
+cases = {
+    "float32 or bfloat16": lambda: C.quick_geglu(h.double(), 1.702, 1.0, 7.0),
+    "is not [gate | up]": lambda: C.quick_geglu(torch.randn(6, 7), 1.702, 1.0, None),
+    "clamp -1 is negative": lambda: C.quick_geglu(h, 1.702, 1.0, -1.0),
+    "at half its width": lambda: C.quick_geglu_backward(torch.randn(6, 3), h, 1.702, 1.0, 7.0),
+}
+"""
+
+
+def test_quick_geglu_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
+    assert_each_case_raises(GEGLU_BAD_INPUTS)

@@ -1,16 +1,17 @@
-"""tools/bench_ops.py's rows for the CPU element-wise kernels (GELU, the experts' bias add, RMSNorm, SwiGLU, the
-token cross-entropy), each forward + backward against torch's own version of the op."""
+"""tools/bench_ops.py's rows for the CPU element-wise kernels (GELU, the experts' bias add, RMSNorm, SwiGLU and
+GPT-OSS's quick GEGLU, the token cross-entropy), each forward + backward against torch's own version of the op."""
 from __future__ import annotations
 
 from typing import List
 
 import torch
 
+from moezero.moe.experts import QUICK_GELU_ALPHA
 from moezero.ops.bias_add import _ExpertBiasOps, _FusedExpertBias
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero.ops.gelu import bias_gelu
 from moezero.ops.rms_norm import rms_norm
-from moezero.ops.swiglu import swiglu
+from moezero.ops.swiglu import quick_geglu, swiglu
 from tools.bench.op_timing import COMPILED, DTYPES, Row, median_ms
 
 
@@ -106,9 +107,23 @@ def rms_norm_rows(ext, args, device) -> List[Row]:
     return rows
 
 
+def _torch_quick_geglu(h):
+    """GPT-OSS's clamped quick GEGLU as torch's ops (experts.activation without the kernel)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + 1.0)
+
+
+# (row name, the kernel, torch's ops, what they are called)
+GATED = (("swiglu fwd+bwd", swiglu, lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
+          "silu(gate) * up"),
+         ("quick_geglu fwd+bwd", lambda h: quick_geglu(h, QUICK_GELU_ALPHA, 1.0, 7.0), _torch_quick_geglu,
+          "clamps, sigmoid, 3 mul, add"))
+
+
 def swiglu_rows(ext, args, device) -> List[Row]:
-    """SwiGLU forward + backward over --tokens // 8 rows of [gate | up] (2 x --hidden; CPU), against torch's chunk,
-    silu and mul."""
+    """The gated activations forward + backward over --tokens // 8 rows of [gate | up] (2 x --hidden; CPU): SwiGLU
+    against torch's chunk, silu and mul; GPT-OSS's quick GEGLU (offset 1, clamp 7) against its chain of ops."""
     if device != "cpu":
         return []
     rows = []
@@ -116,18 +131,16 @@ def swiglu_rows(ext, args, device) -> List[Row]:
         g = torch.Generator().manual_seed(0)
         h = (torch.randn(args.tokens // 8, 2 * args.hidden, generator=g) * 2).to(DTYPES[dname])
         grad = torch.randn(h.shape[0], args.hidden, generator=g).to(h.dtype)
-
-        def step(fused):
-            h_in = h.clone().requires_grad_()
-            gate, up = h_in.chunk(2, dim=-1)
-            out = swiglu(h_in) if fused else torch.nn.functional.silu(gate) * up
-            out.backward(grad)
-            return out.detach(), h_in.grad
-        for got, want in zip(step(True), step(False)):
-            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
-        timed = median_ms({COMPILED: lambda: step(True), "silu(gate) * up": lambda: step(False)}, args.reps, device)
-        rows.append(("swiglu fwd+bwd", f"{dname} {h.shape[0]} x {h.shape[1]}", timed[COMPILED], "silu(gate) * up",
-                     timed["silu(gate) * up"]))
+        for name, fused, ops, ops_name in GATED:
+            def step(activation):
+                h_in = h.clone().requires_grad_()
+                out = activation(h_in)
+                out.backward(grad)
+                return out.detach(), h_in.grad
+            for got, want in zip(step(fused), step(ops)):
+                assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+            timed = median_ms({COMPILED: lambda: step(fused), ops_name: lambda: step(ops)}, args.reps, device)
+            rows.append((name, f"{dname} {h.shape[0]} x {h.shape[1]}", timed[COMPILED], ops_name, timed[ops_name]))
     return rows
 
 
