@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from moezero import phases  # noqa: E402
 
 from memtrace import sample as memory_sample  # noqa: E402
-from moezero_gpt import build_moezero_gpt, lm_loss  # noqa: E402
+from moezero_gpt import STYLES, build_moezero_gpt, lm_loss, use_torch_elementwise_ops  # noqa: E402
 from synthetic import (adamw_kwargs, batch, common_parser, gemm_peak_flops, kernel_paths,  # noqa: E402
                        model_flops_per_token)
 
@@ -46,6 +46,12 @@ def parse():
     p.add_argument("--gloo-records", action="store_true",
                    help="measurement only (moezero): agreement records and short all-reduces on gloo, as between "
                    "ranks on several hosts, instead of the pipes ranks on one host use (local_channel.py)")
+    p.add_argument("--style", choices=sorted(STYLES), default="peer",
+                   help="the layers: the peer model's (LayerNorm, GELU, biases), Llama's (RMSNorm, SwiGLU, no biases) "
+                   "or GPT-OSS's (RMSNorm, quick GEGLU with offset 1 and clamp 7, biases)")
+    p.add_argument("--torch-elementwise", action="store_true",
+                   help="measurement only (moezero): torch's ops instead of the element-wise CPU kernels (bias + GELU, "
+                   "bias add, RMSNorm, SwiGLU, quick GEGLU)")
     return p.parse_args()
 
 
@@ -172,6 +178,8 @@ def max_over_ranks(value, world):
 def main():
     args = parse()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.torch_elementwise:
+        use_torch_elementwise_ops()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from moezero.parallel import ParallelGroups

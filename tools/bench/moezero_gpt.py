@@ -1,5 +1,7 @@
 """moezero's GPT(-MoE) at the benchmark's sizes: built by moezero's worker, and by DeepSpeed's worker
 for the ZeRO-only comparison (the same model and MoE layer on both sides, only the optimizer differs)."""
+import dataclasses
+
 import torch
 
 
@@ -12,12 +14,31 @@ def moezero_configs(args):
                     untie_embeddings_and_output_weights=True, moe_layer_freq=2,
                     hidden_dropout=0.0, attention_dropout=0.0,   # as DeepSpeed's worker model: no dropout
                     no_bias_gelu_fusion=True)                    # and its nn.GELU(), the exact one
+    gpt = dataclasses.replace(gpt, **STYLES[getattr(args, "style", "peer")])
     moe = None
     if args.experts:
         moe = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, top_k=args.k, aux_loss_coeff=args.aux,
                         ffn_hidden_size=getattr(args, "expert_ffn", None) or None,
                         delay_wgrad_compute=getattr(args, "delay_wgrad_compute", False))
     return gpt, moe
+
+
+# the peer model's layers (LayerNorm, GELU, biases: DeepSpeed's worker model) or a family's (the MoE layers take
+# the GPT's activation and biases), the same sizes
+STYLES = {"peer": {},
+          "llama": dict(normalization="RMSNorm", swiglu=True, disable_bias_linear=True),
+          "gpt-oss": dict(normalization="RMSNorm", quick_geglu=True, glu_linear_offset=1.0,
+                          activation_func_clamp_value=7.0)}
+
+
+def use_torch_elementwise_ops():
+    """Measurement only: the element-wise CPU kernels off (bias + GELU, the experts' bias add, RMSNorm, SwiGLU and
+    the quick GEGLU), torch's ops in their place, to time a model with and without them."""
+    from moezero.moe import experts
+    from moezero.ops import bias_add, rms_norm
+
+    experts.fused_gelu_applies = experts.fused_glu_applies = lambda *args: False
+    bias_add.fused_bias_add_applies = rms_norm.fused_rms_norm_applies = lambda *args: False
 
 
 def build_moezero_gpt(args, groups=None):
