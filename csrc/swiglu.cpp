@@ -8,7 +8,8 @@
 // sigmoid from one exp of a non-positive argument (element_math.h): within an ulp or two of torch's fp32 values.
 //
 // GPT-OSS's quick GEGLU (Megatron's --quick-geglu --glu-linear-offset o --activation-func-clamp-value c), rounded
-// where torch's chain of ops rounds (clamps, alpha * gate, sigmoid, product, up + offset, product):
+// where torch's chain of ops rounds (clamps, alpha * gate, sigmoid, product, up + offset, product), c and o rounded
+// to the rows' dtype first as torch's clamp and add round them (alpha stays fp32):
 //   g = min(gate, c),  u = clamp(up, -c, c),  t = round(alpha g),  s = round(sigmoid(t)),  a = round(g s),
 //   y = round(a * round(u + o))
 // and its backward as autograd runs that chain: grad_a = round(dy u1), grad_u = round(dy a) where up is within
@@ -197,11 +198,13 @@ void check_gated_grad(const at::Tensor& grad_MF, const at::Tensor& h_M2F, const 
               op, ": grad_MF must be h_M2F's rows at half its width, in its dtype");
 }
 
+// The parameters as torch's ops meet them: alpha * gate multiplies by alpha in fp32 (a Python float against
+// float32 or bfloat16 rows), while clamp and + offset first round their bound and offset to the rows' dtype
+template <typename T>
 QuickGeglu geglu_parameters(double alpha, double offset, std::optional<double> clamp) {
-  TORCH_CHECK(!clamp || *clamp >= 0.0, "quick_geglu: clamp ", clamp.value_or(0.0), " is negative");
-  // float, as torch's ops take a Python float against float32 or bfloat16 rows
-  return {static_cast<float>(alpha), static_cast<float>(offset),
-          clamp ? static_cast<float>(*clamp) : std::numeric_limits<float>::infinity(), clamp.has_value()};
+  TORCH_CHECK(!clamp || *clamp >= 0.0, "quick_geglu: clamp ", clamp.value_or(0.0), " must be >= 0");
+  const float bound = clamp ? round_to<T>(static_cast<float>(*clamp)) : std::numeric_limits<float>::infinity();
+  return {static_cast<float>(alpha), round_to<T>(static_cast<float>(offset)), bound, clamp.has_value()};
 }
 
 }  // namespace
@@ -230,11 +233,12 @@ at::Tensor swiglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F) {
 
 at::Tensor quick_geglu(const at::Tensor& h_M2F, double alpha, double offset, std::optional<double> clamp) {
   check_gated_rows(h_M2F, "quick_geglu");
-  const QuickGeglu p = geglu_parameters(alpha, offset, clamp);
   at::Tensor y = at::empty({h_M2F.size(0), h_M2F.size(1) / 2}, h_M2F.options());
   if (h_M2F.scalar_type() == at::kFloat) {
+    const QuickGeglu p = geglu_parameters<float>(alpha, offset, clamp);
     forward_rows<float>(h_M2F, y, [p](auto... a) { geglu_forward_row<float>(a..., p); });
   } else {
+    const QuickGeglu p = geglu_parameters<c10::BFloat16>(alpha, offset, clamp);
     forward_rows<c10::BFloat16>(h_M2F, y, [p](auto... a) { geglu_forward_row<c10::BFloat16>(a..., p); });
   }
   return y;
@@ -243,11 +247,12 @@ at::Tensor quick_geglu(const at::Tensor& h_M2F, double alpha, double offset, std
 at::Tensor quick_geglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F, double alpha, double offset,
                                 std::optional<double> clamp) {
   check_gated_grad(grad_MF, h_M2F, "quick_geglu_backward");
-  const QuickGeglu p = geglu_parameters(alpha, offset, clamp);
   at::Tensor grad_h = at::empty_like(h_M2F);
   if (h_M2F.scalar_type() == at::kFloat) {
+    const QuickGeglu p = geglu_parameters<float>(alpha, offset, clamp);
     backward_rows<float>(grad_MF, h_M2F, grad_h, [p](auto... a) { geglu_backward_row<float>(a..., p); });
   } else {
+    const QuickGeglu p = geglu_parameters<c10::BFloat16>(alpha, offset, clamp);
     backward_rows<c10::BFloat16>(grad_MF, h_M2F, grad_h,
                                  [p](auto... a) { geglu_backward_row<c10::BFloat16>(a..., p); });
   }

@@ -183,13 +183,19 @@ def swiglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor) -> torch.Tensor:
     return torch.cat([(grad_s * sig * (1 + gate * (1 - sig))).to(dtype), (g * s).to(dtype)], dim=-1)
 
 
+def _quick_geglu_parameters(dtype: torch.dtype, alpha: float, offset: float, clamp: float | None):
+    """(alpha, offset, clamp) as torch's ops meet them: alpha * gate multiplies by alpha as a float32, clamp and
+    + offset round their bound and offset to the rows' dtype first."""
+    as_rows = lambda v: torch.tensor(v, dtype=torch.float32).to(dtype).item()
+    return torch.tensor(alpha, dtype=torch.float32).item(), as_rows(offset), None if clamp is None else as_rows(clamp)
+
+
 def _quick_geglu_chain(h_M2F: torch.Tensor, alpha: float, offset: float, clamp: float | None):
     """(g, u, s, a, u1) of quick_geglu in float64, each rounded to the rows' dtype where torch's ops round."""
     rounded = lambda t: t.to(h_M2F.dtype).double()
     g, u = h_M2F.double().chunk(2, dim=-1)
     if clamp is not None:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
-    alpha = torch.tensor(alpha, dtype=torch.float32).item()   # a Python float meets the rows as a float32
     s = rounded(torch.sigmoid(rounded(g * alpha)))
     return g, u, s, rounded(g * s), rounded(u + offset) if offset else u
 
@@ -197,7 +203,7 @@ def _quick_geglu_chain(h_M2F: torch.Tensor, alpha: float, offset: float, clamp: 
 def quick_geglu(h_M2F: torch.Tensor, alpha: float, offset: float, clamp: float | None) -> torch.Tensor:
     """GPT-OSS's quick GEGLU of rows [gate | up]: a = round(g round(sigmoid(round(alpha g)))), y = a round(u + o)
     with g = min(gate, c), u = clamp(up, -c, c); float64 between the roundings of torch's chain of ops."""
-    _, _, _, a, u1 = _quick_geglu_chain(h_M2F, alpha, offset, clamp)
+    _, _, _, a, u1 = _quick_geglu_chain(h_M2F, *_quick_geglu_parameters(h_M2F.dtype, alpha, offset, clamp))
     return (a * u1).to(h_M2F.dtype)
 
 
@@ -206,10 +212,10 @@ def quick_geglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor, alpha: floa
     """[grad_gate | grad_up] as autograd runs quick_geglu's chain: grad_a = dy u1, grad_u = dy a, grad_gate =
     grad_a s + (grad_a g (1 - s) s) alpha, each product rounded; 0 where a clamp held the input."""
     rounded = lambda t: t.to(h_M2F.dtype).double()
+    alpha, offset, clamp = _quick_geglu_parameters(h_M2F.dtype, alpha, offset, clamp)
     g, u, s, a, u1 = _quick_geglu_chain(h_M2F, alpha, offset, clamp)
     dy = grad_MF.double()
     grad_a = rounded(dy * u1)
-    alpha = torch.tensor(alpha, dtype=torch.float32).item()
     grad_t = rounded(rounded(grad_a * g) * (1 - s) * s)
     grad_gate, grad_up = rounded(rounded(grad_a * s) + rounded(grad_t * alpha)), rounded(dy * a)
     if clamp is not None:

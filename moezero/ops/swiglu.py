@@ -3,12 +3,14 @@ instead of torch's chain of ops and their backward ops: SwiGLU, silu(gate) * up 
 families' experts), and GPT-OSS's clamped quick GEGLU, g sigmoid(alpha g) (u + offset) with g = min(gate, c) and
 u = clamp(up, -c, c) (--quick-geglu --glu-linear-offset --activation-func-clamp-value).
 
-The SwiGLU kernel rounds where torch's two ops do (silu's output, then the product), so bf16 values equal torch's but
-where its sigmoid (one exp of its own) differs from torch's in the last fp32 bit at a rounding boundary, and fp32
-ones agree to an ulp or two; reference.py has its float64 oracle. It saves only its input rows (torch's mul also
-keeps silu's output). The quick GEGLU rounds where torch's seven ops do (so bf16 values equal torch's but where a
-sigmoid's last fp32 bit moves a rounding) and saves its input rows only (torch's chain also keeps four tensors
-of the output's size). Elsewhere (a GPU, fp64: the HF oracles, torch.compile, no extension) the torch ops run.
+The SwiGLU kernel rounds where torch's two ops do (silu's output, then the product), so bf16 values equal torch's
+but where its sigmoid (one exp of its own) differs from torch's in the last fp32 bit at a rounding boundary, and
+fp32 ones agree to an ulp or two; reference.py has its float64 oracle. It saves only its input rows (torch's mul
+also keeps silu's output). The quick GEGLU rounds where torch's seven ops do, its clamp bound and offset rounded to
+the rows' dtype as torch's clamp and add round them (so bf16 values equal torch's but where a sigmoid's last fp32
+bit moves a rounding, or underflows: 0 below alpha gate = -87, torch's ~1e-38) and saves its input rows only
+(torch's chain also keeps four tensors of the output's size). Elsewhere (a GPU, fp64: the HF oracles, torch.compile,
+no extension) the torch ops run.
 """
 from __future__ import annotations
 

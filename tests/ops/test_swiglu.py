@@ -123,8 +123,14 @@ def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
     assert_each_case_raises(BAD_INPUTS)
 
 
-# GPT-OSS's (offset 1, clamp 7), a clamp alone, an offset alone, neither
-GEGLU_CASES = [(1.0, 7.0), (0.0, 2.0), (1.0, None), (0.0, None)]
+# GPT-OSS's (offset 1, clamp 7), a clamp alone, an offset alone, neither, and an offset and a clamp that bf16
+# cannot hold (torch rounds both to the rows' dtype before using them)
+GEGLU_CASES = [(1.0, 7.0), (0.0, 2.0), (1.0, None), (0.0, None), (1.01, 7.02)]
+
+
+def _as_rows(value, dtype):
+    """A Python float as torch's clamp and add meet it against rows of `dtype`."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 def _torch_quick_geglu(h, offset, clamp):
@@ -153,9 +159,9 @@ def test_quick_geglu_matches_the_reference(cpu_ext, num_threads, width, dtype, o
         within, worst = _close_in_ulps(got, want, dtype, 1, floor)
         assert within > 0.99 and _close_in_ulps(got, want, dtype, 4, floor)[0] == 1.0, (within, worst)
     if clamp is not None:   # what a clamp held gets no gradient, exactly
-        gate, up = h.chunk(2, dim=-1)
-        assert (grad_h[:, :width][gate > clamp] == 0).all() and (grad_h[:, width:][up.abs() > clamp] == 0).all()
-        assert (gate > clamp).any() and (up.abs() > clamp).any()
+        gate, up, bound = *h.chunk(2, dim=-1), _as_rows(clamp, dtype)
+        assert (grad_h[:, :width][gate > bound] == 0).all() and (grad_h[:, width:][up.abs() > bound] == 0).all()
+        assert (gate > bound).any() and (up.abs() > bound).any()
     torch.set_num_threads(1)
     assert torch.equal(y, cpu_ext.quick_geglu(h, 1.702, offset, clamp))
     assert torch.equal(grad_h, cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp))
@@ -188,13 +194,16 @@ def test_quick_geglus_reference_is_torchs_chain(offset, clamp):
     h_ = h.clone().requires_grad_(True)
     out = _torch_quick_geglu(h_, offset, clamp)
     out.backward(grad)
-    assert (reference.quick_geglu(h, 1.702, offset, clamp) == out).double().mean() > 0.99
-    assert (reference.quick_geglu_backward(grad, h, 1.702, offset, clamp) == h_.grad).double().mean() > 0.99
+    for ours, theirs in ((reference.quick_geglu(h, 1.702, offset, clamp), out.detach()),
+                         (reference.quick_geglu_backward(grad, h, 1.702, offset, clamp), h_.grad)):
+        assert (ours == theirs).double().mean() > 0.99
+        assert _close_in_ulps(ours, theirs, torch.bfloat16, 1, 0.0)[0] == 1.0   # the rest: a rounding apart
 
 
-def test_quick_geglu_non_finite_values_follow_torch(cpu_ext):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quick_geglu_non_finite_values_follow_torch(cpu_ext, dtype):
     nan, inf = float("nan"), float("inf")
-    h = torch.tensor([[0.0, 100.0, -100.0, nan, inf, -inf, 1.0, 1.0, nan, 1.0, inf, -inf, 1.0, 2.0]])
+    h = torch.tensor([[0.0, 100.0, -100.0, nan, inf, -inf, 1.0, 1.0, nan, 1.0, inf, -inf, 1.0, 2.0]]).to(dtype)
     for offset, clamp in GEGLU_CASES:
         h_ = h.clone().requires_grad_(True)
         want = _torch_quick_geglu(h_, offset, clamp)
@@ -205,6 +214,41 @@ def test_quick_geglu_non_finite_values_follow_torch(cpu_ext):
             assert torch.equal(ours.isnan(), theirs.isnan()), (offset, clamp, ours, theirs)
             finite = ~theirs.isnan()
             torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("offset,clamp", [(1.0, 7.0), (1.01, 7.02), (0.0, 0.0)], ids=str)
+def test_quick_geglu_at_the_clamps_bounds_is_torchs_to_the_bit(cpu_ext, offset, clamp):
+    """bf16 rows at, just inside and just outside +-the bound (as torch rounds it), and signed zeros: values,
+    gradients and the gradient masks' edges as torch's chain gives them, bit for bit (signs of zero too)."""
+    bound = _as_rows(clamp, torch.bfloat16)
+    step = 2.0 ** -5 * max(bound, 1.0)
+    edges = [bound, bound - step, bound + step, -bound, -bound + step, -bound - step, 0.0, -0.0, 1.0, -1.0]
+    gate = torch.tensor(edges).repeat(len(edges))
+    up = torch.tensor(edges).repeat_interleave(len(edges))
+    h = torch.cat([gate, up]).view(1, -1).to(torch.bfloat16)
+    grad = torch.linspace(-2, 2, gate.numel()).view(1, -1).to(torch.bfloat16)
+    h_ = h.clone().requires_grad_(True)
+    want = _torch_quick_geglu(h_, offset, clamp)
+    want.backward(grad)
+    bits = lambda t: t.view(torch.int16)
+    assert torch.equal(bits(cpu_ext.quick_geglu(h, 1.702, offset, clamp)), bits(want.detach()))
+    assert torch.equal(bits(cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp)), bits(h_.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_two_threads_give_one_threads_bits(cpu_ext, dtype):
+    """Rows enough for the kernels' OpenMP loop to split (the other tests' inputs run on one thread)."""
+    h, grad = _inputs(160, 1024, dtype, seed=5)
+    runs, before = [], torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            runs.append((cpu_ext.swiglu(h), cpu_ext.swiglu_backward(grad, h), cpu_ext.quick_geglu(h, 1.702, 1.0, 7.0),
+                         cpu_ext.quick_geglu_backward(grad, h, 1.702, 1.0, 7.0)))
+    finally:
+        torch.set_num_threads(before)
+    for two, one in zip(*runs):
+        assert torch.equal(two, one)
 
 
 def test_quick_geglu_double_backward_raises(cpu_ext):
@@ -221,7 +265,7 @@ h = torch.randn(6, 8)
 cases = {
     "float32 or bfloat16": lambda: C.quick_geglu(h.double(), 1.702, 1.0, 7.0),
     "is not [gate | up]": lambda: C.quick_geglu(torch.randn(6, 7), 1.702, 1.0, None),
-    "clamp -1 is negative": lambda: C.quick_geglu(h, 1.702, 1.0, -1.0),
+    "clamp -1 must be >= 0": lambda: C.quick_geglu(h, 1.702, 1.0, -1.0),
     "at half its width": lambda: C.quick_geglu_backward(torch.randn(6, 3), h, 1.702, 1.0, 7.0),
 }
 """

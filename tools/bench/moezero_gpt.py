@@ -24,7 +24,7 @@ def moezero_configs(args):
 
 
 # the peer model's layers (LayerNorm, GELU, biases: DeepSpeed's worker model) or a family's (the MoE layers take
-# the GPT's activation and biases), the same sizes
+# the GPT's activation and biases), at the same widths: a gated MLP's fc1 is 2F wide (1.5x the MLPs' FLOPs)
 STYLES = {"peer": {},
           "llama": dict(normalization="RMSNorm", swiglu=True, disable_bias_linear=True),
           "gpt-oss": dict(normalization="RMSNorm", quick_geglu=True, glu_linear_offset=1.0,

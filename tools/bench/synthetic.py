@@ -8,6 +8,7 @@ import time
 import torch
 
 from machine import bf16_units
+from moezero_gpt import STYLES   # plain data: moezero_gpt imports moezero only inside its functions
 
 
 def common_parser() -> argparse.ArgumentParser:
@@ -80,9 +81,11 @@ def model_flops_per_token(args) -> float:
     """Training FLOPs per token (3x forward): attention, dense and routed MLPs, router, output layer."""
     D, S, V, F = args.hidden, args.seq, args.vocab, args.ffn_mult * args.hidden
     attention = 2 * 4 * D * D + 2 * 2 * S * D  # qkv + proj, then QK^T and AV (causal counted in full)
-    dense_mlp = 2 * 2 * D * F
+    style = STYLES[getattr(args, "style", "peer")]
+    gemms = 3 if style.get("swiglu") or style.get("quick_geglu") else 2   # a gated fc1 is 2F wide
+    dense_mlp = gemms * 2 * D * F
     moe_layers = (args.layers + 1) // 2 if args.experts else 0
-    routed = args.k * 2 * 2 * D * (args.expert_ffn or F) + 2 * D * args.experts
+    routed = args.k * gemms * 2 * D * (args.expert_ffn or F) + 2 * D * args.experts
     forward = args.layers * attention + (args.layers - moe_layers) * dense_mlp + moe_layers * routed + 2 * D * V
     return 3.0 * forward
 
