@@ -1,6 +1,6 @@
 """The gated activations' kernels (csrc/swiglu.cpp): SwiGLU against its float64 reference and torch's
 silu(gate) * up, GPT-OSS's clamped quick GEGLU against its reference and torch's chain of ops; forward and backward,
-fp32 and bf16, widths off the vector length and the kernel's block, 1 and 2 threads."""
+fp32 and bf16, widths off the vector length and the kernel's block (threads: test_kernel_threads.py)."""
 
 import pytest
 import torch
@@ -233,22 +233,6 @@ def test_quick_geglu_at_the_clamps_bounds_is_torchs_to_the_bit(cpu_ext, offset, 
     bits = lambda t: t.view(torch.int16)
     assert torch.equal(bits(cpu_ext.quick_geglu(h, 1.702, offset, clamp)), bits(want.detach()))
     assert torch.equal(bits(cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp)), bits(h_.grad))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_two_threads_give_one_threads_bits(cpu_ext, dtype):
-    """Rows enough for the kernels' OpenMP loop to split (the other tests' inputs run on one thread)."""
-    h, grad = _inputs(160, 1024, dtype, seed=5)
-    runs, before = [], torch.get_num_threads()
-    try:
-        for threads in (2, 1):
-            torch.set_num_threads(threads)
-            runs.append((cpu_ext.swiglu(h), cpu_ext.swiglu_backward(grad, h), cpu_ext.quick_geglu(h, 1.702, 1.0, 7.0),
-                         cpu_ext.quick_geglu_backward(grad, h, 1.702, 1.0, 7.0)))
-    finally:
-        torch.set_num_threads(before)
-    for two, one in zip(*runs):
-        assert torch.equal(two, one)
 
 
 def test_quick_geglu_double_backward_raises(cpu_ext):
