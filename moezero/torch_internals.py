@@ -8,6 +8,8 @@ file to change.
   storage_key()            the identity of a tensor's storage, stable across a stage-3 free/regather resize
   parse_to_arguments()     what Tensor.to(...) was asked for (device, dtype, memory format), without running it
   no_subclass_dispatch()   run torch ops on a tensor subclass as on plain tensors (its own __torch_function__)
+  functorch_transforms_active()  inside torch.func.vmap / grad / jvp (torch._C._are_functorch_transforms_active):
+                           the CPU kernels' autograd.Functions have no rules for them, torch's ops run instead
   all_gather_single, reduce_scatter_single   the flat-tensor collectives (renamed in torch 2.11; older names before)
 """
 from __future__ import annotations
@@ -47,3 +49,7 @@ def parse_to_arguments(*args: Any, **kwargs: Any):
 def no_subclass_dispatch():
     return torch._C.DisableTorchFunctionSubclass()
 
+
+def functorch_transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is running."""
+    return torch._C._are_functorch_transforms_active()

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from moezero.ops import _loader, reference
+from moezero.torch_internals import functorch_transforms_active
 
 OPS = ("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into", "sum_of_squares")
 # called from an autograd.Function (gelu.py, bias_add.py, rms_norm.py, swiglu.py), not registered as custom ops:
@@ -30,6 +31,14 @@ WIRED = MappingProxyType({
     "cpu": frozenset(OPS + DIRECT_OPS),
     "cuda": frozenset(("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into")),
 })
+
+
+def direct_kernels_apply(t: Tensor) -> bool:
+    """Whether the DIRECT_OPS' CPU kernels may run on `t`: on the CPU, float32 or bfloat16, in eager mode
+    (torch.compile traces torch's ops instead, and torch.func's transforms refuse an autograd.Function without
+    their rules), the extension loaded. Each op adds its own conditions."""
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+            and not functorch_transforms_active() and _loader.load("cpu") is not None)
 
 
 def kernel(name: str, device: torch.device) -> Callable:

@@ -14,21 +14,21 @@ from typing import List
 import torch
 from torch import Tensor
 
-from moezero.ops import _library, _loader, reference
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from moezero.ops import _library, reference
+from moezero.torch_internals import functorch_transforms_active
 
 
 def fused_bias_add_applies(y_MF: Tensor) -> bool:
     """Whether add_expert_bias() runs the kernels for these rows."""
-    return (y_MF.device.type == "cpu" and y_MF.dtype in _DTYPES and not torch.compiler.is_compiling()
-            and _loader.load("cpu") is not None)
+    return _library.direct_kernels_apply(y_MF)
 
 
 def add_expert_bias(y_MF: Tensor, b_LF: Tensor, counts: List[int]) -> Tensor:
     """y + b_LF[l] on expert l's rows, in y's dtype; differentiable in both."""
     if fused_bias_add_applies(y_MF):
         return _FusedExpertBias.apply(y_MF, b_LF, counts)
+    if functorch_transforms_active():   # torch.func refuses an autograd.Function without its rules: plain ops
+        return y_MF + _rows_of(b_LF.to(y_MF.dtype), counts)
     return _ExpertBiasOps.apply(y_MF, b_LF, counts)
 
 

@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moezero.ops import _library, _loader
+from moezero.ops import _library
 
 IGNORE_INDEX = -100   # F.cross_entropy's default
 
 
 def fused_cross_entropy_applies(logits: Tensor) -> bool:
-    return (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
-            and not torch.compiler.is_compiling() and _loader.load("cpu") is not None)
+    return _library.direct_kernels_apply(logits)
 
 
 class _CrossEntropy(torch.autograd.Function):

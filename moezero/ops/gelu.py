@@ -17,17 +17,13 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from moezero.ops import _library, _loader
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from moezero.ops import _library
 
 
 def fused_gelu_applies(y: Tensor, bias: Optional[Tensor] = None) -> bool:
     """Whether bias_gelu() runs the fused kernel for these inputs (else the caller runs torch's GELU)."""
-    if y.device.type != "cpu" or y.dtype not in _DTYPES or torch.compiler.is_compiling():
-        return False
     needs_grad = y.requires_grad or (bias is not None and bias.requires_grad)
-    return needs_grad and torch.is_grad_enabled() and _loader.load("cpu") is not None
+    return needs_grad and torch.is_grad_enabled() and _library.direct_kernels_apply(y)
 
 
 class _BiasGelu(torch.autograd.Function):

@@ -16,26 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moezero.ops import _library, _loader
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from moezero.ops import _library
 
 
 def fused_rms_norm_applies(x: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether rms_norm() runs the kernel for these inputs."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or torch.compiler.is_compiling():
-        return False
     if weight is not None and (weight.dtype != x.dtype or weight.device.type != "cpu"):
         return False
-    return _loader.load("cpu") is not None
+    return _library.direct_kernels_apply(x)
 
 
 def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
     """F.rms_norm(x, normalized_shape, weight, eps), by the kernel where fused_rms_norm_applies()."""
     trailing = tuple(x.shape[max(0, x.dim() - len(normalized_shape)):])
-    if x.numel() == 0 or trailing != tuple(normalized_shape) or not fused_rms_norm_applies(x, weight):
+    shaped = weight is None or tuple(weight.shape) == tuple(normalized_shape)   # else torch's error
+    if x.numel() == 0 or trailing != tuple(normalized_shape) or not shaped or not fused_rms_norm_applies(x, weight):
         return F.rms_norm(x, normalized_shape, weight, eps)
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    eps = torch.finfo(torch.float32).eps if eps is None else eps   # torch's: its computation dtype's, fp32
     width = math.prod(normalized_shape)
     w = None if weight is None else weight.reshape(width)
     return _RMSNorm.apply(x.reshape(-1, width), w, eps).view(x.shape)

@@ -19,15 +19,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moezero.ops import _library, _loader
-
-_DTYPES = (torch.float32, torch.bfloat16)
+from moezero.ops import _library
 
 
 def fused_glu_applies(h: Tensor) -> bool:
     """Whether swiglu() and quick_geglu() run their kernels for these rows."""
-    return (h.device.type == "cpu" and h.dtype in _DTYPES and h.numel() > 0 and not torch.compiler.is_compiling()
-            and _loader.load("cpu") is not None)
+    return h.numel() > 0 and _library.direct_kernels_apply(h)
 
 
 def swiglu(h: Tensor) -> Tensor:

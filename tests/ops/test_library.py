@@ -176,3 +176,31 @@ def test_public_bucket_ops(backend):
     assert ops.sum_of_squares(tensors).dtype == torch.float64
     assert ops.sum_of_squares([]).item() == 0.0
     assert ops.sum_of_squares([torch.zeros(0, dtype=torch.float64)]).dtype == torch.float64
+
+
+def test_the_direct_kernels_step_aside_under_torch_func(cpu_ext):
+    """Inside torch.func's transforms the CPU kernels' autograd.Functions (no vmap or jvp rules) would raise:
+    torch's ops run there, with torch's values."""
+    import torch.nn.functional as F
+
+    from moezero.moe.experts import activation
+    from moezero.ops import bias_add, rms_norm
+
+    x, w = torch.randn(3, 4, 16), torch.rand(16) + 0.5
+    assert _library.direct_kernels_apply(x)
+    seen = []
+    torch.func.vmap(lambda r: seen.append(_library.direct_kernels_apply(r)) or r)(x)
+    assert seen == [False]
+    torch.testing.assert_close(torch.func.vmap(lambda r: rms_norm.rms_norm(r, [16], w, 1e-5))(x),
+                               F.rms_norm(x, [16], w, 1e-5))
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.func.vmap(lambda r: activation(r, "swiglu"))(x), F.silu(gate) * up)
+    clamped = gate.clamp(max=7.0) * torch.sigmoid(1.702 * gate.clamp(max=7.0)) * (up.clamp(-7.0, 7.0) + 1.0)
+    torch.testing.assert_close(torch.func.vmap(lambda r: activation(r, "quick_geglu", 1.0, 7.0))(x), clamped)
+    bias = torch.randn(2, 16)
+    torch.testing.assert_close(torch.func.vmap(lambda r: bias_add.add_expert_bias(r, bias, [1, 3]))(x),
+                               x + torch.cat([bias[:1], bias[1:].expand(3, 16)]))
+    grad = torch.func.grad(lambda r: rms_norm.rms_norm(r, [16], w, 1e-5).square().sum())(x)
+    x_ = x.clone().requires_grad_(True)
+    F.rms_norm(x_, [16], w, 1e-5).square().sum().backward()
+    torch.testing.assert_close(grad, x_.grad)
