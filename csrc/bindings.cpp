@@ -17,10 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights_TK"));
   m.def("flatten_into", &moezero::flatten_into, "flat[o_i:o_i+n_i] (+)= scale * tensors[i]",
         py::arg("flat"), py::arg("tensors"), py::arg("offsets"), py::arg("scale"), py::arg("accumulate"));
-  m.def("bias_gelu", &moezero::bias_gelu, "(gelu(h), gelu'(h)) of h = y + each row's expert bias",
+  m.def("bias_gelu", &moezero::bias_gelu, "(gelu(h), h) of h = y + each row's expert bias",
         py::arg("y_MF"), py::arg("bias_LF"), py::arg("counts"), py::arg("tanh") = false);
   m.def("bias_gelu_backward", &moezero::bias_gelu_backward, "(grad_h, per-expert bias gradient or None)",
-        py::arg("grad_a_MF"), py::arg("d_MF"), py::arg("counts"), py::arg("bias_grad"));
+        py::arg("grad_a_MF"), py::arg("h_MF"), py::arg("counts"), py::arg("bias_grad"), py::arg("tanh") = false);
   m.def("grouped_bias_add", &moezero::grouped_bias_add, "y + each row's expert bias", py::arg("y_MF"),
         py::arg("bias_LF"), py::arg("counts"));
   m.def("grouped_bias_grad", &moezero::grouped_bias_grad, "each expert's column sums of its rows, fp32",

@@ -71,8 +71,10 @@ inline void store(T* p, int64_t i, float f) {
   }
 }
 
-// exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial; below -87 it returns 0 instead of a denormal).
+// exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial); below -87 (-inf too) it returns 0 instead of a
+// value under 1.65e-38 (a masked logit's probability is 0, as torch's).
 inline float exp_nonpositive(float x) {
+  const bool underflows = x < -87.0f;
   x = x > -87.0f ? x : -87.0f;
   constexpr float kRound = 12582912.0f;   // 1.5 * 2^23: adding it rounds to an integer (|x log2 e| < 2^22)
   const float n = (x * 1.44269504088896341f + kRound) - kRound;
@@ -86,7 +88,8 @@ inline float exp_nonpositive(float x) {
   p = std::fma(p, r, 1.0f);
   p = std::fma(p, r, 1.0f);
   const int32_t e = static_cast<int32_t>(n);
-  return p * bits_to_float(static_cast<uint32_t>(e + 127) << 23);
+  const float value = p * bits_to_float(static_cast<uint32_t>(e + 127) << 23);
+  return underflows ? 0.0f : value;
 }
 
 }  // namespace element

@@ -36,14 +36,15 @@ void flatten_into(at::Tensor flat, const std::vector<at::Tensor>& tensors,
 // sum_of_squares.cpp: sum_i ||t_i||^2 as a 0-dim fp32 tensor (fp64 when any input is fp64).
 at::Tensor sum_of_squares(const std::vector<at::Tensor>& tensors);
 
-// gelu.cpp: (gelu(h), gelu'(h)) of h = y + bias[expert of the row] (no bias: h = y), float32 / bfloat16; the exact
-// GELU, or its tanh approximation when `tanh`.
+// gelu.cpp: (gelu(h), h) of h = y + bias[expert of the row] (no bias: h is y itself), float32 / bfloat16; the
+// exact GELU, or its tanh approximation when `tanh`.
 std::tuple<at::Tensor, at::Tensor> bias_gelu(const at::Tensor& y_MF, const std::optional<at::Tensor>& bias_LF,
                                              const std::vector<int64_t>& counts, bool tanh);
 
-// gelu.cpp: (grad_h = grad_a * d, each expert's bias gradient in fp32 when bias_grad, else None).
+// gelu.cpp: (grad_h = grad_a * gelu'(h), each expert's bias gradient in fp32 when bias_grad, else None).
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_gelu_backward(
-    const at::Tensor& grad_a_MF, const at::Tensor& d_MF, const std::vector<int64_t>& counts, bool bias_grad);
+    const at::Tensor& grad_a_MF, const at::Tensor& h_MF, const std::vector<int64_t>& counts, bool bias_grad,
+    bool tanh = false);
 
 // bias_add.cpp: y + bias[expert of the row], float32 / bfloat16 (y's and the bias's dtype alike).
 at::Tensor grouped_bias_add(const at::Tensor& y_MF, const at::Tensor& bias_LF, const std::vector<int64_t>& counts);

@@ -1,11 +1,12 @@
-"""The GELU of the MLPs and experts, fused with each expert's bias, saving its derivative: the exact (erf) one, or
-its tanh approximation (approximate="tanh", as torch's; Megatron's fused bias-GELU).
+"""The GELU of the MLPs and experts, fused with each expert's bias: the exact (erf) one, or its tanh approximation
+(approximate="tanh", as torch's; Megatron's fused bias-GELU).
 
-Forward writes gelu(h) and gelu'(h) in one pass over y (h = y + the bias of the row's expert), and saves
-gelu'(h) where torch's GELU saves h: the same activation memory, and the backward is one multiply (and the
-bias gradient's column sums in the same pass) instead of a second erf and exp: faster than torch's bias add,
-gelu and gelu_backward in bf16 and fp32 (tools/bench_ops.py times both). csrc/gelu.cpp has the kernel,
-reference.py its oracle.
+Forward writes gelu(h) in one pass over y (h = y + the bias of the row's expert) and saves h, as torch's GELU
+does; the backward computes gelu'(h) in fp32 and rounds grad_a * gelu'(h) once, as torch's gelu_backward, with
+the bias gradient's column sums in the same pass (instead of torch's bias add, gelu, gelu_backward and one sum
+per expert; tools/bench_ops.py times both). An earlier version saved gelu'(h) rounded to bf16: a one-multiply
+backward, but bf16 gradients rounded twice (up to 1.4 ulp off torch's, 27% of them differing). csrc/gelu.cpp has
+the kernel, reference.py its oracle.
 
 Used where the compiled kernel is loaded, on CPU float32 / bfloat16 tensors that need a gradient, outside
 torch.compile; elsewhere the callers run torch's GELU on the biased input.
@@ -30,19 +31,19 @@ class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_MF: Tensor, bias_LF: Optional[Tensor], counts: List[int], tanh: bool) -> Tensor:
         bias = None if bias_LF is None else bias_LF.to(y_MF.dtype).contiguous()
-        a_MF, d_MF = _library.kernel("bias_gelu", y_MF.device)(y_MF.contiguous(), bias, counts, tanh)
-        ctx.save_for_backward(d_MF)
-        ctx.counts = counts
+        a_MF, h_MF = _library.kernel("bias_gelu", y_MF.device)(y_MF.contiguous(), bias, counts, tanh)
+        ctx.save_for_backward(h_MF)   # GELU's input, as torch's GELU saves: the backward computes gelu'(h) in fp32
+        ctx.counts, ctx.tanh = counts, tanh
         ctx.bias_dtype = None if bias_LF is None else bias_LF.dtype
         return a_MF
 
     @staticmethod
     @torch.autograd.function.once_differentiable   # the kernel's backward builds no graph: double backward raises
     def backward(ctx, grad_a_MF: Tensor):
-        (d_MF,) = ctx.saved_tensors
-        with_bias = ctx.bias_dtype is not None
-        grad_h, grad_bias = _library.kernel("bias_gelu_backward", d_MF.device)(
-            grad_a_MF.contiguous(), d_MF, ctx.counts, with_bias)
+        (h_MF,) = ctx.saved_tensors
+        with_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[1]
+        grad_h, grad_bias = _library.kernel("bias_gelu_backward", h_MF.device)(
+            grad_a_MF.contiguous(), h_MF, ctx.counts, with_bias, ctx.tanh)
         return grad_h, grad_bias.to(ctx.bias_dtype) if with_bias else None, None, None
 
 

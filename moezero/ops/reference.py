@@ -105,27 +105,34 @@ def _expert_rows(rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
                                    output_size=sum(counts))
 
 
+def _gelu_slope(wide: torch.Tensor, tanh: bool) -> torch.Tensor:
+    """gelu'(h) in float64 (exact, or of the tanh approximation)."""
+    if tanh:
+        beta, kappa = (2.0 / torch.pi) ** 0.5, 0.044715
+        t = torch.tanh(beta * (wide + kappa * wide ** 3))
+        return 0.5 * (1.0 + t) + 0.5 * wide * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * wide * wide)
+    cdf = 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))
+    return cdf + wide * torch.exp(-0.5 * wide * wide) * (2.0 * torch.pi) ** -0.5
+
+
 def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int], tanh: bool = False
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(gelu(h), gelu'(h)) of h = y + the bias of each row's expert (rounded to y's dtype), each rounded to y's
-    dtype; rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one, or its tanh approximation."""
+    """(gelu(h) rounded to y's dtype, h) of h = y + the bias of each row's expert (rounded to y's dtype; y itself
+    without a bias); rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one, or its tanh
+    approximation."""
     h = y_MF if bias_LF is None else y_MF + _expert_rows(bias_LF, counts)
     wide = h.double()
     if tanh:
         beta, kappa = (2.0 / torch.pi) ** 0.5, 0.044715
-        t = torch.tanh(beta * (wide + kappa * wide ** 3))
-        d = 0.5 * (1.0 + t) + 0.5 * wide * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * wide * wide)
-        return (0.5 * wide * (1.0 + t)).to(y_MF.dtype), d.to(y_MF.dtype)
-    cdf = 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))
-    pdf = torch.exp(-0.5 * wide * wide) * (2.0 * torch.pi) ** -0.5
-    return (wide * cdf).to(y_MF.dtype), (cdf + wide * pdf).to(y_MF.dtype)
+        return (0.5 * wide * (1.0 + torch.tanh(beta * (wide + kappa * wide ** 3)))).to(y_MF.dtype), h
+    return (wide * 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))).to(y_MF.dtype), h
 
 
-def bias_gelu_backward(grad_a_MF: torch.Tensor, d_MF: torch.Tensor, counts: Sequence[int], bias_grad: bool
-                       ) -> Tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad_h = grad_a * d rounded to their dtype, each expert's bias gradient (its rows' column sums of grad_h)
-    in fp32, or None when not bias_grad)."""
-    grad_h = (grad_a_MF.float() * d_MF.float()).to(grad_a_MF.dtype)
+def bias_gelu_backward(grad_a_MF: torch.Tensor, h_MF: torch.Tensor, counts: Sequence[int], bias_grad: bool,
+                       tanh: bool = False) -> Tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad_h = grad_a * gelu'(h), gelu'(h) in float64, rounded once to their dtype; each expert's bias gradient
+    (its rows' column sums of grad_h) in fp32, or None when not bias_grad)."""
+    grad_h = (grad_a_MF.double() * _gelu_slope(h_MF.double(), tanh)).to(grad_a_MF.dtype)
     if not bias_grad:
         return grad_h, None
     sums = grad_h.new_zeros(len(counts), grad_h.shape[1], dtype=torch.float32)

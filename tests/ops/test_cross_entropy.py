@@ -53,6 +53,10 @@ def test_fused_cross_entropy_keeps_what_is_not_finite():
     torch_losses, torch_grad = _loss_and_grad(logits, labels, torch.ones(3), fused=False)
     torch.testing.assert_close(losses, torch_losses, equal_nan=True)
     torch.testing.assert_close(grad, torch_grad, equal_nan=True)
+    # a masked (-inf) logit and one far below the others get exactly no probability, as torch's
+    masked = torch.tensor([[float("-inf"), 1.0, 2.0], [-200.0, 1.0, 2.0]])
+    _, grad = _loss_and_grad(masked, torch.tensor([2, 2]), torch.ones(2), fused=True)
+    assert (grad[:, 0] == 0).all()
 
 
 @needs_kernel
