@@ -41,7 +41,7 @@ class _CrossEntropy(torch.autograd.Function):
 def token_cross_entropy(logits_NV: Tensor, labels_N: Tensor, fused: bool = False) -> Tensor:
     """Per-row cross-entropy in fp32 at least (fp64 logits: fp64) of logits (N, V) against labels (N,); `fused`
     (--cross-entropy-loss-fusion): the fused kernel where fused_cross_entropy_applies(logits)."""
-    if fused and fused_cross_entropy_applies(logits_NV):
+    if fused and labels_N.dtype == torch.int64 and fused_cross_entropy_applies(logits_NV):   # uint8: torch's
         return _CrossEntropy.apply(logits_NV.contiguous(), labels_N.contiguous())
     wide = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
     return F.cross_entropy(wide, labels_N, reduction="none", ignore_index=IGNORE_INDEX)

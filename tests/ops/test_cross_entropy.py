@@ -59,6 +59,12 @@ def test_fused_cross_entropy_keeps_what_is_not_finite():
     assert (grad[:, 0] == 0).all()
 
 
+def test_labels_torch_takes_the_kernel_does_not_go_to_torch():
+    logits, labels = torch.randn(4, 10), torch.tensor([1, 2, 3, 9])
+    torch.testing.assert_close(token_cross_entropy(logits, labels.to(torch.uint8), fused=True),
+                               token_cross_entropy(logits, labels, fused=False))
+
+
 @needs_kernel
 def test_fused_cross_entropy_names_a_label_outside_the_vocabulary():
     logits, labels, _ = _case(torch.float32, 4, 10)
