@@ -67,27 +67,17 @@ inline void gelu_tanh_and_derivative(float h, float& a, float& d) {
   d = e > 0.0f ? std::fma(2.0f * h * (e * inv * inv), kBeta * std::fma(3.0f * kKappa, h2, 1.0f), s) : tail;
 }
 
-// gelu(h) or gelu'(h) of an exact h, in fp32 (the other of the pair is computed and dropped: the compiler does)
-template <bool Tanh>
-inline float gelu_value(float h) {
+// gelu(h) (Slope false) or gelu'(h) (Slope true) of an exact h, in fp32 (the other of the pair is computed and
+// dropped: the compiler removes it)
+template <bool Tanh, bool Slope>
+inline float gelu_part(float h) {
   float a, d;
   if constexpr (Tanh) {
     gelu_tanh_and_derivative(h, a, d);
   } else {
     gelu_and_derivative(h, a, d);
   }
-  return a;
-}
-
-template <bool Tanh>
-inline float gelu_slope(float h) {
-  float a, d;
-  if constexpr (Tanh) {
-    gelu_tanh_and_derivative(h, a, d);
-  } else {
-    gelu_and_derivative(h, a, d);
-  }
-  return d;
+  return Slope ? d : a;
 }
 
 // bf16 rows go in blocks of kBlock: widen (and add the bias), compute in fp32, narrow; loops of one element type
@@ -100,10 +90,10 @@ MOEZERO_ELEMENT_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T
     if (bias != nullptr) {
       for (int64_t i = 0; i < n; ++i) {
         h_out[i] = y[i] + bias[i];
-        a[i] = gelu_value<Tanh>(h_out[i]);
+        a[i] = gelu_part<Tanh, false>(h_out[i]);
       }
     } else {
-      for (int64_t i = 0; i < n; ++i) a[i] = gelu_value<Tanh>(y[i]);
+      for (int64_t i = 0; i < n; ++i) a[i] = gelu_part<Tanh, false>(y[i]);
     }
     return;
   }
@@ -116,7 +106,7 @@ MOEZERO_ELEMENT_MULTIVERSION void forward_row(const T* y, const T* bias, T* a, T
     } else {
       for (int64_t i = 0; i < m; ++i) h[i] = load(y, begin + i);
     }
-    for (int64_t i = 0; i < m; ++i) ab[i] = gelu_value<Tanh>(h[i]);
+    for (int64_t i = 0; i < m; ++i) ab[i] = gelu_part<Tanh, false>(h[i]);
     for (int64_t i = 0; i < m; ++i) store(a, begin + i, ab[i]);
   }
 }
@@ -129,7 +119,7 @@ MOEZERO_ELEMENT_MULTIVERSION void backward_row(const T* g, const T* h, T* grad_h
   for (int64_t begin = 0; begin < n; begin += kBlock) {
     const int64_t m = std::min(kBlock, n - begin);
     for (int64_t i = 0; i < m; ++i) db[i] = load(h, begin + i);
-    for (int64_t i = 0; i < m; ++i) db[i] = gelu_slope<Tanh>(db[i]);
+    for (int64_t i = 0; i < m; ++i) db[i] = gelu_part<Tanh, true>(db[i]);
     if (sums != nullptr) {
       for (int64_t i = 0; i < m; ++i) {
         const float v = round_to<T>(load(g, begin + i) * db[i]);
