@@ -133,13 +133,17 @@ class DeferredWeightGrads:
     node first, reaches after it launched that all-to-all's gradient and before it waits for it. The same GEMMs
     as autograd's own backward (the same numbers)."""
 
-    def __init__(self, experts: "GroupedExperts"):
-        self.weights = [experts.w1, experts.w2]
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        self.weights = [w1, w2]
         self.kept: dict = {}
         self.trigger = _WeightGradNode.apply(self, *self.weights)
 
     def slot_of(self, w: torch.Tensor) -> int:
-        return next(i for i, weight in enumerate(self.weights) if weight is w)
+        for i, weight in enumerate(self.weights):
+            if weight is w:
+                return i
+        raise RuntimeError("--delay-wgrad-compute: an expert GEMM ran with a weight its DeferredWeightGrads "
+                           "did not read (pass the experts' forward the object it was made with)")
 
     def keep(self, slot: int, x_MD, grad_MF, counts: List[int], grouped: bool) -> None:
         self.kept[slot] = (x_MD, grad_MF, counts, grouped)
@@ -242,9 +246,10 @@ class GroupedExperts(nn.Module):
     def defer_weight_grads(self) -> Optional[DeferredWeightGrads]:
         """With --delay-wgrad-compute in a forward that builds a graph: where the weights' gradients will be
         computed (the MoE layer makes it after launching the rows' all-to-all); else None."""
-        if not (self.delay_wgrad and torch.is_grad_enabled() and (self.w1.requires_grad or self.w2.requires_grad)):
+        if not (self.delay_wgrad and torch.is_grad_enabled()):
             return None
-        return DeferredWeightGrads(self)
+        w1, w2 = self.w1, self.w2   # read once: under QAT each read fake-quantizes the weight
+        return DeferredWeightGrads(w1, w2) if w1.requires_grad or w2.requires_grad else None
 
     def forward(self, x_MD: torch.Tensor, counts: List[int],
                 deferred: Optional[DeferredWeightGrads] = None) -> torch.Tensor:
@@ -259,9 +264,11 @@ class GroupedExperts(nn.Module):
 
     def _ffn(self, x_MD: torch.Tensor, counts: List[int], deferred: Optional[DeferredWeightGrads] = None
              ) -> torch.Tensor:
-        a = biased_activation(expert_mm(x_MD, self.w1, counts, self.use_grouped, deferred), self.b1, counts,
+        # with `deferred`, the weights it read: a parametrized weight (QAT) is a new tensor at every read
+        w1, w2 = (self.w1, self.w2) if deferred is None else deferred.weights
+        a = biased_activation(expert_mm(x_MD, w1, counts, self.use_grouped, deferred), self.b1, counts,
                               self.activation, self.offset, self.clamp)
-        y = _add_bias(expert_mm(a, self.w2, counts, self.use_grouped, deferred), self.b2, counts)
+        y = _add_bias(expert_mm(a, w2, counts, self.use_grouped, deferred), self.b2, counts)
         return y if deferred is None else deferred.attach(y)
 
 

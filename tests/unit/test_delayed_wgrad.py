@@ -62,3 +62,28 @@ def test_an_moe_layer_with_the_flag_trains_as_without_it():
         (y.square().sum() + stats.aux_loss).backward()
     for (name, p), q in zip(layers[0].named_parameters(), layers[1].parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantization_aware_experts_with_the_flag_train_as_without_it(rounding):
+    """QAT's weights are parametrized (a new fake-quantized tensor at each read): the deferred node and the GEMMs
+    must use the same reads, whose gradient reaches the params through the straight-through estimator."""
+    import dataclasses
+    from moezero.compression import apply_qat
+    from moezero.models import GPTModel
+    from tests.integration.pretrain_utils import TINY, configs
+
+    grads = []
+    for delay in (True, False):
+        cfg = configs(TINY + ["--qat-weight-bits", "8", "--qat-rounding", rounding]
+                      + (["--delay-wgrad-compute"] if delay else []))
+        model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe, seed=3).double()
+        apply_qat(model, cfg.qat, None, 7)
+        model.train()
+        torch.manual_seed(0)   # the same dropout draws
+        logits, stats = model(torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4)))
+        (logits.square().mean() + sum(s.aux_loss for s in stats)).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert any("experts" in n for n in grads[0])
+    for name, g in grads[1].items():
+        assert grads[0][name] is not None and torch.equal(grads[0][name], g), name
