@@ -305,8 +305,23 @@ def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
         raise ConfigError("--overlap-moe-expert-parallel-comm: needs --expert-model-parallel-size > 1 (it overlaps "
                           "the expert-parallel exchanges; Megatron's rule)")
     if cfg.zero.stage == 3:
-        raise ConfigError("--overlap-moe-expert-parallel-comm: not with --zero-stage 3 (each layer's params are "
+        chosen_by = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO stage 3)"
+                     if cfg.zero.use_megatron_fsdp else "--zero-stage 3")
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm: not with {chosen_by} (each layer's params are "
                           "gathered around one forward at a time there)")
+
+
+def moe_comm_overlap_notices(cfg: Configs) -> List[str]:
+    """Lines for the run's log: the layers whose exchanges the overlap leaves out (recomputed ones run whole)."""
+    if not cfg.train.overlap_moe_expert_parallel_comm:
+        return []
+    recomputed = []
+    if cfg.model.recompute_granularity == "full":
+        recomputed.append(f"--recompute-granularity full (--recompute-method {cfg.model.recompute_method})")
+    if cfg.model.moe_layer_recompute:
+        recomputed.append("--moe-layer-recompute")
+    return [f" --overlap-moe-expert-parallel-comm: the layers {flags} recomputes run whole, their exchanges not "
+            "overlapped with the other micro-batch's compute" for flags in recomputed]
 
 
 def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0) -> int:

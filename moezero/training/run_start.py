@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from moezero.hf import run_configs
 from moezero.models.upcycling import check_upcyclable
-from moezero.training.configs import Configs
+from moezero.training.configs import Configs, moe_comm_overlap_notices
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
                                      find_resume_point, upcycling_point)
 
@@ -43,6 +43,7 @@ def resolve_start(cfg: Configs) -> RunStart:
     elif cfg.checkpoint.load:
         notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
                        "from scratch")
+    notices += moe_comm_overlap_notices(cfg)
     dense_source = None
     if point is not None and cfg.moe.use_upcycling:
         check_upcyclable(cfg.model, cfg.moe)

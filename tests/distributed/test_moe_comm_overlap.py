@@ -2,6 +2,7 @@
 backward one; the numbers of the micro-batches one after another (float64, 2 ranks, ep 2, ZeRO stages 0-2), with
 --delay-wgrad-compute too."""
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -14,18 +15,22 @@ from moezero.parallel import ParallelGroups
 from moezero.torch_internals import in_backward
 from moezero.training.configs import validate
 from moezero.training.loop import train_step
+from moezero.training.run_start import resolve_start
 from moezero.zero import ZeroOptimizer
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB = 64, 32, 2
-FLAGS = {
-    "TINY": [],
-    "shared expert, global aux loss, a dense layer, MTP, MoE recompute": [
-        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "global_aux_loss",
-        "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1", "--moe-layer-recompute",
-        "--position-embedding-type", "rope"],
-}
+EVERY_SCHEDULE = ((0, 4, False), (2, 3, True), (1, 2, False))   # (stage, micro-batches, --delay-wgrad-compute)
+# flags, the schedules they run: the shared expert, global aux loss and MTP interleaved; recomputed MoE layers
+# run whole (phases.module_steps never sees them) beside interleaved dense ones
+CASES = [
+    ([], EVERY_SCHEDULE),
+    (["--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "global_aux_loss",
+      "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1", "--position-embedding-type",
+      "rope"], EVERY_SCHEDULE),
+    (["--moe-layer-recompute", "--moe-router-load-balancing-type", "global_aux_loss"], ((2, 3, True),)),
+]
 
 
 def _micro_batches(step, count):
@@ -72,8 +77,8 @@ def _compare_overlap(flags, stage, micro_batches, delay_wgrad=False):
 
 
 def _all_cases():
-    for flags in FLAGS.values():
-        for stage, micro_batches, delay_wgrad in ((0, 4, False), (2, 3, True), (1, 2, False)):
+    for flags, schedules in CASES:
+        for stage, micro_batches, delay_wgrad in schedules:
             _compare_overlap(flags, stage, micro_batches, delay_wgrad)
 
 
@@ -132,11 +137,24 @@ def test_a_pairs_exchanges_travel_while_the_other_micro_batch_computes():
 
 @pytest.mark.parametrize("flags,message", [
     (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
-    (["--expert-model-parallel-size", "2", "--zero-stage", "3"], "not with --zero-stage 3")])
+    (["--expert-model-parallel-size", "2", "--zero-stage", "3"], "not with --zero-stage 3"),
+    (["--expert-model-parallel-size", "2", "--use-megatron-fsdp"],
+     "not with --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO stage 3)")])
 def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
     cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm"] + flags)
-    with pytest.raises(ConfigError, match=f"--overlap-moe-expert-parallel-comm: {message}"):
+    with pytest.raises(ConfigError, match=re.escape(f"--overlap-moe-expert-parallel-comm: {message}")):
         validate(cfg, world_size=2)
+
+
+def test_the_log_says_which_layers_run_whole():
+    flags = TINY + ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2"]
+    assert not any("overlap" in line for line in resolve_start(configs(flags)).notices)
+    notices = resolve_start(configs(flags + ["--moe-layer-recompute"])).notices
+    assert any("the layers --moe-layer-recompute recomputes run whole" in line for line in notices), notices
+    notices = resolve_start(configs(flags + ["--recompute-granularity", "full", "--recompute-method", "block",
+                                             "--recompute-num-layers", "1"])).notices
+    assert any("--recompute-granularity full (--recompute-method block) recomputes run whole" in line
+               for line in notices), notices
 
 
 def test_delayed_weight_gradients_need_the_overlap():
