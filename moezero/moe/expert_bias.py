@@ -1,7 +1,7 @@
 """Aux-loss-free load balancing (DeepSeek-V3): update each router's expert bias once per step.
 
 The bias only shifts which experts are selected, never the combine weights. It is updated from
-the tokens each expert received, summed over every micro-batch of the step and every
+the tokens each expert received (after capacity dropping, as Megatron counts), summed over every micro-batch of the step and every
 data-parallel rank, so every rank applies the same update and the (replicated) bias stays
 bitwise equal everywhere. Forward passes stay collective-free: the routers' forward hooks only
 count; the one all-reduce runs in the optimizer's step post-hook.
@@ -57,7 +57,7 @@ class ExpertBiasUpdater:
             return
         if self._counts is None:
             self._counts = torch.zeros(len(self.routers), router.config.num_experts, dtype=torch.float64)
-        self._counts[index] += routing.tokens_per_expert_E.detach().to(self._counts.device, torch.float64)
+        self._counts[index] += routing.kept_per_expert_E.detach().to(self._counts.device, torch.float64)
 
     def step(self) -> None:
         """All-reduce the step's counts over data-parallel ranks and update every bias (collective)."""

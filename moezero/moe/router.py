@@ -34,6 +34,7 @@ class Routing:
     topk_ids_TK: torch.Tensor        # int64 expert ids; -1 where capacity dropped the assignment
     topk_weights_TK: torch.Tensor    # fp32 (fp64 for fp64 models) combine weights; 0 where dropped
     tokens_per_expert_E: torch.Tensor  # int64 assignments per expert before dropping
+    kept_per_expert_E: torch.Tensor    # int64 assignments per expert after dropping (what the expert bias counts)
     aux_loss: torch.Tensor           # fp32 scalar: the load-balancing losses, each times its coefficient
     z_loss: torch.Tensor             # fp32 scalar, already multiplied by its coefficient
     dropped_fraction: torch.Tensor   # fp32 scalar: dropped assignments / (T * K)
@@ -133,8 +134,7 @@ class TopKRouter(nn.Module):
         if cfg.load_balancing_type == "sinkhorn":
             topk_ids_TK, topk_weights_TK = self._select_sinkhorn(logits_TE)
         else:
-            scores_TE = torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE)
-            topk_ids_TK, topk_weights_TK = self._select(logits_TE, scores_TE)
+            topk_ids_TK, topk_weights_TK = self._select(logits_TE)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
         aux_loss, tracked = self._balancing_losses(logits_TE, num_sequences, record)
         z_loss = logits_TE.new_zeros(())
@@ -142,7 +142,9 @@ class TopKRouter(nn.Module):
             raw = router_z_loss(logits_TE)
             z_loss, tracked["z_loss"] = raw * cfg.z_loss_coeff, raw.detach()
         topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK)
-        return Routing(topk_ids_TK, topk_weights_TK, counts_E, aux_loss, z_loss, dropped, tracked)
+        kept_E = counts_E if cfg.capacity_factor is None else torch.bincount(
+            topk_ids_TK[topk_ids_TK >= 0], minlength=cfg.num_experts)
+        return Routing(topk_ids_TK, topk_weights_TK, counts_E, kept_E, aux_loss, z_loss, dropped, tracked)
 
     def reset_global_balancing(self) -> None:
         """After each optimizer step: the global-batch aux loss counts the next step's tokens afresh."""
@@ -182,14 +184,21 @@ class TopKRouter(nn.Module):
             noise = keys.uniform(self.site + ".jitter", (T // num_sequences, D), 1.0 - eps, 1.0 + eps, x_TD.device)
         return x_TD * noise.reshape(T, D).to(dtype=x_TD.dtype)
 
-    def _select(self, logits_TE, scores_TE):
+    def _select(self, logits_TE):
         cfg = self.config
         k = cfg.top_k
-        selection_TE = scores_TE + self.expert_bias if cfg.enable_expert_bias else scores_TE
+        post_softmax = cfg.score_function == "softmax" and not cfg.pre_softmax
+        # softmax after the top-k selects on the logits (Megatron's): groups are scored by their logits, and two
+        # logits a softmax would round to one probability stay apart
+        scores_TE = None if post_softmax and not cfg.enable_expert_bias else (
+            torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE))
+        selection_TE = logits_TE if scores_TE is None else scores_TE
+        if cfg.enable_expert_bias:
+            selection_TE = selection_TE + self.expert_bias
         if cfg.num_groups is not None:
             selection_TE = limit_to_groups(selection_TE, cfg.num_groups, cfg.group_topk, cfg.group_score, k)
         topk_ids_TK = torch.topk(selection_TE, k, dim=-1).indices
-        if cfg.score_function == "softmax" and not cfg.pre_softmax:
+        if post_softmax:
             # softmax over the selected logits == top-k of the full softmax, renormalised
             weights_TK = torch.softmax(logits_TE.gather(1, topk_ids_TK), -1)
         else:

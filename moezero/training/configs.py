@@ -294,6 +294,17 @@ def _check_precision_aware(cfg: Configs) -> None:
         raise ConfigError("--main-grads-dtype bf16: needs --bf16 (the params' gradients are not bf16)")
 
 
+def _check_top1_router(cfg: Configs) -> None:
+    """Megatron's rule: a softmax over the one selected logit is 1.0 for every token, and the router's weight
+    gets no gradient from the loss."""
+    moe = cfg.moe
+    if (moe.num_experts is not None and moe.top_k == 1 and moe.score_function == "softmax" and not moe.pre_softmax
+            and moe.load_balancing_type != "sinkhorn"):
+        raise ConfigError("--moe-router-topk 1: needs --moe-router-pre-softmax with the softmax score function (a "
+                          "softmax over the one selected logit is always 1: the router would get no gradient "
+                          "from the loss; Megatron's rule)")
+
+
 def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
     """Megatron's: the overlap is of expert-parallel exchanges. Stage 3 gathers a layer's params around its
     forward, which an interleaved pair enters twice before leaving."""
@@ -350,6 +361,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
+    _check_top1_router(cfg)
     _check_moe_comm_overlap(cfg, ep)
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "

@@ -102,3 +102,67 @@ def test_the_console_names_each_loss(tmp_path, capsys):
                   "--moe-aux-loss-coeff", "1e-2", "1e-3"], str(tmp_path))
     line = [line for line in capsys.readouterr().out.splitlines() if "] iteration " in line][-1]
     assert "| load_balancing_loss: " in line and "| seq_load_balancing_loss: " in line and "| z_loss: " in line
+
+
+def _routing_of_logits(logits_TE, **kwargs):
+    """moezero's routing of these exact logits (an identity gate), as Megatron's [T, E] probabilities."""
+    T, experts = logits_TE.shape
+    router = TopKRouter(MoEConfig(hidden_size=experts, num_experts=experts, **kwargs))
+    router.wg.weight.data.copy_(torch.eye(experts))
+    routing = router(logits_TE)
+    return torch.zeros(T, experts).scatter(1, routing.topk_ids_TK, routing.topk_weights_TK)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(top_k=2), dict(top_k=2, pre_softmax=True), dict(top_k=4, topk_scaling_factor=2.5),
+    dict(top_k=4, num_groups=4, group_topk=2), dict(top_k=4, num_groups=4, group_topk=2, pre_softmax=True),
+    dict(top_k=3, score_function="sigmoid"), dict(top_k=4, score_function="sigmoid", num_groups=4, group_topk=2),
+])
+def test_the_selection_and_weights_are_megatrons(kwargs):
+    """Megatron's topk_routing_with_score_function: after the top-k the softmax selects on the logits, groups
+    scored by their logits too (a softmax's sum of the top probabilities ranks groups otherwise)."""
+    logits = torch.randn(64, E, generator=torch.Generator().manual_seed(5)) * 2
+    theirs, _ = moe_utils.topk_routing_with_score_function(
+        logits, kwargs["top_k"], use_pre_softmax=kwargs.get("pre_softmax", False),
+        num_groups=kwargs.get("num_groups"), group_topk=kwargs.get("group_topk"),
+        scaling_factor=kwargs.get("topk_scaling_factor"), score_function=kwargs.get("score_function", "softmax"))
+    torch.testing.assert_close(_routing_of_logits(logits, **kwargs), theirs, rtol=1e-6, atol=0)
+
+
+def test_groups_and_near_ties_are_chosen_by_the_logits():
+    """Two tokens a review found routed unlike Megatron when the selection ran on softmax probabilities."""
+    groups = torch.tensor([[2.0, -10.0, 0.0, 0.0]])   # group {0, 1} has the larger probability sum, {2, 3} logits
+    assert torch.equal(_routing_of_logits(groups, top_k=2, num_groups=2, group_topk=1),
+                       torch.tensor([[0.0, 0.0, 0.5, 0.5]]))
+    near_tie = torch.tensor([[0.5, 0.0, 1e-9, -5.0]])   # softmax rounds logits 0 and 1e-9 to one probability
+    assert _routing_of_logits(near_tie, top_k=2)[0, 2] > 0
+
+
+def test_the_expert_bias_counts_the_assignments_capacity_kept():
+    """Megatron updates the bias from the routing map after dropping: an expert that dropped tokens is not
+    counted as loaded by them."""
+    from moezero.moe.expert_bias import ExpertBiasUpdater
+
+    router = TopKRouter(MoEConfig(hidden_size=4, num_experts=4, top_k=1, score_function="sigmoid",
+                                  enable_expert_bias=True, capacity_factor=1.0))
+    router.wg.weight.data.copy_(torch.eye(4))
+    logits = torch.full((16, 4), -1.0)
+    logits[:9, 0] = 1.0                               # 9 tokens want expert 0; its capacity is 4
+    logits[9:12, 1] = logits[12:15, 2] = logits[15, 3] = 1.0
+    updater = ExpertBiasUpdater(router, None)
+    routing = router(logits)
+    assert routing.tokens_per_expert_E.tolist() == [9, 3, 3, 1]
+    assert routing.kept_per_expert_E.tolist() == [4, 3, 3, 1]
+    updater.step()
+    assert router.expert_bias.tolist() == pytest.approx([-1e-3, -1e-3, -1e-3, 1e-3])   # mean 2.75 kept per expert
+
+
+def test_a_top1_softmax_router_needs_the_softmax_first():
+    """Megatron's rule: after the top-1 the softmax is over one logit, 1.0 for every token, and the router would
+    not learn from the loss."""
+    from moezero.training.configs import validate
+
+    with pytest.raises(ConfigError, match="--moe-router-topk 1: needs --moe-router-pre-softmax"):
+        validate(configs(TINY + ["--moe-router-topk", "1"]), world_size=1)
+    for allowed in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
+        validate(configs(TINY + ["--moe-router-topk", "1"] + allowed), world_size=1)
