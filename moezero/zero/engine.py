@@ -307,6 +307,7 @@ class ZeroEngine:
         """Collective: every bucket reduction finished (`loss_scaled`: an fp16 run, whose backwards must
         have gone through the optimizer's scaled backward)."""
         self.recover_aborted_backward()
+        self.reducer.apply_user_clears()
         if loss_scaled and self.reducer.unscaled_passes:
             raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
                                "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")

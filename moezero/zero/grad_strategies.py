@@ -89,6 +89,11 @@ class GradStrategy(abc.ABC):
     def discard_pass(self) -> None:
         """Drop per-backward buffers of a backward that did not finish."""
 
+    def forget_local(self, zp: ZeroParam) -> bool:
+        """The user cleared a param's gradient: drop what of it is not reduced into a shard yet; True when that
+        was all of it."""
+        return False
+
     @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes of gradient storage held on this rank (buffers, shards, staging and its pool)."""
@@ -113,6 +118,10 @@ class _PersistentBuffer(GradStrategy):
 
     def _staging_target(self, bucket):
         return self.family.bucket_region(self.grad_buffer, bucket)
+
+    def forget_local(self, zp):
+        self.family.param_view(self.grad_buffer, zp).zero_()   # stage 0: the average it showed; 1: local sums
+        return False
 
     def zero(self):
         self.grad_buffer.zero_()
@@ -141,6 +150,11 @@ class AllReduceGrads(_PersistentBuffer):
 
     def visible_grads(self, bucket, synced):
         return self._views[bucket]
+
+    def forget_local(self, zp):
+        super().forget_local(zp)
+        self._cast[zp.bucket] = None
+        return True   # nothing of it lives elsewhere
 
     def launch(self, bucket):
         region = self._staging_target(bucket)
@@ -183,7 +197,7 @@ class _ShardAccumulator:
         self.family = family
         self._shards = [torch.zeros(family.bucket_numel(b) // family.group_size, dtype=dtype, device=device)
                         for b in range(family.num_buckets)]
-        self._cleared = [False] * family.num_buckets
+        self._cleared = [True] * family.num_buckets   # zeros, and nothing reduced into them yet
 
     def shard(self, bucket: int) -> torch.Tensor:
         if self._cleared[bucket]:
@@ -220,6 +234,10 @@ class _ShardAccumulator:
             _zero_uncovered(shard, fired)
             self._cleared[bucket] = False
 
+    def untouched(self, bucket: int) -> bool:
+        """Nothing was reduced into the bucket's shard since it was cleared."""
+        return self._cleared[bucket]
+
     def zero(self):
         self._cleared = [True] * self.family.num_buckets
 
@@ -253,6 +271,10 @@ class ReduceScatterAtBoundary(_PersistentBuffer):
 
     def reduced_grad(self, bucket):
         return self.accumulator.shard(bucket)
+
+    def forget_local(self, zp):
+        super().forget_local(zp)
+        return self.accumulator.untouched(zp.bucket)   # no synced backward reduced into it this step
 
     def zero(self):
         super().zero()

@@ -144,6 +144,8 @@ class GradReducer:
         self._touch(state, zp.bucket)
         views = state.strategy.accumulation_views(zp.bucket)
         if views is None:
+            if zp.got_grad and zp.placeholder_cleared():
+                state.strategy.forget_local(zp)   # cleared by the user since the last backward
             if zp.shows_sharded_gradient():
                 zp.param.grad = None   # autograd makes a fresh gradient, which the bucket copies in
             return
@@ -252,6 +254,16 @@ class GradReducer:
             self._finish_round()
         self._dirty = False
 
+    def apply_user_clears(self) -> None:
+        """Before the step's reductions finish: a gradient the user cleared after its last backward drops what
+        of it is still local (stage 0 shows the whole of it: `p.grad = None` then leaves the param out of the
+        step, as torch's optimizers skip it, `zero_()` makes it zero); what stages 1-3 reduced into shards stays."""
+        for state in self.states:
+            for zp in state.family.members:
+                if zp.got_grad and zp.cleared_after_backward() and state.strategy.forget_local(zp) \
+                        and zp.param.grad is None:
+                    zp.got_grad = False
+
     def recover_aborted_pass(self) -> bool:
         """Collective: a backward raised before its end. Launch on every rank what any rank launched
         (so the collectives pair up), finish it, and forget the step's gradients."""
@@ -268,7 +280,9 @@ class GradReducer:
             state.strategy.discard_pass()
             state.reset_pass()
         self._pass_task = None
-        self.clear_step()
+        # .grad may be a view of a staging buffer just returned to the pool, which another bucket takes next:
+        # no param may keep pointing into it
+        self.clear_step(set_to_none=True)
         return True
 
     def clear_step(self, set_to_none: bool = False) -> None:

@@ -25,17 +25,21 @@ class ShardedGradient(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
     param_name: str
+    zeroed: bool   # zero_() ran on it since it was shown (the optimizer then forgets what it stands for)
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str) -> "ShardedGradient":
         placeholder = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
         placeholder.param_name = name
+        placeholder.zeroed = False
         return placeholder
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         placeholder = next(a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ShardedGradient))
         if func in _CLEARING:
+            if func is torch.ops.aten.zero_.default:
+                placeholder.zeroed = True
             return placeholder
         raise GradientIsSharded(
             f"the gradient of '{placeholder.param_name}' has no full-size tensor on this rank: the ZeroOptimizer "

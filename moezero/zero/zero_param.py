@@ -108,10 +108,21 @@ class ZeroParam:
         """What its .grad shows once its gradient lives only in the optimizer's shards (made once)."""
         if self._placeholder is None:
             self._placeholder = ShardedGradient(self.param, self.name)
+        self._placeholder.zeroed = False
         return self._placeholder
 
     def shows_sharded_gradient(self) -> bool:
         return self._placeholder is not None and self.param.grad is self._placeholder
+
+    def cleared_after_backward(self) -> bool:
+        """The user cleared what .grad showed after the last backward: our view set to None (zeroing it zeroed
+        the buffer), or the placeholder set to None or zeroed."""
+        return self.param.grad is None if self.exposed else self.placeholder_cleared()
+
+    def placeholder_cleared(self) -> bool:
+        """The user cleared the placeholder .grad showed (`p.grad = None`, `zero_grad()` either way)."""
+        grad = self.param.grad
+        return self._placeholder is not None and (grad is None or (grad is self._placeholder and grad.zeroed))
 
     # ---- storage ---------------------------------------------------------------------------------
     def read(self, lo: int, hi: int) -> torch.Tensor:

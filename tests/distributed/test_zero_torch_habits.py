@@ -349,7 +349,10 @@ def _raising_backward(stage, clear_name):
     return True
 
 
-CLEARS = {"opt.zero_grad": lambda model, opt: opt.zero_grad(), "model.zero_grad": lambda model, opt: model.zero_grad()}
+CLEARS = {"opt.zero_grad": lambda model, opt: opt.zero_grad(), "model.zero_grad": lambda model, opt: model.zero_grad(),
+          # the next forward cleans up (a .grad left pointing into a reused staging buffer took another's gradient)
+          "nothing": lambda model, opt: None,
+          "zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False)}
 
 
 @pytest.mark.parametrize("clear", list(CLEARS))
