@@ -57,6 +57,10 @@ class GradStrategy(abc.ABC):
     def before_accumulate(self, bucket: int) -> None:
         """Called once per backward per bucket, before any gradient is added into it."""
 
+    def adopt_assigned(self, zp: ZeroParam, view: torch.Tensor, grad: torch.Tensor) -> None:
+        """A gradient the user assigned to `.grad` since the last backward: the backward adds on top of it."""
+        view.copy_(grad)
+
     def visible_grads(self, bucket: int, synced: bool) -> Optional[List[torch.Tensor]]:
         """What the params' .grad point to once the bucket is staged (None: .grad is None)."""
         return None
@@ -136,6 +140,7 @@ class AllReduceGrads(_PersistentBuffer):
         super().__init__(*args)
         self._rescale = self.dp_size / self.family.group_size
         self._holds_average = [False] * self.family.num_buckets
+        self._rescaled = [False] * self.family.num_buckets   # this backward's before_accumulate rescaled the average
         self._cast: List[Optional[torch.Tensor]] = [None] * self.family.num_buckets   # see reduced_grad
 
     def optimizer_range(self, bucket):
@@ -143,10 +148,18 @@ class AllReduceGrads(_PersistentBuffer):
 
     def before_accumulate(self, bucket):
         self._cast[bucket] = None
+        self._rescaled[bucket] = False
         if self._holds_average[bucket]:
             if self._rescale != 1.0:
                 self._staging_target(bucket).mul_(self._rescale)
+                self._rescaled[bucket] = True
             self._holds_average[bucket] = False
+
+    def adopt_assigned(self, zp, view, grad):
+        """An assigned gradient replaces an average .grad showed: scaled as that average was (dp / g)."""
+        view.copy_(grad)
+        if self._rescaled[zp.bucket]:
+            view.mul_(self._rescale)
 
     def visible_grads(self, bucket, synced):
         return self._views[bucket]

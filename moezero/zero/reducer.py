@@ -154,7 +154,7 @@ class GradReducer:
             if zp.exposed:
                 view.zero_()  # the user cleared this gradient (model.zero_grad(), p.grad = None)
         elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)  # a gradient the user assigned: accumulate on top of it, as torch does
+            state.strategy.adopt_assigned(zp, view, param.grad)  # accumulate on top of it, as torch does
         param.grad = view
         zp.exposed = True
 

@@ -387,6 +387,32 @@ def test_stage0_grad_is_the_averaged_gradient_after_backward():
             assert all(run_distributed(_stage0_grads_are_ddps, 2, ep, use_no_sync))
 
 
+def _reassigned_between_synced_backwards():
+    """`p.grad = p.grad.clone()` between two synced backwards changes nothing, for expert params (reduced over
+    their ep group, so the average they show is rescaled before the next backward adds to it) too."""
+    world = dist.get_world_size()
+    groups = ParallelGroups.build(expert_parallel_size=2)
+    model = ZeroTestModel(groups).double()
+    opt = _zero(model, groups, 0)
+    reference = reference_run("adamw", world, 2, 1)
+    for tokens, targets, branch in rank_micro_batches(0, 2):
+        (model(tokens, targets, 0, branch) / 2).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.clone()
+    for name, p in model.named_parameters():
+        ref = reference[0]["grads"][name]
+        if ref is not None:
+            torch.testing.assert_close(p.grad, local_reference_slice(name, p, ref), rtol=TOL, atol=1e-13,
+                                       msg=lambda m: f"{name}: {m}")
+    groups.destroy()
+    return True
+
+
+def test_stage0_gradients_assigned_between_backwards_are_accumulated_on():
+    assert all(run_distributed(_reassigned_between_synced_backwards, 2))
+
+
 def _user_clipping_stage0():
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=1)
