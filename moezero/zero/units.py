@@ -163,10 +163,11 @@ class UnitGatherer:
             freed in backward (None: the unit holds frozen params and stays until the end of backward).
         agreement: the records every rank states before a gather.
 
-    While the schedule holds a unit gathered its params are exposed (their own type: no per-op check) and
-    their version counters are noted; when it lets the unit go, params written in place meanwhile (a
-    `clamp_()` in forward, `nn.Embedding(max_norm=...)`) are handed to `on_written` before the values go,
-    so the writes reach the shards and the master weights.
+    While the schedule holds a unit gathered its params are exposed (their own type: no per-op check). A
+    gathered unit's version counters are noted, exposed or not (an on-demand gather, the last block kept for
+    backward); when the unit is let go, params written in place meanwhile (a `clamp_()` in forward,
+    `nn.Embedding(max_norm=...)`, a write between forward and backward) are handed to `on_written` before the
+    values go, so the writes reach the shards and the master weights.
     """
 
     def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
@@ -187,7 +188,10 @@ class UnitGatherer:
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
         self._pending: Dict[int, Optional[int]] = {}
-        self._exposed: Dict[int, List[Tuple[Any, int]]] = {}   # unit -> (zero param, version when exposed)
+        self._exposed: Set[int] = set()   # units whose params have their own type (no per-op check)
+        # unit -> (zero param, version when gathered or last handed on): a write to a gathered unit's params,
+        # exposed or not (an on-demand gather, the last block kept for backward), reaches the shards when it goes
+        self._versions: Dict[int, List[Tuple[Any, int]]] = {}
         self.hold_all = False   # inside full_parameters(): units stay gathered until it ends
         self.on_written: Callable[[List[Any]], None] = lambda written: None
         ref = weakref.ref(self)
@@ -236,6 +240,7 @@ class UnitGatherer:
                                               f"{'backward' if in_backward() else 'forward'}", exc)
             self.works[unit] = []
             self.state[unit] = UnitState.READY
+            self._note_versions(unit)
         if exposed and unit not in self._exposed and unit in self.parts:
             self._expose(unit)
 
@@ -251,27 +256,40 @@ class UnitGatherer:
         for storage, key in self.parts.get(unit, []):
             storage.free(key)
         self.state[unit] = UnitState.FREE
+        self._versions.pop(unit, None)
+
+    def _members(self, unit: int) -> List[Any]:
+        return [zp for storage, key in self.parts.get(unit, []) for zp in storage.members(key)]
+
+    def _note_versions(self, unit: int) -> None:
+        self._versions[unit] = [(zp, zp.param._version) for zp in self._members(unit)]
+
+    def _hand_on_writes(self, unit: int) -> None:
+        """Params of the unit written in place since it was gathered (or since the last hand-on) give their
+        values to the shards and masters."""
+        written = [zp for zp, version in self._versions.get(unit, []) if zp.param._version != version]
+        if written:
+            self.on_written(written)
+            self._note_versions(unit)
 
     def _expose(self, unit: int) -> None:
-        members = [zp for storage, key in self.parts[unit] for zp in storage.members(key)]
-        for zp in members:
+        for zp in self._members(unit):
             expose(zp.param)
-        self._exposed[unit] = [(zp, zp.param._version) for zp in members]
+        self._exposed.add(unit)
         for storage, key in self.parts[unit]:
             if not storage.local:
                 self.saved.unit_of_storage[storage.storage_pointer(key)] = unit
 
     def _unexpose(self, unit: int) -> None:
-        noted = self._exposed.pop(unit, None)
-        if noted is None:
+        """Writes are handed on; an exposed unit's params are guarded again (it may stay gathered)."""
+        self._hand_on_writes(unit)
+        if unit not in self._exposed:
             return
+        self._exposed.discard(unit)
         for storage, key in self.parts[unit]:
             if not storage.local:
                 self.saved.unit_of_storage.pop(storage.storage_pointer(key), None)
-        written = [zp for zp, version in noted if zp.param._version != version]
-        if written:
-            self.on_written(written)
-        for zp, _ in noted:
+        for zp in self._members(unit):
             guard(zp.param)
 
     def _visit(self, schedule: GatherSchedule, unit: int) -> None:

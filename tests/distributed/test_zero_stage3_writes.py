@@ -190,3 +190,74 @@ def _grads_and_evals_like_torch():
 
 def test_autograd_grad_and_eval_forwards_between_steps_are_torchs():
     assert all(run_distributed(_grads_and_evals_like_torch, 2))
+
+
+class _Tower(nn.Module):
+    """Three linear blocks, each a unit of its own; `root_writes`: the root writes block 1's bias before running
+    the blocks (the write gathers the unit on demand, and the block's forward then uses that gathered copy)."""
+
+    def __init__(self, root_writes: bool):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.root_writes = root_writes
+        self.double()
+
+    def forward(self, tokens):
+        if self.root_writes:
+            with torch.no_grad():
+                self.blocks[1].bias.add_(0.5)
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+WRITES_OUTSIDE_THE_SCHEDULE = ("between forward and backward", "in the root's forward, before the block",
+                               "after a forward whose output was dropped")
+
+
+def _train_with_writes(model, opt, where):
+    for step in range(2):
+        tokens = _tokens(step)
+        forward = lambda: F.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))  # noqa: E731
+        if where == "between forward and backward":   # the last block stays gathered for the backward
+            loss = forward()
+            with torch.no_grad():
+                model.blocks[2].bias.add_(0.5)   # torch keeps it: a linear's bias is not saved for backward
+            loss.backward()
+        elif where == "after a forward whose output was dropped":   # an eval that forgot no_grad
+            model(_tokens(9))
+            with torch.no_grad():
+                nn.init.constant_(model.blocks[2].bias, 0.25)
+            forward().backward()
+        else:
+            forward().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _writes_outside_the_schedule_like_torch():
+    """Writes to a unit the schedule holds gathered without exposing it (an on-demand gather, the last block kept
+    for backward) reached only the gathered copy and were lost when it was freed, silently."""
+    for where in WRITES_OUTSIDE_THE_SCHEDULE:
+        root_writes = where.startswith("in the root")
+        ref = _Tower(root_writes)
+        _train_with_writes(ref, torch.optim.AdamW(ref.parameters(), lr=0.05), where)
+        groups = ParallelGroups.build()
+        model = _Tower(root_writes)
+        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=0.05, bucket_size=64,
+                            grad_reduce_dtype=torch.float64, min_unit_params=0)
+        _train_with_writes(model, opt, where)
+        with opt.full_parameters():
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=TOL, atol=1e-13,
+                                           msg=lambda m: f"{where}, {name}: {m}")
+        groups.destroy()
+    return True
+
+
+def test_writes_to_a_unit_gathered_outside_the_schedule_persist_like_torch():
+    assert all(run_distributed(_writes_outside_the_schedule_like_torch, 2))
