@@ -76,3 +76,30 @@ def micro_batch(step, index):
 def uses_rank0_branch(index, world):
     """The rank-only branch runs for the micro-batches rank 0 reads (global index j * world + rank)."""
     return index % world == 0
+
+
+class Tower(nn.Module):
+    """Linear blocks in a ModuleList (stage-3 units of their own) between an embedding and a head at the root.
+    `read_block_in_root`: the root's own forward reads block 1's weight after the blocks; `write_block_in_root`:
+    it writes block 1's bias before them (a gather on demand, whose copy the block's forward then uses)."""
+
+    def __init__(self, width: int, vocab: int, read_block_in_root: bool = False, write_block_in_root: bool = False):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, vocab)
+        self.read_block_in_root, self.write_block_in_root = read_block_in_root, write_block_in_root
+        self.double()
+
+    def forward(self, tokens):
+        if self.write_block_in_root:
+            with torch.no_grad():
+                self.blocks[1].bias.add_(0.5)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        logits = self.head(x)
+        if self.read_block_in_root:
+            logits = logits + 0.1 * self.blocks[1].weight.t().sum(0).mean()
+        return logits

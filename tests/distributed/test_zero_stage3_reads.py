@@ -21,31 +21,10 @@ from torch import nn
 from moezero.parallel import ParallelGroups
 from moezero.zero import ParamNotGathered, ZeroOptimizer
 from tests.dist_utils import run_distributed
+from tests.zero_model import Tower
 
 TOL = 1e-10
 WIDTH, VOCAB = 6, 11
-
-
-class _Tower(nn.Module):
-    """Blocks in a ModuleList (stage-3 units) between an embedding and a head at the root."""
-
-    def __init__(self, read_block_in_root=False):
-        super().__init__()
-        torch.manual_seed(11)
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.head = nn.Linear(WIDTH, VOCAB)
-        self.read_block_in_root = read_block_in_root
-        self.double()
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        logits = self.head(x)
-        if self.read_block_in_root:   # a block's param used in the root's own forward, outside the block's
-            logits = logits + 0.1 * self.blocks[1].weight.t().sum(0).mean()
-        return logits
 
 
 def _tokens(step, rank):
@@ -65,7 +44,7 @@ def _stage3(model, lr=0.05):
 # ---- reads outside forward and backward: a named error, never a crash ------------------------------------
 def _reads_outside():
     """Every read a new user tries after a step; returns {what: error message or 'ok'}."""
-    model = _Tower()
+    model = Tower(WIDTH, VOCAB)
     groups, opt = _stage3(model)
     _lm_loss(model(_tokens(0, dist.get_rank())), _tokens(0, dist.get_rank())).backward()
     opt.step()
@@ -110,7 +89,7 @@ def test_reads_outside_forward_are_named_errors_not_crashes():
 def _reads_inside_full_parameters():
     """Inside full_parameters() reads give torch's values; what escapes it stays guarded."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, ref = _Tower(), _Tower()
+    model, ref = Tower(WIDTH, VOCAB), Tower(WIDTH, VOCAB)
     groups, opt = _stage3(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     for step in range(2):
@@ -188,7 +167,7 @@ LOOPS = {"two backwards over one forward": (_two_backwards, False),
 def _loops_like_torch(stage):
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, (loop, read_block) in LOOPS.items():
-        model, ref = _Tower(read_block), _Tower(read_block)
+        model, ref = Tower(WIDTH, VOCAB, read_block), Tower(WIDTH, VOCAB, read_block)
         groups = ParallelGroups.build()
         opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.05, bucket_size=40,
                             grad_reduce_dtype=torch.float64)

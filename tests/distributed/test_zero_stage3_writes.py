@@ -16,6 +16,7 @@ from moezero.moe import MoEConfig, MoELayer
 from moezero.parallel import ParallelGroups
 from moezero.zero import ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
+from tests.zero_model import Tower
 from tests.zero_reference import local_reference_slice
 
 TOL = 1e-10
@@ -192,29 +193,6 @@ def test_autograd_grad_and_eval_forwards_between_steps_are_torchs():
     assert all(run_distributed(_grads_and_evals_like_torch, 2))
 
 
-class _Tower(nn.Module):
-    """Three linear blocks, each a unit of its own; `root_writes`: the root writes block 1's bias before running
-    the blocks (the write gathers the unit on demand, and the block's forward then uses that gathered copy)."""
-
-    def __init__(self, root_writes: bool):
-        super().__init__()
-        torch.manual_seed(11)
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.head = nn.Linear(WIDTH, VOCAB)
-        self.root_writes = root_writes
-        self.double()
-
-    def forward(self, tokens):
-        if self.root_writes:
-            with torch.no_grad():
-                self.blocks[1].bias.add_(0.5)
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = torch.tanh(block(h))
-        return self.head(h)
-
-
 WRITES_OUTSIDE_THE_SCHEDULE = ("between forward and backward", "in the root's forward, before the block",
                                "after a forward whose output was dropped")
 
@@ -244,10 +222,10 @@ def _writes_outside_the_schedule_like_torch():
     for backward) reached only the gathered copy and were lost when it was freed, silently."""
     for where in WRITES_OUTSIDE_THE_SCHEDULE:
         root_writes = where.startswith("in the root")
-        ref = _Tower(root_writes)
+        ref = Tower(WIDTH, VOCAB, write_block_in_root=root_writes)
         _train_with_writes(ref, torch.optim.AdamW(ref.parameters(), lr=0.05), where)
         groups = ParallelGroups.build()
-        model = _Tower(root_writes)
+        model = Tower(WIDTH, VOCAB, write_block_in_root=root_writes)
         opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=0.05, bucket_size=64,
                             grad_reduce_dtype=torch.float64, min_unit_params=0)
         _train_with_writes(model, opt, where)
