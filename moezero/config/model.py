@@ -63,13 +63,14 @@ class GPTConfig(Validated):
     hidden_size: int = option(128, "model width", flag="--hidden-size", defines_model=True)
     num_attention_heads: int = option(4, "attention heads", flag="--num-attention-heads", defines_model=True)
     ffn_hidden_size: Optional[int] = option(None, "dense MLP width (default 4 * hidden)", flag="--ffn-hidden-size",
-                                            defines_model=True)
+                                            defines_model=True, derived_when_none=True)
     seq_length: int = option(256, "tokens per sample", flag="--seq-length")
     max_position_embeddings: Optional[int] = option(None, "learned position table size (default --seq-length)",
-                                                    flag="--max-position-embeddings", defines_model=True)
+                                                    flag="--max-position-embeddings", defines_model=True,
+                                                    derived_when_none=True)
     vocab_size: Optional[int] = option(None, "the model's vocabulary (filled in by the training script: the "
                                        "tokenizer's, padded to --make-vocab-size-divisible-by)", flag=None,
-                                       defines_model=True)
+                                       defines_model=True, derived_when_none=True)
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this",
                                                flag="--make-vocab-size-divisible-by")
     position_embedding_type: str = option("learned_absolute", "position encoding (none: no positions, NoPE)",
@@ -88,7 +89,8 @@ class GPTConfig(Validated):
                                    "ignored: every query head has its own)", flag="--num-query-groups",
                                    defines_model=True)
     kv_channels: Optional[int] = option(None, "width of each attention head (default --hidden-size / "
-                                        "--num-attention-heads)", flag="--kv-channels", defines_model=True)
+                                        "--num-attention-heads)", flag="--kv-channels", defines_model=True,
+                                        derived_when_none=True)
     add_qkv_bias: bool = option(False, "biases on the query/key/value projection even with --disable-bias-linear",
                                 flag="--add-qkv-bias", defines_model=True)
     qk_layernorm: bool = option(False, "normalise queries and keys (--normalization's norm) before RoPE",
@@ -122,7 +124,8 @@ class GPTConfig(Validated):
     rope_type: Optional[str] = option(None, "rope, or yarn: YaRN's context extension (--rotary-scaling-factor, "
                                       "--mscale, --mscale-all-dim, --yarn-*). Default as Megatron's: yarn with "
                                       "--multi-latent-attention (MLATransformerConfig's), else rope",
-                                      flag="--rope-type", choices=("rope", "yarn"), defines_model=True)
+                                      flag="--rope-type", choices=("rope", "yarn"), defines_model=True,
+                                      derived_when_none=True)
     rotary_seq_len_interpolation_factor: Optional[int] = option(
         None, "linear position interpolation: RoPE sees each position divided by this (Megatron applies it to "
         "standard attention's RoPE only)", flag="--rotary-seq-len-interpolation-factor", defines_model=True)
@@ -133,11 +136,11 @@ class GPTConfig(Validated):
                                    defines_model=True)
     yarn_original_max_position_embeddings: Optional[int] = option(
         None, "YaRN: the context length before extension (default 4096, Megatron's)",
-        flag="--yarn-original-max-position-embeddings", defines_model=True)
+        flag="--yarn-original-max-position-embeddings", defines_model=True, derived_when_none=True)
     yarn_beta_fast: Optional[float] = option(None, "YaRN: beta_fast (default 32)", flag="--yarn-beta-fast",
-                                             defines_model=True)
+                                             defines_model=True, derived_when_none=True)
     yarn_beta_slow: Optional[float] = option(None, "YaRN: beta_slow (default 1)", flag="--yarn-beta-slow",
-                                             defines_model=True)
+                                             defines_model=True, derived_when_none=True)
     no_yarn_correction_range_round_to_int: bool = option(
         False, "YaRN: keep the ends of the ramp between beta_fast and beta_slow fractional (GPT-OSS's; transformers' "
         "truncate false)", flag="--no-yarn-correction-range-round-to-int", defines_model=True)

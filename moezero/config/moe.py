@@ -19,7 +19,7 @@ class MoEConfig(Validated):
     section = "moe"
     hidden_size: int = option(64, "model width (taken from --hidden-size)", flag=None)
     ffn_hidden_size: Optional[int] = option(None, "expert FFN width (default: the dense --ffn-hidden-size)",
-                                            flag="--moe-ffn-hidden-size", defines_model=True)
+                                            flag="--moe-ffn-hidden-size", defines_model=True, derived_when_none=True)
     num_experts: Optional[int] = option(None, "number of routed experts (default: none, a dense model)",
                                         flag="--num-experts", defines_model=True)
     top_k: int = option(2, "experts per token", flag="--moe-router-topk", defines_model=True)
@@ -73,7 +73,7 @@ class MoEConfig(Validated):
                                                "--activation-func-clamp-value)", flag=None)
     bias: Optional[bool] = option(None, "biases in the experts, router and shared expert (none: a GPT's "
                                   "--disable-bias-linear decides; a layer built alone has none)", flag=None,
-                                  defines_model=True)
+                                  defines_model=True, derived_when_none=True)
     router_dtype: Optional[str] = option(None, "router logits and scores in fp32 or fp64 (default: the input's "
                                          "dtype, at least fp32)", flag="--moe-router-dtype", choices=("fp32", "fp64"))
     grouped_gemm: bool = option(True, "run local experts as one grouped GEMM (else a per-expert loop)",

@@ -11,19 +11,21 @@ class ConfigError(ValueError):
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = "",
            choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING,
-           defines_model: bool = False, parse: Optional[Any] = None, nargs: Optional[Any] = None,
-           aliases: Tuple[str, ...] = ()) -> Any:
+           defines_model: bool = False, derived_when_none: bool = False, parse: Optional[Any] = None,
+           nargs: Optional[Any] = None, aliases: Tuple[str, ...] = ()) -> Any:
     """A config field with its command-line flag.
 
     flag="" derives the flag from the field name (`top_k` -> `--top-k`); flag=None keeps the
     field off the command line (it is filled in by code, e.g. MoEConfig.hidden_size).
     defines_model=True: the field decides what a checkpoint's weights mean, so a resume checks it
-    against the checkpoint's value and --use-checkpoint-args takes it from there.
+    against the checkpoint's value and --use-checkpoint-args takes it from there. derived_when_none: None
+    means the code derives the value (a resume then compares it only where both sides give one); elsewhere
+    None is a setting of its own (no shared expert, no window), compared like any value.
     parse: how the command line's text becomes the value (default: the field's type); nargs: values it takes
     (argparse's); aliases: other spellings of the flag (Megatron's --override-opt_param-scheduler has two).
     """
     metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model, "parse": parse,
-                "nargs": nargs, "aliases": aliases}
+                "nargs": nargs, "aliases": aliases, "derived_when_none": derived_when_none}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -43,6 +45,11 @@ def flag_of(cls_or_obj: Any, name: str) -> str:
 def model_defining_fields(cls_or_obj: Any) -> Tuple[str, ...]:
     """The names of the fields declared with defines_model=True."""
     return tuple(f.name for f in dataclasses.fields(cls_or_obj) if f.metadata.get("defines_model"))
+
+
+def derived_when_none_fields(cls_or_obj: Any) -> Tuple[str, ...]:
+    """The names of the fields whose None the code derives a value for."""
+    return tuple(f.name for f in dataclasses.fields(cls_or_obj) if f.metadata.get("derived_when_none"))
 
 
 def check_experts_divide(num_experts: int, expert_parallel_size: int) -> None:

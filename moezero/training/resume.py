@@ -26,6 +26,7 @@ from torch import nn
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
 from moezero.config import ConfigError, GPTConfig, MoEConfig, flag_of, model_defining_fields
+from moezero.config.options import derived_when_none_fields
 from moezero.parallel import expert_shard_of
 from moezero.training.configs import TrainConfig
 from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
@@ -149,16 +150,26 @@ def _model_sections(cfg) -> List[str]:
 
 
 def model_differences(cfg, point: ResumePoint) -> List[str]:
-    """'--flag: X in the checkpoint, Y now' for each model-defining flag whose values differ (a value the
-    checkpoint did not store, or left unset for the code to derive, is not compared)."""
+    """'--flag: X in the checkpoint, Y now' for each model-defining flag whose values differ. Not compared: a
+    field the checkpoint did not store (saved before it existed), and one left unset on either side for the code
+    to derive (--ffn-hidden-size); where None is a setting (no shared expert, no window) it is compared."""
     out = []
     for section in _model_sections(cfg):
         current, saved = getattr(cfg, section), point.configs.get(section) or {}
+        derived = derived_when_none_fields(current)
         for name in model_defining_fields(current):
-            old, new = saved.get(name), getattr(current, name)
-            if old is not None and new is not None and old != new:
-                out.append(f"{flag_of(current, name)}: {old} in the checkpoint, {new} now")
+            if name not in saved:
+                continue
+            old, new = saved[name], getattr(current, name)
+            if name in derived and (old is None or new is None):
+                continue
+            if old != new:
+                out.append(f"{flag_of(current, name)}: {_shown(old)} in the checkpoint, {_shown(new)} now")
     return out
+
+
+def _shown(value) -> str:
+    return "unset" if value is None else str(value)
 
 
 def check_same_model(cfg, point: ResumePoint) -> None:
@@ -238,6 +249,8 @@ def check_shapes(model: nn.Module, point: ResumePoint) -> None:
             problems.append(f"{name} is not in it")
         elif old != tuple(shape):
             problems.append(f"{name} is {old} there, {tuple(shape)} here")
+    mine = {_plain_name(name) for name, _ in model.named_parameters()}
+    problems += [f"{name} is in it, not in this model" for name in saved if name not in mine]
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(f"--load: the weights of {point.path} do not fit this model ({'; '.join(problems[:3])}"

@@ -1,0 +1,59 @@
+"""A resume refuses a checkpoint of another model: a flag whose unset value is a setting of its own (no shared
+expert, no window, no MTP) compared like any value, and weights in the checkpoint that the model lacks; a value
+the code derives when unset (--ffn-hidden-size) and a field the checkpoint predates are not compared."""
+import dataclasses
+
+import pytest
+
+from moezero.checkpoint import CheckpointError
+from moezero.models import GPTModel
+from moezero.training.resume import ResumePoint, check_same_model, check_shapes
+from tests.integration.pretrain_utils import TINY, configs
+
+ROPE = ["--position-embedding-type", "rope"]
+# flags whose absence is a model of its own: (flags, the flag the error names)
+OFF_WHEN_UNSET = [
+    (["--moe-shared-expert-intermediate-size", "32"], "--moe-shared-expert-intermediate-size"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers"),
+    (["--window-size", "4,0"], "--window-size"),
+    (["--moe-router-topk-scaling-factor", "2.5"], "--moe-router-topk-scaling-factor"),
+    (["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], "--moe-router-num-groups"),
+    (["--swiglu", "--activation-func-clamp-value", "7"], "--activation-func-clamp-value"),
+]
+
+
+def _stored(cfg):
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in ("model", "moe")}
+
+
+def _check(saved_argv, now_argv):
+    saved, now = configs(TINY + ROPE + saved_argv), configs(TINY + ROPE + now_argv)
+    check_same_model(now, ResumePoint("ckpt", 3, _stored(saved), {}))
+
+
+@pytest.mark.parametrize("flags,named", OFF_WHEN_UNSET, ids=[named for _, named in OFF_WHEN_UNSET])
+def test_a_setting_the_checkpoint_has_not_or_had_is_another_model(flags, named):
+    base = ["--swiglu"] if "--swiglu" in flags else []
+    with pytest.raises(CheckpointError, match=f"{named}: unset in the checkpoint, .* now"):
+        _check(base, flags)
+    with pytest.raises(CheckpointError, match=f"{named}: .* in the checkpoint, unset now"):
+        _check(flags, base)
+    _check(flags, flags)
+
+
+def test_what_the_code_derives_when_unset_and_fields_a_checkpoint_predates_are_not_compared():
+    _check([], ["--ffn-hidden-size", "128", "--kv-channels", "16"])   # TINY's derived values, given now
+    saved, now = configs(TINY + ROPE), configs(TINY + ROPE + ["--window-size", "4,0"])
+    stored = _stored(saved)
+    del stored["model"]["window_size"]   # a checkpoint from before the flag existed
+    check_same_model(now, ResumePoint("ckpt", 3, stored, {}))
+
+
+def test_weights_the_checkpoint_has_and_the_model_lacks_are_refused():
+    cfg = configs(TINY)
+    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe, seed=1)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_shapes(model, ResumePoint("ckpt", 3, {}, shapes))
+    extra = dict(shapes, **{"layers.0.mlp.shared_expert.fc1.weight": (64, 32)})
+    with pytest.raises(CheckpointError, match="layers.0.mlp.shared_expert.fc1.weight is in it, not in this model"):
+        check_shapes(model, ResumePoint("ckpt", 3, {}, extra))
