@@ -30,8 +30,13 @@ class Windows(Part):
 
     def write(self, gpt, moe):
         windowed = [is_window_layer(i, gpt) for i in range(gpt.num_layers)]
-        return {"sliding_window": gpt.window_size[0] + 1 if gpt.window_size else None,
+        # with no windowed layer, the class's default window: transformers' model builds the sliding mask
+        # whatever layer_types say and refuses sliding_window=null; no layer uses it
+        return {"sliding_window": gpt.window_size[0] + 1 if gpt.window_size else UNUSED_WINDOW,
                 "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed]}
+
+
+UNUSED_WINDOW = 128   # GptOssConfig's default sliding_window
 
 
 def _unclamped(hf: Dict[str, Any]) -> Optional[str]:

@@ -36,11 +36,19 @@ class Rope(Part):
 
 
 def rope_parameters(hf: Dict[str, Any], yarn: bool = False) -> Dict[str, Any]:
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    """The config's RoPE as transformers reads it (convert_rope_params_to_dict): rope_scaling before
+    rope_parameters; YaRN's original length from a top-level original_max_position_embeddings, else from its
+    own dict, else max_position_embeddings."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in hf:
         rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "yarn":
+        if "original_max_position_embeddings" in hf:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        else:
+            rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     allowed = ("default", "yarn") if yarn else ("default",)
     if kind not in allowed:
         raise UnsupportedModel(f"rope_parameters.rope_type={kind!r}: not supported by moezero ({', '.join(allowed)})")

@@ -168,6 +168,9 @@ def _piece_name(name: str, first_expert: Optional[int]) -> str:
 def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype) -> Dict:
     config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
     config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
+    # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
+    for stale in ("rope_scaling", "original_max_position_embeddings"):
+        config.pop(stale, None)
     config.update(family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", "")))
     return config
 

@@ -343,16 +343,23 @@ def test_gpt_oss_mxfp4_experts_load_as_published_and_export_dense(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in dequantized.items())
 
 
-def test_megatron_flags_of_a_gpt_oss_model_export_as_gpt_oss(tmp_path):
-    """Megatron's GPT-OSS flags (sinks, a window on every other layer, clamped quick GEGLU) with biases are
-    GPT-OSS: transformers loads the export (sliding_window = the window + 1) to moezero's logits."""
+GPT_OSS_WINDOWS = {"every other layer": (["--window-size", "4,0", "--window-attn-skip-freq", "2"], 5,
+                                          ["sliding_attention", "full_attention", "sliding_attention"]),
+                   # transformers' model needs a sliding_window even where no layer has one
+                   "none": ([], 128, ["full_attention"] * 3)}
+
+
+@pytest.mark.parametrize("windows", list(GPT_OSS_WINDOWS))
+def test_megatron_flags_of_a_gpt_oss_model_export_as_gpt_oss(windows, tmp_path):
+    """Megatron's GPT-OSS flags (sinks, a window on every other layer or none, clamped quick GEGLU) with biases
+    are GPT-OSS: transformers loads the export (sliding_window = the window + 1) to moezero's logits."""
+    window_flags, sliding_window, layer_types = GPT_OSS_WINDOWS[windows]
     cfg = configs(["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
                    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12",
                    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
                    "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
                    "--moe-ffn-hidden-size", "24", "--quick-geglu", "--glu-linear-offset", "1",
-                   "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable", "--window-size", "4,0",
-                   "--window-attn-skip-freq", "2"])
+                   "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable"] + window_flags)
     cfg.model.vocab_size = 97
     model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
     with torch.no_grad():   # biases and sinks away from their zero init
@@ -361,8 +368,8 @@ def test_megatron_flags_of_a_gpt_oss_model_export_as_gpt_oss(tmp_path):
                 p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(len(name))))
     hub.save_pretrained(model, str(tmp_path))
     exported = load_with_transformers(str(tmp_path))
-    assert type(exported).__name__ == "GptOssForCausalLM" and exported.config.sliding_window == 5
-    assert exported.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert type(exported).__name__ == "GptOssForCausalLM" and exported.config.sliding_window == sliding_window
+    assert exported.config.layer_types == layer_types
     with torch.no_grad():
         ours = model(TOKENS)[0]
     torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
@@ -488,3 +495,43 @@ def test_damaged_files_are_one_error_naming_file_and_key(tmp_path):
         with pytest.raises(CheckpointMismatch) as info:
             hub.from_pretrained(damaged(f"case{i}", damage), dtype=torch.float64)
         assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def _edit_rope(folder, edit):
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    edit(config)
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+
+
+def _no_original_length(config):
+    config["rope_parameters"].pop("original_max_position_embeddings")
+
+
+def _top_level_original_length(config):
+    _no_original_length(config)
+    config["original_max_position_embeddings"] = 32
+
+
+def _rope_scaling_beside(config):
+    config["rope_scaling"] = dict(config["rope_parameters"], factor=8.0)
+
+
+@pytest.mark.parametrize("edit", [_no_original_length, _top_level_original_length, _rope_scaling_beside],
+                         ids=lambda edit: edit.__name__.strip("_"))
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_yarn_fields_mean_what_transformers_makes_of_them(family, edit, tmp_path):
+    """A Hub config's YaRN as transformers reads it: without original_max_position_embeddings, the config's
+    max_position_embeddings (not Megatron's 4096); a top-level one first; rope_scaling before rope_parameters.
+    The export then reads the same in transformers."""
+    tiny_model(family).save_pretrained(tmp_path / "source")
+    _edit_rope(tmp_path / "source", edit)
+    model = hub.from_pretrained(str(tmp_path / "source"), dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(TOKENS)[0]
+    torch.testing.assert_close(ours, hf_logits(load_with_transformers(str(tmp_path / "source")), TOKENS),
+                               rtol=0, atol=1e-8)
+    hub.save_pretrained(model, str(tmp_path / "exported"))
+    torch.testing.assert_close(hf_logits(load_with_transformers(str(tmp_path / "exported")), TOKENS), ours,
+                               rtol=0, atol=1e-8)
