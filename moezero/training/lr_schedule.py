@@ -41,12 +41,14 @@ class LearningRateSchedule:
     style: str
     wsd_decay: Optional[float] = None   # WSD: the samples of the final anneal
     wsd_style: str = "exponential"
+    weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms)
 
-    # what a resume compares (Megatron's scheduler state), with the flags each comes from. The WSD anneal is not
-    # in it: as in Megatron, a resume may choose it anew (deciding the anneal late is what WSD is for)
+    # what a resume compares (Megatron's scheduler state, its start/end weight decay too), with the flags each
+    # comes from. The WSD anneal is not in it: as in Megatron, a resume may choose it anew (deciding the anneal
+    # late is what WSD is for)
     COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
                 "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
-                "style": "--lr-decay-style"}
+                "style": "--lr-decay-style", "weight_decay": "--weight-decay"}
 
     @classmethod
     def from_config(cls, config) -> "LearningRateSchedule":
@@ -63,7 +65,7 @@ class LearningRateSchedule:
         if config.lr_warmup_fraction is not None:
             warmup = config.lr_warmup_fraction * decay
         return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
-                   wsd, config.lr_wsd_decay_style)
+                   wsd, config.lr_wsd_decay_style, config.weight_decay)
 
     def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
@@ -109,7 +111,8 @@ def resumed_schedule(current: LearningRateSchedule, saved: Dict[str, Any], overr
     (--override-opt_param-scheduler), the checkpoint's with `use_checkpoint`; else a ConfigError listing what
     differs (Megatron refuses the same way). --lr-warmup-init and the WSD anneal are the command line's, as in
     Megatron (its checkpoint does not record them)."""
-    checkpoint = dataclasses.replace(current, **{n: saved[n] for n in current.COMPARED})
+    # a checkpoint saved before a value was recorded (the weight decay) is taken to have the command line's
+    checkpoint = dataclasses.replace(current, **{n: saved[n] for n in current.COMPARED if n in saved})
     if override:
         return current
     if use_checkpoint:

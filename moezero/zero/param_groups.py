@@ -68,7 +68,8 @@ def is_no_decay(name: str, param: nn.Parameter) -> bool:
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
-    """Opt-in (Megatron's rule): decayed weights, and biases and norms with weight_decay 0.
+    """Opt-in (Megatron's rule): decayed weights, and biases and norms with weight_decay 0 (wd_mult, Megatron's
+    key: what a schedule's weight decay is multiplied by for the group).
 
     Every param is placed, frozen ones too (they train again once unfrozen inside modify_model).
     ZeroOptimizer's default is torch's (one group, the optimizer's own weight decay for all).
@@ -76,5 +77,5 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if is_no_decay(name, p) else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+                        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]

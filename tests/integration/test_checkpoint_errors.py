@@ -94,6 +94,9 @@ CASES = {
                             "learning-rate schedule differs (--lr: 0.003 in the checkpoint, 0.01 now; "
                             "--lr-decay-style: cosine in the checkpoint, linear now); give "
                             "--override-opt_param-scheduler"),
+    # Megatron's scheduler refuses another start/end weight decay the same way (the optimizer's state would
+    # otherwise bring the checkpoint's back silently)
+    "another weight decay": (None, ["--weight-decay", "0.5"], "(--weight-decay: 0.01 in the checkpoint, 0.5 now)"),
 }
 
 
@@ -216,3 +219,15 @@ def test_an_unwritable_save_is_one_line_at_start(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert f"error: --save={save}: cannot write there (" in lines[0] and "iteration" not in proc.stdout
+
+
+def test_a_weight_decay_changed_on_resume_is_the_command_lines_with_override(saved, tmp_path):
+    """--override-opt_param-scheduler takes the command line's --weight-decay (the optimizer's state holds the
+    checkpoint's); --use-checkpoint-opt_param-scheduler keeps the checkpoint's; biases and norms stay at 0."""
+    ckpt, cache = str(tmp_path / "ckpt"), str(saved)
+    train(RUN + ["--train-iters", "2", "--save", ckpt], cache)
+    for flag, expected in (("--override-opt_param-scheduler", 0.5), ("--use-checkpoint-opt_param-scheduler", 0.01)):
+        resumed = _built(["--train-iters", "3", "--load", ckpt, "--weight-decay", "0.5", flag], cache)
+        resumed.train()
+        assert sorted(g["weight_decay"] for g in resumed.opt.param_groups) == [0.0, expected], flag
+        resumed.groups.destroy()

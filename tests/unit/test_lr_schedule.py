@@ -59,7 +59,7 @@ def test_sample_based_lengths_are_megatrons():
     t = TrainConfig(train_samples=800, global_batch_size=8, lr_warmup_samples=80, lr_decay_samples=640,
                     lr_decay_style="WSD", lr_wsd_decay_samples=100)
     assert LearningRateSchedule.from_config(t) == LearningRateSchedule(0.0, t.lr, 0.0, 80, 640, "WSD", 100,
-                                                                       "exponential")
+                                                                       "exponential", t.weight_decay)
 
 
 @pytest.mark.parametrize("kwargs, needle", [
