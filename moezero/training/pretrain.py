@@ -150,10 +150,10 @@ class Pretraining:
             profiler.close()
             loader.close()
             stop.close()
+        if self.cfg.checkpoint.save and self._saved_at != self.iteration:   # first, as Megatron: a job's grace
+            self._save()
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
-        if self.cfg.checkpoint.save and self._saved_at != self.iteration:
-            self._save()
         finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
         if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
             self._save_hf()

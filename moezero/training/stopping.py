@@ -17,6 +17,9 @@ import torch
 from moezero.parallel import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# --exit-duration-in-mins counts from the script's start (this module is imported with the training code, before
+# the data and the checkpoint load), as Megatron counts from its start: a limit sized to a job's wall time
+PROCESS_START = time.monotonic()
 
 
 class StopConditions:
@@ -25,7 +28,7 @@ class StopConditions:
     def __init__(self, train_config, group: Optional[Any]):
         self.cfg = train_config
         self.group = group
-        self.start = time.monotonic()
+        self.start = PROCESS_START
         self.received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         if train_config.exit_signal_handler:
@@ -46,6 +49,8 @@ class StopConditions:
             local = torch.tensor([self.received or 0, minutes], dtype=torch.float64, device=self._device())
             comm.all_reduce(local, self.group, op=torch.distributed.ReduceOp.MAX)
             received, minutes = int(local[0].item()), local[1].item()
+            if iteration >= self.cfg.train_iters:   # the run is done: it saves and finishes as any run does
+                return None
             if received:
                 return f"received {signal.Signals(received).name}"
             if self.cfg.exit_duration_in_mins is not None and minutes >= self.cfg.exit_duration_in_mins:

@@ -3,6 +3,7 @@ schedule, stop conditions and the interrupt message."""
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from moezero.training.args import build_parser, parse_configs
 from moezero.training.configs import DESCRIPTION, TrainConfig
 from moezero.training.job import interrupt_message
 from moezero.training.lr_schedule import LearningRateSchedule
+from moezero.training import stopping
 from moezero.training.stopping import StopConditions
 from tests.dist_utils import run_distributed
 
@@ -139,6 +141,24 @@ def test_stop_conditions_record_a_signal_and_the_duration():
     stop = StopConditions(TrainConfig(exit_duration_in_mins=1e-9), None)
     assert "--exit-duration-in-mins" in stop.reason(1)
     assert StopConditions(TrainConfig(exit_interval=5, train_iters=20), None).reason(5) == "--exit-interval=5"
+
+
+def test_a_signal_in_the_last_iteration_lets_the_run_finish():
+    """The run is done then: it saves (first), evaluates the test split and exports as any finished run; a stop
+    would skip those, and the relaunch would find nothing to train."""
+    stop = StopConditions(TrainConfig(exit_signal_handler=True, train_iters=4), None)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.reason(4) is None
+        assert stop.reason(3) == "received SIGTERM"
+    finally:
+        stop.close()
+
+
+def test_the_duration_counts_from_the_scripts_start(monkeypatch):
+    """As Megatron's: the data build and the checkpoint load count (here two minutes of them)."""
+    monkeypatch.setattr(stopping, "PROCESS_START", time.monotonic() - 120)
+    assert "--exit-duration-in-mins=1 reached" in StopConditions(TrainConfig(exit_duration_in_mins=1), None).reason(1)
 
 
 def _signal_on_rank_0_only():
