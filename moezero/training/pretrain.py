@@ -224,7 +224,8 @@ class Pretraining:
     def _log_step(self, m: StepMetrics, moe: Dict[str, float], lr: float, batch_size: int, step_time: float,
                   eta: float, board: bool, interval: Optional[LogInterval]) -> None:
         """Megatron's TensorBoard scalars (`board`: the step's) and with `interval` the console line (averages
-        over the interval, then reset); moezero's per-expert loads and plug-in scalars with the console line."""
+        over the interval, then reset); moezero's per-expert loads and plug-in scalars with the console line of
+        an uninterrupted run (every --log-interval, the first and the last iteration)."""
         values = dict(self._step_values(m, lr, batch_size, step_time), **moe)
         layers = self._moe_layer_numbers()
         layer_loads = expert_load_scalars(layers, m.tokens_per_expert, m.dropped_fraction)
@@ -242,10 +243,13 @@ class Pretraining:
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
             interval.reset()
             self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, line, eta))
-            with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded otherwise)
-                for plugin in self.plugins.values():
-                    layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
-            self.logger.log(layer_loads, self.iteration)
+            t = self.cfg.train
+            if self.iteration % t.log_interval == 0 or self.iteration in (1, t.train_iters):
+                # the steps a run never stopped logs at: a resume's first line is the console's alone
+                with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded else)
+                    for plugin in self.plugins.values():
+                        layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
+                self.logger.log(layer_loads, self.iteration)
 
     def _step_values(self, m: StepMetrics, lr: float, batch_size: int, step_time: float) -> Dict[str, float]:
         t = self.cfg.train

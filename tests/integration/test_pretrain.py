@@ -159,7 +159,7 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
 
     tb, ckpt = str(tmp_path / "tb"), str(tmp_path / "ckpt")
     argv = TINY + ["--train-iters", "6", "--tensorboard-dir", tb, "--save", ckpt, "--save-interval", "3",
-                   "--data-cache-path", str(tmp_path)]
+                   "--log-interval", "5", "--data-cache-path", str(tmp_path)]
     for extra in ([], ["--load", ckpt, "--ckpt-step", "3", "--lr", "9e-3", "--override-opt_param-scheduler"]):
         run = pretraining(configs(argv + extra))
         run.train()
@@ -170,6 +170,9 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32, 40, 48]
     assert [e.step for e in events.Scalars("learning-rate")] == [1, 2, 3, 4, 5, 6]
+    # with the console lines of a run never stopped (the first, every --log-interval, the last), not also at the
+    # resume's first
+    assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [1, 5, 6]
     assert [e.value for e in events.Scalars("lm loss")][3:] == pytest.approx(resumed, rel=1e-6)
     assert "arguments/text_summary" in events.Tags()["tensors"]   # the first run's, kept
 
