@@ -105,7 +105,8 @@ class SigmoidRouter(Part):
 
     def refusal(self, hf):
         if hf["num_experts_per_tok"] == 1:
-            return "one expert per token"
+            return ("num_experts_per_tok=1 with sigmoid scores (transformers renormalises the one weight to 1.0, "
+                    "Megatron keeps the score)")
         return None if hf.get("norm_topk_prob", True) else "norm_topk_prob=false with sigmoid scores"
 
     def read(self, hf):

@@ -246,6 +246,13 @@ def test_a_gpt_oss_config_moezero_cannot_reproduce_is_refused(tmp_path):
         hub.from_pretrained(str(tmp_path))
 
 
+def test_a_sigmoid_router_with_one_expert_per_token_is_refused_by_name(tmp_path):
+    tiny_model("deepseek_v3").save_pretrained(tmp_path)
+    _set_config_field(tmp_path, "num_experts_per_tok", 1)
+    with pytest.raises(UnsupportedModel, match="num_experts_per_tok=1 with sigmoid scores"):
+        hub.from_pretrained(str(tmp_path))
+
+
 def test_tensors_that_do_not_fit_the_config_are_named(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
