@@ -38,6 +38,7 @@ class GradStrategy(abc.ABC):
     """Shared state: the family, the dtypes and the dp size the average divides by."""
 
     reduces_under_no_sync = False   # stages 2/3 reduce every backward; no_sync does not defer them
+    holds_local = False             # stages 0/1: a persistent buffer holds what a user's clear may drop
 
     def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int):
         self.family = family
@@ -109,6 +110,8 @@ def _size(tensors) -> int:
 
 class _PersistentBuffer(GradStrategy):
     """Stages 0 and 1: gradients accumulate in a persistent family-sized buffer."""
+
+    holds_local = True
 
     def __init__(self, *args):
         super().__init__(*args)

@@ -144,7 +144,7 @@ class GradReducer:
         self._touch(state, zp.bucket)
         views = state.strategy.accumulation_views(zp.bucket)
         if views is None:
-            if zp.got_grad and zp.placeholder_cleared():
+            if state.strategy.holds_local and zp.got_grad and zp.placeholder_cleared():
                 state.strategy.forget_local(zp)   # cleared by the user since the last backward
             if zp.shows_sharded_gradient():
                 zp.param.grad = None   # autograd makes a fresh gradient, which the bucket copies in
@@ -259,6 +259,8 @@ class GradReducer:
         of it is still local (stage 0 shows the whole of it: `p.grad = None` then leaves the param out of the
         step, as torch's optimizers skip it, `zero_()` makes it zero); what stages 1-3 reduced into shards stays."""
         for state in self.states:
+            if not state.strategy.holds_local:   # stages 2/3: no per-step walk over the params
+                continue
             for zp in state.family.members:
                 if zp.got_grad and zp.cleared_after_backward() and state.strategy.forget_local(zp) \
                         and zp.param.grad is None:
