@@ -39,7 +39,9 @@ class StepMetrics:
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
         router = {f"router_{name}": value for name, value in self.router_losses.items()}
-        return {"lm_loss": self.lm_loss, **router, **self.mtp_values(), "grad_norm": self.grad_norm}
+        # a skipped step has no gradient norm (Megatron's optimizer returns None: its log leaves it out)
+        norm = {"grad_norm": self.grad_norm} if self.stepped else {}
+        return {"lm_loss": self.lm_loss, **router, **self.mtp_values(), **norm}
 
     def mtp_values(self) -> Dict[str, float]:
         """Each MTP depth's loss under its metric name (Megatron's 'mtp_1 loss', ...)."""

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 @dataclass
 class DynamicLossScaler:
-    """Halve the scale after `hysteresis` overflowing steps, double it after `growth_interval` clean ones."""
+    """Megatron's DynamicGradScaler: an overflow uses up one of `hysteresis` tolerated overflows, and once they
+    are used up every overflow halves the scale; `growth_interval` clean steps in a row double it and tolerate
+    `hysteresis` overflows again."""
 
     scale: float = 2.0 ** 16
     growth_interval: int = 1000
@@ -23,12 +25,12 @@ class DynamicLossScaler:
         if overflow:
             self._clean_steps = 0
             self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
+            if self._hysteresis_left <= 0:   # not tolerated again until the scale grows (Megatron's)
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-                self._hysteresis_left = self.hysteresis
             return
         self._clean_steps += 1
-        if self._clean_steps % self.growth_interval == 0:
+        if self._clean_steps == self.growth_interval:
+            self._clean_steps = 0
             self.scale *= self.growth_factor
             self._hysteresis_left = self.hysteresis
 

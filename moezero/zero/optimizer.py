@@ -210,10 +210,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self.engine
         reduced = engine.begin_step()
         norm = self.last_grad_norm = self._global_norm(reduced)
+        if not math.isfinite(norm):   # the norm is global: every rank skips alike
+            self.last_num_zeros_in_grad = None
+            return self._skip()
         if self.count_zeros_in_grad:   # Megatron's --log-num-zeros-in-grad (a collective, as the norm)
             self.last_num_zeros_in_grad = engine.owned_zero_count(reduced)
-        if not math.isfinite(norm):
-            return self._skip()
         coefficient = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         if self.clip_grad is not None:
             coefficient *= min(1.0, self.clip_grad / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
