@@ -9,9 +9,10 @@ hashes it into the names of its cached sample indices, so a different tokenizer 
 """
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 from moezero.data.errors import DataError
 from moezero.data.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, TikTokenizer
@@ -47,7 +48,9 @@ class HuggingFaceTokenizer:
     """A local HuggingFace tokenizer (a `tokenizer.json` file, or a directory holding one).
 
     Uses the `tokenizers` package when installed, else `transformers`; never downloads.
-    The end-of-document token is the tokenizer's EOS token.
+    The end-of-document token is the tokenizer's EOS token: the eos_token its tokenizer_config.json (or
+    special_tokens_map.json) declares, as transformers and megatron-core's HuggingFaceTokenizer take it; a
+    bare tokenizer.json declares none, and then the first of the usual names it holds.
     """
 
     _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -58,7 +61,9 @@ class HuggingFaceTokenizer:
                             "is needed; nothing is downloaded)")
         self._encode, self._decode, vocab = _load_hf(path)
         self.vocab_size = max(vocab.values()) + 1
-        self.eod = next((vocab[t] for t in self._EOD_CANDIDATES if t in vocab), None)
+        declared = _declared_eos(path)
+        candidates = ((declared,) if declared is not None else ()) + self._EOD_CANDIDATES
+        self.eod = next((vocab[t] for t in candidates if t in vocab), None)
         if self.eod is None:
             raise DataError(f"--tokenizer-model={path!r}: found no end-of-document token "
                             f"(looked for {', '.join(self._EOD_CANDIDATES)})")
@@ -72,6 +77,22 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Text from token ids."""
         return self._decode([int(i) for i in ids])
+
+
+def _declared_eos(path: str) -> Optional[str]:
+    """The eos_token a tokenizer folder's tokenizer_config.json or special_tokens_map.json declares (None: none)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, dict):   # an AddedToken's fields
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
 
 
 class GPT2BPETokenizer:

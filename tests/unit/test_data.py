@@ -53,6 +53,25 @@ def test_gpt2_bpe_and_huggingface_tokenizers_read_files_a_trained_tokenizer_wrot
     assert (bpe.vocab_size, bpe.eod) == (400, 0) and hf.eod == 0       # <|endoftext|>, the first special token
 
 
+def test_a_huggingface_tokenizers_eod_is_the_eos_token_it_declares(tmp_path):
+    """Qwen's instruct tokenizers hold <|endoftext|> and declare <|im_end|> their eos_token: the end-of-document
+    token is the declared one (transformers' and megatron-core's eos_token_id), in either spelling."""
+    import json
+    import shutil
+
+    files = write_bpe_files(str(tmp_path))
+    folder = tmp_path / "instruct"
+    folder.mkdir()
+    shutil.copy(files["tokenizer_json"], folder / "tokenizer.json")
+    vocab = json.load(open(files["vocab"]))
+    declared = next(token for token, index in vocab.items() if index == 7)
+    for config in ({"eos_token": declared}, {"eos_token": {"content": declared, "special": True}}):
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        assert build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))).eod == 7
+    (folder / "tokenizer_config.json").write_text("{}")   # none declared: the usual names
+    assert build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))).eod == 0
+
+
 def test_gpt2_bpe_flags_go_together(tmp_path):
     with pytest.raises(ConfigError, match="--tokenizer-type=.GPT2BPETokenizer.: GPT2BPETokenizer needs --vocab"):
         DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json")
