@@ -3,7 +3,9 @@
 megatron-core does the work: it splits each prefix's documents into train/valid/test by
 `--split`, shuffles the documents with a seeded numpy RandomState, cuts the concatenated token
 stream (documents end with EOD) into windows of seq_length + 1 tokens, shuffles the windows,
-caches those indices as .npy files keyed by an MD5 of everything they depend on, and blends
+caches those indices as .npy files keyed by an MD5 of its description of them (paths, sizes, split, seed,
+tokenizer: not the files' contents, so here the cache folder is also named by the files' sizes and modification
+times, and a dataset rewritten at the same prefix gets indices of its own), and blends
 weighted prefixes (`--data-path "30 a 70 b"`). With torch.distributed initialised, rank 0
 builds the caches while the others wait at a barrier (megatron-core's builder does this).
 
@@ -15,10 +17,11 @@ in a single process without a process group, so there the (cheap) blend indices 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -49,8 +52,8 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
         raise DataError(f"--data-path={data_path!r}: no dataset prefix given")
     weights = [_float_or_none(w) for w in words[0::2]] if len(words) % 2 == 0 else [None]
     if all(w is not None for w in weights):
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise DataError(f"--data-path={data_path!r}: weights must be >= 0 with a positive sum")
+        if any(w <= 0 for w in weights):   # megatron-core's blend asserts it (with no message)
+            raise DataError(f"--data-path={data_path!r}: weights must be > 0 (leave a prefix out to skip it)")
         return Blend(tuple(words[1::2]), tuple(weights))
     if any(w is not None for w in weights) or any(_float_or_none(w) is not None for w in words):
         raise DataError(f"--data-path={data_path!r}: give either prefixes only, or a weight before every prefix")
@@ -120,6 +123,7 @@ class GPTDatasets:
     test: Optional[GPTSamples]
     tokenizer: object
     blend: Blend
+    notices: Tuple[str, ...] = ()   # lines for the run's log (a split left out)
 
 
 def build_datasets(data_config, seq_length: int, seed: int,
@@ -151,17 +155,30 @@ def build_datasets(data_config, seq_length: int, seed: int,
     sizes = _requested_sizes(num_samples, blend)
     lengths = {p: read_sequence_lengths(p) for p in blend.prefixes}  # checks the files before the slow import
     mg = megatron_datasets()
-    cache = os.path.join(default_cache_dir(data_config.data_cache_path), "indices")
+    cache = os.path.join(default_cache_dir(data_config.data_cache_path), "indices", _files_fingerprint(blend))
     config = mg.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(list(blend.prefixes), _list(blend.weights)),
         split=data_config.split, path_to_cache=cache, tokenizer=tokenizer,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
         create_attention_mask=False)
-    config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split)
+    notices: List[str] = []
+    config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split,
+                                         notices.append)
     builder = _quiet_builder_class(mg)(mg.GPTDataset, sizes, lambda: True, config)
     splits = _build_locked(builder, cache)
     wrapped = [GPTSamples(ds, name) if ds is not None else None for ds, name in zip(splits, SPLIT_NAMES)]
-    return GPTDatasets(*wrapped, tokenizer=tokenizer, blend=blend)
+    return GPTDatasets(*wrapped, tokenizer=tokenizer, blend=blend, notices=tuple(notices))
+
+
+def _files_fingerprint(blend: Blend) -> str:
+    """Names the cache folder by the .bin/.idx files' sizes and modification times (megatron-core's key does not
+    cover the files' contents: a dataset rewritten at a prefix would get the old one's sample indices)."""
+    stats = []
+    for prefix in blend.prefixes:
+        for suffix in (".bin", ".idx"):
+            st = os.stat(prefix + suffix)
+            stats.append(f"{os.path.abspath(prefix)}{suffix}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.md5("\n".join(stats).encode()).hexdigest()
 
 
 def _mock_datasets(data_config, tokenizer, seq_length: int, seed: int, num_samples) -> GPTDatasets:
@@ -193,11 +210,12 @@ def _requested_sizes(num_samples: Sequence[Optional[int]], blend: Blend) -> list
     return sizes
 
 
-def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_length: int, split_flag: str):
+def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_length: int, split_flag: str,
+                   report: Callable[[str], None]):
     """The split matrix with unbuildable splits set to None; DataError where one is required.
 
-    Train is required; valid is required when samples are requested from it; test is dropped
-    silently when too small (with the default 969,30,1 a small corpus leaves it empty).
+    Train is required; valid is required when samples are requested from it; test is dropped, and `report`
+    told, when too small (with the default 969,30,1 a small corpus leaves it empty).
     """
     if split_matrix[0] is None:
         raise DataError(f"--split={split_flag}: the train weight (first number) must be > 0")
@@ -211,8 +229,9 @@ def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_leng
             tokens = int(lens[beg:end].sum())
             if tokens >= seq_length + 1:
                 continue
-            if name == "test":
-                logger.info("test split of %s has %d tokens (< %d); not built", prefix, tokens, seq_length + 1)
+            if name == "test":   # the run goes on without a test evaluation, and says so
+                report(f"--split={split_flag}: the test split of {prefix} gets {tokens} tokens, fewer than one "
+                       f"sample of --seq-length + 1 = {seq_length + 1}: no test evaluation")
                 matrix[i] = None
                 break
             raise DataError(f"--split={split_flag}: the {name} split of {prefix} gets documents [{beg}, {end}) of "

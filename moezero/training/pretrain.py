@@ -89,6 +89,8 @@ class Pretraining:
         sizes = dataset_sizes(cfg, self.iteration, progress)
         self.progress = dataclasses.replace(progress, train_dataset_samples=sizes[0])
         self.data = build_data(cfg, sizes)
+        for line in self.data.notices:
+            self.logger.print(f" {line}")
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:

@@ -1,4 +1,6 @@
 """Train/valid/test samples built by megatron-core's GPT dataset, against a direct reference."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -88,3 +90,32 @@ def test_too_small_and_bad_split_errors(tmp_path, corpus):
     assert ok.valid is None and ok.test is None
     with pytest.raises(DataError, match=r"--data-path: .*missing\.idx does not exist"):
         build_datasets(config(tmp_path, str(tmp_path / "missing")), S, seed=1)
+
+
+def test_a_blend_weight_of_zero_is_one_line_naming_the_flag(tmp_path, corpus):
+    prefix, _ = corpus
+    with pytest.raises(DataError, match="--data-path=.*weights must be > 0"):
+        build_datasets(config(tmp_path, f"0 {prefix} 1 {prefix}"), S, seed=1)
+
+
+def test_a_dataset_rewritten_at_its_prefix_gets_sample_indices_of_its_own(tmp_path, corpus):
+    """megatron-core's cache key describes the files (path, split, seed), not their contents: a prefix rewritten
+    with other documents reused the old indices (and crashed reading past them)."""
+    prefix, _ = corpus
+    first = build_datasets(config(tmp_path, prefix), S, seed=7)
+    write_indexed_dataset(prefix, random_docs(55, seed=2), vocab_size=257)
+    again = build_datasets(config(tmp_path, prefix), S, seed=7)
+    fresh = build_datasets(config(tmp_path, prefix, cache="fresh"), S, seed=7)
+    assert len(again.train) == len(fresh.train) != len(first.train)
+    for i in (0, len(fresh.train) - 1):
+        assert torch.equal(again.train[i]["tokens"], fresh.train[i]["tokens"])
+
+
+def test_a_test_split_shorter_than_a_sample_is_dropped_and_the_log_says_so(tmp_path):
+    prefix = str(tmp_path / "short_tail")
+    # 90,5,5 of 20 documents: the valid split one of 100 tokens, the test split one of 10
+    docs = random_docs(18, seed=3) + [np.append(np.arange(99) % 256, 256), np.append(np.arange(9), 256)]
+    write_indexed_dataset(prefix, docs, vocab_size=257)
+    ds = build_datasets(config(tmp_path, prefix, split="90,5,5"), S, seed=1)
+    assert ds.test is None and ds.valid is not None
+    assert len(ds.notices) == 1 and re.search("the test split of .* gets 10 tokens.*no test evaluation", ds.notices[0])
