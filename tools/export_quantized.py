@@ -41,11 +41,9 @@ def quantization_spec(run_qat, args) -> QATConfig:
     overrides = {k: v for k, v in dict(weight_bits=args.weight_bits, groups=args.groups, symmetric=args.symmetric,
                                        modules=args.modules, activation_bits=args.activation_bits).items()
                  if v is not None}
-    base = run_qat or QATConfig()
-    spec = dataclasses.replace(base, start_bits=None, **overrides)
-    if spec.weight_bits is None:
+    if run_qat is None and args.weight_bits is None:
         raise ConfigError("--weight-bits: the checkpoint was trained without QAT; give the bits to quantize to")
-    return spec
+    return dataclasses.replace(run_qat or QATConfig(weight_bits=args.weight_bits), start_bits=None, **overrides)
 
 
 def main(argv=None) -> int:

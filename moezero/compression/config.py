@@ -6,6 +6,7 @@ rounding), with moezero's module groups. `--qat-weight-bits` unset means QAT is 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -13,6 +14,9 @@ from moezero.config import Validated, option
 
 # The module groups QAT can quantize; each names a set of weight matrices of the GPT model.
 MODULE_GROUPS = ("attention", "mlp", "experts", "shared_expert", "router", "embedding", "output")
+# the groups whose modules are called with their input, which --qat-activation-bits quantizes (the output
+# layer, router and embedding are not: the flag does nothing for them)
+ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
 MIN_BITS, MAX_BITS = 2, 16
 
 
@@ -48,9 +52,10 @@ class QATConfig(Validated):
             value = getattr(self, name)
             if value is not None:
                 self._require(MIN_BITS <= value <= MAX_BITS, name, f"must be between {MIN_BITS} and {MAX_BITS}")
-        if self.weight_bits is None:
-            for name in ("start_bits", "activation_bits"):
-                self._require(getattr(self, name) is None, name, "needs --qat-weight-bits (QAT is off without it)")
+        if self.weight_bits is None:   # QAT off: a --qat-* flag given would do nothing
+            for f in dataclasses.fields(self):
+                if f.name != "weight_bits" and getattr(self, f.name) != f.default:
+                    self._fail(f.name, "needs --qat-weight-bits (QAT is off without it)")
         elif self.start_bits is not None:
             self._require(self.start_bits >= self.weight_bits, "start_bits",
                           f"must be >= --qat-weight-bits ({self.weight_bits}); the schedule only lowers bits")
@@ -58,6 +63,10 @@ class QATConfig(Validated):
         self._require(self.schedule_offset >= 0, "schedule_offset", "must be >= 0")
         self._require(self.groups >= 1, "groups", "must be >= 1")
         names = [m.strip() for m in self.modules.split(",") if m.strip()]
+        if self.activation_bits is not None:
+            self._require(any(n in ACTIVATION_GROUPS for n in names), "activation_bits",
+                          f"quantizes the inputs of {', '.join(ACTIVATION_GROUPS)}; --qat-modules={self.modules} "
+                          "names none of them")
         self._require(bool(names), "modules", f"must name at least one of {', '.join(MODULE_GROUPS)}")
         unknown = [m for m in names if m not in MODULE_GROUPS]
         self._require(not unknown, "modules", f"unknown module group(s) {', '.join(unknown)}; allowed: "

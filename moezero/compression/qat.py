@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from moezero.compression.config import QATConfig
+from moezero.compression.config import ACTIVATION_GROUPS, QATConfig
 from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight, QATState
 from moezero.compression.quantizer import quantize_rows, to_rows
 from moezero.compression.bits_schedule import bits_at
@@ -31,8 +31,6 @@ from moezero.parallel import ParallelGroups, comm
 
 PLUGIN_NAME = "qat"   # its state's name in a checkpoint's plug-in states
 
-# groups whose quantized modules are called with their input (output/router/embedding read the weight directly)
-_ACTIVATION_GROUPS = ("attention", "mlp", "shared_expert", "experts")
 
 
 class QATController:
@@ -161,7 +159,7 @@ def add_activation_quant(targets: Sequence[QuantTarget], bits: int, state: QATSt
     """Per-token fake quantization of the inputs of the quantized linear layers and expert stacks."""
     seen = set()
     for t in targets:
-        if t.group not in _ACTIVATION_GROUPS or id(t.module) in seen:
+        if t.group not in ACTIVATION_GROUPS or id(t.module) in seen:
             continue
         if isinstance(t.module, (nn.Linear, GroupedExperts)):
             t.module.register_forward_pre_hook(ActivationFakeQuant(bits, state))

@@ -159,6 +159,13 @@ def test_activation_quantization_changes_the_output():
     (dict(weight_bits=4, modules="attention,moe"), "--qat-modules='attention,moe': unknown module group(s) moe"),
     (dict(weight_bits=4, rounding="up"), "--qat-rounding='up': must be one of nearest, stochastic"),
     (dict(activation_bits=8), "--qat-activation-bits=8: needs --qat-weight-bits"),
+    # any --qat-* flag without --qat-weight-bits would do nothing
+    (dict(groups=64), "--qat-groups=64: needs --qat-weight-bits"),
+    (dict(rounding="stochastic"), "--qat-rounding='stochastic': needs --qat-weight-bits"),
+    (dict(modules="experts"), "--qat-modules='experts': needs --qat-weight-bits"),
+    (dict(schedule_offset=10), "--qat-schedule-offset=10: needs --qat-weight-bits"),
+    (dict(weight_bits=4, modules="output,router", activation_bits=4),
+     "--qat-activation-bits=4: quantizes the inputs of attention, mlp, shared_expert, experts"),
     (dict(weight_bits=4, groups=0), "--qat-groups=0: must be >= 1"),
 ])
 def test_bad_config_gives_one_clear_error(kwargs, needle):
