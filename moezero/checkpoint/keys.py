@@ -72,6 +72,21 @@ def piece_of(key: str) -> Tuple[str, Tuple[int, int]]:
     return match["name"], (int(match["lo"]), int(match["hi"]))
 
 
+def plain_param_name(name: str) -> str:
+    """A param under its plain name: a parametrized one (QAT's fake quantization) is saved under torch's
+    'a.parametrizations.w.original' and is 'a.w' to a model without the parametrization."""
+    return name.replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def saved_names_for(held: Iterable[str], keys: Iterable[str]) -> Dict[str, str]:
+    """{held param name: the name a checkpoint's pieces (among `keys`) use for it}, where the two differ only by
+    a parametrization (a QAT run from a plain checkpoint, or the reverse)."""
+    saved = {m["name"] for m in (_PIECE.match(key) for key in keys) if m}
+    by_plain = {plain_param_name(n): n for n in saved}
+    return {name: by_plain[plain_param_name(name)] for name in held
+            if name not in saved and plain_param_name(name) in by_plain}
+
+
 def piece_keys(keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]],
                masters_only: bool = False) -> List[str]:
     """The piece keys among `keys` that overlap `wanted` ({param: global ranges}; None: every piece)."""

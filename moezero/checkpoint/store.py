@@ -158,6 +158,8 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
     index = _index(path)
     metadata = index.state_dict_metadata
     held = opt.held_ranges()
+    renamed = keys.saved_names_for(held, metadata)   # QAT's parametrized names on one side only
+    held = {renamed.get(name, name): ranges for name, ranges in held.items()}
     wanted = keys.piece_keys(metadata, held, masters_only=not load_optim)
     legacy = keys.legacy_model_state_keys(metadata, held)
     request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
@@ -177,6 +179,8 @@ def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bo
     pieces = keys.pieces_from_entries(request)
     for name in {keys.model_state_name(key) for key in legacy}:
         pieces[name] = keys.pieces_from_model_state({key: request[key] for key in legacy}, name)
+    back = {saved: name for name, saved in renamed.items()}
+    pieces = {back.get(name, name): owned for name, owned in pieces.items()}
     opt.load_state_dict({"pieces": pieces, **scalars})
     with torch.no_grad():
         for key, tensor in other_state.items():

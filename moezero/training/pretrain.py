@@ -39,6 +39,7 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
+from moezero.checkpoint.keys import plain_param_name
 from moezero.training.resume import (ResumePoint, check_shapes, start_iteration, start_lr_schedule,
                                      start_progress)
 from moezero.training.run_start import resolve_start
@@ -98,7 +99,8 @@ class Pretraining:
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
                                  hub_dir=cfg.checkpoint.load_hf if point is None else None)
         if dense_source is not None:   # before the optimizer copies the params into its masters
-            upcycle(self.model, checkpoint.consolidate_checkpoint(dense_source.path))
+            dense = checkpoint.consolidate_checkpoint(dense_source.path)   # a QAT run's under plain names
+            upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()})
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
         self._check_exportable()

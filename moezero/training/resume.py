@@ -25,6 +25,7 @@ from torch import nn
 
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
+from moezero.checkpoint.keys import plain_param_name
 from moezero.config import ConfigError, GPTConfig, MoEConfig, flag_of, model_defining_fields
 from moezero.config.options import derived_when_none_fields
 from moezero.parallel import expert_shard_of
@@ -228,14 +229,9 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
     return dataclasses.replace(cfg, **sections)
 
 
-def _plain_name(name: str) -> str:
-    """A parametrized weight under torch's plain name ('a.parametrizations.w.original' -> 'a.w')."""
-    return name.replace(".parametrizations.", ".").removesuffix(".original")
-
-
 def check_shapes(model: nn.Module, point: ResumePoint) -> None:
     """The model's trainable params (global shapes: experts over all ranks) against the saved ones."""
-    saved = {_plain_name(n): tuple(s) for n, s in point.param_shapes.items()}
+    saved = {plain_param_name(n): tuple(s) for n, s in point.param_shapes.items()}
     problems = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -244,12 +240,12 @@ def check_shapes(model: nn.Module, point: ResumePoint) -> None:
         shard = expert_shard_of(param)
         if shard is not None:
             shape[0] = shard.num_global_experts
-        old = saved.get(_plain_name(name))
+        old = saved.get(plain_param_name(name))
         if old is None:
             problems.append(f"{name} is not in it")
         elif old != tuple(shape):
             problems.append(f"{name} is {old} there, {tuple(shape)} here")
-    mine = {_plain_name(name) for name, _ in model.named_parameters()}
+    mine = {plain_param_name(name) for name, _ in model.named_parameters()}
     problems += [f"{name} is in it, not in this model" for name in saved if name not in mine]
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from moezero import checkpoint
+from moezero.checkpoint.keys import plain_param_name
 from moezero.config import ConfigError
 from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import ASSETS, CORPUS, TINY, configs
@@ -96,3 +98,23 @@ def test_bad_qat_flags_fail_with_one_clear_message(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "--qat-groups=5: does not divide layers.0.attention.qkv.weight" in errors[0], \
         proc.stderr
+
+
+def test_qat_fine_tunes_a_plain_checkpoint_and_a_plain_run_resumes_a_qat_one(tmp_path):
+    """The usual MoQ workflow: QAT from a pretrained (plain) checkpoint; QAT's params are saved under torch's
+    parametrized names ('parametrizations.weight.original'), a plain model's under the plain ones. Either way
+    the weights load (a raw KeyError before)."""
+    cache, plain, quantized = str(tmp_path), str(tmp_path / "plain"), str(tmp_path / "qat")
+    _run(TINY + ["--train-iters", "2", "--save", plain], cache)
+    tuned = _run(TINY + QAT + ["--train-iters", "2", "--load", plain, "--finetune", "--save", quantized], cache)
+    resumed = _run(TINY + QAT + ["--train-iters", "3", "--load", plain], cache)   # optimizer state too
+    assert tuned.iteration == 2 and resumed.iteration == 3
+    saved = {plain_param_name(k): v for k, v in checkpoint.consolidate_checkpoint(
+        checkpoint.iteration_dir(quantized, 2)).items()}
+    back = pretraining(configs(TINY + ["--train-iters", "3", "--load", quantized, "--data-cache-path", cache]))
+    with back.opt.full_parameters():
+        for name, p in back.model.named_parameters():
+            assert torch.equal(p.detach(), saved[name].to(p.dtype)), name   # the QAT run's fp32 masters
+    back.train()
+    back.groups.destroy()
+    assert back.iteration == 3
