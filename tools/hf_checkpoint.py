@@ -4,7 +4,7 @@
     python tools/hf_checkpoint.py import HF_DIR CKPT_DIR
     python tools/hf_checkpoint.py export CKPT_DIR HF_DIR [--iteration N] [--dtype bfloat16] [--family F]
                                                           [--hf-config ORIGINAL_HF_DIR] [--overwrite]
-                                                          [--max-shard-size 5GB]
+                                                          [--max-shard-size 5GB] [--qat-masters]
 
 import writes iteration 0 of CKPT_DIR from the Hub directory (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
 Kimi-K2): the weights and the model's configs, so `--load CKPT_DIR --use-checkpoint-args --finetune` continues
@@ -50,18 +50,32 @@ def shard_bytes(size: str) -> int:
     return value
 
 
+def _refuse_qat_masters(ckpt: str, qat_bits) -> None:
+    """A QAT run's checkpoint holds fp32 masters, not the quantized weights its forward used: exported as they
+    are only when asked (transformers would run another model than the one trained)."""
+    if qat_bits:
+        raise ConfigError(f"{ckpt}: trained with QAT (--qat-weight-bits {qat_bits}): its weights are the fp32 "
+                          "masters, not the quantized ones the run's forward used; pass --qat-masters to export "
+                          "them as they are, or write the quantized model with tools/export_quantized.py")
+
+
 def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False,
-           max_shard_bytes: int = 5 * 10 ** 9) -> None:
+           max_shard_bytes: int = 5 * 10 ** 9, qat_masters: bool = False) -> None:
     base = None
     if hf_config:
         with open(os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config) as f:
             base = json.load(f)
     dtype = DTYPES[dtype_name] if dtype_name else None
     if not os.path.isfile(ckpt):   # a checkpoint folder: read a piece at a time
+        if not qat_masters:
+            configs = checkpoint.read_train_state(checkpoint.resolve_checkpoint(ckpt)).get("configs") or {}
+            _refuse_qat_masters(ckpt, (configs.get("qat") or {}).get("weight_bits"))
         export_checkpoint(ckpt, hf_dir, dtype=dtype, family=family, hub_config=base, overwrite=overwrite,
                           max_shard_bytes=max_shard_bytes)
         return
     source = load_checkpoint_model(ckpt)   # a consolidated file holds the whole model anyway
+    if not qat_masters:
+        _refuse_qat_masters(ckpt, source.qat.weight_bits if source.qat is not None else None)
     imported = source.configs.get("hf")
     dtype = dtype or (hub_dtype(imported) if imported else DTYPES[source.description.dtype])
     fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
@@ -89,13 +103,16 @@ def main(argv=None) -> int:
                      "max_shard_size: 5GB, 500MB, ...); export holds about one such file in memory")
     exp.add_argument("--hf-config", default=None, help="a Hub config.json (or its folder) whose other fields "
                                                         "(token ids) the export keeps")
+    exp.add_argument("--qat-masters", action="store_true", help="a QAT run's checkpoint: write its fp32 master "
+                     "weights as they are (not the quantized weights its forward used; refused without this)")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
             print(f"wrote {import_hub(args.hf_dir, args.ckpt_dir)}")
             return 0
         ckpt = args.ckpt_dir if args.iteration is None else checkpoint.iteration_dir(args.ckpt_dir, args.iteration)
-        export(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config, args.overwrite, args.max_shard_size)
+        export(ckpt, args.hf_dir, args.dtype, args.family, args.hf_config, args.overwrite, args.max_shard_size,
+               args.qat_masters)
         print(f"wrote {args.hf_dir}")
     except (CheckpointError, CheckpointMismatch, UnsupportedModel, ConfigError, FileNotFoundError, FileExistsError,
             KeyError) as exc:

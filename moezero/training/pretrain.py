@@ -359,8 +359,9 @@ class Pretraining:
                               f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
                               "export a checkpoint with tools/hf_checkpoint.py export instead")
         if any(parametrize.is_parametrized(module) for module in self.model.modules()):
-            raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); export a "
-                              "checkpoint with tools/hf_checkpoint.py export instead")
+            raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); write the "
+                              "quantized model with tools/export_quantized.py, or a checkpoint's fp32 masters with "
+                              "tools/hf_checkpoint.py export --qat-masters")
 
     def _save_hf(self) -> None:
         """--save-hf: the model as a Hub folder of this iteration, every rank writing its share (in the Hub

@@ -3,6 +3,7 @@ import continues with `--load --use-checkpoint-args --finetune` on 2 ranks (ep 2
 flag typed (DeepSeek-V3's MTP layer included), and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
 imported dense model (Qwen3) is upcycled with --moe-use-upcycling."""
 import json
+import os
 import re
 import sys
 
@@ -266,3 +267,22 @@ def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
     finished.train()
     finished.groups.destroy()
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["iter_0000002"]
+
+
+def test_a_qat_checkpoint_exports_its_fp32_masters_only_when_asked(tmp_path):
+    """A QAT run's checkpoint holds fp32 masters, not the quantized weights its forward used: the export refuses
+    by name (transformers would run another model than the one trained) unless --qat-masters says so."""
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights"]
+    ckpt = str(tmp_path / "ckpt")
+    run_ = pretraining(configs(TINY + llama + ["--qat-weight-bits", "4", "--qat-groups", "16", "--train-iters", "1",
+                                               "--save", ckpt, "--data-cache-path", str(tmp_path / "cache")]))
+    run_.train()
+    run_.groups.destroy()
+    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "hf")], timeout=120)
+    assert refused.returncode == 2 and "trained with QAT (--qat-weight-bits 4)" in refused.stderr, refused.stderr
+    _tool("export", ckpt, str(tmp_path / "hf"), "--qat-masters")
+    assert os.path.isfile(tmp_path / "hf" / "config.json")
