@@ -69,8 +69,9 @@ def init_keyed_(module: nn.Module, seed: int, std_for: Callable[[str, torch.Tens
 
 
 def is_bias(name: str) -> bool:
-    """A linear layer's bias (`.bias`, an expert stack's `b1` / `b2`): zero at init, as Megatron's."""
-    return name.endswith(("bias", ".b1", ".b2"))
+    """A linear layer's bias (`.bias`, an expert stack's `b1` / `b2`): zero at init, as Megatron's; not the
+    router's, which megatron-core initialises as its weight (N(0, init_method_std))."""
+    return name.endswith(("bias", ".b1", ".b2")) and not name.endswith("router.wg.bias")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ class GPTModel(nn.Module):
         weights their ones."""
         if is_bias(name):
             return 0.0
-        if name.endswith("softmax_offset"):   # Megatron's: its init method, as a weight's
+        if name.endswith(("softmax_offset", "router.wg.bias")):   # Megatron's: its init method, as a weight's
             return self.config.init_method_std
         if param.ndim < 2:
             return None

@@ -270,3 +270,20 @@ def test_expert_bias_updates_are_the_same_when_layers_are_recomputed():
         biases.append(torch.cat([layer.mlp.router.expert_bias for layer in model.layers]))
     assert biases[0].abs().sum() > 0
     torch.testing.assert_close(biases[0], biases[1], rtol=0, atol=0)
+
+
+def test_the_routers_bias_starts_as_megatrons():
+    """megatron-core's router initialises its bias with init_method, as its weight (router.py's reset_parameters);
+    every other bias starts at zero."""
+    import dataclasses
+
+    from moezero.models import GPTModel
+    from tests.integration.pretrain_utils import TINY, configs
+
+    cfg = configs(TINY + ["--num-experts", "256", "--init-method-std", "0.03"])
+    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe, seed=1)
+    for name, p in model.named_parameters():
+        if name.endswith("router.wg.bias"):
+            assert abs(p.std().item() - 0.03) < 0.006 and abs(p.mean().item()) < 0.006, name
+        elif name.endswith(("bias", ".b1", ".b2")):
+            assert not p.any(), name
