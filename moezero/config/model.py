@@ -328,6 +328,9 @@ class GPTConfig(Validated):
             if values.get(name) is not None and values[name] != megatrons:
                 raise ConfigError(f"{flag_of(cls, name)}={values[name]:g}: Megatron's multi-latent attention does "
                                   f"not read it (MLATransformerConfig keeps {megatrons:g}); drop it or give that")
+        if values.get("no_yarn_correction_range_round_to_int"):   # its YaRN rounds the correction range
+            raise ConfigError(f"{flag_of(cls, 'no_yarn_correction_range_round_to_int')}: Megatron's multi-latent "
+                              "attention does not read it (its YaRN always rounds the correction range); drop it")
 
     @property
     def query_groups(self) -> int:

@@ -96,7 +96,10 @@ class ZeroConfig(Validated):
             self.stage = fsdp_stage if fsdp_stage is not None else 1 if self.use_distributed_optimizer else 2
         self._require(self.megatron_fsdp_grad_comm_dtype != "fp16", "megatron_fsdp_grad_comm_dtype",
                       "not supported by moezero (fp32, bf16 or auto)")
-        if self.megatron_fsdp_grad_comm_dtype != "auto":
+        if self.megatron_fsdp_grad_comm_dtype != "auto":   # Megatron reads it in its FSDP adapter only
+            self._require(self.use_megatron_fsdp, "megatron_fsdp_grad_comm_dtype",
+                          "needs --use-megatron-fsdp (Megatron reads it only there); --grad-reduce-dtype sets the "
+                          "reduction dtype otherwise")
             self.grad_reduce_dtype = self.megatron_fsdp_grad_comm_dtype
         if self.grad_reduce_in_bf16:
             self._require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_in_bf16",

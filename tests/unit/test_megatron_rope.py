@@ -83,6 +83,15 @@ def test_yarn_flags_megatrons_mla_never_reads_are_refused_unless_they_say_what_i
     assert configs(MLA[1:] + ["--rope-type", "yarn", flag, value]).model.rope_type == "yarn"   # read without MLA
 
 
+def test_the_unrounded_correction_range_is_refused_with_mla():
+    """Megatron's MLA builds its YaRN without --no-yarn-correction-range-round-to-int (it always rounds); only
+    standard attention's YaRN reads it."""
+    flag = "--no-yarn-correction-range-round-to-int"
+    with pytest.raises(ConfigError, match=f"{flag}: Megatron's multi-latent attention does not read it"):
+        configs(MLA + DEEPSEEK_V3_YARN + [flag])
+    assert configs(MLA[1:] + ["--rope-type", "yarn", flag]).model.no_yarn_correction_range_round_to_int
+
+
 def test_checkpoints_from_before_the_default_are_plain_rope():
     stored = {"model": {"num_layers": 2, "multi_latent_attention": True, "rope_type": None,
                         "disable_bias_linear": True, "no_bias_gelu_fusion": True}}
