@@ -183,6 +183,9 @@ def check_same_model(cfg, point: ResumePoint) -> None:
 # what a Hugging Face config says about training (attention_dropout, router_aux_loss_coef), taken from an
 # imported checkpoint by --use-checkpoint-args where the command line does not set it
 IMPORTED_TRAINING_FIELDS = {"model": ("hidden_dropout", "attention_dropout"), "moe": ("aux_loss_coeff",)}
+# what Megatron's load_args_from_checkpoint also takes from its own checkpoints (the sequence length, the
+# dropouts), here where the command line does not set it
+CHECKPOINT_TRAINING_FIELDS = {"model": ("seq_length", "hidden_dropout", "attention_dropout")}
 
 
 def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig,
@@ -208,16 +211,16 @@ def apply_hub_configs(cfg, hub_dir: str, configs: Dict[str, Dict[str, Any]], rep
 def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None],
                           source: str = "--use-checkpoint-args"):
     """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
-    where the command line gives none; for a checkpoint from a Hugging Face import, its training values the
-    command line does not set); reports the flags that changed."""
+    where the command line gives none; the training values Megatron takes too, or for a checkpoint from a Hugging
+    Face import its config's, where the command line does not set them); reports the flags that changed."""
     changes, sections = [], {}
     imported = point.configs.get("hf") is not None
     given = set(getattr(cfg.checkpoint, "given_fields", ()))
     for section in _model_sections(cfg):
         current, saved = getattr(cfg, section), point.configs.get(section) or {}
         names = list(model_defining_fields(current))
-        if imported:
-            names += [n for n in IMPORTED_TRAINING_FIELDS.get(section, ()) if f"{section}.{n}" not in given]
+        training = IMPORTED_TRAINING_FIELDS if imported else CHECKPOINT_TRAINING_FIELDS
+        names += [n for n in training.get(section, ()) if f"{section}.{n}" not in given]
         values = {n: saved[n] for n in names if n in saved}
         values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
                        and getattr(current, n) is None})

@@ -99,6 +99,27 @@ def test_a_checkpoint_from_before_disable_bias_linear_resumes_as_its_model():
     assert not any(n.endswith((".b1", ".b2", "wg.bias")) for n in names), names
 
 
+def test_checkpoint_args_take_the_sequence_length_and_dropouts_as_megatron_does():
+    """Megatron's load_args_from_checkpoint takes them from its own checkpoints too; here where the command line
+    does not set them."""
+    import dataclasses
+
+    from moezero.training.resume import ResumePoint, apply_checkpoint_args
+
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"]
+    saved = configs(shape + ["--seq-length", "1024", "--max-position-embeddings", "4096", "--hidden-dropout", "0",
+                             "--attention-dropout", "0"])
+    stored = {section: dataclasses.asdict(getattr(saved, section)) for section in ("model", "moe")}
+    point = ResumePoint("ckpt", 3, stored, {})
+    reported = []
+    resumed = apply_checkpoint_args(configs(shape), point, reported.append).model
+    assert (resumed.seq_length, resumed.hidden_dropout, resumed.attention_dropout) == (1024, 0.0, 0.0)
+    assert "--seq-length 1024 (command line: 256)" in reported[0]
+    typed = apply_checkpoint_args(configs(shape + ["--seq-length", "512"]), point,
+                                  lambda _: None).model
+    assert typed.seq_length == 512 and typed.max_position_embeddings == 4096
+
+
 def _params_of(cfg):
     from moezero.parallel import ParallelGroups
     from moezero.training.builders import build_model
