@@ -14,6 +14,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from moezero.checkpoint.errors import CheckpointError, first_line
 from moezero.parallel import comm
 
@@ -36,8 +38,8 @@ class PendingSave:
         error = None
         try:
             self.future.result()
-        except Exception as exc:   # the writer's error, whatever its kind: reported, never a hang
-            error = exc
+        except (Exception, CheckpointException) as exc:   # the writer's error, whatever its kind (DCP's
+            error = exc                                    # CheckpointException is a BaseException): never a hang
         if comm.all_true(error is None, self.group):
             return self.publish()
         self.abandon()

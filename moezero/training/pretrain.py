@@ -150,18 +150,23 @@ class Pretraining:
         profiler = StepProfiler(self.cfg.profiling, self.groups.rank, t.tensorboard_dir, self.iteration)
         try:
             self._loop(stop, loader, profiler)
+        except BaseException:
+            stop.close()
+            raise
         finally:
             profiler.close()
             loader.close()
+        try:   # the last checkpoint first (Megatron's order: a job's grace), published (an --async-save's too)
+            if self.cfg.checkpoint.save and self._saved_at != self.iteration:
+                self._save()
+            self._finish_pending()
+        finally:   # the handlers stay while it is written: a signal then waits for it instead of killing it
             stop.close()
-        if self.cfg.checkpoint.save and self._saved_at != self.iteration:   # first, as Megatron: a job's grace
-            self._save()
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
         finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
         if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
             self._save_hf()
-        self._finish_pending()
         if self.stop_reason is not None:
             saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
             self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")

@@ -54,3 +54,48 @@ def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_pa
     with pytest.raises(CheckpointError, match="--async-save: writing .*iter_0000004 failed \\(OSError: .*No space"):
         PendingSave(failed, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None).finish()
     assert checkpoint.latest_iteration(root) == 2 and published == []
+    # what DCP's writer raises: a CheckpointException, a BaseException in torch (it escaped as a traceback)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as exc:
+        wrapped = _wrap_exception(exc)
+    failed = concurrent.futures.Future()
+    failed.set_exception(CheckpointException("write failed", {0: wrapped}))
+    with pytest.raises(CheckpointError, match="--async-save: writing .*iter_0000004 failed"):
+        PendingSave(failed, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None).finish()
+    assert checkpoint.latest_iteration(root) == 2 and published == []
+
+
+def test_the_last_checkpoint_is_published_before_the_end_of_run_work_and_a_signal_waits_for_it(tmp_path,
+                                                                                                 monkeypatch):
+    """The end of a run: the last (background) checkpoint published before the test split's evaluation (a job's
+    grace goes to it), and the signal handlers still installed while it is written (a SIGTERM then killed it)."""
+    import signal
+
+    from moezero.recipe import pretraining
+    from moezero.training.pretrain import Pretraining
+    from tests.integration.pretrain_utils import configs
+
+    root = str(tmp_path / "ckpt")
+    seen = {}
+    evaluate, save = Pretraining._evaluate, Pretraining._save
+
+    def evaluate_and_look(self, split):
+        if split == "test":
+            seen["latest at the test evaluation"] = checkpoint.latest_iteration(root)
+        return evaluate(self, split)
+
+    def save_and_look(self):
+        seen["handler during the save"] = signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        return save(self)
+
+    monkeypatch.setattr(Pretraining, "_evaluate", evaluate_and_look)
+    monkeypatch.setattr(Pretraining, "_save", save_and_look)
+    run = pretraining(configs(TINY + ["--train-iters", "3", "--save", root, "--async-save", "--exit-signal-handler",
+                                      "--split", "80,10,10", "--eval-iters", "1", "--data-cache-path", str(tmp_path)]))
+    run.train()
+    run.groups.destroy()
+    assert seen == {"handler during the save": True, "latest at the test evaluation": 3}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # given back once it is written
