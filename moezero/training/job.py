@@ -22,6 +22,8 @@ from moezero.checkpoint import CheckpointError
 from moezero.checkpoint.errors import first_line
 from moezero.config import ConfigError
 from moezero.data import DataError
+from moezero.parallel.agreement import RanksDisagree
+from moezero.parallel.local_channel import ChannelError
 from moezero.training.configs import Configs
 from moezero.training.plugin import PluginFactory
 from moezero.training.pretrain import Pretraining
@@ -82,8 +84,11 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
     except KeyboardInterrupt:
         _report(interrupt_message(cfg.checkpoint.save), every_rank=True)
         return 130
+    except RanksDisagree as exc:   # its message says where each rank was
+        _report(f"error: {first_line(exc)}", every_rank=True)
+        return 1
     except (RuntimeError, dist.DistBackendError) as exc:
-        if not dist.is_initialized() or not _looks_like_peer_failure(exc):
+        if not dist.is_initialized() or not (isinstance(exc, ChannelError) or _looks_like_peer_failure(exc)):
             raise
         _report(f"error: a collective failed ({str(exc).splitlines()[0][:200]}); another rank probably died or "
                 "stopped answering. Exiting.", every_rank=True)

@@ -189,3 +189,33 @@ def test_the_interrupt_message_says_what_is_on_disk(tmp_path):
     message = interrupt_message(str(tmp_path))
     assert f"the last complete checkpoint is {os.path.join(tmp_path, 'iter_0000002')}" in message
     assert "the unfinished save iter_0000004.tmp is ignored by --load" in message
+
+
+@pytest.mark.parametrize("failure", ["channel", "disagree"])
+def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, capsys):
+    """Where ranks share a host their messages go through pipes: a dead peer is a ChannelError, a peer that went
+    elsewhere a RanksDisagree; both end the run with one line and exit code 1 (they were tracebacks)."""
+    from moezero.parallel.agreement import RanksDisagree
+    from moezero.parallel.local_channel import ChannelError
+    from moezero.training import job
+
+    error = (ChannelError("rank 1 of the control group exited or stopped reading (its end of the pipe is closed)")
+             if failure == "channel" else RanksDisagree("rank 0 was saving a checkpoint; rank 1 was in a forward"))
+
+    class Failing:
+        def __init__(self, cfg, plugins):
+            pass
+
+        def train(self):
+            raise error
+
+    monkeypatch.setattr(job, "init_distributed", lambda backend, minutes: None)
+    monkeypatch.setattr(job, "Pretraining", Failing)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    from tests.integration.pretrain_utils import configs
+
+    assert job.run(configs([])) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(error).split(";")[0] in lines[0], lines
