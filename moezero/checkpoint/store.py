@@ -142,11 +142,18 @@ def _publish(root: str, iteration: int, keep_last: int, group, writer: checksums
     """Collective, once every rank wrote: rank 0 records every rank's shard digests, renames the staging folder
     into place, moves the pointer, prunes."""
     digests = _gathered(writer.digests(), group)
+    error = None
     if _rank() == 0:
-        checksums.write_manifest(layout.staging_dir(root, iteration), iteration, _world_size(), digests)
-        layout.publish(root, iteration)
-        layout.prune(root, keep_last)
-    _barrier(group)
+        try:
+            checksums.write_manifest(layout.staging_dir(root, iteration), iteration, _world_size(), digests)
+            layout.publish(root, iteration)
+            layout.prune(root, keep_last)
+        except OSError as exc:   # a disk that filled after the shards: every rank says so, not rank 0 alone
+            error = exc
+    if not comm.all_true(error is None, group):
+        reason = first_line(error) if error is not None else "rank 0 could not write the manifest or the pointer"
+        raise CheckpointError(f"--save={root}: publishing iteration {iteration} failed ({reason}); the previous "
+                              "checkpoint stays latest (an unfinished folder is removed by the next save)")
     return layout.iteration_dir(root, iteration)
 
 

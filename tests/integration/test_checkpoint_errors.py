@@ -231,3 +231,22 @@ def test_a_weight_decay_changed_on_resume_is_the_command_lines_with_override(sav
         resumed.train()
         assert sorted(g["weight_decay"] for g in resumed.opt.param_groups) == [0.0, expected], flag
         resumed.groups.destroy()
+
+
+def test_a_disk_that_fills_while_publishing_is_one_error_and_the_previous_checkpoint_stays(saved, tmp_path,
+                                                                                           monkeypatch):
+    """The shards written, rank 0's manifest (or pointer) write fails: a CheckpointError (one line), not rank 0's
+    OSError traceback while the others report a dead peer; `latest` still names the previous checkpoint."""
+    from moezero.checkpoint import CheckpointError, checksums
+
+    path = _copy(saved, tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checksums, "write_manifest", full)
+    run_ = _built(["--train-iters", "3", "--load", path, "--save", path], str(saved))
+    with pytest.raises(CheckpointError, match="publishing iteration 3 failed \\(OSError: .*No space left"):
+        run_.train()
+    run_.groups.destroy()
+    assert checkpoint.latest_iteration(path) == 2
