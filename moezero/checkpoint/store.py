@@ -47,6 +47,8 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     With `background` the state is copied and written in the background, its collectives on `writer_group` (a
     process group of the writer's own, never one training uses): a PendingSave is returned, `finish()` publishes.
     """
+    if group is None and dist.is_initialized():   # the whole world (comm's None is a world of one)
+        group = dist.group.WORLD
     if _rank() == 0:
         layout.remove_stale(root)
     _barrier(group)
@@ -73,7 +75,7 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
             dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized(), process_group=group)
     except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
         error = exc
-    if not comm.all_true(error is None, group):
+    if not _all_ok(error is None, group):
         reason = _cause(error) if error is not None else "another rank could not write its part"
         if error is not None and _disk_full(staging):   # torch's writer may report a full disk as a bad offset
             reason = f"No space left on device: {reason}"
@@ -150,7 +152,7 @@ def _publish(root: str, iteration: int, keep_last: int, group, writer: checksums
             layout.prune(root, keep_last)
         except OSError as exc:   # a disk that filled after the shards: every rank says so, not rank 0 alone
             error = exc
-    if not comm.all_true(error is None, group):
+    if not _all_ok(error is None, group):
         reason = first_line(error) if error is not None else "rank 0 could not write the manifest or the pointer"
         raise CheckpointError(f"--save={root}: publishing iteration {iteration} failed ({reason}); the previous "
                               "checkpoint stays latest (an unfinished folder is removed by the next save)")
@@ -402,6 +404,13 @@ def _gathered(value: Any, group) -> list:
 def _barrier(group) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def _all_ok(ok: bool, group) -> bool:
+    """Collective over `group`, the whole world where None (as _barrier): whether `ok` holds on every rank."""
+    if not dist.is_initialized():
+        return ok
+    return comm.all_true(ok, group if group is not None else dist.group.WORLD)
 
 
 def _rng_state() -> Dict[str, Any]:

@@ -38,3 +38,34 @@ def _refusals(root):
 def test_a_shard_one_rank_reads_is_refused_by_every_rank(tmp_path):
     first, second = run_distributed(_refusals, 2, str(tmp_path / "ckpt"))
     assert first == second and "__1_0.distcp: its contents differ" in first
+
+
+def _publishing_fails_on_rank_0(root):
+    """Rank 0 alone writes the manifest and moves the pointer: its failure (a disk that filled) is agreed."""
+    from moezero.checkpoint import checksums
+
+    groups = ParallelGroups.build()
+    model, opt = _model_and_optimizer(groups)
+    checkpoint.save_checkpoint(root, 1, model, opt, configs={}, plugins={})
+    write_manifest = checksums.write_manifest
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if dist.get_rank() == 0:
+        checksums.write_manifest = full
+    try:   # the workers outlive the test: the patch goes with it
+        checkpoint.save_checkpoint(root, 2, model, opt, configs={}, plugins={})
+    except checkpoint.CheckpointError as error:
+        return str(error), checkpoint.latest_iteration(root)
+    finally:
+        checksums.write_manifest = write_manifest
+        groups.destroy()
+    return None, checkpoint.latest_iteration(root)
+
+
+def test_a_manifest_rank_0_cannot_write_is_one_error_on_every_rank(tmp_path):
+    (first, latest0), (second, latest1) = run_distributed(_publishing_fails_on_rank_0, 2, str(tmp_path / "ckpt"))
+    assert "publishing iteration 2 failed (OSError: [Errno 28] No space left" in first   # rank 0's, the one shown
+    assert "publishing iteration 2 failed (rank 0 could not write" in second
+    assert latest0 == latest1 == 1
