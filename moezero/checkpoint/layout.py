@@ -5,7 +5,9 @@
 
 A save writes `iter_N.tmp`, renames it to `iter_N` only after every rank finished, then replaces the
 pointer; a crash or Ctrl-C at any point leaves the previous checkpoint and pointer intact (stale
-`.tmp` folders are ignored and removed by the next save).
+`.tmp` folders are ignored and removed by the next save). A checkpoint is removed (pruned, or replaced by a save of
+the same iteration) by renaming it to `iter_N.removed` first, so a kill mid-removal never leaves a half-deleted
+`iter_N` behind.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from moezero.checkpoint.errors import CheckpointError, first_line
 
 POINTER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
+_REMOVED = ".removed"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -82,19 +85,34 @@ def staging_dir(root: str, iteration: int) -> str:
 
 
 def remove_stale(root: str) -> None:
-    """Rank 0, before a save: create `root`, remove the staging folders of crashed saves."""
+    """Rank 0, before a save: create `root`, remove the staging folders of crashed saves and what a killed
+    removal left."""
     os.makedirs(root, exist_ok=True)
-    for stale in unfinished_saves(root):
+    leftovers = [name for name in os.listdir(root) if name.startswith("iter_") and name.endswith(_REMOVED)]
+    for stale in unfinished_saves(root) + leftovers:
         shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
 
 
+def _remove(root: str, iteration: int) -> None:
+    """Take the folder out of the checkpoints in one rename, then delete it."""
+    doomed = iteration_dir(root, iteration) + _REMOVED
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(iteration_dir(root, iteration), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune(root: str, keep: int) -> List[int]:
-    """Rank 0, after a publish: remove all but the newest `keep` checkpoints (never the one the pointer
-    names); returns the removed iterations."""
+    """Rank 0, after a publish: of the checkpoints up to the one the pointer names (the run's own history),
+    remove all but the newest `keep`; returns the removed iterations. Newer ones come from a run this one
+    rolled back from (--ckpt-step): counting them would delete the checkpoint just resumed from, so they stay
+    until this run saves their iteration again."""
+    if keep <= 0:
+        return []
     latest = latest_iteration(root)
-    old = [i for i in saved_iterations(root)[:-keep] if i != latest] if keep > 0 else []
+    history = [i for i in saved_iterations(root) if latest is None or i <= latest]
+    old = history[:-keep]
     for iteration in old:
-        shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+        _remove(root, iteration)
     return old
 
 
@@ -102,7 +120,7 @@ def publish(root: str, iteration: int) -> str:
     """Rank 0, after every rank wrote: rename the staged folder into place, then replace the pointer."""
     final = iteration_dir(root, iteration)
     if os.path.exists(final):
-        shutil.rmtree(final)
+        _remove(root, iteration)
     os.replace(staging_dir(root, iteration), final)
     pointer_tmp = os.path.join(root, POINTER + ".tmp")
     with open(pointer_tmp, "w") as f:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moezero import checkpoint
+from moezero.checkpoint import layout
 from moezero.config import GPTConfig, MoEConfig
 from moezero.models import GPTModel, language_model_loss
 from moezero.zero import ZeroOptimizer
@@ -192,3 +193,37 @@ def test_every_reader_refuses_a_changed_file(tmp_path):
                  lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
         with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"{shard}: its contents differ")):
             read()
+
+
+def _fake_checkpoints(root, iterations, pointer):
+    for iteration in iterations:
+        os.makedirs(checkpoint.iteration_dir(str(root), iteration))
+    with open(os.path.join(str(root), checkpoint.POINTER), "w") as f:
+        f.write(str(pointer))
+
+
+def test_pruning_after_a_rollback_keeps_the_checkpoint_resumed_from(tmp_path):
+    # A run saved 10, 20, 30; the user resumed from 10 (--ckpt-step) and this run just published 15.
+    _fake_checkpoints(tmp_path, [10, 15, 20, 30], pointer=15)
+    assert layout.prune(str(tmp_path), 2) == []
+    assert checkpoint.saved_iterations(str(tmp_path)) == [10, 15, 20, 30]
+    assert layout.prune(str(tmp_path), 1) == [10]   # the abandoned run's 20 and 30 are not this run's history
+    assert checkpoint.saved_iterations(str(tmp_path)) == [15, 20, 30]
+
+
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    _fake_checkpoints(tmp_path, [1, 2, 3], pointer=3)
+    with open(os.path.join(checkpoint.iteration_dir(str(tmp_path), 1), "__0_0.distcp"), "wb") as f:
+        f.write(b"shard")
+    real_rmtree = layout.shutil.rmtree
+
+    def killed(path, ignore_errors=False):
+        if os.path.exists(path):
+            raise KeyboardInterrupt   # the signal lands inside the deletion
+    monkeypatch.setattr(layout.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        layout.prune(str(tmp_path), 2)
+    assert checkpoint.saved_iterations(str(tmp_path)) == [2, 3]   # 1 is gone from the checkpoints at once
+    monkeypatch.setattr(layout.shutil, "rmtree", real_rmtree)
+    layout.remove_stale(str(tmp_path))   # the next save clears what the kill left
+    assert sorted(os.listdir(str(tmp_path))) == ["iter_0000002", "iter_0000003", checkpoint.POINTER]
