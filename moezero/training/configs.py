@@ -24,7 +24,8 @@ class TrainConfig(Validated):
 
     section = "train"
     micro_batch_size: int = option(4, "samples per rank per micro-step", flag="--micro-batch-size")
-    global_batch_size: Optional[int] = option(None, "samples per optimizer step, over all ranks (default 16; with "
+    global_batch_size: Optional[int] = option(None, "samples per optimizer step, over all ranks (default "
+                                              "--micro-batch-size x the number of processes, as Megatron's; with "
                                               "--step-batch-size-schedule its last size)", flag="--global-batch-size")
     train_iters: Optional[int] = option(None, "optimizer steps (default 200, or --train-samples / "
                                         "--global-batch-size)", flag="--train-iters")
@@ -121,9 +122,10 @@ class TrainConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "global_batch_size", "log_interval",
-                     "tensorboard_log_interval"):
+        for name in ("micro_batch_size", "log_interval", "tensorboard_log_interval"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
+        self._require(self.global_batch_size is None or self.global_batch_size >= 1, "global_batch_size",
+                      "must be >= 1")
         self._require(self.train_iters is None or self.train_iters >= 1, "train_iters", "must be >= 1")
         self._require(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
         for name in ("lr_warmup_iters", "lr_warmup_samples", "eval_interval", "eval_iters", "exit_interval"):
@@ -146,12 +148,27 @@ class TrainConfig(Validated):
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
-        self._check_lr_schedule()
+        if self.global_batch_size is not None:   # else once the number of processes is known
+            self._check_batch_dependent()
         if self.wandb_project:
             self._require(self.wandb_exp_name != "", "wandb_exp_name", "give the W&B run a name (Megatron's rule)")
 
+    def resolve_global_batch_size(self, data_parallel_size: int) -> bool:
+        """Megatron's default when --global-batch-size is not given (nor a step schedule): --micro-batch-size x
+        the data-parallel size (the number of processes here); returns whether it was defaulted."""
+        if self.global_batch_size is not None:
+            return False
+        self.global_batch_size = self.micro_batch_size * data_parallel_size
+        self._check_batch_dependent()
+        return True
+
+    def _check_batch_dependent(self) -> None:
+        self._check_ramp_sizes()
+        self._check_sample_counts()
+        self._check_lr_schedule()
+
     def _check_batch_ramps(self) -> None:
-        """Resolves --global-batch-size: given, a step schedule's last size, or 16."""
+        """--global-batch-size: given, or a step schedule's last size (else resolve_global_batch_size)."""
         self._require(not (self.rampup_batch_size and self.step_batch_size_schedule), "rampup_batch_size",
                       "give --rampup-batch-size or --step-batch-size-schedule, not both")
         if self.step_batch_size_schedule:
@@ -162,8 +179,8 @@ class TrainConfig(Validated):
             self._require(self.global_batch_size in (None, final), "global_batch_size",
                           f"the --step-batch-size-schedule ends at {final}: give that, or leave it out")
             self.global_batch_size = final
-        if self.global_batch_size is None:
-            self.global_batch_size = 16
+
+    def _check_ramp_sizes(self) -> None:
         if self.rampup_batch_size:
             start, increment, samples = self.rampup_batch_size
             self._require(1 <= start <= self.global_batch_size and increment >= 1 and samples >= 0,
@@ -192,6 +209,14 @@ class TrainConfig(Validated):
                 self._require(not getattr(self, name), name, "needs --train-samples (or use the *-iters flag)")
             self.train_iters = 200 if self.train_iters is None else self.train_iters
             return
+        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
+            self._require(not getattr(self, name), name, "counts iterations; with --train-samples use the "
+                          "*-samples flag or --lr-warmup-fraction")
+
+    def _check_sample_counts(self) -> None:
+        """A --train-samples run: its --train-iters (without a ramp) from the global batch."""
+        if self.train_samples is None:
+            return
         self._require(self.train_samples >= self.global_batch_size, "train_samples",
                       f"must be >= --global-batch-size ({self.global_batch_size})")
         self._require(self.train_iters is None or not self.ramps_batch_size and
@@ -199,9 +224,6 @@ class TrainConfig(Validated):
                       "give --train-iters or --train-samples")
         if not self.ramps_batch_size:   # with a ramp, validate() counts the steps the samples take
             self.train_iters = self.train_samples // self.global_batch_size
-        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
-            self._require(not getattr(self, name), name, "counts iterations; with --train-samples use the "
-                          "*-samples flag or --lr-warmup-fraction")
 
     def _check_lr_schedule(self) -> None:
         """What Megatron's OptimizerParamScheduler asserts, as one line naming the flag."""
@@ -340,6 +362,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags.
 
     A --train-samples run gets its --train-iters here: the steps from where it starts to the samples."""
+    cfg.train.resolve_global_batch_size(world_size)
     ep = cfg.parallel.expert_parallel_size
     try:
         rank_layout(world_size, ep)

@@ -74,6 +74,9 @@ class Pretraining:
             checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
         progress = start_progress(point, cfg.checkpoint.finetune)
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
+        if cfg.train.global_batch_size is None:   # Megatron's default, said as Megatron says it
+            notices.append(f" setting global batch size to {cfg.train.micro_batch_size * self.world} "
+                           "(--micro-batch-size x the number of processes; no --global-batch-size given)")
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
         self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)

@@ -83,3 +83,23 @@ def test_the_lr_schedule_follows_consumed_samples():
     assert lr(96) == pytest.approx(1 - (96 - 32) / 128)
     iters = TrainConfig(global_batch_size=16, train_iters=10, lr=1.0, min_lr=0.0, lr_decay_style="linear")
     assert LearningRateSchedule.from_config(iters).lr(40) == pytest.approx(1 - 40 / 160)   # iteration 2.5 of 10
+
+
+def _without_global_batch(argv):
+    at = argv.index("--global-batch-size")
+    return argv[:at] + argv[at + 2:]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_without_global_batch_size_it_is_the_micro_batch_times_the_processes(world_size):
+    """Megatron's validate_args: global_batch_size = micro_batch_size x data_parallel_size when not given
+    (megatron/training/arguments.py), also for a --train-samples run's step count."""
+    cfg = configs(_without_global_batch(TINY))
+    assert cfg.train.global_batch_size is None
+    assert validate(cfg, world_size=world_size) == 1 and cfg.train.global_batch_size == 2 * world_size
+    samples = configs(_without_global_batch(TINY_SAMPLES) + ["--train-samples", "64"])
+    validate(samples, world_size=world_size)
+    assert samples.train.train_iters == 64 // (2 * world_size)
+    assert LearningRateSchedule.from_config(samples.train).decay == 64
+    with pytest.raises(ConfigError, match="--train-samples=2: must be >= --global-batch-size \\(4\\)"):
+        validate(configs(_without_global_batch(TINY_SAMPLES) + ["--train-samples", "2"]), world_size=2)

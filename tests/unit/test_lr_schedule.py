@@ -72,7 +72,7 @@ def test_sample_based_lengths_are_megatrons():
 ])
 def test_what_megatrons_scheduler_asserts_is_one_line(kwargs, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        TrainConfig(**kwargs)
+        TrainConfig(global_batch_size=16, **kwargs)
 
 
 def _resume(saved_config, new_config, **flags):
@@ -109,9 +109,9 @@ def test_a_changed_schedule_on_resume_is_decided_as_megatron_does(change, flags)
 
 
 def test_a_refusal_names_every_difference():
-    saved = LearningRateSchedule.from_config(TrainConfig(lr=3e-3, train_iters=30))
+    saved = LearningRateSchedule.from_config(TrainConfig(lr=3e-3, train_iters=30, global_batch_size=16))
     with pytest.raises(ConfigError) as exc:
-        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(lr=1e-3, train_iters=40)), saved.state(80),
+        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(lr=1e-3, train_iters=40, global_batch_size=16)), saved.state(80),
                          False, False)
     assert "--lr: 0.003 in the checkpoint, 0.001 now" in str(exc.value)
     assert "the decay length (--lr-decay-*, --train-iters / --train-samples): 480 in the checkpoint, 640 now" \

@@ -117,7 +117,7 @@ def test_sample_based_schedule_is_megatrons():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(train_samples=64, train_iters=3), "--train-iters=3: give --train-iters or --train-samples"),
+    (dict(train_samples=64, train_iters=3, global_batch_size=16), "--train-iters=3: give --train-iters or --train-samples"),
     (dict(train_samples=64, lr_warmup_iters=5), "--lr-warmup-iters=5: counts iterations"),
     (dict(lr_warmup_samples=8), "--lr-warmup-samples=8: needs --train-samples"),
     (dict(lr_warmup_iters=5, lr_warmup_fraction=0.1), "give one of --lr-warmup-iters"),
