@@ -36,10 +36,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("h_M2F"), py::arg("alpha"), py::arg("offset"), py::arg("clamp"));
   m.def("quick_geglu_backward", &moezero::quick_geglu_backward, "the gradient of rows [gate | up]",
         py::arg("grad_MF"), py::arg("h_M2F"), py::arg("alpha"), py::arg("offset"), py::arg("clamp"));
-  m.def("cross_entropy", &moezero::cross_entropy, "(losses_N, lse_N) in fp32", py::arg("logits_NV"),
+  m.def("cross_entropy", &moezero::cross_entropy, "(losses_N, stats_N2: each row's max and log-sum-exp past it) in fp32", py::arg("logits_NV"),
         py::arg("labels_N"), py::arg("ignore_index"));
   m.def("cross_entropy_backward", &moezero::cross_entropy_backward, "grad_N * (softmax - one_hot)",
-        py::arg("grad_N"), py::arg("logits_NV"), py::arg("labels_N"), py::arg("lse_N"), py::arg("ignore_index"));
+        py::arg("grad_N"), py::arg("logits_NV"), py::arg("labels_N"), py::arg("stats_N2"),
+        py::arg("ignore_index"));
   m.def("sum_of_squares", &moezero::sum_of_squares, "sum_i ||t_i||^2 in fp32 (fp64)", py::arg("tensors"));
 #ifdef _OPENMP
   m.attr("openmp") = true;

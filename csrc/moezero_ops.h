@@ -75,14 +75,14 @@ at::Tensor quick_geglu(const at::Tensor& h_M2F, double alpha, double offset, std
 at::Tensor quick_geglu_backward(const at::Tensor& grad_MF, const at::Tensor& h_M2F, double alpha, double offset,
                                 std::optional<double> clamp);
 
-// cross_entropy.cpp: (losses_N, lse_N), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N; a row
-// labelled ignore_index has loss 0.
+// cross_entropy.cpp: (losses_N, stats_N2), both fp32, of float32 / bfloat16 logits_NV and int64 labels_N: each
+// row's loss (0 on a row labelled ignore_index) and its stats (max m, log sum_j exp(x_j - m)).
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits_NV, const at::Tensor& labels_N,
                                                  int64_t ignore_index);
 
 // cross_entropy.cpp: grad_NV = grad_N * (softmax(logits) - one_hot(labels)) in logits_NV's dtype (0 on an ignored
-// row), from the forward's lse_N.
+// row), from the forward's stats_N2.
 at::Tensor cross_entropy_backward(const at::Tensor& grad_N, const at::Tensor& logits_NV, const at::Tensor& labels_N,
-                                  const at::Tensor& lse_N, int64_t ignore_index);
+                                  const at::Tensor& stats_N2, int64_t ignore_index);
 
 }  // namespace moezero

@@ -25,16 +25,16 @@ def fused_cross_entropy_applies(logits: Tensor) -> bool:
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV: Tensor, labels_N: Tensor) -> Tensor:
-        losses, lse = _library.kernel("cross_entropy", logits_NV.device)(logits_NV, labels_N, IGNORE_INDEX)
-        ctx.save_for_backward(logits_NV, labels_N, lse)
+        losses, stats = _library.kernel("cross_entropy", logits_NV.device)(logits_NV, labels_N, IGNORE_INDEX)
+        ctx.save_for_backward(logits_NV, labels_N, stats)
         return losses
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_N: Tensor):
-        logits_NV, labels_N, lse = ctx.saved_tensors
+        logits_NV, labels_N, stats = ctx.saved_tensors
         grad = _library.kernel("cross_entropy_backward", logits_NV.device)(
-            grad_N.float().contiguous(), logits_NV, labels_N, lse, IGNORE_INDEX)
+            grad_N.float().contiguous(), logits_NV, labels_N, stats, IGNORE_INDEX)
         return grad, None
 
 

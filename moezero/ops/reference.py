@@ -234,20 +234,22 @@ def quick_geglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor, alpha: floa
 
 def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(losses_N, lse_N), fp32: lse_i = log sum_j exp(x_ij), loss_i = lse_i - x_i,label_i (0 where the label is
-    ignore_index), from the logits widened to fp32."""
+    """(losses_N, stats_N2), fp32, from the logits widened to fp32: each row's stats are its max m and
+    l = log sum_j exp(x_j - m), kept apart (their fp32 sum would lose digits at large logits); the loss is
+    (m - x_label) + l, 0 where the label is ignore_index."""
     wide = logits_NV.float()
-    lse = torch.logsumexp(wide, dim=-1)
+    m = wide.amax(dim=-1) if wide.shape[-1] else wide.new_full(wide.shape[:-1], float("-inf"))
+    log_sum = torch.exp(wide - m[:, None]).sum(dim=-1).log()
     kept = labels_N != ignore_index
     picked = wide.gather(1, torch.where(kept, labels_N, 0)[:, None])[:, 0]
-    return torch.where(kept, lse - picked, 0.0), lse
+    return torch.where(kept, (m - picked) + log_sum, 0.0), torch.stack([m, log_sum], dim=1)
 
 
 def cross_entropy_backward(grad_N: torch.Tensor, logits_NV: torch.Tensor, labels_N: torch.Tensor,
-                           lse_N: torch.Tensor, ignore_index: int) -> torch.Tensor:
+                           stats_N2: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """grad_N * (softmax - one_hot(labels)) in fp32, rounded to the logits' dtype (0 on an ignored row)."""
     kept = labels_N != ignore_index
     grad = torch.where(kept, grad_N, 0.0)[:, None]
-    out = torch.exp(logits_NV.float() - lse_N[:, None]) * grad
+    out = torch.exp((logits_NV.float() - stats_N2[:, :1]) - stats_N2[:, 1:]) * grad
     out[kept, labels_N[kept]] -= grad[kept, 0]
     return out.to(logits_NV.dtype)

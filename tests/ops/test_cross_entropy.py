@@ -73,7 +73,7 @@ def test_fused_cross_entropy_names_a_label_outside_the_vocabulary():
         token_cross_entropy(logits, labels, fused=True)
     from moezero.ops import _library   # the backward kernel checks too: it would write outside the gradient
     with pytest.raises(RuntimeError, match="label 10 of row 2 is outside the vocabulary"):
-        _library.kernel("cross_entropy_backward", logits.device)(torch.ones(4), logits, labels, torch.zeros(4),
+        _library.kernel("cross_entropy_backward", logits.device)(torch.ones(4), logits, labels, torch.zeros(4, 2),
                                                                    IGNORE_INDEX)
 
 
@@ -119,3 +119,24 @@ def test_the_flag_fuses_the_training_loss(monkeypatch):
     assert not calls
     fused = _train_losses(["--cross-entropy-loss-fusion"])
     assert len(calls) == 3 and fused == pytest.approx(plain, rel=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1e2, 1e4, 3e38])
+def test_fused_cross_entropy_stays_accurate_at_large_logits(dtype, offset):
+    """The error is the fp32 one at any logit size (torch's is): a row's max and log-sum-exp are kept apart, so
+    no fp32 lse of the logits' size cancels against the label's logit (5e-4 off at 1e4, a 0 loss at 3e38)."""
+    g = torch.Generator().manual_seed(3)
+    logits = ((torch.randn(16, 300, generator=g) * 2).double() + offset).to(dtype)
+    if offset == 3e38:
+        logits = torch.full((16, 300), 3e38).to(dtype)
+    labels = torch.randint(0, 300, (16,), generator=g)
+    weights = torch.rand(16, generator=g)
+    losses, grad = _loss_and_grad(logits, labels, weights, fused=True)
+    exact, exact_grad = _loss_and_grad(logits.double(), labels, weights.double(), fused=False)
+    torch.testing.assert_close(losses.double(), exact, rtol=2e-6, atol=2e-6)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 4e-6
+    torch.testing.assert_close(grad.double(), exact_grad, rtol=ulp, atol=ulp * exact_grad.abs().max().item())
+    ref_losses, stats = reference.cross_entropy(logits, labels, IGNORE_INDEX)
+    torch.testing.assert_close(ref_losses.double(), exact, rtol=2e-6, atol=2e-6)
