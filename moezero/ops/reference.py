@@ -47,6 +47,8 @@ def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: 
     # no rows at all (T = 0, or every assignment dropped): index_select cannot address y
     gathered = y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1) if T * K and y_ND.shape[0] else \
         y_ND.new_zeros(T, K, y_ND.shape[1], dtype=acc_dtype)
+    # a dropped slot reads row 0: zero the row itself (0 * an inf or NaN row 0 would be NaN), as the kernel skips it
+    gathered = torch.where(kept[:, :, None], gathered, 0.0)
     return torch.einsum("tkd,tk->td", gathered, w).to(y_ND.dtype)
 
 

@@ -204,3 +204,15 @@ def test_the_direct_kernels_step_aside_under_torch_func(cpu_ext):
     x_ = x.clone().requires_grad_(True)
     F.rms_norm(x_, [16], w, 1e-5).square().sum().backward()
     torch.testing.assert_close(grad, x_.grad)
+
+
+def test_a_dropped_slot_takes_nothing_from_a_non_finite_row(backend):
+    """Token 1's second assignment was dropped (capacity): an inf in token 0's row must not reach it (the
+    reference once read row 0 for the dropped slot and multiplied by 0: NaN)."""
+    ids = torch.tensor([[0, 1], [2, -1], [1, 0]])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    x[0] = float("inf")
+    w = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.5, 0.5]])
+    x_ND, _, row_map = ops.permute_tokens(x, ids, 3)
+    out = ops.unpermute_combine(x_ND, row_map, w)
+    torch.testing.assert_close(out[1], 0.7 * x[1])
