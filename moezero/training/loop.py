@@ -84,16 +84,19 @@ def _mtp_term(model, depth_losses: List[torch.Tensor], batch, token_share: Optio
     return scale * token_share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
 
 
-def _named_metrics(lm: torch.Tensor, router: Dict[str, torch.Tensor], stats, depths: List[torch.Tensor]
-                   ) -> Dict[str, torch.Tensor]:
-    """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next)."""
+def _named_metrics(lm: torch.Tensor, loss_mask: torch.Tensor, router: Dict[str, torch.Tensor], stats,
+                   depths: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next); the lm loss as its
+    token sum and count, so that the step's is the global batch's token mean (Megatron's 'lm loss')."""
     layers = {f"tracked_{name}": torch.stack([s.tracked[name] for s in stats])
               for name in (stats[0].tracked if stats else {})}
     per_layer = {"dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
                  "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats
                  else lm.new_zeros(0, 0)}
     per_layer["mtp_losses"] = torch.stack(depths) if depths else lm.new_zeros(0)
-    return {name: t.detach().double() for name, t in dict(lm_loss=lm, **router, **layers, **per_layer).items()}
+    tokens = loss_mask.sum().to(lm.device, torch.float64)
+    lm_sums = {"lm_loss": lm.detach().double() * tokens, "lm_tokens": tokens}
+    return {name: t.detach().double() for name, t in dict(**lm_sums, **router, **layers, **per_layer).items()}
 
 
 class _Packed:
@@ -132,10 +135,9 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
             results = phases.run_interleaved(forwards)
             losses = []
             for j, (lm, router, stats, depths) in zip(js, results):
-                loss, lm = _micro_batch_loss(model, micro_batches[j], lm, router, depths, n,
-                                             None if shares is None else shares[j])
-                losses.append(loss)
-                named = _named_metrics(lm, router, stats, depths)
+                losses.append(_micro_batch_loss(model, micro_batches[j], lm, router, depths, n,
+                                                None if shares is None else shares[j]))
+                named = _named_metrics(lm, micro_batches[j]["loss_mask"], router, stats, depths)
                 packed = packed or _Packed(named)
                 per_micro.append(packed.pack(named))
             opt.backward(sum(losses[1:], losses[0]))
@@ -151,13 +153,13 @@ def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKe
     return SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
 
 
-def _micro_batch_loss(model, batch, lm, router, depths, n: int, share: Optional[float]):
-    """(what one of n micro-batches adds to the loss that is backpropagated, its lm loss as logged)."""
+def _micro_batch_loss(model, batch, lm, router, depths, n: int, share: Optional[float]) -> torch.Tensor:
+    """What one of n micro-batches adds to the loss that is backpropagated."""
     mtp = _mtp_term(model, depths, batch, share)
     if share is None:
-        return (lm + sum(router.values()) + mtp) / n, lm
+        return (lm + sum(router.values()) + mtp) / n
     lm = lm * (share * n)   # whose mean over the micro-batches of every rank is the token mean
-    return lm / n + sum(router.values()) / n + mtp, lm   # the router losses stay per micro-batch (Megatron's)
+    return lm / n + sum(router.values()) / n + mtp   # the router losses stay per micro-batch (Megatron's)
 
 
 def _token_shares(micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> List[float]:
@@ -171,9 +173,10 @@ def _token_shares(micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> Li
 
 
 def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:
-    """From sums over every micro-batch of every rank: losses and drop fractions averaged, counts summed."""
+    """From sums over every micro-batch of every rank: the lm loss the token mean, the other losses and drop
+    fractions averaged over micro-batches, counts summed."""
     mean = {name: t / micro_batches for name, t in totals.items() if name != "tokens_per_expert"}
-    return StepMetrics(mean["lm_loss"].item(), {name: mean[name].item() for name in MoEStats.LOSSES},
+    return StepMetrics(_token_mean(totals["lm_loss"], totals["lm_tokens"]), {name: mean[name].item() for name in MoEStats.LOSSES},
                        grad_norm if grad_norm is not None else float("nan"), stepped,
                        tokens_per_expert=totals["tokens_per_expert"], dropped_fraction=mean["dropped_fraction"],
                        layer_tracked_losses={name[len("tracked_"):]: t for name, t in mean.items()
@@ -181,18 +184,22 @@ def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm
                        mtp_losses=tuple(mean["mtp_losses"].tolist()))
 
 
+def _token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
+    return float(loss_sum) / float(tokens) if float(tokens) else 0.0
+
+
 @torch.no_grad()
 def evaluate(model, micro_batches: Iterable[Dict[str, torch.Tensor]], group) -> float:
-    """Mean lm loss over the given (loaded) micro-batches of every rank (a collective: all ranks call it)."""
+    """The lm loss of the given (loaded) micro-batches of every rank as their token mean, Megatron's (a collective:
+    all ranks call it)."""
     model.eval()
-    total = torch.zeros(1, dtype=torch.float64)
-    losses = [_micro_batch_losses(model, batch, None)[0].double() for batch in micro_batches]
-    if losses:
-        total += torch.stack(losses).sum().cpu()
-    total /= max(len(losses), 1)
-    comm.all_reduce(total, group)
+    totals = torch.zeros(2, dtype=torch.float64)   # (token sum of the loss, tokens)
+    for batch in micro_batches:
+        tokens = batch["loss_mask"].sum().double()
+        totals += torch.stack([_micro_batch_losses(model, batch, None)[0].double().cpu() * tokens, tokens])
+    comm.all_reduce(totals, group)
     model.train()
-    return float(total.item()) / comm.group_size(group)
+    return _token_mean(totals[0], totals[1])
 
 
 def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.Tensor, dropped: torch.Tensor

@@ -11,7 +11,7 @@ from moezero.data import load_micro_batch
 from moezero.hf.families import family_for
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
-from moezero.training.loop import _micro_batch_losses, train_step
+from moezero.training.loop import _micro_batch_losses, evaluate, train_step
 from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import TINY, configs
 
@@ -45,6 +45,40 @@ def test_eod_mask_loss_masks_the_end_of_document_tokens(tmp_path):
     assert torch.equal(batch["loss_mask"], (batch["tokens"] != eod).float()) and bool(same["loss_mask"].all())
 
 
+def _uneven_batches():
+    """Two micro-batches whose loss masks keep 10 and 64 tokens."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for kept, first in ((10, 0), (64, 2)):
+        mask = torch.zeros(2, 32)
+        mask.view(-1)[:kept] = 1.0
+        batches.append({"tokens": torch.randint(0, 256, (2, 32), generator=g),
+                        "labels": torch.randint(0, 256, (2, 32), generator=g), "loss_mask": mask,
+                        "sample_index": torch.tensor([first, first + 1])})
+    return batches
+
+
+def test_the_logged_and_validation_lm_loss_is_the_token_mean(tmp_path):
+    """Megatron reports the global batch's token mean (pretrain_gpt's loss_func hands (sum, tokens); training.py
+    sums both over micro-batches and ranks) with or without --calculate-per-token-loss, in training and in
+    validation: with 10 and 64 kept tokens that is not the mean of the two micro-batch means."""
+    run = pretraining(configs(TINY + ["--data-cache-path", str(tmp_path)]))
+    batches = _uneven_batches()
+
+    def token_mean(training: bool) -> float:
+        run.model.train(training)
+        with torch.no_grad():
+            means = [float(_micro_batch_losses(run.model, b, SampleKeys(7, 0, tuple(b["sample_index"].tolist())))[0])
+                     for b in batches]
+        assert abs((means[0] * 10 + means[1] * 64) / 74 - sum(means) / 2) > 1e-3   # the two rules differ here
+        return (means[0] * 10 + means[1] * 64) / 74
+    validation = token_mean(training=False)
+    assert evaluate(run.model, batches, None) == pytest.approx(validation, rel=1e-9)
+    training = token_mean(training=True)   # dropout and jitter keyed by the samples: train_step's own draws
+    assert train_step(run.model, run.opt, batches, 0, 7, None).lm_loss == pytest.approx(training, rel=1e-6)
+    run.groups.destroy()
+
+
 def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
     """Two micro-batches with 10 and 64 kept tokens: the gradient (an SGD step of lr 0.5 shows it) is that of
     sum of token losses / 74, not of the mean of the two micro-batch means; the logged loss is that mean."""
@@ -54,14 +88,7 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
         group["lr"] = 0.5
     run.model.train()
     reference = copy.deepcopy(run.model)
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for kept, first in ((10, 0), (64, 2)):
-        mask = torch.zeros(2, 32)
-        mask.view(-1)[:kept] = 1.0
-        batches.append({"tokens": torch.randint(0, 256, (2, 32), generator=g),
-                        "labels": torch.randint(0, 256, (2, 32), generator=g), "loss_mask": mask,
-                        "sample_index": torch.tensor([first, first + 1])})
+    batches = _uneven_batches()
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     metrics = train_step(run.model, run.opt, batches, 0, 7, None, per_token_loss=True)
     loss, token_sum = 0.0, 0.0
