@@ -42,13 +42,16 @@ class LearningRateSchedule:
     wsd_decay: Optional[float] = None   # WSD: the samples of the final anneal
     wsd_style: str = "exponential"
     weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms)
+    decoupled_max_lr: Optional[float] = None   # --decoupled-lr: the embedding and output layer's groups' peak
+    decoupled_min_lr: Optional[float] = None   # --decoupled-min-lr: their final lr (None: min_lr)
 
     # what a resume compares (Megatron's scheduler state, its start/end weight decay too), with the flags each
     # comes from. The WSD anneal is not in it: as in Megatron, a resume may choose it anew (deciding the anneal
     # late is what WSD is for)
     COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
                 "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
-                "style": "--lr-decay-style", "weight_decay": "--weight-decay"}
+                "style": "--lr-decay-style", "weight_decay": "--weight-decay", "decoupled_max_lr": "--decoupled-lr",
+                "decoupled_min_lr": "--decoupled-min-lr"}
 
     @classmethod
     def from_config(cls, config) -> "LearningRateSchedule":
@@ -65,7 +68,7 @@ class LearningRateSchedule:
         if config.lr_warmup_fraction is not None:
             warmup = config.lr_warmup_fraction * decay
         return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
-                   wsd, config.lr_wsd_decay_style, config.weight_decay)
+                   wsd, config.lr_wsd_decay_style, config.weight_decay, config.decoupled_lr, config.decoupled_min_lr)
 
     def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
@@ -90,6 +93,14 @@ class LearningRateSchedule:
             coefficient = 1.0 if num_steps <= anneal_start else \
                 _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
         return min_lr + coefficient * (max_lr - min_lr)
+
+    def group_lr(self, num_steps: float, group: Dict[str, Any]) -> float:
+        """A param group's learning rate: the groups --decoupled-lr made (they carry "max_lr") on this schedule's
+        decoupled peak and final lr, not on the values a checkpoint's groups brought back."""
+        if "max_lr" not in group or self.decoupled_max_lr is None:
+            return self.lr(num_steps)
+        group["max_lr"], group["min_lr"] = self.decoupled_max_lr, self.decoupled_min_lr
+        return self.lr(num_steps, self.decoupled_max_lr, self.decoupled_min_lr)
 
     def state(self, num_steps: float) -> Dict[str, Any]:
         """What a checkpoint records: the schedule and where it stands."""

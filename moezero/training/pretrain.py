@@ -191,7 +191,7 @@ class Pretraining:
             consumed = self.progress.consumed_train_samples
             batch_size = self.batch_schedule.batch_size(consumed)
             for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
-                group["lr"] = self.lr_schedule.lr(self.lr_schedule_steps, group.get("max_lr"), group.get("min_lr"))
+                group["lr"] = self.lr_schedule.group_lr(self.lr_schedule_steps, group)
                 group["weight_decay"] = self.lr_schedule.weight_decay * group["wd_mult"]   # over a checkpoint's
             profiler.before_iteration(self.iteration)
             timer = Timer()

@@ -153,3 +153,23 @@ def test_param_groups_are_megatrons_weight_decay_and_decoupled_lr(tmp_path):
         assert ours.lr(8 * step) == optimizer.param_groups[1]["lr"], step
         theirs.step(increment=8)
     run.groups.destroy()
+
+
+def test_a_changed_decoupled_lr_on_resume_is_compared_like_lr():
+    """The checkpoint's groups bring back their max_lr / min_lr (Megatron's too); the schedule decides them: a
+    changed --decoupled-lr / --decoupled-min-lr is refused in one line, taken with --override-opt_param-scheduler
+    and left with --use-checkpoint-opt_param-scheduler, as --lr is."""
+    base = dict(lr=3e-3, min_lr=1e-4, train_iters=30, global_batch_size=8, lr_warmup_iters=4)
+    saved = LearningRateSchedule.from_config(TrainConfig(**base, decoupled_lr=1e-3))
+    new = LearningRateSchedule.from_config(TrainConfig(**base, decoupled_lr=5e-3, decoupled_min_lr=2e-4))
+    with pytest.raises(ConfigError) as exc:
+        resumed_schedule(new, saved.state(80), False, False)
+    assert "--decoupled-lr: 0.001 in the checkpoint, 0.005 now" in str(exc.value)
+    assert "--decoupled-min-lr: None in the checkpoint, 0.0002 now" in str(exc.value)
+    loaded = {"max_lr": 1e-3, "min_lr": None, "wd_mult": 1.0}   # a decoupled group as the checkpoint restored it
+    for flags, (peak, final) in (((True, False), (5e-3, 2e-4)), ((False, True), (1e-3, 1e-4))):
+        schedule, group = resumed_schedule(new, saved.state(80), *flags), dict(loaded)
+        assert schedule.group_lr(8 * 4, group) == pytest.approx(peak)        # the warmup's end: the peak
+        assert schedule.group_lr(8 * 30, group) == pytest.approx(final)      # past the decay: the final lr
+        assert group["max_lr"] == peak
+        assert schedule.group_lr(8 * 4, {"wd_mult": 1.0}) == pytest.approx(3e-3)   # the other groups: --lr
