@@ -15,7 +15,8 @@ import torch
 from moezero.config import ConfigError, GPTConfig, MoEConfig
 from moezero.models.gpt import GPTModel
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(w1|w2|b1|b2)$")
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(w1|w2|b1|b2)$")   # the layers' and the MTP depths' (Megatron matches
+                                                                  # by suffix)
 _DENSE = {"w1": ("fc1.weight", True), "w2": ("fc2.weight", True), "b1": ("fc1.bias", False), "b2": ("fc2.bias", False)}
 
 
@@ -31,6 +32,8 @@ def check_upcyclable(model: GPTConfig, moe: MoEConfig) -> None:
         (moe.score_function == "softmax" and moe.pre_softmax, "top-k weights that sum to 1: not "
                                                               "--moe-router-pre-softmax"),
         (moe.score_function == "sigmoid" and moe.top_k == 1, "top-k weights that sum to 1: sigmoid needs top-k > 1"),
+        (moe.load_balancing_type == "sinkhorn", "top-k weights that sum to 1: not --moe-router-load-balancing-type "
+                                                "sinkhorn (its weights are not renormalised)"),
     ]
     for failed, what in problems:
         if failed:

@@ -4,9 +4,11 @@ model a Hub folder (--load-hf) or the checkpoint (--use-checkpoint-args) defines
 so a launch line shown in the docs is resolved exactly as the script resolves it."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from moezero.checkpoint import latest_iteration
 from moezero.hf import run_configs
 from moezero.models.upcycling import check_upcyclable
 from moezero.training.configs import Configs, moe_comm_overlap_notices
@@ -25,7 +27,12 @@ class RunStart:
 
 def resolve_start(cfg: Configs) -> RunStart:
     notices: List[str] = []
-    point = find_resume_point(cfg.checkpoint)
+    own = _upcycled_runs_own_checkpoint(cfg)
+    upcycling = cfg.moe.use_upcycling and own is None
+    point = own or find_resume_point(cfg.checkpoint)
+    if own is not None:
+        notices.append(f" --moe-use-upcycling: resuming from the run's own checkpoint {own.path}, not upcycling "
+                       f"{cfg.checkpoint.load} again")
     hub = cfg.checkpoint.load_hf
     hub_config = point.configs.get("hf") if point is not None else None
     if hub is not None:   # the Hub folder says what the model is, resumed or not
@@ -34,7 +41,7 @@ def resolve_start(cfg: Configs) -> RunStart:
         hub_config = hub_configs["hf"]
         if point is not None:
             notices.append(f" --load-hf: resuming from the run's own checkpoint {point.path}, not {hub}")
-    if point is not None and cfg.moe.use_upcycling:
+    if point is not None and upcycling:
         point = upcycling_point(point, cfg.model, cfg.moe, notices.append)
     if point is not None and cfg.checkpoint.use_checkpoint_args:
         cfg = apply_checkpoint_args(cfg, point, notices.append)
@@ -45,7 +52,16 @@ def resolve_start(cfg: Configs) -> RunStart:
                        "from scratch")
     notices += moe_comm_overlap_notices(cfg)
     dense_source = None
-    if point is not None and cfg.moe.use_upcycling:
+    if point is not None and upcycling:
         check_upcyclable(cfg.model, cfg.moe)
         dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
     return RunStart(cfg, point, hub_config, dense_source, notices)
+
+
+def _upcycled_runs_own_checkpoint(cfg: Configs) -> Optional[ResumePoint]:
+    """--moe-use-upcycling run again (a requeued job) once it has saved: the latest checkpoint in --save, which the
+    run resumes (upcycling the dense --load again would start over at 0 and overwrite its saves)."""
+    ckpt = cfg.checkpoint
+    if not cfg.moe.use_upcycling or ckpt.save is None or latest_iteration(ckpt.save) is None:
+        return None
+    return find_resume_point(dataclasses.replace(ckpt, load=ckpt.save, ckpt_step=None))

@@ -56,8 +56,24 @@ def test_upcycled_logits_are_the_dense_models():
     (dict(top_k=2, shared_expert_intermediate_size=16), "no shared expert"),
     (dict(top_k=2, ffn_hidden_size=16), "--moe-ffn-hidden-size must be the dense width"),
     (dict(top_k=1, score_function="sigmoid"), "sigmoid needs top-k > 1"),
+    (dict(top_k=2, load_balancing_type="sinkhorn", aux_loss_coeff=0.0), "not --moe-router-load-balancing-type sinkhorn"),
 ])
 def test_what_would_change_the_logits_is_refused(moe, message):
     gpt = GPTConfig(hidden_size=32, num_attention_heads=4, vocab_size=61)
     with pytest.raises(ConfigError, match=f"--moe-use-upcycling: .*{message}"):
         check_upcyclable(gpt, MoEConfig(num_experts=4, **moe))
+
+
+def test_the_mtp_depths_mlps_are_upcycled_too():
+    """An MTP depth's MoE layer takes the dense depth's MLP (Megatron matches experts by suffix): the main and
+    the depth's logits are the dense model's (one process, float64)."""
+    gpt = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=61,
+                    hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope", mtp_num_layers=1)
+    dense = GPTModel(gpt, seed=1).double()
+    model = GPTModel(gpt, MoEConfig(num_experts=4, top_k=2), seed=2).double()
+    upcycle(model, dense.state_dict())
+    tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (logits, _, depths), (dense_logits, _, dense_depths) = model(tokens, mtp=True), dense(tokens, mtp=True)
+    torch.testing.assert_close(logits, dense_logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(depths[0], dense_depths[0], rtol=0, atol=1e-12)

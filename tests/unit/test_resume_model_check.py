@@ -57,3 +57,25 @@ def test_weights_the_checkpoint_has_and_the_model_lacks_are_refused():
     extra = dict(shapes, **{"layers.0.mlp.shared_expert.fc1.weight": (64, 32)})
     with pytest.raises(CheckpointError, match="layers.0.mlp.shared_expert.fc1.weight is in it, not in this model"):
         check_shapes(model, ResumePoint("ckpt", 3, {}, extra))
+
+
+def test_a_requeued_upcycling_run_resumes_its_own_checkpoint(tmp_path):
+    """The same --moe-use-upcycling command run again once the MoE run saved (a requeued job) resumes the run's
+    own checkpoint in --save; upcycling the dense --load again would start at 0 and overwrite its saves."""
+    from moezero.recipe import pretraining
+    from moezero.training.run_start import resolve_start
+    from tests.integration.pretrain_utils import CORPUS
+
+    dense, moe, cache = str(tmp_path / "dense"), str(tmp_path / "moe"), str(tmp_path / "cache")
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--data-path", CORPUS,
+            "--split", "98,2,0", "--num-workers", "0", "--eval-interval", "0", "--data-cache-path", cache]
+    for argv in (base + ["--save", dense], base + ["--load", dense, "--save", moe, "--moe-use-upcycling",
+                                                    "--num-experts", "4", "--moe-router-topk", "2"]):
+        run = pretraining(configs(argv))
+        run.train()
+        run.groups.destroy()
+    start = resolve_start(configs(argv))
+    assert start.point is not None and start.point.path.startswith(moe) and start.point.iteration == 2
+    assert start.dense_source is None
+    assert any("resuming from the run's own checkpoint" in line for line in start.notices)
