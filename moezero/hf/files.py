@@ -18,8 +18,11 @@ from safetensors import safe_open
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# the files transformers (or another library) may take a model's weights from
-_WEIGHTS = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|\.index\.json$")
+# the files transformers' from_pretrained takes a model's weights from (PEFT's adapter too): model.safetensors,
+# pytorch_model-00001-of-00002.bin, their .index.json, tf_model.h5, flax_model.msgpack; not the other files a
+# folder may hold (a model.pt being exported, optimizer.pt, training_args.bin, rng_state.pth)
+_WEIGHTS = re.compile(r"^((model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)|tf_model\.h5|"
+                      r"flax_model(-\d+-of-\d+)?\.msgpack)(\.index\.json)?$")
 
 
 class CheckpointMismatch(ValueError):

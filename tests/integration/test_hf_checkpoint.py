@@ -148,7 +148,8 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
 
 def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_path):
     """An export into a folder holding other weights (an old single-file model, a surplus shard) is refused in one
-    line and changes nothing; with --overwrite the folder holds exactly the export's weights (its tokenizer stays)
+    line and changes nothing; with --overwrite the folder holds exactly the export's weights (its tokenizer and the
+    files transformers never loads weights from, such as a model.pt being exported, stay)
     and transformers loads the exported model. An import into a folder holding a run's checkpoints is refused and
     `latest` stays."""
     import os
@@ -161,16 +162,17 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     _tool("import", hub, ckpt)
     tiny_model("qwen3_moe", seed=8).float().save_pretrained(used, max_shard_size="1GB")   # model.safetensors
     shutil.copyfile(os.path.join(used, "model.safetensors"), os.path.join(used, "model-00009-of-00009.safetensors"))
-    with open(os.path.join(used, "tokenizer.json"), "w") as f:
-        f.write("{}")
+    for kept in ("tokenizer.json", "model.pt", "training_args.bin"):   # files transformers never loads weights from
+        with open(os.path.join(used, kept), "w") as f:
+            f.write("{}")
     before = sorted(os.listdir(used))
     refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, used])
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and "holds weights already (model-00009-of-00009.safetensors, model.safetensors" \
         in lines[-1] and "Traceback" not in refused.stderr and sorted(os.listdir(used)) == before
     _tool("export", ckpt, used, "--overwrite")
-    assert sorted(os.listdir(used)) == ["config.json", "model-00001-of-00001.safetensors",
-                                        "model.safetensors.index.json", "tokenizer.json"]
+    assert sorted(os.listdir(used)) == ["config.json", "model-00001-of-00001.safetensors", "model.pt",
+                                        "model.safetensors.index.json", "tokenizer.json", "training_args.bin"]
     theirs = hf_logits(load_with_transformers(used), PROBE)
     torch.testing.assert_close(theirs, hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=1e-10)
 
