@@ -6,10 +6,11 @@
 
 Reports the fp model (the checkpoint's fp32 masters), the fake-quantized model (those weights
 quantized in the forward, as QAT does) and the exported model (packed integers, dequantized), on
-the validation split of the default corpus or of --data-path. Reads only the model description:
-no training batch settings.
+the validation split of the default corpus or of --data-path, tokenized as the run did (with --load, its
+tokenizer where no tokenizer flag is typed). Reads only the model description: no training batch settings.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -19,10 +20,11 @@ import torch.distributed as dist  # noqa: E402
 
 from moezero.compression.inference import read_exported  # noqa: E402
 from moezero.compression.report import evaluate_models, format_report  # noqa: E402
-from moezero.config import ConfigError, DataConfig  # noqa: E402
+from moezero.compression.source import load_checkpoint_model  # noqa: E402
+from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig  # noqa: E402
 from moezero.data import DataError  # noqa: E402
 from moezero.parallel import ParallelGroups  # noqa: E402
-from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args  # noqa: E402
+from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args, given_dests  # noqa: E402
 from moezero.training.job import init_distributed  # noqa: E402
 
 
@@ -39,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_tokenizer(data: DataConfig, load, typed) -> DataConfig:
+    """With --load and no tokenizer flag typed: the run's tokenizer (its checkpoint's fields)."""
+    if not load or any(f"data.{name}" in typed for name in TOKENIZER_FIELDS):
+        return data
+    saved = load_checkpoint_model(load).configs.get("data") or {}
+    return dataclasses.replace(data, **{name: saved[name] for name in TOKENIZER_FIELDS if name in saved})
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -47,7 +57,7 @@ def main(argv=None) -> int:
     if args.eval_samples < 1 or args.micro_batch_size < 1:
         parser.error("--eval-samples and --micro-batch-size must be >= 1")
     try:
-        data = configs_from_args(args, [DataConfig])["data"]
+        data = run_tokenizer(configs_from_args(args, [DataConfig])["data"], args.load, given_dests(parser, argv))
         init_distributed("gloo", 2)
         groups = ParallelGroups.build(expert_parallel_size=args.expert_model_parallel_size)
         losses = evaluate_models(data, args.seed, args.eval_samples, args.micro_batch_size,

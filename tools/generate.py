@@ -7,7 +7,7 @@
 --load is a --save directory (its latest checkpoint), one iter_N folder, or a file that
 tools/consolidate_checkpoint.py wrote. The model and tokenizer are rebuilt from the configs the run
 stored, so no model flag is re-typed (tokenizer files that moved: --vocab-file/--merge-file/
---tokenizer-model). A QAT run's weights are fake-quantized as its forward did. Prints the prompt and
+--tokenizer-model; --tokenizer-type where the run recorded none). A QAT run's weights are fake-quantized as its forward did. Prints the prompt and
 its continuation; generation stops early at the end-of-document token.
 """
 import argparse
@@ -22,12 +22,12 @@ import torch  # noqa: E402
 from moezero.checkpoint import CheckpointError  # noqa: E402
 from moezero.compression.inference import load_checkpoint_weights  # noqa: E402
 from moezero.compression.source import load_checkpoint_model  # noqa: E402
-from moezero.config import ConfigError, DataConfig  # noqa: E402
+from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig  # noqa: E402
 from moezero.data import DataError, build_tokenizer  # noqa: E402
 from moezero.models import generate  # noqa: E402
 from moezero.training.args import ArgumentParser  # noqa: E402
 
-TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+_TOKENIZER_TYPES = next(f for f in dataclasses.fields(DataConfig) if f.name == "tokenizer_type").metadata["choices"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,13 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default: 1234)")
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         parser.add_argument(flag, default=None, help="the tokenizer file, where it moved since training")
+    parser.add_argument("--tokenizer-type", default=None, choices=_TOKENIZER_TYPES,
+                        help="the tokenizer, where the checkpoint names none (default: the run's)")
     return parser
 
 
 def tokenizer_config(configs, args) -> DataConfig:
-    """The run's tokenizer settings, with the paths the command line gives instead."""
+    """The run's tokenizer settings (every field that decides it: a TikTokenizer's special tokens, a
+    NullTokenizer's size), with the paths and type the command line gives instead."""
     saved = {k: v for k, v in (configs.get("data") or {}).items() if k in TOKENIZER_FIELDS}
-    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model") if getattr(args, k)}
+    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_type")
+                 if getattr(args, k)}
     return dataclasses.replace(DataConfig(**saved), **overrides)
 
 
@@ -62,6 +66,11 @@ def main(argv=None) -> int:
         tokenizer = build_tokenizer(tokenizer_config(source.configs, args))
         model = load_checkpoint_weights(source, fake_quant=source.qat)
         prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]
+        vocab = model.config.vocab_size
+        if max(prompt) >= vocab:
+            raise ValueError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary ({vocab}): the "
+                             f"tokenizer ({tokenizer_config(source.configs, args).tokenizer_type}) is not the run's; "
+                             "give its --tokenizer-type / --tokenizer-model / --vocab-file")
         new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        torch.Generator().manual_seed(args.seed), vocab_size=tokenizer.vocab_size,
                        stop_token=tokenizer.eod)

@@ -23,12 +23,10 @@ from typing import Iterator, List, Tuple
 
 import numpy as np
 
-from moezero.config import ConfigError, DataConfig
+from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig
 from moezero.data import DataError, build_tokenizer, write_indexed_dataset
 from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args
 
-TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
-                    "tiktoken_num_special_tokens")
 
 _worker_state = {}  # the tokenizer of a worker process, built once by _init_worker
 

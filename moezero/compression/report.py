@@ -27,6 +27,7 @@ def evaluate_models(data: DataConfig, seed: int, num_samples: int, micro_batch_s
     source = load_checkpoint_model(checkpoint) if checkpoint else None
     description = ModelDescription.from_dict(blob["description"]) if blob else source.description
     dataset = eval_dataset(data, description.gpt_config().seq_length, seed, num_samples)
+    dataset.vocab_limit = description.gpt_config().vocab_size   # another tokenizer's ids: one line, not an IndexError
     losses: Dict[str, float] = {}
 
     def run(model) -> float:

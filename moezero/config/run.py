@@ -127,6 +127,11 @@ class ZeroConfig(Validated):
             self.grad_reduce_dtype = "bf16"
 
 
+# the data flags that decide the tokenizer (what a tool rebuilding a run's tokenizer takes from its checkpoint)
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
+                    "tiktoken_num_special_tokens")
+
+
 @dataclass
 class DataConfig(Validated):
     """Training data: Megatron indexed datasets, or the built-in standard-library corpus."""

@@ -48,3 +48,42 @@ def test_generate_continues_a_prompt_from_any_layout_and_stage(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for load in (f"{root}/stage2", f"{root}/stage3", consolidated):
         assert _generate(load) == live[0], load
+
+
+def test_the_tokenizer_is_rebuilt_from_every_field_the_run_stored():
+    """A TikTokenizer's pattern and special-token count and a NullTokenizer's size come from the checkpoint
+    (with only the type and files, a run with 100 special tokens was fed ids 900 off); a typed --tokenizer-type
+    or file wins."""
+    sys.path.insert(0, tool("generate").rsplit("/", 1)[0])
+    import generate as generate_tool
+
+    stored = {"data": {"tokenizer_type": "TikTokenizer", "tokenizer_model": "vocab.json", "vocab_size": None,
+                       "tiktoken_pattern": "v1", "tiktoken_num_special_tokens": 100, "data_path": ["ignored"]}}
+    args = generate_tool.build_parser().parse_args(["--load", "x", "--prompt", "p"])
+    rebuilt = generate_tool.tokenizer_config(stored, args)
+    assert (rebuilt.tiktoken_pattern, rebuilt.tiktoken_num_special_tokens) == ("v1", 100)
+    null = {"data": {"tokenizer_type": "NullTokenizer", "vocab_size": 300}}
+    assert generate_tool.tokenizer_config(null, args).vocab_size == 300
+    typed = generate_tool.build_parser().parse_args(["--load", "x", "--prompt", "p", "--tokenizer-type",
+                                                     "HuggingFaceTokenizer", "--tokenizer-model", "here"])
+    rebuilt = generate_tool.tokenizer_config({"data": {"tokenizer_type": "ByteLevelTokenizer"}}, typed)
+    assert rebuilt.tokenizer_type == "HuggingFaceTokenizer" and rebuilt.tokenizer_model.endswith("here")
+
+
+def test_eval_quantized_tokenizes_as_the_run_did_unless_told(monkeypatch):
+    """tools/eval_quantized.py --load: the checkpoint's tokenizer where no tokenizer flag is typed (a GPT-2 BPE
+    run was scored on byte-level ids: 6.177 where its own tokenizer gives 6.246)."""
+    import types
+
+    sys.path.insert(0, tool("eval_quantized").rsplit("/", 1)[0])
+    import eval_quantized
+    from moezero.config import DataConfig
+
+    stored = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json", "merge_file": "m.txt", "split": "1,1,1"}
+    monkeypatch.setattr(eval_quantized, "load_checkpoint_model", lambda path: types.SimpleNamespace(
+        configs={"data": stored}))
+    taken = eval_quantized.run_tokenizer(DataConfig(), "ckpt", set())
+    assert (taken.tokenizer_type, taken.vocab_file.endswith("v.json"), taken.split) == ("GPT2BPETokenizer", True,
+                                                                                          "969,30,1")
+    assert eval_quantized.run_tokenizer(DataConfig(), "ckpt", {"data.tokenizer_type"}) == DataConfig()
+    assert eval_quantized.run_tokenizer(DataConfig(), None, set()) == DataConfig()
