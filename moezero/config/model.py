@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -321,8 +322,14 @@ class GPTConfig(Validated):
     def check_command_line(cls, values: Dict[str, Any]) -> None:
         """Megatron's reading of a command line where it differs from the config's: its multi-latent attention
         takes MLA_YARN whatever --yarn-* say, so a value that differs would train another model than Megatron
-        does with the same script. (Hugging Face configs set these fields, and mean them.)"""
+        does with the same script; likewise where Megatron's MLA scales its rotary embedding or softmax otherwise
+        than moezero's (which follows transformers' DeepSeek there), and --rope-type yarn on standard attention,
+        which Megatron refuses. (Hugging Face configs set these fields, and mean them.)"""
         if not values.get("multi_latent_attention"):
+            if values.get("rope_type") == "yarn":
+                raise ConfigError("--rope-type=yarn: Megatron's standard attention takes only rope (validate_args "
+                                  "asserts 'Common attention only support rope_type=\"rope\"'); YaRN comes with "
+                                  "--multi-latent-attention")
             return
         for name, megatrons in cls.MLA_YARN.items():
             if values.get(name) is not None and values[name] != megatrons:
@@ -331,6 +338,35 @@ class GPTConfig(Validated):
         if values.get("no_yarn_correction_range_round_to_int"):   # its YaRN rounds the correction range
             raise ConfigError(f"{flag_of(cls, 'no_yarn_correction_range_round_to_int')}: Megatron's multi-latent "
                               "attention does not read it (its YaRN always rounds the correction range); drop it")
+        cls._check_mla_scales(values)
+
+    @classmethod
+    def _check_mla_scales(cls, values: Dict[str, Any]) -> None:
+        """Megatron's MLA scales cos/sin by mscale(f, --mscale) / mscale(f, --mscale-all-dim) whatever is 0, the
+        softmax by mscale(f, --mscale-all-dim)^2 also with --rope-type rope, and rotates --rotary-percent of the
+        positional dims there; moezero's takes transformers' rules (the ratio only when both are set; the softmax
+        factor only under YaRN; every positional dim): a command line where they differ is refused."""
+        factor = values.get("rotary_scaling_factor") or 1.0
+        mscale, mscale_all_dim = values.get("mscale", 1.0), values.get("mscale_all_dim", 0.0)
+
+        def scale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        rope_type = values.get("rope_type") or "yarn"   # MLATransformerConfig's default
+        megatrons = scale(mscale) / scale(mscale_all_dim)
+        if rope_type == "yarn" and not (mscale and mscale_all_dim) and megatrons != scale(1.0):
+            raise ConfigError(f"--mscale={mscale:g} with --mscale-all-dim={mscale_all_dim:g}: Megatron's YaRN scales "
+                              f"cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) = {megatrons:.6g}, moezero's (transformers' rule when one "
+                              f"is 0) by {scale(1.0):.6g}; give both nonzero, or --mscale 1 --mscale-all-dim 0")
+        if rope_type != "rope":
+            return
+        if values.get("rotary_percent", 1.0) != 1.0:
+            raise ConfigError(f"--rotary-percent={values['rotary_percent']:g}: with --rope-type rope Megatron's MLA "
+                              "rotates that share of --qk-pos-emb-head-dim, moezero's all of it; drop it")
+        if scale(mscale_all_dim) != 1.0:
+            raise ConfigError(f"--rotary-scaling-factor={factor:g} with --mscale-all-dim={mscale_all_dim:g}: "
+                              "Megatron's MLA scales the softmax by mscale(f, mscale_all_dim)^2 = "
+                              f"{scale(mscale_all_dim) ** 2:.6g} also with --rope-type rope, moezero's only under "
+                              "YaRN; drop them or use --rope-type yarn")
 
     @property
     def query_groups(self) -> int:

@@ -33,16 +33,18 @@ class MultiLatentAttention(nn.Module):
         self.nope, self.pos, self.value = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
         self.recompute_core = config.recompute_granularity == "selective"
+        # only the output projection has a bias (without --disable-bias-linear): megatron-core's MLA builds every
+        # other projection with bias=False, as transformers' DeepSeek does without attention_bias
         bias = not config.disable_bias_linear
         q_width = H * (self.nope + self.pos)
         self.q_proj = self.q_down = self.q_norm = self.q_up = None
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(D, q_width, bias=False)
         else:
-            self.q_down = nn.Linear(D, config.q_lora_rank, bias=bias)
+            self.q_down = nn.Linear(D, config.q_lora_rank, bias=False)
             self.q_norm = norm_layer(config, config.q_lora_rank) if config.qk_layernorm else nn.Identity()
             self.q_up = nn.Linear(config.q_lora_rank, q_width, bias=False)
-        self.kv_down = nn.Linear(D, self.kv_rank + self.pos, bias=bias)
+        self.kv_down = nn.Linear(D, self.kv_rank + self.pos, bias=False)
         self.kv_norm = norm_layer(config, self.kv_rank) if config.qk_layernorm else nn.Identity()
         self.kv_up = nn.Linear(self.kv_rank, H * (self.nope + self.value), bias=False)
         self.proj = nn.Linear(H * self.value, D, bias=bias)

@@ -327,6 +327,15 @@ def _check_top1_router(cfg: Configs) -> None:
                           "from the loss; Megatron's rule)")
 
 
+def _check_shared_expert_bias(cfg: Configs) -> None:
+    """megatron-core's SharedExpertMLP asserts add_bias_linear is False: a command line giving a shared expert
+    biases (no --disable-bias-linear) is refused as Megatron refuses it (an import says its biases itself)."""
+    if cfg.moe.shared_expert_intermediate_size and cfg.moe.bias is None and not cfg.model.disable_bias_linear:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size={cfg.moe.shared_expert_intermediate_size}: "
+                          "Megatron's shared experts have no biases (SharedExpertMLP asserts it); give "
+                          "--disable-bias-linear")
+
+
 def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
     """Megatron's: the overlap is of expert-parallel exchanges. Stage 3 gathers a layer's params around its
     forward, which an interleaved pair enters twice before leaving."""
@@ -385,6 +394,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
     _check_top1_router(cfg)
+    _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "

@@ -4,12 +4,14 @@ Megatron's default, takes its value the same way, and the widths Megatron derive
 The oracle is megatron-core 0.19.2's `megatron/training/arguments.py`, read into
 moezero/training/assets/megatron_arguments.json by tools/megatron_arguments.py (the version is recorded there).
 """
-from moezero.config import MoEConfig
+import pytest
+
+from moezero.config import ConfigError, MoEConfig
 from moezero.recipe import CONFIG_CLASSES
 from moezero.training.args import build_parser
 from moezero.training.configs import DESCRIPTION
 from moezero.training.megatron_flags import megatron_table
-from tests.integration.pretrain_utils import configs
+from tests.integration.pretrain_utils import TINY, configs
 
 MEGATRON = megatron_table()
 SWITCHES = ("storetrue", "storefalse", "booleanoptional")
@@ -125,3 +127,15 @@ def _params_of(cfg):
     from moezero.training.builders import build_model
 
     return {name: tuple(p.shape) for name, p in build_model(cfg, ParallelGroups.single(), 100).named_parameters()}
+
+
+def test_a_shared_expert_with_biases_is_refused_as_megatron_refuses_it():
+    """megatron-core's SharedExpertMLP asserts add_bias_linear is False (the routed experts and the router may
+    have biases): a command line with a shared expert and without --disable-bias-linear fails there at build."""
+    from moezero.training.configs import validate
+
+    shared = TINY + ["--moe-shared-expert-intermediate-size", "16"]
+    with pytest.raises(ConfigError, match="--moe-shared-expert-intermediate-size=16: Megatron's shared experts have "
+                                          "no biases .* give --disable-bias-linear"):
+        validate(configs(shared), world_size=1)
+    validate(configs(shared + ["--disable-bias-linear"]), world_size=1)

@@ -80,16 +80,49 @@ def test_yarn_flags_megatrons_mla_never_reads_are_refused_unless_they_say_what_i
     with pytest.raises(ConfigError, match=f"{flag}={value}: Megatron's multi-latent attention does not read it"):
         configs(MLA + DEEPSEEK_V3_YARN + [flag, value])
     assert configs(MLA + DEEPSEEK_V3_YARN + [flag, megatrons]).model.rope_type == "yarn"
-    assert configs(MLA[1:] + ["--rope-type", "yarn", flag, value]).model.rope_type == "yarn"   # read without MLA
 
 
 def test_the_unrounded_correction_range_is_refused_with_mla():
-    """Megatron's MLA builds its YaRN without --no-yarn-correction-range-round-to-int (it always rounds); only
-    standard attention's YaRN reads it."""
+    """Megatron's MLA builds its YaRN without --no-yarn-correction-range-round-to-int (it always rounds)."""
     flag = "--no-yarn-correction-range-round-to-int"
     with pytest.raises(ConfigError, match=f"{flag}: Megatron's multi-latent attention does not read it"):
         configs(MLA + DEEPSEEK_V3_YARN + [flag])
-    assert configs(MLA[1:] + ["--rope-type", "yarn", flag]).model.no_yarn_correction_range_round_to_int
+
+
+def test_yarn_on_standard_attention_is_refused_as_megatron_does():
+    """Megatron-LM's validate_args asserts 'Common attention only support rope_type="rope"' without
+    --multi-latent-attention (a Hugging Face GPT-OSS import has YaRN there: its config, not a flag)."""
+    with pytest.raises(ConfigError, match="--rope-type=yarn: Megatron's standard attention takes only rope"):
+        configs(MLA[1:] + ["--rope-type", "yarn"])
+    assert configs(MLA[1:] + ["--rope-type", "rope"]).model.rope_type == "rope"
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(2.0, 0.0), (0.0, 1.0), (0.0, 0.0), (1.0, 0.0), (1.0, 1.0),
+                                                     (0.707, 0.707)])
+def test_a_yarn_scale_megatron_computes_otherwise_is_refused(mscale, mscale_all_dim):
+    """Megatron's YaRN scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) whatever is 0
+    (YarnRotaryEmbedding's concentration factor), transformers' DeepSeek (moezero's MLA) by mscale(f) unless both
+    are set: where the two differ the command line is refused, where they agree it trains Megatron's tables."""
+    flags = MLA + ["--rotary-scaling-factor", "40", "--mscale", str(mscale), "--mscale-all-dim", str(mscale_all_dim)]
+    theirs = yarn_embeddings._yarn_get_concentration_factor(40.0, mscale, mscale_all_dim)
+    if not (mscale and mscale_all_dim) and theirs != pytest.approx(yarn_embeddings._yarn_get_mscale(40.0), rel=1e-12):
+        with pytest.raises(ConfigError, match=f"--mscale={mscale:g} with --mscale-all-dim={mscale_all_dim:g}: "
+                                              f"Megatron's YaRN scales cos/sin by .* = {theirs:.6g}"):
+            configs(flags)
+        return
+    assert yarn_of(configs(flags).model).attention_factor == pytest.approx(theirs, rel=1e-12)
+
+
+def test_mla_with_plain_rope_where_megatron_scales_or_rotates_otherwise_is_refused():
+    """With --rope-type rope Megatron's MLA rotates --rotary-percent of the positional dims and still scales the
+    softmax by mscale(f, mscale_all_dim)^2; moezero's rotates them all and scales only under YaRN."""
+    rope = MLA + ["--rope-type", "rope"]
+    with pytest.raises(ConfigError, match="--rotary-percent=0.5: with --rope-type rope Megatron's MLA rotates"):
+        configs(rope + ["--rotary-percent", "0.5"])
+    with pytest.raises(ConfigError, match="--rotary-scaling-factor=40 with --mscale-all-dim=1: Megatron's MLA"):
+        configs(rope + ["--rotary-scaling-factor", "40", "--mscale-all-dim", "1"])
+    model = configs(rope + ["--rotary-scaling-factor", "40"]).model   # mscale_all_dim 0: a factor of 1 on both
+    assert MultiLatentAttention(model, site="a").scale == pytest.approx(1 / math.sqrt(16 + 8), rel=1e-12)
 
 
 def test_checkpoints_from_before_the_default_are_plain_rope():
@@ -121,3 +154,41 @@ def test_position_interpolation_where_megatron_does_not_apply_it_is_refused(flag
         configs(flags + ["--rotary-seq-len-interpolation-factor", "2"])
     with pytest.raises(ConfigError, match="--rotary-seq-len-interpolation-factor=0: must be >= 1"):
         GPTConfig(position_embedding_type="rope", rotary_seq_len_interpolation_factor=0)
+
+
+class _NoCoreAttention(torch.nn.Module):
+    """Stands in for the core attention (the local spec's refuses MLA's widths in megatron-core 0.16.1)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def _megatron_mla_biased_projections():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    import megatron.core.transformer.multi_latent_attention as mla_module
+
+    from tests.megatron_oracle import CPU_BUILD, megatron_on_cpu
+    with megatron_on_cpu():
+        saved, mla_module.HAVE_TE = mla_module.HAVE_TE, False   # no Transformer Engine here
+        try:
+            spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True).submodules.self_attention
+            spec.submodules.core_attention = _NoCoreAttention
+            config = transformer_config.MLATransformerConfig(
+                num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, add_bias_linear=True, **CPU_BUILD)
+            attention = build_module(spec, config=config, layer_number=1)
+        finally:
+            mla_module.HAVE_TE = saved
+    return sorted(n.split(".")[0] for n, _ in attention.named_parameters() if n.endswith("bias"))
+
+
+def test_mla_has_megatrons_biases_without_disable_bias_linear():
+    """megatron-core's MLASelfAttention gives only its output projection a bias (add_bias_linear); the down and
+    up projections never have one (moezero's once gave the down projections transformers' attention_bias)."""
+    from tests.dist_utils import run_distributed
+
+    theirs = run_distributed(_megatron_mla_biased_projections, 1, timeout=120)[0]
+    ours = sorted(n.split(".")[0] for n, _ in MultiLatentAttention(configs(MLA).model, site="a").named_parameters()
+                  if n.endswith("bias") and "norm" not in n)
+    assert theirs == ["linear_proj"] and ours == ["proj"]
