@@ -253,9 +253,12 @@ class Pretraining:
         if interval is not None:
             line = dict(values, **interval.summary())
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
-            interval.reset()
-            self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, line, eta))
             t = self.cfg.train
+            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                # Megatron's line at the run's first iteration keeps its sums (should_reset = not
+                # is_first_iteration): the next --log-interval line averages from the run's start
+                interval.reset()
+            self.logger.print(format_train_line(self.iteration, self.cfg.train.train_iters, line, eta))
             if self.iteration % t.log_interval == 0 or self.iteration in (1, t.train_iters):
                 # the steps a run never stopped logs at: a resume's first line is the console's alone
                 with self.opt.full_parameters():  # plug-ins may read weights (stage 3 keeps them sharded else)
