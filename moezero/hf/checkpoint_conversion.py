@@ -48,8 +48,9 @@ def import_hub(hf_dir: str, ckpt_dir: str, piece_bytes: int = PIECE_BYTES) -> st
     params = dict(model.named_parameters())
     check_hub_shapes(hub, table, params)
     reader = _HubPieces(hub, table, {name: tuple(p.shape) for name, p in params.items()})
+    kept = set(model.state_dict())   # the persistent buffers, as a training save writes them
     buffers = {name: table[name].assemble(hub).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
-               for name, b in model.named_buffers()}
+               for name, b in model.named_buffers() if name in kept}
     train_state = {"param_shapes": reader.shapes, "optimizer": _fresh_adamw_scalars(), "configs": run_configs(hf_dir),
                    "plugins": {}, "progress": {}, "opt_param_scheduler": {}}
     ranges = {name: reader.pieces(name, piece_bytes) for name in params}

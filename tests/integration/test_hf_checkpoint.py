@@ -77,6 +77,20 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     assert len(set(index["weight_map"].values())) == 2, "one file per rank"
 
 
+def _consolidated_loads_strictly(ckpt, out):
+    """The import's consolidated file loads into a GPTModel with strict=True (it once held the non-persistent
+    expert_bias and softmax_offset buffers a training save leaves out)."""
+    from moezero.config import GPTConfig, MoEConfig, upgrade_stored_configs
+    from moezero.models import GPTModel
+
+    proc = run([sys.executable, tool("consolidate_checkpoint"), "--load", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr
+    blob = torch.load(out, weights_only=True)
+    stored = upgrade_stored_configs(blob["configs"])
+    gpt = GPTConfig(**dict(stored["model"], vocab_size=blob["model"]["embedding.weight"].shape[0]))
+    GPTModel(gpt, MoEConfig(**stored["moe"])).load_state_dict(blob["model"], strict=True)
+
+
 def test_gpt_oss_imports_trains_on_two_ranks_and_exports(tmp_path):
     """GPT-OSS (stacked experts, sinks, windows, YaRN): import -> export is bitwise; the import fine-tunes on 2
     ranks (ep 2, ZeRO stage 3) and its checkpoint exports to a folder transformers loads to moezero's logits.
@@ -87,6 +101,7 @@ def test_gpt_oss_imports_trains_on_two_ranks_and_exports(tmp_path):
     _tool("export", ckpt, back)
     original, exported = hub_tensors(hub), hub_tensors(back)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    _consolidated_loads_strictly(ckpt, str(tmp_path / "consolidated.pt"))
     _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
     refused = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save-hf", str(tmp_path / "hf")] + FINETUNE, timeout=240)
     assert refused.returncode != 0 and "holds all experts of a layer in one tensor" in refused.stdout + refused.stderr
