@@ -16,7 +16,8 @@ import torch
 
 from moezero import checkpoint
 from moezero.compression.source import consolidated_file, load_checkpoint_model
-from moezero.training.args import ArgumentParser
+from moezero.checkpoint.errors import first_line
+from moezero.training.args import ArgumentParser, prepare_output_file
 
 
 def main(argv=None) -> int:
@@ -26,6 +27,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="path of the consolidated .pt file")
     args = parser.parse_args(argv)
     try:
+        prepare_output_file(args.output)
         if args.iteration is None:
             path = checkpoint.resolve_checkpoint(args.load)
         else:
@@ -34,9 +36,12 @@ def main(argv=None) -> int:
                 raise checkpoint.CheckpointError(f"--iteration={args.iteration}: {path} does not exist (saved: "
                                                  f"{checkpoint.saved_iterations(args.load)})")
         source = load_checkpoint_model(path)
-    except ValueError as exc:  # CheckpointError, and an incomplete set of shards
+    except ValueError as exc:  # CheckpointError, ConfigError, and an incomplete set of shards
         parser.error(str(exc))
-    torch.save(consolidated_file(source), args.output)
+    try:
+        torch.save(consolidated_file(source), args.output)
+    except (OSError, RuntimeError) as exc:   # torch.save's writer raises RuntimeError for a failed write
+        parser.error(f"--output={args.output}: {first_line(exc)}")
     total = sum(t.numel() for t in source.state.values())
     print(f"wrote {args.output}: {len(source.state)} tensors, {total:,} elements, with the run's configs, from {path}")
     return 0

@@ -11,7 +11,6 @@ evaluate it with tools/eval_quantized.py.
 """
 import argparse
 import dataclasses
-import os
 import sys
 
 import torch
@@ -20,7 +19,8 @@ from moezero.compression.config import QATConfig
 from moezero.compression.export import export_quantized, packed_bytes
 from moezero.compression.source import load_checkpoint_model
 from moezero.config import ConfigError
-from moezero.training.args import ArgumentParser
+from moezero.checkpoint.errors import first_line
+from moezero.training.args import ArgumentParser, prepare_output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,13 +50,16 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        prepare_output_file(args.output)
         source = load_checkpoint_model(args.load)
         spec = quantization_spec(source.qat, args)
         exported = export_quantized(source, spec)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    torch.save(exported, args.output)
+    try:
+        torch.save(exported, args.output)
+    except (OSError, RuntimeError) as exc:   # torch.save's writer raises RuntimeError for a failed write
+        parser.error(f"--output={args.output}: {first_line(exc)}")
     sizes = packed_bytes(exported)
     print(f"wrote {args.output}: {len(exported['quantized'])} tensors at {spec.weight_bits} bits "
           f"({sizes['quantized']:,} bytes with scales) + {len(exported['tensors'])} fp tensors "

@@ -28,7 +28,12 @@ from moezero.parallel import ParallelGroups, expert_shard_of
 
 
 def read_exported(path: str) -> Dict[str, Any]:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except Exception as exc:   # torch.load's unpickling errors have no common base class
+        raise ConfigError(f"{path}: not a moezero quantized model ({type(exc).__name__})") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise ConfigError(f"{path}: not a moezero quantized model (expected format {FORMAT})")
     return blob

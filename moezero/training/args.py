@@ -243,3 +243,14 @@ def given_dests(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> S
         for action, default in zip(actions, saved):
             action.default = default
     return set(vars(namespace)) - set(parser._defaults)
+
+
+def prepare_output_file(path: str, flag: str = "--output") -> None:
+    """A tool's output file, checked before the work: not a folder; its parent folder created."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}={path}: is a folder; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag}={path}: cannot create {parent} ({exc.strerror})") from None

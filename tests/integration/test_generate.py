@@ -87,3 +87,23 @@ def test_eval_quantized_tokenizes_as_the_run_did_unless_told(monkeypatch):
                                                                                           "969,30,1")
     assert eval_quantized.run_tokenizer(DataConfig(), "ckpt", {"data.tokenizer_type"}) == DataConfig()
     assert eval_quantized.run_tokenizer(DataConfig(), None, set()) == DataConfig()
+
+
+def test_the_tools_name_a_bad_output_or_quantized_file_in_one_line(tmp_path):
+    """A folder as --output, or a missing / foreign --quantized file: one line, before any work (a traceback after
+    the whole consolidation once)."""
+    import pytest
+
+    from moezero.compression.inference import read_exported
+    from moezero.config import ConfigError
+    from moezero.training.args import prepare_output_file
+
+    with pytest.raises(ConfigError, match="--output=.*: is a folder; give a file path"):
+        prepare_output_file(str(tmp_path))
+    prepare_output_file(str(tmp_path / "new" / "deeper" / "model.pt"))
+    assert (tmp_path / "new" / "deeper").is_dir()
+    with pytest.raises(ConfigError, match="missing.mzq: no such file"):
+        read_exported(str(tmp_path / "missing.mzq"))
+    (tmp_path / "garbage.mzq").write_bytes(b"not a pickle")
+    with pytest.raises(ConfigError, match="garbage.mzq: not a moezero quantized model"):
+        read_exported(str(tmp_path / "garbage.mzq"))
