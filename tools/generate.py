@@ -7,7 +7,8 @@
 --load is a --save directory (its latest checkpoint), one iter_N folder, or a file that
 tools/consolidate_checkpoint.py wrote. The model and tokenizer are rebuilt from the configs the run
 stored, so no model flag is re-typed (tokenizer files that moved: --vocab-file/--merge-file/
---tokenizer-model; --tokenizer-type where the run recorded none). A QAT run's weights are fake-quantized as its forward did. Prints the prompt and
+--tokenizer-model; --tokenizer-type where the run recorded none). A QAT run's weights are fake-quantized
+as its next forward would have been, at the bits its schedule had reached. Prints the prompt and
 its continuation; generation stops early at the end-of-document token.
 """
 import argparse
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     try:
         source = load_checkpoint_model(args.load)
         tokenizer = build_tokenizer(tokenizer_config(source.configs, args))
-        model = load_checkpoint_weights(source, fake_quant=source.qat)
+        model = load_checkpoint_weights(source, fake_quant=source.qat_forward())   # where its schedule stood
         prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]
         vocab = model.config.vocab_size
         if max(prompt) >= vocab:

@@ -9,6 +9,7 @@ the weights and the run's configs, so it rebuilds the model with no flag re-type
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
@@ -18,6 +19,7 @@ import torch
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
 from moezero.compression.config import QATConfig
+from moezero.compression.bits_schedule import bits_at
 from moezero.compression.description import ModelDescription
 from moezero.compression.qat import PLUGIN_NAME
 from moezero.compression.targets import canonical_name
@@ -37,6 +39,16 @@ class CheckpointModel:
     qat_step: Optional[int]         # where its bit schedule stood
     iteration: int
     configs: Dict[str, Dict[str, Any]] = field(default_factory=dict)   # every section the run stored
+
+    def qat_forward(self) -> Optional[QATConfig]:
+        """The QAT settings of the run's next forward where its bit schedule stood (its bits then: the start
+        bits or one of the drops towards the target); None without QAT or before --qat-schedule-offset (full
+        precision)."""
+        if self.qat is None:
+            return None
+        c = self.qat
+        bits = bits_at(self.qat_step or 0, c.first_bits, c.weight_bits, c.bits_period, c.schedule_offset)
+        return None if bits is None else dataclasses.replace(c, weight_bits=bits)
 
 
 def load_checkpoint_model(path: str) -> CheckpointModel:

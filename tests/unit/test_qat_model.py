@@ -217,3 +217,17 @@ def test_multi_latent_attention_projections_are_the_attention_group():
     model = GPTModel(config, MoEConfig(num_experts=2))
     names = [t.name for t in quant_targets(model, ["attention"])]
     assert names == [f"layers.0.attention.{p}.weight" for p in ("q_down", "q_up", "kv_down", "kv_up", "proj")]
+
+
+def test_a_checkpoints_qat_forward_is_where_its_schedule_stood():
+    """tools/generate.py fake-quantizes as the run's next forward: full precision before the offset, the start
+    bits and each drop after it, the target at the end (it once took the target bits whatever the step)."""
+    from moezero.compression.config import QATConfig
+    from moezero.compression.source import CheckpointModel
+
+    qat = QATConfig(weight_bits=4, start_bits=8, bits_period=2, schedule_offset=3)
+    bits = {step: CheckpointModel("", {}, None, qat, step, step).qat_forward() for step in (0, 3, 5, 20)}
+    assert bits[0] is None
+    assert [bits[s].weight_bits for s in (3, 5, 20)] == [8, 7, 4]
+    assert all(bits[s].start_bits == 8 for s in (3, 5, 20))   # load_checkpoint_weights fixes it at weight_bits
+    assert CheckpointModel("", {}, None, None, None, 0).qat_forward() is None
