@@ -1,7 +1,6 @@
 """End-to-end pretraining: layout invariance, exact resume, TensorBoard, bad flags, golden losses."""
 import json
 import math
-import re
 import os
 import subprocess
 import sys
@@ -254,16 +253,3 @@ if __name__ == "__main__":
         json.dump({"args": _recorded_args(), "lm_loss": values}, f, indent=1)
     print(f"wrote {GOLDEN}: {values}")
 
-
-def test_the_first_log_interval_line_averages_from_the_runs_start(tmp_path, capsys):
-    """Megatron prints the run's first iteration without resetting its sums (should_reset = not
-    is_first_iteration): the line at --log-interval 3 averages iterations 1-3, the next one 4-6."""
-    history = train(TINY + ["--train-iters", "6", "--log-interval", "3"], str(tmp_path))
-    out = capsys.readouterr().out
-    lines = {int(m.group(1)): float(m.group(2))
-             for m in re.finditer(r"iteration +(\d+)/ +6 .*?lm loss: (\S+)", out)}
-    losses = [h["lm_loss"] for h in history]
-    assert sorted(lines) == [1, 3, 6]
-    assert lines[1] == pytest.approx(losses[0], rel=1e-6)
-    assert lines[3] == pytest.approx(sum(losses[:3]) / 3, rel=1e-6)
-    assert lines[6] == pytest.approx(sum(losses[3:]) / 3, rel=1e-6)

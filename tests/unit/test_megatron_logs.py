@@ -27,7 +27,9 @@ def test_the_console_line_is_megatrons(tmp_path, capsys):
     assert [int(m[1]) for m in parsed] == [1, 4, 6] and {int(m[2]) for m in parsed} == {6}   # first, every 4th, last
     assert [int(m[3]) for m in parsed] == [8, 32, 48]
     losses = [h["lm_loss"] for h in history]
-    for m, window in zip(parsed, (losses[0:1], losses[1:4], losses[4:6])):   # the mean since the last line
+    # the mean since the last line; the first line keeps its sums (Megatron's should_reset = not
+    # is_first_iteration), so the line at 4 averages from the run's start
+    for m, window in zip(parsed, (losses[0:1], losses[0:4], losses[4:6])):
         assert m[5] == f"{sum(window) / len(window):.6E}"
     schedule = LearningRateSchedule.from_config(configs(TINY + ["--train-iters", "6"]).train)
     assert [float(m[4]) for m in parsed] == pytest.approx([schedule.lr(8 * i) for i in (1, 4, 6)], rel=1e-6)
