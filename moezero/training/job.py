@@ -84,6 +84,9 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
     except KeyboardInterrupt:
         _report(interrupt_message(cfg.checkpoint.save), every_rank=True)
         return 130
+    except FloatingPointError as exc:   # a non-finite step (the same on every rank: the norm is global)
+        _report(f"error: {exc}")
+        return 1
     except RanksDisagree as exc:   # its message says where each rank was
         _report(f"error: {first_line(exc)}", every_rank=True)
         return 1

@@ -76,8 +76,11 @@ class ImplementationConfig(Validated):
                                        choices=("assume_ok_unexpected", "log_unexpected", "log_all",
                                                 "raise_unexpected", "raise_all", "return_unexpected",
                                                 "return_all", "ignore_all"))
-    check_for_nan_in_loss_and_grad: bool = option(True, "accepted: a non-finite gradient norm skips the step "
-                                                  "(and --max-consecutive-skipped-steps stops the run)",
+    check_for_nan_in_loss_and_grad: bool = option(True, "a non-finite loss or gradient (bf16/fp32) stops the run at "
+                                                  "that step, not taken, as Megatron's; --no-check-for-nan-in-"
+                                                  "loss-and-grad skips such steps instead (moezero's: up to "
+                                                  "--max-consecutive-skipped-steps in a row; Megatron would apply "
+                                                  "them). fp16's dynamic loss scaling skips overflows either way",
                                                   flag="--check-for-nan-in-loss-and-grad")
     enable_experimental: bool = option(False, "accepted: moezero has no experimental switches",
                                        flag="--enable-experimental")

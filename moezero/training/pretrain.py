@@ -201,6 +201,8 @@ class Pretraining:
                                  overlap_moe_comm=t.overlap_moe_expert_parallel_comm)
             if self.heap is not None:
                 self.heap.after_step()
+            if not metrics.stepped:
+                self._check_non_finite(metrics)
             step_time = timer.elapsed()
             if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
                 self.lr_schedule_steps += batch_size
@@ -232,6 +234,18 @@ class Pretraining:
             self.stop_reason = stop.reason(self.iteration)
             if self.stop_reason is not None:
                 return
+
+    def _check_non_finite(self, m: StepMetrics) -> None:
+        """Megatron's --check-for-nan-in-loss-and-grad (on by default; off with fp16's dynamic loss scaling,
+        whose overflows are skipped steps): a non-finite loss or gradient stops the run. The norm and loss are
+        global, so every rank stops at the same step."""
+        if not self.cfg.implementation.check_for_nan_in_loss_and_grad or self.cfg.train.fp16:
+            return
+        raise FloatingPointError(
+            f"iteration {self.iteration + 1}: the loss or the gradient is not finite (lm loss {m.lm_loss:g}, grad "
+            f"norm {m.grad_norm:g}); the step was not taken and the run stops, as Megatron's "
+            "--check-for-nan-in-loss-and-grad does (the last checkpoint stays as it was); "
+            "--no-check-for-nan-in-loss-and-grad skips such steps instead")
 
     def _log_step(self, m: StepMetrics, moe: Dict[str, float], lr: float, batch_size: int, step_time: float,
                   eta: float, board: bool, interval: Optional[LogInterval]) -> None:

@@ -102,3 +102,26 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
                                    rtol=1e-5, atol=1e-7, msg=name)
     assert metrics.lm_loss == pytest.approx(token_sum / 74, rel=1e-6)
     run.groups.destroy()
+
+
+def test_a_non_finite_step_stops_the_run_unless_told_to_skip_it(tmp_path):
+    """Megatron's --check-for-nan-in-loss-and-grad (the default outside fp16): a NaN loss and gradient stop the
+    run at that step, not taken; with --no-check-for-nan-in-loss-and-grad the steps are skipped (moezero's, up to
+    --max-consecutive-skipped-steps in a row)."""
+    def poisoned(extra):
+        run = pretraining(configs(TINY + ["--train-iters", "3", "--data-cache-path", str(tmp_path)] + extra))
+        with torch.no_grad():
+            run.model.embedding.weight[3:5] = float("nan")
+        return run
+
+    run = poisoned([])
+    before = run.opt.skipped_steps
+    with pytest.raises(FloatingPointError, match="iteration 1: the loss or the gradient is not finite .*the step "
+                                                 "was not taken and the run stops"):
+        run.train()
+    assert run.opt.skipped_steps == before + 1 and run.iteration == 0
+    run.groups.destroy()
+    run = poisoned(["--no-check-for-nan-in-loss-and-grad"])
+    run.train()
+    assert [h["iteration"] for h in run.history] == [1, 2, 3] and run.opt.skipped_steps == 3
+    run.groups.destroy()
