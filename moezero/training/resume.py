@@ -117,6 +117,8 @@ def start_lr_schedule(current: LearningRateSchedule, point: Optional[ResumePoint
     them with the optimizer, as Megatron does: --no-load-optim and --finetune start the schedule at 0."""
     if point is None or ckpt.no_load_optim or ckpt.finetune:
         return current, 0
+    if not point.lr_schedule and not point.configs.get("train"):   # an import (iteration 0): no schedule yet
+        return current, 0
     saved = point.lr_schedule or _schedule_of_old_checkpoint(point)
     schedule = resumed_schedule(current, saved, train.override_opt_param_scheduler,
                                 train.use_checkpoint_opt_param_scheduler)

@@ -64,4 +64,7 @@ def _upcycled_runs_own_checkpoint(cfg: Configs) -> Optional[ResumePoint]:
     ckpt = cfg.checkpoint
     if not cfg.moe.use_upcycling or ckpt.save is None or latest_iteration(ckpt.save) is None:
         return None
-    return find_resume_point(dataclasses.replace(ckpt, load=ckpt.save, ckpt_step=None))
+    own = find_resume_point(dataclasses.replace(ckpt, load=ckpt.save, ckpt_step=None))
+    if not (own.configs.get("moe") or {}).get("num_experts"):   # --save is also the dense --load: not saved yet
+        return None
+    return own

@@ -173,3 +173,15 @@ def test_a_changed_decoupled_lr_on_resume_is_compared_like_lr():
         assert schedule.group_lr(8 * 30, group) == pytest.approx(final)      # past the decay: the final lr
         assert group["max_lr"] == peak
         assert schedule.group_lr(8 * 4, {"wd_mult": 1.0}) == pytest.approx(3e-3)   # the other groups: --lr
+
+
+def test_resuming_an_import_starts_the_command_lines_schedule():
+    """A Hugging Face import is iteration 0 with no schedule and no train section: resuming it without
+    --finetune runs the command line's schedule from 0 (it once raised a TypeError computing an old one)."""
+    from moezero.training.configs import CheckpointConfig
+    from moezero.training.resume import ResumePoint, start_lr_schedule
+
+    t = TrainConfig(lr=3e-3, train_iters=30, global_batch_size=8)
+    current = LearningRateSchedule.from_config(t)
+    imported = ResumePoint("x", 0, {"model": {}, "hf": {}}, {}, {}, {})
+    assert start_lr_schedule(current, imported, CheckpointConfig(), t) == (current, 0)

@@ -79,3 +79,6 @@ def test_a_requeued_upcycling_run_resumes_its_own_checkpoint(tmp_path):
     assert start.point is not None and start.point.path.startswith(moe) and start.point.iteration == 2
     assert start.dense_source is None
     assert any("resuming from the run's own checkpoint" in line for line in start.notices)
+    same = argv[:argv.index("--save")] + ["--save", dense] + argv[argv.index("--save") + 2:]   # --save is --load
+    start = resolve_start(configs(same))
+    assert start.dense_source is not None and start.point is None   # a first run there upcycles
