@@ -21,7 +21,8 @@ import torch.distributed as dist  # noqa: E402
 from moezero.compression.inference import read_exported  # noqa: E402
 from moezero.compression.report import evaluate_models, format_report  # noqa: E402
 from moezero.compression.source import load_checkpoint_model  # noqa: E402
-from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig  # noqa: E402
+from moezero import checkpoint  # noqa: E402
+from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig, run_tokenizer_fields  # noqa: E402
 from moezero.data import DataError  # noqa: E402
 from moezero.parallel import ParallelGroups  # noqa: E402
 from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args, given_dests  # noqa: E402
@@ -42,11 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_tokenizer(data: DataConfig, load, typed) -> DataConfig:
-    """With --load and no tokenizer flag typed: the run's tokenizer (its checkpoint's fields)."""
-    if not load or any(f"data.{name}" in typed for name in TOKENIZER_FIELDS):
+    """With --load: the run's tokenizer (its stored fields), the tokenizer flags typed laid over them."""
+    if not load:
         return data
-    saved = load_checkpoint_model(load).configs.get("data") or {}
-    return dataclasses.replace(data, **{name: saved[name] for name in TOKENIZER_FIELDS if name in saved})
+    given = {name: getattr(data, name) for name in TOKENIZER_FIELDS if f"data.{name}" in typed}
+    fields = run_tokenizer_fields(_stored_configs(load).get("data") or {}, given)
+    return dataclasses.replace(data, **{name: fields.get(name, getattr(DataConfig(), name))
+                                        for name in TOKENIZER_FIELDS})
+
+
+def _stored_configs(load) -> dict:
+    """The run's configs without consolidating its weights (a consolidated file holds them anyway)."""
+    if os.path.isfile(load):
+        return load_checkpoint_model(load).configs
+    return checkpoint.read_train_state(checkpoint.resolve_checkpoint(load)).get("configs") or {}
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from moezero.checkpoint import CheckpointError  # noqa: E402
 from moezero.compression.inference import load_checkpoint_weights  # noqa: E402
 from moezero.compression.source import load_checkpoint_model  # noqa: E402
-from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig  # noqa: E402
+from moezero.config import ConfigError, DataConfig, run_tokenizer_fields  # noqa: E402
 from moezero.data import DataError, build_tokenizer  # noqa: E402
 from moezero.models import generate  # noqa: E402
 from moezero.training.args import ArgumentParser  # noqa: E402
@@ -44,17 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         parser.add_argument(flag, default=None, help="the tokenizer file, where it moved since training")
     parser.add_argument("--tokenizer-type", default=None, choices=_TOKENIZER_TYPES,
-                        help="the tokenizer, where the checkpoint names none (default: the run's)")
+                        help="the tokenizer (default: the run's; another type takes none of the run's tokenizer files)")
     return parser
 
 
 def tokenizer_config(configs, args) -> DataConfig:
     """The run's tokenizer settings (every field that decides it: a TikTokenizer's special tokens, a
-    NullTokenizer's size), with the paths and type the command line gives instead."""
-    saved = {k: v for k, v in (configs.get("data") or {}).items() if k in TOKENIZER_FIELDS}
-    overrides = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_type")
-                 if getattr(args, k)}
-    return dataclasses.replace(DataConfig(**saved), **overrides)
+    NullTokenizer's size), with the files and type the command line gives instead."""
+    typed = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_type")
+             if getattr(args, k)}
+    return DataConfig(**run_tokenizer_fields(configs.get("data") or {}, typed))
 
 
 def main(argv=None) -> int:

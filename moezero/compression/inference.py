@@ -93,6 +93,12 @@ def load_checkpoint_weights(source: CheckpointModel, groups: Optional[ParallelGr
     groups = groups or ParallelGroups.single()
     _check_ep(source.description, groups)
     model = source.description.build(groups)
+    known = set(model.state_dict()) | {name for name, _ in model.named_buffers()}   # an old import's buffers too
+    unused = sorted(set(source.state) - known)
+    if unused:   # weights this model has no place for: another model than the one trained
+        raise ConfigError(f"{source.path}: holds weights this model has no place for ({', '.join(unused[:3])}"
+                          f"{', ...' if len(unused) > 3 else ''}); it was saved by a moezero that built this model "
+                          "otherwise")
     shards = _expert_shards(model)
     local = {name: _local(source.state[name], shards.get(name)).to(ref.dtype)
              for name, ref in model.state_dict().items()}

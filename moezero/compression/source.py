@@ -44,10 +44,10 @@ class CheckpointModel:
         """The QAT settings of the run's next forward where its bit schedule stood (its bits then: the start
         bits or one of the drops towards the target); None without QAT or before --qat-schedule-offset (full
         precision)."""
-        if self.qat is None:
-            return None
+        if self.qat is None or self.qat_step is None:   # no recorded step: the target bits, as before
+            return self.qat
         c = self.qat
-        bits = bits_at(self.qat_step or 0, c.first_bits, c.weight_bits, c.bits_period, c.schedule_offset)
+        bits = bits_at(self.qat_step, c.first_bits, c.weight_bits, c.bits_period, c.schedule_offset)
         return None if bits is None else dataclasses.replace(c, weight_bits=bits)
 
 

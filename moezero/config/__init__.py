@@ -16,9 +16,10 @@ from moezero.config.model import (GPTConfig, expert_ffn_size, is_moe_layer, is_w
                                   moe_layer_config, moe_layer_pattern, upgrade_stored_configs)
 from moezero.config.options import (ConfigError, Validated, check_experts_divide, flag_of, model_defining_fields,
                                     option)
-from moezero.config.run import FSDP_STAGES, TOKENIZER_FIELDS, DataConfig, ParallelConfig, ZeroConfig
+from moezero.config.run import (FSDP_STAGES, TOKENIZER_FIELDS, DataConfig, ParallelConfig, ZeroConfig,
+                                run_tokenizer_fields)
 
-__all__ = ["ConfigError", "DataConfig", "FSDP_STAGES", "TOKENIZER_FIELDS", "GPTConfig", "MoEConfig", "ParallelConfig", "Validated",
-           "ZeroConfig", "check_experts_divide", "expert_ffn_size", "flag_of", "is_moe_layer", "is_window_layer",
-           "model_defining_fields",
-           "moe_layer_config", "moe_layer_pattern", "option", "upgrade_stored_configs"]
+__all__ = ["ConfigError", "DataConfig", "FSDP_STAGES", "TOKENIZER_FIELDS", "GPTConfig", "MoEConfig", "ParallelConfig",
+           "Validated", "ZeroConfig", "check_experts_divide", "expert_ffn_size", "flag_of", "is_moe_layer",
+           "is_window_layer", "model_defining_fields", "moe_layer_config", "moe_layer_pattern", "option",
+           "run_tokenizer_fields", "upgrade_stored_configs"]

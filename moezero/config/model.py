@@ -329,7 +329,8 @@ class GPTConfig(Validated):
             if values.get("rope_type") == "yarn":
                 raise ConfigError("--rope-type=yarn: Megatron's standard attention takes only rope (validate_args "
                                   "asserts 'Common attention only support rope_type=\"rope\"'); YaRN comes with "
-                                  "--multi-latent-attention")
+                                  "--multi-latent-attention (a run saved with it resumes without this flag, with "
+                                  "--use-checkpoint-args)")
             return
         for name, megatrons in cls.MLA_YARN.items():
             if values.get(name) is not None and values[name] != megatrons:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from moezero.config.options import Validated, option
 
@@ -130,6 +130,15 @@ class ZeroConfig(Validated):
 # the data flags that decide the tokenizer (what a tool rebuilding a run's tokenizer takes from its checkpoint)
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "tiktoken_pattern",
                     "tiktoken_num_special_tokens")
+
+
+def run_tokenizer_fields(saved: Dict[str, Any], typed: Dict[str, Any]) -> Dict[str, Any]:
+    """A run's tokenizer fields (`saved`: its stored data section) with the ones a tool's command line types laid
+    over them; a typed --tokenizer-type other than the run's takes none of the run's (its files, its sizes)."""
+    run = {name: value for name, value in saved.items() if name in TOKENIZER_FIELDS}
+    if typed.get("tokenizer_type") not in (None, run.get("tokenizer_type")):
+        run = {}
+    return {**run, **{name: value for name, value in typed.items() if name in TOKENIZER_FIELDS}}
 
 
 @dataclass

@@ -81,6 +81,8 @@ def abandon_write(staging: str) -> None:
 
 
 def _model_files(path: str) -> List[str]:
-    """What describes the model in `path`: its weights, config and generation config (not its tokenizer)."""
-    described = [n for n in ("config.json", "generation_config.json") if os.path.isfile(os.path.join(path, n))]
+    """What describes the model in `path`: its weights, config and generation config, a PEFT adapter's config
+    (transformers would load the adapter's base model instead) (not its tokenizer)."""
+    described = [n for n in ("config.json", "generation_config.json", "adapter_config.json")
+                 if os.path.isfile(os.path.join(path, n))]
     return weight_files(path) + described

@@ -366,9 +366,11 @@ def moe_comm_overlap_notices(cfg: Configs) -> List[str]:
             "overlapped with the other micro-batch's compute" for flags in recomputed]
 
 
-def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0) -> int:
+def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_samples: int = 0,
+             new_model: bool = True) -> int:
     """Checks across configs for a run that starts at `start_iteration` having consumed `consumed_samples`
-    (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags.
+    (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags. `new_model`: no
+    checkpoint defines the model (what Megatron would not build is refused only then, so an older run resumes).
 
     A --train-samples run gets its --train-iters here: the steps from where it starts to the samples."""
     cfg.train.resolve_global_batch_size(world_size)
@@ -394,7 +396,8 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
     _check_top1_router(cfg)
-    _check_shared_expert_bias(cfg)
+    if new_model:
+        _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)
     if cfg.train.wandb_project and not (cfg.train.wandb_save_dir or cfg.checkpoint.save):
         raise ConfigError(f"--wandb-project={cfg.train.wandb_project}: needs --wandb-save-dir or --save (the run is "

@@ -43,7 +43,7 @@ class LearningRateSchedule:
     wsd_style: str = "exponential"
     weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms)
     decoupled_max_lr: Optional[float] = None   # --decoupled-lr: the embedding and output layer's groups' peak
-    decoupled_min_lr: Optional[float] = None   # --decoupled-min-lr: their final lr (None: min_lr)
+    decoupled_min_lr: Optional[float] = None   # their final lr: --decoupled-min-lr, else --min-lr
 
     # what a resume compares (Megatron's scheduler state, its start/end weight decay too), with the flags each
     # comes from. The WSD anneal is not in it: as in Megatron, a resume may choose it anew (deciding the anneal
@@ -68,7 +68,8 @@ class LearningRateSchedule:
         if config.lr_warmup_fraction is not None:
             warmup = config.lr_warmup_fraction * decay
         return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
-                   wsd, config.lr_wsd_decay_style, config.weight_decay, config.decoupled_lr, config.decoupled_min_lr)
+                   wsd, config.lr_wsd_decay_style, config.weight_decay, config.decoupled_lr,
+                   _decoupled_min_lr(config))
 
     def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
@@ -110,6 +111,13 @@ class LearningRateSchedule:
         """'what: X in the checkpoint, Y now' for each compared value that differs."""
         return [f"{what}: {_shown(getattr(saved, n))} in the checkpoint, {_shown(getattr(self, n))} now"
                 for n, what in self.COMPARED.items() if getattr(saved, n) != getattr(self, n)]
+
+
+def _decoupled_min_lr(config) -> Optional[float]:
+    """The decoupled groups' final lr as they run it: --decoupled-min-lr, else --min-lr (None without the groups)."""
+    if config.decoupled_lr is None:
+        return None
+    return config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
 
 
 def _shown(value: Any) -> str:

@@ -74,14 +74,22 @@ class Pretraining:
             checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
         progress = start_progress(point, cfg.checkpoint.finetune)
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
+        defaulted = None
         if cfg.train.global_batch_size is None:   # Megatron's default, said as Megatron says it
-            notices.append(f" setting global batch size to {cfg.train.micro_batch_size * self.world} "
-                           "(--micro-batch-size x the number of processes; no --global-batch-size given)")
-        self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples)
+            defaulted = (f"setting global batch size to {cfg.train.micro_batch_size * self.world} "
+                         "(--micro-batch-size x the number of processes; no --global-batch-size given)")
+            notices.append(f" {defaulted}")
+        self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples,
+                                    new_model=point is None and dense_source is None)
         self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
-        self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
-            LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
+        try:
+            self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
+                LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
+        except ConfigError as exc:   # an iteration-counted schedule moves with a defaulted batch: say why
+            if defaulted is None:
+                raise
+            raise ConfigError(f"{exc} ({defaulted}: give the run's --global-batch-size)") from None
         self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size,
                                            timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
         self.rank = self.groups.rank

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -255,4 +256,11 @@ def check_shapes(model: nn.Module, point: ResumePoint) -> None:
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(f"--load: the weights of {point.path} do not fit this model ({'; '.join(problems[:3])}"
-                              f"{more}); check the model flags, the tokenizer and --vocab-size")
+                              f"{more}); {_hint(set(saved) - mine)}")
+
+
+def _hint(extra) -> str:
+    if any(re.search(r"\.(q_down|kv_down)\.bias$", name) for name in extra):
+        return ("its MLA down projections have biases: it was trained before moezero built multi-latent attention as "
+                "megatron-core does (only the output projection biased); no flag builds that model now")
+    return "check the model flags, the tokenizer and --vocab-size"

@@ -66,26 +66,27 @@ def test_the_tokenizer_is_rebuilt_from_every_field_the_run_stored():
     assert generate_tool.tokenizer_config(null, args).vocab_size == 300
     typed = generate_tool.build_parser().parse_args(["--load", "x", "--prompt", "p", "--tokenizer-type",
                                                      "HuggingFaceTokenizer", "--tokenizer-model", "here"])
-    rebuilt = generate_tool.tokenizer_config({"data": {"tokenizer_type": "ByteLevelTokenizer"}}, typed)
+    gpt2 = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json", "merge_file": "m.txt"}
+    rebuilt = generate_tool.tokenizer_config({"data": gpt2}, typed)   # the run's files are not the new type's
     assert rebuilt.tokenizer_type == "HuggingFaceTokenizer" and rebuilt.tokenizer_model.endswith("here")
 
 
 def test_eval_quantized_tokenizes_as_the_run_did_unless_told(monkeypatch):
-    """tools/eval_quantized.py --load: the checkpoint's tokenizer where no tokenizer flag is typed (a GPT-2 BPE
-    run was scored on byte-level ids: 6.177 where its own tokenizer gives 6.246)."""
-    import types
-
+    """tools/eval_quantized.py --load: the checkpoint's tokenizer, the tokenizer flags typed laid over it (a GPT-2
+    BPE run was scored on byte-level ids: 6.177 where its own tokenizer gives 6.246)."""
     sys.path.insert(0, tool("eval_quantized").rsplit("/", 1)[0])
     import eval_quantized
     from moezero.config import DataConfig
 
-    stored = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json", "merge_file": "m.txt", "split": "1,1,1"}
-    monkeypatch.setattr(eval_quantized, "load_checkpoint_model", lambda path: types.SimpleNamespace(
-        configs={"data": stored}))
+    stored = {"tokenizer_type": "TikTokenizer", "tokenizer_model": "v.json", "tiktoken_num_special_tokens": 100,
+              "split": "1,1,1"}
+    monkeypatch.setattr(eval_quantized, "_stored_configs", lambda path: {"data": stored})
     taken = eval_quantized.run_tokenizer(DataConfig(), "ckpt", set())
-    assert (taken.tokenizer_type, taken.vocab_file.endswith("v.json"), taken.split) == ("GPT2BPETokenizer", True,
-                                                                                          "969,30,1")
-    assert eval_quantized.run_tokenizer(DataConfig(), "ckpt", {"data.tokenizer_type"}) == DataConfig()
+    assert (taken.tokenizer_type, taken.tiktoken_num_special_tokens, taken.split) == ("TikTokenizer", 100, "969,30,1")
+    moved = eval_quantized.run_tokenizer(DataConfig(tokenizer_model="new.json"), "ckpt", {"data.tokenizer_model"})
+    assert moved.tokenizer_model.endswith("new.json") and moved.tiktoken_num_special_tokens == 100
+    other = eval_quantized.run_tokenizer(DataConfig(), "ckpt", {"data.tokenizer_type"})
+    assert other == DataConfig()   # another tokenizer takes none of the run's
     assert eval_quantized.run_tokenizer(DataConfig(), None, set()) == DataConfig()
 
 

@@ -180,6 +180,8 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     for kept in ("tokenizer.json", "model.pt", "training_args.bin"):   # files transformers never loads weights from
         with open(os.path.join(used, kept), "w") as f:
             f.write("{}")
+    with open(os.path.join(used, "adapter_config.json"), "w") as f:   # a PEFT adapter's: its base model would load
+        f.write("{}")
     before = sorted(os.listdir(used))
     refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, used])
     lines = refused.stderr.strip().splitlines()

@@ -165,7 +165,9 @@ def test_a_changed_decoupled_lr_on_resume_is_compared_like_lr():
     with pytest.raises(ConfigError) as exc:
         resumed_schedule(new, saved.state(80), False, False)
     assert "--decoupled-lr: 0.001 in the checkpoint, 0.005 now" in str(exc.value)
-    assert "--decoupled-min-lr: None in the checkpoint, 0.0002 now" in str(exc.value)
+    assert "--decoupled-min-lr: 0.0001 in the checkpoint, 0.0002 now" in str(exc.value)   # --min-lr's, then
+    same = LearningRateSchedule.from_config(TrainConfig(**base, decoupled_lr=1e-3, decoupled_min_lr=1e-4))
+    assert resumed_schedule(same, saved.state(80), False, False) == same   # the same final lr, said or not
     loaded = {"max_lr": 1e-3, "min_lr": None, "wd_mult": 1.0}   # a decoupled group as the checkpoint restored it
     for flags, (peak, final) in (((True, False), (5e-3, 2e-4)), ((False, True), (1e-3, 1e-4))):
         schedule, group = resumed_schedule(new, saved.state(80), *flags), dict(loaded)

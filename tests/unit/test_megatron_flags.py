@@ -139,3 +139,4 @@ def test_a_shared_expert_with_biases_is_refused_as_megatron_refuses_it():
                                           "no biases .* give --disable-bias-linear"):
         validate(configs(shared), world_size=1)
     validate(configs(shared + ["--disable-bias-linear"]), world_size=1)
+    validate(configs(shared), world_size=1, new_model=False)   # a checkpoint saved before the refusal resumes

@@ -231,3 +231,4 @@ def test_a_checkpoints_qat_forward_is_where_its_schedule_stood():
     assert [bits[s].weight_bits for s in (3, 5, 20)] == [8, 7, 4]
     assert all(bits[s].start_bits == 8 for s in (3, 5, 20))   # load_checkpoint_weights fixes it at weight_bits
     assert CheckpointModel("", {}, None, None, None, 0).qat_forward() is None
+    assert CheckpointModel("", {}, None, qat, None, 0).qat_forward() == qat   # no step recorded: the target

@@ -4,6 +4,7 @@ the code derives when unset (--ffn-hidden-size) and a field the checkpoint preda
 import dataclasses
 
 import pytest
+import torch
 
 from moezero.checkpoint import CheckpointError
 from moezero.models import GPTModel
@@ -82,3 +83,30 @@ def test_a_requeued_upcycling_run_resumes_its_own_checkpoint(tmp_path):
     same = argv[:argv.index("--save")] + ["--save", dense] + argv[argv.index("--save") + 2:]   # --save is --load
     start = resolve_start(configs(same))
     assert start.dense_source is not None and start.point is None   # a first run there upcycles
+
+
+def test_an_mla_checkpoint_with_down_projection_biases_is_named_as_such():
+    """Checkpoints of MLA runs without --disable-bias-linear from before moezero built MLA as megatron-core does
+    hold q_down/kv_down biases: resuming says so, and the tools refuse the weights they have no place for
+    instead of running the model without them."""
+    from moezero.compression.description import ModelDescription
+    from moezero.compression.inference import load_checkpoint_weights
+    from moezero.compression.source import CheckpointModel
+    from moezero.config import ConfigError
+
+    cfg = configs(TINY[:TINY.index("--num-experts")] + ["--multi-latent-attention", "--q-lora-rank", "8",
+                                                        "--kv-lora-rank", "8", "--qk-head-dim", "8",
+                                                        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+                                                        "--position-embedding-type", "rope"])
+    gpt = dataclasses.replace(cfg.model, vocab_size=64)
+    model = GPTModel(gpt, None, seed=1)
+    old = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    old["layers.0.attention.q_down.bias"] = (8,)
+    with pytest.raises(CheckpointError, match="its MLA down projections have biases: it was trained before"):
+        check_shapes(model, ResumePoint("ckpt", 3, {}, old))
+    state = dict(model.state_dict(), **{"layers.0.attention.q_down.bias": torch.zeros(8)})
+    source = CheckpointModel("old", state, ModelDescription.from_configs(gpt, None, torch.float32), None, None, 3)
+    with pytest.raises(ConfigError, match="old: holds weights this model has no place for "
+                                          "\\(layers.0.attention.q_down.bias\\)"):
+        load_checkpoint_weights(source)
+    load_checkpoint_weights(dataclasses.replace(source, state=model.state_dict()))
