@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 _SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 
@@ -65,13 +65,14 @@ def rampup_steps(start: int, increment: int, samples: int, final: int) -> List[T
 @dataclass(frozen=True)
 class BatchSchedule:
     steps: Tuple[Tuple[int, int], ...]   # (from consumed samples, global batch size), ascending from 0
+    ramp_samples: Optional[int] = None   # --rampup-batch-size's SAMPLES (Megatron counts a ramp's steps by it)
 
     @classmethod
     def from_config(cls, t, seq_length: int) -> "BatchSchedule":
         if t.step_batch_size_schedule:
             return cls(tuple(parse_step_schedule(t.step_batch_size_schedule, seq_length)))
         if t.rampup_batch_size:
-            return cls(tuple(rampup_steps(*t.rampup_batch_size, t.global_batch_size)))
+            return cls(tuple(rampup_steps(*t.rampup_batch_size, t.global_batch_size)), t.rampup_batch_size[2])
         return cls(((0, t.global_batch_size),))
 
     def batch_size(self, consumed_samples: int) -> int:
@@ -104,10 +105,17 @@ class BatchSchedule:
 
     def iterations_between(self, consumed_samples: int, target_samples: int) -> int:
         """Steps a --train-samples run takes from `consumed_samples` to `target_samples` (Megatron's count:
-        whole batches with a constant size, steps until reaching the target along a ramp)."""
+        whole batches with a constant size; along --rampup-batch-size, 0.16.1's update_train_iters: steps while
+        the consumed samples are <= the ramp's and the target, then whole final batches, a partial last one
+        thrown away; along a step schedule, steps until reaching the target)."""
         if self.is_constant:
             return max(target_samples - consumed_samples, 0) // self.final
         iterations = 0
+        if self.ramp_samples is not None:
+            while consumed_samples <= self.ramp_samples and consumed_samples <= target_samples:
+                consumed_samples += self.batch_size(consumed_samples)
+                iterations += 1
+            return iterations + max(target_samples - consumed_samples, 0) // self.final
         while consumed_samples < target_samples:
             consumed_samples += self.batch_size(consumed_samples)
             iterations += 1

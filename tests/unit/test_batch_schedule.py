@@ -67,7 +67,10 @@ def test_train_samples_along_a_ramp_count_the_steps_they_take():
     cfg = configs(TINY_SAMPLES + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16",
                                   "--train-samples", "80"])
     validate(cfg, world_size=1)
-    assert cfg.train.train_iters == 8   # 4 4 8 12 16 16 16 16: 92 >= 80 samples
+    # Megatron 0.16.1's update_train_iters: 4 4 8 12 over the ramp (28 > 24), then (80 - 28) // 16 = 3 whole
+    # batches, the partial last one thrown away: 7 steps, 76 samples
+    assert cfg.train.train_iters == 7
+    assert BatchSchedule.from_config(cfg.train, 32).consumed_after(0, 7) == 76
     cfg = configs(TINY_SAMPLES + ["--train-samples", "100"])   # resumed at 40 with batch 8
     validate(cfg, world_size=1, start_iteration=5, consumed_samples=40)
     assert cfg.train.train_iters == 5 + 60 // 8
