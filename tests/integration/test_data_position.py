@@ -60,7 +60,7 @@ def test_a_ramp_grows_the_batch_by_consumed_samples_and_resumes_on_it(tmp_path):
     ramp = TINY_SAMPLES + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16", "--train-samples",
                            "80", "--lr-warmup-samples", "8"]
     straight = _run(ramp, cache)
-    sizes = [4, 4, 8, 12, 16, 16, 16, 16]
+    sizes = [4, 4, 8, 12, 16, 16, 16]   # Megatron 0.16.1's count: the partial last batch is dropped
     assert len(straight.history) == len(sizes) and straight.data.train.read == list(range(sum(sizes)))
     # 2 worker processes read ahead (nothing recorded here then): they only read, the numbers stay
     first = _run(ramp + ["--exit-interval", "3", "--save", ckpt, "--num-workers", "2"], cache)
