@@ -31,6 +31,7 @@ from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, save_pretrained
 from moezero.hf.checkpoint_conversion import export_checkpoint, import_hub
 from moezero.hf.load import hub_dtype
+from moezero.hf.token_ids import run_token_ids
 from moezero.training.args import ArgumentParser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -61,17 +62,21 @@ def _refuse_qat_masters(ckpt: str, qat_bits) -> None:
 
 def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: bool = False,
            max_shard_bytes: int = 5 * 10 ** 9, qat_masters: bool = False) -> None:
-    base = None
+    base, base_generation = None, None
     if hf_config:
         with open(os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config) as f:
             base = json.load(f)
+        generation = os.path.join(hf_config, "generation_config.json")
+        if os.path.isdir(hf_config) and os.path.isfile(generation):
+            with open(generation) as f:
+                base_generation = json.load(f)
     dtype = DTYPES[dtype_name] if dtype_name else None
     if not os.path.isfile(ckpt):   # a checkpoint folder: read a piece at a time
         if not qat_masters:
             configs = checkpoint.read_train_state(checkpoint.resolve_checkpoint(ckpt)).get("configs") or {}
             _refuse_qat_masters(ckpt, (configs.get("qat") or {}).get("weight_bits"))
         export_checkpoint(ckpt, hf_dir, dtype=dtype, family=family, hub_config=base, overwrite=overwrite,
-                          max_shard_bytes=max_shard_bytes)
+                          max_shard_bytes=max_shard_bytes, generation_config=base_generation)
         return
     source = load_checkpoint_model(ckpt)   # a consolidated file holds the whole model anyway
     if not qat_masters:
@@ -81,7 +86,10 @@ def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: boo
     fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
     model = load_checkpoint_weights(dataclasses.replace(source, description=fp32))
     model.hub_config = base or imported
-    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    model.hub_generation_config = base_generation if base else source.configs.get("hf_generation")
+    token_ids = None if model.hub_config else run_token_ids(source.configs.get("data") or {})
+    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                    token_ids=token_ids)
 
 
 def main(argv=None) -> int:
@@ -101,8 +109,9 @@ def main(argv=None) -> int:
                      "folder with weights is refused: transformers could load those instead)")
     exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB", help="the largest file written (transformers' "
                      "max_shard_size: 5GB, 500MB, ...); export holds about one such file in memory")
-    exp.add_argument("--hf-config", default=None, help="a Hub config.json (or its folder) whose other fields "
-                                                        "(token ids) the export keeps")
+    exp.add_argument("--hf-config", default=None, help="a Hub config.json (or its folder, then its "
+                     "generation_config.json too) whose other fields (token ids) the export keeps; it must describe "
+                     "this model (another model's sliding window, ... is refused)")
     exp.add_argument("--qat-masters", action="store_true", help="a QAT run's checkpoint: write its fp32 master "
                      "weights as they are (not the quantized weights its forward used; refused without this)")
     args = parser.parse_args(argv)

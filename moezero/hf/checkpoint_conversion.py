@@ -26,6 +26,7 @@ from moezero.hf.files import HubDirectory
 from moezero.hf.keys import Link, links
 from moezero.hf.load import check_hub_shapes, check_key_sets, hub_configs, hub_dtype, run_configs
 from moezero.hf.save import save_pretrained
+from moezero.hf.token_ids import run_token_ids
 from moezero.models import GPTModel
 from moezero.deferred_values import allocate, defer_values
 
@@ -87,17 +88,21 @@ def _fresh_adamw_scalars() -> Dict:
 
 def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = None, family: Optional[str] = None,
                       hub_config: Optional[Dict] = None, overwrite: bool = False,
-                      max_shard_bytes: int = 5 * 2 ** 30) -> None:
+                      max_shard_bytes: int = 5 * 2 ** 30, generation_config: Optional[Dict] = None) -> None:
     """The Hub folder of checkpoint `path`'s fp32 masters (a --save root, an iter_N folder), in `dtype` (default:
     an imported model's source dtype, else the run's params'), as `family` (default: the one that holds it);
-    `hub_config`: a Hub config whose other fields (token ids) to keep (default: an imported model's)."""
+    `hub_config`, `generation_config`: a Hub config whose other fields (token ids) to keep and the generation
+    config to write (default: an imported model's; a run from scratch names its tokenizer's tokens)."""
     reader = checkpoint.CheckpointReader(checkpoint.resolve_checkpoint(path))
     configs = upgrade_stored_configs(reader.train_state["configs"])
     saved_names = {canonical_name(n): n for n in reader.train_state["param_shapes"]}
     model = _model_reading(reader, configs, saved_names)
     model.hub_config = hub_config or configs.get("hf")
+    model.hub_generation_config = generation_config if hub_config else configs.get("hf_generation")
+    token_ids = None if model.hub_config else run_token_ids(configs.get("data") or {})
     dtype = dtype or (hub_dtype(configs["hf"]) if configs.get("hf") else _run_dtype(configs.get("train") or {}))
-    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                    token_ids=token_ids)
 
 
 def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTModel:

@@ -92,7 +92,11 @@ class Family:
         # the aux loss trains and defines no weights; a list of them has no config.json spelling
         model_only = None if moe is None else dataclasses.replace(moe, load_balancing_type="aux_loss",
                                                                    aux_loss_coeff=0.0)
-        hf = with_defaults(self._written(gpt, model_only, "float32"), self)
+        yield from self.config_differences(self._written(gpt, model_only, "float32"), gpt, moe)
+
+    def config_differences(self, hf: Dict[str, Any], gpt: GPTConfig, moe: Optional[MoEConfig]) -> Iterator[str]:
+        """Where the model config.json `hf` reads back as differs from (gpt, moe) (nothing: it is that model)."""
+        hf = with_defaults(hf, self)
         problem = self.refusal(hf)
         if problem:
             yield f"its config.json would say {problem}"

@@ -40,6 +40,8 @@ class HubDirectory:
         self.config = _read_json(config_path)
         if not isinstance(self.config, dict):
             raise CheckpointMismatch(f"{config_path}: not a config (a JSON object is expected)")
+        generation = os.path.join(path, "generation_config.json")
+        self.generation_config = _read_json(generation) if os.path.isfile(generation) else None
         self._open: Dict[str, object] = {}
         self.weight_map = self._weight_map()
         self.mxfp4 = {k[:-len("_blocks")] for k in self.weight_map

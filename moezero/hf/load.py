@@ -48,15 +48,19 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     if lazy:
         _refuse_forward_until_read(model)
     model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
+    model.hub_generation_config = hub.generation_config
     return model.eval()
 
 
 def run_configs(path: str) -> Dict[str, Dict]:
     """The configs a training run takes from the Hub directory `path` (what `tools/hf_checkpoint.py import`
-    stores, what --load-hf applies): its model and MoE configs, the Hub config itself, and its tokenizer."""
+    stores, what --load-hf applies): its model and MoE configs, the Hub config itself and its generation config
+    (an export writes them back), and its tokenizer."""
     hub = HubDirectory(path)
     gpt, moe = hub_configs(hub)
     configs = {"model": dataclasses.asdict(gpt), "moe": dataclasses.asdict(moe or MoEConfig()), "hf": hub.config}
+    if hub.generation_config is not None:
+        configs["hf_generation"] = hub.generation_config
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         configs["data"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(path)}
     return configs
@@ -70,6 +74,7 @@ def load_hub_weights(model: GPTModel, path: str) -> None:
     load_weights(model, hub, links(family_of(hub.config), model.config, model.moe_config), lazy=True)
     _refuse_forward_until_read(model)
     model.hub_config = hub.config
+    model.hub_generation_config = hub.generation_config
 
 
 def _keep_fp32(model: GPTModel, family, table: Dict[str, Link]) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from moezero.hf.families import FAMILIES, Family, UnsupportedModel, family_for
 from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
+from moezero.hf.token_ids import NO_TOKEN_IDS
 from moezero.hf.staged_write import abandon_write, finish_write, start_write, write_shard
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
@@ -26,15 +27,19 @@ from moezero.parallel.expert_marker import expert_shard_of
 def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups] = None,
                     family: Union[str, Family, None] = None, dtype: Optional[torch.dtype] = None,
                     optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, token_ids: Optional[Dict[str, Optional[int]]] = None) -> None:
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
-    model's). A model from from_pretrained keeps its source config's other fields (token ids, ...).
-    A folder holding weights already is refused unless `overwrite` (see `staged_write.start_write`).
+    model's). A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
+    generation_config.json; one with no source names the tokens `token_ids` gives (`token_ids.tokenizer_token_ids`
+    of its run), else none (never the family's defaults). A source config that would read back as another model
+    (another model's sliding window, ...) is refused. A folder holding weights already is refused unless
+    `overwrite` (see `staged_write.start_write`).
     Collective under torch.distributed: call it on every rank (`groups`: the ones the model was built with)."""
     gpt, moe = model.config, model.moe_config
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
     family.check_expressible(gpt, moe)
     dtype = dtype or model.embedding.weight.dtype
+    config = _hub_config(model, family, dtype, token_ids)
     table = links(family, gpt, moe)
     tensors = model_tensors(model, table)
     layout = _HubLayout(table, family, dtype, groups)
@@ -46,7 +51,8 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     failure = None
     if _rank() == 0:
         try:
-            finish_write(staging, path, _hub_config(model, family, dtype), plan.file_of, layout.total_bytes)
+            finish_write(staging, path, config, plan.file_of, layout.total_bytes,
+                         getattr(model, "hub_generation_config", None))
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path, None)
@@ -165,13 +171,22 @@ def _piece_name(name: str, first_expert: Optional[int]) -> str:
     return name if first_expert is None else f"{name}@experts{first_expert}"
 
 
-def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype) -> Dict:
-    config = dict(getattr(model, "hub_config", None) or {})   # token ids and the like of the source
+def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
+               token_ids: Optional[Dict[str, Optional[int]]]) -> Dict:
+    source = getattr(model, "hub_config", None)
+    # token ids and the like of the source (what it omits keeps its class default); with none, the run's tokens
+    config = dict(source) if source else dict(token_ids or NO_TOKEN_IDS)
     config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
+    config.pop("auto_map", None)   # the folder holds no remote code: transformers' own class of the family runs it
     # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
     for stale in ("rope_scaling", "original_max_position_embeddings"):
         config.pop(stale, None)
     config.update(family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", "")))
+    problem = next(family.config_differences(config, model.config, model.moe_config), None)
+    if problem:
+        raise UnsupportedModel(f"the Hub config whose other fields the export keeps (--hf-config, or the model's "
+                               f"source) describes another model than this one: {problem}; export with a config of "
+                               "this model, or none")
     return config
 
 

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -59,14 +59,15 @@ def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> No
               metadata={"format": "pt"})
 
 
-def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int) -> None:
-    """The index and config.json into the staging folder, then its files into `path` (the old model's out)."""
+def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int,
+                 generation_config: Optional[Dict] = None) -> None:
+    """The index, config.json and generation_config.json (if given) into the staging folder, then its files into
+    `path` (the old model's out)."""
     try:
-        with open(os.path.join(staging, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2,
-                      sort_keys=True)
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        _write_json(os.path.join(staging, INDEX), {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+        _write_json(os.path.join(staging, "config.json"), config)
+        if generation_config is not None:
+            _write_json(os.path.join(staging, "generation_config.json"), generation_config)
         os.makedirs(path, exist_ok=True)
         for name in _model_files(path):
             os.remove(os.path.join(path, name))
@@ -74,6 +75,11 @@ def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, st
             os.replace(os.path.join(staging, name), os.path.join(path, name))
     finally:
         abandon_write(staging)
+
+
+def _write_json(path: str, value: Dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
 
 
 def abandon_write(staging: str) -> None:

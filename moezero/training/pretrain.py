@@ -23,6 +23,7 @@ from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indic
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
 from moezero.config import ConfigError, is_moe_layer
 from moezero.hf import UnsupportedModel, save_pretrained
+from moezero.hf.token_ids import tokenizer_token_ids
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
 from moezero.models.upcycling import upcycle
@@ -68,7 +69,7 @@ class Pretraining:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
-        self.hub_config = start.hub_config
+        self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:
             checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
@@ -376,6 +377,8 @@ class Pretraining:
         configs = {f.name: dataclasses.asdict(getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)}
         if self.hub_config is not None:
             configs["hf"] = self.hub_config
+        if self.hub_generation_config is not None:
+            configs["hf_generation"] = self.hub_generation_config
         return configs
 
     def _check_exportable(self) -> None:
@@ -398,11 +401,13 @@ class Pretraining:
 
     def _save_hf(self) -> None:
         """--save-hf: the model as a Hub folder of this iteration, every rank writing its share (in the Hub
-        source's dtype for a run that started from one, else the params')."""
+        source's dtype and with its token ids for a run that started from one, else the params' dtype and the
+        run tokenizer's ids)."""
         path = os.path.join(self.cfg.checkpoint.save_hf, f"iter_{self.iteration:07d}")
         dtype = hub_dtype(self.hub_config) if self.hub_config is not None else None
-        self.model.hub_config = self.hub_config
-        save_pretrained(self.model, path, groups=self.groups, dtype=dtype, optimizer=self.opt, overwrite=True)
+        self.model.hub_config, self.model.hub_generation_config = self.hub_config, self.hub_generation_config
+        save_pretrained(self.model, path, groups=self.groups, dtype=dtype, optimizer=self.opt, overwrite=True,
+                        token_ids=tokenizer_token_ids(self.data.tokenizer))
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")
 

@@ -21,6 +21,7 @@ class RunStart:
     cfg: Configs                                  # the flags, with the model a Hub folder or checkpoint defines
     point: Optional[ResumePoint]                  # the checkpoint the run resumes from (None: a new run)
     hub_config: Optional[Dict[str, Any]]          # the Hub config the model came from (--load-hf), if any
+    hub_generation_config: Optional[Dict[str, Any]] = None   # and its generation_config.json, if any
     dense_source: Optional[ResumePoint] = None    # --moe-use-upcycling: the dense checkpoint of the experts
     notices: List[str] = field(default_factory=list)   # lines for the run's log
 
@@ -35,10 +36,11 @@ def resolve_start(cfg: Configs) -> RunStart:
                        f"{cfg.checkpoint.load} again")
     hub = cfg.checkpoint.load_hf
     hub_config = point.configs.get("hf") if point is not None else None
+    hub_generation = point.configs.get("hf_generation") if point is not None else None
     if hub is not None:   # the Hub folder says what the model is, resumed or not
         hub_configs = run_configs(hub)
         cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
-        hub_config = hub_configs["hf"]
+        hub_config, hub_generation = hub_configs["hf"], hub_configs.get("hf_generation")
         if point is not None:
             notices.append(f" --load-hf: resuming from the run's own checkpoint {point.path}, not {hub}")
     if point is not None and upcycling:
@@ -55,7 +57,7 @@ def resolve_start(cfg: Configs) -> RunStart:
     if point is not None and upcycling:
         check_upcyclable(cfg.model, cfg.moe)
         dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
-    return RunStart(cfg, point, hub_config, dense_source, notices)
+    return RunStart(cfg, point, hub_config, hub_generation, dense_source, notices)
 
 
 def _upcycled_runs_own_checkpoint(cfg: Configs) -> Optional[ResumePoint]:

@@ -188,8 +188,12 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     assert refused.returncode == 2 and "holds weights already (model-00009-of-00009.safetensors, model.safetensors" \
         in lines[-1] and "Traceback" not in refused.stderr and sorted(os.listdir(used)) == before
     _tool("export", ckpt, used, "--overwrite")
-    assert sorted(os.listdir(used)) == ["config.json", "model-00001-of-00001.safetensors", "model.pt",
-                                        "model.safetensors.index.json", "tokenizer.json", "training_args.bin"]
+    assert sorted(os.listdir(used)) == ["config.json", "generation_config.json", "model-00001-of-00001.safetensors",
+                                        "model.pt", "model.safetensors.index.json", "tokenizer.json",
+                                        "training_args.bin"]
+    with open(os.path.join(used, "generation_config.json")) as f, \
+            open(os.path.join(hub, "generation_config.json")) as g:
+        assert json.load(f) == json.load(g)   # the import's, carried through the checkpoint
     theirs = hf_logits(load_with_transformers(used), PROBE)
     torch.testing.assert_close(theirs, hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=1e-10)
 
@@ -305,3 +309,39 @@ def test_a_qat_checkpoint_exports_its_fp32_masters_only_when_asked(tmp_path):
     assert refused.returncode == 2 and "trained with QAT (--qat-weight-bits 4)" in refused.stderr, refused.stderr
     _tool("export", ckpt, str(tmp_path / "hf"), "--qat-masters")
     assert os.path.isfile(tmp_path / "hf" / "config.json")
+
+
+def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
+    """A model trained from scratch has no source config: its export (tools' and --save-hf's) names the run's
+    end-of-document token as eos and no bos/pad, where the family's class defaults (Mixtral: bos 1, eos 2) would
+    make transformers' generate stop at another token. An --hf-config of another model (biased MLPs here, which
+    transformers would build and leave random) is refused in one line."""
+    from moezero.data import ByteLevelTokenizer
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights"]
+    ckpt, out, saved_hf = str(tmp_path / "ckpt"), str(tmp_path / "out"), str(tmp_path / "hf")
+    run_ = pretraining(configs(TINY + llama + ["--train-iters", "1", "--save", ckpt, "--save-hf", saved_hf,
+                                               "--data-cache-path", str(tmp_path / "cache")]))
+    run_.train()
+    run_.groups.destroy()
+    _tool("export", ckpt, out)
+    eod = ByteLevelTokenizer.eod
+    for folder in (out, os.path.join(saved_hf, "iter_0000001")):
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, eod, None)
+        generation = load_with_transformers(folder).generation_config
+        assert (generation.eos_token_id, generation.bos_token_id) == (eod, None), folder
+
+    base = dict(config, mlp_bias=True)
+    with open(tmp_path / "base.json", "w") as f:
+        json.dump(base, f)
+    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--hf-config",
+                   str(tmp_path / "base.json")], timeout=120)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and "describes another model than this one" in lines[-1] and \
+        "mlp_bias" in lines[-1] and "Traceback" not in refused.stderr, refused.stderr
+    assert not (tmp_path / "other").exists()
