@@ -7,6 +7,7 @@ tensors are read.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -36,8 +37,12 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     `overwrite` (see `staged_write.start_write`).
     Collective under torch.distributed: call it on every rank (`groups`: the ones the model was built with)."""
     gpt, moe = model.config, model.moe_config
+    if isinstance(family, str) and family not in FAMILIES:
+        raise UnsupportedModel(f"family {family!r}: no such Hugging Face family (one of {', '.join(FAMILIES)})")
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
     family.check_expressible(gpt, moe)
+    if _rank() == 0:
+        _warn_of_routing_transformers_lacks(moe, family)
     dtype = dtype or model.embedding.weight.dtype
     config = _hub_config(model, family, dtype, token_ids)
     table = links(family, gpt, moe)
@@ -188,6 +193,17 @@ def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
                                f"source) describes another model than this one: {problem}; export with a config of "
                                "this model, or none")
     return config
+
+
+def _warn_of_routing_transformers_lacks(moe, family: Family) -> None:
+    """Routing the run did that transformers' model does not (the weights are the same; the outputs differ)."""
+    if moe is not None and moe.capacity_factor is not None:
+        warnings.warn(f"the model routes with an expert capacity factor ({moe.capacity_factor:g}: tokens over an "
+                      f"expert's capacity are dropped); transformers' {family.architecture} routes every token, so "
+                      "its outputs differ wherever this model drops tokens")
+    if moe is not None and moe.force_load_balancing:
+        warnings.warn(f"the model routes by random logits (--moe-router-force-load-balancing); transformers' "
+                      f"{family.architecture} routes by the trained router, so its outputs differ")
 
 
 def _agreed_staging(path: str, overwrite: bool) -> str:

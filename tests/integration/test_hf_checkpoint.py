@@ -314,7 +314,8 @@ def test_a_qat_checkpoint_exports_its_fp32_masters_only_when_asked(tmp_path):
 def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
     """A model trained from scratch has no source config: its export (tools' and --save-hf's) names the run's
     end-of-document token as eos and no bos/pad, where the family's class defaults (Mixtral: bos 1, eos 2) would
-    make transformers' generate stop at another token. An --hf-config of another model (biased MLPs here, which
+    make transformers' generate stop at another token; it warns that transformers routes without the run's
+    capacity factor. An --hf-config of another model (biased MLPs here, which
     transformers would build and leave random) is refused in one line."""
     from moezero.data import ByteLevelTokenizer
     from moezero.recipe import pretraining
@@ -327,7 +328,8 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
                                                "--data-cache-path", str(tmp_path / "cache")]))
     run_.train()
     run_.groups.destroy()
-    _tool("export", ckpt, out)
+    exported = _tool("export", ckpt, out)
+    assert "capacity factor (1.5" in exported.stderr and "routes every token" in exported.stderr   # TINY's
     eod = ByteLevelTokenizer.eod
     for folder in (out, os.path.join(saved_hf, "iter_0000001")):
         with open(os.path.join(folder, "config.json")) as f:
@@ -345,3 +347,7 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
     assert refused.returncode == 2 and "describes another model than this one" in lines[-1] and \
         "mlp_bias" in lines[-1] and "Traceback" not in refused.stderr, refused.stderr
     assert not (tmp_path / "other").exists()
+    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--family",
+                   "mixtrall"], timeout=120)
+    assert refused.returncode == 2 and "family 'mixtrall': no such Hugging Face family (one of mixtral," in \
+        refused.stderr.strip().splitlines()[-1], refused.stderr
