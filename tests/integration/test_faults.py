@@ -203,3 +203,22 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
         assert "Traceback" not in "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_diverged_run_on_two_ranks_stops_every_rank_in_one_line(tmp_path):
+    """A loss that goes to NaN (lr 1e9) under --check-for-nan-in-loss-and-grad (the default) ends both ranks at the
+    same iteration, promptly and in one line, and the step is not saved: `latest` is the last finite iteration's."""
+    from tests.integration.scripts import PRETRAIN, run, torchrun
+
+    save = str(tmp_path / "ckpt")
+    proc = run(torchrun(2, PRETRAIN) + [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--train-iters", "20", "--lr", "1e9",
+        "--clip-grad", "0", "--num-workers", "0", "--eval-interval", "100", "--eval-iters", "1", "--log-interval", "1",
+        "--save", save, "--save-interval", "1"], timeout=180)
+    errors = re.findall(r"error: iteration (\d+): the loss or the gradient is not finite", proc.stdout + proc.stderr)
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback (most recent call last)" not in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    stopped_at = int(errors[0])
+    assert stopped_at > 1 and checkpoint.latest_iteration(save) == stopped_at - 1
