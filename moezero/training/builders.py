@@ -46,8 +46,8 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
         train = max(t.train_samples or t.train_iters * t.global_batch_size, needed)
     valid, per_evaluation = 0, t.eval_iters * t.global_batch_size
     if t.evaluates:
-        evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1)
-                          if i % t.eval_interval == 0 or i == t.train_iters)
+        # every --eval-interval, and once more after training (Megatron's)
+        evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1) if i % t.eval_interval == 0) + 1
         valid = max((t.train_iters // t.eval_interval + 1) * per_evaluation,
                     progress.consumed_valid_samples + evaluations * per_evaluation)
     test = per_evaluation if cfg.data.split_weights[2] > 0 else 0

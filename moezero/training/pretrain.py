@@ -174,6 +174,10 @@ class Pretraining:
             self._finish_pending()
         finally:   # the handlers stay while it is written: a signal then waits for it instead of killing it
             stop.close()
+        # Megatron's order for a run that finished: the checkpoint, then one more validation (its window is not
+        # in the checkpoint: a longer run resumed from it validates there again), then the test split
+        if self.stop_reason is None and self.cfg.train.evaluates:
+            self._evaluate("valid", after_training=True)
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
         finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
@@ -232,7 +236,7 @@ class Pretraining:
                 logged_lr = self.lr_schedule.lr(self.lr_schedule_steps)
                 self._log_step(metrics, moe, logged_lr, batch_size, step_time, eta, board,
                                interval if console else None)
-            if t.evaluates and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+            if t.evaluates and self.iteration % t.eval_interval == 0:
                 self._evaluate("valid")
             if self._pending is not None and self._pending.done_everywhere():
                 self._finish_pending()
@@ -330,8 +334,9 @@ class Pretraining:
         depths = range(model.num_layers, model.num_layers + (model.mtp_num_layers or 0))
         return decoder + (list(depths) if model.num_layers - 1 in decoder else [])
 
-    def _evaluate(self, split: str) -> None:
-        """Mean lm loss over --eval-iters global batches of the validation split, or of the test split."""
+    def _evaluate(self, split: str, after_training: bool = False) -> None:
+        """Mean lm loss over --eval-iters global batches of the validation split, or of the test split (the
+        validation `after_training` is printed as Megatron's: '... at iteration N on validation set')."""
         t = self.cfg.train
         start = self.progress.consumed_valid_samples if split == "valid" else 0
         indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
@@ -349,7 +354,8 @@ class Pretraining:
         if self.history:
             self.history[-1][f"{name}_loss"] = loss
         values = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 20.0))}
-        self.logger.print(format_validation_line(self.iteration, values, "" if split == "valid" else "test"))
+        where = "test" if split == "test" else "validation" if after_training else ""
+        self.logger.print(format_validation_line(self.iteration, values, where))
         self.logger.log(tensorboard_scalars(values), self.iteration)
         if split == "valid":
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)

@@ -49,7 +49,8 @@ def test_a_resume_with_another_batch_size_reads_on_from_the_consumed_samples(tmp
     second = _run(resume + ["--override-opt_param-scheduler"], cache)
     assert second.data.train.read[:16] == list(range(40, 56))   # not 80..95 (iteration 5 x 16)
     assert second.data.train.read == list(range(40, 120))
-    assert second.data.valid.read == list(range(16, 16 + 3 * 16))   # at 6, 8 and 10: batches of 16 now
+    # at 6, 8 and 10 (batches of 16 now), then once after the final save (Megatron's): not in the checkpoint
+    assert second.data.valid.read == list(range(16, 16 + 4 * 16))
     assert [h["iteration"] for h in second.history] == [6, 7, 8, 9, 10]
     assert _saved_progress(ckpt)["consumed_train_samples"] == 120
     assert _saved_progress(ckpt)["consumed_valid_samples"] == 64
@@ -68,3 +69,21 @@ def test_a_ramp_grows_the_batch_by_consumed_samples_and_resumes_on_it(tmp_path):
     second = _run(ramp + ["--load", ckpt], cache)
     assert second.data.train.read == list(range(16, sum(sizes)))
     assert [h["lm_loss"] for h in first.history + second.history] == [h["lm_loss"] for h in straight.history]
+
+
+def test_validation_runs_at_each_interval_then_after_the_final_save(tmp_path, capsys):
+    """Megatron's order: in the loop only at multiples of --eval-interval; after training (and its final save)
+    one more validation, printed '... on validation set', whose window the checkpoint does not count, so a
+    longer run resumed from it validates there again. The last iteration off the interval (5) is not an in-loop
+    validation."""
+    cache, ckpt = str(tmp_path), str(tmp_path / "ckpt")
+    evals = ["--eval-interval", "2", "--eval-iters", "1"]
+    first = _run(TINY + evals + ["--train-iters", "5", "--save", ckpt], cache)
+    out = capsys.readouterr().out
+    assert first.data.valid.read == list(range(24))   # at 2 and 4, then after training
+    assert [line.split("|")[0].strip() for line in out.splitlines() if "validation loss at" in line] == [
+        "validation loss at iteration 2", "validation loss at iteration 4",
+        "validation loss at iteration 5 on validation set"]
+    assert _saved_progress(ckpt)["consumed_valid_samples"] == 16
+    longer = _run(TINY + evals + ["--train-iters", "6", "--load", ckpt, "--save", ckpt], cache)
+    assert longer.data.valid.read == list(range(16, 32))   # at 6 the window after-training read, then the next
