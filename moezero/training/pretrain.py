@@ -200,9 +200,13 @@ class Pretraining:
         t, ck = self.cfg.train, self.cfg.checkpoint
         run_timer, interval = Timer(), LogInterval()
         start_iteration = self.iteration
+        last_batch_size = self.batch_schedule.batch_size(self.progress.consumed_train_samples)
         while self.iteration < t.train_iters:
             consumed = self.progress.consumed_train_samples
             batch_size = self.batch_schedule.batch_size(consumed)
+            if batch_size != last_batch_size and ck.save and self._saved_at != self.iteration:
+                self._save()   # Megatron's: a checkpoint whenever a batch ramp changes the number of micro-batches
+            last_batch_size = batch_size
             for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
                 group["lr"] = self.lr_schedule.group_lr(self.lr_schedule_steps, group)
                 group["weight_decay"] = self.lr_schedule.weight_decay * group["wd_mult"]   # over a checkpoint's

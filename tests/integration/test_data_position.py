@@ -66,6 +66,8 @@ def test_a_ramp_grows_the_batch_by_consumed_samples_and_resumes_on_it(tmp_path):
     # 2 worker processes read ahead (nothing recorded here then): they only read, the numbers stay
     first = _run(ramp + ["--exit-interval", "3", "--save", ckpt, "--num-workers", "2"], cache)
     assert first.progress.consumed_train_samples == 16
+    # Megatron's checkpoint whenever the number of micro-batches changes (before steps 3 and 4: 4 -> 8 -> 12)
+    assert checkpoint.saved_iterations(ckpt) == [2, 3]
     second = _run(ramp + ["--load", ckpt], cache)
     assert second.data.train.read == list(range(16, sum(sizes)))
     assert [h["lm_loss"] for h in first.history + second.history] == [h["lm_loss"] for h in straight.history]
