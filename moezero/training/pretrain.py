@@ -41,7 +41,7 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
 from moezero.checkpoint.keys import plain_param_name
-from moezero.training.resume import (ResumePoint, check_shapes, start_iteration, start_lr_schedule,
+from moezero.training.resume import (ResumePoint, check_shapes, is_import, start_iteration, start_lr_schedule,
                                      start_progress)
 from moezero.training.run_start import resolve_start
 from moezero.training.lr_schedule import LearningRateSchedule
@@ -136,7 +136,7 @@ class Pretraining:
     def _resume(self, point: ResumePoint) -> None:
         ck = self.cfg.checkpoint
         state = checkpoint.load_checkpoint(point.path, self.model, self.opt, self.groups.control,
-                                           load_optim=not (ck.no_load_optim or ck.finetune),
+                                           load_optim=not (ck.no_load_optim or ck.finetune or is_import(point)),
                                            load_rng=not (ck.no_load_rng or ck.finetune))
         if ck.finetune:  # a new run from these weights: iteration 0, plug-ins start fresh
             self.logger.print(f" --finetune: weights from {point.path} (iteration {point.iteration}); starting at 0")

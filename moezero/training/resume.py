@@ -112,13 +112,19 @@ def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
     return Progress(consumed_train_samples=point.iteration * batch)
 
 
+def is_import(point: ResumePoint) -> bool:
+    """A Hugging Face import (tools/hf_checkpoint.py import, iteration 0): weights and configs, no schedule or
+    optimizer state yet (its run builds its own param groups)."""
+    return not point.lr_schedule and not point.configs.get("train")
+
+
 def start_lr_schedule(current: LearningRateSchedule, point: Optional[ResumePoint], ckpt, train
                       ) -> Tuple[LearningRateSchedule, float]:
     """The schedule the run follows and the samples it has advanced (Megatron's num_steps). A resume loads
     them with the optimizer, as Megatron does: --no-load-optim and --finetune start the schedule at 0."""
     if point is None or ckpt.no_load_optim or ckpt.finetune:
         return current, 0
-    if not point.lr_schedule and not point.configs.get("train"):   # an import (iteration 0): no schedule yet
+    if is_import(point):
         return current, 0
     saved = point.lr_schedule or _schedule_of_old_checkpoint(point)
     schedule = resumed_schedule(current, saved, train.override_opt_param_scheduler,

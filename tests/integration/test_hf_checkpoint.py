@@ -351,3 +351,24 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
                    "mixtrall"], timeout=120)
     assert refused.returncode == 2 and "family 'mixtrall': no such Hugging Face family (one of mixtral," in \
         refused.stderr.strip().splitlines()[-1], refused.stderr
+
+
+def test_an_import_resumes_without_finetune_as_a_requeued_job_does(tmp_path):
+    """`--load CKPT --save CKPT` on an import (a requeue script's first start, no --finetune): the import holds
+    no optimizer state (the run's weight-decay groups are its own), so the run starts fresh from its weights at
+    iteration 0, with the losses of a --finetune run; it once failed on the import's one param group."""
+    from moezero import checkpoint
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import configs
+
+    hub, ckpt = str(tmp_path / "hub"), str(tmp_path / "ckpt")
+    tiny_model("qwen3_moe", seed=3).float().save_pretrained(hub)
+    _tool("import", hub, ckpt)
+    losses = []
+    for extra in (["--load", ckpt, "--finetune"], ["--load", ckpt, "--save", ckpt]):
+        run_ = pretraining(configs(RUN + extra + ["--data-cache-path", str(tmp_path / "cache")]))
+        run_.train()
+        run_.groups.destroy()
+        losses.append([h["lm_loss"] for h in run_.history])
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    assert checkpoint.saved_iterations(ckpt) == [0, 3]
