@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from moezero.checkpoint import latest_iteration
-from moezero.hf import run_configs
+from moezero.config import ConfigError
+from moezero.hf import CheckpointMismatch, UnsupportedModel, run_configs
 from moezero.models.upcycling import check_upcyclable
 from moezero.training.configs import Configs, moe_comm_overlap_notices
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
@@ -38,7 +39,7 @@ def resolve_start(cfg: Configs) -> RunStart:
     hub_config = point.configs.get("hf") if point is not None else None
     hub_generation = point.configs.get("hf_generation") if point is not None else None
     if hub is not None:   # the Hub folder says what the model is, resumed or not
-        hub_configs = run_configs(hub)
+        hub_configs = _hub_run_configs(hub)
         cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
         hub_config, hub_generation = hub_configs["hf"], hub_configs.get("hf_generation")
         if point is not None:
@@ -70,3 +71,11 @@ def _upcycled_runs_own_checkpoint(cfg: Configs) -> Optional[ResumePoint]:
     if not (own.configs.get("moe") or {}).get("num_experts"):   # --save is also the dense --load: not saved yet
         return None
     return own
+
+
+def _hub_run_configs(hub: str) -> Dict[str, Dict[str, Any]]:
+    """--load-hf's configs; a folder moezero cannot read is one line naming the flag (as the import tool's)."""
+    try:
+        return run_configs(hub)
+    except (UnsupportedModel, CheckpointMismatch, FileNotFoundError) as exc:
+        raise ConfigError(f"--load-hf={hub}: {exc}") from None

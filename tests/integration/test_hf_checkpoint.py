@@ -372,3 +372,23 @@ def test_an_import_resumes_without_finetune_as_a_requeued_job_does(tmp_path):
         losses.append([h["lm_loss"] for h in run_.history])
     assert losses[0] == losses[1] and len(losses[0]) == 3
     assert checkpoint.saved_iterations(ckpt) == [0, 3]
+
+
+def test_load_hf_of_a_folder_moezero_cannot_read_is_one_error_naming_the_flag(tmp_path):
+    """--load-hf of a config moezero does not reproduce (a Mixtral sliding window) or of no Hub folder at all is a
+    ConfigError naming the flag (the job prints it in one line, exit 2), as the import tool refuses it."""
+    from moezero.config import ConfigError
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import configs
+
+    hub = str(tmp_path / "hub")
+    tiny_model("mixtral", seed=3).float().save_pretrained(hub)
+    with open(os.path.join(hub, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(hub, "config.json"), "w") as f:
+        json.dump(dict(config, sliding_window=8), f)
+    common = [a for a in RUN if a != "--use-checkpoint-args"] + ["--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(ConfigError, match=r"--load-hf=.*hub: mixtral config sliding_window=8: not supported"):
+        pretraining(configs(common + ["--load-hf", hub]))
+    with pytest.raises(ConfigError, match=r"--load-hf=.*nowhere: no config.json"):
+        pretraining(configs(common + ["--load-hf", str(tmp_path / "nowhere")]))
