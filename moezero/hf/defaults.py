@@ -27,3 +27,8 @@ def with_defaults(hf: Dict[str, Any], family) -> Dict[str, Any]:
     if "rope_theta" not in hf and not (hf.get("rope_parameters") or {}).get("rope_theta"):
         out["rope_theta"] = defaults.get("default_theta", 10000.0)
     return out
+
+
+def attribute_aliases(family) -> Dict[str, str]:
+    """Two names of one field in the family's config class (its attribute_map: alias -> attribute)."""
+    return dict(_declared_defaults().get(family.model_type, {}).get("attribute_map", {}))

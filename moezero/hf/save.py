@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.distributed as dist
 
+from moezero.hf.defaults import attribute_aliases
 from moezero.hf.families import FAMILIES, Family, UnsupportedModel, family_for
 from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
@@ -186,7 +187,12 @@ def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
     # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
     for stale in ("rope_scaling", "original_max_position_embeddings"):
         config.pop(stale, None)
-    config.update(family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", "")))
+    written = family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", ""))
+    for alias, attribute in attribute_aliases(family).items():   # a source's other name of a field written
+        for name, other in ((alias, attribute), (attribute, alias)):   # would be the one transformers reads
+            if name in written:
+                config.pop(other, None)
+    config.update(written)
     problem = next(family.config_differences(config, model.config, model.moe_config), None)
     if problem:
         raise UnsupportedModel(f"the Hub config whose other fields the export keeps (--hf-config, or the model's "

@@ -392,3 +392,23 @@ def test_load_hf_of_a_folder_moezero_cannot_read_is_one_error_naming_the_flag(tm
         pretraining(configs(common + ["--load-hf", hub]))
     with pytest.raises(ConfigError, match=r"--load-hf=.*nowhere: no config.json"):
         pretraining(configs(common + ["--load-hf", str(tmp_path / "nowhere")]))
+
+
+def test_a_kept_field_by_its_other_name_gives_way_to_the_written_one(tmp_path):
+    """A source config spelling the expert count by its config class's other name (num_local_experts, as
+    transformers 5 saves Qwen3-MoE) would be the one transformers reads over the family's num_experts: the export
+    writes one name only, and transformers builds the model that was saved."""
+    from moezero.hf import from_pretrained, save_pretrained
+
+    hub, out = str(tmp_path / "hub"), str(tmp_path / "out")
+    tiny_model("qwen3_moe", seed=4).float().save_pretrained(hub)
+    model = from_pretrained(hub)
+    experts = model.moe_config.num_experts
+    source = {k: v for k, v in model.hub_config.items() if k != "num_experts"}
+    model.hub_config = dict(source, num_local_experts=2 * experts)   # another model's count, by the other name
+    save_pretrained(model, out)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert written["num_experts"] == experts and "num_local_experts" not in written
+    torch.testing.assert_close(hf_logits(load_with_transformers(out), PROBE),
+                               hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0)
