@@ -79,7 +79,8 @@ class ZeroConfig(Validated):
     exp_avg_sq_dtype: str = option("fp32", "with --use-precision-aware-optimizer: Adam's second moment's storage "
                                    "dtype", choices=("fp32", "fp16", "bf16", "fp8"))
     clip_grad: float = option(1.0, "clip the global grad norm to this (0 = off)", flag="--clip-grad")
-    max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row",
+    max_skipped_steps: int = option(20, "fail after this many non-finite steps in a row (fp16: at "
+                                    "--min-loss-scale; its overflows above it back the scale off, as Megatron's)",
                                     flag="--max-consecutive-skipped-steps")
     initial_loss_scale: float = option(2.0 ** 32, "fp16 initial dynamic loss scale", flag="--initial-loss-scale")
     min_loss_scale: float = option(1.0, "fp16 minimum loss scale", flag="--min-loss-scale")

@@ -68,7 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             once unfrozen inside `modify_model()`);
             `weight_decay_groups(model, wd)` gives Megatron's no-decay rule for biases/norms/embeddings.
         loss_scaler: fp16 dynamic loss scaler (created automatically for fp16 models).
-        max_skipped_steps: raise after this many non-finite steps in a row.
+        max_skipped_steps: raise after this many non-finite steps in a row (fp16: at the minimum loss scale).
         min_unit_params: stage 3: consecutive blocks (modules of an nn.ModuleList/Sequential) share a gather
             unit until their params, expert stacks aside, reach this (a short last run joins the one before);
             blocks that all together fall short of it are gathered with their parent's unit (the root's: from the
@@ -233,13 +233,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
-        self.consecutive_skips += 1
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=True)
+        scaler = self.loss_scaler
+        # fp16: overflows while the loss scale can still back off are its search for a scale (Megatron's never
+        # stop a run); only those at --min-loss-scale count towards the limit
+        if scaler is None or scaler.scale <= scaler.min_scale:
+            self.consecutive_skips += 1
+        if scaler is not None:
+            scaler.update(overflow=True)
         if self.consecutive_skips >= self.max_skipped_steps:
+            at_minimum = " at the minimum loss scale (--min-loss-scale)" if scaler is not None else ""
             raise FloatingPointError(f"the global gradient norm was not finite in {self.consecutive_skips} "
-                                     "consecutive steps; stopping (lower --lr, check the data, or raise "
-                                     "--max-consecutive-skipped-steps)")
+                                     f"consecutive steps{at_minimum}; stopping (lower --lr, check the data, or "
+                                     "raise --max-consecutive-skipped-steps)")
         return False
 
     # ---- reading state -------------------------------------------------------------------------

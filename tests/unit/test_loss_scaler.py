@@ -64,3 +64,24 @@ def test_a_skipped_step_reports_no_gradient_norm_or_zero_count():
     metrics = StepMetrics(1.0, {}, opt.last_grad_norm, False, torch.zeros(0, 4), torch.zeros(0), {})
     assert "grad_norm" not in metrics.values()
     assert StepMetrics(1.0, {}, 2.0, True, torch.zeros(0, 4), torch.zeros(0), {}).values()["grad_norm"] == 2.0
+
+
+def test_fp16_overflows_while_the_scale_backs_off_never_stop_the_run():
+    """Megatron's fp16 run skips overflowing steps for as long as its loss scale backs off (from 2^32 a model
+    needing 2^12 skips 41 steps with hysteresis 2); moezero's --max-consecutive-skipped-steps counts only the
+    overflows at --min-loss-scale, where backing off no longer helps."""
+    from torch import nn
+
+    from moezero.zero import ZeroOptimizer
+
+    model = nn.Linear(4, 1)
+    scaler = DynamicLossScaler(scale=2.0 ** 32, hysteresis=2, min_scale=4.0)
+    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, loss_scaler=scaler, max_skipped_steps=3)
+    overflowing = torch.full((1, 4), float("inf"))
+    for _ in range(33):   # 2^32 -> 4 in 31 overflows (one tolerated, then one halving each), then 2 at 4
+        opt.backward(model(overflowing).sum())
+        assert opt.step() is False
+    assert scaler.scale == 4.0 and opt.consecutive_skips == 2   # the two at 4.0 count
+    opt.backward(model(overflowing).sum())
+    with pytest.raises(FloatingPointError, match="3 consecutive steps at the minimum loss scale"):
+        opt.step()
