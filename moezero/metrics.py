@@ -39,6 +39,7 @@ METRICS: Dict[str, Metric] = {
     "router_aux_loss": Metric(None, "aux loss"),   # moezero's: with their coefficients, summed over MoE layers
     "router_z_loss": Metric(None, "z loss"),
     "loss_scale": Metric("loss scale", "loss-scale", ".1f", vs_samples=True),
+    "world_size": Metric(None, "world-size", vs_samples=True),   # --log-world-size-to-tensorboard
     "grad_norm": Metric("grad norm", "grad-norm", ".3f", vs_samples=True),
     "num_zeros": Metric("num zeros", "num-zeros", "d", vs_samples=True),
     "params_norm": Metric("params norm", "params-norm", ".3f", vs_samples=True),

@@ -84,6 +84,12 @@ class TrainConfig(Validated):
                                "TensorBoard)", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
     tensorboard_log_interval: int = option(1, "TensorBoard scalars every N steps", flag="--tensorboard-log-interval")
+    tensorboard_queue_size: int = option(1000, "TensorBoard events held before they are written (its writer's "
+                                         "max_queue)", flag="--tensorboard-queue-size")
+    log_loss_scale_to_tensorboard: bool = option(True, "the loss-scale tag (--no-log-loss-scale-to-tensorboard: "
+                                                 "not written)", flag="--log-loss-scale-to-tensorboard")
+    log_world_size_to_tensorboard: bool = option(False, "the number of processes as the world-size tag",
+                                                 flag="--log-world-size-to-tensorboard")
     wandb_project: Optional[str] = option(None, "Weights & Biases project: the TensorBoard scalars also go to a W&B "
                                           "run (WANDB_MODE=offline writes it to local files)", flag="--wandb-project")
     wandb_exp_name: Optional[str] = option(None, "the W&B run's name", flag="--wandb-exp-name")
@@ -122,7 +128,7 @@ class TrainConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._check_schedule_flags()
-        for name in ("micro_batch_size", "log_interval", "tensorboard_log_interval"):
+        for name in ("micro_batch_size", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         self._require(self.global_batch_size is None or self.global_batch_size >= 1, "global_batch_size",
                       "must be >= 1")

@@ -70,7 +70,7 @@ class TensorBoardLogger:
     run when one is given (iteration-stepped scalars only: a W&B run's steps only go forward)."""
 
     def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None,
-                 resumed_at: Optional[Tuple[int, int]] = None):
+                 resumed_at: Optional[Tuple[int, int]] = None, queue_size: int = 1000):
         """`resumed_at`: (iteration, consumed samples) of the checkpoint a resume starts from: what the folder
         holds after it is dropped first, so each step shows once (tensorboard_resume.py)."""
         self.writer, self.wandb = None, wandb
@@ -79,7 +79,7 @@ class TensorBoardLogger:
 
             if resumed_at is not None:
                 trim_after(tensorboard_dir, *resumed_at)
-            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -130,7 +130,7 @@ def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, 
     if train.wandb_project:
         wandb = WandbRun(train.wandb_project, train.wandb_exp_name,
                          train.wandb_save_dir or os.path.join(save_dir, "wandb"), train.wandb_entity, flags)
-    return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at)
+    return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at, train.tensorboard_queue_size)
 
 
 def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,

@@ -57,6 +57,10 @@ class ImplementationConfig(Validated):
                                    choices=(0, 1, 2))
     trust_remote_code: bool = option(False, "accepted: the tokenizers here read local files only",
                                      flag="--trust-remote-code")
+    timing_log_option: str = option("minmax", "accepted: moezero logs the iteration time", flag="--timing-log-option",
+                                    choices=("max", "minmax", "all"))
+    log_memory_interval: Optional[int] = option(None, "accepted: every console line carries the peak memory",
+                                                flag="--log-memory-interval")
     manual_gc: bool = option(False, "accepted: Python's garbage collector is left as it is", flag="--manual-gc")
     manual_gc_interval: int = option(0, "accepted: Python's garbage collector is left as it is",
                                      flag="--manual-gc-interval")

@@ -276,11 +276,12 @@ class Pretraining:
         if ratios:
             values["moe_max_mean_load"] = max(ratios)
         if board:
-            scalars = tensorboard_scalars(values)
+            board_values = self._board_values(values)
+            scalars = tensorboard_scalars(board_values)
             if layers and self.cfg.train.moe_per_layer_logging:
                 scalars.update(moe_layer_loss_scalars(layers, m))
             self.logger.log(scalars, self.iteration)
-            self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
+            self.logger.log_vs_samples(vs_samples_scalars(board_values), self.progress.consumed_train_samples)
         if interval is not None:
             line = dict(values, **interval.summary())
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
@@ -296,6 +297,14 @@ class Pretraining:
                     for plugin in self.plugins.values():
                         layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
                 self.logger.log(layer_loads, self.iteration)
+
+    def _board_values(self, values: Dict[str, float]) -> Dict[str, float]:
+        """The step's values TensorBoard gets: Megatron's switches for the loss scale and the world size."""
+        t = self.cfg.train
+        board = {k: v for k, v in values.items() if k != "loss_scale" or t.log_loss_scale_to_tensorboard}
+        if t.log_world_size_to_tensorboard:
+            board["world_size"] = self.world
+        return board
 
     def _step_values(self, m: StepMetrics, lr: float, batch_size: int, step_time: float) -> Dict[str, float]:
         t = self.cfg.train

@@ -151,6 +151,27 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert all(0 < e.value for e in events.Scalars("throughput") + events.Scalars("load_balancing_loss"))
 
 
+def test_megatrons_tensorboard_switches(tmp_path):
+    """--no-log-loss-scale-to-tensorboard leaves out loss-scale (the console keeps it), --log-world-size-to-tensorboard
+    writes world-size and its series over samples; --tensorboard-queue-size, --timing-log-option and
+    --log-memory-interval are taken as Megatron scripts pass them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    run = pretraining(configs(TINY + [
+        "--train-iters", "2", "--tensorboard-dir", tb, "--no-log-loss-scale-to-tensorboard",
+        "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5", "--timing-log-option", "max",
+        "--log-memory-interval", "2", "--data-cache-path", str(tmp_path)]))
+    run.train()
+    run.groups.destroy()
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "loss-scale" not in tags and "loss-scale vs samples" not in tags and "lm loss" in tags
+    assert [(e.step, e.value) for e in events.Scalars("world-size")] == [(1, 1.0), (2, 1.0)]
+    assert [e.step for e in events.Scalars("world-size vs samples")] == [8, 16]
+
+
 def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     """A run logs 6 iterations (checkpoints at 3 and 6), a resume from iteration 3 logs 4-6 again into the same
     folder: each series shows each step once, iterations 4-6 with the resumed run's values; the 'vs samples'
