@@ -45,7 +45,9 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
     else:
         train = max(t.train_samples or t.train_iters * t.global_batch_size, needed)
     valid, per_evaluation = 0, t.eval_iters * t.global_batch_size
-    if t.evaluates:
+    if t.evaluates and t.skip_train:   # one evaluation, from the split's start
+        valid = per_evaluation
+    elif t.evaluates:
         # every --eval-interval, and once more after training (Megatron's)
         evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1) if i % t.eval_interval == 0) + 1
         valid = max((t.train_iters // t.eval_interval + 1) * per_evaluation,

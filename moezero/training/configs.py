@@ -80,6 +80,9 @@ class TrainConfig(Validated):
     eval_interval: int = option(50, "evaluate every N steps (0 = never)", flag="--eval-interval")
     eval_iters: int = option(100, "global batches per evaluation (0: no validation or test evaluation)",
                              flag="--eval-iters")
+    skip_train: bool = option(False, "no training (Megatron's): evaluate --load's weights on --eval-iters global "
+                              "batches of the validation and the test split, each from its start, and exit "
+                              "(nothing saved or written to TensorBoard)", flag="--skip-train")
     log_interval: int = option(100, "the console line every N steps (and moezero's per-expert loads in "
                                "TensorBoard)", flag="--log-interval")
     tensorboard_dir: Optional[str] = option(None, "TensorBoard event directory", flag="--tensorboard-dir")
@@ -197,8 +200,9 @@ class TrainConfig(Validated):
 
     @property
     def evaluates(self) -> bool:
-        """Whether validation runs (Megatron's do_valid: --eval-interval and --eval-iters both above 0)."""
-        return self.eval_interval > 0 and self.eval_iters > 0
+        """Whether validation runs (Megatron's do_valid: --eval-iters above 0, and --eval-interval too unless
+        --skip-train)."""
+        return self.eval_iters > 0 and (self.eval_interval > 0 or self.skip_train)
 
     @property
     def ramps_batch_size(self) -> bool:

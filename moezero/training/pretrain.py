@@ -82,7 +82,7 @@ class Pretraining:
             notices.append(f" {defaulted}")
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples,
                                     new_model=point is None and dense_source is None)
-        self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune)
+        self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune, cfg.train.skip_train)
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
         try:
             self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
@@ -157,6 +157,9 @@ class Pretraining:
         end with --save. `stop_reason` says why it stopped early (None: it finished)."""
         t = self.cfg.train
         self._print_header()
+        if t.skip_train:
+            self._evaluate_only()
+            return
         stop = StopConditions(t, self.groups.control)
         loader = MicroBatchLoader(self.data.train, self._train_index_lists(), self.cfg.data.num_workers)
         profiler = StepProfiler(self.cfg.profiling, self.groups.rank, t.tensorboard_dir, self.iteration)
@@ -186,6 +189,15 @@ class Pretraining:
         if self.stop_reason is not None:
             saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
             self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
+        self.logger.close()
+
+    def _evaluate_only(self) -> None:
+        """--skip-train, as Megatron's: no step and no save; the loaded weights' validation and test losses."""
+        self.logger.print(" skipping training (--skip-train is on) ...")
+        if self.cfg.train.evaluates:
+            self._evaluate("valid", after_training=True)
+        if self.data.test is not None:
+            self._evaluate("test")
         self.logger.close()
 
     def _train_index_lists(self) -> Iterator[List[int]]:
@@ -351,7 +363,8 @@ class Pretraining:
         """Mean lm loss over --eval-iters global batches of the validation split, or of the test split (the
         validation `after_training` is printed as Megatron's: '... at iteration N on validation set')."""
         t = self.cfg.train
-        start = self.progress.consumed_valid_samples if split == "valid" else 0
+        # Megatron's --skip-train validates from the split's start too
+        start = self.progress.consumed_valid_samples if split == "valid" and not t.skip_train else 0
         indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
                                      self.world, start)
         loader = MicroBatchLoader(self.data.valid if split == "valid" else self.data.test, indices,
@@ -369,6 +382,8 @@ class Pretraining:
         values = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 20.0))}
         where = "test" if split == "test" else "validation" if after_training else ""
         self.logger.print(format_validation_line(self.iteration, values, where))
+        if t.skip_train:   # Megatron's write_to_tensorboard=not args.skip_train
+            return
         self.logger.log(tensorboard_scalars(values), self.iteration)
         if split == "valid":
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)

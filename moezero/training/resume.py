@@ -142,10 +142,13 @@ def _schedule_of_old_checkpoint(point: ResumePoint) -> Dict[str, Any]:
     return schedule.state(start_progress(point, False).consumed_train_samples)
 
 
-def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool) -> int:
-    """Where the run starts; NothingToTrain at --train-iters, a ConfigError beyond it."""
+def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool, skip_train: bool = False) -> int:
+    """Where the run starts; NothingToTrain at --train-iters, a ConfigError beyond it (but with --skip-train,
+    which trains nothing, at the checkpoint's iteration)."""
     if point is None or finetune:
         return 0
+    if skip_train:
+        return point.iteration
     if point.iteration == train_iters:
         raise NothingToTrain(f"the checkpoint {point.path} is at iteration {point.iteration} = --train-iters: "
                              "nothing to train (raise --train-iters to go on)")

@@ -172,6 +172,34 @@ def test_megatrons_tensorboard_switches(tmp_path):
     assert [e.step for e in events.Scalars("world-size vs samples")] == [8, 16]
 
 
+def test_skip_train_evaluates_the_loaded_weights_and_saves_nothing(tmp_path, capsys):
+    """Megatron's --skip-train: no step, no save, no TensorBoard; the validation of --load's weights on
+    --eval-iters global batches from the split's start, as that run's own validation after training read them
+    (its checkpoint is at --train-iters: nothing would be left to train)."""
+    from moezero import checkpoint
+
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    common = TINY + ["--train-iters", "2", "--eval-iters", "1", "--data-cache-path", str(tmp_path)]
+    trained = pretraining(configs(common + ["--eval-interval", "100", "--save", ckpt]))
+    trained.train()
+    trained.groups.destroy()
+    capsys.readouterr()
+    evaluated = pretraining(configs(common + ["--load", ckpt, "--save", ckpt, "--skip-train", "--tensorboard-dir", tb]))
+    evaluated.train()
+    evaluated.groups.destroy()
+    out = capsys.readouterr().out
+    assert "skipping training (--skip-train is on)" in out and "saved checkpoint" not in out
+    assert evaluated.history == [] and checkpoint.saved_iterations(ckpt) == [2]
+    line = next(line for line in out.splitlines() if "validation loss at iteration 2 on validation set" in line)
+    assert float(line.split("lm loss value:")[1].split("|")[0]) == pytest.approx(
+        trained.history[-1]["validation_loss"], rel=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert "lm loss validation" not in events.Tags()["scalars"]   # Megatron's write_to_tensorboard=not skip_train
+
+
 def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     """A run logs 6 iterations (checkpoints at 3 and 6), a resume from iteration 3 logs 4-6 again into the same
     folder: each series shows each step once, iterations 4-6 with the resumed run's values; the 'vs samples'
