@@ -295,7 +295,8 @@ class Pretraining:
             self.logger.log(scalars, self.iteration)
             self.logger.log_vs_samples(vs_samples_scalars(board_values), self.progress.consumed_train_samples)
         if interval is not None:
-            line = dict(values, **interval.summary())
+            line = {k: v for k, v in values.items() if k not in interval.loss_names}   # the step's own losses:
+            line.update(interval.summary())                                          # the interval's instead
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
             t = self.cfg.train
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:

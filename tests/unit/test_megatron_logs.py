@@ -49,6 +49,16 @@ def test_an_interval_averages_stepped_iterations_and_counts_the_rest():
     assert math.isfinite(interval.summary()["step_time_ms"])
 
 
+def test_a_line_whose_every_step_was_skipped_shows_no_loss(tmp_path, capsys):
+    """fp16 overflows from a huge initial loss scale skip every step: Megatron's line then has no lm loss (its
+    averages add stepped iterations only) and counts the skips; the last step's own loss is not shown instead."""
+    train(TINY + ["--train-iters", "2", "--log-interval", "2", "--fp16", "--initial-loss-scale", "1e38"],
+          str(tmp_path))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "] iteration " in line]
+    assert len(lines) == 2 and "number of skipped iterations:   1" in lines[0], lines
+    assert not any("lm loss" in line or "load_balancing_loss" in line for line in lines), lines
+
+
 def test_wandb_gets_the_scalars_tensorboard_gets(tmp_path, monkeypatch):
     """Megatron's --wandb-* flags; an offline run (local files, no network) read back: the same scalars at the
     same iterations as TensorBoard, and the run's flags as its config."""
