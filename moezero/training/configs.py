@@ -69,6 +69,14 @@ class TrainConfig(Validated):
                             flag="--optimizer", choices=("adam", "sgd"))
     weight_decay: float = option(0.01, "weight decay (not applied to biases and norms: Megatron's rule)",
                                  flag="--weight-decay")
+    weight_decay_incr_style: str = option("constant", "the weight decay over the run (Megatron's): constant "
+                                          "--weight-decay, or linear / cosine from --start-weight-decay to "
+                                          "--end-weight-decay over the run's samples",
+                                          flag="--weight-decay-incr-style", choices=("constant", "linear", "cosine"))
+    start_weight_decay: Optional[float] = option(None, "the first step's weight decay (linear / cosine)",
+                                                 flag="--start-weight-decay")
+    end_weight_decay: Optional[float] = option(None, "the weight decay at the end of the run (linear / cosine)",
+                                               flag="--end-weight-decay")
     adam_beta1: float = option(0.9, "Adam beta1", flag="--adam-beta1")
     adam_beta2: float = option(0.999, "Adam beta2", flag="--adam-beta2")
     adam_eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps")
@@ -155,12 +163,24 @@ class TrainConfig(Validated):
         self._require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                       "override_opt_param_scheduler", "give it or --use-checkpoint-opt_param-scheduler, not both")
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._check_weight_decay_increment()
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
         if self.global_batch_size is not None:   # else once the number of processes is known
             self._check_batch_dependent()
         if self.wandb_project:
             self._require(self.wandb_exp_name != "", "wandb_exp_name", "give the W&B run a name (Megatron's rule)")
+
+    def _check_weight_decay_increment(self) -> None:
+        """Megatron's validate_args: a constant weight decay is --weight-decay's; an increment needs both ends."""
+        given = [f for f in ("start_weight_decay", "end_weight_decay") if getattr(self, f) is not None]
+        if self.weight_decay_incr_style == "constant":
+            self._require(not given, given[0] if given else "start_weight_decay",
+                          "only with --weight-decay-incr-style linear or cosine (a constant one is --weight-decay)")
+            return
+        for name in ("start_weight_decay", "end_weight_decay"):
+            self._require(getattr(self, name) is not None and getattr(self, name) >= 0, name,
+                          f"a value >= 0 is needed with --weight-decay-incr-style {self.weight_decay_incr_style}")
 
     def resolve_global_batch_size(self, data_parallel_size: int) -> bool:
         """Megatron's default when --global-batch-size is not given (nor a step schedule): --micro-batch-size x

@@ -3,6 +3,7 @@
     schedule = LearningRateSchedule.from_config(cfg.train)
     lr = schedule.lr(num_steps)          # num_steps: samples the schedule has advanced before this step
     lr = schedule.lr(num_steps, group.get("max_lr"), group.get("min_lr"))   # a param group's (--decoupled-lr)
+    wd = schedule.weight_decay_at(num_steps)   # the decayed params' (--weight-decay-incr-style)
     num_steps += batch_size              # after a step that was taken (a skipped step does not advance it)
 
 Megatron's scheduler counts samples: a --train-samples run's warmup and decay are given in samples, an
@@ -41,17 +42,23 @@ class LearningRateSchedule:
     style: str
     wsd_decay: Optional[float] = None   # WSD: the samples of the final anneal
     wsd_style: str = "exponential"
-    weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms)
+    weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms); the first
     decoupled_max_lr: Optional[float] = None   # --decoupled-lr: the embedding and output layer's groups' peak
     decoupled_min_lr: Optional[float] = None   # their final lr: --decoupled-min-lr, else --min-lr
+    # --weight-decay-incr-style linear / cosine: from weight_decay to end_weight_decay over wd_incr samples
+    wd_incr_style: str = "constant"
+    end_weight_decay: Optional[float] = None
+    wd_incr: float = 0.0
 
     # what a resume compares (Megatron's scheduler state, its start/end weight decay too), with the flags each
     # comes from. The WSD anneal is not in it: as in Megatron, a resume may choose it anew (deciding the anneal
     # late is what WSD is for)
     COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
                 "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
-                "style": "--lr-decay-style", "weight_decay": "--weight-decay", "decoupled_max_lr": "--decoupled-lr",
-                "decoupled_min_lr": "--decoupled-min-lr"}
+                "style": "--lr-decay-style", "weight_decay": "--weight-decay (--start-weight-decay)",
+                "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr",
+                "wd_incr_style": "--weight-decay-incr-style", "end_weight_decay": "--end-weight-decay",
+                "wd_incr": "the weight-decay increment's length (--train-iters / --train-samples)"}
 
     @classmethod
     def from_config(cls, config) -> "LearningRateSchedule":
@@ -67,9 +74,12 @@ class LearningRateSchedule:
             wsd = config.lr_wsd_decay_iters * per_iteration if config.lr_wsd_decay_iters is not None else None
         if config.lr_warmup_fraction is not None:
             warmup = config.lr_warmup_fraction * decay
+        increments = config.weight_decay_incr_style != "constant"
+        wd_incr = (config.train_samples or config.train_iters * config.global_batch_size) if increments else 0.0
         return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
-                   wsd, config.lr_wsd_decay_style, config.weight_decay, config.decoupled_lr,
-                   _decoupled_min_lr(config))
+                   wsd, config.lr_wsd_decay_style, config.start_weight_decay if increments else config.weight_decay,
+                   config.decoupled_lr, _decoupled_min_lr(config), config.weight_decay_incr_style,
+                   config.end_weight_decay if increments else None, wd_incr)
 
     def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
@@ -94,6 +104,16 @@ class LearningRateSchedule:
             coefficient = 1.0 if num_steps <= anneal_start else \
                 _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
         return min_lr + coefficient * (max_lr - min_lr)
+
+    def weight_decay_at(self, num_steps: float) -> float:
+        """The decayed params' weight decay of a step taken at `num_steps` (Megatron's get_wd)."""
+        if self.wd_incr_style == "constant":
+            return self.weight_decay
+        if num_steps > self.wd_incr:
+            return self.end_weight_decay
+        ratio = num_steps / self.wd_incr
+        coefficient = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.weight_decay + coefficient * (self.end_weight_decay - self.weight_decay)
 
     def group_lr(self, num_steps: float, group: Dict[str, Any]) -> float:
         """A param group's learning rate: the groups --decoupled-lr made (they carry "max_lr") on this schedule's

@@ -221,7 +221,7 @@ class Pretraining:
             last_batch_size = batch_size
             for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
                 group["lr"] = self.lr_schedule.group_lr(self.lr_schedule_steps, group)
-                group["weight_decay"] = self.lr_schedule.weight_decay * group["wd_mult"]   # over a checkpoint's
+                group["weight_decay"] = self.lr_schedule.weight_decay_at(self.lr_schedule_steps) * group["wd_mult"]
             profiler.before_iteration(self.iteration)
             timer = Timer()
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]

@@ -24,9 +24,14 @@ def megatron_scheduler(t: TrainConfig, **kwargs):
     kwargs = {"use_checkpoint_opt_param_scheduler": False, **kwargs}   # the parser's default, not the class's
     return optimizer_param_scheduler.OptimizerParamScheduler(
         optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, start_wd=0.01, end_wd=0.01,
-        wd_incr_steps=t.train_iters * gbs, wd_incr_style="constant", wsd_decay_steps=wsd,
+        lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, start_wd=_or(t.start_weight_decay, t.weight_decay),
+        end_wd=_or(t.end_weight_decay, t.weight_decay), wd_incr_steps=t.train_iters * gbs,
+        wd_incr_style=t.weight_decay_incr_style, wsd_decay_steps=wsd,
         lr_wsd_decay_style=t.lr_wsd_decay_style, **kwargs), optimizer
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 STYLES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "inverse-square-root")] + \
@@ -47,6 +52,57 @@ def test_every_step_runs_megatrons_lr(style, warmup):
         if step != 7:   # a skipped step advances neither
             theirs.step(increment=t.global_batch_size)
             num_steps += t.global_batch_size
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "constant"])
+def test_every_step_runs_megatrons_weight_decay(style):
+    """--weight-decay-incr-style: each step's weight decay is Megatron's get_wd (from --start-weight-decay to
+    --end-weight-decay over the run's samples), a skipped step advancing neither."""
+    ends = dict(start_weight_decay=0.0, end_weight_decay=0.1) if style != "constant" else dict(weight_decay=0.05)
+    t = TrainConfig(lr=3e-3, train_iters=20, global_batch_size=8, weight_decay_incr_style=style, **ends)
+    theirs, optimizer = megatron_scheduler(t)
+    ours, num_steps = LearningRateSchedule.from_config(t), 0
+    for step in range(t.train_iters):
+        assert ours.weight_decay_at(num_steps) == pytest.approx(optimizer.param_groups[0]["weight_decay"],
+                                                                rel=1e-12, abs=1e-15), (step, num_steps)
+        if step != 5:
+            theirs.step(increment=t.global_batch_size)
+            num_steps += t.global_batch_size
+    assert ours.weight_decay_at(t.train_iters * 8 + 1) == pytest.approx(0.1 if style != "constant" else 0.05)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(start_weight_decay=0.0), "--start-weight-decay=0.0: only with --weight-decay-incr-style linear"),
+    (dict(weight_decay_incr_style="linear", start_weight_decay=0.0), "--end-weight-decay=None: a value >= 0"),
+])
+def test_a_weight_decay_increment_takes_megatrons_flags(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig(global_batch_size=8, **kwargs)
+
+
+def test_a_run_applies_the_weight_decay_increment_to_its_decayed_params(tmp_path):
+    """The run sets each step's weight decay on its groups: the decayed params' from the increment (here after 2
+    steps of 8 samples each of a 16-sample run: 0.1 * 8 / 16 when the second step ran), none for biases/norms."""
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import TINY, configs
+
+    run = pretraining(configs(TINY + ["--train-iters", "2", "--weight-decay-incr-style", "linear",
+                                      "--start-weight-decay", "0", "--end-weight-decay", "0.1",
+                                      "--data-cache-path", str(tmp_path)]))
+    run.train()
+    run.groups.destroy()
+    assert sorted(g["weight_decay"] for g in run.opt.param_groups) == pytest.approx([0.0, 0.05])
+
+
+def test_a_resume_compares_the_weight_decay_increment_as_megatron_does():
+    """Megatron's scheduler checks start/end weight decay, the increment's style and length on load."""
+    base = dict(lr=3e-3, train_iters=30, global_batch_size=8, weight_decay_incr_style="linear",
+                start_weight_decay=0.0, end_weight_decay=0.1)
+    for change in (dict(end_weight_decay=0.2), dict(weight_decay_incr_style="cosine"), dict(train_iters=40,
+                                                                                           lr_decay_iters=30)):
+        assert _resume(TrainConfig(**base), TrainConfig(**{**base, **change})) == ("refused", "refused"), change
+    ours, megatron = _resume(TrainConfig(**base), TrainConfig(**base))
+    assert ours == megatron != "refused"
 
 
 def test_the_first_step_runs_at_the_warmup_init_and_the_warmup_ends_at_lr():
