@@ -55,6 +55,11 @@ def is_moe_layer(layer_number: int, moe_layer_freq: Union[int, List[int]]) -> bo
     return moe_layer_freq[layer_number] == 1
 
 
+
+# Megatron's --recompute-modules choices (megatron-core's TransformerConfig)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+RECOMPUTE_KEPT = ("moe_act", "shared_experts", "mla_up_proj")   # accepted; moezero keeps them in memory
+
 @dataclass
 class GPTConfig(Validated):
     """The GPT decoder."""
@@ -185,6 +190,11 @@ class GPTConfig(Validated):
                                              flag="--recompute-method", choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = option(None, "layers per chunk (uniform) or layers recomputed (block)",
                                                  flag="--recompute-num-layers")
+    recompute_modules: Optional[List[str]] = option(
+        None, "with --recompute-granularity selective, the parts recomputed in backward (Megatron's; default "
+        "core_attn): core_attn, mlp (dense MLPs), moe (MoE layers), layernorm (the layers' norms); moe_act, "
+        "shared_experts and mla_up_proj are accepted and kept in memory (the numbers are the same)",
+        flag="--recompute-modules", choices=RECOMPUTE_MODULES, nargs="+")
     moe_layer_recompute: bool = option(False, "recompute each MoE layer in backward", flag="--moe-layer-recompute")
     mtp_num_layers: Optional[int] = option(
         None, "multi-token prediction (DeepSeek-V3's, Megatron's): this many modules after the last layer, the k-th "
@@ -404,6 +414,14 @@ class GPTConfig(Validated):
                           "recompute_num_layers", f"full needs a count between 1 and --num-layers ({self.num_layers})")
         else:
             self._require(self.recompute_method is None, "recompute_method", "needs --recompute-granularity full")
+        if self.recompute_modules and "mla_up_proj" in self.recompute_modules:   # Megatron's check
+            self._require(self.multi_latent_attention, "recompute_modules",
+                          "mla_up_proj is only supported with --multi-latent-attention")
+
+    def recomputes(self, part: str) -> bool:
+        """Whether selective recompute redoes `part` in backward (one of RECOMPUTE_MODULES)."""
+        parts = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        return self.recompute_granularity == "selective" and part in parts
 
 
 def upgrade_stored_configs(configs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:

@@ -82,7 +82,7 @@ class CausalSelfAttention(nn.Module):
             self.softmax_offset = offset
         else:   # a constant: a buffer, so that moving or casting the model moves it too
             self.register_buffer("softmax_offset", offset, persistent=False)
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = config.recomputes("core_attn")
         self.site = site
         bias = not config.disable_bias_linear
         q_width, kv_width = self.heads * self.head_dim, self.groups * self.head_dim

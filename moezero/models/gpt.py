@@ -45,7 +45,8 @@ class TransformerLayer(nn.Module):
             window = config.window_size[0] if is_window_layer(layer_number, config) else None
             self.attention = CausalSelfAttention(config, site=f"{self.site}.attention", window=window)
         self.mlp_norm = norm_layer(config)
-        self.moe_recompute = config.moe_layer_recompute
+        self.moe_recompute = config.moe_layer_recompute or config.recomputes("moe")
+        self.mlp_recompute, self.norm_recompute = config.recomputes("mlp"), config.recomputes("layernorm")
         self.mlp = mlp  # registered last: the params' order (ZeRO's bucket order) is input_norm ... mlp
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]):
@@ -53,9 +54,9 @@ class TransformerLayer(nn.Module):
 
     def forward_steps(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys], phased: bool = True) -> phases.Steps:
         """forward() in phases (moezero.phases): with `phased`, the MoE layer's."""
-        attn = self.attention(self.input_norm(x_BSD), keys)
+        attn = self.attention(self._norm(self.input_norm, x_BSD), keys)
         x_BSD = x_BSD + keyed_dropout(attn, self.hidden_dropout, self.training, keys, self.site + ".attn_out")
-        h = self.mlp_norm(x_BSD)
+        h = self._norm(self.mlp_norm, x_BSD)
         stats = None
         if isinstance(self.mlp, MoELayer) and self.moe_recompute and recomputing(self):
             out, stats = checkpoint(self.mlp, h, keys, use_reentrant=False)
@@ -63,10 +64,18 @@ class TransformerLayer(nn.Module):
             out, stats = yield from phases.module_steps(self.mlp, h, keys)
         elif isinstance(self.mlp, MoELayer):
             out, stats = self.mlp(h, keys)
+        elif self.mlp_recompute and recomputing(self):
+            out = checkpoint(self.mlp, h, use_reentrant=False)
         else:
             out = self.mlp(h)
         x_BSD = x_BSD + keyed_dropout(out, self.hidden_dropout, self.training, keys, self.site + ".mlp_out")
         return x_BSD, stats
+
+    def _norm(self, norm: nn.Module, x_BSD: torch.Tensor) -> torch.Tensor:
+        """--recompute-modules layernorm: the norm's output is recomputed in backward, not kept."""
+        if self.norm_recompute and recomputing(self):
+            return checkpoint(norm, x_BSD, use_reentrant=False)
+        return norm(x_BSD)
 
 
 class GPTModel(nn.Module):

@@ -32,7 +32,7 @@ class MultiLatentAttention(nn.Module):
         self.heads, self.site, self.dropout = H, site, config.attention_dropout
         self.nope, self.pos, self.value = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = config.recomputes("core_attn")
         # only the output projection has a bias (without --disable-bias-linear): megatron-core's MLA builds every
         # other projection with bias=False, as transformers' DeepSeek does without attention_bias
         bias = not config.disable_bias_linear

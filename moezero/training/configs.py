@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ParallelConfig, Validated, ZeroConfig,
                             check_experts_divide, option)
 from moezero.data import num_micro_steps
+from moezero.config.model import RECOMPUTE_KEPT
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
@@ -381,6 +382,14 @@ def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
                      if cfg.zero.use_megatron_fsdp else "--zero-stage 3")
         raise ConfigError(f"--overlap-moe-expert-parallel-comm: not with {chosen_by} (each layer's params are "
                           "gathered around one forward at a time there)")
+
+
+def recompute_notices(cfg: Configs) -> List[str]:
+    """Lines for the run's log: the --recompute-modules parts moezero keeps in memory instead."""
+    kept = [m for m in cfg.model.recompute_modules or [] if m in RECOMPUTE_KEPT]
+    if not kept or cfg.model.recompute_granularity != "selective":
+        return []
+    return [f" --recompute-modules {' '.join(kept)}: kept in memory here, not recomputed (the numbers are the same)"]
 
 
 def moe_comm_overlap_notices(cfg: Configs) -> List[str]:

@@ -12,7 +12,7 @@ from moezero.checkpoint import latest_iteration
 from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, run_configs
 from moezero.models.upcycling import check_upcyclable
-from moezero.training.configs import Configs, moe_comm_overlap_notices
+from moezero.training.configs import Configs, moe_comm_overlap_notices, recompute_notices
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
                                      find_resume_point, upcycling_point)
 
@@ -53,7 +53,7 @@ def resolve_start(cfg: Configs) -> RunStart:
     elif cfg.checkpoint.load:
         notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
                        "from scratch")
-    notices += moe_comm_overlap_notices(cfg)
+    notices += moe_comm_overlap_notices(cfg) + recompute_notices(cfg)
     dense_source = None
     if point is not None and upcycling:
         check_upcyclable(cfg.model, cfg.moe)

@@ -73,6 +73,38 @@ def test_recompute_reruns_what_it_says_in_backward():
                               recompute_num_layers=2) == {"attention": 8, "moe": 8}
 
 
+def _parts_in_backward(**gpt):
+    """How often each --recompute-modules part runs in one training step (forward and backward) of a model with
+    dense layers (odd) and MoE layers (even), and the step's gradients."""
+    model = GPTModel(GPTConfig(**dict(SMALL, moe_layer_freq=2), **gpt), MoEConfig(num_experts=4, top_k=2),
+                     seed=1).double()
+    calls = {"norm": 0, "mlp": 0, "moe": 0}
+    for layer in model.layers:
+        for norm in (layer.input_norm, layer.mlp_norm):
+            norm.register_forward_pre_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1))
+        kind = "moe" if isinstance(layer.mlp, MoELayer) else "mlp"
+        layer.mlp.register_forward_pre_hook(lambda *a, kind=kind: calls.__setitem__(kind, calls[kind] + 1))
+    logits, _ = model(torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0)))
+    logits.square().mean().backward()
+    return calls, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_recompute_modules_rerun_their_parts_and_change_no_number():
+    """Megatron's --recompute-modules under selective recompute: mlp reruns the dense MLPs, moe the MoE layers,
+    layernorm the layers' norms in backward; the gradients are the same bits."""
+    plain, grads = _parts_in_backward()
+    assert plain == {"norm": 8, "mlp": 2, "moe": 2}
+    for modules, expected in ((["mlp"], {"norm": 8, "mlp": 4, "moe": 2}), (["moe"], {"norm": 8, "mlp": 2, "moe": 4}),
+                              (["layernorm", "core_attn"], {"norm": 16, "mlp": 2, "moe": 2})):
+        calls, recomputed = _parts_in_backward(recompute_granularity="selective", recompute_modules=modules)
+        assert calls == expected, modules
+        assert all(torch.equal(recomputed[n], g) for n, g in grads.items()), modules
+    assert _calls_in_backward(recompute_granularity="selective", recompute_modules=["moe"]) == \
+        {"attention": 4, "moe": 8}   # without core_attn the attention is not recomputed
+    with pytest.raises(ConfigError, match="mla_up_proj is only supported with --multi-latent-attention"):
+        GPTConfig(**SMALL, recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+
+
 def test_router_dtype():
     x = torch.randn(6, 16, dtype=torch.float32)
     for dtype, expected in ((None, torch.float32), ("fp64", torch.float64)):
