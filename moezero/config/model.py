@@ -86,6 +86,8 @@ class GPTConfig(Validated):
     no_position_embedding: bool = option(False, "Megatron's older switch for no learned position table: with rope "
                                          "nothing more, else --position-embedding-type none",
                                          flag="--no-position-embedding")
+    use_rotary_position_embeddings: bool = option(False, "Megatron's older switch for --position-embedding-type "
+                                                  "rope", flag="--use-rotary-position-embeddings")
     rotary_base: float = option(10000.0, "RoPE base", flag="--rotary-base", defines_model=True)
     rotary_percent: float = option(1.0, "share of each head's dimensions RoPE rotates (the first ones)",
                                    flag="--rotary-percent", defines_model=True)
@@ -216,6 +218,8 @@ class GPTConfig(Validated):
         else:
             self._require(len(self.moe_layer_freq) == self.num_layers and set(self.moe_layer_freq) <= {0, 1},
                           "moe_layer_freq", f"a list needs one 0 or 1 per layer ({self.num_layers})")
+        if self.use_rotary_position_embeddings:   # Megatron's validate_args, whatever the type says
+            self.position_embedding_type = "rope"
         if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
             self.position_embedding_type = "none"
         self._check_attention()

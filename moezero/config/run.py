@@ -67,6 +67,9 @@ class ZeroConfig(Validated):
     grad_reduce_dtype: str = option("fp32", "dtype gradients are reduced in", flag="--grad-reduce-dtype",
                                     choices=("fp32", "bf16", "fp64"))
     grad_reduce_in_bf16: bool = option(False, "Megatron's: --grad-reduce-dtype bf16", flag="--grad-reduce-in-bf16")
+    accumulate_allreduce_grads_in_fp32: bool = option(False, "accepted: bf16 gradients are accumulated and reduced "
+                                                      "in fp32 anyway (Megatron sets this for bf16) unless "
+                                                      "--grad-reduce-in-bf16", flag="--accumulate-allreduce-grads-in-fp32")
     use_precision_aware_optimizer: bool = option(False, "Adam keeps its master weights and moments in the dtypes "
                                                  "below (moezero's PrecisionAwareAdam, Megatron's meaning)",
                                                  flag="--use-precision-aware-optimizer")
@@ -106,6 +109,9 @@ class ZeroConfig(Validated):
             self._require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_in_bf16",
                           f"contradicts --grad-reduce-dtype {self.grad_reduce_dtype}")
             self.grad_reduce_dtype = "bf16"
+        if self.accumulate_allreduce_grads_in_fp32 and self.use_precision_aware_optimizer:   # Megatron's assert
+            self._require(self.main_grads_dtype == "fp32", "accumulate_allreduce_grads_in_fp32",
+                          "--main-grads-dtype can only be fp32 with it")
         self._check_precision_aware()
         self._require(self.bucket_size >= 1, "bucket_size", "must be >= 1")
         self._require(self.min_unit_params >= 0, "min_unit_params", "must be >= 0")

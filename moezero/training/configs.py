@@ -289,6 +289,9 @@ class CheckpointConfig(Validated):
                             "no RNG states, no plug-in states", flag="--finetune")
     use_checkpoint_args: bool = option(False, "take the model-defining flags (sizes, experts, tokenizer type) from "
                                        "the checkpoint instead of the command line", flag="--use-checkpoint-args")
+    use_tokenizer_model_from_checkpoint_args: bool = option(
+        True, "with --use-checkpoint-args, the checkpoint's tokenizer files where the command line gives none "
+        "(--no-use-tokenizer-model-from-checkpoint-args: never)", flag="--use-tokenizer-model-from-checkpoint-args")
     async_save: bool = option(False, "write checkpoints in the background while training goes on (torch DCP's "
                               "async save); published as latest once every rank finished", flag="--async-save")
     keep_last: int = option(0, "keep only the newest N checkpoints in --save (0 = keep all; Megatron has no such "

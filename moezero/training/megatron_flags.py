@@ -61,6 +61,18 @@ class ImplementationConfig(Validated):
                                     choices=("max", "minmax", "all"))
     log_memory_interval: Optional[int] = option(None, "accepted: every console line carries the peak memory",
                                                 flag="--log-memory-interval")
+    te_rng_tracker: bool = option(False, "accepted: dropout draws from moezero's keyed generator, the same on any "
+                                  "layout", flag="--te-rng-tracker")
+    ckpt_fully_parallel_save: bool = option(False, "accepted: every rank writes its own shard (torch DCP)",
+                                            flag="--ckpt-fully-parallel-save")
+    ckpt_fully_parallel_load: bool = option(False, "accepted: every rank reads its own shard (torch DCP)",
+                                            flag="--ckpt-fully-parallel-load")
+    cross_entropy_fusion_impl: str = option("native", "accepted: --cross-entropy-loss-fusion is moezero's fused "
+                                            "kernel", flag="--cross-entropy-fusion-impl", choices=("native", "te"))
+    disable_bf16_reduced_precision_matmul: bool = option(
+        False, "bf16 GEMMs on CUDA without reduced-precision reductions (megatron-core's: sets torch.backends.cuda."
+        "matmul.allow_bf16_reduced_precision_reduction False); nothing on a CPU",
+        flag="--disable-bf16-reduced-precision-matmul")
     manual_gc: bool = option(False, "accepted: Python's garbage collector is left as it is", flag="--manual-gc")
     manual_gc_interval: int = option(0, "accepted: Python's garbage collector is left as it is",
                                      flag="--manual-gc-interval")

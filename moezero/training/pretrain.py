@@ -108,6 +108,8 @@ class Pretraining:
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:
                 split.vocab_limit = self.vocab_size
+        if cfg.train.bf16 and cfg.implementation.disable_bf16_reduced_precision_matmul:   # megatron-core's, global
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
                                  hub_dir=cfg.checkpoint.load_hf if point is None else None)
         if dense_source is not None:   # before the optimizer copies the params into its masters

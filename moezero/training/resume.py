@@ -234,8 +234,9 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
         training = IMPORTED_TRAINING_FIELDS if imported else CHECKPOINT_TRAINING_FIELDS
         names += [n for n in training.get(section, ()) if f"{section}.{n}" not in given]
         values = {n: saved[n] for n in names if n in saved}
-        values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
-                       and getattr(current, n) is None})
+        if getattr(cfg.checkpoint, "use_tokenizer_model_from_checkpoint_args", True):
+            values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
+                           and getattr(current, n) is None})
         changes += [f"{flag_of(current, n)} {v} (command line: {getattr(current, n)})"
                     for n, v in values.items() if v != getattr(current, n)]
         sections[section] = dataclasses.replace(current, **values)

@@ -186,3 +186,27 @@ def test_lr_warmup_init_is_where_warmup_starts():
     t = TrainConfig(global_batch_size=8, train_iters=100, lr=1.0, lr_warmup_iters=10, lr_warmup_init=0.5)
     lr = LearningRateSchedule.from_config(t).lr
     assert lr(0) == 0.5 and lr(8) == pytest.approx(0.5 + 0.5 * 0.1) and lr(80) == 1.0
+
+
+def test_older_and_pass_through_megatron_flags_of_its_example_scripts():
+    """Flags Megatron-LM's example scripts pass (gpt-oss, Qwen3-MoE RL configs): --use-rotary-position-embeddings
+    is RoPE (Megatron's validate_args); --no-use-tokenizer-model-from-checkpoint-args keeps the checkpoint's
+    tokenizer files out of --use-checkpoint-args; --accumulate-allreduce-grads-in-fp32 with bf16 main grads is
+    refused as Megatron asserts; the accepted ones parse."""
+    from moezero.config import ZeroConfig
+    from moezero.training.resume import ResumePoint, apply_checkpoint_args
+
+    tiny = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"]
+    assert configs(tiny + ["--use-rotary-position-embeddings"]).model.position_embedding_type == "rope"
+    assert configs(tiny + ["--accumulate-allreduce-grads-in-fp32", "--disable-bf16-reduced-precision-matmul",
+                           "--te-rng-tracker", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                           "--cross-entropy-fusion-impl", "te"]).zero.accumulate_allreduce_grads_in_fp32
+    with pytest.raises(ConfigError, match="--accumulate-allreduce-grads-in-fp32=True: --main-grads-dtype can only"):
+        ZeroConfig(accumulate_allreduce_grads_in_fp32=True, use_precision_aware_optimizer=True,
+                   main_grads_dtype="bf16")
+    saved = {"model": {}, "data": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/ckpt/tok"}}
+    point = ResumePoint("x", 1, saved, {})
+    args = tiny + ["--use-checkpoint-args", "--load", "x"]
+    assert apply_checkpoint_args(configs(args), point, print).data.tokenizer_model == "/ckpt/tok"
+    with pytest.raises(ConfigError, match="HuggingFaceTokenizer needs --tokenizer-model"):   # not the checkpoint's
+        apply_checkpoint_args(configs(args + ["--no-use-tokenizer-model-from-checkpoint-args"]), point, print)
