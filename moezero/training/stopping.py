@@ -4,7 +4,9 @@
 A scheduler's SIGTERM may reach some ranks only, and clocks differ, so with either of the first two
 on, the ranks agree after every iteration with one small all-reduce (MAX) over the world: all stop
 after the same iteration. The handler only records the signal; the iteration in flight finishes.
-A second signal of the same kind gets the default behaviour back (Ctrl-C twice interrupts at once).
+A second Ctrl-C (SIGINT) gets the default behaviour back: it interrupts at once. A second SIGTERM is only
+recorded again, as Megatron's handler does: Slurm signals every process of a job step, so each rank gets the
+scheduler's SIGTERM and torchrun's forwarded one, and must still save.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class StopConditions:
                 self._previous[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:
-        if self.received == signum:  # asked twice: stop now, the default way
+        if self.received == signum == signal.SIGINT:  # Ctrl-C twice: stop now, the default way
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return

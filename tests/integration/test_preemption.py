@@ -26,10 +26,32 @@ def _losses(text):
     return dict(re.findall(r"iteration +(\d+)/ *\d+ .*?\| lm loss: (\S+) \|", text))
 
 
+def _descendants(pid):
+    """Every process under `pid` (torchrun starts its ranks in sessions of their own: a process group's signal
+    does not reach them, Slurm's reaches every process of the job step)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _signal_every_process(pid, sig):
+    for target in [pid] + _descendants(pid):
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("to_the_process_tree", [False, True], ids=["torchrun", "process-tree"])
 def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(tmp_path, to_the_process_tree):
-    """SIGTERM to torchrun only (it forwards it to its workers), or to the whole process tree as Slurm's scancel
-    sends it, DataLoader workers included (--num-workers 2, the default): they must not die before the save."""
+    """SIGTERM to torchrun only (it forwards it to its workers), or to every process as Slurm's scancel sends it,
+    DataLoader workers included (--num-workers 2, the default): they must not die before the save, and a rank
+    that gets the scheduler's SIGTERM and torchrun's forwarded one must still save."""
     cache, ckpt, straight = str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "straight")
     workers = ["--num-workers", "2"] if to_the_process_tree else []
     cmd = _launch(["--save", ckpt, "--exit-signal-handler"] + workers, cache)
@@ -38,8 +60,8 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
         for line in proc.stdout:
             output.append(line)
             if re.search(r"\] iteration +3/", line):
-                if to_the_process_tree:
-                    os.killpg(proc.pid, signal.SIGTERM)   # torchrun, the ranks and their data workers
+                if to_the_process_tree:   # torchrun, the ranks and their data workers, each once (Slurm's)
+                    _signal_every_process(proc.pid, signal.SIGTERM)
                 else:
                     proc.send_signal(signal.SIGTERM)
                 break

@@ -134,7 +134,15 @@ def test_stop_conditions_record_a_signal_and_the_duration():
     try:
         assert stop.reason(1) is None
         signal.raise_signal(signal.SIGTERM)  # recorded, not fatal: the iteration in flight finishes
+        signal.raise_signal(signal.SIGTERM)  # Slurm's and torchrun's forwarded one: still only recorded
         assert stop.reason(2) == "received SIGTERM"
+    finally:
+        stop.close()
+    stop = StopConditions(TrainConfig(exit_signal_handler=True), None)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):   # Ctrl-C twice interrupts at once
+            signal.raise_signal(signal.SIGINT)
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
