@@ -289,6 +289,8 @@ class CheckpointConfig(Validated):
                             "no RNG states, no plug-in states", flag="--finetune")
     use_checkpoint_args: bool = option(False, "take the model-defining flags (sizes, experts, tokenizer type) from "
                                        "the checkpoint instead of the command line", flag="--use-checkpoint-args")
+    exit_on_missing_checkpoint: bool = option(False, "with --load, a missing checkpoint is an error, even where "
+                                              "--load is also --save (Megatron's)", flag="--exit-on-missing-checkpoint")
     use_tokenizer_model_from_checkpoint_args: bool = option(
         True, "with --use-checkpoint-args, the checkpoint's tokenizer files where the command line gives none "
         "(--no-use-tokenizer-model-from-checkpoint-args: never)", flag="--use-tokenizer-model-from-checkpoint-args")

@@ -55,7 +55,7 @@ class LearningRateSchedule:
     # late is what WSD is for)
     COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
                 "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
-                "style": "--lr-decay-style", "weight_decay": "--weight-decay (--start-weight-decay)",
+                "style": "--lr-decay-style", "weight_decay": "--weight-decay",
                 "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr",
                 "wd_incr_style": "--weight-decay-incr-style", "end_weight_decay": "--end-weight-decay",
                 "wd_incr": "the weight-decay increment's length (--train-iters / --train-samples)"}

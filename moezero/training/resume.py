@@ -67,7 +67,9 @@ class Progress:
 
 def find_checkpoint(ckpt) -> Optional[str]:
     """The iter_N folder that --load / --ckpt-step name, or None when --load is also --save and holds no
-    checkpoint yet (Megatron's first-run idiom). Anything else that holds no checkpoint is an error."""
+    checkpoint yet (Megatron's first-run idiom; not with --exit-on-missing-checkpoint). Anything else that holds
+    no checkpoint is an error, and so are complete iter folders no pointer names (training from scratch would
+    write over them)."""
     load = ckpt.load
     if load is None:
         return None
@@ -84,12 +86,16 @@ def find_checkpoint(ckpt) -> Optional[str]:
     latest = checkpoint.latest_iteration(load) if os.path.isdir(load) else None
     if latest is not None:
         return checkpoint.iteration_dir(load, latest)
+    if saved:   # complete folders nobody published (a save whose pointer write failed, folders copied in)
+        raise CheckpointError(f"--load={load}: holds iter folders {saved} but no {checkpoint.POINTER} naming one: "
+                              "resume one with --ckpt-step N, or move them away to start a new run there")
+    if getattr(ckpt, "exit_on_missing_checkpoint", False):
+        raise CheckpointError(f"--load={load}: holds no checkpoint (--exit-on-missing-checkpoint)")
     if ckpt.save is not None and os.path.abspath(ckpt.save) == os.path.abspath(load):
         return None
     if not os.path.exists(load):
         raise CheckpointError(f"--load={load}: does not exist (for a first run, give the same path to --save)")
-    listed = f"; it has iter folders {saved}, pick one with --ckpt-step" if saved else ""
-    raise CheckpointError(f"--load={load}: holds no checkpoint (no {checkpoint.POINTER}){listed}")
+    raise CheckpointError(f"--load={load}: holds no checkpoint (no {checkpoint.POINTER})")
 
 
 def find_resume_point(ckpt) -> Optional[ResumePoint]:

@@ -124,6 +124,27 @@ def test_load_must_exist_unless_it_is_also_save(saved, tmp_path):
     assert checkpoint.latest_iteration(missing) == 1
 
 
+def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
+    """A first save whose pointer write failed (or folders copied in) leaves complete iter folders and no
+    pointer: a relaunch with --load = --save once trained from scratch and wrote over them; it is refused in one
+    line naming them, and --ckpt-step resumes one. --exit-on-missing-checkpoint refuses an empty --load too."""
+    path = _copy(saved, tmp_path)
+    os.remove(os.path.join(path, checkpoint.POINTER))
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path, "--save", path,
+                                                   "--data-cache-path", str(saved)])
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"[rank 0] error: --load={path}: holds iter folders [1, 2] but no {checkpoint.POINTER} naming one: resume "
+        "one with --ckpt-step N, or move them away to start a new run there"), proc.stderr
+    assert checkpoint.saved_iterations(path) == [1, 2] and checkpoint.latest_iteration(path) is None
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "3", "--load", path, "--save", path,
+                                                   "--ckpt-step", "2", "--data-cache-path", str(saved)])
+    assert proc.returncode == 0 and "at iteration 2" in proc.stdout and checkpoint.latest_iteration(path) == 3
+    empty = str(tmp_path / "empty")
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", empty, "--save", empty,
+                                                   "--exit-on-missing-checkpoint"])
+    assert proc.returncode == 2 and "holds no checkpoint (--exit-on-missing-checkpoint)" in proc.stderr
+
+
 def test_a_finished_run_relaunched_says_so_and_exits_0(saved):
     proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--load", str(saved / "ckpt")])
     assert proc.returncode == 0 and "is at iteration 2 = --train-iters: nothing to train" in proc.stderr
