@@ -27,7 +27,6 @@ from moezero.parallel.local_channel import ChannelError
 from moezero.training.configs import Configs
 from moezero.training.plugin import PluginFactory
 from moezero.training.pretrain import Pretraining
-from moezero.training.resume import NothingToTrain
 
 
 def init_distributed(backend: str, timeout_minutes: float) -> None:
@@ -74,9 +73,6 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
                     "(a port in use?), that every rank started, and --distributed-timeout-minutes", every_rank=True)
             return 1
         Pretraining(cfg, plugins).train()
-        return 0
-    except NothingToTrain as exc:
-        _report(str(exc))
         return 0
     except (ConfigError, DataError, CheckpointError) as exc:
         _report(f"error: {exc}")

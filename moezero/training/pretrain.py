@@ -162,6 +162,27 @@ class Pretraining:
         if t.skip_train:
             self._evaluate_only()
             return
+        if self.iteration >= t.train_iters:   # a finished run relaunched (a requeued job): its end again
+            self.logger.print(f" the checkpoint is at iteration {self.iteration} = --train-iters: nothing to train "
+                              "(raise --train-iters to go on); the end of the run follows (Megatron's)")
+        else:
+            self._train_and_save(t)
+        # Megatron's order for a run that finished: the checkpoint, then one more validation (its window is not
+        # in the checkpoint: a longer run resumed from it validates there again), then the test split
+        if self.stop_reason is None and t.evaluates:
+            self._evaluate("valid", after_training=True)
+        if self.stop_reason is None and self.data.test is not None:
+            self._evaluate("test")
+        finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
+        if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
+            self._save_hf()
+        if self.stop_reason is not None:
+            saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
+            self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
+        self.logger.close()
+
+    def _train_and_save(self, t) -> None:
+        """The loop to --train-iters or a stop condition, then the last checkpoint."""
         stop = StopConditions(t, self.groups.control)
         loader = MicroBatchLoader(self.data.train, self._train_index_lists(), self.cfg.data.num_workers)
         profiler = StepProfiler(self.cfg.profiling, self.groups.rank, t.tensorboard_dir, self.iteration)
@@ -179,19 +200,6 @@ class Pretraining:
             self._finish_pending()
         finally:   # the handlers stay while it is written: a signal then waits for it instead of killing it
             stop.close()
-        # Megatron's order for a run that finished: the checkpoint, then one more validation (its window is not
-        # in the checkpoint: a longer run resumed from it validates there again), then the test split
-        if self.stop_reason is None and self.cfg.train.evaluates:
-            self._evaluate("valid", after_training=True)
-        if self.stop_reason is None and self.data.test is not None:
-            self._evaluate("test")
-        finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
-        if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
-            self._save_hf()
-        if self.stop_reason is not None:
-            saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
-            self.logger.print(f" stopped after iteration {self.iteration} ({self.stop_reason}); {saved}")
-        self.logger.close()
 
     def _evaluate_only(self) -> None:
         """--skip-train, as Megatron's: no step and no save; the loaded weights' validation and test losses."""

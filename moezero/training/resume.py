@@ -36,10 +36,6 @@ from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
 TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")   # taken from a checkpoint only when not given
 
 
-class NothingToTrain(Exception):
-    """The checkpoint already reached --train-iters: the job is done (a requeued finished job exits 0)."""
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     path: str                              # the iter_N folder
@@ -149,16 +145,11 @@ def _schedule_of_old_checkpoint(point: ResumePoint) -> Dict[str, Any]:
 
 
 def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bool, skip_train: bool = False) -> int:
-    """Where the run starts; NothingToTrain at --train-iters, a ConfigError beyond it (but with --skip-train,
-    which trains nothing, at the checkpoint's iteration)."""
+    """Where the run starts: the checkpoint's iteration (at --train-iters the run trains nothing and does the end
+    of a run, as Megatron's relaunch does), a ConfigError beyond --train-iters unless --skip-train."""
     if point is None or finetune:
         return 0
-    if skip_train:
-        return point.iteration
-    if point.iteration == train_iters:
-        raise NothingToTrain(f"the checkpoint {point.path} is at iteration {point.iteration} = --train-iters: "
-                             "nothing to train (raise --train-iters to go on)")
-    if point.iteration > train_iters:
+    if point.iteration > train_iters and not skip_train:
         raise ConfigError(f"--train-iters={train_iters}: below the iteration of the checkpoint {point.path} "
                           f"({point.iteration}); raise it to go on, or --finetune to start a new run from its weights")
     return point.iteration

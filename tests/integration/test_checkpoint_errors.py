@@ -145,9 +145,25 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
     assert proc.returncode == 2 and "holds no checkpoint (--exit-on-missing-checkpoint)" in proc.stderr
 
 
-def test_a_finished_run_relaunched_says_so_and_exits_0(saved):
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--load", str(saved / "ckpt")])
-    assert proc.returncode == 0 and "is at iteration 2 = --train-iters: nothing to train" in proc.stderr
+def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, capsys):
+    """A job killed after its final checkpoint (or a finished one requeued) trains nothing, and does the end of a
+    run as Megatron's relaunch does: the validation after training, the test split, the --save-hf folder (which
+    the killed job never wrote)."""
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--train-iters", "1", "--eval-iters", "1", "--eval-interval",
+             "10", "--split", "90,5,5", "--data-cache-path", str(tmp_path)]
+    first = _built(llama + ["--save", ckpt], str(tmp_path))
+    first.train()
+    first.groups.destroy()
+    capsys.readouterr()
+    again = _built(llama + ["--load", ckpt, "--save", ckpt, "--save-hf", hf], str(tmp_path))
+    again.train()
+    again.groups.destroy()
+    out = capsys.readouterr().out
+    assert "is at iteration 1 = --train-iters: nothing to train" in out and "] iteration " not in out
+    assert "validation loss at iteration 1 on validation set" in out and "on test set" in out
+    assert os.path.isfile(os.path.join(hf, "iter_0000001", "config.json")) and checkpoint.saved_iterations(ckpt) == [1]
 
 
 def test_the_tools_report_a_damaged_checkpoint_in_one_line(saved, tmp_path):
