@@ -10,3 +10,14 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     """`Type: first line of the message`, short: what a one-line report quotes of an underlying error."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:limit] if text else ''}".rstrip(": ")
+
+
+def innermost_cause(exc: BaseException) -> str:
+    """The innermost error DCP reports (its CheckpointException carries each rank's), in one short line."""
+    failures = getattr(exc, "failures", None)
+    if failures:  # {rank: (exception, traceback)}
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return first_line(inner, 80)
+    return first_line(exc, 80)

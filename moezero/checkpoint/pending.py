@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moezero.checkpoint.errors import CheckpointError, first_line
+from moezero.checkpoint.errors import CheckpointError, innermost_cause
 from moezero.parallel import comm
 
 
@@ -43,6 +43,6 @@ class PendingSave:
         if comm.all_true(error is None, self.group):
             return self.publish()
         self.abandon()
-        reason = first_line(error) if error is not None else "another rank could not write its part"
+        reason = innermost_cause(error) if error is not None else "another rank could not write its part"
         raise CheckpointError(f"--async-save: writing {self.path} failed ({reason}); its partial folder is removed "
                               "and the previous checkpoint stays latest")

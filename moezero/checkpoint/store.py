@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from moezero.checkpoint import checksums, keys, layout
-from moezero.checkpoint.errors import CheckpointError, first_line
+from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cause
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
 from moezero.zero import consolidate
@@ -76,7 +76,7 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
         error = exc
     if not _all_ok(error is None, group):
-        reason = _cause(error) if error is not None else "another rank could not write its part"
+        reason = innermost_cause(error) if error is not None else "another rank could not write its part"
         if error is not None and _disk_full(staging):   # torch's writer may report a full disk as a bad offset
             reason = f"No space left on device: {reason}"
         abandon_save(root, iteration, group)
@@ -104,7 +104,7 @@ def save_read_checkpoint(root: str, iteration: int, ranges: Dict[str, List[Tuple
             dcp.save(state, storage_writer=writer, planner=_ReadingPlanner(read), no_dist=True)
     except (CheckpointException, OSError) as exc:
         abandon_save(root, iteration, None)
-        raise CheckpointError(f"{root}: writing iteration {iteration} failed ({_cause(exc)})") from None
+        raise CheckpointError(f"{root}: writing iteration {iteration} failed ({innermost_cause(exc)})") from None
     return _publish(root, iteration, 0, None, writer)
 
 
@@ -368,19 +368,8 @@ def _load(request: Dict[str, Any], path: str, collective: bool = False, group=No
             dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
                      no_dist=not (collective and dist.is_initialized()), process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) gathers every rank's error
-        raise CheckpointError(f"{path}: reading it failed, the shard files are damaged ({_cause(exc)}); "
+        raise CheckpointError(f"{path}: reading it failed, the shard files are damaged ({innermost_cause(exc)}); "
                               "resume from another checkpoint with --ckpt-step N") from None
-
-
-def _cause(exc: BaseException) -> str:
-    """The innermost error DCP reports, in one short line."""
-    failures = getattr(exc, "failures", None)
-    if failures:  # {rank: (exception, traceback)}
-        inner = next(iter(failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        if isinstance(inner, BaseException):
-            return first_line(inner, 80)
-    return first_line(exc, 80)
 
 
 # ---- ranks and RNG -----------------------------------------------------------------------------------

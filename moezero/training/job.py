@@ -87,6 +87,10 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
         _report(f"error: {first_line(exc)}", every_rank=True)
         return 1
     except (RuntimeError, dist.DistBackendError) as exc:
+        if "DataLoader worker" in str(exc):   # torch's word for a reader process that was killed (OOM) or died
+            _report(f"error: a data-loading worker process ended ({first_line(exc)}); the system's out-of-memory "
+                    "killer? lower --num-workers (0 reads in the rank's own process)", every_rank=True)
+            return 1
         if not dist.is_initialized() or not (isinstance(exc, ChannelError) or _looks_like_peer_failure(exc)):
             raise
         _report(f"error: a collective failed ({str(exc).splitlines()[0][:200]}); another rank probably died or "

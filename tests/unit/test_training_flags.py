@@ -199,16 +199,19 @@ def test_the_interrupt_message_says_what_is_on_disk(tmp_path):
     assert "the unfinished save iter_0000004.tmp is ignored by --load" in message
 
 
-@pytest.mark.parametrize("failure", ["channel", "disagree"])
+@pytest.mark.parametrize("failure", ["channel", "disagree", "data worker"])
 def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, capsys):
     """Where ranks share a host their messages go through pipes: a dead peer is a ChannelError, a peer that went
-    elsewhere a RanksDisagree; both end the run with one line and exit code 1 (they were tracebacks)."""
+    elsewhere a RanksDisagree; a data-loading worker killed (the out-of-memory killer) torch's RuntimeError; each
+    ends the run with one line and exit code 1 (they were tracebacks)."""
     from moezero.parallel.agreement import RanksDisagree
     from moezero.parallel.local_channel import ChannelError
     from moezero.training import job
 
-    error = (ChannelError("rank 1 of the control group exited or stopped reading (its end of the pipe is closed)")
-             if failure == "channel" else RanksDisagree("rank 0 was saving a checkpoint; rank 1 was in a forward"))
+    error = {"channel": ChannelError("rank 1 of the control group exited or stopped reading (its end of the pipe "
+                                     "is closed)"),
+             "disagree": RanksDisagree("rank 0 was saving a checkpoint; rank 1 was in a forward"),
+             "data worker": RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")}[failure]
 
     class Failing:
         def __init__(self, cfg, plugins):
