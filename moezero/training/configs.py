@@ -5,6 +5,7 @@ that plugs more features in extends `Configs` with their sections (see `moezero.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -18,6 +19,10 @@ from moezero.training.megatron_flags import ImplementationConfig
 from moezero.training.profiling import ProfilingConfig, check_profiling
 from moezero.training.lr_schedule import LearningRateSchedule
 
+
+
+# --exit-signal's choices: Megatron's (signal.Signals) but for the two no handler can catch
+CATCHABLE_SIGNALS = tuple(sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)))
 
 @dataclass
 class TrainConfig(Validated):
@@ -122,8 +127,10 @@ class TrainConfig(Validated):
         False, "micro-batches in pairs whose forwards run interleaved, one's expert-parallel exchanges travelling "
         "while the other computes, and whose backward is one, interleaved the same way (the same numbers)",
         flag="--overlap-moe-expert-parallel-comm")
-    exit_signal_handler: bool = option(False, "on SIGTERM or SIGINT, finish the iteration, save (with --save) and "
-                                       "exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
+    exit_signal_handler: bool = option(False, "on --exit-signal or SIGINT, finish the iteration, save (with --save) "
+                                       "and exit 0; ranks agree on it every iteration", flag="--exit-signal-handler")
+    exit_signal: str = option("SIGTERM", "the signal --exit-signal-handler stops on (Megatron's; e.g. SIGUSR1 for "
+                              "Slurm's --signal=USR1@...)", flag="--exit-signal", choices=CATCHABLE_SIGNALS)
     exit_duration_in_mins: Optional[float] = option(None, "save (with --save) and exit 0 once the run has taken "
                                                     "this long", flag="--exit-duration-in-mins")
     exit_interval: int = option(0, "stop (after saving, when --save is set) once the iteration is a multiple "

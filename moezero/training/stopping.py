@@ -1,4 +1,5 @@
-"""When a run stops before --train-iters: a signal (--exit-signal-handler), the wall clock
+"""When a run stops before --train-iters: a signal (--exit-signal-handler: --exit-signal, SIGTERM by default, or
+SIGINT), the wall clock
 (--exit-duration-in-mins) or --exit-interval. The run then saves (with --save) and exits 0.
 
 A scheduler's SIGTERM may reach some ranks only, and clocks differ, so with either of the first two
@@ -18,7 +19,6 @@ import torch
 
 from moezero.parallel import comm
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # --exit-duration-in-mins counts from the script's start (this module is imported with the training code, before
 # the data and the checkpoint load), as Megatron counts from its start: a limit sized to a job's wall time
 PROCESS_START = time.monotonic()
@@ -34,7 +34,7 @@ class StopConditions:
         self.received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         if train_config.exit_signal_handler:
-            for sig in SIGNALS:
+            for sig in {signal.Signals[train_config.exit_signal], signal.SIGINT}:   # --exit-signal, and Ctrl-C
                 self._previous[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:

@@ -138,6 +138,12 @@ def test_stop_conditions_record_a_signal_and_the_duration():
         assert stop.reason(2) == "received SIGTERM"
     finally:
         stop.close()
+    stop = StopConditions(TrainConfig(exit_signal_handler=True, exit_signal="SIGUSR1"), None)   # Slurm's USR1@
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+        assert stop.reason(2) == "received SIGUSR1" and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        stop.close()
     stop = StopConditions(TrainConfig(exit_signal_handler=True), None)
     try:
         signal.raise_signal(signal.SIGINT)
