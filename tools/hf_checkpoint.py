@@ -31,7 +31,7 @@ from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, save_pretrained
 from moezero.hf.checkpoint_conversion import export_checkpoint, import_hub
 from moezero.hf.load import hub_dtype
-from moezero.hf.token_ids import run_token_ids
+from moezero.hf.run_tokenizer import run_token_ids, run_tokenizer_files
 from moezero.training.args import ArgumentParser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -89,7 +89,7 @@ def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: boo
     model.hub_generation_config = base_generation if base else source.configs.get("hf_generation")
     token_ids = None if model.hub_config else run_token_ids(source.configs.get("data") or {})
     save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                    token_ids=token_ids)
+                    token_ids=token_ids, tokenizer_files=run_tokenizer_files(source.configs.get("data") or {}))
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from moezero.hf.files import HubDirectory
 from moezero.hf.keys import Link, links
 from moezero.hf.load import check_hub_shapes, check_key_sets, hub_configs, hub_dtype, run_configs
 from moezero.hf.save import save_pretrained
-from moezero.hf.token_ids import run_token_ids
+from moezero.hf.run_tokenizer import run_token_ids, run_tokenizer_files
 from moezero.models import GPTModel
 from moezero.deferred_values import allocate, defer_values
 
@@ -92,7 +92,8 @@ def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = Non
     """The Hub folder of checkpoint `path`'s fp32 masters (a --save root, an iter_N folder), in `dtype` (default:
     an imported model's source dtype, else the run's params'), as `family` (default: the one that holds it);
     `hub_config`, `generation_config`: a Hub config whose other fields (token ids) to keep and the generation
-    config to write (default: an imported model's; a run from scratch names its tokenizer's tokens)."""
+    config to write (default: an imported model's; a run from scratch names its tokenizer's tokens); a run's
+    Hugging Face tokenizer is copied in."""
     reader = checkpoint.CheckpointReader(checkpoint.resolve_checkpoint(path))
     configs = upgrade_stored_configs(reader.train_state["configs"])
     saved_names = {canonical_name(n): n for n in reader.train_state["param_shapes"]}
@@ -102,7 +103,7 @@ def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = Non
     token_ids = None if model.hub_config else run_token_ids(configs.get("data") or {})
     dtype = dtype or (hub_dtype(configs["hf"]) if configs.get("hf") else _run_dtype(configs.get("train") or {}))
     save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                    token_ids=token_ids)
+                    token_ids=token_ids, tokenizer_files=run_tokenizer_files(configs.get("data") or {}))
 
 
 def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTModel:

@@ -17,7 +17,7 @@ from moezero.hf.defaults import attribute_aliases
 from moezero.hf.families import FAMILIES, Family, UnsupportedModel, family_for
 from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
-from moezero.hf.token_ids import NO_TOKEN_IDS
+from moezero.hf.run_tokenizer import NO_TOKEN_IDS
 from moezero.hf.staged_write import abandon_write, finish_write, start_write, write_shard
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
@@ -29,13 +29,15 @@ from moezero.parallel.expert_marker import expert_shard_of
 def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups] = None,
                     family: Union[str, Family, None] = None, dtype: Optional[torch.dtype] = None,
                     optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30,
-                    overwrite: bool = False, token_ids: Optional[Dict[str, Optional[int]]] = None) -> None:
+                    overwrite: bool = False, token_ids: Optional[Dict[str, Optional[int]]] = None,
+                    tokenizer_files: Optional[Dict[str, str]] = None) -> None:
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
-    generation_config.json; one with no source names the tokens `token_ids` gives (`token_ids.tokenizer_token_ids`
+    generation_config.json; one with no source names the tokens `token_ids` gives (`run_tokenizer.tokenizer_token_ids`
     of its run), else none (never the family's defaults). A source config that would read back as another model
     (another model's sliding window, ...) is refused. A folder holding weights already is refused unless
-    `overwrite` (see `staged_write.start_write`).
+    `overwrite` (see `staged_write.start_write`). `tokenizer_files` ({name: path}, `run_tokenizer_files`) are
+    copied in with the weights.
     Collective under torch.distributed: call it on every rank (`groups`: the ones the model was built with)."""
     gpt, moe = model.config, model.moe_config
     if isinstance(family, str) and family not in FAMILIES:
@@ -58,7 +60,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     if _rank() == 0:
         try:
             finish_write(staging, path, config, plan.file_of, layout.total_bytes,
-                         getattr(model, "hub_generation_config", None))
+                         getattr(model, "hub_generation_config", None), tokenizer_files)
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path, None)

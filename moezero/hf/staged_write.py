@@ -60,10 +60,12 @@ def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> No
 
 
 def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int,
-                 generation_config: Optional[Dict] = None) -> None:
-    """The index, config.json and generation_config.json (if given) into the staging folder, then its files into
-    `path` (the old model's out)."""
+                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, str]] = None) -> None:
+    """The index, config.json, generation_config.json (if given) and `copies` ({name: source file}: the
+    tokenizer's) into the staging folder, then its files into `path` (the old model's out)."""
     try:
+        for name, source in (copies or {}).items():
+            shutil.copyfile(source, os.path.join(staging, name))
         _write_json(os.path.join(staging, INDEX), {"metadata": {"total_size": total_size}, "weight_map": weight_map})
         _write_json(os.path.join(staging, "config.json"), config)
         if generation_config is not None:

@@ -23,7 +23,7 @@ from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indic
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
 from moezero.config import ConfigError, is_moe_layer
 from moezero.hf import UnsupportedModel, save_pretrained
-from moezero.hf.token_ids import tokenizer_token_ids
+from moezero.hf.run_tokenizer import run_tokenizer_files, tokenizer_token_ids
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
 from moezero.models.upcycling import upcycle
@@ -452,7 +452,8 @@ class Pretraining:
         dtype = hub_dtype(self.hub_config) if self.hub_config is not None else None
         self.model.hub_config, self.model.hub_generation_config = self.hub_config, self.hub_generation_config
         save_pretrained(self.model, path, groups=self.groups, dtype=dtype, optimizer=self.opt, overwrite=True,
-                        token_ids=tokenizer_token_ids(self.data.tokenizer))
+                        token_ids=tokenizer_token_ids(self.data.tokenizer),
+                        tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)))
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")
 

@@ -143,8 +143,11 @@ def test_upcycling_an_imported_qwen3_dense_model(tmp_path):
 
 def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
     """A tokenizer.json next to the weights: the imported checkpoint names it, so a run with
-    --use-checkpoint-args tokenizes with it (here the data preprocessed by it) without tokenizer flags."""
-    hub, ckpt = str(tmp_path / "hub"), str(tmp_path / "ckpt")
+    --use-checkpoint-args tokenizes with it (here the data preprocessed by it) without tokenizer flags; the
+    run's export into a new folder carries it (without it AutoTokenizer gives an empty tokenizer)."""
+    import transformers
+
+    hub, ckpt, tuned, out = (str(tmp_path / n) for n in ("hub", "ckpt", "tuned", "out"))
     tiny_model("qwen3_moe", seed=6, vocab_size=512).float().save_pretrained(hub)
     write_bpe_files(hub, vocab_size=400)
     prefix = str(tmp_path / "corpus")
@@ -155,10 +158,14 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
     proc = run([sys.executable, PRETRAIN, "--load", ckpt, "--use-checkpoint-args", "--finetune", "--data-path",
                 prefix + "_text_document", "--split", "90,5,5", "--train-iters", "2", "--seq-length", "16",
                 "--micro-batch-size", "2", "--global-batch-size", "2", "--num-workers", "0", "--eval-iters", "1",
-                "--log-interval", "1", "--data-cache-path", str(tmp_path)], timeout=180)
+                "--log-interval", "1", "--save", tuned, "--data-cache-path", str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "--tokenizer-type HuggingFaceTokenizer" in proc.stdout and f"--tokenizer-model {hub}" in proc.stdout
     assert re.search(r"iteration +2/ +2 .*lm loss", proc.stdout)
+    _tool("export", tuned, out)
+    theirs, ours = (transformers.AutoTokenizer.from_pretrained(d) for d in (hub, out))
+    text = "def tokenize(self, text):"
+    assert ours.encode(text) == theirs.encode(text) and len(ours.encode(text)) > 3
 
 
 def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_path):

@@ -1,10 +1,13 @@
-"""config.json's token ids of a model trained from scratch: its run's tokenizer's, never the family's defaults.
+"""The run's tokenizer in a Hub folder: config.json's token ids of a model trained from scratch (its run's
+tokenizer's, never the family's defaults) and the tokenizer files an export carries.
 
 A Hub config that omits bos/eos/pad takes its config class's defaults (Mixtral's eos 2, OLMoE's 50279), which
-name other tokens than the run's: transformers' generate would not stop at the run's end of document.
+name other tokens than the run's: transformers' generate would not stop at the run's end of document. A folder
+without the run's tokenizer files gives AutoTokenizer an empty tokenizer (it encodes 'hello world' as []).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, Optional
 
@@ -14,6 +17,10 @@ from moezero.data.tokenizer import build_tokenizer
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 NO_TOKEN_IDS: Dict[str, Optional[int]] = dict.fromkeys(TOKEN_ID_FIELDS)
+# what AutoTokenizer reads from a Hub folder
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
 
 
 def tokenizer_token_ids(tokenizer) -> Dict[str, Optional[int]]:
@@ -33,3 +40,19 @@ def run_token_ids(data_section: Dict[str, Any]) -> Dict[str, Optional[int]]:
                       "bos/eos token; pass --hf-config with a config.json that gives them")
         return dict(NO_TOKEN_IDS)
     return tokenizer_token_ids(tokenizer)
+
+
+def run_tokenizer_files(data_section: Dict[str, Any]) -> Dict[str, str]:
+    """{name in the Hub folder: path} of a run's Hugging Face tokenizer (--tokenizer-type HuggingFaceTokenizer, an
+    import's): the files of its folder AutoTokenizer reads, or its tokenizer.json file. None for other tokenizers
+    (no Hub spelling), and none with a warning where its files are not here."""
+    data = data_section or {}
+    path = data.get("tokenizer_model")
+    if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not path:
+        return {}
+    if os.path.isfile(path):
+        return {"tokenizer.json": path}
+    found = {name: os.path.join(path, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))}
+    if not found:
+        warnings.warn(f"the run's tokenizer ({path}) is not here: the export holds no tokenizer files")
+    return found
