@@ -101,9 +101,11 @@ class MoEConfig(Validated):
             self._require(self.num_experts >= 1, "num_experts", "must be >= 1")
             self._require(1 <= self.top_k <= self.num_experts, "top_k",
                           f"must be between 1 and --num-experts ({self.num_experts})")
+        if self.capacity_factor is not None and self.capacity_factor < 0:   # Megatron's spelling of dropless
+            self.capacity_factor = None
         if self.capacity_factor is not None:
             self._require(self.capacity_factor > 0 and math.isfinite(self.capacity_factor), "capacity_factor",
-                          "must be > 0 (or unset for dropless routing)")
+                          "must be > 0 (or unset, or negative, for dropless routing)")
         coefficients = self.aux_loss_coeff if isinstance(self.aux_loss_coeff, list) else [self.aux_loss_coeff]
         self._require(all(c >= 0 for c in coefficients), "aux_loss_coeff", "must be >= 0")
         self._require(self.load_balancing_type != "sinkhorn" or not self.aux_loss_coeff, "aux_loss_coeff",

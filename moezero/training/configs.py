@@ -359,15 +359,24 @@ def _check_precision_aware(cfg: Configs) -> None:
         raise ConfigError("--main-grads-dtype bf16: needs --bf16 (the params' gradients are not bf16)")
 
 
-def _check_top1_router(cfg: Configs) -> None:
-    """Megatron's rule: a softmax over the one selected logit is 1.0 for every token, and the router's weight
-    gets no gradient from the loss."""
+def _check_router(cfg: Configs) -> None:
+    """megatron-core's TransformerConfig rules for the router: a softmax over the one selected logit is 1.0 for
+    every token (the router's weight would get no gradient from the loss); the expert bias is for sigmoid scores;
+    a group top-k needs the groups."""
     moe = cfg.moe
-    if (moe.num_experts is not None and moe.top_k == 1 and moe.score_function == "softmax" and not moe.pre_softmax
-            and moe.load_balancing_type != "sinkhorn"):
+    if moe.num_experts is None:
+        return
+    if moe.top_k == 1 and moe.score_function == "softmax" and not moe.pre_softmax and \
+            moe.load_balancing_type != "sinkhorn":
         raise ConfigError("--moe-router-topk 1: needs --moe-router-pre-softmax with the softmax score function (a "
                           "softmax over the one selected logit is always 1: the router would get no gradient "
                           "from the loss; Megatron's rule)")
+    if moe.enable_expert_bias and moe.score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias: only with --moe-router-score-function sigmoid "
+                          "(Megatron's rule for aux-loss-free routing)")
+    if moe.group_topk is not None and moe.num_groups is None:
+        raise ConfigError(f"--moe-router-group-topk={moe.group_topk}: group-limited routing needs "
+                          "--moe-router-num-groups (Megatron's rule)")
 
 
 def _check_shared_expert_bias(cfg: Configs) -> None:
@@ -446,7 +455,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
-    _check_top1_router(cfg)
+    _check_router(cfg)
     if new_model:
         _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)

@@ -166,3 +166,20 @@ def test_a_top1_softmax_router_needs_the_softmax_first():
         validate(configs(TINY + ["--moe-router-topk", "1"]), world_size=1)
     for allowed in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
         validate(configs(TINY + ["--moe-router-topk", "1"] + allowed), world_size=1)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias: only with --moe-router-score-function "
+                                          "sigmoid"),
+    (["--moe-router-group-topk", "2"], "--moe-router-group-topk=2: group-limited routing needs"),
+])
+def test_router_settings_megatron_refuses_are_refused(argv, needle):
+    """megatron-core's TransformerConfig refuses an expert bias on softmax scores and a group top-k without groups
+    (moezero trained the first and ignored the second); a negative capacity factor is its spelling of dropless."""
+    from moezero.training.configs import validate
+
+    with pytest.raises(ConfigError, match=needle):
+        validate(configs(TINY + argv), world_size=1)
+    validate(configs(TINY + ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]),
+             world_size=1)
+    assert configs(TINY + ["--moe-expert-capacity-factor", "-1"]).moe.capacity_factor is None
