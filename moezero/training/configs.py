@@ -379,6 +379,17 @@ def _check_router(cfg: Configs) -> None:
                           "--moe-router-num-groups (Megatron's rule)")
 
 
+def _check_accepted_megatron_flags(cfg: Configs) -> None:
+    """Megatron's rules for flags moezero accepts without a change of numbers."""
+    flags = cfg.implementation
+    if flags.moe_pad_expert_input_to_capacity and cfg.moe.capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor (Megatron's rule)")
+    if flags.moe_enable_deepep and flags.moe_token_dispatcher_type != "flex":
+        raise ConfigError("--moe-enable-deepep: needs --moe-token-dispatcher-type flex (Megatron's rule)")
+    if flags.megatron_fsdp_main_grads_dtype == "bf16" and not cfg.train.bf16:
+        raise ConfigError("--megatron-fsdp-main-grads-dtype=bf16: needs --bf16 (the params' gradients are not bf16)")
+
+
 def _check_shared_expert_bias(cfg: Configs) -> None:
     """megatron-core's SharedExpertMLP asserts add_bias_linear is False: a command line giving a shared expert
     biases (no --disable-bias-linear) is refused as Megatron refuses it (an import says its biases itself)."""
@@ -456,6 +467,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
     _check_router(cfg)
+    _check_accepted_megatron_flags(cfg)
     if new_model:
         _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from moezero.config import Validated, option
 
@@ -42,8 +42,35 @@ class ImplementationConfig(Validated):
     no_gradient_accumulation_fusion: bool = option(False, SAME_NUMBERS, flag="--no-gradient-accumulation-fusion")
     moe_permute_fusion: bool = option(False, SAME_NUMBERS, flag="--moe-permute-fusion")
     moe_token_dispatcher_type: str = option("allgather", "accepted: moezero's dispatcher is an all-to-all, with "
-                                            "the same numbers as either", flag="--moe-token-dispatcher-type",
-                                            choices=("allgather", "alltoall"))
+                                            "the same numbers as any", flag="--moe-token-dispatcher-type",
+                                            choices=("allgather", "alltoall", "flex"))
+    moe_enable_deepep: bool = option(False, "accepted: Megatron's older spelling of the flex dispatcher's DeepEP "
+                                     "backend (the same numbers)", flag="--moe-enable-deepep")
+    moe_router_fusion: bool = option(False, SAME_NUMBERS, flag="--moe-router-fusion")
+    moe_upcycling_granularity: int = option(1, "with --moe-use-upcycling: each dense MLP becomes whole experts "
+                                            "(Megatron's default; finer granularity is not supported)",
+                                            flag="--moe-upcycling-granularity", choices=(1,))
+    moe_pad_expert_input_to_capacity: bool = option(False, "accepted with --moe-expert-capacity-factor: padding an "
+                                                    "expert's rows to its capacity changes no number",
+                                                    flag="--moe-pad-expert-input-to-capacity")
+    fine_grained_activation_offloading: bool = option(False, "accepted: activations stay in memory here (the same "
+                                                      "numbers)", flag="--fine-grained-activation-offloading")
+    offload_modules: List[str] = option(help="accepted: activations stay in memory here (the same numbers)",
+                                        flag="--offload-modules", nargs="+", default_factory=list)
+    optimizer_cpu_offload: bool = option(False, "accepted: the optimizer's shard stays where the params are (the "
+                                         "same numbers)", flag="--optimizer-cpu-offload")
+    num_distributed_optimizer_instances: int = option(1, "accepted: one optimizer instance over the data-parallel "
+                                                      "ranks (the same numbers)",
+                                                      flag="--num-distributed-optimizer-instances")
+    ddp_num_buckets: Optional[int] = option(None, "accepted: --ddp-bucket-size sizes the buckets",
+                                            flag="--ddp-num-buckets")
+    ddp_average_in_collective: bool = option(False, "accepted: gradients are averaged over the ranks either way",
+                                             flag="--ddp-average-in-collective")
+    overlap_param_gather_with_optimizer_step: bool = option(False, "accepted: the params are gathered after the "
+                                                            "step (the same numbers)",
+                                                            flag="--overlap-param-gather-with-optimizer-step")
+    disable_gloo_process_groups: bool = option(False, "accepted: moezero keeps the gloo groups it needs",
+                                               flag="--disable-gloo-process-groups")
     moe_shared_expert_overlap: bool = option(False, SAME_NUMBERS, flag="--moe-shared-expert-overlap")
     overlap_param_gather: bool = option(False, "accepted: stage 3 prefetches its gathers anyway",
                                         flag="--overlap-param-gather")
@@ -52,7 +79,8 @@ class ImplementationConfig(Validated):
     use_dist_ckpt: bool = option(False, "accepted: checkpoints are torch.distributed.checkpoint's",
                                  flag="--use-dist-ckpt")
     ckpt_format: str = option("torch_dist", "accepted: checkpoints are torch.distributed.checkpoint's, "
-                              "Megatron's torch_dist", flag="--ckpt-format", choices=("torch_dist",))
+                              "Megatron's torch_dist (fsdp_dtensor: what Megatron requires with "
+                              "--use-megatron-fsdp)", flag="--ckpt-format", choices=("torch_dist", "fsdp_dtensor"))
     timing_log_level: int = option(0, "accepted: moezero logs the iteration time", flag="--timing-log-level",
                                    choices=(0, 1, 2))
     trust_remote_code: bool = option(False, "accepted: the tokenizers here read local files only",
@@ -116,7 +144,8 @@ class ImplementationConfig(Validated):
                                                   flag="--megatron-fsdp-main-params-dtype", choices=("fp32",))
     megatron_fsdp_main_grads_dtype: str = option("auto", "accepted: gradients are accumulated in the params' "
                                                  "dtype and reduced in --grad-reduce-dtype",
-                                                 flag="--megatron-fsdp-main-grads-dtype", choices=("auto", "fp32"))
+                                                 flag="--megatron-fsdp-main-grads-dtype",
+                                                 choices=("auto", "fp32", "bf16"))
 
     def __post_init__(self):
         self._check_all_choices()

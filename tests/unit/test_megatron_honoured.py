@@ -210,3 +210,24 @@ def test_older_and_pass_through_megatron_flags_of_its_example_scripts():
     assert apply_checkpoint_args(configs(args), point, print).data.tokenizer_model == "/ckpt/tok"
     with pytest.raises(ConfigError, match="HuggingFaceTokenizer needs --tokenizer-model"):   # not the checkpoint's
         apply_checkpoint_args(configs(args + ["--no-use-tokenizer-model-from-checkpoint-args"]), point, print)
+
+
+def test_flags_of_megatrons_moe_readme_and_fsdp_scripts_are_taken():
+    """Flags megatron-core's MoE README and Megatron-FSDP DeepSeek-V3 scripts pass that change no number here are
+    taken, with Megatron's own rules: padding to capacity needs a capacity factor, DeepEP the flex dispatcher."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY
+
+    validate(configs(TINY + [
+        "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-router-fusion",
+        "--moe-pad-expert-input-to-capacity", "--ckpt-format", "fsdp_dtensor", "--fine-grained-activation-offloading",
+        "--offload-modules", "expert_fc1", "moe_act", "--optimizer-cpu-offload", "--num-distributed-optimizer-instances",
+        "2", "--ddp-num-buckets", "4", "--ddp-average-in-collective", "--overlap-param-gather-with-optimizer-step",
+        "--disable-gloo-process-groups", "--moe-upcycling-granularity", "1"]), world_size=1)
+    no_capacity = [a for a in TINY if a not in ("--moe-expert-capacity-factor", "1.5")]
+    with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor"):
+        validate(configs(no_capacity + ["--moe-pad-expert-input-to-capacity"]), world_size=1)
+    with pytest.raises(ConfigError, match="--moe-enable-deepep: needs --moe-token-dispatcher-type flex"):
+        validate(configs(TINY + ["--moe-enable-deepep"]), world_size=1)
+    with pytest.raises(ConfigError, match="--megatron-fsdp-main-grads-dtype=bf16: needs --bf16"):
+        validate(configs(TINY + ["--megatron-fsdp-main-grads-dtype", "bf16"]), world_size=1)
