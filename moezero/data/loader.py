@@ -32,8 +32,8 @@ def _leave_stop_signals_to_the_rank(worker_id: int) -> None:
     """A scheduler's SIGTERM (scancel) or a terminal's Ctrl-C reaches the whole process tree: a worker that died
     of it would fail the rank's next read before the rank could save. The rank decides (--exit-signal-handler, or
     the default disposition); the workers end with it (torch's DataLoader watches its parent)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):   # USR1/2: --exit-signal's
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class MicroBatchLoader:

@@ -189,6 +189,9 @@ class TrainConfig(Validated):
         for name in ("start_weight_decay", "end_weight_decay"):
             self._require(getattr(self, name) is not None and getattr(self, name) >= 0, name,
                           f"a value >= 0 is needed with --weight-decay-incr-style {self.weight_decay_incr_style}")
+        self._require(self.end_weight_decay >= self.start_weight_decay, "end_weight_decay",
+                      f"must be >= --start-weight-decay ({self.start_weight_decay}): the weight decay increases "
+                      "(Megatron's scheduler asserts it)")
 
     def resolve_global_batch_size(self, data_parallel_size: int) -> bool:
         """Megatron's default when --global-batch-size is not given (nor a step schedule): --micro-batch-size x
@@ -433,6 +436,8 @@ def moe_comm_overlap_notices(cfg: Configs) -> List[str]:
         recomputed.append(f"--recompute-granularity full (--recompute-method {cfg.model.recompute_method})")
     if cfg.model.moe_layer_recompute:
         recomputed.append("--moe-layer-recompute")
+    elif cfg.model.recomputes("moe"):
+        recomputed.append("--recompute-modules moe")
     return [f" --overlap-moe-expert-parallel-comm: the layers {flags} recomputes run whole, their exchanges not "
             "overlapped with the other micro-batch's compute" for flags in recomputed]
 

@@ -87,7 +87,7 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
         _report(f"error: {first_line(exc)}", every_rank=True)
         return 1
     except (RuntimeError, dist.DistBackendError) as exc:
-        if "DataLoader worker" in str(exc):   # torch's word for a reader process that was killed (OOM) or died
+        if _a_data_worker_died(exc):
             _report(f"error: a data-loading worker process ended ({first_line(exc)}); the system's out-of-memory "
                     "killer? lower --num-workers (0 reads in the rank's own process)", every_rank=True)
             return 1
@@ -115,6 +115,13 @@ def interrupt_message(save_dir) -> str:
     partial = (f"; the unfinished save {', '.join(unfinished)} is ignored by --load and removed by the next save"
                if unfinished else "")
     return f"interrupted; {last}{partial} (--exit-signal-handler saves before exiting)"
+
+
+def _a_data_worker_died(exc: BaseException) -> bool:
+    """torch's words for a reader process that was killed (the OOM killer) or exited; not an error raised inside
+    one ('Caught ... in DataLoader worker process 0', re-raised with its traceback)."""
+    text = str(exc)
+    return "DataLoader worker" in text and ("exited unexpectedly" in text or "is killed by signal" in text)
 
 
 def _looks_like_peer_failure(exc: BaseException) -> bool:

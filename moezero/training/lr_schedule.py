@@ -129,8 +129,11 @@ class LearningRateSchedule:
 
     def differences(self, saved: "LearningRateSchedule") -> List[str]:
         """'what: X in the checkpoint, Y now' for each compared value that differs."""
+        named = dict(self.COMPARED)
+        if self.wd_incr_style != "constant":   # the first weight decay is --start-weight-decay's then
+            named["weight_decay"] = "--start-weight-decay"
         return [f"{what}: {_shown(getattr(saved, n))} in the checkpoint, {_shown(getattr(self, n))} now"
-                for n, what in self.COMPARED.items() if getattr(saved, n) != getattr(self, n)]
+                for n, what in named.items() if getattr(saved, n) != getattr(self, n)]
 
 
 def _decoupled_min_lr(config) -> Optional[float]:

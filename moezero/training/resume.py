@@ -94,6 +94,19 @@ def find_checkpoint(ckpt) -> Optional[str]:
     raise CheckpointError(f"--load={load}: holds no checkpoint (no {checkpoint.POINTER})")
 
 
+def check_save_folder(ckpt) -> None:
+    """A --save other than --load whose complete iter folders no pointer names: the run would write over them
+    (--load's own such folders are find_checkpoint's)."""
+    save = ckpt.save
+    if save is None or (ckpt.load is not None and os.path.abspath(save) == os.path.abspath(ckpt.load)):
+        return
+    saved = checkpoint.saved_iterations(save)
+    if saved and not os.path.exists(os.path.join(save, checkpoint.POINTER)):
+        raise CheckpointError(f"--save={save}: holds iter folders {saved} but no {checkpoint.POINTER} naming one, "
+                              "which this run would write over: resume one (--load the folder, --ckpt-step N), or "
+                              "save elsewhere")
+
+
 def find_resume_point(ckpt) -> Optional[ResumePoint]:
     path = find_checkpoint(ckpt)
     if path is None:

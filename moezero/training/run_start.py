@@ -14,7 +14,7 @@ from moezero.hf import CheckpointMismatch, UnsupportedModel, run_configs
 from moezero.models.upcycling import check_upcyclable
 from moezero.training.configs import Configs, moe_comm_overlap_notices, recompute_notices
 from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
-                                     find_resume_point, upcycling_point)
+                                     check_save_folder, find_resume_point, upcycling_point)
 
 
 @dataclass
@@ -29,6 +29,7 @@ class RunStart:
 
 def resolve_start(cfg: Configs) -> RunStart:
     notices: List[str] = []
+    check_save_folder(cfg.checkpoint)
     own = _upcycled_runs_own_checkpoint(cfg)
     upcycling = cfg.moe.use_upcycling and own is None
     point = own or find_resume_point(cfg.checkpoint)

@@ -143,6 +143,10 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
     proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", empty, "--save", empty,
                                                    "--exit-on-missing-checkpoint"])
     assert proc.returncode == 2 and "holds no checkpoint (--exit-on-missing-checkpoint)" in proc.stderr
+    os.remove(os.path.join(path, checkpoint.POINTER))   # as a --save of another --load: written over too
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "3", "--load", _copy(saved, tmp_path / "other"),
+                                                   "--save", path, "--data-cache-path", str(saved)])
+    assert proc.returncode == 2 and f"--save={path}: holds iter folders [1, 2, 3] but no" in proc.stderr, proc.stderr
 
 
 def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, capsys):

@@ -103,6 +103,12 @@ def test_a_resume_compares_the_weight_decay_increment_as_megatron_does():
         assert _resume(TrainConfig(**base), TrainConfig(**{**base, **change})) == ("refused", "refused"), change
     ours, megatron = _resume(TrainConfig(**base), TrainConfig(**base))
     assert ours == megatron != "refused"
+    saved = LearningRateSchedule.from_config(TrainConfig(**base))
+    with pytest.raises(ConfigError, match="--start-weight-decay: 0 in the checkpoint, 0.05 now"):
+        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(**{**base, "start_weight_decay": 0.05})),
+                         saved.state(80), False, False)
+    with pytest.raises(ConfigError, match="--end-weight-decay=0.1: must be >= --start-weight-decay"):
+        TrainConfig(**{**base, "start_weight_decay": 0.2})
 
 
 def test_the_first_step_runs_at_the_warmup_init_and_the_warmup_ends_at_lr():

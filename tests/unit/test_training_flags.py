@@ -205,6 +205,15 @@ def test_the_interrupt_message_says_what_is_on_disk(tmp_path):
     assert "the unfinished save iter_0000004.tmp is ignored by --load" in message
 
 
+def test_an_error_raised_inside_a_data_worker_keeps_its_traceback():
+    """torch re-raises a reader's own error as 'Caught RuntimeError in DataLoader worker process 0': a bug to
+    see, not a worker the OOM killer took."""
+    from moezero.training.job import _a_data_worker_died
+
+    assert not _a_data_worker_died(RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nTraceback"))
+    assert _a_data_worker_died(RuntimeError("DataLoader worker (pid 12) is killed by signal: Killed. "))
+
+
 @pytest.mark.parametrize("failure", ["channel", "disagree", "data worker"])
 def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, capsys):
     """Where ranks share a host their messages go through pipes: a dead peer is a ChannelError, a peer that went
