@@ -3,8 +3,9 @@
 A factory gets the freshly built model before the optimizer exists (so it may reparametrize weights)
 and returns a plug-in, or None when its feature is off. The run then drives the plug-in:
 
-    on_step_end(iteration)   after every optimizer step, with the number of steps done; also once after
-                             a resume from a checkpoint that holds no state of this plug-in
+    on_step_end(steps)       after every iteration, with the number of optimizer steps taken (a skipped
+                             step, an fp16 overflow, is not one); also once after a resume from a
+                             checkpoint that holds no state of this plug-in
     scalars()                {TensorBoard tag: value} at every log step (called on every rank: may be a
                              collective)
     state_dict() / load_state_dict(state)   saved in and restored from checkpoints under its name

@@ -147,7 +147,7 @@ class Pretraining:
             if state["plugins"].get(name) is not None:
                 plugin.load_state_dict(state["plugins"][name])
             else:  # saved without it: it joins where the run stands
-                plugin.on_step_end(self.iteration)
+                plugin.on_step_end(self._steps_taken())
         fresh = [flag for flag, on in (("optimizer state", ck.no_load_optim), ("RNG states", ck.no_load_rng)) if on]
         self.logger.print(f" resumed from {point.path} at iteration {self.iteration}, "
                           f"{self.progress.consumed_train_samples} samples consumed"
@@ -201,6 +201,11 @@ class Pretraining:
         finally:   # the handlers stay while it is written: a signal then waits for it instead of killing it
             stop.close()
 
+    def _steps_taken(self) -> int:
+        """The optimizer steps taken: iterations less the skipped ones (fp16 overflows), which DeepSpeed's MoQ
+        schedule does not count either."""
+        return self.iteration - self.opt.skipped_steps
+
     def _evaluate_only(self) -> None:
         """--skip-train, as Megatron's: no step and no save; the loaded weights' validation and test losses."""
         self.logger.print(" skipping training (--skip-train is on) ...")
@@ -249,7 +254,7 @@ class Pretraining:
             profiler.after_iteration(self.iteration)
             self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
             for plugin in self.plugins.values():
-                plugin.on_step_end(self.iteration)
+                plugin.on_step_end(self._steps_taken())
             self.history.append({"iteration": self.iteration, **metrics.values()})
             moe = moe_losses(metrics)
             interval.add(step_time, {"lm_loss": metrics.lm_loss, **moe, **metrics.mtp_values()}, metrics.stepped)

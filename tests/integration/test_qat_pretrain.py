@@ -61,6 +61,14 @@ def test_bit_schedule_survives_a_checkpoint_resume_and_is_logged(tmp_path):
     assert 0 < errors[0] < errors[-1] < 0.5  # fewer bits, larger error
 
 
+def test_skipped_fp16_steps_do_not_advance_the_bit_schedule(tmp_path):
+    """The schedule counts optimizer steps taken, as DeepSpeed's MoQ (it skips quantize on an overflow): an fp16
+    run whose huge initial loss scale overflows the first steps stays at the start bits for them."""
+    run = _run(TINY + ["--train-iters", "8", "--fp16", "--initial-loss-scale", "1048576"] + SCHEDULE, str(tmp_path))
+    skipped = run.opt.skipped_steps
+    assert 0 < skipped < 8 and _schedule(run)[0] == 8 - skipped
+
+
 def test_export_and_eval_tools(tmp_path, capsys):
     cache = str(tmp_path)
     ckpt, plain = str(tmp_path / "qat"), str(tmp_path / "plain")
