@@ -267,6 +267,8 @@ class Pretraining:
                 logged_lr = self.lr_schedule.lr(self.lr_schedule_steps)
                 self._log_step(metrics, moe, logged_lr, batch_size, step_time, eta, board,
                                interval if console else None)
+            if t.tensorboard_dir is not None and not board:   # Megatron's MoE tracker writes every iteration
+                self.logger.log(self._moe_board_scalars(metrics, moe), self.iteration)
             if t.evaluates and self.iteration % t.eval_interval == 0:
                 self._evaluate("valid")
             if self._pending is not None and self._pending.done_everywhere():
@@ -305,8 +307,7 @@ class Pretraining:
         if board:
             board_values = self._board_values(values)
             scalars = tensorboard_scalars(board_values)
-            if layers and self.cfg.train.moe_per_layer_logging:
-                scalars.update(moe_layer_loss_scalars(layers, m))
+            scalars.update(self._moe_board_scalars(m, {}))
             self.logger.log(scalars, self.iteration)
             self.logger.log_vs_samples(vs_samples_scalars(board_values), self.progress.consumed_train_samples)
         if interval is not None:
@@ -325,6 +326,15 @@ class Pretraining:
                     for plugin in self.plugins.values():
                         layer_loads.update(plugin.scalars())  # may be a collective: every rank logs
                 self.logger.log(layer_loads, self.iteration)
+
+    def _moe_board_scalars(self, m: StepMetrics, moe: Dict[str, float]) -> Dict[str, float]:
+        """The MoE losses' tags (`moe`: the mean over layers; per layer with --moe-per-layer-logging), which
+        Megatron's tracker writes at every iteration whatever --tensorboard-log-interval says."""
+        scalars = tensorboard_scalars(moe)
+        layers = self._moe_layer_numbers()
+        if layers and self.cfg.train.moe_per_layer_logging:
+            scalars.update(moe_layer_loss_scalars(layers, m))
+        return scalars
 
     def _board_values(self, values: Dict[str, float]) -> Dict[str, float]:
         """The step's values TensorBoard gets: Megatron's switches for the loss scale and the world size."""

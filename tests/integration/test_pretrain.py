@@ -154,22 +154,27 @@ def test_tensorboard_scalars_are_written(tmp_path):
 def test_megatrons_tensorboard_switches(tmp_path):
     """--no-log-loss-scale-to-tensorboard leaves out loss-scale (the console keeps it), --log-world-size-to-tensorboard
     writes world-size and its series over samples; --tensorboard-queue-size, --timing-log-option and
-    --log-memory-interval are taken as Megatron scripts pass them."""
+    --log-memory-interval are taken as Megatron scripts pass them. The MoE losses are written every iteration
+    whatever --tensorboard-log-interval says, as Megatron's tracker writes them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = str(tmp_path / "tb")
     run = pretraining(configs(TINY + [
         "--train-iters", "2", "--tensorboard-dir", tb, "--no-log-loss-scale-to-tensorboard",
         "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5", "--timing-log-option", "max",
-        "--log-memory-interval", "2", "--data-cache-path", str(tmp_path)]))
+        "--log-memory-interval", "2", "--tensorboard-log-interval", "2", "--moe-per-layer-logging",
+        "--data-cache-path", str(tmp_path)]))
     run.train()
     run.groups.destroy()
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert "loss-scale" not in tags and "loss-scale vs samples" not in tags and "lm loss" in tags
-    assert [(e.step, e.value) for e in events.Scalars("world-size")] == [(1, 1.0), (2, 1.0)]
-    assert [e.step for e in events.Scalars("world-size vs samples")] == [8, 16]
+    assert [(e.step, e.value) for e in events.Scalars("world-size")] == [(2, 1.0)]
+    assert [e.step for e in events.Scalars("world-size vs samples")] == [16]
+    assert [e.step for e in events.Scalars("lm loss")] == [2]
+    for moe_tag in ("load_balancing_loss", "z_loss", "moe/load_balancing_loss_layer_0"):
+        assert [e.step for e in events.Scalars(moe_tag)] == [1, 2], moe_tag
 
 
 def test_skip_train_evaluates_the_loaded_weights_and_saves_nothing(tmp_path, capsys):
