@@ -204,7 +204,7 @@ def test_init_is_keyed_by_global_expert():
 @pytest.mark.parametrize("kw,needle", [
     (dict(num_experts=3), "--num-experts=3: must be divisible by --expert-model-parallel-size (2)"),
     (dict(top_k=5), "--moe-router-topk=5"),
-    (dict(capacity_factor=-1.0), "--moe-expert-capacity-factor"),
+    (dict(capacity_factor=0.0), "--moe-expert-capacity-factor"),   # a negative one is dropless (Megatron)
     (dict(score_function="tanh"), "--moe-router-score-function"),
 ])
 def test_bad_config_fails_at_construction(kw, needle):

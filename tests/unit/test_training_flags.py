@@ -38,18 +38,18 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
         "unrecognized arguments: --hiden-size 64; did you mean --hidden-size? (see --help)"], lines
     lines = _error_of(["--mtp-standalone"], capsys)   # never a did-you-mean to another flag (--mtp-num-layers)
     assert len(lines) == 1 and "--mtp-standalone: not supported by moezero" in lines[0] and "mean" not in lines[0]
-    lines = _error_of(["--moe-token-dispatcher-type", "flex"], capsys)
-    assert lines[0].endswith("--moe-token-dispatcher-type flex: not supported by moezero (choose from 'allgather', "
-                             "'alltoall') (see --help)"), lines
+    lines = _error_of(["--ckpt-format", "torch"], capsys)
+    assert lines[0].endswith("--ckpt-format torch: not supported by moezero (choose from 'torch_dist', "
+                             "'fsdp_dtensor') (see --help)"), lines
 
 
 def test_one_launch_lists_every_problem_one_line_each(capsys):
     """The DeepSeek-V3 line took four launches to list what moezero refuses: flags, choices, values of the wrong
     type and values the configs refuse now come together."""
-    lines = _error_of(["--tensor-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex", "--mtp-standalone",
+    lines = _error_of(["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--mtp-standalone",
                        "--num-layers", "two", "--lr", "-1", "--num-experts", "0", "--fp8-format", "hybrid",
                        "--hiden-size", "64"], capsys)
-    expected = ["--moe-token-dispatcher-type flex: not supported by moezero", "--num-layers: invalid int value: 'two'",
+    expected = ["--ckpt-format torch: not supported by moezero", "--num-layers: invalid int value: 'two'",
                 "--mtp-standalone: not supported by moezero", "--fp8-format: not supported by moezero",
                 "unrecognized arguments: --hiden-size 64; did you mean --hidden-size?",
                 "--tensor-model-parallel-size=2: not supported by moezero", "--num-experts=0: must be >= 1",
