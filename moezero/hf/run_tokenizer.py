@@ -50,9 +50,11 @@ def run_tokenizer_files(data_section: Dict[str, Any]) -> Dict[str, str]:
     path = data.get("tokenizer_model")
     if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not path:
         return {}
+    folder = os.path.dirname(path) if os.path.isfile(path) else path
+    # a tokenizer.json file's folder holds what declares its special tokens (the run read its eos there too)
+    found = {name: os.path.join(folder, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))}
     if os.path.isfile(path):
-        return {"tokenizer.json": path}
-    found = {name: os.path.join(path, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))}
+        found["tokenizer.json"] = path
     if not found:
         warnings.warn(f"the run's tokenizer ({path}) is not here: the export holds no tokenizer files")
     return found

@@ -17,7 +17,7 @@ from moezero.hf.defaults import attribute_aliases
 from moezero.hf.families import FAMILIES, Family, UnsupportedModel, family_for
 from moezero.hf.keys import Link, links
 from moezero.hf.load import model_tensors
-from moezero.hf.run_tokenizer import NO_TOKEN_IDS
+from moezero.hf.run_tokenizer import NO_TOKEN_IDS, TOKENIZER_FILES
 from moezero.hf.staged_write import abandon_write, finish_write, start_write, write_shard
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
@@ -60,7 +60,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     if _rank() == 0:
         try:
             finish_write(staging, path, config, plan.file_of, layout.total_bytes,
-                         getattr(model, "hub_generation_config", None), tokenizer_files)
+                         getattr(model, "hub_generation_config", None), tokenizer_files, TOKENIZER_FILES)
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path, None)

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
@@ -60,9 +60,11 @@ def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> No
 
 
 def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int,
-                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, str]] = None) -> None:
+                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, str]] = None,
+                 replaced: Tuple[str, ...] = ()) -> None:
     """The index, config.json, generation_config.json (if given) and `copies` ({name: source file}: the
-    tokenizer's) into the staging folder, then its files into `path` (the old model's out)."""
+    tokenizer's) into the staging folder, then its files into `path` (the old model's out, and with `copies`
+    the old files of the names in `replaced`: another tokenizer's config beside the new tokenizer.json)."""
     try:
         for name, source in (copies or {}).items():
             shutil.copyfile(source, os.path.join(staging, name))
@@ -71,7 +73,8 @@ def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, st
         if generation_config is not None:
             _write_json(os.path.join(staging, "generation_config.json"), generation_config)
         os.makedirs(path, exist_ok=True)
-        for name in _model_files(path):
+        stale = [n for n in replaced if copies and os.path.isfile(os.path.join(path, n))]
+        for name in _model_files(path) + stale:
             os.remove(os.path.join(path, name))
         for name in os.listdir(staging):
             os.replace(os.path.join(staging, name), os.path.join(path, name))

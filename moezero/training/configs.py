@@ -377,20 +377,39 @@ def _check_router(cfg: Configs) -> None:
     if moe.enable_expert_bias and moe.score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias: only with --moe-router-score-function sigmoid "
                           "(Megatron's rule for aux-loss-free routing)")
-    if moe.group_topk is not None and moe.num_groups is None:
+    if moe.group_topk and moe.num_groups is None:   # 0 is off, as in Megatron
         raise ConfigError(f"--moe-router-group-topk={moe.group_topk}: group-limited routing needs "
                           "--moe-router-num-groups (Megatron's rule)")
 
 
 def _check_accepted_megatron_flags(cfg: Configs) -> None:
-    """Megatron's rules for flags moezero accepts without a change of numbers."""
+    """Megatron's rules (core_v0.16.1's validate_args and TransformerConfig) for flags moezero accepts without a
+    change of numbers, and moezero's for bf16 main grads."""
     flags = cfg.implementation
-    if flags.moe_pad_expert_input_to_capacity and cfg.moe.capacity_factor is None:
-        raise ConfigError("--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor (Megatron's rule)")
-    if flags.moe_enable_deepep and flags.moe_token_dispatcher_type != "flex":
-        raise ConfigError("--moe-enable-deepep: needs --moe-token-dispatcher-type flex (Megatron's rule)")
-    if flags.megatron_fsdp_main_grads_dtype == "bf16" and not cfg.train.bf16:
-        raise ConfigError("--megatron-fsdp-main-grads-dtype=bf16: needs --bf16 (the params' gradients are not bf16)")
+    rules = [
+        (flags.moe_pad_expert_input_to_capacity and cfg.moe.capacity_factor is None,
+         "--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor (Megatron's rule)"),
+        (flags.moe_enable_deepep and flags.moe_token_dispatcher_type != "flex",
+         "--moe-enable-deepep: needs --moe-token-dispatcher-type flex (Megatron's rule)"),
+        (flags.moe_enable_deepep and flags.moe_flex_dispatcher_backend == "hybridep",
+         "--moe-enable-deepep: is the deepep backend, not --moe-flex-dispatcher-backend hybridep (Megatron's rule)"),
+        (flags.moe_pad_expert_input_to_capacity and flags.moe_token_dispatcher_type == "flex"
+         and (flags.moe_enable_deepep or flags.moe_flex_dispatcher_backend == "deepep"),
+         "--moe-pad-expert-input-to-capacity: not with the flex dispatcher's deepep backend (Megatron's rule)"),
+        (flags.ckpt_format == "fsdp_dtensor" and not cfg.zero.use_megatron_fsdp,
+         "--ckpt-format fsdp_dtensor: only with --use-megatron-fsdp (Megatron's rule)"),
+        (flags.optimizer_cpu_offload and not cfg.zero.use_precision_aware_optimizer,
+         "--optimizer-cpu-offload: only with --use-precision-aware-optimizer (Megatron's rule)"),
+        (flags.overlap_param_gather_with_optimizer_step and not (cfg.zero.use_distributed_optimizer
+                                                                   and flags.overlap_param_gather),
+         "--overlap-param-gather-with-optimizer-step: needs --use-distributed-optimizer and --overlap-param-gather "
+         "(Megatron's rule)"),
+        (flags.megatron_fsdp_main_grads_dtype == "bf16" and not cfg.train.bf16,
+         "--megatron-fsdp-main-grads-dtype=bf16: needs --bf16 (the params' gradients are not bf16)"),
+    ]
+    problem = next((message for broken, message in rules if broken), None)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_shared_expert_bias(cfg: Configs) -> None:

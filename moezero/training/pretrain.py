@@ -203,8 +203,8 @@ class Pretraining:
 
     def _steps_taken(self) -> int:
         """The optimizer steps taken: iterations less the skipped ones (fp16 overflows), which DeepSpeed's MoQ
-        schedule does not count either."""
-        return self.iteration - self.opt.skipped_steps
+        schedule does not count either (a checkpoint from before the count: its iterations)."""
+        return self.iteration - self.progress.skipped_iterations
 
     def _evaluate_only(self) -> None:
         """--skip-train, as Megatron's: no step and no save; the loaded weights' validation and test losses."""
@@ -252,7 +252,9 @@ class Pretraining:
                 self.lr_schedule_steps += batch_size
             self.iteration += 1
             profiler.after_iteration(self.iteration)
-            self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size)
+            self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size,
+                                                skipped_iterations=self.progress.skipped_iterations
+                                                + int(not metrics.stepped))
             for plugin in self.plugins.values():
                 plugin.on_step_end(self._steps_taken())
             self.history.append({"iteration": self.iteration, **metrics.values()})

@@ -51,11 +51,14 @@ class Progress:
     """Where a run stands in its data, saved with each checkpoint (Megatron's consumed samples): the next
     step reads train samples from `consumed_train_samples` on, the next evaluation valid ones from
     `consumed_valid_samples`, whatever batch size the run had before. `train_dataset_samples`: the size
-    the train split was built with, kept on resume where it suffices (the sample order depends on it)."""
+    the train split was built with, kept on resume where it suffices (the sample order depends on it).
+    `skipped_iterations`: iterations whose step was not taken (fp16 overflows), kept whatever the optimizer
+    state (--no-load-optim): the plug-ins' schedules count the steps taken."""
 
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     train_dataset_samples: int = 0
+    skipped_iterations: int = 0
 
     def saved(self) -> Dict[str, int]:
         return dataclasses.asdict(self)

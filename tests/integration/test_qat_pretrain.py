@@ -64,9 +64,14 @@ def test_bit_schedule_survives_a_checkpoint_resume_and_is_logged(tmp_path):
 def test_skipped_fp16_steps_do_not_advance_the_bit_schedule(tmp_path):
     """The schedule counts optimizer steps taken, as DeepSpeed's MoQ (it skips quantize on an overflow): an fp16
     run whose huge initial loss scale overflows the first steps stays at the start bits for them."""
-    run = _run(TINY + ["--train-iters", "8", "--fp16", "--initial-loss-scale", "1048576"] + SCHEDULE, str(tmp_path))
+    ckpt = str(tmp_path / "ckpt")
+    fp16 = TINY + ["--fp16", "--initial-loss-scale", "1048576"] + SCHEDULE
+    run = _run(fp16 + ["--train-iters", "8", "--save", ckpt], str(tmp_path))
     skipped = run.opt.skipped_steps
     assert 0 < skipped < 8 and _schedule(run)[0] == 8 - skipped
+    # the count is the run's, not the optimizer's: --no-load-optim (skip counts start over) keeps the schedule
+    resumed = _run(fp16 + ["--train-iters", "9", "--load", ckpt, "--no-load-optim"], str(tmp_path))
+    assert _schedule(resumed)[0] == 9 - skipped - resumed.opt.skipped_steps
 
 
 def test_export_and_eval_tools(tmp_path, capsys):

@@ -65,3 +65,35 @@ def test_the_next_export_removes_a_killed_exports_staging_folder(tmp_path):
     probe = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(hf_logits(load_with_transformers(target), probe),
                                hf_logits(load_with_transformers(source), probe), rtol=0, atol=1e-5)
+
+
+def test_an_exported_tokenizer_brings_its_folders_files_and_replaces_another_ones(tmp_path):
+    """A run whose --tokenizer-model is a tokenizer.json file: the export copies it and the files beside it that
+    declare its special tokens; written over a folder that holds another tokenizer, that one's other files go
+    (another tokenizer_config.json beside the new tokenizer.json would name other special tokens)."""
+    from moezero.hf.run_tokenizer import run_tokenizer_files
+
+    source = tmp_path / "tok"
+    source.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "unrelated.txt"):
+        (source / name).write_text("{}")
+    files = run_tokenizer_files({"tokenizer_type": "HuggingFaceTokenizer",
+                                 "tokenizer_model": str(source / "tokenizer.json")})
+    assert sorted(files) == ["tokenizer.json", "tokenizer_config.json"]
+    model, out = hub.from_pretrained(_tiny_source(tmp_path)), str(tmp_path / "out")
+    os.makedirs(out)
+    for name in ("special_tokens_map.json", "chat_template.jinja", "README.md"):
+        with open(os.path.join(out, name), "w") as f:
+            f.write("another tokenizer's")
+    with open(os.path.join(out, "model.safetensors"), "w") as f:
+        f.write("old weights")
+    hub.save_pretrained(model, out, overwrite=True, tokenizer_files=files)
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model-00001-of-00001.safetensors",
+                                       "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def _tiny_source(tmp_path):
+    source = str(tmp_path / "source")
+    tiny_model("qwen3_moe", seed=2).float().save_pretrained(source)
+    os.remove(os.path.join(source, "generation_config.json"))
+    return source

@@ -214,20 +214,29 @@ def test_older_and_pass_through_megatron_flags_of_its_example_scripts():
 
 def test_flags_of_megatrons_moe_readme_and_fsdp_scripts_are_taken():
     """Flags megatron-core's MoE README and Megatron-FSDP DeepSeek-V3 scripts pass that change no number here are
-    taken, with Megatron's own rules: padding to capacity needs a capacity factor, DeepEP the flex dispatcher."""
+    taken, with Megatron core_v0.16.1's rules between them (each refusal below is one of its asserts)."""
     from moezero.training.configs import validate
     from tests.integration.pretrain_utils import TINY
 
-    validate(configs(TINY + [
-        "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-router-fusion",
-        "--moe-pad-expert-input-to-capacity", "--ckpt-format", "fsdp_dtensor", "--fine-grained-activation-offloading",
-        "--offload-modules", "expert_fc1", "moe_act", "--optimizer-cpu-offload", "--num-distributed-optimizer-instances",
-        "2", "--ddp-num-buckets", "4", "--ddp-average-in-collective", "--overlap-param-gather-with-optimizer-step",
-        "--disable-gloo-process-groups", "--moe-upcycling-granularity", "1"]), world_size=1)
+    for accepted in (
+            ["--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-router-fusion",
+             "--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act",
+             "--num-distributed-optimizer-instances", "2", "--ddp-num-buckets", "4", "--ddp-average-in-collective",
+             "--disable-gloo-process-groups", "--moe-upcycling-granularity", "1"],
+            ["--moe-pad-expert-input-to-capacity"],
+            ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+            ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"],
+            ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-param-gather-with-optimizer-step"]):
+        validate(configs(TINY + accepted), world_size=1)
     no_capacity = [a for a in TINY if a not in ("--moe-expert-capacity-factor", "1.5")]
-    with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor"):
-        validate(configs(no_capacity + ["--moe-pad-expert-input-to-capacity"]), world_size=1)
-    with pytest.raises(ConfigError, match="--moe-enable-deepep: needs --moe-token-dispatcher-type flex"):
-        validate(configs(TINY + ["--moe-enable-deepep"]), world_size=1)
-    with pytest.raises(ConfigError, match="--megatron-fsdp-main-grads-dtype=bf16: needs --bf16"):
-        validate(configs(TINY + ["--megatron-fsdp-main-grads-dtype", "bf16"]), world_size=1)
+    for argv, needle in (
+            (no_capacity + ["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
+            (TINY + ["--moe-enable-deepep"], "--moe-enable-deepep: needs --moe-token-dispatcher-type flex"),
+            (TINY + ["--moe-token-dispatcher-type", "flex", "--moe-pad-expert-input-to-capacity"],
+             "not with the flex dispatcher's deepep backend"),
+            (TINY + ["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor: only with --use-megatron-fsdp"),
+            (TINY + ["--optimizer-cpu-offload"], "only with --use-precision-aware-optimizer"),
+            (TINY + ["--overlap-param-gather-with-optimizer-step"], "needs --use-distributed-optimizer and"),
+            (TINY + ["--megatron-fsdp-main-grads-dtype", "bf16"], "--megatron-fsdp-main-grads-dtype=bf16: needs --bf16")):
+        with pytest.raises(ConfigError, match=needle):
+            validate(configs(argv), world_size=1)
