@@ -269,8 +269,8 @@ class Pretraining:
                 logged_lr = self.lr_schedule.lr(self.lr_schedule_steps)
                 self._log_step(metrics, moe, logged_lr, batch_size, step_time, eta, board,
                                interval if console else None)
-            if t.tensorboard_dir is not None and not board:   # Megatron's MoE tracker writes every iteration
-                self.logger.log(self._moe_board_scalars(metrics, moe), self.iteration)
+            if t.tensorboard_dir is not None and not board:   # Megatron's MoE and MTP trackers: every iteration
+                self.logger.log(self._moe_board_scalars(metrics, dict(moe, **metrics.mtp_values())), self.iteration)
             if t.evaluates and self.iteration % t.eval_interval == 0:
                 self._evaluate("valid")
             if self._pending is not None and self._pending.done_everywhere():
@@ -330,8 +330,9 @@ class Pretraining:
                 self.logger.log(layer_loads, self.iteration)
 
     def _moe_board_scalars(self, m: StepMetrics, moe: Dict[str, float]) -> Dict[str, float]:
-        """The MoE losses' tags (`moe`: the mean over layers; per layer with --moe-per-layer-logging), which
-        Megatron's tracker writes at every iteration whatever --tensorboard-log-interval says."""
+        """The MoE losses' tags (`moe`: the mean over layers, and the MTP depths'; per layer with
+        --moe-per-layer-logging), which Megatron's trackers write at every iteration whatever
+        --tensorboard-log-interval says."""
         scalars = tensorboard_scalars(moe)
         layers = self._moe_layer_numbers()
         if layers and self.cfg.train.moe_per_layer_logging:

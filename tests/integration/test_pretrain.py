@@ -163,7 +163,7 @@ def test_megatrons_tensorboard_switches(tmp_path):
         "--train-iters", "2", "--tensorboard-dir", tb, "--no-log-loss-scale-to-tensorboard",
         "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5", "--timing-log-option", "max",
         "--log-memory-interval", "2", "--tensorboard-log-interval", "2", "--moe-per-layer-logging",
-        "--data-cache-path", str(tmp_path)]))
+        "--position-embedding-type", "rope", "--mtp-num-layers", "1", "--data-cache-path", str(tmp_path)]))
     run.train()
     run.groups.destroy()
     events = EventAccumulator(tb)
@@ -173,7 +173,7 @@ def test_megatrons_tensorboard_switches(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("world-size")] == [(2, 1.0)]
     assert [e.step for e in events.Scalars("world-size vs samples")] == [16]
     assert [e.step for e in events.Scalars("lm loss")] == [2]
-    for moe_tag in ("load_balancing_loss", "z_loss", "moe/load_balancing_loss_layer_0"):
+    for moe_tag in ("load_balancing_loss", "z_loss", "moe/load_balancing_loss_layer_0", "mtp_1 loss"):
         assert [e.step for e in events.Scalars(moe_tag)] == [1, 2], moe_tag
 
 
