@@ -100,9 +100,10 @@ def find_checkpoint(ckpt) -> Optional[str]:
 def check_save_folder(ckpt) -> None:
     """A --save other than --load whose complete iter folders no pointer names: the run would write over them
     (--load's own such folders are find_checkpoint's)."""
-    save = ckpt.save
-    if save is None or (ckpt.load is not None and os.path.abspath(save) == os.path.abspath(ckpt.load)):
-        return
+    save, load = ckpt.save, ckpt.load
+    if save is None or (load is not None and os.path.abspath(save) in (os.path.abspath(load),
+                                                                       os.path.dirname(os.path.abspath(load)))):
+        return   # --load is --save, or one of its iter folders: resumed by name
     saved = checkpoint.saved_iterations(save)
     if saved and not os.path.exists(os.path.join(save, checkpoint.POINTER)):
         raise CheckpointError(f"--save={save}: holds iter folders {saved} but no {checkpoint.POINTER} naming one, "

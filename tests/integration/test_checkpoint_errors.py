@@ -147,6 +147,9 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
     proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "3", "--load", _copy(saved, tmp_path / "other"),
                                                    "--save", path, "--data-cache-path", str(saved)])
     assert proc.returncode == 2 and f"--save={path}: holds iter folders [1, 2, 3] but no" in proc.stderr, proc.stderr
+    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", checkpoint.iteration_dir(path, 3),
+                                                   "--save", path, "--data-cache-path", str(saved)])
+    assert proc.returncode == 0 and checkpoint.latest_iteration(path) == 4   # one of its folders, resumed by name
 
 
 def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, capsys):
