@@ -127,7 +127,10 @@ def test_load_must_exist_unless_it_is_also_save(saved, tmp_path):
 def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
     """A first save whose pointer write failed (or folders copied in) leaves complete iter folders and no
     pointer: a relaunch with --load = --save once trained from scratch and wrote over them; it is refused in one
-    line naming them, and --ckpt-step resumes one. --exit-on-missing-checkpoint refuses an empty --load too."""
+    line naming them (as is such a --save of another --load), and --ckpt-step or --load DIR/iter_N resumes one.
+    --exit-on-missing-checkpoint refuses an empty --load too."""
+    from moezero.checkpoint import CheckpointError
+
     path = _copy(saved, tmp_path)
     os.remove(os.path.join(path, checkpoint.POINTER))
     proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path, "--save", path,
@@ -136,20 +139,15 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
         f"[rank 0] error: --load={path}: holds iter folders [1, 2] but no {checkpoint.POINTER} naming one: resume "
         "one with --ckpt-step N, or move them away to start a new run there"), proc.stderr
     assert checkpoint.saved_iterations(path) == [1, 2] and checkpoint.latest_iteration(path) is None
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "3", "--load", path, "--save", path,
-                                                   "--ckpt-step", "2", "--data-cache-path", str(saved)])
-    assert proc.returncode == 0 and "at iteration 2" in proc.stdout and checkpoint.latest_iteration(path) == 3
-    empty = str(tmp_path / "empty")
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", empty, "--save", empty,
-                                                   "--exit-on-missing-checkpoint"])
-    assert proc.returncode == 2 and "holds no checkpoint (--exit-on-missing-checkpoint)" in proc.stderr
-    os.remove(os.path.join(path, checkpoint.POINTER))   # as a --save of another --load: written over too
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "3", "--load", _copy(saved, tmp_path / "other"),
-                                                   "--save", path, "--data-cache-path", str(saved)])
-    assert proc.returncode == 2 and f"--save={path}: holds iter folders [1, 2, 3] but no" in proc.stderr, proc.stderr
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", checkpoint.iteration_dir(path, 3),
-                                                   "--save", path, "--data-cache-path", str(saved)])
-    assert proc.returncode == 0 and checkpoint.latest_iteration(path) == 4   # one of its folders, resumed by name
+    with pytest.raises(CheckpointError, match=f"--save={path}: holds iter folders \\[1, 2\\] but no"):
+        _built(["--train-iters", "3", "--load", _copy(saved, tmp_path / "other"), "--save", path], str(saved))
+    for by_name in (["--load", path, "--ckpt-step", "2"], ["--load", checkpoint.iteration_dir(path, 2)]):
+        run_ = _built(["--train-iters", "3", "--save", path] + by_name, str(saved))
+        assert run_.iteration == 2
+        run_.groups.destroy()
+    with pytest.raises(CheckpointError, match="holds no checkpoint \\(--exit-on-missing-checkpoint\\)"):
+        empty = str(tmp_path / "empty")
+        _built(["--train-iters", "1", "--load", empty, "--save", empty, "--exit-on-missing-checkpoint"], str(saved))
 
 
 def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, capsys):
