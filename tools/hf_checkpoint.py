@@ -29,9 +29,8 @@ from moezero.compression.inference import load_checkpoint_weights
 from moezero.compression.source import load_checkpoint_model
 from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, save_pretrained
-from moezero.hf.checkpoint_conversion import export_checkpoint, import_hub
+from moezero.hf.checkpoint_conversion import export_checkpoint, export_sources, import_hub
 from moezero.hf.load import hub_dtype
-from moezero.hf.run_tokenizer import run_token_ids, run_tokenizer_files
 from moezero.training.args import ArgumentParser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -85,11 +84,10 @@ def export(ckpt: str, hf_dir: str, dtype_name, family, hf_config, overwrite: boo
     dtype = dtype or (hub_dtype(imported) if imported else DTYPES[source.description.dtype])
     fp32 = dataclasses.replace(source.description, dtype="float32")   # the masters as they are
     model = load_checkpoint_weights(dataclasses.replace(source, description=fp32))
-    model.hub_config = base or imported
-    model.hub_generation_config = base_generation if base else source.configs.get("hf_generation")
-    token_ids = None if model.hub_config else run_token_ids(source.configs.get("data") or {})
+    model.hub_config, model.hub_generation_config, token_ids, tokenizer = export_sources(source.configs, base,
+                                                                                         base_generation)
     save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                    token_ids=token_ids, tokenizer_files=run_tokenizer_files(source.configs.get("data") or {}))
+                    token_ids=token_ids, tokenizer_files=tokenizer)
 
 
 def main(argv=None) -> int:

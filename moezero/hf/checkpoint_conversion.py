@@ -98,12 +98,21 @@ def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = Non
     configs = upgrade_stored_configs(reader.train_state["configs"])
     saved_names = {canonical_name(n): n for n in reader.train_state["param_shapes"]}
     model = _model_reading(reader, configs, saved_names)
-    model.hub_config = hub_config or configs.get("hf")
-    model.hub_generation_config = generation_config if hub_config else configs.get("hf_generation")
-    token_ids = None if model.hub_config else run_token_ids(configs.get("data") or {})
+    model.hub_config, model.hub_generation_config, token_ids, tokenizer = export_sources(configs, hub_config,
+                                                                                         generation_config)
     dtype = dtype or (hub_dtype(configs["hf"]) if configs.get("hf") else _run_dtype(configs.get("train") or {}))
     save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                    token_ids=token_ids, tokenizer_files=run_tokenizer_files(configs.get("data") or {}))
+                    token_ids=token_ids, tokenizer_files=tokenizer)
+
+
+def export_sources(configs: Dict, hub_config: Optional[Dict] = None, generation_config: Optional[Dict] = None):
+    """What an export of a run with stored `configs` writes besides the weights: (the Hub config whose other
+    fields it keeps and the generation config: --hf-config's, else an import's; the token ids of a run from
+    scratch; the run's tokenizer files)."""
+    config = hub_config or configs.get("hf")
+    generation = generation_config if hub_config else configs.get("hf_generation")
+    token_ids = None if config else run_token_ids(configs.get("data") or {})
+    return config, generation, token_ids, run_tokenizer_files(configs.get("data") or {})
 
 
 def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTModel:

@@ -16,6 +16,7 @@ from moezero.config.model import RECOMPUTE_KEPT
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
+from moezero.training.megatron_rules import check_accepted_megatron_flags, check_router
 from moezero.training.profiling import ProfilingConfig, check_profiling
 from moezero.training.lr_schedule import LearningRateSchedule
 
@@ -362,56 +363,6 @@ def _check_precision_aware(cfg: Configs) -> None:
         raise ConfigError("--main-grads-dtype bf16: needs --bf16 (the params' gradients are not bf16)")
 
 
-def _check_router(cfg: Configs) -> None:
-    """megatron-core's TransformerConfig rules for the router: a softmax over the one selected logit is 1.0 for
-    every token (the router's weight would get no gradient from the loss); the expert bias is for sigmoid scores;
-    a group top-k needs the groups."""
-    moe = cfg.moe
-    if moe.num_experts is None:
-        return
-    if moe.top_k == 1 and moe.score_function == "softmax" and not moe.pre_softmax and \
-            moe.load_balancing_type != "sinkhorn":
-        raise ConfigError("--moe-router-topk 1: needs --moe-router-pre-softmax with the softmax score function (a "
-                          "softmax over the one selected logit is always 1: the router would get no gradient "
-                          "from the loss; Megatron's rule)")
-    if moe.enable_expert_bias and moe.score_function != "sigmoid":
-        raise ConfigError("--moe-router-enable-expert-bias: only with --moe-router-score-function sigmoid "
-                          "(Megatron's rule for aux-loss-free routing)")
-    if moe.group_topk and moe.num_groups is None:   # 0 is off, as in Megatron
-        raise ConfigError(f"--moe-router-group-topk={moe.group_topk}: group-limited routing needs "
-                          "--moe-router-num-groups (Megatron's rule)")
-
-
-def _check_accepted_megatron_flags(cfg: Configs) -> None:
-    """Megatron's rules (core_v0.16.1's validate_args and TransformerConfig) for flags moezero accepts without a
-    change of numbers, and moezero's for bf16 main grads."""
-    flags = cfg.implementation
-    rules = [
-        (flags.moe_pad_expert_input_to_capacity and cfg.moe.capacity_factor is None,
-         "--moe-pad-expert-input-to-capacity: needs --moe-expert-capacity-factor (Megatron's rule)"),
-        (flags.moe_enable_deepep and flags.moe_token_dispatcher_type != "flex",
-         "--moe-enable-deepep: needs --moe-token-dispatcher-type flex (Megatron's rule)"),
-        (flags.moe_enable_deepep and flags.moe_flex_dispatcher_backend == "hybridep",
-         "--moe-enable-deepep: is the deepep backend, not --moe-flex-dispatcher-backend hybridep (Megatron's rule)"),
-        (flags.moe_pad_expert_input_to_capacity and flags.moe_token_dispatcher_type == "flex"
-         and (flags.moe_enable_deepep or flags.moe_flex_dispatcher_backend == "deepep"),
-         "--moe-pad-expert-input-to-capacity: not with the flex dispatcher's deepep backend (Megatron's rule)"),
-        (flags.ckpt_format == "fsdp_dtensor" and not cfg.zero.use_megatron_fsdp,
-         "--ckpt-format fsdp_dtensor: only with --use-megatron-fsdp (Megatron's rule)"),
-        (flags.optimizer_cpu_offload and not cfg.zero.use_precision_aware_optimizer,
-         "--optimizer-cpu-offload: only with --use-precision-aware-optimizer (Megatron's rule)"),
-        (flags.overlap_param_gather_with_optimizer_step and not (cfg.zero.use_distributed_optimizer
-                                                                   and flags.overlap_param_gather),
-         "--overlap-param-gather-with-optimizer-step: needs --use-distributed-optimizer and --overlap-param-gather "
-         "(Megatron's rule)"),
-        (flags.megatron_fsdp_main_grads_dtype == "bf16" and not cfg.train.bf16,
-         "--megatron-fsdp-main-grads-dtype=bf16: needs --bf16 (the params' gradients are not bf16)"),
-    ]
-    problem = next((message for broken, message in rules if broken), None)
-    if problem:
-        raise ConfigError(problem)
-
-
 def _check_shared_expert_bias(cfg: Configs) -> None:
     """megatron-core's SharedExpertMLP asserts add_bias_linear is False: a command line giving a shared expert
     biases (no --disable-bias-linear) is refused as Megatron refuses it (an import says its biases itself)."""
@@ -490,8 +441,8 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.train_samples is not None:
         cfg.train.train_iters = start_iteration + schedule.iterations_between(consumed_samples,
                                                                               cfg.train.train_samples)
-    _check_router(cfg)
-    _check_accepted_megatron_flags(cfg)
+    check_router(cfg)
+    check_accepted_megatron_flags(cfg)
     if new_model:
         _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)

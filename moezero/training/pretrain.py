@@ -159,10 +159,9 @@ class Pretraining:
         end with --save. `stop_reason` says why it stopped early (None: it finished)."""
         t = self.cfg.train
         self._print_header()
-        if t.skip_train:
-            self._evaluate_only()
-            return
-        if self.iteration >= t.train_iters:   # a finished run relaunched (a requeued job): its end again
+        if t.skip_train:   # Megatron's evaluation-only run: no step, no save, the evaluations below
+            self.logger.print(" skipping training (--skip-train is on) ...")
+        elif self.iteration >= t.train_iters:   # a finished run relaunched (a requeued job): its end again
             self.logger.print(f" the checkpoint is at iteration {self.iteration} = --train-iters: nothing to train "
                               "(raise --train-iters to go on); the end of the run follows (Megatron's)")
         else:
@@ -174,7 +173,7 @@ class Pretraining:
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
         finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
-        if self.cfg.checkpoint.save_hf and finished and self._saved_hf_at != self.iteration:
+        if self.cfg.checkpoint.save_hf and finished and not t.skip_train and self._saved_hf_at != self.iteration:
             self._save_hf()
         if self.stop_reason is not None:
             saved = f"saved {self._saved_path}" if self.cfg.checkpoint.save else "nothing saved (no --save)"
@@ -205,15 +204,6 @@ class Pretraining:
         """The optimizer steps taken: iterations less the skipped ones (fp16 overflows), which DeepSpeed's MoQ
         schedule does not count either (a checkpoint from before the count: its iterations)."""
         return self.iteration - self.progress.skipped_iterations
-
-    def _evaluate_only(self) -> None:
-        """--skip-train, as Megatron's: no step and no save; the loaded weights' validation and test losses."""
-        self.logger.print(" skipping training (--skip-train is on) ...")
-        if self.cfg.train.evaluates:
-            self._evaluate("valid", after_training=True)
-        if self.data.test is not None:
-            self._evaluate("test")
-        self.logger.close()
 
     def _train_index_lists(self) -> Iterator[List[int]]:
         """This rank's micro-batches (global sample indices) of every step still to run, in order."""
