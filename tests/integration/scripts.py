@@ -46,3 +46,18 @@ def _default_sigint() -> None:
     """A shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt:
     the scripts under test get the default disposition, as from a terminal."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def script_in_process(argv: List[str], capsys) -> subprocess.CompletedProcess:
+    """The pretraining script's entry point (moezero.recipe.main, all the script calls) in this process, for the
+    runs that end before training (bad flags, a refused resume): the exit code and output of a run, without a Python
+    start each. `capsys` is pytest's fixture; what it held before is dropped."""
+    from moezero.recipe import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as stop:   # argparse's exit(2), as in the script
+        code = stop.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["pretrain_gpt_moe.py"] + argv, code, captured.out, captured.err)

@@ -11,7 +11,7 @@ import torch
 from moezero import checkpoint
 from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import TINY, configs, train
-from tests.integration.scripts import PRETRAIN, run, tool
+from tests.integration.scripts import PRETRAIN, run, script_in_process, tool
 
 RUN = TINY + ["--log-interval", "1"]
 FP64 = ["--fp64"]
@@ -100,16 +100,29 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_resume_exits_with_one_line(case, saved, tmp_path):
-    damage, extra, needle = CASES[case]
+def _resume_argv(case, saved, tmp_path):
+    damage, extra, _ = CASES[case]
     path = _copy(saved, tmp_path)
     if damage:
         damage(path)
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path,
-                                                   "--data-cache-path", str(saved)] + extra)
+    return RUN + ["--train-iters", "4", "--load", path, "--data-cache-path", str(saved)] + extra
+
+
+def test_a_bad_resume_ends_the_real_script_with_one_line(saved, tmp_path):
+    """One case through the script in a process of its own: exit code 2, one line, no traceback."""
+    proc = run([sys.executable, PRETRAIN] + _resume_argv("truncated shard", saved, tmp_path))
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and CASES["truncated shard"][2] in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_resume_exits_with_one_line(case, saved, tmp_path, capsys):
+    """Every case through the script's entry point (moezero.recipe.main, what the script calls), in this process:
+    the same exit code and line, without a Python start per case."""
+    proc = script_in_process(_resume_argv(case, saved, tmp_path), capsys)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and CASES[case][2] in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -252,12 +265,14 @@ def test_keep_last_checkpoints(saved):
     assert checkpoint.saved_iterations(save) == [4, 5] and checkpoint.latest_iteration(save) == 5
 
 
-def test_an_unwritable_save_is_one_line_at_start(tmp_path):
+def test_an_unwritable_save_is_one_line_at_start(tmp_path, capsys):
     """Found before training (write and remove a probe), not as a traceback at the first save."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for save in (str(blocker / "ckpt"), "/proc/moezero-ckpt"):   # under a file; a read-only filesystem
-        proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--save", save])
+        argv = RUN + ["--train-iters", "2", "--save", save]
+        proc = run([sys.executable, PRETRAIN] + argv) if save != "/proc/moezero-ckpt" else \
+            script_in_process(argv, capsys)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert f"error: --save={save}: cannot write there (" in lines[0] and "iteration" not in proc.stdout

@@ -249,17 +249,26 @@ def test_flag_combinations_fail_with_one_clear_message(extra, world, needle):
     assert needle in str(info.value)
 
 
-def test_bad_values_and_missing_data_exit_with_one_line(tmp_path):
+def test_bad_values_and_missing_data_exit_with_one_line(tmp_path, capsys):
+    """The first case through the script in a process of its own, the others through its entry point
+    (moezero.recipe.main) in this one: exit code 2 and one error line each."""
+    from tests.integration.scripts import script_in_process
+
     script = os.path.join(os.path.dirname(ASSETS), "..", "examples_moe", "pretrain_gpt_moe.py")
     cases = [(["--moe-router-topk", "9"], "--moe-router-topk=9: must be between 1 and --num-experts (4)"),
              (["--zero-stage", "4"], "--zero-stage"),
              (["--data-path", str(tmp_path / "missing")], "--data-path")]
-    for extra, needle in cases:
-        proc = subprocess.run([sys.executable, script] + TINY + extra + ["--data-cache-path", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        errors = [line for line in proc.stderr.splitlines() if "error" in line]
-        assert len(errors) == 1 and needle in errors[0], proc.stderr
+    for number, (extra, needle) in enumerate(cases):
+        argv = TINY + extra + ["--data-cache-path", str(tmp_path)]
+        if number == 0:
+            proc = subprocess.run([sys.executable, script] + argv, capture_output=True, text=True, timeout=120)
+            code, err = proc.returncode, proc.stderr
+        else:
+            proc = script_in_process(argv, capsys)
+            code, err = proc.returncode, proc.stderr
+        assert code == 2, err
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert len(errors) == 1 and needle in errors[0], err
 
 
 def test_missing_data_is_a_data_error(tmp_path):
