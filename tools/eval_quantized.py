@@ -59,6 +59,15 @@ def _stored_configs(load) -> dict:
     return checkpoint.read_train_state(checkpoint.resolve_checkpoint(load)).get("configs") or {}
 
 
+def _data_source(data: DataConfig) -> str:
+    """What the evaluation reads, said on its report (the run's own data is not assumed: give its --data-path)."""
+    if data.mock_data:
+        return "Megatron's mock data"
+    if data.data_path:
+        return "--data-path " + " ".join(data.data_path)
+    return "the default corpus (the Python standard library; give the run's --data-path for its data)"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -74,7 +83,8 @@ def main(argv=None) -> int:
                                  quantized=args.quantized, checkpoint=args.load, groups=groups)
         bits = read_exported(args.quantized)["quantization"]["weight_bits"] if args.quantized else None
         if groups.rank == 0:
-            print(f" evaluation on {args.eval_samples} samples, world {groups.world_size}, ep {groups.ep_size}")
+            print(f" evaluation on {args.eval_samples} samples of the validation split of {_data_source(data)}, "
+                  f"world {groups.world_size}, ep {groups.ep_size}")
             print(format_report(losses, bits), flush=True)
         return 0
     except (ConfigError, DataError, ValueError) as exc:

@@ -109,8 +109,13 @@ class ArgumentParser(argparse.ArgumentParser):
         return lines
 
     def _did_you_mean(self, flag: Optional[str]) -> str:
+        opposite = flag and "--no-" + flag[2:]
+        if opposite in self._option_string_actions:   # Megatron's store_false switches have only the --no- form
+            return f"; that is on by default ({opposite} turns it off)"
         known = [s for s in self._option_string_actions if s.startswith("--")]
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag else []
+        if close and close[0].startswith("--no-") and not flag.startswith("--no-"):   # not the opposite meaning
+            return f"; the nearest flag, {close[0]}, turns an option off"
         return f"; did you mean {close[0]}?" if close else ""
 
 

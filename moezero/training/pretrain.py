@@ -487,7 +487,7 @@ class Pretraining:
             f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank 0, "
             f"{len(self.data.train)} train samples")
         if self.cfg.moe.num_experts and self.cfg.model.mlp_activation() == "gelu_tanh":
-            self.logger.print(" --bias-gelu-fusion (Megatron's default): the MLPs and experts use the tanh GELU, "
+            self.logger.print(" Megatron's bias-GELU fusion (on by default): the MLPs and experts use the tanh GELU, "
                               "which Megatron refuses in MoE layers; --no-bias-gelu-fusion gives the exact GELU")
         sections = [getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)]
         self.logger.log_run_config(flag_values(sections), tensorboard_scalars({"lm_loss": 0, "validation_loss": 0}))

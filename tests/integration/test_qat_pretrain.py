@@ -96,6 +96,7 @@ def test_export_and_eval_tools(tmp_path, capsys):
     losses = {line.split("|")[0].split("(")[0].strip(): float(line.split("lm loss:")[1].split("|")[0])
               for line in report.splitlines() if "lm loss:" in line}
     assert set(losses) == {"fp model", "fake-quant model", "exported model"}
+    assert f"samples of the validation split of --data-path {CORPUS}, world 1" in report   # says what it read
     assert losses["fake-quant model"] == pytest.approx(losses["exported model"], rel=1e-6)
     assert losses["fp model"] != losses["exported model"]
 

@@ -41,6 +41,13 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     lines = _error_of(["--ckpt-format", "torch"], capsys)
     assert lines[0].endswith("--ckpt-format torch: not supported by moezero (choose from 'torch_dist', "
                              "'fsdp_dtensor') (see --help)"), lines
+    # Megatron's store_false switches have only their --no- form: never a did-you-mean of the opposite meaning
+    lines = _error_of(["--bias-gelu-fusion"], capsys)
+    assert len(lines) == 1 and lines[0].endswith("unrecognized arguments: --bias-gelu-fusion; that is on by default "
+                                                 "(--no-bias-gelu-fusion turns it off) (see --help)"), lines
+    lines = _error_of(["--bias-gelu-fusio"], capsys)
+    assert "did you mean" not in lines[0] and "the nearest flag, --no-bias-gelu-fusion, turns an option off" \
+        in lines[0], lines
 
 
 def test_one_launch_lists_every_problem_one_line_each(capsys):
