@@ -1,5 +1,6 @@
 """The dynamic loss scaler against megatron-core's DynamicGradScaler: the same scale after every step of random
 overflow patterns (several hysteresis and growth intervals), and the same after a state round trip."""
+import copy
 import random
 
 import pytest
@@ -85,3 +86,31 @@ def test_fp16_overflows_while_the_scale_backs_off_never_stop_the_run():
     opt.backward(model(overflowing).sum())
     with pytest.raises(FloatingPointError, match="3 consecutive steps at the minimum loss scale"):
         opt.step()
+
+
+def test_a_loss_scaled_step_clips_as_torch_does_on_the_unscaled_gradient():
+    """fp16's loss scale and --clip-grad together: the norm that clips (and the one reported) is the unscaled
+    gradient's, as torch's clip_grad_norm_ after GradScaler.unscale_. In float64, where a power-of-two scale is
+    exact, three clipped AdamW steps equal torch's to 1e-12."""
+    from torch import nn
+
+    from moezero.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=0.1, clip_grad=0.05,
+                        grad_reduce_dtype=torch.float64, loss_scaler=DynamicLossScaler(scale=2.0 ** 10))
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        opt.backward(model(x).pow(2).sum())
+        assert opt.step() is True
+        opt.zero_grad()
+        reference(x).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert float(norm) > 0.05 and abs(opt.last_grad_norm - float(norm)) <= 1e-12 * float(norm)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-14)

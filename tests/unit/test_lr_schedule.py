@@ -249,3 +249,30 @@ def test_resuming_an_import_starts_the_command_lines_schedule():
     current = LearningRateSchedule.from_config(t)
     imported = ResumePoint("x", 0, {"model": {}, "hf": {}}, {}, {}, {})
     assert start_lr_schedule(current, imported, CheckpointConfig(), t) == (current, 0)
+
+
+def test_the_loop_steps_at_megatrons_lr(tmp_path, monkeypatch):
+    """The lr each step of the real loop runs at (read from the optimizer as the step starts) is the one
+    Megatron's scheduler gives that step: the warmup's init at the first, then one global batch further each."""
+    from moezero.recipe import pretraining
+    from moezero.training import pretrain
+    from tests.integration.pretrain_utils import TINY, configs
+
+    used = []
+
+    def recording(model, opt, *args, **kwargs):
+        used.append({group["lr"] for group in opt.param_groups})
+        return train_step(model, opt, *args, **kwargs)
+
+    train_step = pretrain.train_step
+    monkeypatch.setattr(pretrain, "train_step", recording)
+    run = pretraining(configs(TINY + ["--train-iters", "6", "--lr-warmup-init", "1e-4",
+                                      "--data-cache-path", str(tmp_path)]))
+    run.train()
+    run.groups.destroy()
+    theirs, optimizer = megatron_scheduler(run.cfg.train)
+    expected = []
+    for _ in range(6):
+        expected.append({optimizer.param_groups[0]["lr"]})
+        theirs.step(increment=run.cfg.train.global_batch_size)
+    assert used == expected and len(set(map(min, expected))) == 6
