@@ -49,12 +49,36 @@ def stdlib_source_files(max_files: int, root: str | None = None) -> List[str]:
 
 
 def _corpus_key(root: str, files: List[str], tokenizer) -> str:
-    """A hash of everything the tokens depend on: the tokenizer and each file's path, size and mtime."""
-    h = hashlib.sha256(repr(dict(tokenizer.unique_identifiers)).encode())
+    """A hash of everything the tokens depend on: the tokenizer (with the contents of its files: one rewritten at
+    the same path tokenizes differently) and each source file's path, size and mtime."""
+    identifiers = dict(tokenizer.unique_identifiers)
+    h = hashlib.sha256(repr(identifiers).encode())
+    for value in identifiers.values():
+        for path in _tokenizer_files(value):
+            h.update(_file_fingerprint(path))
     for rel in files:
         st = os.stat(os.path.join(root, rel))
         h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _tokenizer_files(value) -> List[str]:
+    """The files a tokenizer identifier names: the file, or the files of the folder (a Hugging Face tokenizer's)."""
+    if not isinstance(value, str) or not os.path.exists(value):
+        return []
+    if os.path.isfile(value):
+        return [value]
+    return sorted(os.path.join(value, name) for name in os.listdir(value)
+                  if os.path.isfile(os.path.join(value, name)))
+
+
+def _file_fingerprint(path: str, read_limit: int = 64 << 20) -> bytes:
+    """The file's contents' hash (a folder's model weights beside its tokenizer: their size and mtime)."""
+    st = os.stat(path)
+    if st.st_size > read_limit:
+        return f"{st.st_size}\0{st.st_mtime_ns}".encode()
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
 
 
 def _tokenize_file(path: str, tokenizer) -> np.ndarray:

@@ -109,3 +109,28 @@ def test_committed_corpus_matches_its_jsonl(tmp_path):
                            shallow=False)
     ds = open_indexed_dataset(str(ASSETS / "corpus_text_document"))
     assert len(ds) == 65 and int(np.sum(ds.sequence_lengths)) < 100_000
+
+
+
+
+def test_a_tokenizer_rewritten_at_the_same_path_builds_its_own_corpus(tmp_path):
+    """The cached default corpus is keyed by the tokenizer files' contents, not their path: another tokenizer of
+    the same size and end-of-document id (two ids swapped) saved over the first, its mtime kept as cp -p keeps
+    it, tokenizes afresh instead of reusing the first one's ids."""
+    from moezero.data.tokenizer import HuggingFaceTokenizer
+    from tests.bpe_files import write_bpe_files
+
+    path = write_bpe_files(str(tmp_path / "a"))["tokenizer_json"]
+    first = build_default_corpus(str(tmp_path / "cache"), 3, HuggingFaceTokenizer(path))
+    stat = os.stat(path)
+    blob = json.loads(Path(path).read_text())
+    vocab = blob["model"]["vocab"]
+    vocab["e"], vocab["t"] = vocab["t"], vocab["e"]
+    Path(path).write_text(json.dumps(blob))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    tokenizer = HuggingFaceTokenizer(path)
+    second = build_default_corpus(str(tmp_path / "cache"), 3, tokenizer)
+    assert second != first
+    source = (Path(__import__("sysconfig").get_paths()["stdlib"]) / stdlib_source_files(3)[0]).read_text()
+    old, new = open_indexed_dataset(first), open_indexed_dataset(second)   # (a view outlives no dataset)
+    assert list(new[0][:-1]) == tokenizer.tokenize(source) != list(old[0][:-1])
