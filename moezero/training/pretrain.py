@@ -41,8 +41,8 @@ from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, m
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
 from moezero.checkpoint.keys import plain_param_name
-from moezero.training.resume import (ResumePoint, check_shapes, is_import, start_iteration, start_lr_schedule,
-                                     start_progress)
+from moezero.training.resume import (ResumePoint, check_shapes, data_differences, is_import, start_iteration,
+                                     start_lr_schedule, start_progress)
 from moezero.training.run_start import resolve_start
 from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
@@ -152,6 +152,11 @@ class Pretraining:
         self.logger.print(f" resumed from {point.path} at iteration {self.iteration}, "
                           f"{self.progress.consumed_train_samples} samples consumed"
                           + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
+        changed = [] if is_import(point) else data_differences(self.cfg, point)
+        if changed:   # Megatron's resume says nothing; a document already trained on may come again
+            self.logger.print(f" the sample stream is not the checkpoint's ({'; '.join(changed)}): training goes on "
+                              f"at sample {self.progress.consumed_train_samples} of the new one, as Megatron's resume "
+                              "does")
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> None:

@@ -195,6 +195,27 @@ def model_differences(cfg, point: ResumePoint) -> List[str]:
     return out
 
 
+# what decides which tokens each sample holds and their order, besides the model's flags
+DATA_STREAM_FIELDS = {"data": ("data_path", "split", "mock_data", "default_corpus_max_files"),
+                      "model": ("seq_length",), "train": ("seed",)}
+
+
+def data_differences(cfg, point: ResumePoint) -> List[str]:
+    """'--flag: X in the checkpoint, Y now' for each flag of the sample stream that differs from the checkpoint's
+    (not compared: a field it did not store). Megatron resumes on such a change without a word: the run goes on at
+    its consumed-sample count in the new stream."""
+    out = []
+    for section, names in DATA_STREAM_FIELDS.items():
+        current, saved = getattr(cfg, section), point.configs.get(section) or {}
+        out += [f"{flag_of(current, n)}: {_words(saved[n])} in the checkpoint, {_words(getattr(current, n))} now"
+                for n in names if n in saved and saved[n] != getattr(current, n)]
+    return out
+
+
+def _words(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else _shown(value)
+
+
 def _shown(value) -> str:
     return "unset" if value is None else str(value)
 

@@ -307,3 +307,21 @@ def test_a_disk_that_fills_while_publishing_is_one_error_and_the_previous_checkp
         run_.train()
     run_.groups.destroy()
     assert checkpoint.latest_iteration(path) == 2
+
+
+def test_a_resume_on_another_sample_stream_says_so(saved, tmp_path, capsys):
+    """Another --data-path blend, --split, --seq-length or --seed on resume: Megatron goes on at its sample count
+    without a word (documents already trained on may come again, or move to the validation split); moezero does
+    the same and names each change. An unchanged stream says nothing."""
+    path, cache = _copy(saved, tmp_path), str(saved)
+    data = RUN[RUN.index("--data-path") + 1]
+    same = _built(["--train-iters", "3", "--load", path], cache)
+    assert "sample stream" not in capsys.readouterr().out
+    same.groups.destroy()
+    changed = _built(["--train-iters", "3", "--load", path, "--data-path", "30", data, "70", data,
+                      "--split", "90,10,0", "--seed", "8"], cache)
+    line = [line for line in capsys.readouterr().out.splitlines() if "sample stream" in line]
+    assert line == [f" the sample stream is not the checkpoint's (--data-path: {data} in the checkpoint, 30 {data} "
+                    f"70 {data} now; --split: 98,2,0 in the checkpoint, 90,10,0 now; --seed: 7 in the checkpoint, 8 "
+                    "now): training goes on at sample 16 of the new one, as Megatron's resume does"], line
+    changed.groups.destroy()
