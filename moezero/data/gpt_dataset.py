@@ -241,15 +241,37 @@ def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_leng
 
 
 def _build_locked(builder, cache: str):
-    """Run megatron-core's builder; a file lock serialises processes that share no process group."""
+    """Run megatron-core's builder; a file lock serialises processes that share no process group. An index file
+    it cannot read (a build killed half-way, or another job's still being written) is one DataError naming it."""
     import torch.distributed as dist
     from filelock import FileLock
 
-    if dist.is_available() and dist.is_initialized():
-        return builder.build()  # rank 0 first, then a barrier, inside megatron-core
-    os.makedirs(cache, exist_ok=True)
-    with FileLock(os.path.join(cache, ".build.lock")):
-        return builder.build()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            return builder.build()  # rank 0 first, then a barrier, inside megatron-core
+        os.makedirs(cache, exist_ok=True)
+        with FileLock(os.path.join(cache, ".build.lock")):
+            return builder.build()
+    except (ValueError, EOFError, OSError) as error:
+        damaged = _unreadable_index_files(cache)
+        if not damaged:
+            raise
+        raise DataError(f"--data-cache-path: the dataset index file {damaged[0]} cannot be read ({error}): a build "
+                        "killed half-way, or another job's build still writing it; delete the file (it is rebuilt) "
+                        "or wait for the other job") from error
+
+
+def _unreadable_index_files(cache: str) -> List[str]:
+    """The .npy files under `cache` that numpy cannot open."""
+    out = []
+    for folder, _, names in os.walk(cache):
+        for name in sorted(names):
+            if name.endswith(".npy"):
+                try:
+                    np.load(os.path.join(folder, name), allow_pickle=True, mmap_mode="r")
+                except (ValueError, EOFError, OSError):
+                    out.append(os.path.join(folder, name))
+    return out
 
 
 def _quiet_builder_class(mg):

@@ -134,3 +134,22 @@ def test_a_tokenizer_rewritten_at_the_same_path_builds_its_own_corpus(tmp_path):
     source = (Path(__import__("sysconfig").get_paths()["stdlib"]) / stdlib_source_files(3)[0]).read_text()
     old, new = open_indexed_dataset(first), open_indexed_dataset(second)   # (a view outlives no dataset)
     assert list(new[0][:-1]) == tokenizer.tokenize(source) != list(old[0][:-1])
+
+
+def test_a_damaged_index_cache_is_one_error_naming_the_file(tmp_path):
+    """A sample-index file cut short (a build killed half-way, or another job's being written): one DataError
+    naming it and what to do, not numpy's 'mmap length is greater than file size' from inside megatron-core."""
+    import pytest
+
+    from moezero.data import DataError
+    from tests.integration.pretrain_utils import CORPUS
+
+    data = DataConfig(data_path=[CORPUS], split="98,2,0", data_cache_path=str(tmp_path))
+    build_datasets(data, 32, 1, num_samples=(8, 0, 0))
+    index = sorted(p for p in (tmp_path / "indices").rglob("*shuffle_index.npy"))[0]
+    os.truncate(index, 200)
+    with pytest.raises(DataError, match=f"--data-cache-path: the dataset index file {index} cannot be read .*delete "
+                                        "the file"):
+        build_datasets(data, 32, 1, num_samples=(8, 0, 0))
+    os.remove(index)   # as the message says: rebuilt
+    assert len(build_datasets(data, 32, 1, num_samples=(8, 0, 0)).train) >= 8
