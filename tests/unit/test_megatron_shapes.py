@@ -56,3 +56,32 @@ def test_the_parameters_are_megatrons(case):
     for name, param in model.named_parameters():
         ours[_group(name)] += param.numel()
     assert dict(sorted(ours.items())) == case["params"], (TABLE["megatron_core"], case["name"])
+
+
+@pytest.mark.parametrize("freq", ["1", "2", "3", "[0,1,1,0,1]"])
+def test_the_moe_layers_are_where_megatron_puts_them(freq):
+    """--moe-layer-freq (an integer N: layers 0, N, 2N, ...; a list: per layer) places the MoE layers where
+    megatron-core's decoder layer specs put its MoELayer."""
+    import dataclasses
+    import logging
+    import warnings
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moezero.moe import MoELayer
+    from tests.megatron_oracle import CPU_BUILD
+
+    cfg = configs(["--num-layers", "5", "--hidden-size", "16", "--num-attention-heads", "2", "--num-experts", "4",
+                   "--moe-layer-freq", freq])
+    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)
+    ours = [isinstance(layer.mlp, MoELayer) for layer in model.layers]
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(num_layers=5, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                                   moe_router_topk=2, moe_layer_freq=cfg.model.moe_layer_freq, **CPU_BUILD)
+        theirs = [spec.submodules.mlp.module.__name__ == "MoELayer"
+                  for spec in get_gpt_decoder_layer_specs(config, use_transformer_engine=False)]
+    logging.disable(logging.NOTSET)
+    assert ours == theirs and any(ours), (ours, theirs)
