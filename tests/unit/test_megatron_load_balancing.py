@@ -117,6 +117,8 @@ def _routing_of_logits(logits_TE, **kwargs):
     dict(top_k=2), dict(top_k=2, pre_softmax=True), dict(top_k=4, topk_scaling_factor=2.5),
     dict(top_k=4, num_groups=4, group_topk=2), dict(top_k=4, num_groups=4, group_topk=2, pre_softmax=True),
     dict(top_k=3, score_function="sigmoid"), dict(top_k=4, score_function="sigmoid", num_groups=4, group_topk=2),
+    # a group's score: the sum of its top top_k / group_topk (here 3 and 1, not DeepSeek-V3's top two)
+    dict(top_k=3, num_groups=2, group_topk=1), dict(top_k=2, score_function="sigmoid", num_groups=4, group_topk=2),
 ])
 def test_the_selection_and_weights_are_megatrons(kwargs):
     """Megatron's topk_routing_with_score_function: after the top-k the softmax selects on the logits, groups

@@ -73,7 +73,8 @@ def test_the_logged_and_validation_lm_loss_is_the_token_mean(tmp_path):
         assert abs((means[0] * 10 + means[1] * 64) / 74 - sum(means) / 2) > 1e-3   # the two rules differ here
         return (means[0] * 10 + means[1] * 64) / 74
     validation = token_mean(training=False)
-    assert evaluate(run.model, batches, None) == pytest.approx(validation, rel=1e-9)
+    run.model.train()   # as the training loop leaves it: evaluate() turns dropout and jitter off itself
+    assert evaluate(run.model, batches, None) == pytest.approx(validation, rel=1e-9) and run.model.training
     training = token_mean(training=True)   # dropout and jitter keyed by the samples: train_step's own draws
     assert train_step(run.model, run.opt, batches, 0, 7, None).lm_loss == pytest.approx(training, rel=1e-6)
     run.groups.destroy()
