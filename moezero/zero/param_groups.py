@@ -6,6 +6,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from moezero.parallel.expert_marker import is_expert_parallel
 from moezero.zero.precision_aware_adam import PrecisionAwareAdam
 
 # Optimizers whose update of an element depends only on that element's gradient and state:
@@ -63,8 +64,11 @@ def normalize_param_groups(param_groups: Any) -> List[Dict]:
 
 def is_no_decay(name: str, param: nn.Parameter) -> bool:
     """Biases and 1-D params (norm weights) are not decayed: megatron-core's rule (its
-    get_standard_config_overrides: `*.bias` or one dimension). Embedding tables are decayed, as there."""
-    return param.ndim < 2 or name.endswith(".bias")
+    get_standard_config_overrides: `*.bias` or one dimension). Embedding tables are decayed, as there. A routed-
+    expert stack is judged by one expert's tensor, as megatron-core's experts are separate tensors (their biases
+    1-D): the stacked biases (experts, width) are not decayed."""
+    per_expert_ndim = param.ndim - (1 if is_expert_parallel(param) else 0)
+    return per_expert_ndim < 2 or name.endswith(".bias")
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
