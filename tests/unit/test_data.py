@@ -247,3 +247,18 @@ def test_collate_returns_global_indices():
     assert batch["loss_mask"].dtype == torch.float32
     assert batch["sample_index"].tolist() == [7, 3] and batch["labels"][:, 0].tolist() == [8, 4]
     assert collate([samples[1]], [1])["tokens"].shape == (1, 4)
+
+
+def test_a_valid_split_shorter_than_a_sample_is_refused_whatever_follows_it(tmp_path):
+    """--split 90,5,5 of 20 documents: the valid split is document 18 alone (10 tokens), fewer than a sample; the
+    100-token document after it (the test split's) does not count for it (megatron-core would repeat the one
+    short document to fill every validation sample)."""
+    from moezero.data import build_datasets
+
+    prefix = str(tmp_path / "short_valid")
+    docs = random_docs(18, seed=3) + [np.append(np.arange(9), 256), np.append(np.arange(99) % 256, 256)]
+    write_indexed_dataset(prefix, docs, vocab_size=257)
+    cfg = DataConfig(data_path=prefix, split="90,5,5", data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"--split=90,5,5: the valid split .* gets documents \[18, 19\) of 20 "
+                                        r"\(10 tokens\)"):
+        build_datasets(cfg, 32, seed=1, num_samples=(10, 10, 0))

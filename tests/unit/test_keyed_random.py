@@ -65,3 +65,24 @@ def test_a_gpu_draws_its_own_stream():
     cpu, gpu = keys.dropout_mask("attn", (128, 128), 0.1), keys.dropout_mask("attn", (128, 128), 0.1, "cuda")
     assert not torch.equal(cpu, gpu.cpu())
     assert abs((gpu > 0).float().mean().item() - (cpu > 0).float().mean().item()) < 0.01
+
+
+def test_each_dropout_of_a_forward_draws_from_its_own_site(monkeypatch):
+    """Every dropout and jitter draw of one forward has a site of its own: two sites sharing a key would drop the
+    same positions twice (correlated masks)."""
+    from moezero.config import GPTConfig, MoEConfig
+    from moezero.models import GPTModel
+
+    sites = {}
+    per_sample = SampleKeys._per_sample
+
+    def spy(self, site, *args):
+        sites[site] = sites.get(site, 0) + 1
+        return per_sample(self, site, *args)
+
+    monkeypatch.setattr(SampleKeys, "_per_sample", spy)
+    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8,
+                       vocab_size=50, hidden_dropout=0.1, attention_dropout=0.1, moe_layer_freq=2)
+    model = GPTModel(config, MoEConfig(num_experts=4, top_k=2, input_jitter_eps=0.1), seed=1).train()
+    model(torch.randint(0, 50, (2, 8)), SampleKeys(0, 1, (0, 1)))
+    assert len(sites) >= 2 * 3 + 1 and set(sites.values()) == {1}, sites
