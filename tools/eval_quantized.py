@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                                  quantized=args.quantized, checkpoint=args.load, groups=groups)
         bits = read_exported(args.quantized)["quantization"]["weight_bits"] if args.quantized else None
         if groups.rank == 0:
-            print(f" evaluation on {args.eval_samples} samples of the validation split of {_data_source(data)}, "
+            split = "validation" if data.split_weights[1] > 0 else "test"   # as eval_dataset reads
+            print(f" evaluation on {args.eval_samples} samples of the {split} split of {_data_source(data)}, "
                   f"world {groups.world_size}, ep {groups.ep_size}")
             print(format_report(losses, bits), flush=True)
         return 0

@@ -53,8 +53,8 @@ def _corpus_key(root: str, files: List[str], tokenizer) -> str:
     the same path tokenizes differently) and each source file's path, size and mtime."""
     identifiers = dict(tokenizer.unique_identifiers)
     h = hashlib.sha256(repr(identifiers).encode())
-    for value in identifiers.values():
-        for path in _tokenizer_files(value):
+    for key in TOKENIZER_PATH_KEYS:
+        for path in _tokenizer_files(identifiers.get(key)):
             h.update(_file_fingerprint(path))
     for rel in files:
         st = os.stat(os.path.join(root, rel))
@@ -62,23 +62,31 @@ def _corpus_key(root: str, files: List[str], tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+TOKENIZER_PATH_KEYS = ("path", "vocab_file", "merge_file")   # the tokenizers' unique_identifiers naming files
+# what a tokenizer reads from a folder (a Hugging Face one): its weights and README beside it do not count
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
+
+
 def _tokenizer_files(value) -> List[str]:
-    """The files a tokenizer identifier names: the file, or the files of the folder (a Hugging Face tokenizer's)."""
+    """The files a tokenizer identifier names: the file, or a folder's tokenizer files."""
     if not isinstance(value, str) or not os.path.exists(value):
         return []
     if os.path.isfile(value):
         return [value]
-    return sorted(os.path.join(value, name) for name in os.listdir(value)
-                  if os.path.isfile(os.path.join(value, name)))
+    return [os.path.join(value, name) for name in TOKENIZER_FILE_NAMES if os.path.isfile(os.path.join(value, name))]
 
 
 def _file_fingerprint(path: str, read_limit: int = 64 << 20) -> bytes:
-    """The file's contents' hash (a folder's model weights beside its tokenizer: their size and mtime)."""
-    st = os.stat(path)
-    if st.st_size > read_limit:
+    """The file's contents' hash (by size and mtime where it is too large or cannot be read)."""
+    try:
+        st = os.stat(path)
+        if st.st_size <= read_limit:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).digest()
         return f"{st.st_size}\0{st.st_mtime_ns}".encode()
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).digest()
+    except OSError as error:   # unreadable or gone: the tokenizer itself reports what it needs
+        return f"{path}: {error.strerror}".encode()
 
 
 def _tokenize_file(path: str, tokenizer) -> np.ndarray:

@@ -17,9 +17,11 @@ in a single process without a process group, so there the (cheap) blend indices 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -242,10 +244,12 @@ def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_leng
 
 def _build_locked(builder, cache: str):
     """Run megatron-core's builder; a file lock serialises processes that share no process group. An index file
-    it cannot read (a build killed half-way, or another job's still being written) is one DataError naming it."""
+    that was in the cache before the build and that it cannot read (a build killed half-way, or another job's
+    still being written) is one DataError naming it."""
     import torch.distributed as dist
     from filelock import FileLock
 
+    started = time.time()
     try:
         if dist.is_available() and dist.is_initialized():
             return builder.build()  # rank 0 first, then a barrier, inside megatron-core
@@ -253,7 +257,9 @@ def _build_locked(builder, cache: str):
         with FileLock(os.path.join(cache, ".build.lock")):
             return builder.build()
     except (ValueError, EOFError, OSError) as error:
-        damaged = _unreadable_index_files(cache)
+        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:   # the build's own write failed
+            raise
+        damaged = _unreadable_index_files(cache, written_before=started)
         if not damaged:
             raise
         raise DataError(f"--data-cache-path: the dataset index file {damaged[0]} cannot be read ({error}): a build "
@@ -261,16 +267,21 @@ def _build_locked(builder, cache: str):
                         "or wait for the other job") from error
 
 
-def _unreadable_index_files(cache: str) -> List[str]:
-    """The .npy files under `cache` that numpy cannot open."""
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)
+
+
+def _unreadable_index_files(cache: str, written_before: float) -> List[str]:
+    """The .npy files in `cache` (not its subfolders: other datasets' caches) older than `written_before` that
+    numpy cannot open."""
     out = []
-    for folder, _, names in os.walk(cache):
-        for name in sorted(names):
-            if name.endswith(".npy"):
-                try:
-                    np.load(os.path.join(folder, name), allow_pickle=True, mmap_mode="r")
-                except (ValueError, EOFError, OSError):
-                    out.append(os.path.join(folder, name))
+    for name in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
+        path = os.path.join(cache, name)
+        if not name.endswith(".npy") or os.path.getmtime(path) >= written_before:
+            continue
+        try:
+            np.load(path, allow_pickle=True, mmap_mode="r")
+        except (ValueError, EOFError, OSError):
+            out.append(path)
     return out
 
 

@@ -152,7 +152,7 @@ class Pretraining:
         self.logger.print(f" resumed from {point.path} at iteration {self.iteration}, "
                           f"{self.progress.consumed_train_samples} samples consumed"
                           + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
-        changed = [] if is_import(point) else data_differences(self.cfg, point)
+        changed = [] if is_import(point) or self.cfg.train.skip_train else data_differences(self.cfg, point)
         if changed:   # Megatron's resume says nothing; a document already trained on may come again
             self.logger.print(f" the sample stream is not the checkpoint's ({'; '.join(changed)}): training goes on "
                               f"at sample {self.progress.consumed_train_samples} of the new one, as Megatron's resume "

@@ -203,13 +203,51 @@ DATA_STREAM_FIELDS = {"data": ("data_path", "split", "mock_data", "default_corpu
 def data_differences(cfg, point: ResumePoint) -> List[str]:
     """'--flag: X in the checkpoint, Y now' for each flag of the sample stream that differs from the checkpoint's
     (not compared: a field it did not store). Megatron resumes on such a change without a word: the run goes on at
-    its consumed-sample count in the new stream."""
+    its consumed-sample count in the new stream. Compared as they act: the same files under another spelling of
+    the path, or the same split in other numbers, are no change; the default corpus's size only without a
+    --data-path."""
     out = []
     for section, names in DATA_STREAM_FIELDS.items():
         current, saved = getattr(cfg, section), point.configs.get(section) or {}
-        out += [f"{flag_of(current, n)}: {_words(saved[n])} in the checkpoint, {_words(getattr(current, n))} now"
-                for n in names if n in saved and saved[n] != getattr(current, n)]
+        for name in names:
+            if name not in saved or name == "default_corpus_max_files" and not _on_default_corpus(saved, current):
+                continue
+            old, new = saved[name], getattr(current, name)
+            same = {"data_path": lambda a, b: _blend(a) == _blend(b),
+                    "split": lambda a, b: _split_fractions(a) == _split_fractions(b)}.get(name, lambda a, b: a == b)
+            if not same(old, new):
+                out.append(f"{flag_of(current, name)}: {_words(old)} in the checkpoint, {_words(new)} now")
     return out
+
+
+def _on_default_corpus(saved: Dict[str, Any], current) -> bool:
+    return not (saved.get("data_path") or saved.get("mock_data") or current.data_path or current.mock_data)
+
+
+def _blend(data_path) -> Optional[List[str]]:
+    """--data-path's words (a string from an older checkpoint too), prefixes as real paths, weights as numbers."""
+    if not data_path:
+        return None
+    words = [data_path] if isinstance(data_path, str) else data_path
+    return [_weight_or_path(part) for word in words for part in word.split()]
+
+
+def _weight_or_path(part: str) -> str:
+    try:
+        return repr(float(part))
+    except ValueError:
+        return os.path.realpath(part)
+
+
+def _split_fractions(split) -> Optional[Tuple[float, ...]]:
+    """--split as megatron-core reads it: up to three weights (',' or '/'), zeros after, normalised."""
+    try:
+        weights = [float(w) for w in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        return None
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(round(w / total, 12) for w in weights) if total > 0 else None
 
 
 def _words(value) -> str:

@@ -315,9 +315,10 @@ def test_a_resume_on_another_sample_stream_says_so(saved, tmp_path, capsys):
     the same and names each change. An unchanged stream says nothing."""
     path, cache = _copy(saved, tmp_path), str(saved)
     data = RUN[RUN.index("--data-path") + 1]
-    same = _built(["--train-iters", "3", "--load", path], cache)
-    assert "sample stream" not in capsys.readouterr().out
-    same.groups.destroy()
+    for spelled in ([], ["--data-path", os.path.relpath(data), "--split", "49,1"]):   # the same stream
+        same = _built(["--train-iters", "3", "--load", path] + spelled, cache)
+        assert "sample stream" not in capsys.readouterr().out, spelled
+        same.groups.destroy()
     changed = _built(["--train-iters", "3", "--load", path, "--data-path", "30", data, "70", data,
                       "--split", "90,10,0", "--seed", "8"], cache)
     line = [line for line in capsys.readouterr().out.splitlines() if "sample stream" in line]

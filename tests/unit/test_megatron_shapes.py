@@ -77,11 +77,13 @@ def test_the_moe_layers_are_where_megatron_puts_them(freq):
     model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)
     ours = [isinstance(layer.mlp, MoELayer) for layer in model.layers]
     logging.disable(logging.WARNING)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = TransformerConfig(num_layers=5, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
-                                   moe_router_topk=2, moe_layer_freq=cfg.model.moe_layer_freq, **CPU_BUILD)
-        theirs = [spec.submodules.mlp.module.__name__ == "MoELayer"
-                  for spec in get_gpt_decoder_layer_specs(config, use_transformer_engine=False)]
-    logging.disable(logging.NOTSET)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = TransformerConfig(num_layers=5, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                                       moe_router_topk=2, moe_layer_freq=cfg.model.moe_layer_freq, **CPU_BUILD)
+            theirs = [spec.submodules.mlp.module.__name__ == "MoELayer"
+                      for spec in get_gpt_decoder_layer_specs(config, use_transformer_engine=False)]
+    finally:
+        logging.disable(logging.NOTSET)
     assert ours == theirs and any(ours), (ours, theirs)
