@@ -27,8 +27,9 @@ from torch import nn
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
 from moezero.checkpoint.keys import plain_param_name
-from moezero.config import ConfigError, GPTConfig, MoEConfig, flag_of, model_defining_fields
+from moezero.config import ConfigError, DataConfig, GPTConfig, MoEConfig, flag_of, model_defining_fields
 from moezero.config.options import derived_when_none_fields
+from moezero.data import parse_data_path
 from moezero.parallel import expert_shard_of
 from moezero.training.configs import TrainConfig
 from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
@@ -224,30 +225,23 @@ def _on_default_corpus(saved: Dict[str, Any], current) -> bool:
     return not (saved.get("data_path") or saved.get("mock_data") or current.data_path or current.mock_data)
 
 
-def _blend(data_path) -> Optional[List[str]]:
-    """--data-path's words (a string from an older checkpoint too), prefixes as real paths, weights as numbers."""
+def _blend(data_path) -> Optional[Tuple]:
+    """--data-path as the data layer reads it (a string from an older checkpoint too): its prefixes as real paths,
+    its weights normalised."""
     if not data_path:
         return None
-    words = [data_path] if isinstance(data_path, str) else data_path
-    return [_weight_or_path(part) for word in words for part in word.split()]
-
-
-def _weight_or_path(part: str) -> str:
-    try:
-        return repr(float(part))
-    except ValueError:
-        return os.path.realpath(part)
+    blend = parse_data_path([word for part in ([data_path] if isinstance(data_path, str) else data_path)
+                             for word in part.split()])
+    return tuple(map(os.path.realpath, blend.prefixes)), _normalised(blend.weights)
 
 
 def _split_fractions(split) -> Optional[Tuple[float, ...]]:
-    """--split as megatron-core reads it: up to three weights (',' or '/'), zeros after, normalised."""
-    try:
-        weights = [float(w) for w in str(split).replace("/", ",").split(",")]
-    except ValueError:
-        return None
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return tuple(round(w / total, 12) for w in weights) if total > 0 else None
+    """--split as DataConfig (and megatron-core) reads it: up to three weights, zeros after, normalised."""
+    return _normalised(DataConfig(split=str(split)).split_weights)
+
+
+def _normalised(weights) -> Optional[Tuple[float, ...]]:
+    return tuple(round(w / sum(weights), 12) for w in weights) if weights else None
 
 
 def _words(value) -> str:
