@@ -8,9 +8,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moezero-installed
 
-.PHONY: install train test bench
+.PHONY: install train test bench hooks
 
 install: $(STAMP)
+
+# The repository's git hooks (.githooks/: a commit subject of at most 72 characters) for this clone.
+hooks:
+	git config core.hooksPath .githooks
 
 $(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
