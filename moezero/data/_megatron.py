@@ -11,7 +11,7 @@ checkpoint); a process that loads one after building data calls it, or imports `
 
 The import happens only when data is first built, with the warnings raised during it and its INFO log lines
 silenced; its dataset loggers are held at WARNING (the blended-dataset one at ERROR: its warnings are about
-choices this package makes on purpose).
+choices this package makes on purpose). Its cached-index readers get a numpy that refuses pickles (index_cache).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import types
 import warnings
 
 from moezero.data.errors import DataError
+from moezero.data.index_cache import INDEX_READERS, refuse_pickled_indices
 
 _QUIET_LOGGERS = {
     "megatron.core.datasets": logging.WARNING,
@@ -50,6 +51,7 @@ def megatron_datasets() -> types.SimpleNamespace:
         except ImportError as exc:
             raise DataError(f"the data layer needs megatron-core with its compiled dataset helpers "
                             f"(pip install 'megatron-core>=0.16.1,<0.18'): {exc}") from exc
+    refuse_pickled_indices(sys.modules[name] for name in INDEX_READERS)
     return types.SimpleNamespace(
         BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder, GPTDataset=GPTDataset, MockGPTDataset=MockGPTDataset,
         GPTDatasetConfig=GPTDatasetConfig, IndexedDataset=IndexedDataset,

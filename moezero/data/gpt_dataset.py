@@ -256,6 +256,8 @@ def _build_locked(builder, cache: str):
         os.makedirs(cache, exist_ok=True)
         with FileLock(os.path.join(cache, ".build.lock")):
             return builder.build()
+    except DataError:   # a pickled index file (index_cache), already named
+        raise
     except (ValueError, EOFError, OSError) as error:
         if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:   # the build's own write failed
             raise
@@ -272,21 +274,23 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)
 
 def _unreadable_index_files(cache: str, written_before: float) -> List[str]:
     """The .npy files in `cache` (not its subfolders: other datasets' caches) older than `written_before` that
-    numpy cannot open."""
+    numpy cannot open (as plain arrays: a pickle is never loaded)."""
     out = []
     for name in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         path = os.path.join(cache, name)
         if not name.endswith(".npy") or os.path.getmtime(path) >= written_before:
             continue
         try:
-            np.load(path, allow_pickle=True, mmap_mode="r")
+            np.load(path, allow_pickle=False, mmap_mode="r")
         except (ValueError, EOFError, OSError):
             out.append(path)
     return out
 
 
 def _quiet_builder_class(mg):
-    """megatron-core's builder, with blend indices kept in memory when there is no process group."""
+    """megatron-core's builder, with blend indices kept in memory when there is no process group, and a refused
+    index file (a pickle) refused on every rank: rank 0 still reaches the barrier the others wait at, and they
+    then read the same file."""
 
     class Builder(mg.BlendedMegatronDatasetBuilder):
         @staticmethod
@@ -295,7 +299,13 @@ def _quiet_builder_class(mg):
                 config = copy.copy(args[-1])
                 config.path_to_cache = None  # its cache path calls dist.get_rank() unguarded
                 args = (*args[:-1], config)
-            return mg.BlendedMegatronDatasetBuilder.build_generic_dataset(
-                cls, is_built_on_rank, synchronize_ranks, *args)
+            build = mg.BlendedMegatronDatasetBuilder.build_generic_dataset
+            if not (synchronize_ranks and torch.distributed.is_initialized() and torch.distributed.get_rank() == 0):
+                return build(cls, is_built_on_rank, synchronize_ranks, *args)
+            try:
+                return build(cls, is_built_on_rank, synchronize_ranks, *args)
+            except DataError:
+                torch.distributed.barrier()
+                raise
 
     return Builder
