@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from moezero.checkpoint.safe_pickle import decode_blob
 from moezero.config import upgrade_stored_configs
 from moezero.parallel import expert_shard_of
 
@@ -160,4 +161,5 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(blob: Any) -> Any:
-    return pickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob
+    """What `encode` wrote, read by an unpickler that runs no code (safe_pickle.UnsafePickle where it would)."""
+    return decode_blob(blob)

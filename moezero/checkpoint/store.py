@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from moezero.checkpoint import checksums, keys, layout
+from moezero.checkpoint import checksums, keys, layout, safe_pickle
 from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cause
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
@@ -294,6 +294,9 @@ def _train_state(request: Dict[str, Any], path: str) -> Dict[str, Any]:
 def _decoded(blob: Any, path: str, what: str) -> Any:
     try:
         return keys.decode(blob)
+    except safe_pickle.UnsafePickle as exc:
+        raise CheckpointError(f"{path}: its {what} is refused, {exc} (a file made to run code?); nothing of it was "
+                              "run") from None
     except Exception as exc:  # unpickling damaged bytes raises anything
         raise CheckpointError(f"{path}: its {what} is damaged ({first_line(exc, 80)}); resume from another "
                               "checkpoint with --ckpt-step N") from None
@@ -310,19 +313,20 @@ def _quiet():
         yield
 
 
-def _metadata(path: str):
-    """The checkpoint's index of entries, after checking that it and every shard file it names are whole."""
-    return _index(path).state_dict_metadata
-
-
 def _index(path: str):
     """The checkpoint's DCP metadata, after checking that it and every shard file it names are whole."""
     index = os.path.join(path, ".metadata")
     if not os.path.isfile(index):
         what = "does not exist" if not os.path.exists(path) else "has no .metadata (not a checkpoint folder)"
         raise CheckpointError(f"{path}: {what}")
+    manifest = checksums.read_manifest(path)
+    problem = checksums.verify_files(path, manifest, [".metadata"]) if manifest is not None else None
+    if problem is not None:   # before a byte of it is unpickled
+        raise CheckpointError(f"{problem}; the checkpoint is refused, resume from another one with --ckpt-step N")
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = safe_pickle.SafeFileSystemReader(path).read_metadata()
+    except safe_pickle.UnsafePickle as exc:
+        raise CheckpointError(f"{index}: refused, {exc} (a file made to run code?); nothing of it was run") from None
     except Exception as exc:  # a damaged pickle raises whatever its bytes decode to
         raise CheckpointError(f"{index}: unreadable, the file is damaged ({first_line(exc, 80)}); resume from "
                               "another checkpoint with --ckpt-step N") from None
@@ -338,7 +342,7 @@ def _verified_load(request: Dict[str, Any], path: str, index, collective: bool =
     problem = None
     if manifest is not None:
         files = {info.relative_path for item, info in (index.storage_data or {}).items() if item.fqn in request}
-        problem = checksums.verify_files(path, manifest, files | {".metadata"})
+        problem = checksums.verify_files(path, manifest, files)   # .metadata: by _index, before it was read
     problem = next((p for p in (_gathered(problem, group) if collective else [problem]) if p), None)
     if problem is not None:
         raise CheckpointError(f"{problem}; the checkpoint is refused, resume from another one with --ckpt-step N")
@@ -365,7 +369,8 @@ def _load(request: Dict[str, Any], path: str, collective: bool = False, group=No
     failed read from every rank, so all raise the same CheckpointError."""
     try:
         with _quiet():
-            dcp.load(request, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True),
+            dcp.load(request, storage_reader=safe_pickle.SafeFileSystemReader(path),
+                     planner=safe_pickle.SafeLoadPlanner(allow_partial_load=True),
                      no_dist=not (collective and dist.is_initialized()), process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) gathers every rank's error
         raise CheckpointError(f"{path}: reading it failed, the shard files are damaged ({innermost_cause(exc)}); "

@@ -74,10 +74,18 @@ def _garble_metadata(path):
         f.write(os.urandom(300))
 
 
+def _garble_metadata_of_an_unverified_checkpoint(path):
+    """As written before checksums.json: the unpickler finds the damage."""
+    _garble_metadata(path)
+    os.remove(os.path.join(checkpoint.iteration_dir(path, 2), "checksums.json"))
+
+
 CASES = {
     "truncated shard": (_truncate_shard, [], "__0_0.distcp: is truncated (5,000 of"),
     "damaged shard": (_damage_shard, [], "damaged"),
-    "garbled metadata": (_garble_metadata, [], ".metadata: unreadable, the file is damaged"),
+    "garbled metadata": (_garble_metadata, [], ".metadata: holds 300 bytes, the checkpoint wrote"),   # checked first
+    "garbled metadata, no checksums": (_garble_metadata_of_an_unverified_checkpoint, [],
+                                       ".metadata: unreadable, the file is damaged"),
     "shard of another iteration": (_shard_of_iteration_1, [], "iter_0000002/__0_0.distcp: its contents differ from "
                                                               "what the checkpoint wrote (checksum mismatch"),
     "64 flipped bytes": (_flip_64_bytes, [], "iter_0000002/__0_0.distcp: its contents differ"),
@@ -326,3 +334,58 @@ def test_a_resume_on_another_sample_stream_says_so(saved, tmp_path, capsys):
                     f"70 {data} now; --split: 98,2,0 in the checkpoint, 90,10,0 now; --seed: 7 in the checkpoint, 8 "
                     "now): training goes on at sample 16 of the new one, as Megatron's resume does"], line
     changed.groups.destroy()
+
+
+# ---- a checkpoint runs no code --------------------------------------------------------------------
+class _Planted:
+    """A pickle that writes a marker file when it is unpickled (what a crafted checkpoint file would run)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def _plant_metadata(path, marker, update_digest):
+    import json
+    import pickle
+
+    from moezero.checkpoint import checksums
+
+    folder = checkpoint.iteration_dir(path, 2)
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(_Planted(marker), f)
+    if update_digest:   # a checksums.json that matches the planted file: only the unpickler stands in the way
+        manifest_file = os.path.join(folder, checksums.MANIFEST)
+        with open(manifest_file) as f:
+            manifest = json.load(f)
+        manifest["files"][".metadata"] = checksums.file_record(os.path.join(folder, ".metadata"))
+        with open(manifest_file, "w") as f:
+            json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("update_digest", [False, True], ids=["digest as saved", "digest updated"])
+def test_a_planted_pickle_in_metadata_is_refused_and_never_runs(update_digest, saved, tmp_path, capsys):
+    """A .metadata that runs code when unpickled, through every load path (resume, --finetune, the consolidation
+    tool): refused in one line, before any of it runs; with its checksum updated too, by the unpickler that admits
+    only DCP's metadata classes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("consolidate_checkpoint", tool("consolidate_checkpoint"))
+    consolidate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(consolidate)
+    path, marker = _copy(saved, tmp_path), str(tmp_path / "marker")
+    _plant_metadata(path, marker, update_digest)
+    expected = (".metadata: holds 1" if not update_digest else
+                ".metadata: refused, it names builtins.exec, which a checkpoint never holds")
+    for extra in ([], ["--finetune"]):
+        proc = script_in_process(RUN + ["--train-iters", "4", "--load", path, "--data-cache-path", str(saved)] + extra,
+                                 capsys)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, proc.stderr)
+    with pytest.raises(SystemExit):
+        consolidate.main(["--load", path, "--output", str(tmp_path / "m.pt")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert expected in lines[-1] and "Traceback" not in "\n".join(lines), lines
+    assert not os.path.exists(marker)
