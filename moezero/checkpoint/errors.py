@@ -21,3 +21,9 @@ def innermost_cause(exc: BaseException) -> str:
         if isinstance(inner, BaseException):
             return first_line(inner, 80)
     return first_line(exc, 80)
+
+
+def no_space(reason: str) -> str:
+    """A failed write's cause on a full file system, said as the OS says it (torch's writer may only report a bad
+    offset: 'unexpected pos 704 vs 598')."""
+    return reason if "No space left on device" in reason else f"No space left on device: {reason}"

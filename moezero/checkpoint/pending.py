@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moezero.checkpoint.errors import CheckpointError, innermost_cause
+from moezero.checkpoint.errors import CheckpointError, innermost_cause, no_space
 from moezero.parallel import comm
 
 
@@ -27,6 +27,7 @@ class PendingSave:
     publish: Callable[[], str]       # collective: rename into place, point `latest` at it, prune
     group: Any                       # the control group the ranks agree on
     abandon: Callable[[], None] = lambda: None   # collective: remove the partial folder after a failed write
+    disk_full: Callable[[], bool] = lambda: False   # whether the folder's file system is full (before `abandon`)
 
     def done_everywhere(self) -> bool:
         """Collective: whether every rank's background write has ended (an all-reduce of one flag)."""
@@ -42,7 +43,9 @@ class PendingSave:
             error = exc                                    # CheckpointException is a BaseException): never a hang
         if comm.all_true(error is None, self.group):
             return self.publish()
-        self.abandon()
         reason = innermost_cause(error) if error is not None else "another rank could not write its part"
+        if error is not None and self.disk_full():   # torch's writer may report a full disk as a bad offset
+            reason = no_space(reason)
+        self.abandon()   # frees the space: asked above
         raise CheckpointError(f"--async-save: writing {self.path} failed ({reason}); its partial folder is removed "
                               "and the previous checkpoint stays latest")

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moezero.checkpoint import checksums, keys, layout, safe_pickle
-from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cause
+from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cause, no_space
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
 from moezero.zero import consolidate
@@ -68,7 +68,8 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
             future = dcp.async_save(state, storage_writer=writer, no_dist=not dist.is_initialized(),
                                     process_group=writer_group)
         return PendingSave(future, layout.iteration_dir(root, iteration), publish, group,
-                           functools.partial(abandon_save, root, iteration, group))
+                           functools.partial(abandon_save, root, iteration, group),
+                           functools.partial(_disk_full, staging))
     error = None
     try:
         with _quiet():
@@ -78,7 +79,7 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     if not _all_ok(error is None, group):
         reason = innermost_cause(error) if error is not None else "another rank could not write its part"
         if error is not None and _disk_full(staging):   # torch's writer may report a full disk as a bad offset
-            reason = f"No space left on device: {reason}"
+            reason = no_space(reason)
         abandon_save(root, iteration, group)
         raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
                               "folder is removed and the previous checkpoint stays latest")

@@ -100,3 +100,33 @@ def test_the_last_checkpoint_is_published_before_the_end_of_run_work_and_a_signa
     run.groups.destroy()
     assert seen == {"handler during the save": True, "latest at the test evaluation": 3}
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # given back once it is written
+
+
+def test_a_full_disk_during_an_async_save_is_one_line_naming_it(tmp_path):
+    """--save on a 2 MB tmpfs (as test_faults' synchronous case): the first checkpoint fits, the second does not.
+    torch's background writer reports it as 'unexpected pos 704 vs 598'; the error says what the synchronous save
+    says, 'No space left on device', naming the folder; `latest` stays the first and no partial folder is left."""
+    import subprocess
+
+    from moezero.recipe import pretraining
+    from tests.integration.pretrain_utils import configs
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        save = str(disk / "ckpt")
+        run = pretraining(configs(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--async-save",
+                                          "--data-cache-path", str(tmp_path)]))
+        try:
+            with pytest.raises(CheckpointError) as failed:
+                run.train()
+        finally:
+            run.groups.destroy()
+        message = str(failed.value)
+        assert message.startswith(f"--async-save: writing {checkpoint.iteration_dir(save, 4)} failed (No space left "
+                                  "on device") and len(message.splitlines()) == 1, message
+        assert checkpoint.latest_iteration(save) == 2 and not checkpoint.unfinished_saves(save)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
