@@ -53,6 +53,9 @@ class TikTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._encoding.decode([int(i) for i in ids])
 
+    def vocab_items(self):
+        return [(i, self._encoding.decode_single_token_bytes(i)) for i in range(self._encoding.n_vocab)]
+
 
 def _read_ranks(path: str, keep: int, offset: int) -> Dict[bytes, int]:
     """{token bytes: id} of the first `keep` entries of a megatron-core tiktoken vocabulary (ids from `offset`)."""

@@ -1,20 +1,22 @@
 """Tokenizers: a built-in byte-level one, GPT-2's BPE (Megatron's GPT2BPETokenizer, from --vocab-file and
---merge-file) and a local HuggingFace tokenizer (both on the `tokenizers` package), a SentencePiece model
+--merge-file, on the `tokenizers` package), a local HuggingFace tokenizer in the forms the Hub families ship
+(hub_tokenizer.py), a SentencePiece model
 (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, on `sentencepiece`), Megatron's
 TikTokenizer (a tiktoken vocabulary, on `tiktoken`) and Megatron's NullTokenizer (ids as text).
 
-Both expose what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
+Each exposes what the data layer and megatron-core's GPT dataset read: `vocab_size`, `eod`,
 `tokenize(text) -> list[int]`, `detokenize(ids) -> str` and `unique_identifiers` (megatron-core
-hashes it into the names of its cached sample indices, so a different tokenizer never reuses them).
+hashes it into the names of its cached sample indices, so a different tokenizer never reuses them), and
+`vocab_items()`, every (id, token) of its vocabulary (the tokenizer record of preprocessed data hashes them).
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 from moezero.data.errors import DataError
+from moezero.data.hub_tokenizer import HuggingFaceTokenizer
 from moezero.data.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE, TikTokenizer
 
 
@@ -43,56 +45,8 @@ class ByteLevelTokenizer:
         """Text from token ids; EOD tokens are dropped, invalid UTF-8 is replaced."""
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
-
-class HuggingFaceTokenizer:
-    """A local HuggingFace tokenizer (a `tokenizer.json` file, or a directory holding one).
-
-    Uses the `tokenizers` package when installed, else `transformers`; never downloads.
-    The end-of-document token is the tokenizer's EOS token: the eos_token its tokenizer_config.json (or
-    special_tokens_map.json) declares, as transformers and megatron-core's HuggingFaceTokenizer take it; a
-    bare tokenizer.json declares none, and then the first of the usual names it holds.
-    """
-
-    _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
-
-    def __init__(self, path: str):
-        if not os.path.exists(path):
-            raise DataError(f"--tokenizer-model={path!r}: no such file or directory (a local tokenizer path "
-                            "is needed; nothing is downloaded)")
-        self._encode, self._decode, vocab = _load_hf(path)
-        self.vocab_size = max(vocab.values()) + 1
-        declared = _declared_eos(path)
-        candidates = ((declared,) if declared is not None else ()) + self._EOD_CANDIDATES
-        self.eod = next((vocab[t] for t in candidates if t in vocab), None)
-        if self.eod is None:
-            raise DataError(f"--tokenizer-model={path!r}: found no end-of-document token "
-                            f"(looked for {', '.join(self._EOD_CANDIDATES)})")
-        self.unique_identifiers = OrderedDict(cls=type(self).__name__, path=os.path.abspath(path),
-                                              vocab_size=self.vocab_size, eod=self.eod)
-
-    def tokenize(self, text: str) -> List[int]:
-        """Token ids of `text` without special tokens."""
-        return list(self._encode(text))
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        """Text from token ids."""
-        return self._decode([int(i) for i in ids])
-
-
-def _declared_eos(path: str) -> Optional[str]:
-    """The eos_token a tokenizer folder's tokenizer_config.json or special_tokens_map.json declares (None: none)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            with open(os.path.join(folder, name)) as f:
-                eos = json.load(f).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(eos, dict):   # an AddedToken's fields
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            return eos
-    return None
+    def vocab_items(self):
+        return [(i, bytes([i])) for i in range(256)] + [(self.eod, "<eod>")]
 
 
 class GPT2BPETokenizer:
@@ -125,6 +79,9 @@ class GPT2BPETokenizer:
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def vocab_items(self):
+        return [(i, token) for token, i in self._tok.get_vocab(with_added_tokens=True).items()]
 
 
 class SentencePieceTokenizer:
@@ -160,6 +117,9 @@ class SentencePieceTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def vocab_items(self):
+        return [(i, self._sp.id_to_piece(i)) for i in range(self.vocab_size)]
+
 
 class GPTSentencePieceTokenizer(SentencePieceTokenizer):
     """Megatron's name for the same SentencePiece tokenizer."""
@@ -188,6 +148,9 @@ class NullTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
+    def vocab_items(self):
+        return [(i, str(i)) for i in range(self.vocab_size - 1)] + [(self.eod, "<eod>")]
+
 
 def _tokenizers_package(user: str):
     try:
@@ -198,26 +161,6 @@ def _tokenizers_package(user: str):
     except ImportError:
         raise DataError(f"--tokenizer-type={user} needs the `tokenizers` package (pip install tokenizers)") from None
     return tokenizers
-
-
-def _load_hf(path: str):
-    """(encode, decode, vocab dict) from the `tokenizers` or `transformers` package."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        Tokenizer = None
-    if Tokenizer is not None:
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        tok = Tokenizer.from_file(file)
-        return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.decode,
-                tok.get_vocab(with_added_tokens=True))
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise DataError("--tokenizer-type=HuggingFaceTokenizer needs the `tokenizers` or `transformers` "
-                        "package (pip install tokenizers), or use --tokenizer-type=ByteLevelTokenizer") from None
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return (lambda text: tok.encode(text, add_special_tokens=False), tok.decode, tok.get_vocab())
 
 
 SENTENCEPIECE = {cls.__name__: cls for cls in (SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)}
