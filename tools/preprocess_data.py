@@ -8,8 +8,9 @@
 A `.jsonl`/`.json` input holds one JSON object per line, each key of --json-keys one document;
 any other input file is one document (key "text"). Tokenizer: the built-in byte-level one, GPT-2's BPE
 (--tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt) or a local
-HuggingFace tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH); train with the same
-tokenizer flags.
+HuggingFace tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH: its tokenizer.json,
+tokenizer.model or Kimi's tiktoken.model); train with the same tokenizer flags (to fine-tune a Hub model, its
+folder's). Beside each dataset, <prefix>.tokenizer-record.json names the tokenizer: a run with another refuses it.
 The output depends only on the inputs, their order and the tokenizer, not on --workers.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Iterator, List, Tuple
 import numpy as np
 
 from moezero.config import TOKENIZER_FIELDS, ConfigError, DataConfig
-from moezero.data import DataError, build_tokenizer, write_indexed_dataset
+from moezero.data import DataError, build_tokenizer
+from moezero.data.indexed import stage_indexed_dataset
 from moezero.training.args import ArgumentParser, add_config_arguments, configs_from_args
 
 
@@ -61,8 +63,13 @@ def read_texts(inputs: List[str], key: str, fmt: str) -> Iterator[str]:
                 with open(path, encoding="utf-8", errors="replace") as f:
                     yield f.read()
             continue
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError(f"--input {path}:{lineno}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                                      f"{raw[exc.start:exc.start + 1]!r}); JSON lines are UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -93,16 +100,26 @@ def encode_all(texts: Iterator[str], args: argparse.Namespace) -> Iterator[np.nd
 
 
 def preprocess(args: argparse.Namespace) -> List[Tuple[str, int, int]]:
-    """Write one dataset per key; returns (prefix, documents, tokens) for each."""
+    """Write one dataset per key, each with the record of its tokenizer; returns (prefix, documents, tokens) for
+    each. Every key is written under temporary names first and put in place only once all are: a failure (a
+    line without a later key) leaves no dataset of this run, and the old files of the prefixes as they were."""
     if args.workers < 1:
         raise ConfigError(f"--workers={args.workers}: must be >= 1")
-    vocab_size = build_tokenizer(args.data).vocab_size
+    tokenizer = build_tokenizer(args.data)
+    staged = []
+    try:
+        for key in args.json_keys:
+            texts = read_texts(args.input, key, args.input_format)
+            staged.append(stage_indexed_dataset(f"{args.output_prefix}_{key}_document", encode_all(texts, args),
+                                                tokenizer.vocab_size))
+    except BaseException:
+        for dataset in staged:
+            dataset.discard()
+        raise
     written = []
-    for key in args.json_keys:
-        prefix = f"{args.output_prefix}_{key}_document"
-        summary = write_indexed_dataset(prefix, encode_all(read_texts(args.input, key, args.input_format), args),
-                                        vocab_size)
-        written.append((prefix, summary.num_documents, summary.num_tokens))
+    for dataset in staged:
+        summary = dataset.publish(tokenizer)
+        written.append((dataset.prefix, summary.num_documents, summary.num_tokens))
     return written
 
 

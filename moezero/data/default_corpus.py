@@ -2,7 +2,8 @@
 
 Every machine that runs moezero has these files, so a run with no `--data-path` trains on real
 text with nothing to download. The file list is sorted and capped, hence deterministic for a given
-Python installation; each file is one document ending with the EOD token.
+Python installation; each file is one document ending with the EOD token. Its tokenizer is recorded beside it
+(tokenizer_record), as tools/preprocess_data.py records its output's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
                         "encodings", "pydoc_data", "ensurepip"})
 _NAME = "stdlib_text_document"
+_LAYOUT = "with tokenizer record"   # in the cache key: a cache from before the records is built anew, with one
 T = TypeVar("T")
 
 
@@ -52,7 +54,7 @@ def _corpus_key(root: str, files: List[str], tokenizer) -> str:
     """A hash of everything the tokens depend on: the tokenizer (with the contents of its files: one rewritten at
     the same path tokenizes differently) and each source file's path, size and mtime."""
     identifiers = dict(tokenizer.unique_identifiers)
-    h = hashlib.sha256(repr(identifiers).encode())
+    h = hashlib.sha256(f"{_LAYOUT}\0{identifiers!r}".encode())
     for key in TOKENIZER_PATH_KEYS:
         for path in _tokenizer_files(identifiers.get(key)):
             h.update(_file_fingerprint(path))
@@ -138,7 +140,7 @@ def _build_into(final: str, root: str, files: List[str], tokenizer) -> None:
     os.makedirs(tmp)
     try:
         docs = (_tokenize_file(os.path.join(root, rel), tokenizer) for rel in files)
-        summary = write_indexed_dataset(os.path.join(tmp, _NAME), docs, tokenizer.vocab_size)
+        summary = write_indexed_dataset(os.path.join(tmp, _NAME), docs, tokenizer.vocab_size, tokenizer)
         with open(os.path.join(tmp, "files.txt"), "w") as f:
             f.write("".join(f"{rel}\n" for rel in files))
         os.rename(tmp, final)

@@ -10,7 +10,7 @@ weighted prefixes (`--data-path "30 a 70 b"`). With torch.distributed initialise
 builds the caches while the others wait at a barrier (megatron-core's builder does this).
 
 This module adds what megatron-core leaves to its caller: clear errors for unusable data
-(checked before megatron-core runs), the sample dict the training loop uses, and one fix:
+(checked before megatron-core runs; data another tokenizer wrote is refused, see tokenizer_record), the sample dict the training loop uses, and one fix:
 megatron-core 0.16 calls `torch.distributed.get_rank()` when caching blend indices, which fails
 in a single process without a process group, so there the (cheap) blend indices stay in memory.
 """
@@ -33,6 +33,7 @@ from moezero.data.default_corpus import default_cache_dir, default_corpus_prefix
 from moezero.data.errors import DataError
 from moezero.data.indexed import read_sequence_lengths
 from moezero.data.tokenizer import build_tokenizer
+from moezero.data.tokenizer_record import check_record
 
 logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
@@ -156,6 +157,9 @@ def build_datasets(data_config, seq_length: int, seed: int,
         blend = Blend((default_corpus_prefix(data_config, tokenizer, rank0_builds_first),))
     sizes = _requested_sizes(num_samples, blend)
     lengths = {p: read_sequence_lengths(p) for p in blend.prefixes}  # checks the files before the slow import
+    notices: List[str] = []
+    for prefix in blend.prefixes:
+        check_record(prefix, tokenizer, notices.append)
     mg = megatron_datasets()
     cache = os.path.join(default_cache_dir(data_config.data_cache_path), "indices", _files_fingerprint(blend))
     config = mg.GPTDatasetConfig(
@@ -163,7 +167,6 @@ def build_datasets(data_config, seq_length: int, seed: int,
         split=data_config.split, path_to_cache=cache, tokenizer=tokenizer,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
         create_attention_mask=False)
-    notices: List[str] = []
     config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split,
                                          notices.append)
     builder = _quiet_builder_class(mg)(mg.GPTDataset, sizes, lambda: True, config)

@@ -17,12 +17,13 @@ import re
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 
 from moezero.data._megatron import megatron_datasets
 from moezero.data.errors import DataError
+from moezero.data.tokenizer_record import remove_record, write_record
 from moezero.leftovers import remove_leftovers
 
 _HEADER = b"MMIDIDX\x00\x00"
@@ -100,33 +101,58 @@ def token_dtype(vocab_size: int) -> type:
     return megatron_datasets().DType.optimal_dtype(vocab_size)
 
 
-def write_indexed_dataset(prefix: str, documents: Iterable, vocab_size: int) -> IndexSummary:
-    """Write `documents` (1-D integer arrays, one per document) as `<prefix>.bin/.idx`.
+def write_indexed_dataset(prefix: str, documents: Iterable, vocab_size: int, tokenizer=None) -> IndexSummary:
+    """Write `documents` (1-D integer arrays, one per document) as `<prefix>.bin/.idx`, and with `tokenizer` the
+    record of it beside them (tokenizer_record). See `stage_indexed_dataset`."""
+    return stage_indexed_dataset(prefix, documents, vocab_size).publish(tokenizer)
 
-    Empty documents are skipped. The files are written under temporary names and renamed into
-    place (.bin first, .idx last), so a reader never sees a half-written pair: a crash leaves
-    either the old files or a mismatch that `check_indexed_dataset` reports. The temporary files a
-    killed write left on this host are removed by the next write of the same prefix.
+
+def stage_indexed_dataset(prefix: str, documents: Iterable, vocab_size: int) -> "StagedDataset":
+    """Write `documents` under temporary names beside `prefix`; the result's publish() renames them into place.
+
+    Empty documents are skipped. A write that fails removes its files; the temporary files a killed write left
+    on this host are removed by the next write of the same prefix.
     """
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     _remove_killed_writes(prefix)
     tmp = f"{prefix}.tmp-{socket.gethostname()}-{os.getpid()}"
     builder = megatron_datasets().IndexedDatasetBuilder(tmp + ".bin", dtype=token_dtype(vocab_size))
+    staged = StagedDataset(prefix, tmp)
     try:
         for doc in documents:
             doc = np.asarray(doc)
             if doc.size:
                 builder.add_document(doc, [doc.size])
         builder.finalize(tmp + ".idx")
+        staged.summary = check_indexed_dataset(tmp, flag="output")
     except BaseException:
         builder.data_file.close()
-        for path in (tmp + ".bin", tmp + ".idx"):
+        staged.discard()
+        raise
+    return staged
+
+
+class StagedDataset:
+    """A dataset written under temporary names (`tmp`.bin/.idx), not yet at `prefix`."""
+
+    def __init__(self, prefix: str, tmp: str):
+        self.prefix, self.tmp = prefix, tmp
+        self.summary: Optional[IndexSummary] = None
+
+    def publish(self, tokenizer=None) -> IndexSummary:
+        """Rename the files into place (.bin first, .idx last: a reader never sees a half-written pair, a crash
+        leaves the old files or a mismatch `check_indexed_dataset` reports), then write the tokenizer record."""
+        remove_record(self.prefix)
+        os.replace(self.tmp + ".bin", self.prefix + ".bin")
+        os.replace(self.tmp + ".idx", self.prefix + ".idx")
+        if tokenizer is not None:
+            write_record(self.prefix, tokenizer)
+        return self.summary
+
+    def discard(self) -> None:
+        for path in (self.tmp + ".bin", self.tmp + ".idx"):
             if os.path.exists(path):
                 os.remove(path)
-        raise
-    os.replace(tmp + ".bin", prefix + ".bin")
-    os.replace(tmp + ".idx", prefix + ".idx")
-    return check_indexed_dataset(prefix, flag="output")
 
 
 def _remove_killed_writes(prefix: str) -> None:

@@ -104,7 +104,7 @@ def test_preprocess_reports_bad_input(tmp_path, capsys):
 def test_committed_corpus_matches_its_jsonl(tmp_path):
     assert preprocess_main(["--input", str(ASSETS / "corpus.jsonl"), "--output-prefix", str(tmp_path / "corpus"),
                             "--json-keys", "text", "--append-eod"]) == 0
-    for ext in (".bin", ".idx"):
+    for ext in (".bin", ".idx", ".tokenizer-record.json"):
         assert filecmp.cmp(tmp_path / f"corpus_text_document{ext}", ASSETS / f"corpus_text_document{ext}",
                            shallow=False)
     ds = open_indexed_dataset(str(ASSETS / "corpus_text_document"))

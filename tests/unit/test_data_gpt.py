@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moezero.config import DataConfig
-from moezero.data import DataError, build_datasets, write_indexed_dataset
+from moezero.data import ByteLevelTokenizer, DataError, build_datasets, write_indexed_dataset
 from tests.unit.test_data import random_docs
 
 S = 32
@@ -115,7 +115,7 @@ def test_a_test_split_shorter_than_a_sample_is_dropped_and_the_log_says_so(tmp_p
     prefix = str(tmp_path / "short_tail")
     # 90,5,5 of 20 documents: the valid split one of 100 tokens, the test split one of 10
     docs = random_docs(18, seed=3) + [np.append(np.arange(99) % 256, 256), np.append(np.arange(9), 256)]
-    write_indexed_dataset(prefix, docs, vocab_size=257)
+    write_indexed_dataset(prefix, docs, vocab_size=257, tokenizer=ByteLevelTokenizer())
     ds = build_datasets(config(tmp_path, prefix, split="90,5,5"), S, seed=1)
     assert ds.test is None and ds.valid is not None
     assert len(ds.notices) == 1 and re.search("the test split of .* gets 10 tokens.*no test evaluation", ds.notices[0])
