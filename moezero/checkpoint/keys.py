@@ -8,7 +8,8 @@
     train_state                            pickled dict: iteration, world_size, param_shapes (global),
                                            optimizer (scalars: param groups, loss scaler, skip counts),
                                            configs ({section: fields}), plugins ({name: state}),
-                                           progress (consumed train/valid samples)
+                                           progress (consumed train/valid samples), tensorboard_files
+                                           (the event files of the run's lineage)
     rng/rank<r>                            pickled RNG states of rank r
 
 Routed experts are stacked over the global experts, so every element has one global coordinate

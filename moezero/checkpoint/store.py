@@ -18,7 +18,7 @@ import os
 import random
 import shutil
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -38,12 +38,14 @@ from moezero.zero import consolidate
 def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
                     plugins: Dict[str, Any], group=None, keep_last: int = 0,
                     progress: Optional[Dict[str, int]] = None, lr_schedule: Optional[Dict[str, Any]] = None,
-                    background: bool = False, writer_group=None) -> Union[str, PendingSave]:
+                    background: bool = False, writer_group=None,
+                    tensorboard_files: Sequence[str] = ()) -> Union[str, PendingSave]:
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
-    `configs` ({section: dict}), `plugins` ({name: state}), `progress` (consumed samples) and `lr_schedule`
-    (the learning-rate schedule and where it stands) go into the train state (see `keys`).
+    `configs` ({section: dict}), `plugins` ({name: state}), `progress` (consumed samples), `lr_schedule`
+    (the learning-rate schedule and where it stands) and `tensorboard_files` (the names of the event files the run
+    and those it resumed from wrote: a resume rewrites only those) go into the train state (see `keys`).
     With `background` the state is copied and written in the background, its collectives on `writer_group` (a
     process group of the writer's own, never one training uses): a PendingSave is returned, `finish()` publishes.
     """
@@ -55,7 +57,8 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     shard = opt.state_dict()
     train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
                    "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins,
-                   "progress": dict(progress or {}), "opt_param_scheduler": dict(lr_schedule or {})}
+                   "progress": dict(progress or {}), "opt_param_scheduler": dict(lr_schedule or {}),
+                   "tensorboard_files": list(tensorboard_files)}
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch.distributed as dist
 
 from moezero.config import ConfigError
 from moezero.metrics import console_fields
@@ -30,6 +32,9 @@ class NullLogger:
 
     def log_run_config(self, flags: Mapping[str, Any], metric_tags: Iterable[str]) -> None:
         pass
+
+    def event_files(self) -> Tuple[str, ...]:
+        return ()
 
     def close(self) -> None:
         pass
@@ -70,16 +75,24 @@ class TensorBoardLogger:
     run when one is given (iteration-stepped scalars only: a W&B run's steps only go forward)."""
 
     def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None,
-                 resumed_at: Optional[Tuple[int, int]] = None, queue_size: int = 1000):
-        """`resumed_at`: (iteration, consumed samples) of the checkpoint a resume starts from: what the folder
-        holds after it is dropped first, so each step shows once (tensorboard_resume.py)."""
+                 resumed_at: Optional[Tuple[int, int]] = None, queue_size: int = 1000,
+                 own_event_files: Optional[Sequence[str]] = None):
+        """`resumed_at`: (iteration, consumed samples) of the checkpoint a resume starts from: what its run's event
+        files (`own_event_files`, the names the checkpoint recorded) hold after it is dropped first, so each step
+        shows once (tensorboard_resume.py)."""
         self.writer, self.wandb = None, wandb
+        self._lineage: Tuple[str, ...] = tuple(own_event_files or ()) if resumed_at is not None else ()
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             if resumed_at is not None:
-                trim_after(tensorboard_dir, *resumed_at)
+                for line in trim_after(tensorboard_dir, *resumed_at, own_event_files):
+                    self.print(line)
             self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
+            path = getattr(self.writer.file_writer.event_writer, "_file_name", None) or tensorboard_dir
+            if os.path.isfile(path):
+                self._lineage += (os.path.basename(path),)
+            self.print(f" TensorBoard: events to {path} (view: tensorboard --logdir {tensorboard_dir})")
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -109,6 +122,10 @@ class TensorBoardLogger:
         for summary in hparams(values, {tag: 0.0 for tag in metric_tags}):
             self.writer.file_writer.add_summary(summary)
 
+    def event_files(self) -> Tuple[str, ...]:
+        """The names of the event files this run and the runs it resumed from wrote (what its checkpoints record)."""
+        return self._lineage
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
@@ -121,16 +138,26 @@ Logger = Union[NullLogger, TensorBoardLogger]
 
 
 def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, Any],
-                 resumed_at: Optional[Tuple[int, int]] = None) -> Logger:
+                 resumed_at: Optional[Tuple[int, int]] = None,
+                 own_event_files: Optional[Sequence[str]] = None) -> Logger:
     """Rank 0's logger for a `TrainConfig` (TensorBoard, W&B under --wandb-save-dir or <save_dir>/wandb);
-    `resumed_at`: see TensorBoardLogger."""
+    `resumed_at`, `own_event_files`: see TensorBoardLogger."""
     if rank != 0:
         return NullLogger()
     wandb = None
     if train.wandb_project:
         wandb = WandbRun(train.wandb_project, train.wandb_exp_name,
                          train.wandb_save_dir or os.path.join(save_dir, "wandb"), train.wandb_entity, flags)
-    return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at, train.tensorboard_queue_size)
+    return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at, train.tensorboard_queue_size, own_event_files)
+
+
+def agreed_event_files(logger: Logger, group) -> Tuple[str, ...]:
+    """Collective over `group` (every rank): rank 0's `event_files()`, which a checkpoint records. Every rank writes
+    the same train state (DCP keeps one rank's copy of it), so every rank must hold rank 0's names."""
+    files = [logger.event_files()]
+    if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(files, src=dist.get_global_rank(group, 0), group=group)
+    return tuple(files[0])
 
 
 def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,

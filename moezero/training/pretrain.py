@@ -34,7 +34,8 @@ from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
 from moezero.training.configs import Configs, validate
 from moezero.training.host_memory import HeapTrimmer
-from moezero.training.logging import Timer, build_logger, format_train_line, format_validation_line
+from moezero.training.logging import (Timer, agreed_event_files, build_logger, format_train_line,
+                                      format_validation_line)
 from moezero.training.log_interval import LogInterval
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
@@ -96,7 +97,9 @@ class Pretraining:
         self.rank = self.groups.rank
         self.logger = build_logger(self.rank, cfg.train, cfg.checkpoint.save,
                                    flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)),
-                                   (self.iteration, progress.consumed_train_samples) if resumed_at else None)
+                                   (self.iteration, progress.consumed_train_samples) if resumed_at else None,
+                                   point.tensorboard_files if point is not None else None)
+        self.event_files = agreed_event_files(self.logger, self.groups.control)   # what its checkpoints record
         for line in notices:
             self.logger.print(line)
         sizes = dataset_sizes(cfg, self.iteration, progress)
@@ -421,7 +424,7 @@ class Pretraining:
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
             progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
             group=self.groups.control, keep_last=ck.keep_last, background=ck.async_save,
-            writer_group=self._writer_group)
+            writer_group=self._writer_group, tensorboard_files=self.event_files)
         self._saved_at = self.iteration
         if isinstance(saved, PendingSave):
             self._pending = saved

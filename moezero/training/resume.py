@@ -45,6 +45,7 @@ class ResumePoint:
     param_shapes: Dict[str, Tuple[int, ...]]
     progress: Dict[str, int] = dataclasses.field(default_factory=dict)   # consumed samples (see Progress)
     lr_schedule: Dict[str, Any] = dataclasses.field(default_factory=dict)   # LearningRateSchedule.state()
+    tensorboard_files: Optional[Tuple[str, ...]] = None   # its lineage's event files (None: saved before recorded)
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,10 @@ def find_resume_point(ckpt) -> Optional[ResumePoint]:
     if path is None:
         return None
     state = checkpoint.read_train_state(path)
+    files = state.get("tensorboard_files")
     return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {},
-                       state.get("progress") or {}, state.get("opt_param_scheduler") or {})
+                       state.get("progress") or {}, state.get("opt_param_scheduler") or {},
+                       tuple(files) if files is not None else None)
 
 
 def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
