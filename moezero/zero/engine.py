@@ -230,7 +230,7 @@ class ZeroEngine:
         if modifier_rank is not None and not 0 <= modifier_rank < self.groups.world_size:
             raise ValueError(f"modifier_rank={modifier_rank} is not a rank of this world of {self.groups.world_size}")
         if self.gatherer is not None:
-            self.gatherer.gather_all(hold=True)
+            self.gatherer.hold()
         try:
             yield
             if modifier_rank is not None:
@@ -239,7 +239,7 @@ class ZeroEngine:
             self.master.take_written_values(self.records)
         finally:
             if self.gatherer is not None:
-                self.gatherer.free_all(release_hold=True)
+                self.gatherer.release()
 
     def params_unit_by_unit(self) -> Iterator[List[torch.Tensor]]:
         """Collective at stage 3: the managed params one unit at a time, full while it is current (only this
@@ -317,10 +317,13 @@ class ZeroEngine:
     def begin_step(self) -> ReducedGrads:
         """Collective, after finish_reductions: the step's averaged gradients, per family and bucket over
         the optimizer range. Which params got a gradient on some rank is read with the norm (one all-reduce,
-        StepTotals), or by update(); gathered units are freed (they would be stale after the update); the next
-        backward starts from zero."""
+        StepTotals), or by update(); gathered units are freed (they would be stale after the update; inside
+        full_parameters() they stay, and update() gathers them anew); the next backward starts from zero."""
         if self.gatherer is not None:
-            self.gatherer.free_all(release_hold=True)
+            if self.gatherer.holding:   # a step inside full_parameters(): the writes made so far are the step's start
+                self.master.take_written_values(self.records)
+            else:
+                self.gatherer.free_all()   # they would be stale after the update
         self._flags_unread = True   # they ride on the norm's all-reduce (StepTotals), or update() reads them
         reduced = self.reduced_grads()
         self.reducer.mark_consumed()
@@ -374,19 +377,26 @@ class ZeroEngine:
             step_masters()
             self.master.clear_grads()
             self.master.publish(trainable_only=True)
-            return
-        works = []
-        for family in self.master.update_order():
-            self.master.assign_grads(reduced, family)
-            step_masters()
-            self.master.clear_grads(family)
-            works += self.master.start_publish(family)
-        for work in works:
-            work.wait()
+        else:
+            works = []
+            for family in self.master.update_order():
+                self.master.assign_grads(reduced, family)
+                step_masters()
+                self.master.clear_grads(family)
+                works += self.master.start_publish(family)
+            for work in works:
+                work.wait()
+        self._refresh_held_units()
 
     def publish(self) -> None:
         """After the masters were written (a state load): every param replica sees them."""
         self.master.publish()
+        self._refresh_held_units()
+
+    def _refresh_held_units(self) -> None:
+        """Stage 3 inside full_parameters(): the units it holds read the new values (collective)."""
+        if self.gatherer is not None and self.gatherer.holding:
+            self.gatherer.refresh()
 
     # ---- reading state ---------------------------------------------------------------------------
     def owned_pieces(self, trainable_only: bool = False) -> Iterator[Tuple[MasterPiece, slice, Range, str]]:

@@ -192,7 +192,9 @@ class UnitGatherer:
         # unit -> (zero param, version when gathered or last handed on): a write to a gathered unit's params,
         # exposed or not (an on-demand gather, the last block kept for backward), reaches the shards when it goes
         self._versions: Dict[int, List[Tuple[Any, int]]] = {}
-        self.hold_all = False   # inside full_parameters(): units stay gathered until it ends
+        self.hold_depth = 0   # full_parameters() blocks open (nested ones count): units stay gathered until all end
+        self._kept_at_hold: Set[int] = set()      # units the schedule held when the outermost block began
+        self._released_in_hold: Set[int] = set()  # of those, the ones the schedule let go of meanwhile
         self.on_written: Callable[[List[Any]], None] = lambda written: None
         ref = weakref.ref(self)
         self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
@@ -251,7 +253,8 @@ class UnitGatherer:
             return
         self.ensure(unit, None, exposed=False)  # an in-flight gather must finish before its buffer goes
         self._unexpose(unit)
-        if self.hold_all:
+        if self.hold_depth:
+            self._released_in_hold.add(unit)
             return
         for storage, key in self.parts.get(unit, []):
             storage.free(key)
@@ -280,9 +283,10 @@ class UnitGatherer:
             if not storage.local:
                 self.saved.unit_of_storage[storage.storage_pointer(key)] = unit
 
-    def _unexpose(self, unit: int) -> None:
+    def _unexpose(self, unit: int, hand_on: bool = True) -> None:
         """Writes are handed on; an exposed unit's params are guarded again (it may stay gathered)."""
-        self._hand_on_writes(unit)
+        if hand_on:
+            self._hand_on_writes(unit)
         if unit not in self._exposed:
             return
         self._exposed.discard(unit)
@@ -423,21 +427,60 @@ class UnitGatherer:
     def backward_open(self) -> bool:
         return self._backward_task is not None
 
-    def free_all(self, release_hold: bool = False) -> None:
-        """Every unit freed (`release_hold`: also those full_parameters() holds)."""
-        self.hold_all = self.hold_all and not release_hold
+    def free_all(self) -> None:
+        """Every unit freed (inside full_parameters(): let go of when it ends)."""
         for unit in range(len(self.plan.modules)):
             self.free(unit)
 
-    def gather_all(self, hold: bool = False) -> None:
-        """Collective: every unit full (opt.full_parameters(), and before the optimizer lets go); `hold`:
-        until free_all(), whatever forwards run meanwhile."""
+    def gather_all(self) -> None:
+        """Collective: every unit full (before the optimizer lets go of the model)."""
         self.agreement.check(Activity.FULL_PARAMETERS)
         for unit in [0] + self.plan.forward_order:
             self.start(unit, None)
         for unit in [0] + self.plan.forward_order:
             self.ensure(unit, None, exposed=False)
-        self.hold_all = hold
+
+    @property
+    def holding(self) -> bool:
+        """Inside opt.full_parameters(): every unit full until the outermost block ends."""
+        return self.hold_depth > 0
+
+    def hold(self) -> None:
+        """Collective: every unit full and guarded until release() (full_parameters(); blocks nest), whatever
+        forwards, backwards and steps run meanwhile. Units the schedule exposed are guarded first, so that what is
+        computed inside from a param the schedule holds (the root, after a forward) keeps its regather hooks."""
+        if self.hold_depth == 0:
+            self._kept_at_hold = {u for u in range(len(self.plan.modules)) if self.state[u] is not UnitState.FREE}
+            self._released_in_hold = set()
+            for unit in list(self._exposed):
+                self._unexpose(unit)
+        self.gather_all()
+        self.hold_depth += 1
+
+    def release(self) -> None:
+        """The end of a full_parameters() block: at the outermost one, every unit the schedule does not hold (the
+        root and the last block a pending backward needs stay) is freed."""
+        self.hold_depth -= 1
+        if self.hold_depth:
+            return
+        for unit in range(len(self.plan.modules)):
+            if unit not in self._kept_at_hold or unit in self._released_in_hold:
+                self.free(unit)
+        self._kept_at_hold, self._released_in_hold = set(), set()
+
+    def refresh(self) -> None:
+        """Collective, after a step inside full_parameters(): the gathered units read the updated shards (their
+        full copies are stale; the writes made before the step were taken by then)."""
+        gathered = [u for u in range(len(self.plan.modules)) if self.state[u] is UnitState.READY and u in self.parts]
+        for unit in gathered:
+            self._unexpose(unit, hand_on=False)
+            for storage, key in self.parts[unit]:
+                storage.free(key)
+            self.state[unit] = UnitState.FREE
+        for unit in gathered:
+            self.start(unit, None)
+        for unit in gathered:
+            self.ensure(unit, None, exposed=False)
 
     def full_units(self) -> List[Tuple[Any, int]]:
         """(storage, unit) of every unit gathered now."""
@@ -452,7 +495,7 @@ class UnitGatherer:
             for unit in schedule.order[schedule.issued:count]:
                 self.start(unit, None)
         self.agreement.realign(control_group)   # first: the failed pass's records are dropped, not compared
-        self.free_all(release_hold=True)
+        self.free_all()
         self.forward.reset(launch_records=False)
         self.backward.reset(launch_records=False)
         self._backward_task = None
