@@ -3,7 +3,7 @@ one-rank gloo world (run it inside `run_distributed(fn, 1, ...)`), holding a moe
 
 `megatron_state(model)` gives moezero's parameters under megatron-core's names and layouts; `megatron_on_cpu()`
 points what its local spec reaches for on a GPU (the RNG tracker's fork around attention dropout, its loss
-tracker's device, the sliding-window mask's device) at the CPU.
+tracker's device, the sliding-window mask's device, the router's TransformerEngine GEMM) at the CPU.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def _sliding_window_mask_on_cpu(sq, skv, window_size):
 def megatron_on_cpu():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer.moe import moe_utils
 
     saved = (torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker,
              fused_softmax.get_sliding_window_causal_mask)
@@ -68,6 +69,8 @@ def megatron_on_cpu():
     tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: types.SimpleNamespace(
         fork=lambda *a, **k: contextlib.nullcontext())
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_mask_on_cpu
+    if not hasattr(moe_utils, "te_general_gemm"):   # its router's gate reads it, unset without TransformerEngine
+        moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(1, 1)
     try:
         yield

@@ -51,10 +51,12 @@ class MoEConfig(Validated):
     z_loss_coeff: Optional[float] = option(None, "router z-loss coefficient", flag="--moe-z-loss-coeff")
     capacity_factor: Optional[float] = option(None, "expert capacity factor; None = dropless",
                                               flag="--moe-expert-capacity-factor")
-    token_drop_policy: str = option("probs", "which tokens an over-capacity expert keeps: highest routing "
-                                    "probability, or earliest position", flag="--moe-token-drop-policy",
+    token_drop_policy: str = option("probs", "which assignments an over-capacity expert keeps: torch.topk's picks "
+                                    "of the routing probabilities, or of the routing map (its ties: the device's "
+                                    "choice), over Megatron's sequence-major tokens", flag="--moe-token-drop-policy",
                                     choices=("probs", "position"))
-    input_jitter_eps: Optional[float] = option(None, "multiplicative uniform jitter on router input in training",
+    input_jitter_eps: Optional[float] = option(None, "multiplicative uniform jitter on the router's input, in "
+                                               "every forward (evaluation too, as Megatron's)",
                                                flag="--moe-input-jitter-eps")
     enable_expert_bias: bool = option(False, "aux-loss-free load balancing with a per-expert routing bias",
                                       flag="--moe-router-enable-expert-bias", defines_model=True)

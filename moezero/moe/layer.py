@@ -34,6 +34,9 @@ class MoEStats:
     dropped_fraction: torch.Tensor    # share of this rank's assignments dropped by capacity
     tracked: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # for logging: each router loss
                                       # without its coefficient, under megatron-core's tracker names (detached)
+    token_weighted: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # each of LOSSES times the
+                                      # tokens megatron-core weighs it by under --calculate-per-token-loss (the
+                                      # caller divides by the global batch's loss tokens)
 
     LOSSES = ("aux_loss", "z_loss")   # the router's losses: the training loop adds, averages and logs each
                                       # by name (a new one: a field here and its row in moezero.metrics)
@@ -109,7 +112,7 @@ class MoELayer(nn.Module):
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             y_TD = y_TD + shared_TD
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction,
-                         routing.tracked)
+                         routing.tracked, routing.token_weighted)
         return y_TD.view(x.shape), stats
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moezero.config import MoEConfig
@@ -40,6 +39,17 @@ class Routing:
     dropped_fraction: torch.Tensor   # fp32 scalar: dropped assignments / (T * K)
     tracked: Dict[str, torch.Tensor] = field(default_factory=dict)   # each loss without its coefficient, under
                                      # megatron-core's tracker names (detached: for logging)
+    token_weighted: Dict[str, torch.Tensor] = field(default_factory=dict)   # "aux_loss", "z_loss": as above, each
+                                     # loss times the tokens megatron-core weighs it by under --calculate-per-token-
+                                     # loss (per_token_loss_weight); in the graph
+
+
+def per_token_loss_weight(kind: str, num_tokens: int, num_sequences: int) -> int:
+    """--calculate-per-token-loss: what megatron-core's router multiplies a loss of `kind` by before attaching it
+    (the rows of the routing map it was computed from, its valid_token_count: pretraining has no padding mask);
+    the step then divides every gradient by the global batch's loss tokens. The sequence aux loss reshapes the map
+    to [S, B * E] first, so it counts the sequence length S, not the micro-batch's tokens."""
+    return num_tokens // max(num_sequences, 1) if kind == "seq_aux_loss" else num_tokens
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -55,24 +65,33 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
 
 
 def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
-                       capacity: int, policy: str) -> torch.Tensor:
-    """Which (t, k) assignments an over-capacity expert keeps, decided from this rank's tokens.
-
-    policy "probs": each expert keeps its `capacity` highest-weight assignments (ties: earlier token).
-    policy "position": each expert keeps its first `capacity` assignments in token order.
-    """
+                       capacity: int, policy: str, num_sequences: int = 1) -> torch.Tensor:
+    """Which (t, k) assignments an over-capacity expert keeps, decided from this rank's tokens as megatron-core's
+    apply_router_token_dropping decides: each expert keeps the `capacity` rows that torch.topk picks along the
+    tokens of its column of the routing probabilities ("probs") or of the 0/1 routing map ("position"), with
+    the tokens in Megatron's order, sequence-major ([S, B]: token s of every sequence before token s + 1), and
+    no dropping when the capacity exceeds the tokens. Picks among equal values (the map's ones, always) are
+    torch.topk's: the same as Megatron's on the same kind of device, not necessarily another's.
+    Tokens come batch-major (B sequences of S tokens each, one after the other)."""
     T, K = topk_ids_TK.shape
-    one_hot_TKE = F.one_hot(topk_ids_TK, num_experts).bool()
+    if capacity > T:
+        return torch.ones_like(topk_ids_TK, dtype=torch.bool)
+    B = num_sequences
+    S = T // B
+
+    def sequence_major(x_TE: torch.Tensor) -> torch.Tensor:   # contiguous, as Megatron's [S * B, E]
+        return x_TE.view(B, S, num_experts).transpose(0, 1).reshape(T, num_experts)
+
     if policy == "position":
-        rank_TKE = one_hot_TKE.reshape(T * K, num_experts).cumsum(0).view(T, K, num_experts)
-        return (one_hot_TKE & (rank_TKE <= capacity)).any(-1)
-    # "probs": order each expert's assignments by weight, descending, stable (earlier token wins a tie)
-    weights_ET = torch.where(one_hot_TKE, topk_weights_TK.unsqueeze(-1), -1.0).amax(1).t()
-    order_ET = torch.sort(weights_ET, dim=1, descending=True, stable=True).indices
-    kept_ET = torch.zeros_like(weights_ET, dtype=torch.bool)
-    kept_ET.scatter_(1, order_ET[:, :capacity], True)
-    kept_ET &= weights_ET >= 0  # experts with fewer than `capacity` assignments keep only real ones
-    return kept_ET.t().gather(1, topk_ids_TK)
+        values_TE = torch.zeros(T, num_experts, dtype=torch.int32, device=topk_ids_TK.device)
+        values_TE.scatter_(1, topk_ids_TK, 1)
+    else:
+        values_TE = torch.zeros(T, num_experts, dtype=topk_weights_TK.dtype, device=topk_weights_TK.device)
+        values_TE.scatter_(1, topk_ids_TK, topk_weights_TK)
+    picked = torch.topk(sequence_major(values_TE), k=capacity, dim=0, sorted=False).indices
+    kept_TE = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_ids_TK.device).scatter_(0, picked, True)
+    kept_TE = kept_TE.view(S, B, num_experts).transpose(0, 1).reshape(T, num_experts)   # back to batch-major
+    return kept_TE.gather(1, topk_ids_TK)
 
 
 def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str,
@@ -136,15 +155,18 @@ class TopKRouter(nn.Module):
         else:
             topk_ids_TK, topk_weights_TK = self._select(logits_TE)
         counts_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
-        aux_loss, tracked = self._balancing_losses(logits_TE, num_sequences, record)
+        aux_loss, weighted_aux, tracked = self._balancing_losses(logits_TE, num_sequences, record)
         z_loss = logits_TE.new_zeros(())
         if cfg.z_loss_coeff:
             raw = router_z_loss(logits_TE)
             z_loss, tracked["z_loss"] = raw * cfg.z_loss_coeff, raw.detach()
-        topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK)
+        token_weighted = {"aux_loss": weighted_aux,
+                          "z_loss": z_loss * per_token_loss_weight("z_loss", logits_TE.shape[0], num_sequences)}
+        topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK, num_sequences)
         kept_E = counts_E if cfg.capacity_factor is None else torch.bincount(
             topk_ids_TK[topk_ids_TK >= 0], minlength=cfg.num_experts)
-        return Routing(topk_ids_TK, topk_weights_TK, counts_E, kept_E, aux_loss, z_loss, dropped, tracked)
+        return Routing(topk_ids_TK, topk_weights_TK, counts_E, kept_E, aux_loss, z_loss, dropped, tracked,
+                       token_weighted)
 
     def reset_global_balancing(self) -> None:
         """After each optimizer step: the global-batch aux loss counts the next step's tokens afresh."""
@@ -174,8 +196,10 @@ class TopKRouter(nn.Module):
         return topk_ids_TK, probs_TE.gather(1, topk_ids_TK)
 
     def _jitter(self, x_TD, num_sequences, keys):
+        """--moe-input-jitter-eps: the input times uniform noise in [1 - eps, 1 + eps), in every forward, evaluation
+        included, as megatron-core's router; keyed by sample (`keys`), else from torch's generator."""
         eps = self.config.input_jitter_eps
-        if not (self.training and eps) or x_TD.shape[0] == 0:
+        if not eps or x_TD.shape[0] == 0:
             return x_TD
         T, D = x_TD.shape
         if keys is None:
@@ -209,13 +233,16 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK * cfg.topk_scaling_factor
         return topk_ids_TK, weights_TK
 
-    def _balancing_losses(self, logits_TE, num_sequences, record=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """(the load-balancing losses that are on, each times its coefficient, summed; {tracker name: each
-        without it}). The global one in training forwards only (it counts the step's tokens, collectively)."""
+    def _balancing_losses(self, logits_TE, num_sequences, record=None
+                          ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """(the load-balancing losses that are on, each times its coefficient, summed; the same sum with each also
+        times its per_token_loss_weight; {tracker name: each without its coefficient}). The global one in training
+        forwards only (it counts the step's tokens, collectively)."""
         cfg, total = self.config, logits_TE.new_zeros(())
+        weighted = total
         coefficients = cfg.balancing_coefficients()
         if not coefficients:
-            return total, {}
+            return total, weighted, {}
         probs_TE, map_TE = balancing_scores(logits_TE, cfg.score_function, cfg.top_k)
         tracked = {}
         for kind, coefficient in coefficients.items():
@@ -233,16 +260,17 @@ class TopKRouter(nn.Module):
                 loss = switch_aux_loss(probs_TE, map_TE.sum(0), cfg.top_k)
                 tracked[TRACKER_NAMES[kind]] = loss.detach()
             total = total + loss * coefficient
-        return total, tracked
+            weighted = weighted + loss * coefficient * per_token_loss_weight(kind, logits_TE.shape[0], num_sequences)
+        return total, weighted, tracked
 
-    def _drop_over_capacity(self, topk_ids_TK, topk_weights_TK):
+    def _drop_over_capacity(self, topk_ids_TK, topk_weights_TK, num_sequences):
         cfg = self.config
         T, K = topk_ids_TK.shape
         if cfg.capacity_factor is None or T == 0:
             return topk_ids_TK, topk_weights_TK, topk_weights_TK.new_zeros(())
         capacity = expert_capacity(T, cfg.num_experts, K, cfg.capacity_factor)
         keep_TK = capacity_keep_mask(topk_ids_TK, topk_weights_TK.detach(), cfg.num_experts, capacity,
-                                     cfg.token_drop_policy)
+                                     cfg.token_drop_policy, num_sequences)
         ids = torch.where(keep_TK, topk_ids_TK, -1)
         weights = torch.where(keep_TK, topk_weights_TK, 0.0)
         dropped = (~keep_TK).sum().to(torch.float32) / (T * K)

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from moezero.keyed_random import SampleKeys
+from moezero.keyed_random import SampleKeys, keyed_seed
 from moezero.metrics import mtp_loss_metric, tag
 from moezero.models import language_model_loss
 from moezero.models.mtp import mtp_losses, shift_left
@@ -116,13 +116,14 @@ class _Packed:
 def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
                group, per_token_loss: bool = False, overlap_moe_comm: bool = False) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
-    `per_token_loss` (--calculate-per-token-loss): the lm loss is the global batch's token mean instead.
+    `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
+    the router losses each times its tokens) / the global batch's loss tokens.
     `overlap_moe_comm` (--overlap-moe-expert-parallel-comm): micro-batches go in pairs whose forwards run
     interleaved (one's MoE exchanges travel while the other computes) and whose backward is one, interleaved the
     same way; the same numbers."""
     model.train()
     n = len(micro_batches)
-    shares = _token_shares(micro_batches, group) if per_token_loss else None
+    tokens = _GlobalTokens.count(micro_batches, group) if per_token_loss else None
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     packed = None
     together = 2 if overlap_moe_comm else 1
@@ -135,8 +136,7 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
             results = phases.run_interleaved(forwards)
             losses = []
             for j, (lm, router, stats, depths) in zip(js, results):
-                losses.append(_micro_batch_loss(model, micro_batches[j], lm, router, depths, n,
-                                                None if shares is None else shares[j]))
+                losses.append(_micro_batch_loss(model, micro_batches[j], lm, router, stats, depths, n, tokens))
                 named = _named_metrics(lm, micro_batches[j]["loss_mask"], router, stats, depths)
                 packed = packed or _Packed(named)
                 per_micro.append(packed.pack(named))
@@ -153,23 +153,37 @@ def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKe
     return SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
 
 
-def _micro_batch_loss(model, batch, lm, router, depths, n: int, share: Optional[float]) -> torch.Tensor:
+def _micro_batch_loss(model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"]
+                      ) -> torch.Tensor:
     """What one of n micro-batches adds to the loss that is backpropagated."""
-    mtp = _mtp_term(model, depths, batch, share)
-    if share is None:
-        return (lm + sum(router.values()) + mtp) / n
-    lm = lm * (share * n)   # whose mean over the micro-batches of every rank is the token mean
-    return lm / n + sum(router.values()) / n + mtp   # the router losses stay per micro-batch (Megatron's)
+    if tokens is None:
+        return (lm + sum(router.values()) + _mtp_term(model, depths, batch, None)) / n
+    share = tokens.weight(float(batch["loss_mask"].sum()))
+    # megatron-core's router attaches each loss times its tokens (MoEStats.token_weighted), and
+    # finalize_model_grads divides every gradient by the global batch's loss tokens
+    routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
+    return lm * share + routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
 
 
-def _token_shares(micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> List[float]:
-    """Each micro-batch's weight for its token-mean lm loss so that the ranks' average is the global batch's
-    token mean: its tokens x ranks / the global batch's tokens (one all-reduce: every rank calls it)."""
-    tokens = [float(batch["loss_mask"].sum()) for batch in micro_batches]
-    total = torch.tensor([sum(tokens)], dtype=torch.float64)
-    comm.all_reduce(total, group)
-    ranks = comm.group_size(group)
-    return [t * ranks / float(total) if float(total) else 0.0 for t in tokens]
+@dataclass(frozen=True)
+class _GlobalTokens:
+    """--calculate-per-token-loss: the global batch's loss tokens (every rank's micro-batches) and the ranks whose
+    gradients the optimizer averages."""
+
+    total: float
+    ranks: int
+
+    @classmethod
+    def count(cls, micro_batches: Sequence[Dict[str, torch.Tensor]], group) -> "_GlobalTokens":
+        """One all-reduce: every rank calls it."""
+        total = torch.tensor([sum(float(batch["loss_mask"].sum()) for batch in micro_batches)], dtype=torch.float64)
+        comm.all_reduce(total, group)
+        return cls(float(total), comm.group_size(group))
+
+    def weight(self, tokens: float) -> float:
+        """The weight of a sum over `tokens` tokens, such that the ranks' average is the sum over the global
+        batch's loss tokens (0 when they are none)."""
+        return tokens * self.ranks / self.total if self.total else 0.0
 
 
 def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm, stepped: bool) -> StepMetrics:
@@ -189,17 +203,27 @@ def _token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, micro_batches: Iterable[Dict[str, torch.Tensor]], group) -> float:
+def evaluate(model, micro_batches: Iterable[Dict[str, torch.Tensor]], group, seed: Optional[int] = None,
+             iteration: int = 0, split: str = "valid") -> float:
     """The lm loss of the given (loaded) micro-batches of every rank as their token mean, Megatron's (a collective:
-    all ranks call it)."""
+    all ranks call it). With `seed`, the router jitter and random logits, which Megatron's router draws in
+    evaluation too, are keyed by (seed, `split`, `iteration`, sample) as training's are, so any layout draws the
+    same; without it they come from torch's generator."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)   # (token sum of the loss, tokens)
     for batch in micro_batches:
         tokens = batch["loss_mask"].sum().double()
-        totals += torch.stack([_micro_batch_losses(model, batch, None)[0].double().cpu() * tokens, tokens])
+        keys = None if seed is None else evaluation_keys(seed, split, iteration, batch)
+        totals += torch.stack([_micro_batch_losses(model, batch, keys)[0].double().cpu() * tokens, tokens])
     comm.all_reduce(totals, group)
     model.train()
     return _token_mean(totals[0], totals[1])
+
+
+def evaluation_keys(seed: int, split: str, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKeys:
+    """An evaluation's per-sample keys: a split's sample indices restart at 0, so the split keys the seed (a
+    validation sample draws other numbers than the training sample of its index)."""
+    return _keys(keyed_seed(seed, "evaluation", split), iteration, batch)
 
 
 def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.Tensor, dropped: torch.Tensor

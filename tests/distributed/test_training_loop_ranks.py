@@ -45,7 +45,7 @@ def _model_and_sgd(flags, groups):
 
 def _per_token_step_is_the_global_token_mean():
     """--calculate-per-token-loss: the step's gradient is that of (every token loss of every rank) / (the global
-    batch's kept tokens) plus each micro-batch's router losses / (micro-batches x ranks)."""
+    batch's kept tokens), the router losses each times its micro-batch's tokens in that sum (megatron-core's)."""
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=1)
     model, opt = _model_and_sgd([], groups)
@@ -56,8 +56,9 @@ def _per_token_step_is_the_global_token_mean():
     tokens = float(sum(batch["loss_mask"].sum() for batch in every))
     loss, token_sum = 0.0, 0.0
     for batch in every:
-        lm, router, _, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
-        loss = loss + lm * batch["loss_mask"].sum() / tokens + sum(router.values()) / len(every)
+        lm, _, stats, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
+        routers = sum(s.aux_loss + s.z_loss for s in stats) * MB * SEQ
+        loss = loss + (lm * batch["loss_mask"].sum() + routers) / tokens
         token_sum += float(lm * batch["loss_mask"].sum())
     loss.backward()
     with opt.full_parameters():

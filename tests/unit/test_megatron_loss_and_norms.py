@@ -11,7 +11,7 @@ from moezero.data import load_micro_batch
 from moezero.hf.families import family_for
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
-from moezero.training.loop import _micro_batch_losses, evaluate, train_step
+from moezero.training.loop import _micro_batch_losses, evaluate, evaluation_keys, train_step
 from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import TINY, configs
 
@@ -31,7 +31,8 @@ def test_zero_centred_norms_scale_by_one_plus_their_weight(normalization):
         plain.load_state_dict(state)
     model.eval(), plain.eval()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(model(tokens)[0], plain(tokens)[0], rtol=0, atol=1e-12)
+    keys = SampleKeys(0, 0, (0, 1))   # the router's jitter draws the same noise for both (evaluation too)
+    torch.testing.assert_close(model(tokens, keys)[0], plain(tokens, keys)[0], rtol=0, atol=1e-12)
     with pytest.raises(Exception, match="--apply-layernorm-1p"):
         family_for(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)   # no HF family stores gamma - 1
 
@@ -67,22 +68,26 @@ def test_the_logged_and_validation_lm_loss_is_the_token_mean(tmp_path):
 
     def token_mean(training: bool) -> float:
         run.model.train(training)
-        with torch.no_grad():
-            means = [float(_micro_batch_losses(run.model, b, SampleKeys(7, 0, tuple(b["sample_index"].tolist())))[0])
+        with torch.no_grad():   # the router jitters in evaluation too (Megatron's), keyed as evaluate() keys it
+            means = [float(_micro_batch_losses(run.model, b, evaluation_keys(7, "valid", 3, b) if not training else
+                                               SampleKeys(7, 0, tuple(b["sample_index"].tolist())))[0])
                      for b in batches]
         assert abs((means[0] * 10 + means[1] * 64) / 74 - sum(means) / 2) > 1e-3   # the two rules differ here
         return (means[0] * 10 + means[1] * 64) / 74
     validation = token_mean(training=False)
-    run.model.train()   # as the training loop leaves it: evaluate() turns dropout and jitter off itself
-    assert evaluate(run.model, batches, None) == pytest.approx(validation, rel=1e-9) and run.model.training
+    run.model.train()   # as the training loop leaves it: evaluate() turns dropout off itself
+    assert evaluate(run.model, batches, None, 7, 3, "valid") == pytest.approx(validation, rel=1e-9)
+    assert run.model.training
     training = token_mean(training=True)   # dropout and jitter keyed by the samples: train_step's own draws
     assert train_step(run.model, run.opt, batches, 0, 7, None).lm_loss == pytest.approx(training, rel=1e-6)
     run.groups.destroy()
 
 
 def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
-    """Two micro-batches with 10 and 64 kept tokens: the gradient (an SGD step of lr 0.5 shows it) is that of
-    sum of token losses / 74, not of the mean of the two micro-batch means; the logged loss is that mean."""
+    """Two micro-batches with 10 and 64 kept tokens of 64: the gradient (an SGD step of lr 0.5 shows it) is
+    Megatron's, (the sum of token losses + each router loss times the micro-batch's tokens, as megatron-core's
+    router attaches it) / 74, not the mean of the two micro-batch means with the router losses averaged; the
+    logged loss is that token mean."""
     run = pretraining(configs(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0", "--clip-grad", "0",
                                       "--weight-decay", "0", "--data-cache-path", str(tmp_path)]))
     for group in run.opt.param_groups:
@@ -94,8 +99,11 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
     metrics = train_step(run.model, run.opt, batches, 0, 7, None, per_token_loss=True)
     loss, token_sum = 0.0, 0.0
     for batch in batches:
-        lm, router, _, _ = _micro_batch_losses(reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
-        loss = loss + lm * batch["loss_mask"].sum() / 74 + sum(router.values()) / 2
+        lm, router, stats, _ = _micro_batch_losses(reference, batch,
+                                                   SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
+        routers = sum(s.aux_loss * 64 + s.z_loss * 64 for s in stats)   # aux_loss: each micro-batch's 64 tokens
+        assert torch.allclose(routers, sum(sum(s.token_weighted.values()) for s in stats), rtol=1e-12)
+        loss = loss + (lm * batch["loss_mask"].sum() + routers) / 74
         token_sum += float(lm * batch["loss_mask"].sum())
     loss.backward()
     for name, p in reference.named_parameters():

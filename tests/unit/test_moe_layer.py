@@ -150,13 +150,21 @@ def test_sequence_aux_loss_averages_per_sequence_losses():
 
 
 def test_capacity_policies_drop_exactly_the_documented_assignments():
-    # 6 tokens, top-1; expert 0 wanted by tokens 0,1,3,4 with weights .5,.9,.7,.9; capacity 2
+    # 6 tokens, top-1; expert 0 wanted by tokens 0,1,3,4 with weights .5,.9,.7,.85; capacity 2
     ids = torch.tensor([[0], [0], [1], [0], [0], [1]])
-    w = torch.tensor([[0.5], [0.9], [0.8], [0.7], [0.9], [0.6]])
+    w = torch.tensor([[0.5], [0.9], [0.8], [0.7], [0.85], [0.6]])
     by_probs = capacity_keep_mask(ids, w, 2, 2, "probs").view(-1).tolist()
-    by_position = capacity_keep_mask(ids, w, 2, 2, "position").view(-1).tolist()
-    assert by_probs == [False, True, True, False, True, True]   # .9 (token 1) and .9 (token 4): tie -> both kept
-    assert by_position == [True, True, True, False, False, True]
+    assert by_probs == [False, True, True, False, True, True]
+    # "position": torch.topk's picks among the routing map's ones, tokens in Megatron's sequence-major order
+    for sequences in (1, 2, 3):
+        map_TE = torch.zeros(6, 2, dtype=torch.int32).scatter_(1, ids, 1)
+        sequence_major = map_TE.view(sequences, -1, 2).transpose(0, 1).reshape(6, 2)
+        picked = torch.topk(sequence_major, 2, dim=0, sorted=False).indices
+        kept = torch.zeros(6, 2, dtype=torch.bool).scatter_(0, picked, True)
+        kept = kept.view(-1, sequences, 2).transpose(0, 1).reshape(6, 2).gather(1, ids)
+        assert torch.equal(capacity_keep_mask(ids, w, 2, 2, "position", sequences), kept)
+        assert kept.sum() == 4
+    assert capacity_keep_mask(ids, w, 2, 7, "position").all()   # a capacity above the tokens drops nothing
     assert expert_capacity(num_tokens=6, num_experts=2, top_k=1, capacity_factor=0.5) == 2
 
 
@@ -187,10 +195,12 @@ def test_jitter_is_keyed_by_sample_not_by_rank_stream():
     torch.testing.assert_close(y_all[2:], y_half, rtol=1e-12, atol=1e-14)  # only summation order differs
     y_other, _ = layer(x, keys=SampleKeys(1, 6, (10, 11, 12, 13)))
     assert not torch.equal(y_all, y_other)
-    layer.eval()
+    layer.eval()   # Megatron's router jitters in evaluation too: the same keys draw the same noise
     y_eval, _ = layer(x, keys=keys)
+    layer.router.config.input_jitter_eps = None
+    y_plain, _ = layer(x, keys=keys)
     layer.train()
-    assert not torch.equal(y_all, y_eval)
+    assert torch.equal(y_all, y_eval) and not torch.equal(y_eval, y_plain)
 
 
 def test_init_is_keyed_by_global_expert():
