@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.nn.utils import parametrize
 
 from moezero import checkpoint
-from moezero.checkpoint.lock import lock_save_folder
 from moezero.checkpoint.pending import PendingSave
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
@@ -69,15 +68,6 @@ class Pretraining:
 
     def __init__(self, cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # first, collective: a second job on the same --save stops here, before it reads or writes anything there
-        self._save_lock = lock_save_folder(cfg.checkpoint.save)
-        try:
-            self._build(cfg, plugins)
-        except BaseException:
-            self._save_lock.release()
-            raise
-
-    def _build(self, cfg: Configs, plugins: Mapping[str, PluginFactory]) -> None:
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
@@ -175,12 +165,6 @@ class Pretraining:
     def train(self) -> None:
         """Train to --train-iters, or until a stop condition (signal, duration, --exit-interval); save at the
         end with --save. `stop_reason` says why it stopped early (None: it finished)."""
-        try:
-            self._run()
-        finally:   # the --save folder is free for the next job, however the run ends
-            self._save_lock.release()
-
-    def _run(self) -> None:
         t = self.cfg.train
         self._print_header()
         if t.skip_train:   # Megatron's evaluation-only run: no step, no save, the evaluations below
@@ -471,11 +455,6 @@ class Pretraining:
             raise ConfigError(f"--save-hf={target}: {family.model_type} holds all experts of a layer in one tensor, "
                               f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
                               "export a checkpoint with tools/hf_checkpoint.py export instead")
-        if self.hub_config is not None:   # the dtype the folder is written in (the source's)
-            try:
-                hub_dtype(self.hub_config)
-            except ValueError as exc:
-                raise ConfigError(f"--save-hf={target}: the source's {exc}") from None
         if any(parametrize.is_parametrized(module) for module in self.model.modules()):
             raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); write the "
                               "quantized model with tools/export_quantized.py, or a checkpoint's fp32 masters with "
