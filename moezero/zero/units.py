@@ -3,7 +3,8 @@
 A unit is a module (or a run of modules) whose params are full only around its own forward and backward:
   - every routed-expert stack (a module that directly owns expert-tagged params),
   - every block: a module held in an nn.ModuleList or nn.Sequential; with `min_unit_params`, a run of
-    consecutive blocks whose params reach it (from the first one's forward to the last one's),
+    consecutive blocks whose params reach it (from the forward of the first of them that runs to the last
+    one's, or until the schedule passes the run where a rank skipped its last block),
   - the root: every other param (embeddings, final norm, an output head, small branches). The
     root is gathered from the start of the forward to the end of the following backward, so a
     param used outside its own module's forward (a tied output head using the embedding weight
@@ -14,8 +15,10 @@ block): a unit's params are those of its subtree outside nested units.
 
 Collectives pair up by order, so every rank gathers every unit once per forward and once per
 backward, in one schedule: module (pre-)order in forward, reverse post-order in backward. A unit
-a rank skips (a branch some ranks do not take) is gathered and freed at once when that rank
-reaches the next unit of the schedule, or at the end; a unit run out of schedule order is
+a rank skips (a branch some ranks do not take, LayerDrop) is gathered and freed at once when that rank
+reaches the next unit of the schedule, or at the end; the unit the backward starts with is kept after a
+forward with grad on every rank, whether the rank ran it or caught up with it, so that no rank gathers it
+again in backward where its peers do not; a unit run out of schedule order is
 gathered on demand (every rank must then run the same order). The next unit of the schedule is
 prefetched (async) when a unit starts. In backward a unit is freed once all its trainable params
 got their gradient (a unit holding frozen params: at the end of backward, since autograd still
@@ -66,6 +69,8 @@ class UnitPlan:
     forward_order: List[int] = field(default_factory=list)    # units but the root, module pre-order
     backward_order: List[int] = field(default_factory=list)   # reverse post-order
     last_modules: List[nn.Module] = field(default_factory=list)   # a unit's last module (its forward ends it)
+    members: List[List[nn.Module]] = field(default_factory=list)  # a unit's modules (a run's blocks), in order
+    parent: Dict[int, int] = field(default_factory=dict)          # a nested unit -> the unit it sits in
 
 
 def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params: int = 0) -> UnitPlan:
@@ -75,15 +80,18 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
     alone costs a collective and an agreement record all the same (DeepSpeed's prefetch buckets and
     stage3_param_persistence_threshold, FSDP's size-based wrap policy)."""
     managed = {id(p) for p in params}
-    modules, last_modules, names, pre, post = [model], [model], [""], [], []
+    modules, last_modules, members, names, pre, post = [model], [model], [[model]], [""], [], []
+    parent: Dict[int, int] = {}
     owner: Dict[int, int] = {}   # id(param) -> unit, 0 when registered under two units
     seen: Set[int] = set()
 
-    def new_unit(first: nn.Module, last: nn.Module, name: str) -> int:
-        modules.append(first)
-        last_modules.append(last)
+    def new_unit(run: List[nn.Module], name: str, inside: int) -> int:
+        modules.append(run[0])
+        last_modules.append(run[-1])
+        members.append(run)
         names.append(name)
         pre.append(len(modules) - 1)
+        parent[len(modules) - 1] = inside
         return len(modules) - 1
 
     def walk(module: nn.Module, name: str, unit: int) -> None:
@@ -102,9 +110,9 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
         for full, child in children:
             group = first_of.get(id(child))
             if group is not None:
-                group_unit, group_last = new_unit(child, group[-1][1], _group_name(group)), group[-1][1]
+                group_unit, group_last = new_unit([m for _, m in group], _group_name(group), unit), group[-1][1]
             if _owns_experts(child, managed):
-                own = new_unit(child, child, full)
+                own = new_unit([child], full, group_unit)
                 walk(child, full, own)
                 post.append(own)
             else:
@@ -116,7 +124,7 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
     walk(model, "", 0)
     used = set(owner.values())  # units left without params of their own (pure containers) are not gathered
     return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used],
-                    last_modules)
+                    last_modules, members, parent)
 
 
 def _owns_experts(module: nn.Module, managed: Set[int]) -> bool:
@@ -199,10 +207,12 @@ class UnitGatherer:
         ref = weakref.ref(self)
         self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
         self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
-        for unit in plan.forward_order:
-            first, last = plan.modules[unit], plan.last_modules[unit]
-            self._handles.append(first.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
+        for unit in plan.forward_order:   # a run starts at the first of its blocks that runs (a rank may skip some)
+            for module in plan.members[unit]:
+                self._handles.append(module.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
+            last = plan.last_modules[unit]
             self._handles.append(last.register_forward_hook(WeakHook(self, "_post_forward", unit, pass_last=True)))
+        self._forward_held: Set[int] = set()   # units this forward's schedule gathered and has not let go of
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -297,11 +307,20 @@ class UnitGatherer:
             guard(zp.param)
 
     def _visit(self, schedule: GatherSchedule, unit: int) -> None:
+        forward = schedule is self.forward
+        if forward:   # a unit whose last module did not run on this rank ends when the schedule passes it
+            for held in self._forward_held - self._ancestors(unit):
+                self._let_go_in_forward(held)
         for skipped in schedule.skipped_before(unit):  # keep the collectives paired with ranks that ran it
             self.ensure(skipped, None, schedule, exposed=False)
-            self.free(skipped)
+            if forward:
+                self._let_go_in_forward(skipped)
+            else:
+                self.free(skipped)
             schedule.visited.add(skipped)
         self.ensure(unit, None, schedule)
+        if forward:
+            self._forward_held.add(unit)
         schedule.visited.add(unit)
         schedule.issued = max(schedule.issued, schedule.position[unit] + 1)
         upcoming = schedule.next_after(unit)
@@ -338,6 +357,7 @@ class UnitGatherer:
             return
         self.agreement.progress.forwards += 1
         self.forward.reset()
+        self._forward_held.clear()
         self.forward_active = True
         self.saved.push()
         self.forward.settle_lead()   # the root's record leads the forward's first message
@@ -355,27 +375,47 @@ class UnitGatherer:
     def _post_forward(self, unit: int, output: Any) -> None:
         if in_backward():
             return
-        backward_follows = False
         if torch.is_grad_enabled():
             ref = weakref.ref(self)
             for tensor in _tensors(output):
                 if tensor.requires_grad:
-                    backward_follows = True
                     tensor.register_hook(_pre_backward_hook(ref, unit))
-        if backward_follows and self.backward.order[:1] == [unit]:
-            self._unexpose(unit)   # the backward starts here: its values stay (as the root's), guarded
-            return
-        self.free(unit)
+        if unit in self._forward_held:
+            self._let_go_in_forward(unit)
+        else:
+            self.free(unit)
+
+    def _let_go_in_forward(self, unit: int) -> None:
+        """The forward is done with the unit: freed, except the unit the backward starts with, which a forward with
+        grad keeps (guarded) for it, as the root. The same on every rank, whether the rank ran the unit or caught
+        up with it: a rank that skipped the last block must not gather it again in backward where its peers
+        do not."""
+        self._forward_held.discard(unit)
+        if torch.is_grad_enabled() and self.backward.order[:1] == [unit]:
+            self._unexpose(unit)
+        else:
+            self.free(unit)
+
+    def _ancestors(self, unit: int) -> Set[int]:
+        out = set()
+        while unit in self.plan.parent:
+            unit = self.plan.parent[unit]
+            out.add(unit)
+        return out
 
     def root_post_forward(self, output: Any) -> None:
         if in_backward():
             return
+        for held in list(self._forward_held):
+            self._let_go_in_forward(held)
         for skipped in self.forward.skipped_before(None):
             self.ensure(skipped, None, self.forward, exposed=False)
-            self.free(skipped)
+            self._let_go_in_forward(skipped)
         self.forward.settle_end()
-        if not any(t.requires_grad for t in _tensors(output)):
-            self.free(0)  # no backward follows; otherwise the root stays for it
+        if not any(t.requires_grad for t in _tensors(output)):   # no backward follows; otherwise the root stays
+            self.free(0)
+            for unit in self.backward.order[:1]:
+                self.free(unit)
 
     def _root_done(self) -> None:
         """The root's forward ended, normally or by an exception: reads no longer gather on demand."""

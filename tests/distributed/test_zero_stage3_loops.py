@@ -177,3 +177,34 @@ def test_full_parameters_nests_and_a_step_inside_it_is_torchs(stage):
     """Leaving full_parameters() raised 'setStorage ... size 0' after a nested block or a step inside it, and a
     read between the two exits said it was outside."""
     assert all(run_distributed(_nested_and_a_step_inside, 2, stage))
+
+
+# ---- 3: a block skipped on one rank (LayerDrop, early exit) ----------------------------------------------------
+SKIPS = [(0, 3), (0, 1), (144, 0), (144, 1), (144, 2), (144, 3)]   # (min_unit_params, the block skipped)
+
+
+def _layer_drop(blocks):
+    def loop(model, opt, step, rank, scale):
+        model.skip = blocks if (rank + step) % 2 else set()   # rank 1 drops them at even steps, rank 0 at odd ones
+        (scale * _loss(model, step, rank)).backward()
+        model.skip = set()
+    loop.__name__ = f"dropping blocks {sorted(blocks)}"
+    return loop
+
+
+def _four_blocks(groups):
+    return _Net(groups, moe=(False, True, False, False))   # block 1's experts: a unit nested in its block's
+
+
+def _skipped_blocks(stage):
+    for min_unit_params, block in SKIPS:   # 72 params a block: 144 makes runs blocks.0..1 and blocks.2..3
+        _train_like_torch(_layer_drop({block}), stage, 1, make=_four_blocks, min_unit_params=min_unit_params)
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_block_one_rank_skips_trains_like_torch(stage):
+    """Rank 1 skipping the last block hung both ranks at stage 3 (the rank that ran it kept it gathered for the
+    backward, the other gathered it again); with runs of blocks as units, skipping a run's last block hung and
+    skipping its first raised RanksDisagree (the run's hooks sat on those modules only)."""
+    assert all(run_distributed(_skipped_blocks, 2, stage, isolated=True, timeout=400))
