@@ -83,8 +83,8 @@ class GPTConfig(Validated):
                                           flag="--position-embedding-type",
                                           choices=("learned_absolute", "rope", "none"),
                                           defines_model=True)
-    no_position_embedding: bool = option(False, "Megatron's older switch for no learned position table: with rope "
-                                         "nothing more, else --position-embedding-type none",
+    no_position_embedding: bool = option(False, "Megatron's older switch for no learned position table: only with "
+                                         "rope, where it changes nothing (Megatron refuses it otherwise)",
                                          flag="--no-position-embedding")
     use_rotary_position_embeddings: bool = option(False, "Megatron's older switch for --position-embedding-type "
                                                   "rope", flag="--use-rotary-position-embeddings")
@@ -220,7 +220,8 @@ class GPTConfig(Validated):
                           "moe_layer_freq", f"a list needs one 0 or 1 per layer ({self.num_layers})")
         if self.use_rotary_position_embeddings:   # Megatron's validate_args, whatever the type says
             self.position_embedding_type = "rope"
-        if self.no_position_embedding and self.position_embedding_type == "learned_absolute":
+        if self.no_position_embedding and self.position_embedding_type == "learned_absolute":   # stored before the
+            # command line refused it (check_command_line): no table
             self.position_embedding_type = "none"
         self._check_attention()
         self._check_gated()
@@ -339,6 +340,11 @@ class GPTConfig(Validated):
         does with the same script; likewise where Megatron's MLA scales its rotary embedding or softmax otherwise
         than moezero's (which follows transformers' DeepSeek there), and --rope-type yarn on standard attention,
         which Megatron refuses. (Hugging Face configs set these fields, and mean them.)"""
+        rope = values.get("position_embedding_type") == "rope" or values.get("use_rotary_position_embeddings")
+        if values.get("no_position_embedding") and not rope:
+            raise ConfigError("--no-position-embedding: Megatron refuses it without rope (validate_args: "
+                              "'--no-position-embedding is deprecated, use --position-embedding-type'); give "
+                              "--position-embedding-type none")
         if not values.get("multi_latent_attention"):
             if values.get("rope_type") == "yarn":
                 raise ConfigError("--rope-type=yarn: Megatron's standard attention takes only rope (validate_args "

@@ -16,7 +16,7 @@ from moezero.config.model import RECOMPUTE_KEPT
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
-from moezero.training.megatron_rules import check_accepted_megatron_flags, check_router
+from moezero.training.megatron_rules import check_accepted_megatron_flags, check_megatron_combinations, check_router
 from moezero.training.profiling import ProfilingConfig, check_profiling
 from moezero.training.lr_schedule import LearningRateSchedule
 
@@ -373,20 +373,19 @@ def _check_shared_expert_bias(cfg: Configs) -> None:
 
 
 def _check_moe_comm_overlap(cfg: Configs, ep: int) -> None:
-    """Megatron's: the overlap is of expert-parallel exchanges. Stage 3 gathers a layer's params around its
-    forward, which an interleaved pair enters twice before leaving."""
+    """Megatron's: the overlap is of expert-parallel exchanges."""
     if cfg.moe.delay_wgrad_compute and not cfg.train.overlap_moe_expert_parallel_comm:
         raise ConfigError("--delay-wgrad-compute: needs --overlap-moe-expert-parallel-comm (Megatron's rule)")
-    if not cfg.train.overlap_moe_expert_parallel_comm:
-        return
-    if ep < 2:
+    if cfg.train.overlap_moe_expert_parallel_comm and ep < 2:
         raise ConfigError("--overlap-moe-expert-parallel-comm: needs --expert-model-parallel-size > 1 (it overlaps "
                           "the expert-parallel exchanges; Megatron's rule)")
-    if cfg.zero.stage == 3:
-        chosen_by = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO stage 3)"
-                     if cfg.zero.use_megatron_fsdp else "--zero-stage 3")
-        raise ConfigError(f"--overlap-moe-expert-parallel-comm: not with {chosen_by} (each layer's params are "
-                          "gathered around one forward at a time there)")
+
+
+def interleaves_micro_batches(cfg: Configs) -> bool:
+    """Whether the training step runs micro-batches in interleaved pairs (--overlap-moe-expert-parallel-comm). Not
+    at ZeRO stage 3, which gathers a layer's params around its forward, one forward at a time: there the pairs run
+    one after the other (the same numbers), and the log says so."""
+    return cfg.train.overlap_moe_expert_parallel_comm and cfg.zero.stage != 3
 
 
 def recompute_notices(cfg: Configs) -> List[str]:
@@ -401,6 +400,12 @@ def moe_comm_overlap_notices(cfg: Configs) -> List[str]:
     """Lines for the run's log: the layers whose exchanges the overlap leaves out (recomputed ones run whole)."""
     if not cfg.train.overlap_moe_expert_parallel_comm:
         return []
+    if not interleaves_micro_batches(cfg):
+        chosen_by = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+                     if cfg.zero.use_megatron_fsdp else "--zero-stage 3")
+        return [f" --overlap-moe-expert-parallel-comm: with {chosen_by} (ZeRO stage 3, which gathers each layer's "
+                "params around one forward at a time) the micro-batches run one after the other, their exchanges not "
+                "overlapped (the same numbers)"]
     recomputed = []
     if cfg.model.recompute_granularity == "full":
         recomputed.append(f"--recompute-granularity full (--recompute-method {cfg.model.recompute_method})")
@@ -443,6 +448,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
                                                                               cfg.train.train_samples)
     check_router(cfg)
     check_accepted_megatron_flags(cfg)
+    check_megatron_combinations(cfg)
     if new_model:
         _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)

@@ -1,6 +1,7 @@
 """Megatron's rules between flags moezero takes (megatron-core's TransformerConfig and Megatron-LM's
 validate_args, core_v0.16.1): a combination Megatron refuses is refused here too, in one line, so a script that
-runs here is a model Megatron would train. `validate` (configs.py) calls them on the run's configs."""
+runs here is a model Megatron would train. `validate` (configs.py) calls them on the run's configs; what
+validate_args alone refuses of one section's flags is that config's `check_command_line`."""
 from __future__ import annotations
 
 from moezero.config import ConfigError
@@ -24,6 +25,46 @@ def check_router(cfg) -> None:
     if moe.group_topk and moe.num_groups is None:   # 0 is off, as in Megatron
         raise ConfigError(f"--moe-router-group-topk={moe.group_topk}: group-limited routing needs "
                           "--moe-router-num-groups (Megatron's rule)")
+
+
+def check_megatron_combinations(cfg) -> None:
+    """Combinations of flags moezero honours that megatron-core's TransformerConfig.__post_init__ or its
+    DistributedDataParallel refuses (core_v0.16.1), refused here in one line, the first that applies. Megatron's
+    dispatcher defaults to allgather and its grouped GEMM is off unless --moe-grouped-gemm is typed (moezero runs
+    its grouped GEMM either way: the same numbers)."""
+    model, moe, flags, train = cfg.model, cfg.moe, cfg.implementation, cfg.train
+    dispatcher = flags.moe_token_dispatcher_type
+    typed = set(getattr(cfg.checkpoint, "given_fields", ()))
+    shared_overlap = flags.moe_shared_expert_overlap and moe.shared_expert_intermediate_size is not None
+    overlap = train.overlap_moe_expert_parallel_comm
+    rules = [
+        (moe.capacity_factor is not None and moe.load_balancing_type == "sinkhorn",
+         "--moe-expert-capacity-factor: only with --moe-router-load-balancing-type aux_loss, seq_aux_loss, "
+         "global_aux_loss or none, not sinkhorn (Megatron's rule)"),
+        (shared_overlap and dispatcher != "alltoall",
+         f"--moe-shared-expert-overlap: only with --moe-token-dispatcher-type alltoall, not {dispatcher} (Megatron's "
+         "rule)"),
+        (model.recompute_granularity == "selective" and "moe_act" in (model.recompute_modules or [])
+         and "moe.grouped_gemm" not in typed,
+         "--recompute-modules moe_act: needs --moe-grouped-gemm (Megatron's rule; moezero's experts run one "
+         "grouped GEMM anyway)"),
+        (model.moe_layer_recompute and model.recompute_granularity == "full",
+         "--moe-layer-recompute: not with --recompute-granularity full (Megatron's rule)"),
+        (overlap and dispatcher not in ("alltoall", "flex"),
+         f"--overlap-moe-expert-parallel-comm: needs --moe-token-dispatcher-type alltoall or flex, not {dispatcher} "
+         "(Megatron's rule)"),
+        (overlap and flags.moe_shared_expert_overlap,
+         "--overlap-moe-expert-parallel-comm: not with --moe-shared-expert-overlap (Megatron's rule)"),
+        (overlap and model.mtp_num_layers is not None,
+         "--overlap-moe-expert-parallel-comm: not with --mtp-num-layers at --pipeline-model-parallel-size 1 "
+         "(Megatron's rule: one MTP layer, on a pipeline of 2 stages or more)"),
+        (train.calculate_per_token_loss and flags.ddp_average_in_collective,
+         "--calculate-per-token-loss: not with --ddp-average-in-collective (Megatron's DistributedDataParallel "
+         "asserts it: the gradients are summed, then divided by the global batch's tokens)"),
+    ]
+    problem = next((message for broken, message in rules if broken), None)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_accepted_megatron_flags(cfg) -> None:

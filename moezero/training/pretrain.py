@@ -32,7 +32,7 @@ from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
-from moezero.training.configs import Configs, validate
+from moezero.training.configs import Configs, interleaves_micro_batches, validate
 from moezero.training.host_memory import HeapTrimmer
 from moezero.training.logging import (Timer, agreed_event_files, build_logger, format_train_line,
                                       format_validation_line)
@@ -240,7 +240,7 @@ class Pretraining:
             batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
             metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
                                  per_token_loss=t.calculate_per_token_loss,
-                                 overlap_moe_comm=t.overlap_moe_expert_parallel_comm)
+                                 overlap_moe_comm=interleaves_micro_batches(self.cfg))
             if self.heap is not None:
                 self.heap.after_step()
             if not metrics.stepped:

@@ -137,17 +137,17 @@ def test_a_pairs_exchanges_travel_while_the_other_micro_batch_computes():
 
 @pytest.mark.parametrize("flags,message", [
     (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
-    (["--expert-model-parallel-size", "2", "--zero-stage", "3"], "not with --zero-stage 3"),
-    (["--expert-model-parallel-size", "2", "--use-megatron-fsdp"],
-     "not with --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params (ZeRO stage 3)")])
+    (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+     "needs --moe-token-dispatcher-type alltoall or flex")])   # Megatron's rules (test_megatron_rules: the others)
 def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
-    cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm"] + flags)
+    cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type", "alltoall"] + flags)
     with pytest.raises(ConfigError, match=re.escape(f"--overlap-moe-expert-parallel-comm: {message}")):
         validate(cfg, world_size=2)
 
 
 def test_the_log_says_which_layers_run_whole():
-    flags = TINY + ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2"]
+    flags = TINY + ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+                    "--moe-token-dispatcher-type", "alltoall"]
     assert not any("overlap" in line for line in resolve_start(configs(flags)).notices)
     notices = resolve_start(configs(flags + ["--moe-layer-recompute"])).notices
     assert any("the layers --moe-layer-recompute recomputes run whole" in line for line in notices), notices
