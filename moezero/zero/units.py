@@ -171,11 +171,11 @@ class UnitGatherer:
             freed in backward (None: the unit holds frozen params and stays until the end of backward).
         agreement: the records every rank states before a gather.
 
-    While the schedule holds a unit gathered its params are exposed (their own type: no per-op check). A
-    gathered unit's version counters are noted, exposed or not (an on-demand gather, the last block kept for
-    backward); when the unit is let go, params written in place meanwhile (a `clamp_()` in forward,
-    `nn.Embedding(max_norm=...)`, a write between forward and backward) are handed to `on_written` before the
-    values go, so the writes reach the shards and the master weights.
+    While the schedule holds a unit gathered its params are exposed (their own type: no per-op check). When a
+    gathered unit is let go, exposed or not (an on-demand gather, the last block kept for backward), params
+    written in place meanwhile (a `clamp_()` in forward, `nn.Embedding(max_norm=...)`, `w.data.clamp_()`, a
+    write between forward and backward) are handed to `on_written` before the values go, so the writes reach
+    the shards and the master weights: the gathered copy of this rank's slice is compared with its shard.
     """
 
     def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
@@ -197,8 +197,11 @@ class UnitGatherer:
         self._backward_task: Optional[int] = None
         self._pending: Dict[int, Optional[int]] = {}
         self._exposed: Set[int] = set()   # units whose params have their own type (no per-op check)
-        # unit -> (zero param, version when gathered or last handed on): a write to a gathered unit's params,
-        # exposed or not (an on-demand gather, the last block kept for backward), reaches the shards when it goes
+        # a write to a gathered unit's params, exposed or not (an on-demand gather, the last block kept for
+        # backward), made in any way (the param, an alias, `.data`, which has a version counter of its own), reaches
+        # the shards when the unit goes: the gathered copy of this rank's slice differs from its shard then
+        # (ShardedParams.written). A local unit's params are its shard: only masters of a narrower dtype need
+        # telling, by the params' version counters (unit -> (zero param, version when gathered or handed on)).
         self._versions: Dict[int, List[Tuple[Any, int]]] = {}
         self.hold_depth = 0   # full_parameters() blocks open (nested ones count): units stay gathered until all end
         self._kept_at_hold: Set[int] = set()      # units the schedule held when the outermost block began
@@ -275,12 +278,14 @@ class UnitGatherer:
         return [zp for storage, key in self.parts.get(unit, []) for zp in storage.members(key)]
 
     def _note_versions(self, unit: int) -> None:
-        self._versions[unit] = [(zp, zp.param._version) for zp in self._members(unit)]
+        self._versions[unit] = [(zp, zp.param._version) for storage, key in self.parts.get(unit, [])
+                                if storage.local for zp in storage.members(key)]
 
     def _hand_on_writes(self, unit: int) -> None:
         """Params of the unit written in place since it was gathered (or since the last hand-on) give their
         values to the shards and masters."""
         written = [zp for zp, version in self._versions.get(unit, []) if zp.param._version != version]
+        written += [zp for storage, key in self.parts.get(unit, []) for zp in storage.written(key)]
         if written:
             self.on_written(written)
             self._note_versions(unit)
