@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.utils import parametrize
 
 from moezero import checkpoint
+from moezero.checkpoint.lock import lock_save_folder
 from moezero.checkpoint.pending import PendingSave
 from moezero.data import MicroBatchLoader, eval_micro_batches, micro_batch_indices
 from moezero.metrics import tensorboard_scalars, vs_samples_scalars
@@ -68,6 +69,15 @@ class Pretraining:
 
     def __init__(self, cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # first, collective: a second job on the same --save stops here, before it reads or writes anything there
+        self._save_lock = lock_save_folder(cfg.checkpoint.save)
+        try:
+            self._build(cfg, plugins)
+        except BaseException:
+            self._save_lock.release()
+            raise
+
+    def _build(self, cfg: Configs, plugins: Mapping[str, PluginFactory]) -> None:
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
@@ -165,6 +175,12 @@ class Pretraining:
     def train(self) -> None:
         """Train to --train-iters, or until a stop condition (signal, duration, --exit-interval); save at the
         end with --save. `stop_reason` says why it stopped early (None: it finished)."""
+        try:
+            self._run()
+        finally:   # the --save folder is free for the next job, however the run ends
+            self._save_lock.release()
+
+    def _run(self) -> None:
         t = self.cfg.train
         self._print_header()
         if t.skip_train:   # Megatron's evaluation-only run: no step, no save, the evaluations below

@@ -8,6 +8,7 @@ import pytest
 
 from moezero import checkpoint
 from moezero.checkpoint import CheckpointError
+from moezero.checkpoint.lock import LOCK
 from moezero.checkpoint.pending import PendingSave
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, train
@@ -128,5 +129,6 @@ def test_a_full_disk_during_an_async_save_is_one_line_naming_it(tmp_path):
         assert message.startswith(f"--async-save: writing {checkpoint.iteration_dir(save, 4)} failed (No space left "
                                   "on device") and len(message.splitlines()) == 1, message
         assert checkpoint.latest_iteration(save) == 2 and not checkpoint.unfinished_saves(save)
+        assert not os.path.exists(os.path.join(save, LOCK))   # a run that fails frees its --save too
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)

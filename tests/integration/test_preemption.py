@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moezero import checkpoint
+from moezero.checkpoint.lock import LOCK
 from tests.integration.pretrain_utils import TINY
 from tests.integration.scripts import PRETRAIN, run, started, torchrun
 
@@ -72,6 +73,7 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     assert f"stopped after iteration {stopped} (received SIGTERM); saved {checkpoint.iteration_dir(ckpt, stopped)}" \
         in text, text[-3000:]
     assert not checkpoint.unfinished_saves(ckpt)
+    assert not os.path.exists(os.path.join(ckpt, LOCK))   # released on the signal-driven exit
 
     end = str(stopped + 2)   # --exit-interval: both runs stop (and save) at the first multiple after `stopped`
     resumed = run(_launch(["--load", ckpt, "--save", ckpt, "--exit-interval", end], cache), timeout=180)
@@ -108,3 +110,4 @@ def test_ctrl_c_without_the_handler_stops_at_once_with_exit_code_130(tmp_path):
     assert proc.returncode == 130, text[-2000:]
     assert f"interrupted; the last complete checkpoint is {checkpoint.iteration_dir(ckpt, 2)}" in text, text[-2000:]
     assert "Traceback" not in text
+    assert not os.path.exists(os.path.join(ckpt, LOCK))   # the --save folder is free for the next job
