@@ -294,7 +294,8 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
                           source: str = "--use-checkpoint-args"):
     """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
     where the command line gives none; the training values Megatron takes too, or for a checkpoint from a Hugging
-    Face import its config's, where the command line does not set them); reports the flags that changed."""
+    Face import its config's, where the command line does not set them); reports the flags typed on the command
+    line whose values it replaced."""
     changes, sections = [], {}
     imported = point.configs.get("hf") is not None
     given = set(getattr(cfg.checkpoint, "given_fields", ()))
@@ -307,8 +308,9 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
         if getattr(cfg.checkpoint, "use_tokenizer_model_from_checkpoint_args", True):
             values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
                            and getattr(current, n) is None})
+        # said for the flags typed only: an untyped one's value is the default, not the command line's
         changes += [f"{flag_of(current, n)} {v} (command line: {getattr(current, n)})"
-                    for n, v in values.items() if v != getattr(current, n)]
+                    for n, v in values.items() if v != getattr(current, n) and f"{section}.{n}" in given]
         sections[section] = dataclasses.replace(current, **values)
     if changes:
         report(f" {source}: {', '.join(changes)}")

@@ -52,8 +52,8 @@ def resolve_start(cfg: Configs) -> RunStart:
     elif point is not None:
         check_same_model(cfg, point)
     elif cfg.checkpoint.load:
-        notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): training "
-                       "from scratch")
+        start = f"starting from the Hugging Face model --load-hf={hub}" if hub is not None else "training from scratch"
+        notices.append(f" no checkpoint in --load={cfg.checkpoint.load} yet (it is also --save): {start}")
     notices += moe_comm_overlap_notices(cfg) + recompute_notices(cfg)
     dense_source = None
     if point is not None and upcycling:
