@@ -366,6 +366,8 @@ class Pretraining:
         values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
                       step_time_ms=step_time * 1000, iteration_time=step_time, lr=lr, global_batch_size=batch_size,
                       loss_scale=1.0, **self._memory_values())   # Megatron's loss scale without fp16: 1.0
+        for name in self._router_losses_not_in_the_run():
+            values.pop(name, None)
         self._rate_values(values, batch_size, step_time)
         if t.log_params_norm:
             values["params_norm"] = self.opt.params_norm()   # a collective: every rank logs
@@ -374,6 +376,14 @@ class Pretraining:
         if self.opt.loss_scaler is not None:
             values["loss_scale"] = self.opt.loss_scaler.scale
         return values
+
+    def _router_losses_not_in_the_run(self) -> List[str]:
+        """moezero's 'aux loss' / 'z loss' (with coefficients) of a loss the run does not have: no z-loss coefficient,
+        aux-loss coefficients of 0. Megatron logs no series of such a loss; the step's values hold a 0.0 for it."""
+        moe = self.cfg.moe
+        coefficients = moe.aux_loss_coeff if isinstance(moe.aux_loss_coeff, list) else [moe.aux_loss_coeff]
+        return ([] if moe.z_loss_coeff is not None else ["router_z_loss"]) + ([] if any(coefficients)
+                                                                              else ["router_aux_loss"])
 
     def _rate_values(self, values: Dict[str, float], batch_size: int, step_time: float) -> None:
         """tokens/s and (--log-throughput) TFLOP/s per rank at `step_time` seconds per step."""
@@ -427,6 +437,8 @@ class Pretraining:
         self.logger.print(format_validation_line(self.iteration, values, where))
         if t.skip_train:   # Megatron's write_to_tensorboard=not args.skip_train
             return
+        if after_training and t.eval_interval and self.iteration % t.eval_interval == 0:
+            return   # the interval's validation of this iteration is on the board; Megatron adds a second point
         self.logger.log(tensorboard_scalars(values), self.iteration)
         if split == "valid":
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
