@@ -208,6 +208,10 @@ class GPTConfig(Validated):
         False, "the token cross-entropy in one fused pass per row and one for its gradient (CPU kernel, fp32 math "
         "from bf16 or fp32 logits, without their fp32 copy); the loss agrees with the unfused one to ~1e-6, not "
         "bitwise", flag="--cross-entropy-loss-fusion")
+    apply_query_key_layer_scaling: bool = option(
+        False, "Megatron's fp16 safeguard: layer L's (from 1) attention scores are computed as q k^T * scale / L in "
+        "the model's dtype and multiplied back by L in fp32 before the fp32 softmax (the same in exact "
+        "arithmetic)", flag="--apply-query-key-layer-scaling")
 
     def __post_init__(self):
         self._check_all_choices()

@@ -72,9 +72,10 @@ class CausalSelfAttention(nn.Module):
     heads at once (full_width: H h and G h, OLMoE's) before RoPE.
     """
 
-    def __init__(self, config: GPTConfig, site: str, window: Optional[int] = None):
+    def __init__(self, config: GPTConfig, site: str, window: Optional[int] = None, layer_number: int = 0):
         super().__init__()
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
+        self.layer_scale = query_key_layer_scale(config, layer_number)
         self.dropout = config.attention_dropout
         self.window = window   # a sliding window: each query sees itself and the `window` keys before it
         offset = softmax_offset(config)
@@ -121,7 +122,13 @@ class CausalSelfAttention(nn.Module):
 
     def _core(self, q, k, v, keys):
         return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, window=self.window,
-                                sinks=self.softmax_offset)
+                                sinks=self.softmax_offset, layer_scale=self.layer_scale)
+
+
+def query_key_layer_scale(config: GPTConfig, layer_number: int) -> Optional[int]:
+    """--apply-query-key-layer-scaling: the layer's number as megatron-core's DotProductAttention counts it (from 1,
+    the MTP depths' layers after the decoder's), which the scores are divided by and multiplied back by."""
+    return layer_number + 1 if config.apply_query_key_layer_scaling else None
 
 
 def softmax_offset(config: GPTConfig) -> Optional[torch.Tensor]:
@@ -143,27 +150,33 @@ EXPLICIT_CPU_MAX_SEQ = 128
 
 def causal_attention(q_BHSh, k_BGSh, v_BGSv, dropout: float, training: bool, keys: Optional[SampleKeys], site: str,
                      scale: Optional[float] = None, window: Optional[int] = None,
-                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor] = None, layer_scale: Optional[int] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal (scale default 1/sqrt(h)); each key/value group serves H/G consecutive
     query heads; dropout on the probabilities, drawn from `keys` when given (SDPA's fused dropout draws from the
     global RNG, so that case runs the explicit path, as do short bf16 sequences on the CPU). With `window`, a
     query sees only itself and the `window` keys before it; with `sinks` (H), each head's softmax has that logit
-    in its denominator too (Megatron's SoftmaxOne): both run the explicit path."""
+    in its denominator too (Megatron's SoftmaxOne); with `layer_scale` L, the scores are q k^T * scale / L in the
+    inputs' dtype, multiplied back by L in fp32 (Megatron's --apply-query-key-layer-scaling): all three run the
+    explicit path."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
     short = (q_BHSh.device.type == "cpu" and q_BHSh.dtype == torch.bfloat16
              and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ and (dropout == 0 or keyed))
-    if keyed or short or window is not None or sinks is not None:
-        return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks)
+    if keyed or short or window is not None or sinks is not None or layer_scale is not None:
+        return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks, layer_scale)
     return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSv, is_causal=True, scale=scale,
                                           dropout_p=dropout, enable_gqa=k_BGSh.shape[1] != q_BHSh.shape[1])
 
 
-def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=None):
+def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=None, layer_scale=None):
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))   # before the product: fp16's range
-    scores = q @ k.transpose(-1, -2)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if layer_scale is None:
+        q = q * scale   # before the product: fp16's range
+        scores = q @ k.transpose(-1, -2)
+    else:
+        scores = _layer_scaled_scores(q, k, scale, layer_scale)
     # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
     # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S
     scores = mask_future_(scores) if window is None else _mask_outside_window(scores, window)
@@ -172,7 +185,18 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=
     else:   # the sink's column joins each row's softmax and is dropped after it
         sink = sinks.to(scores).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), -1)[..., :-1]
-    return keyed_dropout(probs, dropout, True, keys, site) @ v
+    return keyed_dropout(probs.to(v.dtype), dropout, True, keys, site) @ v
+
+
+def _layer_scaled_scores(q, k, scale: float, layer_scale: int) -> torch.Tensor:
+    """megatron-core's DotProductAttention with apply_query_key_layer_scaling: one batched GEMM with alpha =
+    scale / L in the inputs' dtype (fp16 keeps its range), then FusedScaleMaskSoftmax's multiplication by L in
+    fp32 (at least), where the softmax runs."""
+    B, H, S, h = q.shape
+    out = torch.empty(B * H, S, k.shape[2], dtype=q.dtype, device=q.device)
+    scores = torch.baddbmm(out, q.reshape(B * H, S, h), k.reshape(B * H, -1, h).transpose(1, 2), beta=0.0,
+                           alpha=scale / layer_scale).view(B, H, S, -1)
+    return scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer_scale
 
 
 def _mask_outside_window(scores: torch.Tensor, window: int) -> torch.Tensor:

@@ -40,10 +40,11 @@ class TransformerLayer(nn.Module):
         self.site = f"layer{layer_number}"
         self.input_norm = norm_layer(config)
         if config.multi_latent_attention:
-            self.attention = MultiLatentAttention(config, site=f"{self.site}.attention")
+            self.attention = MultiLatentAttention(config, site=f"{self.site}.attention", layer_number=layer_number)
         else:
             window = config.window_size[0] if is_window_layer(layer_number, config) else None
-            self.attention = CausalSelfAttention(config, site=f"{self.site}.attention", window=window)
+            self.attention = CausalSelfAttention(config, site=f"{self.site}.attention", window=window,
+                                                 layer_number=layer_number)
         self.mlp_norm = norm_layer(config)
         self.moe_recompute = config.moe_layer_recompute or config.recomputes("moe")
         self.mlp_recompute, self.norm_recompute = config.recomputes("mlp"), config.recomputes("layernorm")

@@ -21,13 +21,14 @@ from torch.utils.checkpoint import checkpoint
 
 from moezero.config import GPTConfig
 from moezero.keyed_random import SampleKeys
-from moezero.models.attention import causal_attention, norm_layer, recomputing
+from moezero.models.attention import causal_attention, norm_layer, query_key_layer_scale, recomputing
 from moezero.models.rope import Rotary, yarn_of
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, config: GPTConfig, site: str):
+    def __init__(self, config: GPTConfig, site: str, layer_number: int = 0):
         super().__init__()
+        self.layer_scale = query_key_layer_scale(config, layer_number)
         H, D = config.num_attention_heads, config.hidden_size
         self.heads, self.site, self.dropout = H, site, config.attention_dropout
         self.nope, self.pos, self.value = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
@@ -66,7 +67,8 @@ class MultiLatentAttention(nn.Module):
         return self.proj(rearrange(y, "B H S v -> B S (H v)"))
 
     def _core(self, q, k, v, keys):
-        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, scale=self.scale)
+        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, scale=self.scale,
+                                layer_scale=self.layer_scale)
 
     def _heads(self, x_BSD: torch.Tensor):
         """(q B H S n+r, k B H S n+r, v B H S v)."""

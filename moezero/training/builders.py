@@ -120,6 +120,8 @@ def megatron_param_groups(model: GPTModel, t) -> List[Dict]:
     """Megatron's groups: no weight decay for biases and norms; with --decoupled-lr the embedding and output
     layer (megatron-core's is_embedding_or_output_parameter) in groups of their own max_lr / min_lr."""
     groups = weight_decay_groups(model, t.weight_decay)
+    if t.apply_wd_to_qk_layernorm:   # a GPT always has both groups (its embedding is decayed, its norms not)
+        groups = _qk_norms_decayed(model, groups)
     if t.decoupled_lr is None:
         return groups
     decoupled = {id(_weight_parameter(m)) for m in (model.embedding, model.output) if m is not None}
@@ -130,6 +132,19 @@ def megatron_param_groups(model: GPTModel, t) -> List[Dict]:
             params = [p for p in group["params"] if (id(p) in decoupled) == own]
             if params:
                 out.append(dict(group, params=params, **(override if own else {})))
+    return out
+
+
+def _qk_norms_decayed(model: nn.Module, groups: List[Dict]) -> List[Dict]:
+    """--apply-wd-to-qk-layernorm: megatron-core's get_standard_config_overrides leaves out of its no-decay rule
+    the params named `q_layernorm.` or `k_layernorm.` (moezero's q_norm / k_norm; MLA's kv_layernorm, its kv_norm,
+    stays undecayed): they move to the decayed group, in the model's order."""
+    qk = {id(p) for name, p in model.named_parameters() if ".q_norm." in name or ".k_norm." in name}
+    decayed = {id(p) for g in groups if g["wd_mult"] == 1.0 for p in g["params"]} | qk
+    out = []
+    for group in groups:
+        params = [p for p in model.parameters() if (id(p) in decayed) == (group["wd_mult"] == 1.0)]
+        out.append(dict(group, params=params))
     return out
 
 

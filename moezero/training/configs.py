@@ -16,7 +16,8 @@ from moezero.config.model import RECOMPUTE_KEPT
 from moezero.parallel import rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
-from moezero.training.megatron_rules import check_accepted_megatron_flags, check_megatron_combinations, check_router
+from moezero.training.megatron_rules import (check_accepted_megatron_flags, check_gpu_execution_flags,
+                                             check_megatron_combinations, check_router)
 from moezero.training.profiling import ProfilingConfig, check_profiling
 from moezero.training.lr_schedule import LearningRateSchedule
 
@@ -76,6 +77,10 @@ class TrainConfig(Validated):
                             flag="--optimizer", choices=("adam", "sgd"))
     weight_decay: float = option(0.01, "weight decay (not applied to biases and norms: Megatron's rule)",
                                  flag="--weight-decay")
+    apply_wd_to_qk_layernorm: bool = option(False, "weight decay on the query and key norms too (their weights and "
+                                            "biases; with multi-latent attention the query latent's norm, as "
+                                            "megatron-core names them): Qwen3-Next's rule, Megatron's flag",
+                                            flag="--apply-wd-to-qk-layernorm")
     weight_decay_incr_style: str = option("constant", "the weight decay over the run (Megatron's): constant "
                                           "--weight-decay, or linear / cosine from --start-weight-decay to "
                                           "--end-weight-decay over the run's samples",
@@ -449,6 +454,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     check_router(cfg)
     check_accepted_megatron_flags(cfg)
     check_megatron_combinations(cfg)
+    check_gpu_execution_flags(cfg)
     if new_model:
         _check_shared_expert_bias(cfg)
     _check_moe_comm_overlap(cfg, ep)

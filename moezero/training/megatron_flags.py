@@ -147,6 +147,34 @@ class ImplementationConfig(Validated):
                                                  flag="--megatron-fsdp-main-grads-dtype",
                                                  choices=("auto", "fp32", "bf16"))
 
+    # checkpointing and GPU execution choices of Megatron's: the same checkpoints and numbers
+    use_persistent_ckpt_worker: bool = option(False, "accepted: --async-save writes in the background with or without "
+                                              "it (Megatron 0.16.1 turns --async-save off without it)",
+                                              flag="--use-persistent-ckpt-worker")
+    ckpt_assume_constant_structure: bool = option(False, "accepted: a saving shortcut of Megatron's (the same "
+                                                  "checkpoints)", flag="--ckpt-assume-constant-structure")
+    dist_ckpt_optim_fully_reshardable: bool = option(False, "accepted: the optimizer state resumes on any layout here "
+                                                     "anyway", flag="--dist-ckpt-optim-fully-reshardable")
+    async_strategy: str = option("nvrx", "accepted: --async-save is torch DCP's background save here",
+                                 flag="--async-strategy", choices=("nvrx", "mcore"))
+    async_ckpt_use_cpu_shm: bool = option(False, "accepted: --async-save stages in host memory here anyway",
+                                          flag="--async-ckpt-use-cpu-shm")
+    tp_comm_overlap: bool = option(False, "Megatron's tensor-parallel communication overlap: it needs "
+                                   "--sequence-parallel, which Megatron turns off at --tensor-model-parallel-size 1, "
+                                   "the only size here, so refused as Megatron refuses it",
+                                   flag="--tp-comm-overlap")
+    use_transformer_engine_op_fuser: bool = option(False, SAME_NUMBERS, flag="--use-transformer-engine-op-fuser")
+    cuda_graph_impl: str = option("none", "accepted: CUDA graphs replay the same kernels (none are captured here), "
+                                  "with Megatron's rules", flag="--cuda-graph-impl",
+                                  choices=("none", "local", "transformer_engine", "full_iteration"))
+    cuda_graph_modules: List[str] = option(help="accepted with --cuda-graph-impl: what CUDA graphs capture",
+                                           flag="--cuda-graph-modules", nargs="+", default_factory=list)
+    deterministic_mode: bool = option(False, "torch's deterministic algorithms for the whole run "
+                                      "(torch.use_deterministic_algorithms, as Megatron's); refused with "
+                                      "--use-flash-attn and --cross-entropy-loss-fusion (Megatron's asserts) and, on "
+                                      "CUDA, without CUBLAS_WORKSPACE_CONFIG (torch's condition) or, with nccl, "
+                                      "NCCL_ALGO (Megatron's)", flag="--deterministic-mode")
+
     def __post_init__(self):
         self._check_all_choices()
 

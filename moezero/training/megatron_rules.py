@@ -4,7 +4,14 @@ runs here is a model Megatron would train. `validate` (configs.py) calls them on
 validate_args alone refuses of one section's flags is that config's `check_command_line`."""
 from __future__ import annotations
 
+import os
+
+import torch
+
 from moezero.config import ConfigError
+
+NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")   # --deterministic-mode's (Megatron's)
+CUBLAS_WORKSPACES = (":4096:8", ":16:8")   # torch's deterministic cuBLAS settings
 
 
 def check_router(cfg) -> None:
@@ -65,6 +72,53 @@ def check_megatron_combinations(cfg) -> None:
     problem = next((message for broken, message in rules if broken), None)
     if problem:
         raise ConfigError(problem)
+
+
+def check_gpu_execution_flags(cfg) -> None:
+    """Megatron's rules (core_v0.16.1's validate_args, TransformerConfig) for its GPU execution flags, which change
+    no number here, and what --deterministic-mode cannot make deterministic."""
+    flags, ep = cfg.implementation, cfg.parallel.expert_parallel_size
+    graphs = set(flags.cuda_graph_modules)
+    rules = [
+        (flags.tp_comm_overlap,
+         "--tp-comm-overlap: needs --sequence-parallel, which Megatron turns off at --tensor-model-parallel-size 1 "
+         "(the only size here) and then refuses it (Megatron's rule)"),
+        (flags.cuda_graph_impl == "local" and ep > 1,
+         "--cuda-graph-impl local: with --expert-model-parallel-size > 1 Megatron needs "
+         "--moe-pad-experts-for-cuda-graph-inference, which moezero does not have"),
+        (cfg.train.overlap_moe_expert_parallel_comm and flags.cuda_graph_impl != "none"
+         and (flags.cuda_graph_impl != "transformer_engine" or graphs & {"moe", "mlp"}),
+         f"--cuda-graph-impl {flags.cuda_graph_impl}: with --overlap-moe-expert-parallel-comm only transformer_engine, "
+         "capturing neither moe nor mlp (Megatron's rule)"),
+    ]
+    if flags.deterministic_mode:
+        rules += _deterministic_mode_rules(cfg)
+    problem = next((message for broken, message in rules if broken), None)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _deterministic_mode_rules(cfg):
+    flags = cfg.implementation
+    gpu = torch.cuda.is_available()
+    nccl = gpu and cfg.parallel.distributed_backend == "nccl"
+    return [
+        (flags.use_flash_attn, "--deterministic-mode: not with --use-flash-attn (Megatron's rule)"),
+        (cfg.model.cross_entropy_loss_fusion,
+         "--deterministic-mode: not with --cross-entropy-loss-fusion (Megatron's rule)"),
+        (nccl and os.environ.get("NCCL_ALGO") not in NCCL_ALGOS,
+         f"--deterministic-mode: needs NCCL_ALGO set to one of {', '.join(NCCL_ALGOS)} (Megatron's rule: NCCL's "
+         "reductions otherwise pick their algorithm per call)"),
+        (gpu and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES,
+         f"--deterministic-mode: needs CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACES[0]} (or {CUBLAS_WORKSPACES[1]}) in "
+         "the environment, torch's condition for deterministic cuBLAS"),
+    ]
+
+
+def apply_deterministic_mode(cfg) -> None:
+    """--deterministic-mode: torch's deterministic algorithms, process-wide (Megatron's validate_args sets them)."""
+    if cfg.implementation.deterministic_mode:
+        torch.use_deterministic_algorithms(True)
 
 
 def check_accepted_megatron_flags(cfg) -> None:

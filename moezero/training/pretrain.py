@@ -38,6 +38,7 @@ from moezero.training.host_memory import HeapTrimmer
 from moezero.training.logging import (Timer, agreed_event_files, build_logger, format_train_line,
                                       format_validation_line)
 from moezero.training.log_interval import LogInterval
+from moezero.training.megatron_rules import apply_deterministic_mode
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
 from moezero.training.plugin import PluginFactory, attach_plugins
@@ -123,6 +124,7 @@ class Pretraining:
                 split.vocab_limit = self.vocab_size
         if cfg.train.bf16 and cfg.implementation.disable_bf16_reduced_precision_matmul:   # megatron-core's, global
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        apply_deterministic_mode(cfg)
         self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
                                  hub_dir=cfg.checkpoint.load_hf if point is None else None)
         if dense_source is not None:   # before the optimizer copies the params into its masters
