@@ -5,6 +5,8 @@ file to change.
   current_backward()       which autograd backward is running (torch._C._current_graph_task_id, -1: none):
                            hooks of one backward recognise each other, a nested one is detected
   queue_end_of_backward()  run a callback when the running backward ends (the execution engine's queue)
+  backward_accumulates()   whether the running backward adds into leaves' .grad (backward()) or only returns
+                           gradients (torch.autograd.grad: torch._C._will_engine_execute_node refuses a leaf there)
   storage_key()            the identity of a tensor's storage, stable across a stage-3 free/regather resize
   parse_to_arguments()     what Tensor.to(...) was asked for (device, dtype, memory format), without running it
   no_subclass_dispatch()   run torch ops on a tensor subclass as on plain tensors (its own __torch_function__)
@@ -35,6 +37,14 @@ def in_backward() -> bool:
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Call `callback` when the running backward has finished (must be called inside a backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def backward_accumulates(leaf: torch.Tensor) -> bool:
+    """Inside a backward that reached `leaf`: whether it accumulates into `.grad` (False in torch.autograd.grad)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node))
+    except RuntimeError:   # "A leaf node was passed to _will_engine_execute_node but we are currently running
+        return False       # autograd.grad()": a backward that accumulates nothing
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -5,8 +5,8 @@ units in another order, or a backward that reaches no parameter, pairs its next 
 a different one on its peers, which hangs, aborts the process on a size mismatch (gloo), or
 silently mixes unrelated tensors. So before such a collective every rank states what it is doing
 as a short record of integers. Records travel as messages of one length that every rank sends every
-rank (its records and one flag that rides along: whether any rank has something to do, e.g. gradients
-left unreduced), on a channel that carries nothing else: the group's pipes when its ranks share a host
+rank (its records and one flag of bits that rides along: whether any rank has something to do, e.g.
+gradients left unreduced), on a channel that carries nothing else: the group's pipes when its ranks share a host
 (`local_channel.py`: ~0.05 ms a message), else a gloo group's all-gather (~0.5 ms). Messages pair by
 their index, so records only ever pair with records and never abort; when
 any rank's record differs, every rank raises `RanksDisagree`, naming what it was doing and what another
@@ -53,7 +53,7 @@ class Agreement:
         self.describe = describe
         self.message: Optional[Any] = None
         self.checked = False        # check() or wait() ran
-        self.flag_anywhere = flag   # the flag's maximum over the ranks, once checked
+        self.flag_anywhere = flag   # the flag's bits set on any rank (their OR), once checked
         if group is not None and dist.get_world_size(group) > 1:
             unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
             self.mine = [v for r in self.records for v in r] + unused + [int(flag)]
@@ -73,7 +73,9 @@ class Agreement:
         except RuntimeError as exc:   # the group's timeout, or a peer that exited
             raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
         every = message.copies.view(-1, len(self.mine)).tolist()
-        self.flag_anywhere = max(row[-1] for row in every)
+        self.flag_anywhere = 0
+        for row in every:   # bits of a flag are set where any rank set them
+            self.flag_anywhere |= row[-1]
         mine = self.mine[:-1]
         if all(row[:-1] == mine for row in every):   # the common case: no per-record loop
             return

@@ -72,7 +72,7 @@ class RankAgreement:
 
     def check(self, activity: Activity, unit: int = -1, flag: int = 0) -> int:
         """Collective: every rank states this; raises RanksDisagree on every rank if any states otherwise.
-        Returns the maximum over the ranks of `flag` (it rides along, not compared)."""
+        Returns the bits of `flag` set on any rank (it rides along, not compared)."""
         agreement = self.launch(activity, unit, flag)
         self.settle(agreement)
         return agreement.flag_anywhere

@@ -25,6 +25,7 @@ from torch import nn
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
 from moezero.zero.agreement_points import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
+from moezero.zero.assigned_grads import reduce_assigned
 from moezero.zero.param_families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
@@ -298,20 +299,24 @@ class ZeroEngine:
             self.master.clear_grads()
 
     def clear_step(self, set_to_none: bool) -> None:
-        """Forget the step's gradients."""
+        """Forget the step's gradients (those assigned by hand too)."""
         self.recover_aborted_backward()
-        self.reducer.clear_step(set_to_none)
+        self.reducer.clear_step(set_to_none, assigned_too=True)
         self.master.clear_grads()
 
-    def finish_reductions(self, loss_scaled: bool) -> None:
+    def finish_reductions(self, loss_scaled: bool, loss_scale: float = 1.0) -> None:
         """Collective: every bucket reduction finished (`loss_scaled`: an fp16 run, whose backwards must
-        have gone through the optimizer's scaled backward)."""
+        have gone through the optimizer's scaled backward), and gradients assigned by hand since a param's last
+        backward are its step's (assigned_grads.py; the step divides by `loss_scale`)."""
         self.recover_aborted_backward()
         self.reducer.apply_user_clears()
         if loss_scaled and self.reducer.unscaled_passes:
             raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
                                "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
-        self.reducer.finish_reductions()
+        assigned = self.reducer.assigned_grads()
+        if self.reducer.finish_reductions(assigned=bool(assigned)):   # some rank assigned a gradient by hand
+            reduce_assigned(assigned, self.reducer.states, self.step_totals, loss_scale)
+            self.reducer.consume_assigned(assigned)
 
     # ---- at step() -------------------------------------------------------------------------------
     def begin_step(self) -> ReducedGrads:

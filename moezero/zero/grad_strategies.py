@@ -66,6 +66,10 @@ class GradStrategy(abc.ABC):
         """What the params' .grad point to once the bucket is staged (None: .grad is None)."""
         return None
 
+    def assigned_scale(self, bucket: int) -> float:
+        """What a gradient assigned by hand is multiplied by before the sum over the group (assigned_grads.py)."""
+        return 1.0
+
     def stage(self, bucket: int, fired: List[ZeroParam]) -> None:
         """Every param of the bucket delivered (or was zero-filled): bring the grads of `fired` into the bucket."""
         target = self._staging_target(bucket)
@@ -166,6 +170,10 @@ class AllReduceGrads(_PersistentBuffer):
 
     def visible_grads(self, bucket, synced):
         return self._views[bucket]
+
+    def assigned_scale(self, bucket):
+        """Assigned where .grad showed the average: an average too (see adopt_assigned)."""
+        return self._rescale if self._holds_average[bucket] else 1.0
 
     def forget_local(self, zp):
         super().forget_local(zp)

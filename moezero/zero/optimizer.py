@@ -188,7 +188,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Collective: finish every bucket reduction (`step()` calls it; tests may call it first)."""
         self._check_live()
-        self.engine.finish_reductions(loss_scaled=self.loss_scaler is not None)
+        scaler = self.loss_scaler
+        self.engine.finish_reductions(loss_scaled=scaler is not None, loss_scale=scaler.scale if scaler else 1.0)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Collective: torch.nn.utils.clip_grad_norm_ for sharded gradients; returns the global norm."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ from moezero.zero.launch_queue import build_queues
 from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.zero_param import ZeroParam
-from moezero.torch_internals import current_backward, queue_end_of_backward
+from moezero.torch_internals import backward_accumulates, current_backward, no_subclass_dispatch, queue_end_of_backward
 
 
 class GradientHookError(RuntimeError):
@@ -90,6 +90,8 @@ class GradReducer:
         self.counters = ReducerCounters()
         self._always_reduce = bool(self.states) and self.states[0].strategy.reduces_under_no_sync
         self._pass_task: Optional[int] = None
+        self._grad_only_task: Optional[int] = None   # a torch.autograd.grad(): it accumulates nothing, not a pass
+        self._consumed_assigned: Dict[int, Any] = {}   # id(record) -> the assigned gradient a step consumed
         self._pass_synced = False
         self._end_record = None   # the agreement record of this backward's end (stages 0-2: launched when it begins)
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
@@ -137,8 +139,23 @@ class GradReducer:
             self.unscaled_passes += 1
         queue_end_of_backward(self._end_pass)
 
+    def _accumulates(self, zp: ZeroParam) -> bool:
+        """Whether the running backward adds into .grad (torch.autograd.grad calls the params' hooks too, and
+        leaves their .grad alone: no pass, nothing to reduce)."""
+        task = current_backward()
+        if task == self._pass_task:
+            return True
+        if task == self._grad_only_task:
+            return False
+        if backward_accumulates(zp.param):
+            return True
+        self._grad_only_task = task
+        return False
+
     def _before_accumulate(self, zp: ZeroParam) -> None:
         """Before autograd adds a param's gradient: make .grad its view of the bucket."""
+        if not self._accumulates(zp):
+            return
         self.begin_pass(zp.name)
         state = self._state_of[id(zp.family)]
         self._touch(state, zp.bucket)
@@ -192,7 +209,15 @@ class GradReducer:
         members = state.family.buckets[bucket]
         views = strategy.accumulation_views(bucket)
         for zp in members:
-            if views is not None and not zp.fired and zp.exposed and zp.param.grad is None:
+            if zp.fired:
+                continue
+            assigned = self.assigned_grad(state, zp)
+            if assigned is not None:   # assigned since the last backward, which did not reach it: it is its gradient
+                if views is not None:
+                    strategy.adopt_assigned(zp, views[zp.position], assigned)
+                    zp.param.grad = views[zp.position]
+                zp.fired = zp.got_grad = True
+            elif views is not None and zp.exposed and zp.param.grad is None:
                 views[zp.position].zero_()  # cleared by the user and not reached by this backward
         strategy.stage(bucket, [zp for zp in members if zp.fired])
         visible = strategy.visible_grads(bucket, self._pass_synced)
@@ -243,9 +268,11 @@ class GradReducer:
     def pass_open(self) -> bool:
         return self._pass_task is not None
 
-    def finish_reductions(self) -> None:
-        """Collective: reduce what no_sync backwards left local (on every rank if on any)."""
-        if self.agreement.check(Activity.REDUCE, flag=int(self._dirty)):   # left unreduced on some rank
+    def finish_reductions(self, assigned: bool = False) -> bool:
+        """Collective: reduce what no_sync backwards left local (on every rank if on any). `assigned`: this rank has
+        gradients assigned by hand since its last backward; returns whether some rank has."""
+        flags = self.agreement.check(Activity.REDUCE, flag=int(self._dirty) | (2 if assigned else 0))
+        if flags & 1:   # left unreduced on some rank
             for state in self.states:
                 for bucket in range(state.family.num_buckets):
                     state.strategy.before_accumulate(bucket)
@@ -253,6 +280,39 @@ class GradReducer:
                 queue.launch_up_to(len(queue.entries))
             self._finish_round()
         self._dirty = False
+        return bool(flags & 2)
+
+    # ---- gradients assigned by hand (`p.grad = g`) ----------------------------------------------------
+    def assigned_grad(self, state: FamilyPass, zp: ZeroParam) -> Optional[torch.Tensor]:
+        """The tensor the user assigned to the param's .grad, if its .grad is one (not None, not the placeholder,
+        not the view this reducer showed, not one a step consumed)."""
+        with no_subclass_dispatch():
+            grad = zp.param.grad
+        if grad is None or isinstance(grad, ShardedGradient):
+            return None
+        consumed = self._consumed_assigned.get(id(zp))
+        if consumed is not None and consumed is grad:
+            return None
+        if zp.exposed:
+            views = state.strategy.accumulation_views(zp.bucket) if state.strategy.holds_local else None
+            if views is None or grad.data_ptr() == views[zp.position].data_ptr():
+                return None
+        return grad
+
+    def assigned_grads(self) -> Dict[int, Tuple[FamilyPass, ZeroParam, torch.Tensor]]:
+        """id(record) -> (its family's state, record, gradient) of every param whose .grad was assigned by hand
+        since its last backward (`torch.autograd.grad` results, gradient surgery)."""
+        out = {}
+        for state in self.states:
+            for zp in state.family.members:
+                grad = self.assigned_grad(state, zp)
+                if grad is not None:
+                    out[id(zp)] = (state, zp, grad)
+        return out
+
+    def consume_assigned(self, assigned: Dict[int, Tuple[FamilyPass, ZeroParam, torch.Tensor]]) -> None:
+        """A step used these: .grad keeps showing them (as torch's), and the next backward starts from zero."""
+        self._consumed_assigned = {key: grad for key, (_, _, grad) in assigned.items()}
 
     def apply_user_clears(self) -> None:
         """Before the step's reductions finish: a gradient the user cleared after its last backward drops what
@@ -287,8 +347,9 @@ class GradReducer:
         self.clear_step(set_to_none=True)
         return True
 
-    def clear_step(self, set_to_none: bool = False) -> None:
-        """Forget every gradient of the step (zero_grad, or a new step after step() consumed them)."""
+    def clear_step(self, set_to_none: bool = False, assigned_too: bool = False) -> None:
+        """Forget every gradient of the step (zero_grad, or a new step after step() consumed them); assigned
+        gradients a step consumed are dropped (`assigned_too`, zero_grad: every assigned one, as torch clears)."""
         for state in self.states:
             state.strategy.zero()
             for zp in state.family.members:
@@ -296,6 +357,18 @@ class GradReducer:
                 if set_to_none and (zp.exposed or zp.shows_sharded_gradient()):
                     zp.param.grad = None
                     zp.exposed = False
+        with no_subclass_dispatch():
+            for state in self.states if assigned_too else []:
+                for zp in state.family.members:
+                    grad = self.assigned_grad(state, zp)
+                    if grad is not None:
+                        zp.param.grad = None if set_to_none else grad.zero_()
+            for state in self.states if self._consumed_assigned else []:
+                for zp in state.family.members:
+                    consumed = self._consumed_assigned.get(id(zp))
+                    if consumed is not None and zp.param.grad is consumed:
+                        zp.param.grad = None
+        self._consumed_assigned = {}
         self._dirty = False
         self._consumed = False
         self.unscaled_passes = 0

@@ -9,7 +9,7 @@ block. After the sum, a flag above 0 means some rank of the group got a gradient
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -51,3 +51,15 @@ class StepTotals:
                 for zp in family.members:
                     zp.got_grad_anywhere = False
         return float(message[0])
+
+    def marked_anywhere(self, marked: Set[int]) -> Set[int]:
+        """Collective: ids of the trainable params that some rank of their group marked (`marked`: the ids of the
+        ZeroParams this rank marks), in the same blocks as the flags above."""
+        message = torch.zeros(self._length, dtype=torch.float64)
+        for family, at in self._blocks:
+            message[at:at + len(family.members)] = torch.tensor([id(zp) in marked for zp in family.members],
+                                                                dtype=torch.float64)
+        comm.all_reduce(message, self.group)
+        summed = message.tolist()
+        return {id(zp) for family, at in self._blocks
+                for zp, count in zip(family.members, summed[at:at + len(family.members)]) if count > 0}

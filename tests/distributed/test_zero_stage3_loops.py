@@ -234,3 +234,48 @@ def test_writes_through_data_in_forward_persist_like_torch(stage):
     """`.data` has a version counter of its own: stage 3 noticed only the param's, and these writes were lost
     silently (0.68 and 0.52 from torch)."""
     assert all(run_distributed(_data_writes, 2, stage))
+
+
+# ---- 2: gradients assigned by hand (external gradients, gradient surgery), every stage ------------------------
+def _assign_external_gradients(model, params, loss_of_rank, ranks):
+    """`torch.autograd.grad` of each rank's loss, halved and assigned to `.grad` (which it leaves untouched)."""
+    total = None
+    for r in ranks:
+        grads = torch.autograd.grad(loss_of_rank(r), params)
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    assert all(p.grad is None for p in params), "torch.autograd.grad wrote .grad"
+    for p, g in zip(params, total):
+        p.grad = 0.5 * g
+
+
+def _assigned_gradients(stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for ep in (1, 2):
+        groups = ParallelGroups.build(expert_parallel_size=ep)
+        model, ref = _Net(groups), _Net(ParallelGroups.single())
+        opt, ref_opt = _zero(model, groups, stage), torch.optim.AdamW(ref.parameters(), lr=0.02)
+        for step in range(2):
+            _assign_external_gradients(model, list(model.parameters()), lambda r: _loss(model, step, r), [rank])
+            _assign_external_gradients(ref, list(ref.parameters()), lambda r: _loss(ref, step, r) / world,
+                                       range(world))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            _loss(model, step + 5, rank).backward()   # surgery after a backward: one gradient replaced by hand
+            model.head.bias.grad = torch.full(model.head.bias.shape, 0.1, dtype=torch.float64)
+            for r in range(world):
+                (_loss(ref, step + 5, r) / world).backward()
+            ref.head.bias.grad = torch.full(ref.head.bias.shape, 0.1, dtype=torch.float64)
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        _assert_like(model, opt, ref, groups, f"assigned gradients, stage {stage}, ep {ep}")
+        groups.destroy()
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_assigned_gradient_is_what_the_step_uses_as_in_torch(stage):
+    """`p.grad = g` then `opt.step()` moved no param at stages 0, 2 and 3 (the step read the buckets), and after
+    torch.autograd.grad `.grad` was a tensor (a ShardedGradient at stages 1-3) where torch's is None."""
+    assert all(run_distributed(_assigned_gradients, 2, stage))
