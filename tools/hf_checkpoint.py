@@ -8,8 +8,10 @@
 
 import writes iteration 0 of CKPT_DIR from the Hub directory (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
 Kimi-K2): the weights and the model's configs, so `--load CKPT_DIR --use-checkpoint-args --finetune` continues
-it on any dp/ep/ZeRO stage with no model flag typed; with a tokenizer.json in HF_DIR the checkpoint names it
-(--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR). export writes the Hub directory of any
+it on any dp/ep/ZeRO stage with no model flag typed; with a tokenizer in HF_DIR (tokenizer.json, tokenizer.model or
+Kimi's tiktoken.model) the checkpoint names it (--tokenizer-type HuggingFaceTokenizer --tokenizer-model HF_DIR).
+A folder whose files do not hold its config's model, whose index names a missing shard, whose tokenizer cannot be
+read or whose config names a dtype no Hub folder is written in is refused in one line before anything is written. export writes the Hub directory of any
 checkpoint's fp32 master weights (default dtype: an imported model's source dtype, else the run's), as the
 family that holds the model; a checkpoint from import keeps its source config's other fields (token ids),
 --hf-config gives them for any other. Both read and write a piece at a time: the peak memory is about one Hub

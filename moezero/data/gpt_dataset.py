@@ -10,7 +10,8 @@ weighted prefixes (`--data-path "30 a 70 b"`). With torch.distributed initialise
 builds the caches while the others wait at a barrier (megatron-core's builder does this).
 
 This module adds what megatron-core leaves to its caller: clear errors for unusable data
-(checked before megatron-core runs; data another tokenizer wrote is refused, see tokenizer_record), the sample dict the training loop uses, and one fix:
+(checked before megatron-core runs; data another tokenizer wrote is refused, see tokenizer_record), the
+sample dict the training loop uses, and one fix:
 megatron-core 0.16 calls `torch.distributed.get_rank()` when caching blend indices, which fails
 in a single process without a process group, so there the (cheap) blend indices stay in memory.
 """

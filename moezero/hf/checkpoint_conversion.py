@@ -24,7 +24,7 @@ from moezero.config import GPTConfig, MoEConfig, upgrade_stored_configs
 from moezero.hf.families import family_of
 from moezero.hf.files import HubDirectory
 from moezero.hf.keys import Link, links
-from moezero.hf.load import check_hub_shapes, check_key_sets, hub_configs, hub_dtype, run_configs
+from moezero.hf.load import check_hub_shapes, hub_configs, hub_dtype, run_configs
 from moezero.hf.save import save_pretrained
 from moezero.hf.run_tokenizer import run_token_ids, run_tokenizer_files
 from moezero.models import GPTModel
@@ -41,18 +41,19 @@ def import_hub(hf_dir: str, ckpt_dir: str, piece_bytes: int = PIECE_BYTES) -> st
         raise CheckpointError(f"{ckpt_dir}: holds a run's checkpoints (iterations {', '.join(map(str, saved))}); "
                               "import into a new folder (the import is iteration 0 and would become latest)")
     hub = HubDirectory(hf_dir)
+    hub_dtype(hub.config)   # the dtype an export writes by default: a name it cannot write is refused now
+    configs = run_configs(hf_dir)   # the tensors' names and the tokenizer checked, before a model is built
     gpt, moe = hub_configs(hub)
     table = links(family_of(hub.config), gpt, moe)
     with torch.device("meta"):
         model = GPTModel(gpt, moe)
-    check_key_sets(hub, table, moe.num_experts if moe else 0, tied=not gpt.untie_embeddings_and_output_weights)
     params = dict(model.named_parameters())
     check_hub_shapes(hub, table, params)
     reader = _HubPieces(hub, table, {name: tuple(p.shape) for name, p in params.items()})
     kept = set(model.state_dict())   # the persistent buffers, as a training save writes them
     buffers = {name: table[name].assemble(hub).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
                for name, b in model.named_buffers() if name in kept}
-    train_state = {"param_shapes": reader.shapes, "optimizer": _fresh_adamw_scalars(), "configs": run_configs(hf_dir),
+    train_state = {"param_shapes": reader.shapes, "optimizer": _fresh_adamw_scalars(), "configs": configs,
                    "plugins": {}, "progress": {}, "opt_param_scheduler": {}}
     ranges = {name: reader.pieces(name, piece_bytes) for name in params}
     return checkpoint.save_read_checkpoint(ckpt_dir, 0, ranges, reader.read, buffers, train_state)
@@ -107,12 +108,18 @@ def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = Non
 
 def export_sources(configs: Dict, hub_config: Optional[Dict] = None, generation_config: Optional[Dict] = None):
     """What an export of a run with stored `configs` writes besides the weights: (the Hub config whose other
-    fields it keeps and the generation config: --hf-config's, else an import's; the token ids of a run from
-    scratch; the run's tokenizer files)."""
+    fields it keeps and the generation config: --hf-config's, else an import's; the token ids of the run's
+    tokenizer, which replace an import's where they are another tokenizer's; the run's tokenizer files)."""
     config = hub_config or configs.get("hf")
     generation = generation_config if hub_config else configs.get("hf_generation")
-    token_ids = None if config else run_token_ids(configs.get("data") or {})
-    return config, generation, token_ids, run_tokenizer_files(configs.get("data") or {})
+    data = configs.get("data") or {}
+    if config is None:
+        token_ids = run_token_ids(data)
+    elif hub_config is None and data.get("tokenizer_type"):   # kept unless the run's tokenizer was another
+        token_ids = run_token_ids(data, quiet=True)
+    else:
+        token_ids = None
+    return config, generation, token_ids, run_tokenizer_files(data)
 
 
 def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTModel:

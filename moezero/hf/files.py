@@ -53,6 +53,12 @@ class HubDirectory:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointMismatch(f"{index}: has no weight_map")
+            missing = sorted({name for name in weight_map.values()
+                              if not os.path.isfile(os.path.join(self.path, str(name)))})
+            if missing:   # now, not at the first read of one of its tensors deep inside a training step
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise CheckpointMismatch(f"{index}: names {missing[0]}{more}, which the folder does not hold "
+                                         "(a download or copy cut short?)")
             return weight_map
         single = os.path.join(self.path, SINGLE)
         if not os.path.isfile(single):

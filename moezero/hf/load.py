@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import warnings
 from typing import Dict, Optional, Set, Tuple
@@ -16,6 +15,7 @@ import torch
 from moezero.config import GPTConfig, MoEConfig
 from moezero.hf.families import family_of, mtp_layers
 from moezero.hf.files import CheckpointMismatch, HubDirectory
+from moezero.hf.folder_tokenizer import folder_tokenizer_fields
 from moezero.hf.keys import Link, links
 from moezero.models import GPTModel
 from moezero.moe import MoELayer, expert_parallel
@@ -31,6 +31,10 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
                     seed: int = 0, lazy: bool = False) -> GPTModel:
     """The model of the Hub directory `path` in `dtype` (default: the config's), evaluation mode.
 
+    The files' tensors (names, and shapes from the safetensors headers) are checked against the model the config
+    describes before any of it is allocated: a config that leaves its sizes to the class defaults (a 20B model)
+    beside files of another model is refused at once, not after allocating the default-size model.
+
     `model(tokens)[0]` are the logits. With `groups`, experts are split over `groups.ep` and a rank reads
     only its own. With `lazy`, the other params stay unread (on the meta device) until a ZeroOptimizer
     stores them: at stage 3 a rank then reads only its shard of each; the model runs after that.
@@ -39,10 +43,15 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     family = family_of(hub.config)
     gpt, moe = hub_configs(hub)
     factory = expert_parallel(groups) if groups is not None else MoELayer
+    table = links(family, gpt, moe)
+    dtype = dtype or hub_dtype(hub.config)
+    check_key_sets(hub, table, moe.num_experts if moe else 0, tied=not gpt.untie_embeddings_and_output_weights)
+    if not lazy:   # the shapes too, of a model without storage, before the one with storage is built
+        with torch.device("meta"):
+            check_hub_shapes(hub, table, model_tensors(GPTModel(gpt, moe, seed=seed, moe_layer=factory), table))
     with torch.device("meta") if lazy else contextlib.nullcontext():
         model = GPTModel(gpt, moe, seed=seed, moe_layer=factory)
-    table = links(family, gpt, moe)
-    model.to(dtype or hub_dtype(hub.config))
+    model.to(dtype)
     _keep_fp32(model, family, table)
     load_weights(model, hub, table, lazy)
     if lazy:
@@ -55,14 +64,19 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
 def run_configs(path: str) -> Dict[str, Dict]:
     """The configs a training run takes from the Hub directory `path` (what `tools/hf_checkpoint.py import`
     stores, what --load-hf applies): its model and MoE configs, the Hub config itself and its generation config
-    (an export writes them back), and its tokenizer."""
+    (an export writes them back), and its tokenizer (checked readable: see folder_tokenizer)."""
     hub = HubDirectory(path)
     gpt, moe = hub_configs(hub)
+    # the tensors' names now (a glance at the index or headers): a run or import of a folder that does not hold the
+    # config's model stops before it creates anything
+    check_key_sets(hub, links(family_of(hub.config), gpt, moe), moe.num_experts if moe else 0,
+                   tied=not gpt.untie_embeddings_and_output_weights)
     configs = {"model": dataclasses.asdict(gpt), "moe": dataclasses.asdict(moe or MoEConfig()), "hf": hub.config}
     if hub.generation_config is not None:
         configs["hf_generation"] = hub.generation_config
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        configs["data"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(path)}
+    tokenizer = folder_tokenizer_fields(path)
+    if tokenizer is not None:
+        configs["data"] = tokenizer
     return configs
 
 
@@ -116,23 +130,33 @@ def _holds_its_own_head(hub: HubDirectory) -> bool:
     return not torch.equal(hub.read("lm_head.weight"), hub.read("model.embed_tokens.weight"))
 
 
+# the dtypes a Hub folder's weights are written in (transformers' spelling in config.json)
+HUB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "float64": torch.float64}
+
+
 def hub_dtype(config: Dict) -> torch.dtype:
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"config.json dtype {name!r} is not a torch dtype")
+    """The dtype a Hub config names (`dtype`, or transformers 4's `torch_dtype`; float32 where it names none)."""
+    field = "dtype" if config.get("dtype") else "torch_dtype"
+    name = config.get(field) or "float32"
+    dtype = HUB_DTYPES.get(str(name).replace("torch.", ""))
+    if dtype is None:
+        raise CheckpointMismatch(f"config.json {field} {name!r} is not a dtype Hub weights are written in (one of "
+                                 f"{', '.join(HUB_DTYPES)}): correct the config")
     return dtype
 
 
 def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], lazy: bool = False) -> None:
     """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack); with
-    `lazy`, the params other than expert stacks are deferred to their readers instead."""
+    `lazy`, the params other than expert stacks are deferred to their readers instead. Names and shapes are
+    checked first (the headers only), so a model on the meta device is allocated only for files that hold it."""
     check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
                     tied=not model.config.untie_embeddings_and_output_weights)
     params = model_tensors(model, table)
     if set(params) != set(table):
         raise CheckpointMismatch(f"{hub.path}: moezero's model and the key table differ: "
                                  f"{sorted(set(params) ^ set(table))[:5]}")
+    check_hub_shapes(hub, table, params)
     _materialize_buffers(model)
     with torch.no_grad():
         for name, param in params.items():
@@ -153,7 +177,6 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
 
 
 def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) -> None:
-    check_hub_shapes(hub, {name: link}, {name: param})
     shape = tuple(param.shape)
     defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
 
@@ -207,8 +230,8 @@ def _materialize_buffers(model: GPTModel) -> None:
 def _multi_token_prediction_keys(hub: HubDirectory, unexpected: Set[str]) -> Set[str]:
     """DeepSeek-V3's MTP modules: layers numbered from num_hidden_layers, num_nextn_predict_layers of them."""
     config = hub.config
-    first, count = config["num_hidden_layers"], mtp_layers(config) or 0
-    if not count:
+    first, count = config.get("num_hidden_layers"), mtp_layers(config) or 0
+    if not count or first is None:   # (a config leaving its depth to the class default names no MTP layer either)
         return set()
     pattern = re.compile(r"^model\.layers\.(\d+)\.")
     return {k for k in unexpected if (m := pattern.match(k)) and first <= int(m.group(1)) < first + count}

@@ -34,7 +34,8 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
     generation_config.json; one with no source names the tokens `token_ids` gives (`run_tokenizer.tokenizer_token_ids`
-    of its run), else none (never the family's defaults). A source config that would read back as another model
+    of its run), else none (never the family's defaults), and so does one whose source's end of document is not
+    the run's (its run trained with another tokenizer than the source folder's). A source config that would read back as another model
     (another model's sliding window, ...) is refused. A folder holding weights already is refused unless
     `overwrite` (see `staged_write.start_write`). `tokenizer_files` ({name: path}, `run_tokenizer_files`) are
     copied in with the weights.
@@ -48,6 +49,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
         _warn_of_routing_transformers_lacks(moe, family)
     dtype = dtype or model.embedding.weight.dtype
     config = _hub_config(model, family, dtype, token_ids)
+    generation = _generation_config(model, token_ids)
     table = links(family, gpt, moe)
     tensors = model_tensors(model, table)
     layout = _HubLayout(table, family, dtype, groups)
@@ -59,8 +61,8 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     failure = None
     if _rank() == 0:
         try:
-            finish_write(staging, path, config, plan.file_of, layout.total_bytes,
-                         getattr(model, "hub_generation_config", None), tokenizer_files, TOKENIZER_FILES)
+            finish_write(staging, path, config, plan.file_of, layout.total_bytes, generation, tokenizer_files,
+                         TOKENIZER_FILES)
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path, None)
@@ -182,8 +184,11 @@ def _piece_name(name: str, first_expert: Optional[int]) -> str:
 def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
                token_ids: Optional[Dict[str, Optional[int]]]) -> Dict:
     source = getattr(model, "hub_config", None)
-    # token ids and the like of the source (what it omits keeps its class default); with none, the run's tokens
-    config = dict(source) if source else dict(token_ids or NO_TOKEN_IDS)
+    # token ids and the like of the source (what it omits keeps its class default); with none, or a source whose
+    # tokens are another tokenizer's than the run's, the run's tokens
+    config = dict(source or {})
+    if not source or _other_tokens(source, token_ids):
+        config.update(token_ids or NO_TOKEN_IDS)
     config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
     config.pop("auto_map", None)   # the folder holds no remote code: transformers' own class of the family runs it
     # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
@@ -201,6 +206,26 @@ def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
                                f"source) describes another model than this one: {problem}; export with a config of "
                                "this model, or none")
     return config
+
+
+def _other_tokens(source: Dict, token_ids: Optional[Dict[str, Optional[int]]]) -> bool:
+    """Whether a source config's token ids are another tokenizer's than the run's `token_ids`: its eos (one id or
+    several) does not hold the run's end of document (a run of a folder without a tokenizer, on the command
+    line's)."""
+    eod = (token_ids or {}).get("eos_token_id")
+    if eod is None:   # the run's tokenizer is unknown here: the source's stay
+        return False
+    eos = source.get("eos_token_id")
+    return eod not in (eos if isinstance(eos, list) else [eos])
+
+
+def _generation_config(model: GPTModel, token_ids: Optional[Dict[str, Optional[int]]]) -> Optional[Dict]:
+    """The source's generation config, with the run's token ids where the source's are another tokenizer's."""
+    generation = getattr(model, "hub_generation_config", None)
+    source = getattr(model, "hub_config", None)
+    if generation is None or not source or not _other_tokens(source, token_ids):
+        return generation
+    return {**generation, **{k: v for k, v in token_ids.items() if k in generation or v is not None}}
 
 
 def _warn_of_routing_transformers_lacks(moe, family: Family) -> None:

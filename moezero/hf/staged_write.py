@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from safetensors.torch import save_file
@@ -60,14 +60,19 @@ def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> No
 
 
 def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int,
-                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, str]] = None,
+                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, Union[str, bytes]]] = None,
                  replaced: Tuple[str, ...] = ()) -> None:
-    """The index, config.json, generation_config.json (if given) and `copies` ({name: source file}: the
-    tokenizer's) into the staging folder, then its files into `path` (the old model's out, and with `copies`
-    the old files of the names in `replaced`: another tokenizer's config beside the new tokenizer.json)."""
+    """The index, config.json, generation_config.json (if given) and `copies` ({name: source file, or the bytes
+    to write}: the tokenizer's) into the staging folder, then its files into `path` (the old model's out, and
+    with `copies` the old files of the names in `replaced`: another tokenizer's config beside the new
+    tokenizer.json)."""
     try:
         for name, source in (copies or {}).items():
-            shutil.copyfile(source, os.path.join(staging, name))
+            if isinstance(source, bytes):
+                with open(os.path.join(staging, name), "wb") as f:
+                    f.write(source)
+            else:
+                shutil.copyfile(source, os.path.join(staging, name))
         _write_json(os.path.join(staging, INDEX), {"metadata": {"total_size": total_size}, "weight_map": weight_map})
         _write_json(os.path.join(staging, "config.json"), config)
         if generation_config is not None:

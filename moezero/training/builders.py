@@ -18,7 +18,7 @@ from torch.nn.utils import parametrize
 
 from moezero.config import ConfigError
 from moezero.data import build_datasets
-from moezero.hf import load_hub_weights
+from moezero.hf import CheckpointMismatch, UnsupportedModel, load_hub_weights
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
@@ -86,7 +86,10 @@ def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int,
         model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
     model = model.to(param_dtype(cfg.train))
     if hub_dir:
-        load_hub_weights(model, hub_dir)
+        try:
+            load_hub_weights(model, hub_dir)
+        except (CheckpointMismatch, UnsupportedModel) as exc:   # the files do not hold the configs' model
+            raise ConfigError(f"--load-hf={hub_dir}: {exc}") from None
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         model = place_on(model, torch.device("cuda", torch.cuda.current_device()))
     return model

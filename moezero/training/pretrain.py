@@ -485,6 +485,11 @@ class Pretraining:
             raise ConfigError(f"--save-hf={target}: {family.model_type} holds all experts of a layer in one tensor, "
                               f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
                               "export a checkpoint with tools/hf_checkpoint.py export instead")
+        if self.hub_config is not None:   # the dtype the folder is written in (the source's)
+            try:
+                hub_dtype(self.hub_config)
+            except ValueError as exc:
+                raise ConfigError(f"--save-hf={target}: the source's {exc}") from None
         if any(parametrize.is_parametrized(module) for module in self.model.modules()):
             raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); write the "
                               "quantized model with tools/export_quantized.py, or a checkpoint's fp32 masters with "
