@@ -85,7 +85,22 @@ class TokenDispatcher(SharesProcessGroups):
             rows = comm.launch_all_to_all(y_MD, meta.send_splits, meta.recv_splits, self.ep_group)
             yield
             y_MD = rows.wait()
-        return ops.unpermute_combine(y_MD, meta.row_map_TK, meta.weights_TK)
+        out = ops.unpermute_combine(y_MD, meta.row_map_TK, meta.weights_TK)
+        if out.requires_grad and not torch.compiler.is_compiling():
+            out.register_hook(_refuse_double_backward)
+        return out
+
+
+DOUBLE_BACKWARD_REFUSED = (
+    "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True): a gradient penalty, a double "
+    "backward) reached an MoE layer, whose token permute/combine kernels are differentiable once: their backward "
+    "builds no graph, so a second backward cannot go through them. Differentiate with create_graph=True only with "
+    "respect to tensors its backward reaches before any MoE layer (the layers after the last one)")
+
+
+def _refuse_double_backward(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():   # inside a backward: it records a graph (create_graph=True)
+        raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
 
 
 @dataclass(frozen=True)

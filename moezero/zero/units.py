@@ -55,6 +55,12 @@ from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
 from moezero.zero.saved_params import SavedParamHooks
 from moezero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
+DOUBLE_BACKWARD_REFUSED = (
+    "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True): a gradient penalty, a double "
+    "backward) through a model the stage-3 ZeroOptimizer shards: the graph it records reads params whose units are "
+    "freed once it ends. Use stage=2 (params stay whole on every rank; higher-order gradients there are torch's)")
+
+
 class UnitState(enum.Enum):
     FREE = "free"           # storage resized to zero
     INFLIGHT = "inflight"   # all-gather launched, not waited for
@@ -437,6 +443,8 @@ class UnitGatherer:
         task = current_backward()
         if self._backward_task == task:
             return
+        if torch.is_grad_enabled():   # inside a backward: it records a graph (create_graph=True)
+            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
         self._backward_task = task
         self.agreement.progress.backwards += 1
         self.backward.reset()
