@@ -23,8 +23,11 @@ $(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 	touch $@
 
 # A short MoE GPT pretraining run on 2 local CPU processes (ep 2, ZeRO-2) on the default corpus
-# (the Python standard library's sources, tokenized on first use); TensorBoard events in runs/.
-# The flags are spelled out: the script's defaults are Megatron's (no experts, dropout 0.1, ...).
+# (the Python standard library's sources, tokenized on first use); TensorBoard events in runs/gpt_moe_small,
+# its checkpoint in checkpoints/make_train (each `make train` a new run). The flags are spelled out: the
+# script's defaults are Megatron's (no experts, dropout 0.1, ...); the demo has no test split and the exact
+# GELU (Megatron refuses the bias-GELU fusion's tanh one in MoE layers), so it prints no warning of its own.
+# torchrun_local.py: torchrun with its stores listening on 127.0.0.1 only (torchrun's own listen everywhere).
 SMALL_GPT_MOE = --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
 	--micro-batch-size 4 --global-batch-size 16 --train-iters 200 \
 	--lr 2e-3 --min-lr 1e-4 --lr-warmup-iters 20 --lr-decay-style cosine --adam-beta2 0.95 \
@@ -32,8 +35,10 @@ SMALL_GPT_MOE = --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-l
 	--num-experts 8 --moe-router-topk 2 --moe-layer-freq 2 --moe-aux-loss-coeff 1e-2 \
 	--eval-interval 50 --eval-iters 4 --log-interval 10
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples_moe/pretrain_gpt_moe.py \
-		$(SMALL_GPT_MOE) --expert-model-parallel-size 2 --zero-stage 2 --tensorboard-dir runs/gpt_moe_small
+	OMP_NUM_THREADS=1 $(PY) examples_moe/torchrun_local.py --standalone --nproc_per_node=$(NPROC) \
+		examples_moe/pretrain_gpt_moe.py $(SMALL_GPT_MOE) --expert-model-parallel-size 2 --zero-stage 2 \
+		--split 969,30,0 --no-bias-gelu-fusion --distributed-backend gloo --tensorboard-dir runs/gpt_moe_small \
+		--save checkpoints/make_train --save-interval 100
 
 # The whole suite (with the C++ kernels when they built), then the ZeRO exactness matrix on 2 ranks and the
 # MoE tests again on the pure-PyTorch reference kernels (each op against its reference is in tests/ops, on both).

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 : "${DATA_PATH:?set DATA_PATH to a Megatron dataset prefix}"
 : "${TOKENIZER:?set TOKENIZER to a local HuggingFace tokenizer directory}"
 NPROC=${NPROC:-8}
-torchrun --standalone --nproc_per_node="$NPROC" examples_moe/pretrain_gpt_moe.py \
+"${PYTHON:-python}" examples_moe/torchrun_local.py --standalone --nproc_per_node="$NPROC" \
+    examples_moe/pretrain_gpt_moe.py \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 \
     --position-embedding-type rope --normalization RMSNorm --swiglu --ffn-hidden-size 2048 \
     --micro-batch-size 8 --global-batch-size 256 --train-iters 20000 \
