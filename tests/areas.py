@@ -20,7 +20,7 @@ AREAS = {   # area: what it covers, words of the file names that belong to it
     "training": ("the model and the training loop", ("pretrain", "training", "lr_schedule", "config", "throughput",
                                                     "generate", "sampling", "attention", "gpt_oracle", "architecture", "host_memory",
                                                     "rank_layout", "mtp", "expert_shapes", "keyed_random", "job_init",
-                                                    "profiling")),
+                                                    "profiling", "pipeline")),
     "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),
 }
 
