@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 
-
 from moezero.checkpoint import CheckpointError
 from moezero.checkpoint.lock import LOCK, process_start
 from moezero.recipe import pretraining
