@@ -113,10 +113,11 @@ _HELD: Dict[str, "SaveLock"] = {}   # this process's locks: a second run in one 
 
 
 class SaveLock:
-    """A held lock file (an open descriptor with its flock); `release()` removes it."""
+    """A held lock file (an open descriptor with its flock); `release()` removes it, and the folder too when the lock
+    made it and the run left nothing else there (a run refused at start leaves no empty --save folder behind)."""
 
-    def __init__(self, path: str, fd: int):
-        self.path, self.fd = path, fd
+    def __init__(self, path: str, fd: int, made_folder: bool = False):
+        self.path, self.fd, self.made_folder = path, fd, made_folder
 
     def release(self) -> None:
         if self.fd < 0:
@@ -129,6 +130,11 @@ class SaveLock:
         os.close(self.fd)
         self.fd = -1
         _HELD.pop(os.path.realpath(self.path), None)
+        if self.made_folder:
+            try:
+                os.rmdir(os.path.dirname(self.path))   # only when empty: never anything this run did not write
+            except OSError:
+                pass
 
 
 class _Unlocked:
@@ -163,6 +169,7 @@ def acquire(root: str, report: Callable[[str], None]) -> SaveLock:
     if held is not None and held.fd >= 0:
         return held
     try:
+        made_folder = not os.path.isdir(root)
         os.makedirs(root, exist_ok=True)
         for _ in range(5):   # the file was removed or replaced between our open and our flock: open it again
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -172,6 +179,7 @@ def acquire(root: str, report: Callable[[str], None]) -> SaveLock:
                 os.close(fd)
                 raise
             if lock is not None:
+                lock.made_folder = made_folder
                 _HELD[os.path.realpath(path)] = lock
                 return lock
             os.close(fd)

@@ -113,3 +113,21 @@ def test_a_lock_file_this_run_cannot_write_is_one_line(tmp_path, capsys):
     assert proc.returncode == 2 and _lines(proc) == [
         "[rank 0] error: --save=/proc/moezero-ckpt: cannot write there (FileNotFoundError: [Errno 2] No such file "
         "or directory: '/proc/moezero-ckpt')"], proc.stderr
+
+
+def test_a_run_refused_at_start_leaves_no_folder_it_made_and_keeps_one_it_found(tmp_path, capsys):
+    """A bad flag after the lock is taken: the --save folder the lock made is removed with the lock (it holds nothing
+    of this run's); a folder that was there before, with the user's file in it, is left as it was."""
+    cache = str(tmp_path)
+    made = str(tmp_path / "new")
+    proc = script_in_process(RUN + ["--save", made, "--data-cache-path", cache, "--load", str(tmp_path / "none"),
+                                    "--ckpt-step", "5"], capsys)
+    assert proc.returncode == 2 and len(_lines(proc)) == 1, proc.stderr
+    assert not os.path.exists(made)
+    found = tmp_path / "found"
+    found.mkdir()
+    (found / "notes.txt").write_text("mine")
+    proc = script_in_process(RUN + ["--save", str(found), "--data-cache-path", cache, "--load",
+                                    str(tmp_path / "none"), "--ckpt-step", "5"], capsys)
+    assert proc.returncode == 2 and len(_lines(proc)) == 1, proc.stderr
+    assert sorted(os.listdir(found)) == ["notes.txt"]
