@@ -290,7 +290,10 @@ class ZeroEngine:
             self.reducer.scaled_backward = False
 
     def recover_aborted_backward(self) -> None:
-        """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients."""
+        """A backward raised (and the loop caught it): clean up collectively, drop the step's gradients. Stage 3:
+        also a forward that raised (its owed gathers, see UnitGatherer.finish_aborted_forward)."""
+        if self.gatherer is not None and not self.gatherer.forward_active:
+            self.gatherer.finish_aborted_forward()
         gatherer_open = self.gatherer is not None and self.gatherer.backward_open
         if (self.reducer.pass_open or gatherer_open) and not in_backward():
             self.reducer.recover_aborted_pass()

@@ -199,6 +199,7 @@ class UnitGatherer:
         self.backward = GatherSchedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
                                        agreement, self.collective_units, per_message=RECORDS_PER_MESSAGE)
         self.forward_active = False        # between the root's forward pre-hook and its end
+        self._forward_open = False         # a forward began and did not reach its end (root_post_forward) yet
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
         self._pending: Dict[int, Optional[int]] = {}
@@ -366,9 +367,11 @@ class UnitGatherer:
             raise RuntimeError(COMPILE_REFUSED)
         if in_backward():
             return
+        self.finish_aborted_forward()
         self.agreement.progress.forwards += 1
         self.forward.reset()
         self._forward_held.clear()
+        self._forward_open = True
         self.forward_active = True
         self.saved.push()
         self.forward.settle_lead()   # the root's record leads the forward's first message
@@ -417,6 +420,7 @@ class UnitGatherer:
     def root_post_forward(self, output: Any) -> None:
         if in_backward():
             return
+        self._forward_open = False
         for held in list(self._forward_held):
             self._let_go_in_forward(held)
         for skipped in self.forward.skipped_before(None):
@@ -437,6 +441,21 @@ class UnitGatherer:
         for unit in self._on_demand - {0}:
             self.free(unit)
         self._on_demand.clear()
+
+    def finish_aborted_forward(self) -> None:
+        """Collective, before anything else after a forward that raised (and the loop caught it): the gathers its
+        schedule still owes are made, in schedule order, so that a peer whose forward ran on is not left waiting in
+        one (a forward retried on this rank alone then meets that peer's backward at differing records, and every
+        rank raises RanksDisagree); every unit is freed."""
+        if not self._forward_open:
+            return
+        self._forward_open = False
+        self._forward_held.clear()
+        for skipped in self.forward.skipped_before(None):
+            self.ensure(skipped, None, self.forward, exposed=False)
+            self.free(skipped)
+        self.forward.settle_end()
+        self.free_all()
 
     # ---- backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
