@@ -29,8 +29,8 @@ from moezero.zero.assigned_grads import reduce_assigned
 from moezero.zero.param_families import FamilyParts, ParamFamily, build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
-from moezero.zero.model_guard import (ModelGuard, storage_replaced_error, unfrozen_by_hand_error,
-                                      unknown_param_error)
+from moezero.zero.model_guard import (ModelGuard, ParameterSetChanged, storage_replaced_error,
+                                      unfrozen_by_hand_error, unknown_param_error)
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import stage_of
@@ -235,7 +235,12 @@ class ZeroEngine:
         try:
             yield
             if modifier_rank is not None:
-                self.agreement.check(Activity.LEAVE_FULL_PARAMETERS, modifier_rank)
+                replaced = next((zp.name for zp in self.records if not zp.storage_intact()), None)
+                if self.agreement.check(Activity.LEAVE_FULL_PARAMETERS, modifier_rank, flag=int(replaced is not None)):
+                    raise storage_replaced_error(replaced) if replaced else ParameterSetChanged(
+                        "another rank replaced a param's storage (a .data swap, a cast) inside "
+                        f"opt.full_parameters(modifier_rank={modifier_rank}); that rank names it. Make such a change "
+                        "inside `with opt.modify_model():`")
                 self._broadcast_values(modifier_rank)
             self.master.take_written_values(self.records)
         finally:

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from moezero.parallel import comm
+
 FORMAT = "moezero-zero-shard-v2"
 CONSOLIDATED = FORMAT + "-consolidated"
 Piece = Dict[str, Any]   # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
@@ -99,22 +101,31 @@ def check_covered_once(pieces: List[Piece], name: str, numel: int) -> None:
 
 
 def load_state(opt, source: Dict[str, Any]) -> None:
-    """Load a shard (this rank's, any stage) or a consolidated state (any layout), then publish."""
+    """Collective: load a shard (this rank's, any stage) or a consolidated state (any layout), then publish. A
+    state that does not hold what some rank needs (another layout's shard) is refused on every rank, before
+    anything is loaded."""
     engine = opt.engine
     pieces = pieces_by_name(source)
     step_on_device = bool(opt.inner.defaults.get("fused") or opt.inner.defaults.get("capturable"))
+    loaded, problem = [], None
+    for master_piece in engine.master_pieces():
+        lo, hi = master_piece.param.global_range(master_piece.param_range)
+        try:
+            loaded.append((master_piece.master, hi - lo, *gather_range(pieces, master_piece.param.name, lo, hi)))
+        except ValueError as error:
+            problem = _not_loadable(opt, source, error)
+            break
+    if not comm.all_true(problem is None, opt.groups.control):
+        raise ValueError(problem or "another rank's optimizer state does not fit this optimizer's layout (that rank "
+                         "says which; a shard loads only on the layout that saved it): nothing was loaded")
     with torch.no_grad():
-        for master_piece in engine.master_pieces():
-            zp, leaf = master_piece.param, master_piece.master
-            lo, hi = zp.global_range(master_piece.param_range)
-            master, state = gather_range(pieces, zp.name, lo, hi)
+        for leaf, n, master, state in loaded:
             if hasattr(opt.inner, "load_full_precision_state"):
                 opt.inner.load_full_precision_state(leaf, master, state)
                 continue
             leaf.copy_(master)
             if state:
-                opt.inner.state[leaf] = {k: _placed(leaf, k, v, hi - lo, step_on_device)
-                                         for k, v in state.items()}
+                opt.inner.state[leaf] = {k: _placed(leaf, k, v, n, step_on_device) for k, v in state.items()}
             else:
                 opt.inner.state.pop(leaf, None)
     opt.load_scalar_state(source)
@@ -132,6 +143,24 @@ def _placed(leaf: torch.Tensor, key: str, value: Any, n: int, step_on_device: bo
     if _is_elementwise(value, n) and value.is_floating_point():
         return value.to(device=leaf.device, dtype=leaf.dtype)
     return value.to(leaf.device)
+
+
+def _layout(stage: Any, world: Any, ep: Any) -> str:
+    return f"stage {stage} on {world} ranks, ep {ep}"
+
+
+def _not_loadable(opt, source: Dict[str, Any], why: BaseException) -> str:
+    """One line: what the state is, what it lacks, and the way (a shard loads on its own layout only)."""
+    here = _layout(opt.settings.stage, opt.groups.world_size, opt.groups.ep_size)
+    if "pieces" not in source:
+        return f"the consolidated optimizer state cannot load into this optimizer (at {here}): {why}"
+    saved = _layout(source.get("stage"), source.get("world_size"), source.get("ep_size"))
+    what = f"rank {source.get('rank')}'s shard of an optimizer at {saved}"
+    return (f"the optimizer state is {what}, which holds that rank's part only: {why}, which this rank needs (this "
+            f"optimizer: {here}). Load "
+            "each rank's own shard on the layout that saved it, or consolidate every rank's shard first "
+            "(moezero.zero.consolidate(shards); tools/consolidate_checkpoint.py for a checkpoint) and load the "
+            "result on any layout")
 
 
 def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
@@ -154,7 +183,7 @@ def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
 def gather_range(pieces: Dict[str, List[Piece]], name: str, lo: int, hi: int):
     """Master values and optimizer state for global elements [lo, hi) of `name`, from covering pieces."""
     if name not in pieces:
-        raise KeyError(f"the checkpoint has no optimizer state for parameter '{name}'")
+        raise ValueError(f"it has no optimizer state for parameter '{name}'")
     master = torch.empty(hi - lo, dtype=pieces[name][0]["master"].dtype if pieces[name] else torch.float32)
     state: Dict[str, Any] = {}
     filled = torch.zeros(hi - lo, dtype=torch.bool)
@@ -175,6 +204,6 @@ def gather_range(pieces: Dict[str, List[Piece]], name: str, lo: int, hi: int):
                 state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
     if not bool(filled.all()):
         missing = int((~filled).nonzero()[0]) + lo
-        raise ValueError(f"the state does not cover element {missing} of parameter '{name}' (elements {lo}..{hi} "
-                         "are needed here): it is one rank's shard of another layout; consolidate the shards first")
+        raise ValueError(f"it does not cover element {missing} of parameter '{name}' (elements {lo}..{hi} are "
+                         "needed here)")
     return master, state

@@ -316,3 +316,28 @@ def test_double_backward_trains_like_torch_or_raises_one_line_naming_the_way(sta
             assert message.startswith("a backward with create_graph=True") and "Use stage=2" in message, message
         else:
             assert message == "trains like torch", message
+
+
+# ---- 7: a .data swap on one rank inside full_parameters(modifier_rank=0) ----------------------------------------
+def _swap_on_one_rank(stage):
+    rank = dist.get_rank()
+    groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=20))
+    model = _dense_net(groups)
+    opt = _zero(model, groups, stage)
+    try:
+        with opt.full_parameters(modifier_rank=0):
+            if rank == 0:
+                model.head.weight.data = torch.zeros(VOCAB, WIDTH, dtype=torch.float64)
+        _loss(model, 0, rank).backward()
+        opt.step()
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_storage_swapped_on_one_rank_inside_full_parameters_raises_on_every_rank(stage):
+    """It raised on rank 0 (at its next forward) and left rank 1 waiting for ever."""
+    first, second = run_distributed(_swap_on_one_rank, 2, stage, isolated=True, timeout=120)
+    assert "'head.weight'" in first and "modify_model" in first, first
+    assert second.startswith("another rank replaced a param's storage") and "modify_model" in second, second

@@ -94,3 +94,27 @@ def test_resume_consolidate_and_reshard(tmp_path):
         if name in continued and continued[name].dtype.is_floating_point:
             torch.testing.assert_close(continued[name], straight[name], rtol=1e-9, atol=1e-12,
                                        msg=lambda m: f"{name}: {m}")
+
+
+def _another_layouts_shard():
+    """One rank's stage-3 shard loaded into a stage-2 optimizer (each rank its own): refused on every rank, in one
+    line naming what the state is and the consolidation, before anything is loaded."""
+    groups, model, opt = _build(1, 3)
+    _train(model, opt, range(1))
+    shard = opt.state_dict()
+    groups, model, opt = _build(1, 2)
+    before = [piece.master.clone() for piece in opt.engine.master_pieces()]
+    try:
+        opt.load_state_dict(shard)
+        return "loaded"
+    except ValueError as error:
+        assert all(torch.equal(a, piece.master) for a, piece in zip(before, opt.engine.master_pieces()))
+        return str(error)
+
+
+def test_another_layouts_shard_is_refused_on_every_rank_naming_the_consolidation():
+    """It was a KeyError for 'norm.weight' (a param whose elements another rank owns), on some ranks only."""
+    for message in run_distributed(_another_layouts_shard, 2):
+        assert "\n" not in message and "consolidat" in message, message
+        assert message.startswith("the optimizer state is rank ") or message.startswith("another rank's"), message
+        assert "shard of an optimizer at stage 3 on 2 ranks, ep 1" in message or "another rank" in message, message
