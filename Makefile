@@ -24,9 +24,10 @@ $(STAMP): setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 
 # A short MoE GPT pretraining run on 2 local CPU processes (ep 2, ZeRO-2) on the default corpus
 # (the Python standard library's sources, tokenized on first use); TensorBoard events in runs/gpt_moe_small,
-# its checkpoint in checkpoints/make_train (each `make train` a new run). The flags are spelled out: the
-# script's defaults are Megatron's (no experts, dropout 0.1, ...); the demo has no test split and the exact
-# GELU (Megatron refuses the bias-GELU fusion's tanh one in MoE layers), so it prints no warning of its own.
+# its checkpoint in checkpoints/make_train, which a second `make train` resumes (remove it for a new run).
+# The flags are spelled out: the script's defaults are Megatron's (no experts, dropout 0.1, ...); the demo has
+# no test split and the exact GELU (Megatron refuses the bias-GELU fusion's tanh one in MoE layers), so it
+# prints no warning of its own.
 # torchrun_local.py: torchrun with its stores listening on 127.0.0.1 only (torchrun's own listen everywhere).
 SMALL_GPT_MOE = --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 \
 	--micro-batch-size 4 --global-batch-size 16 --train-iters 200 \
@@ -38,7 +39,7 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) examples_moe/torchrun_local.py --standalone --nproc_per_node=$(NPROC) \
 		examples_moe/pretrain_gpt_moe.py $(SMALL_GPT_MOE) --expert-model-parallel-size 2 --zero-stage 2 \
 		--split 969,30,0 --no-bias-gelu-fusion --distributed-backend gloo --tensorboard-dir runs/gpt_moe_small \
-		--save checkpoints/make_train --save-interval 100
+		--save checkpoints/make_train --load checkpoints/make_train --save-interval 100
 
 # The whole suite (with the C++ kernels when they built), then the ZeRO exactness matrix on 2 ranks and the
 # MoE tests again on the pure-PyTorch reference kernels (each op against its reference is in tests/ops, on both).

@@ -100,17 +100,22 @@ def find_checkpoint(ckpt) -> Optional[str]:
 
 
 def check_save_folder(ckpt) -> None:
-    """A --save other than --load whose complete iter folders no pointer names: the run would write over them
-    (--load's own such folders are find_checkpoint's)."""
+    """A --save other than --load that holds another run's checkpoints: this run would write over them (its
+    iter_N, `latest`, the pruning of older ones), so it stops at start (--load's own folders are find_checkpoint's).
+    Megatron writes over them without a word."""
     save, load = ckpt.save, ckpt.load
     if save is None or (load is not None and os.path.abspath(save) in (os.path.abspath(load),
                                                                        os.path.dirname(os.path.abspath(load)))):
         return   # --load is --save, or one of its iter folders: resumed by name
     saved = checkpoint.saved_iterations(save)
-    if saved and not os.path.exists(os.path.join(save, checkpoint.POINTER)):
+    if not saved:
+        return
+    if not os.path.exists(os.path.join(save, checkpoint.POINTER)):
         raise CheckpointError(f"--save={save}: holds iter folders {saved} but no {checkpoint.POINTER} naming one, "
                               "which this run would write over: resume one (--load the folder, --ckpt-step N), or "
                               "save elsewhere")
+    raise CheckpointError(f"--save={save}: holds another run's checkpoints (iterations {saved}), which this run "
+                          f"would write over: resume that run (--load {save}), or save elsewhere")
 
 
 def find_resume_point(ckpt) -> Optional[ResumePoint]:

@@ -171,6 +171,22 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
         _built(["--train-iters", "1", "--load", empty, "--save", empty, "--exit-on-missing-checkpoint"], str(saved))
 
 
+def test_another_runs_checkpoints_in_save_are_not_written_over(saved, tmp_path):
+    """A new run (no --load, or another --load) whose --save holds a finished run's checkpoints once wrote its own
+    iter_N over them and moved `latest` (Megatron's too): refused in one line, the folder untouched."""
+    from moezero.checkpoint import CheckpointError
+
+    path = _copy(saved, tmp_path)
+    before = {name: os.path.getmtime(os.path.join(path, name)) for name in os.listdir(path)}
+    for load in ([], ["--load", _copy(saved, tmp_path / "other")]):
+        with pytest.raises(CheckpointError) as refused:
+            _built(["--train-iters", "3", "--save", path] + load, str(saved))
+        assert str(refused.value) == (f"--save={path}: holds another run's checkpoints (iterations [1, 2]), which "
+                                      f"this run would write over: resume that run (--load {path}), or save "
+                                      "elsewhere")
+    assert {name: os.path.getmtime(os.path.join(path, name)) for name in os.listdir(path)} == before
+
+
 def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, capsys):
     """A job killed after its final checkpoint (or a finished one requeued) trains nothing, and does the end of a
     run as Megatron's relaunch does: the validation after training, the test split, the --save-hf folder (which
