@@ -29,8 +29,9 @@ class RunStart:
 
 def resolve_start(cfg: Configs) -> RunStart:
     notices: List[str] = []
-    check_save_folder(cfg.checkpoint)
     own = _upcycled_runs_own_checkpoint(cfg)
+    if own is None:   # an upcycled run requeued resumes its --save, which is not its (dense) --load
+        check_save_folder(cfg.checkpoint)
     upcycling = cfg.moe.use_upcycling and own is None
     point = own or find_resume_point(cfg.checkpoint)
     if own is not None:
