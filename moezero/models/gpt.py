@@ -123,26 +123,10 @@ class GPTModel(nn.Module):
 
     def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory,
              number: Optional[int] = None) -> nn.Module:
-        """Layer `layer_number`'s kind of MLP (an MoE one numbered `number`, default `layer_number`)."""
-        if moe_config is not None and is_moe_layer(layer_number, self.config.moe_layer_freq):
-            return moe_layer(moe_config, layer_number=layer_number if number is None else number)
-        c = self.config
-        return DenseMLP(c.hidden_size, c.ffn_hidden_size, c.mlp_activation(), bias=not c.disable_bias_linear,
-                        offset=c.glu_linear_offset, clamp=c.activation_func_clamp_value)
+        return build_mlp(self.config, layer_number, moe_config, moe_layer, number)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
-        """Megatron's init: N(0, std) weights, output projections scaled by 1/sqrt(2L); biases zero, norm
-        weights their ones."""
-        if is_bias(name):
-            return 0.0
-        if name.endswith(("softmax_offset", "router.wg.bias")):   # Megatron's: its init method, as a weight's
-            return self.config.init_method_std
-        if param.ndim < 2:
-            return None
-        std = self.config.init_method_std
-        if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.w2", "shared_expert.fc2.weight")):
-            std /= math.sqrt(2.0 * self.config.num_layers)
-        return std
+        return init_std(self.config, name, param)
 
     def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False):
         """(logits, MoE stats); with `mtp` (a model with --mtp-num-layers), (logits, MoE stats of the decoder's
@@ -153,10 +137,7 @@ class GPTModel(nn.Module):
                       phased: bool = True) -> phases.Steps:
         """forward() in phases (moezero.phases): with `phased`, the MoE layers' (a recomputed chunk of
         layers and the MTP depths run whole)."""
-        x = self.embedding(tokens_BS)
-        if self.position_embedding is not None:
-            x = x + self.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
-        x = keyed_dropout(x, self.config.hidden_dropout, self.training, keys, "embedding")
+        x = embed_tokens(self, tokens_BS, keys)
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config):
             if recompute and recomputing(self):
@@ -205,15 +186,50 @@ class GPTModel(nn.Module):
         return x, all_stats
 
 
-def recompute_chunks(config: GPTConfig) -> List[Tuple[int, int, bool]]:
+def build_mlp(config: GPTConfig, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory,
+              number: Optional[int] = None) -> nn.Module:
+    """Layer `layer_number`'s kind of MLP (an MoE one numbered `number`, default `layer_number`)."""
+    if moe_config is not None and is_moe_layer(layer_number, config.moe_layer_freq):
+        return moe_layer(moe_config, layer_number=layer_number if number is None else number)
+    c = config
+    return DenseMLP(c.hidden_size, c.ffn_hidden_size, c.mlp_activation(), bias=not c.disable_bias_linear,
+                    offset=c.glu_linear_offset, clamp=c.activation_func_clamp_value)
+
+
+def init_std(config: GPTConfig, name: str, param: torch.Tensor) -> Optional[float]:
+    """Megatron's init of the param called `name` (GPTModel's names): N(0, std) weights, output projections scaled
+    by 1/sqrt(2L); biases zero, norm weights their ones (None: as built)."""
+    if is_bias(name):
+        return 0.0
+    if name.endswith(("softmax_offset", "router.wg.bias")):   # Megatron's: its init method, as a weight's
+        return config.init_method_std
+    if param.ndim < 2:
+        return None
+    std = config.init_method_std
+    if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.w2", "shared_expert.fc2.weight")):
+        std /= math.sqrt(2.0 * config.num_layers)
+    return std
+
+
+def embed_tokens(model: nn.Module, tokens_BS: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
+    """The decoder's input: word (+ learned position) embeddings and their dropout, from `model`'s `embedding`,
+    `position_embedding` and `config` (a GPTModel, or a pipeline stage holding them under the same names)."""
+    x = model.embedding(tokens_BS)
+    if model.position_embedding is not None:
+        x = x + model.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+    return keyed_dropout(x, model.config.hidden_dropout, model.training, keys, "embedding")
+
+
+def recompute_chunks(config: GPTConfig, num_layers: Optional[int] = None) -> List[Tuple[int, int, bool]]:
     """(first, last, recomputed) runs of layers: Megatron's full recompute checkpoints chunks of
-    --recompute-num-layers layers (uniform) or each of the first --recompute-num-layers layers (block)."""
-    n, k = config.num_layers, config.recompute_num_layers
+    --recompute-num-layers layers (uniform) or each of the first --recompute-num-layers layers (block), counted
+    over `num_layers` (default the model's; a pipeline stage's own, as Megatron counts per stage)."""
+    n, k = config.num_layers if num_layers is None else num_layers, config.recompute_num_layers
     if config.recompute_granularity != "full":
         return [(0, n, False)]
     if config.recompute_method == "uniform":
         return [(i, min(i + k, n), True) for i in range(0, n, k)]
-    return [(i, i + 1, True) for i in range(k)] + ([(k, n, False)] if k < n else [])
+    return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
