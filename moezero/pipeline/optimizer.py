@@ -1,0 +1,58 @@
+"""The ZeroOptimizer of one pipeline stage: ZeRO over the stage's groups, the gradient norm over every stage.
+
+Each stage's optimizer shards its own params over its dp (and edp) group; its StepTotals already count every element
+of the stage once. Stages hold disjoint params (untied), so the model's sum of squares is the sum of the stages':
+one float64 all-reduce over the pp group after the stage's own (on every rank, finite or not), and the clipping
+coefficient, the non-finite skip and the loss scaler's update follow from the same number on every rank. The params
+norm (Megatron's log) is summed the same way.
+
+Until ZeroOptimizer takes a norm group of its own, this overrides its `_global_norm` (the one place the norm is
+formed) and `params_norm`; `--log-num-zeros-in-grad` still counts the stage's zeros only (refused at pp > 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moezero.pipeline.stage_groups import PipelineGroups
+from moezero.zero import ZeroOptimizer
+
+
+class PipelineZeroOptimizer(ZeroOptimizer):
+    """ZeroOptimizer(model, optimizer_cls, groups.stage, ...) whose gradient norm counts every stage's params once.
+
+    Args: as ZeroOptimizer, with the rank's PipelineGroups for `groups` (stages 0 and 1 for now)."""
+
+    def __init__(self, model: nn.Module, optimizer_cls: type, groups: PipelineGroups, **kwargs: Any):
+        stage = kwargs.get("stage", 2)
+        if stage not in (0, 1):
+            raise ValueError(f"ZeRO stage {stage} with pipeline stages is not supported yet (0 and 1 are)")
+        self.pipeline_groups = groups
+        super().__init__(model, optimizer_cls, groups.stage, **kwargs)
+
+    def _global_norm(self, reduced) -> float:
+        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return math.sqrt(self._over_stages(self.engine.owned_sum_of_squares(reduced))) * inv_scale
+
+    def params_norm(self) -> float:
+        return math.sqrt(self._over_stages(self.engine.params_sum_of_squares(
+            getattr(self.inner, "master_values", None))))
+
+    def _over_stages(self, stage_total: float) -> float:
+        """Collective over the pp group: the sum of every stage's total. torch's own all-reduce, not comm's: the pp
+        group must stay free of anything that keeps a reference to it (PipelineGroups.close_pp)."""
+        total = torch.tensor([stage_total], dtype=torch.float64)
+        group = self._pp_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return float(total[0])
+
+    def _pp_group(self) -> Optional[Any]:
+        group = self.pipeline_groups.pp
+        if group is None and self.pipeline_groups.pp_size > 1:
+            raise RuntimeError("this rank's pipeline group was closed after a stage failed; the run cannot step")
+        return group

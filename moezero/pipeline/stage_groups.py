@@ -1,0 +1,137 @@
+"""The process groups of a pipeline rank: its stage's dp/ep/edp groups as a `ParallelGroups`, its pipeline (pp)
+group, and a world-level control group.
+
+Built from Megatron's partitions (`ranks.py`, at tp = cp = 1): every group of every partition is created on every
+rank in one order (torch's new_group is collective over the world), each rank keeping its own. The stage's groups
+are a `ParallelGroups` over the stage's ranks in stage-local coordinates: its `rank` is this rank's place in its dp
+group, its layout that of a world of dp_size ranks with the run's ep, so the MoE layers, the ZeRO families
+(dense over dp, experts over edp), the step totals and the agreement records all work per stage unchanged. Its
+agreement group (gloo, the stage's ranks) is given at construction: `ParallelGroups.agreement_group()` would make
+one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel on gloo (no local pipes yet).
+
+    groups = PipelineGroups.build(pipeline_parallel_size=2, expert_parallel_size=1)
+    groups.stage   # ParallelGroups of this rank's stage
+    groups.pp      # this rank's pipeline, stage order (None once closed after a failure)
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+from typing import Any, Optional, Tuple
+
+import torch.distributed as dist
+
+from moezero.parallel import ParallelGroups
+from moezero.parallel.groups import RankLayout, rank_layout
+from moezero.pipeline.ranks import Partition, PipelineRankLayout, pipeline_rank_layout
+
+
+class PipelineGroups:
+    """This rank's groups: `stage` (ParallelGroups), `pp`, `world_control`; coordinates from `layout`."""
+
+    def __init__(self, layout: PipelineRankLayout, rank: int, stage: ParallelGroups, pp: Optional[Any],
+                 world_control: Optional[Any], timeout: Optional[datetime.timedelta] = None):
+        self.layout, self.rank, self.stage = layout, rank, stage
+        self._pp = pp
+        self.world_control = world_control
+        self.timeout = timeout
+
+    @property
+    def pp(self) -> Optional[Any]:
+        return self._pp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank_of(self.rank)
+
+    @property
+    def pp_ranks(self) -> Tuple[int, ...]:
+        """This rank's pipeline, by stage (global ranks)."""
+        return self.layout.group_of(self.layout.pp_groups, self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.world_size // self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank_of(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @classmethod
+    def build(cls, pipeline_parallel_size: int, expert_parallel_size: int = 1, use_tp_pp_dp_mapping: bool = False,
+              timeout: Optional[datetime.timedelta] = None) -> "PipelineGroups":
+        """Create the groups; every rank calls this in the same order (after init_process_group). Raises
+        ConfigError (one line) for sizes Megatron refuses."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = pipeline_rank_layout(world, expert_parallel_size, pipeline_parallel_size, use_tp_pp_dp_mapping)
+        dp = _own_group(layout.dp_groups, rank, timeout)
+        control = _own_group(layout.dp_groups, rank, timeout)
+        agreement = _own_group(layout.dp_groups, rank, timeout, backend="gloo")
+        ep = _own_group(layout.ep_groups, rank, timeout)
+        edp = _own_group(layout.edp_groups, rank, timeout)
+        pp = _own_group(layout.pp_groups, rank, timeout)
+        world_control = dist.new_group(list(range(world)), timeout=timeout)
+        stage = stage_parallel_groups(layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement,
+                                      timeout=timeout)
+        return cls(layout, rank, stage, pp, world_control, timeout)
+
+    def close_pp(self) -> None:
+        """Close this rank's pipeline connections (after a failure): a neighbour blocked in a send or receive
+        with this rank fails at once ("connection closed") instead of waiting for the group's timeout. gloo's
+        abort() leaves the connections open; they close when the last reference to the group goes, so every
+        holder (the schedules' stages) must have dropped it first."""
+        group, self._pp = self._pp, None
+        if group is not None:
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()
+
+    def destroy(self) -> None:
+        """Release every group (tests create many)."""
+        self.close_pp()
+        self.stage.destroy()
+        if self.world_control is not None:
+            dist.destroy_process_group(self.world_control)
+            self.world_control = None
+
+
+def stage_parallel_groups(layout: PipelineRankLayout, rank: int, *, dp: Any, ep: Any, edp: Any, control: Any,
+                          agreement: Any, timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
+    """A `ParallelGroups` for this rank's stage, in stage-local coordinates (see the module's docstring)."""
+    local, me = stage_coordinates(layout, rank)
+    return ParallelGroups(local, me, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout, local_records=False,
+                          _lazy={"agreement": agreement})
+
+
+def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout, int]:
+    """(the layout of a world of the stage's size with the run's ep, this rank's place in its stage), checking that
+    the stage-local ep/edp groups, mapped to global ranks through the dp group, are Megatron's (pure)."""
+    members = layout.group_of(layout.dp_groups, rank)
+    local = rank_layout(len(members), layout.expert_parallel_size)
+    me = members.index(rank)
+    for name, partition, expected in (("ep", layout.ep_groups, local.ep_group_of(me)),
+                                      ("edp", layout.edp_groups, local.edp_group_of(me))):
+        mapped = tuple(members[i] for i in expected)
+        if layout.group_of(partition, rank) != mapped:
+            raise AssertionError(f"the {name} group of rank {rank} is {layout.group_of(partition, rank)}, its stage's "
+                                 f"layout gives {mapped}")
+    return local, me
+
+
+def _own_group(partition: Partition, rank: int, timeout: Optional[datetime.timedelta],
+               backend: Optional[str] = None) -> Any:
+    """Every rank creates every group of the partition (new_group is collective); keep this rank's."""
+    mine = None
+    for members in partition:
+        group = dist.new_group(list(members), timeout=timeout, backend=backend)
+        if rank in members:
+            mine = group
+    return mine

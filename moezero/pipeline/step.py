@@ -1,0 +1,136 @@
+"""One training step of a pipeline rank: its micro-batches through torch.distributed.pipelining's schedule, then the
+optimizer step; metrics summed over every stage.
+
+    trainer = PipelineTrainer(model, opt, groups, micro_batch_size=2, seq_length=32)
+    metrics = trainer.train_step(micro_batches, iteration, seed)     # every rank of every stage calls it
+
+- Schedule: Schedule1F1B, or ScheduleGPipe when there are fewer micro-batches than stages (torch's 1F1B refuses
+  them; Megatron runs them with a shortened warm-up, the same numbers). One PipelineStage per local chunk with
+  static metadata (chunk.py); schedules and their stages are kept per micro-batch count (torch sizes the receive
+  buffers once per stage object).
+- Inputs: the first stage takes the tokens; every stage the keys' (seed, iteration, sample indices); the last stage
+  the labels and loss mask. torch splits the concatenated micro-batches back into them on dim 0.
+- Loss: the last stage's forward returns lm + the aux losses of every stage (carried, stage_model.py); the
+  schedule's loss function divides it by the micro-batch count (`scale_grads=False`: torch's own division after
+  the step would miss ZeRO's buckets), so a micro-batch adds (lm + Σ router losses) / n, as `training.loop`.
+- Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
+  reduces them once, then the norm is summed over the stages (optimizer.py).
+- Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
+  world, then `training.loop`'s own `_step_metrics`.
+- Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
+  line on every rank of the pipeline (failure.py).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence, Tuple
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from moezero.moe import reset_global_load_balancing
+from moezero.parallel import comm
+from moezero.pipeline.chunk import ActivationShape, StageChunk, stage_metas
+from moezero.pipeline.failure import FailureGuard, PipelineFailed, agreed_run_key, first_line
+from moezero.pipeline.metrics import StepRecorder, tracked_loss_names
+from moezero.pipeline.optimizer import PipelineZeroOptimizer
+from moezero.pipeline.stage_groups import PipelineGroups
+from moezero.pipeline.stage_model import StageModel
+from moezero.training.loop import StepMetrics, _step_metrics
+
+
+class _MicroBatchLoss:
+    """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / n."""
+
+    def __init__(self, num_microbatches: int):
+        self.num_microbatches = num_microbatches
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output / self.num_microbatches
+
+
+class PipelineTrainer:
+    """Runs a pipeline rank's training steps. Args: the rank's StageModel, its PipelineZeroOptimizer, the groups,
+    and the micro-batch shape (micro-batch size, sequence length)."""
+
+    def __init__(self, model: StageModel, opt: PipelineZeroOptimizer, groups: PipelineGroups, micro_batch_size: int,
+                 seq_length: int):
+        if len(model.pieces) != 1:
+            raise ValueError(f"{len(model.pieces)} virtual stages per rank: the interleaved schedule is not "
+                             "supported yet")
+        if opt.loss_scaler is not None:
+            raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
+        self.model, self.opt, self.groups = model, opt, groups
+        dtype = next(model.parameters()).dtype
+        self.shape = ActivationShape(micro_batch_size, seq_length, model.config.hidden_size, dtype,
+                                     model.aux_dtype(dtype))
+        self.piece = model.pieces[0]
+        self.device = next(model.parameters()).device
+        self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.piece.stage_index)
+        self._schedules: Dict[int, object] = {}
+        moe = model.moe_config
+        self._recorder_args = (model.moe_layers, moe.num_experts if moe is not None else 0, tracked_loss_names(moe))
+
+    # ---- the schedule ------------------------------------------------------------------------------
+    def _schedule(self, num_microbatches: int):
+        schedule = self._schedules.get(num_microbatches)
+        if schedule is None:
+            pp = self.groups.pp
+            if pp is None and self.groups.pp_size > 1:
+                raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
+            inputs, outputs = stage_metas(self.piece, self.shape)
+            stage = PipelineStage(StageChunk(self.model, 0, self.shape), self.piece.stage_index,
+                                  self.groups.pp_size, self.device, input_args=inputs, output_args=outputs, group=pp)
+            kind = Schedule1F1B if num_microbatches >= self.groups.pp_size else ScheduleGPipe
+            schedule = kind(stage, num_microbatches, loss_fn=_MicroBatchLoss(num_microbatches), scale_grads=False)
+            self._schedules[num_microbatches] = schedule
+        return schedule
+
+    def _inputs(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
+                ) -> Tuple[tuple, dict]:
+        """(args, kwargs) of schedule.step for this rank's stage."""
+        def joined(key: str) -> torch.Tensor:
+            return torch.cat([batch[key] for batch in micro_batches]).to(self.device)
+
+        kwargs = {"seed": seed, "iteration": iteration, "sample_index": joined("sample_index")}
+        args = (joined("tokens"),) if self.piece.embedding else ()
+        if self.piece.head:
+            kwargs.update(labels=joined("labels"), loss_mask=joined("loss_mask"), target=joined("labels"))
+        return args, kwargs
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
+                   ) -> StepMetrics:
+        """Forward/backward every micro-batch through the pipeline, then step; a collective over the world."""
+        cause = None
+        try:
+            return self._train_step(micro_batches, iteration, seed)
+        except PipelineFailed:
+            raise
+        except Exception as error:   # this rank's own, or a neighbour's closed connection
+            cause = first_line(error)
+        self._fail(cause, iteration)   # outside the except block: no frame of the step holds the pp group
+
+    def _train_step(self, micro_batches, iteration: int, seed: int) -> StepMetrics:
+        self.model.train()
+        n = len(micro_batches)
+        schedule = self._schedule(n)
+        args, kwargs = self._inputs(micro_batches, iteration, seed)
+        recorder = self.model.recorder = StepRecorder(*self._recorder_args)
+        try:
+            with self.opt.no_sync():   # one reduction at step(): stages 0/1 accumulate every micro-batch
+                schedule.step(*args, return_outputs=False, **kwargs)
+        finally:
+            self.model.recorder = None
+        stepped = self.opt.step()
+        self.opt.zero_grad()
+        reset_global_load_balancing(self.model)
+        totals = recorder.pack()
+        comm.all_reduce(totals, self.groups.world_control)   # one all-reduce for every metric of every stage
+        return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
+
+    def _fail(self, cause: str, iteration: int) -> None:
+        """Raise the step's failure on this rank (see failure.py): state it, close the pipeline, raise."""
+        line = self.guard.line_for(cause, iteration)
+        self._schedules.clear()   # the stages hold the pp group: drop them before closing it
+        self.groups.close_pp()
+        raise PipelineFailed(line)

@@ -1,0 +1,155 @@
+"""Pipeline execution (moezero/pipeline/) on 2 gloo ranks at pp 2 against one process training GPTModel on the same
+global batch, float64 on the reference ops: the loss, router losses and gradient norm of every step and the final
+weights to 1e-10 relative, at ZeRO stages 0 and 1, with 1F1B (4 micro-batches) and all-forwards-first GPipe
+(1 micro-batch, fewer than the stages). The model has a dense first layer, MoE layers with a shared expert, the aux
+loss and z-loss (the aux losses of stage 0's MoE layer reach the loss only through the pipe), capacity drops, router
+jitter and dropout (keyed), and clipping is engaged (the norm counts both stages). A stage that raises ends as one
+line on both ranks, without either waiting for a timeout."""
+import dataclasses
+import datetime
+
+import pytest
+import torch
+
+from moezero.keyed_random import SampleKeys
+from moezero.models import GPTModel
+from moezero.moe import expert_parallel
+from moezero.pipeline import PipelinePlan
+from moezero.pipeline.failure import PipelineFailed
+from moezero.pipeline.optimizer import PipelineZeroOptimizer
+from moezero.pipeline.stage_groups import PipelineGroups
+from moezero.pipeline.stage_model import StageModel
+from moezero.pipeline.step import PipelineTrainer
+from moezero.training.loop import _micro_batch_losses
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, configs
+
+VOCAB, SEQ, MB, SEED, KEY_SEED, STEPS, CLIP, TOL = 64, 32, 2, 3, 7, 3, 0.05, 1e-10
+FLAGS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "16",
+         "--untie-embeddings-and-output-weights"]
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
+              "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95)))}
+
+
+def _model_configs():
+    cfg = configs(TINY + FLAGS)
+    return dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
+
+
+def _micro_batches(step, count):
+    g = torch.Generator().manual_seed(1000 + step)
+    batches = []
+    for j in range(count):
+        mask = torch.ones(MB, SEQ, dtype=torch.float64)
+        mask.view(-1)[: 7 * j] = 0.0   # uneven kept tokens between micro-batches
+        first = (step * count + j) * MB
+        batches.append({"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g), "loss_mask": mask,
+                        "sample_index": torch.arange(first, first + MB)})
+    return batches
+
+
+def _reference(optimizer, count):
+    """One process, plain torch: per step (lm loss token mean, aux loss, z loss, grad norm), final params."""
+    model_cfg, moe_cfg = _model_configs()
+    model = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    history = []
+    for step in range(STEPS):
+        token_sum, tokens, routers = 0.0, 0.0, {"aux_loss": 0.0, "z_loss": 0.0}
+        for batch in _micro_batches(step, count):
+            keys = SampleKeys(KEY_SEED, step, tuple(batch["sample_index"].tolist()))
+            lm, router, _, _ = _micro_batch_losses(model, batch, keys)
+            ((lm + sum(router.values())) / count).backward()
+            token_sum += float(lm.detach()) * float(batch["loss_mask"].sum())
+            tokens += float(batch["loss_mask"].sum())
+            for name in routers:
+                routers[name] += float(router[name].detach()) / count
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        opt.step()
+        opt.zero_grad()
+        history.append({"lm_loss": token_sum / tokens, **routers, "grad_norm": norm})
+    return history, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _build(zero_stage, optimizer, timeout_s=120):
+    groups = PipelineGroups.build(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=timeout_s))
+    model_cfg, moe_cfg = _model_configs()
+    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
+    model = StageModel(model_cfg, moe_cfg, SEED, plan, groups.pp_rank,
+                       moe_layer=expert_parallel(groups.stage)).double()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = PipelineZeroOptimizer(model, cls, groups, stage=zero_stage, bucket_size=300, clip_grad=CLIP,
+                                grad_reduce_dtype=torch.float64, **kwargs)
+    return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ)
+
+
+def _train(zero_stage, optimizer, count):
+    groups, model, opt, trainer = _build(zero_stage, optimizer)
+    history = []
+    for step in range(STEPS):
+        metrics = trainer.train_step(_micro_batches(step, count), step, KEY_SEED)
+        assert metrics.stepped
+        history.append({"lm_loss": metrics.lm_loss, **metrics.router_losses, "grad_norm": metrics.grad_norm})
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    groups.destroy()
+    return history, params
+
+
+def _assert_matches_one_process(zero_stage, optimizer, count):
+    ranks = run_distributed(_train, 2, zero_stage, optimizer, count)
+    expected_history, expected_params = _reference(optimizer, count)
+    for history in (history for history, _ in ranks):   # every rank reports the same step metrics
+        for step, (got, expected) in enumerate(zip(history, expected_history)):
+            for name, value in expected.items():
+                assert abs(got[name] - value) <= TOL * abs(value), (step, name, got[name], value)
+    assert expected_history[0]["grad_norm"] > CLIP   # clipping engaged
+    params = {name: p for _, rank_params in ranks for name, p in rank_params.items()}
+    assert sorted(params) == sorted(expected_params)
+    assert set(ranks[0][1]).isdisjoint(ranks[1][1])
+    for name, expected in expected_params.items():
+        torch.testing.assert_close(params[name], expected, rtol=TOL, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("zero_stage, optimizer", [(0, "sgd"), (1, "adamw")])
+def test_1f1b_equals_one_process(zero_stage, optimizer):
+    _assert_matches_one_process(zero_stage, optimizer, count=4)
+
+
+def test_fewer_micro_batches_than_stages_run_gpipe_and_equal_one_process():
+    _assert_matches_one_process(1, "sgd", count=1)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_in_forward_at_step(step_to_fail):
+    """Stage 0's first layer raises in its forward of step `step_to_fail`; what each rank raises, as text."""
+    groups, model, opt, trainer = _build(1, "sgd", timeout_s=300)
+    failing = {"now": False}
+
+    def boom(module, args):
+        if failing["now"]:
+            raise _Boom("boom in layer 0")
+    if groups.pp_rank == 0:
+        model.layers["0"].register_forward_pre_hook(boom)
+    for step in range(step_to_fail + 1):
+        failing["now"] = step == step_to_fail
+        try:
+            trainer.train_step(_micro_batches(step, 4), step, KEY_SEED)
+        except PipelineFailed as error:
+            return step, str(error)
+    return step, None
+
+
+def test_a_stage_that_raises_ends_as_one_line_on_every_rank():
+    """Rank 1 waits in a receive from rank 0 when rank 0 raises: rank 0 states the failure and closes its
+    pipeline connections, so rank 1 fails at once (well before the pp group's 300 s timeout, which would fail
+    this call's 60 s) with the same line."""
+    results = run_distributed(_raise_in_forward_at_step, 2, 2, timeout=60, isolated=True)
+    lines = [line for _, line in results]
+    assert [step for step, _ in results] == [2, 2]
+    assert lines[0] == lines[1], lines
+    assert lines[0] == "pipeline stage 0 (rank 0) failed at iteration 2: _Boom: boom in layer 0", lines[0]

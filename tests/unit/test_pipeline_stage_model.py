@@ -1,0 +1,117 @@
+"""StageModel (moezero/pipeline/stage_model.py) against GPTModel, in one process: the stages' params together are
+GPTModel's, by name and value, and the stages' forwards composed by hand give GPTModel's loss (the lm loss plus
+every MoE layer's router losses) and the same gradients."""
+import dataclasses
+
+import pytest
+import torch
+
+from moezero.config import ConfigError
+from moezero.keyed_random import SampleKeys
+from moezero.models import GPTModel
+from moezero.pipeline import PipelinePlan
+from moezero.pipeline.stage_model import StageModel
+from moezero.training.loop import _micro_batch_losses
+from tests.integration.pretrain_utils import TINY, configs
+
+VOCAB, SEQ, MB, SEED = 64, 32, 2, 3
+# dense first layer, then MoE layers with a shared expert; aux loss, z-loss, jitter, capacity and dropout from TINY
+FLAGS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "16",
+         "--untie-embeddings-and-output-weights"]
+
+
+def _configs(flags=()):
+    cfg = configs(TINY + FLAGS + list(flags))
+    return dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
+
+
+def _stages(model_cfg, moe_cfg, plan):
+    return [StageModel(model_cfg, moe_cfg, SEED, plan, r).double().train() for r in range(plan.pp)]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(MB, SEQ, dtype=torch.float64)
+    mask[0, :5] = 0.0
+    return {"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+            "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g), "loss_mask": mask,
+            "sample_index": torch.arange(4, 4 + MB)}
+
+
+@pytest.mark.parametrize("pp, first", [(2, None), (3, 2), (2, 1)])
+def test_stages_hold_gptmodels_params_by_name_and_value(pp, first):
+    model_cfg, moe_cfg = _configs()
+    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=first)
+    full = dict(GPTModel(model_cfg, moe_cfg, seed=SEED).double().named_parameters())
+    union = {}
+    for stage in _stages(model_cfg, moe_cfg, plan):
+        for name, p in stage.named_parameters():
+            assert name not in union, f"{name} on two stages"
+            union[name] = p
+    assert list(union) == list(full)   # the same names, in GPTModel's order
+    for name, p in full.items():
+        assert torch.equal(union[name], p), name
+
+
+def test_composed_stages_give_gptmodels_loss_and_gradients():
+    """Stage 0 (embedding, dense layer, an MoE layer) hands (hidden, aux) to stage 1 (MoE layers, norm, head): its
+    loss is GPTModel's lm + Σ router losses exactly, and backward through the hand-off gives GPTModel's gradients."""
+    model_cfg, moe_cfg = _configs()
+    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
+    first, last = _stages(model_cfg, moe_cfg, plan)
+    full = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
+    batch = _batch()
+    keys = SampleKeys(7, 5, tuple(batch["sample_index"].tolist()))
+    lm, router, _, _ = _micro_batch_losses(full, batch, keys)
+    expected = lm + sum(router.values())
+    expected.backward()
+
+    kwargs = {"seed": 7, "iteration": 5, "sample_index": batch["sample_index"]}
+    hidden, aux = first(0, batch["tokens"], **kwargs)
+    sent_hidden, sent_aux = hidden.detach().requires_grad_(), aux.detach().requires_grad_()
+    loss = last(0, sent_hidden, sent_aux, labels=batch["labels"], loss_mask=batch["loss_mask"], **kwargs)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=0)
+    loss.backward()
+    torch.autograd.backward([hidden, aux], [sent_hidden.grad, sent_aux.grad])
+    assert sent_aux.grad == 1.0   # the aux losses' gradient returns through the pipe
+    grads = {name: p.grad for stage in (first, last) for name, p in stage.named_parameters()}
+    for name, p in full.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_full_recompute_counts_each_stages_own_layers():
+    """--recompute-method block --recompute-num-layers 1: the first layer *of each stage* is recomputed (Megatron
+    counts per stage); the loss and gradients stay GPTModel's."""
+    model_cfg, moe_cfg = _configs(["--recompute-granularity", "full", "--recompute-method", "block",
+                                   "--recompute-num-layers", "1"])
+    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
+    first, last = _stages(model_cfg, moe_cfg, plan)
+    calls = []
+    for stage in (first, last):
+        stage._layers = _counting(stage._layers, calls)
+    batch = _batch()
+    kwargs = {"seed": 7, "iteration": 0, "sample_index": batch["sample_index"]}
+    hidden, aux = first(0, batch["tokens"], **kwargs)
+    loss = last(0, hidden, aux, labels=batch["labels"], loss_mask=batch["loss_mask"], **kwargs)
+    loss.backward()
+    assert calls == [(0,), (1,), (2,), (3,), (2,), (0,)]   # forwards, then the recomputed first layer of each
+
+
+def _counting(run, calls):
+    def wrapped(layers, x, keys):
+        calls.append(tuple(layers))
+        return run(layers, x, keys)
+    return wrapped
+
+
+@pytest.mark.parametrize("flags, refused", [([], "--untie-embeddings-and-output-weights"),
+                                            (["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
+                                              "--position-embedding-type", "rope"],
+                                             "--mtp-num-layers=1")])
+def test_tied_weights_and_mtp_are_refused_in_one_line(flags, refused):
+    cfg = configs(TINY + ["--num-layers", "4"] + flags)
+    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2, mtp_num_layers=cfg.model.mtp_num_layers)
+    with pytest.raises(ConfigError, match=refused) as error:
+        StageModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, SEED, plan, 0)
+    assert "\n" not in str(error.value)
