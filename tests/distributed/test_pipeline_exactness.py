@@ -125,31 +125,45 @@ class _Boom(RuntimeError):
     pass
 
 
-def _raise_in_forward_at_step(step_to_fail):
-    """Stage 0's first layer raises in its forward of step `step_to_fail`; what each rank raises, as text."""
-    groups, model, opt, trainer = _build(1, "sgd", timeout_s=300)
-    failing = {"now": False}
+# (failing stage, its layer, where it raises): stage 0 in a forward (stage 1 waits for its activation), stage 1 in a
+# forward (stage 0 waits for a gradient), stage 0 in a backward (after its last one stage 1 waits in the norm's sum)
+FAILURES = ((0, "0", "forward"), (1, "2", "forward"), (0, "1", "backward"))
 
-    def boom(module, args):
-        if failing["now"]:
-            raise _Boom("boom in layer 0")
-    if groups.pp_rank == 0:
-        model.layers["0"].register_forward_pre_hook(boom)
-    for step in range(step_to_fail + 1):
-        failing["now"] = step == step_to_fail
-        try:
-            trainer.train_step(_micro_batches(step, 4), step, KEY_SEED)
-        except PipelineFailed as error:
-            return step, str(error)
-    return step, None
+
+def _raise_at_step(failures, step_to_fail):
+    """For each failure in turn (a fresh pipeline each): what each rank raised at which step, as text."""
+    out = []
+    for stage, layer, where in failures:
+        groups, model, opt, trainer = _build(1, "sgd", timeout_s=300)
+        failing = {"now": False}
+
+        def boom(*_):
+            if failing["now"]:
+                raise _Boom(f"boom in the {where} of layer {layer}")
+        if groups.pp_rank == stage:
+            target = model.layers[layer]
+            (target.register_forward_pre_hook if where == "forward" else target.register_full_backward_hook)(boom)
+        result = None
+        for step in range(step_to_fail + 1):
+            failing["now"] = step == step_to_fail
+            try:
+                trainer.train_step(_micro_batches(step, 4), step, KEY_SEED)
+            except PipelineFailed as error:
+                result = (step, str(error))
+                break
+        # both ranks still hold every object of the step (the pp group included) until both have raised: only the
+        # failing rank's own teardown may free the other
+        torch.distributed.barrier(group=groups.world_control)
+        out.append(result)
+        groups.destroy()
+    return out
 
 
 def test_a_stage_that_raises_ends_as_one_line_on_every_rank():
-    """Rank 1 waits in a receive from rank 0 when rank 0 raises: rank 0 states the failure and closes its
-    pipeline connections, so rank 1 fails at once (well before the pp group's 300 s timeout, which would fail
-    this call's 60 s) with the same line."""
-    results = run_distributed(_raise_in_forward_at_step, 2, 2, timeout=60, isolated=True)
-    lines = [line for _, line in results]
-    assert [step for step, _ in results] == [2, 2]
-    assert lines[0] == lines[1], lines
-    assert lines[0] == "pipeline stage 0 (rank 0) failed at iteration 2: _Boom: boom in layer 0", lines[0]
+    """The failing rank states the failure and closes its pipeline connections, so the other fails at once (well
+    before the pp group's 300 s timeout, which would fail this call's 60 s) with the same line."""
+    results = run_distributed(_raise_at_step, 2, FAILURES, 2, timeout=60, isolated=True)
+    for k, (stage, layer, where) in enumerate(FAILURES):
+        expected = (f"pipeline stage {stage} (rank {stage}) failed at iteration 2: "
+                    f"_Boom: boom in the {where} of layer {layer}")
+        assert [rank[k] for rank in results] == [(2, expected)] * 2, (k, [rank[k] for rank in results])
