@@ -26,6 +26,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moezero.parallel import comm, local_channel, local_exchange   # noqa: E402
+from moezero.parallel.local_transport import LocalTransport   # noqa: E402
+from moezero.parallel.transport import release, serve, transport_of   # noqa: E402
 from moezero.parallel.agreement import Agreement   # noqa: E402
 from moezero.torch_internals import all_gather_single   # noqa: E402
 from tools.bench.machine import describe   # noqa: E402
@@ -96,12 +98,12 @@ def _transports(group, world, rounds, calls):
 def _agreement_transports(group, world, rounds, calls):
     """A whole agreement message (one record, checked) on gloo (`group`) and through a pipe channel."""
     piped = dist.new_group(list(range(world)))
-    local_channel.connect(piped)
+    serve(piped, LocalTransport(piped, local_channel.connect(piped)))
     record = [1, 3, 5, 7, 0, 1]
     systems = [("gloo", lambda: Agreement([record], group, str).check()),
                ("pipes", lambda: Agreement([record], piped, str).check())]
     found = _alternate(systems, rounds, calls, group)
-    local_channel.disconnect(piped)
+    release(piped)
     return found
 
 
@@ -117,13 +119,16 @@ def _count_exchanges(group, piped, world, rounds, calls):
 def _token_exchanges(group, piped, world, rounds, calls):
     """The MoE layer's token all-to-all (comm.launch_all_to_all: 256 rows of 256 bf16 to every rank) on gloo's
     all-to-all and through shared memory (local_exchange.py: ranks on one host)."""
-    local_exchange.connect(piped)
+    pipes = transport_of(piped).pipes
+    rings = local_exchange.connect(piped, pipes)
+    serve(piped, LocalTransport(piped, pipes, rings))
     rows = torch.randn(256 * world, 256).bfloat16()
     splits = [256] * world
     systems = [("gloo", lambda: comm.launch_all_to_all(rows, splits, splits, group).wait()),
                ("shared memory", lambda: comm.launch_all_to_all(rows, splits, splits, piped).wait())]
     found = _alternate(systems, rounds, calls, group)
-    local_exchange.disconnect(piped)
+    if rings is not None:
+        rings.close()
     return found
 
 
@@ -134,7 +139,7 @@ def _worker(rank, world, port, rounds, calls, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)))
     piped = dist.new_group(list(range(world)))
-    local_channel.connect(piped)
+    serve(piped, LocalTransport(piped, local_channel.connect(piped)))
     rows = []
     for label, numel, dtype in SIZES:
         x = torch.ones(numel, dtype=dtype)

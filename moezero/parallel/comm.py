@@ -2,16 +2,22 @@
 
 (This differs from torch.distributed, where None is the default world group: moezero never
 relies on the default group implicitly.)
+
+What each collective does is said here; how its bytes travel is the group's transport's business (transport.py,
+chosen once per group), so callers never learn which transport serves a group. Every launched collective gives a
+`Work` (work.py).
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import local_channel, local_exchange, peer_exchange, small_reduce
-from moezero.torch_internals import all_gather_single, reduce_scatter_single
+from moezero.parallel import small_reduce
+from moezero.parallel.transport import launched, transport_of
+from moezero.parallel.work import Ready, Work, whole_waits_only
 
 
 def group_size(group: Optional[Any]) -> int:
@@ -23,21 +29,11 @@ def group_rank(group: Optional[Any]) -> int:
 
 
 def launch_all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-                      group: Optional[Any]):
-    """all_to_all, launched: an object whose `wait()` gives the rows (a group of one: `x` at once)."""
+                      group: Optional[Any]) -> Work:
+    """all_to_all, launched: a work whose `wait()` gives the rows (a group of one: `x` at once)."""
     if group_size(group) == 1:
         return Ready(x)
     return PendingAllToAll(x, output_splits, input_splits, group)
-
-
-class Ready:
-    """What a launched exchange gives when there was nothing to exchange: `wait()` returns `value` at once."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
 
 
 def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
@@ -62,20 +58,19 @@ class PendingAllToAll:
         self.sent = self.grad_sent = self.grad_received = None   # kept alive while their exchange travels
         self.rows = _LaunchAllToAll.apply(x, self)
 
-    def wait(self) -> torch.Tensor:
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> torch.Tensor:
+        whole_waits_only(timeout, "an all-to-all inside autograd")
         rows, self.rows = self.rows, None   # the rows' autograd node holds this object: no cycle through them
         return _WaitAllToAll.apply(rows, self)
 
 
 @torch.compiler.disable   # as launch_exchange_counts
-def _launch(out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group):
-    """The all-to-all's work: through the group's shared memory when its ranks share this host
-    (local_exchange.py), else gloo's (or NCCL's)."""
-    exchange = local_exchange.of(group)
-    if exchange is not None and sent.device.type == "cpu":
-        return exchange.launch(out, sent, output_splits, input_splits, group)
-    return dist.all_to_all_single(out, sent, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                                  group=group, async_op=True)
+def _launch(out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group) -> Work:
+    """The all-to-all's work, as the group's transport carries it."""
+    return transport_of(group).all_to_all(out, sent, output_splits, input_splits)
 
 
 class _LaunchAllToAll(torch.autograd.Function):
@@ -123,66 +118,26 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Te
 
 @torch.compiler.disable   # a transport's messages and bytes, not graph ops: run as they are, compiled model or not
 def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
-                           wait: Optional[Callable[[Any], None]] = None):
-    """exchange_counts, launched: an object whose `wait()` gives the received counts. `wait`: how to wait for
-    the work (default: its own wait)."""
+                           wait: Optional[Callable[[Any], None]] = None) -> Work:
+    """exchange_counts, launched: a work whose `wait()` gives the received counts. `wait`: how to wait for
+    the underlying work (default: its own wait)."""
     if group_size(group) == 1:
         return Ready(send_counts.clone())
-    if local_channel.of(group) is not None and send_counts.device.type == "cpu":
-        # every rank on this host: each posts its whole table to the group's pipes and keeps its row of each
-        # (~0.05 ms, where gloo's all-to-all takes ~0.3 ms and its threads' CPU)
-        return _RowsOfCopies(small_reduce.gather_copies(send_counts, group), send_counts, group_rank(group), wait)
-    recv = torch.empty_like(send_counts)
-    work = dist.all_to_all_single(recv, send_counts.contiguous(), group=group, async_op=True)
-    return _Waited(work, recv, wait)
+    return transport_of(group).exchange_counts(send_counts, wait)
 
 
-class _Waited:
-    def __init__(self, work, value, wait: Optional[Callable[[Any], None]]):
-        self.work, self.value, self.how = work, value, wait
+def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False
+               ) -> Optional[Work]:
+    """In-place all-reduce; returns the work (None when nothing was launched or the call was synchronous).
 
-    def wait(self):
-        if self.how is None:
-            self.work.wait()
-        else:
-            self.how(self.work)
-        return self.value
-
-
-class _RowsOfCopies(_Waited):
-    """An all-to-all of one row per rank, as every rank's copy of the whole table: row `me` of each copy."""
-
-    def __init__(self, work, sent: torch.Tensor, me: int, wait: Optional[Callable[[Any], None]]):
-        super().__init__(work, None, wait)
-        self.shape, self.me = sent.shape, me
-
-    @torch.compiler.disable
-    def wait(self):
-        super().wait()
-        return self.work.copies.view(-1, *self.shape)[:, self.me].clone()
-
-
-def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place all-reduce; returns the work handle (None when nothing was launched).
-
-    On gloo a short one (flags, norms, records) travels as an all-gather each rank reduces (small_reduce.py).
-    NCCL reduces only device tensors: a small CPU tensor (a flag, a metric) is reduced through the
-    current CUDA device and copied back (synchronous calls only).
+    A short one (flags, norms, records) travels as every rank's copy, each rank reducing them (small_reduce.py),
+    where the group's transport says that is the cheaper way; the rest as the transport's all-reduce.
     """
     if group_size(group) == 1:
         return None
     if small_reduce.reduces_small(x, group, op):
-        work = small_reduce.GatheredReduce(x, group, op)
-        if async_op:
-            return work
-        work.wait()
-        return None
-    if x.device.type == "cpu" and not async_op and dist.get_backend(group) == "nccl":
-        staged = x.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(staged, op=op, group=group)
-        x.copy_(staged)
-        return None
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+        return launched(small_reduce.GatheredReduce(x, group, op), async_op)
+    return transport_of(group).all_reduce(x, op, async_op)
 
 
 def all_true(ok: bool, group: Optional[Any]) -> bool:
@@ -192,51 +147,42 @@ def all_true(ok: bool, group: Optional[Any]) -> bool:
     return bool(flag.item() == 1.0)
 
 
-def _pieces_transport(group: Any, tensor: torch.Tensor):
-    """What moves a gloo group's reduce-scatter pieces and all-gather slices: its shared-memory rings when its
-    ranks share this host (local_exchange.py: copies on the ranks' own threads, where gloo's TCP path held the
-    caller for milliseconds a bucket), else point-to-point sends (peer_exchange.py). Both give a work handle."""
-    exchange = local_exchange.of(group)
-    return exchange if exchange is not None and tensor.device.type == "cpu" else peer_exchange
-
-
 def receives_pieces(group: Optional[Any]) -> bool:
-    """Whether reduce_scatter_in_place on `group` receives every peer's piece into an input-sized buffer."""
-    return peer_exchange.uses_peer_exchange(group)
+    """Whether reduce_scatter_in_place on `group` receives every peer's piece into an input-sized buffer (its
+    transport's answer: gloo's, not NCCL's)."""
+    return group_size(group) > 1 and transport_of(group).receives_pieces
 
 
 def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False,
                             received: Optional[torch.Tensor] = None, sum_into: Optional[torch.Tensor] = None):
     """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
     of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
-    backend allows, so no output is allocated: a group of one, and gloo (see _SummedPieces), which receives
+    transport allows, so no output is allocated: a group of one, and gloo's (see _SummedPieces), which receive
     into `received` (shaped and typed as `input`, free once the work completed; allocated when None).
 
-    `sum_into` (gloo only, see receives_pieces): a tensor of one slice in a wider dtype that the pieces are summed
+    `sum_into` (see receives_pieces): a tensor of one slice in a wider dtype that the pieces are summed
     into instead, each widened exactly: the pieces travel in `input`'s dtype, the sum is the wider one's."""
     size = group_size(group)
     if size == 1:
         return None, input
     n = input.numel() // size
-    if receives_pieces(group):
+    transport = transport_of(group)
+    if transport.receives_pieces:
         pieces = received if received is not None else torch.empty_like(input)
-        work = _SummedPieces(_pieces_transport(group, input).scatter_pieces(input, pieces, group), pieces.view(size, n),
-                             input.view(size, n), dist.get_rank(group), sum_into)
-        if async_op:
-            return work, work.out
-        work.wait()
-        return None, work.out
+        work = _SummedPieces(transport.scatter_pieces(input, pieces), pieces.view(size, n), input.view(size, n),
+                             transport.rank, sum_into)
+        return launched(work, async_op), work.out
     if sum_into is not None:
         raise ValueError("sum_into needs a group whose reduce-scatter sums the received pieces here (gloo)")
     output = torch.empty(n, dtype=input.dtype, device=input.device)
-    return reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op), output
+    return transport.reduce_scatter(output, input, async_op), output
 
 
 class _SummedPieces:
-    """gloo's reduce-scatter, as a peer exchange (slice j of every rank's input goes to rank j) and a local sum
-    of the pieces, in rank order, into this rank's slice of the input (or into `out`). gloo's own reduce-scatter
-    clones its input and its ring all-reduce moves twice the bytes (2 ranks, 1.3M fp32: reduce-scatter 6.9-8.2
-    ms, all-reduce 6.3-7.6; peer_exchange.py has the exchange's own figures)."""
+    """A reduce-scatter as an exchange of pieces (slice j of every rank's input goes to rank j) and a local sum
+    of the pieces, in rank order, into this rank's slice of the input (or into `out`). Why on gloo: its own
+    reduce-scatter clones its input, and its ring all-reduce moves twice the bytes (2 ranks, 1.3M fp32:
+    reduce-scatter 6.9-8.2 ms, all-reduce 6.3-7.6; peer_exchange.py has the exchange's own figures)."""
 
     def __init__(self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int,
                  out: Optional[torch.Tensor] = None):
@@ -247,9 +193,9 @@ class _SummedPieces:
     def is_completed(self) -> bool:
         return self.pieces is None or self.work.is_completed()
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if self.pieces is not None:
-            self.work.wait()
+            self.work.wait(timeout)
             terms = list(self.pieces)
             terms[self.me] = self.mine
             if self.out is not self.mine:
@@ -290,19 +236,14 @@ def add_widened_(out: torch.Tensor, term: torch.Tensor) -> None:
 def broadcast(tensor: torch.Tensor, source: int, group: Optional[Any]) -> None:
     """Rank `source`'s tensor (a global rank in `group`) on every rank of the group, in place."""
     if group_size(group) > 1:
-        dist.broadcast(tensor, src=source, group=group)
+        transport_of(group).broadcast(tensor, source)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False
+               ) -> Optional[Work]:
     """Concatenate every rank's `input` into `output` (input may be a view of output's own slice)."""
     if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return None
-    if peer_exchange.uses_peer_exchange(group) and output.is_contiguous():
-        work = _pieces_transport(group, output).all_gather(output, input, group)
-        if async_op:
-            return work
-        work.wait()
-        return None
-    return all_gather_single(output, input, group=group, async_op=async_op)
+    return transport_of(group).all_gather(output, input, async_op)

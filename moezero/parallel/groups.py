@@ -5,6 +5,8 @@ Rank layout (world W, expert-parallel size ep):
   edp groups: ranks with the same ep rank     e.g. W=4, ep=2 -> {0,2} {1,3}
   dp  group : every rank (dense params are replicated everywhere)
 Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+
+Each group's transport (transport.py: how its collectives travel) is chosen here, once, as the group is made.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import copy
 import datetime
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from moezero.parallel import local_channel, local_exchange
+from moezero.parallel.local_transport import LocalTransport
+from moezero.parallel.transport import Transport, release, serve
 
 Ranks = Tuple[int, ...]
 
@@ -70,6 +74,8 @@ class ParallelGroups:
     control: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None   # every group's (None: torch's default for new groups)
     local_records: bool = True   # records and short all-reduces through pipes when every rank is on this host
+    # what serves every group's collectives (None: chosen per group, see build)
+    transports: Optional[Callable[[Any], Transport]] = field(default=None, compare=False, repr=False)
     _lazy: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -103,12 +109,16 @@ class ParallelGroups:
 
     @classmethod
     def build(cls, expert_parallel_size: int = 1, timeout: Optional[datetime.timedelta] = None,
-              local_records: bool = True) -> "ParallelGroups":
-        """Create the groups; every rank must call this in the same order (after init_process_group).
-        `timeout`: how long a collective of any of them waits for a peer (torch's new groups do not take the
-        default group's: pass the run's, e.g. --distributed-timeout-minutes). `local_records=False`: agreement
-        records, the dp and control groups' short all-reduces and the ep group's count exchanges on gloo even when
-        every rank is on one host."""
+              local_records: bool = True, transports: Optional[Callable[[Any], Transport]] = None
+              ) -> "ParallelGroups":
+        """Create the groups and their transports; every rank must call this in the same order (after
+        init_process_group). `timeout`: how long a collective of any of them waits for a peer (torch's new groups
+        do not take the default group's: pass the run's, e.g. --distributed-timeout-minutes).
+
+        Transports: on gloo with every rank on this host, pipes and shared-memory rings (local_transport.py);
+        otherwise the backend's default (transport.py). `local_records=False`: the backend's default even when
+        every rank is on one host. `transports`: a transport class (or factory of one group) that serves every
+        group instead, e.g. `Transport`, torch's own collectives."""
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
                 raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
@@ -120,27 +130,13 @@ class ParallelGroups:
         control = dist.new_group(list(range(world)), timeout=timeout)
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
-        if local_records and dist.get_backend(control) == "gloo":
-            # the dp and control groups' short all-reduces (small_reduce.py), the ep group's exchanges (comm.py)
-            named = [(dp, "data-parallel group"), (control, "control group")]
-            wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all of them
-            edp_spans_world = layout.expert_parallel_size == 1
-            shared = named + ([(ep, "expert-parallel group")] if wide_ep else [])
-            # the buckets' reduce-scatters and all-gathers get a channel of their own: their notices must not pair
-            # with the group's short all-reduces, which ranks may issue in another order around them
-            buckets = [(dp, "data-parallel group's buckets")] + ([(edp, "expert data-parallel group's buckets")]
-                                                                 if edp_spans_world else [])
-            channels = local_channel.connect_all(shared + buckets, timeout, private=len(buckets))
-            for (group, _), channel in zip(buckets, channels[len(shared):]):
-                if channel is not None:
-                    local_exchange.connect(group, local_exchange.BUCKETS, channel)
-            if not wide_ep and ep is not None and dist.get_world_size(ep) > 1:
-                local_channel.connect(ep, timeout, "expert-parallel group")
-            if not edp_spans_world:
-                _connect_bucket_rings(edp, timeout, "expert data-parallel group's buckets")
-            local_exchange.connect(ep)
+        if transports is not None:
+            for group in (dp, control, ep, edp):
+                serve(group, transports(group))
+        elif local_records and dist.get_backend(control) == "gloo":
+            _serve_local(layout, dp, control, ep, edp, timeout)
         return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
-                   local_records=local_records)
+                   local_records=local_records, transports=transports)
 
     def __deepcopy__(self, memo) -> "ParallelGroups":
         return self   # a copied model talks to the same ranks (process groups cannot be copied)
@@ -156,9 +152,12 @@ class ParallelGroups:
                 world = self.layout.world_size
                 dp = self._lazy["dp"] = dist.new_group(list(range(world)), timeout=self.timeout)
                 edp = self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank, self.timeout)
-                if self.local_records and dist.get_backend(dp) == "gloo":   # as the buckets', when on one host
-                    _connect_bucket_rings(dp, self.timeout, "data-parallel gather group")
-                    _connect_bucket_rings(edp, self.timeout, "expert data-parallel gather group")
+                if self.transports is not None:
+                    serve(dp, self.transports(dp))
+                    serve(edp, self.transports(edp))
+                elif self.local_records and dist.get_backend(dp) == "gloo":   # as the buckets', when on one host
+                    _serve_local_parts(dp, None, _bucket_rings(dp, self.timeout, "data-parallel gather group"))
+                    _serve_local_parts(edp, None, _bucket_rings(edp, self.timeout, "expert data-parallel gather group"))
         return self._lazy["dp"], self._lazy["edp"]
 
     def agreement_group(self) -> Optional[Any]:
@@ -171,8 +170,10 @@ class ParallelGroups:
             world = self.layout.world_size
             group = None if self.dp is None else dist.new_group(list(range(world)), backend="gloo",
                                                                 timeout=self.timeout)
-            if group is not None and self.local_records:
-                local_channel.connect(group, self.timeout, "agreement group")
+            if group is not None and self.transports is not None:
+                serve(group, self.transports(group))
+            elif group is not None and self.local_records:
+                _serve_local_parts(group, local_channel.connect(group, self.timeout, "agreement group"), None)
             self._lazy["agreement"] = group
         return self._lazy["agreement"]
 
@@ -182,19 +183,52 @@ class ParallelGroups:
         for group in (self.dp, self.ep, self.edp, self.control, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
-                local_exchange.disconnect(group)
-                local_channel.disconnect(group)
+                release(group)
                 dist.destroy_process_group(group)
 
 
-def _connect_bucket_rings(group: Optional[Any], timeout: Optional[datetime.timedelta], name: str) -> None:
+def _serve_local(layout: RankLayout, dp: Any, control: Any, ep: Any, edp: Any,
+                 timeout: Optional[datetime.timedelta]) -> None:
+    """Collective: pipes and rings for the groups whose ranks all run on this host (local_transport.py); a group
+    without either keeps gloo's default transport."""
+    world = layout.world_size
+    wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all of them
+    edp_spans_world = layout.expert_parallel_size == 1
+    # pipes: the dp and control groups' short all-reduces (small_reduce.py), the ep group's count exchanges
+    shared = [(dp, "data-parallel group"), (control, "control group")]
+    shared += [(ep, "expert-parallel group")] if wide_ep else []
+    # the buckets' reduce-scatters and all-gathers get a channel of their own: their notices must not pair with the
+    # group's short all-reduces, which ranks may issue in another order around them
+    buckets = [(dp, "data-parallel group's buckets")]
+    buckets += [(edp, "expert data-parallel group's buckets")] if edp_spans_world else []
+    channels = local_channel.connect_all(shared + buckets, timeout)
+    pipes = {group: channel for (group, _), channel in zip(shared, channels)}
+    rings = {group: local_exchange.connect(group, channel, local_exchange.BUCKETS, owns_channel=True)
+             for (group, _), channel in zip(buckets, channels[len(shared):])}
+    if not wide_ep and dist.get_world_size(ep) > 1:
+        pipes[ep] = local_channel.connect(ep, timeout, "expert-parallel group")
+    if not edp_spans_world:
+        rings[edp] = _bucket_rings(edp, timeout, "expert data-parallel group's buckets")
+    rings[ep] = local_exchange.connect(ep, pipes.get(ep))   # the token rows, their notices on the group's pipes
+    for group in (dp, control, ep, edp):
+        _serve_local_parts(group, pipes.get(group), rings.get(group))
+
+
+def _serve_local_parts(group: Any, pipes: Optional[local_channel.LocalChannel],
+                       rings: Optional[local_exchange.LocalExchange]) -> None:
+    """`group` served by its pipes and rings, where it got either."""
+    if pipes is not None or rings is not None:
+        serve(group, LocalTransport(group, pipes, rings))
+
+
+def _bucket_rings(group: Optional[Any], timeout: Optional[datetime.timedelta], name: str
+                  ) -> Optional[local_exchange.LocalExchange]:
     """Collective over `group` (a rank's own, or None): shared-memory rings for its bucket-sized exchanges when its
     ranks share this host, their notices on a channel of their own (local_exchange.connect)."""
     if group is None or dist.get_world_size(group) < 2:
-        return
-    channel = local_channel.connect(group, timeout, name, private=True)
-    if channel is not None:
-        local_exchange.connect(group, local_exchange.BUCKETS, channel)
+        return None
+    channel = local_channel.connect(group, timeout, name)
+    return local_exchange.connect(group, channel, local_exchange.BUCKETS, owns_channel=True)
 
 
 def _new_subgroup(partition: Tuple[Ranks, ...], rank: int, timeout: Optional[datetime.timedelta] = None) -> Any:

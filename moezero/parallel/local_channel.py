@@ -1,20 +1,21 @@
 """Short messages between the ranks of a group that all run on one host, through pipes.
 
-What travels here: the agreement records (`agreement.py`), a few integers that every rank states before a
-collective that pairs by order, ~10 messages a stage-3 step; and the short all-reduces of the data-parallel
-and control groups (`small_reduce.py`: the step's norm and flags, the metrics, the stop check); and the
-expert-parallel group's count exchanges (`comm.launch_exchange_counts`, one per MoE layer forward). A whole
-agreement message on gloo (an all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out
-of the cores the model's work uses; through pipes ~0.05 ms of each (`tools/bench_small_reduce.py`,
-docs/benchmarks.md#small-reduce). NCCL does the same between the GPUs of one node (shared memory).
+What travels here (a group's `LocalTransport`, local_transport.py): the agreement records (`agreement.py`), a few
+integers that every rank states before a collective that pairs by order, ~10 messages a stage-3 step; the short
+all-reduces of the data-parallel and control groups (`small_reduce.py`: the step's norm and flags, the metrics,
+the stop check); the expert-parallel group's count exchanges (`comm.launch_exchange_counts`, one per MoE layer
+forward); and the notices of the shared-memory rings (`local_exchange.py`). A whole agreement message on gloo
+(an all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out of the cores the model's work
+uses; through pipes ~0.05 ms of each (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL
+does the same between the GPUs of one node (shared memory).
 
 How: each rank writes its k-th message to one pipe per peer and waits for every peer's k-th message, so
 messages pair by their index as collectives pair by their order, and a message can be posted now and
 collected later (async), or polled (`arrived`) while a rank waits elsewhere. A peer that exits closes its
 pipes: its readers see end-of-file at once. A peer that never writes makes a wait raise at the group's
-timeout. Built (collectively, once per group) when every rank sees the same host and the same temp
-directory; otherwise `connect` gives None and the caller keeps gloo. The pipes' names are removed as soon
-as every rank opened them, so nothing is left on disk.
+timeout. Built (collectively, once per group, by groups.py) when every rank sees the same host and the same
+temp directory; otherwise `connect` gives None and the group keeps its backend's transport. The pipes' names
+are removed as soon as every rank opened them, so nothing is left on disk.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import torch.distributed as dist
 _HEADER = struct.Struct("<qq")   # message index, payload bytes
 _READ_CHUNK = 1 << 16
 _NAP = 0.05   # the longest a wait blocks before looking again (seconds)
-_channels: "weakref.WeakKeyDictionary[Any, LocalChannel]" = weakref.WeakKeyDictionary()   # group -> channel
 _open_channels: "weakref.WeakSet[LocalChannel]" = weakref.WeakSet()
 
 
@@ -199,24 +199,18 @@ def _wait_for(events: Dict[int, int], seconds: float) -> None:
     poller.poll(max(1, int(seconds * 1000)))
 
 
-def of(group: Any) -> Optional[LocalChannel]:
-    """The channel `connect` built for `group`, or None."""
-    return _channels.get(group) if group is not None else None
+def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str = "group") -> Optional[LocalChannel]:
+    """Collective over `group`: a channel between its ranks when every rank is on this host and sees this temp
+    directory (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for
+    groups); `name`: the group, as errors call it. Each channel is its own: messages on one never pair with
+    another's (the rings' notices get one apart from the group's short messages, local_exchange.py)."""
+    return connect_all([(group, name)], timeout)[0]
 
 
-def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str = "group",
-            private: bool = False) -> Optional[LocalChannel]:
-    """Collective over `group`: build its channel when every rank is on this host and sees this temp directory
-    (None otherwise, on every rank). `timeout`: how long a wait lasts (None: torch's default for groups);
-    `name`: the group, as errors call it; `private`: not registered as the group's channel (`of`), but a
-    transport's own (local_exchange.py), so that its messages never pair with the group's other ones."""
-    return connect_all([(group, name)], timeout, private=int(private))[0]
-
-
-def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None,
-                private: int = 0) -> List[Optional[LocalChannel]]:
+def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None
+                ) -> List[Optional[LocalChannel]]:
     """`connect` for several (group, name) of the same ranks in the same order, with one exchange of the hosts
-    and two of the outcome for all of them (on the first group); the last `private` of them are private."""
+    and two of the outcome for all of them (on the first group)."""
     group = named_groups[0][0]
     size, me = dist.get_world_size(group), dist.get_rank(group)
     none: List[Optional[LocalChannel]] = [None] * len(named_groups)
@@ -254,15 +248,7 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
         for channel in channels:
             channel.close()
         return none
-    for (g, _), channel in zip(named_groups[:len(named_groups) - private], channels):
-        _channels[g] = channel
     return list(channels)
-
-
-def disconnect(group: Any) -> None:
-    channel = _channels.pop(group, None) if group is not None else None
-    if channel is not None:
-        channel.close()
 
 
 def _open_readers(peers: List[int], me: int, path: Any, readers: Dict[int, int]) -> None:

@@ -1,7 +1,8 @@
 """The exchanges between the ranks of a group that all run on one host: the bytes through shared memory, a notice
-through pipes (local_channel.py). The ep group's token all-to-alls (notices on the group's channel), and the
-dp and edp groups' ZeRO bucket reduce-scatters and all-gathers (their own rings, sized for bucket slices, and a
-private channel: their notices never pair with the group's short all-reduces).
+through pipes (local_channel.py); part of the group's `LocalTransport` (local_transport.py). The ep group's token
+all-to-alls (notices on the group's channel), and the dp and edp groups' ZeRO bucket reduce-scatters and
+all-gathers (their own rings, sized for bucket slices, and a channel of their own: their notices never pair with
+the group's short all-reduces).
 
 Why: gloo moves an all-to-all through the TCP stack and wakes its own threads on both ranks, ~0.3 ms of latency
 and as much CPU per exchange whatever its size, taken from the cores the model's work holds; an MoE step has
@@ -19,12 +20,13 @@ notice is read). Only notices go through the pipes: a post never waits for a pee
 A peer that exits closes its pipes, and a wait for its notice raises at once; one that never posts raises at the
 group's timeout (local_channel.py).
 
-Rings are built with the group's channel (`connect`, collective) in /dev/shm where it exists, their space
+Rings are built with a channel of the group (`connect`, collective) in /dev/shm where it exists, their space
 reserved up front (a full /dev/shm makes `connect` give None, never a SIGBUS later), their names removed once
 every rank mapped them; on x86 hosts only (see _ORDERED_STORES).
 """
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import platform
@@ -32,14 +34,14 @@ import struct
 import tempfile
 import threading
 import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import local_channel, peer_exchange
+from moezero.parallel import local_channel
+from moezero.parallel.work import whole_waits_only
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,6 @@ _BY_GLOO, _LATE_GLOO = -1, -2   # a notice's start when the message does not lie
 # The receiver frees a span by a plain store after its copy out, which the sender reads without a syscall between:
 # safe where a store is never seen before earlier loads (x86's total store order); elsewhere gloo.
 _ORDERED_STORES = ("x86_64", "amd64")
-_exchanges: "weakref.WeakKeyDictionary[Any, LocalExchange]" = weakref.WeakKeyDictionary()   # group -> exchange
 
 
 class _Ring:
@@ -123,7 +124,9 @@ class _Ring:
 
 class LocalExchange:
     """The rings of this rank (group rank `me`) to and from every peer of a group, with a channel for the notices
-    (the group's, or one of the exchange's own, which it closes with the rings)."""
+    (the group's short messages' own, or one of the exchange's own, which it closes with the rings). Each
+    exchange takes the group's next point-to-point `tag` (peer_exchange.Tags, held by the group's transport): a
+    message that does not lie in a ring goes as a gloo send and receive."""
 
     def __init__(self, channel: local_channel.LocalChannel, outgoing: Dict[int, _Ring], incoming: Dict[int, _Ring],
                  largest_share: int = 8, owns_channel: bool = False):
@@ -142,27 +145,27 @@ class LocalExchange:
         return work
 
     def launch(self, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-               group: Any) -> "LocalAllToAll":
+               group: Any, tag: int) -> "LocalAllToAll":
         """Rows x[sum(input_splits[:j]) ...] to rank j, rows from rank i into `out` (contiguous), launched."""
         sends = [_bytes(t) for t in x.contiguous().split(list(input_splits))]
         pieces = [_bytes(t) for t in out.split(list(output_splits))]
         pieces[self.me].copy_(sends[self.me])
-        return LocalAllToAll(self, sends, pieces, group)
+        return LocalAllToAll(self, sends, pieces, group, tag)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> "LocalAllToAll":
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any, tag: int) -> "LocalAllToAll":
         """Rank j's `input` into slice j of the flat, contiguous `output` (input may already be this rank's
         slice), launched (peer_exchange.all_gather's contract)."""
         slices = output.view(-1).split(input.numel())
         mine = slices[self.me]
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input.reshape(-1))
-        return LocalAllToAll(self, [_bytes(mine)] * self.size, [_bytes(t) for t in slices], group)
+        return LocalAllToAll(self, [_bytes(mine)] * self.size, [_bytes(t) for t in slices], group, tag)
 
-    def scatter_pieces(self, input: torch.Tensor, received: torch.Tensor, group: Any) -> "LocalAllToAll":
+    def scatter_pieces(self, input: torch.Tensor, received: torch.Tensor, group: Any, tag: int) -> "LocalAllToAll":
         """Slice j of `input` to rank j; slice me of every peer j into slice j of `received` (its own slot
         unused), launched (peer_exchange.scatter_pieces's contract)."""
         sends, pieces = input.view(self.size, -1), received.view(self.size, -1)
-        return LocalAllToAll(self, [_bytes(t) for t in sends], [_bytes(t) for t in pieces], group)
+        return LocalAllToAll(self, [_bytes(t) for t in sends], [_bytes(t) for t in pieces], group, tag)
 
     def close(self) -> None:
         for ring in list(self.outgoing.values()) + list(self.incoming.values()):
@@ -182,11 +185,11 @@ class LocalAllToAll:
     the receiver reads the notice (its ring was full; the sender's wait does not wait for that send, which a peer
     that raised before its wait never receives). No bytes ride in the pipes, so a post never waits for a reader."""
 
-    def __init__(self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any):
+    def __init__(self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any,
+                 tag: int):
         """sends[j]: the bytes for rank j; pieces[i]: where rank i's bytes go (contiguous; this rank's own entries
-        are not moved: the caller did what it needs)."""
-        self.exchange, self.group, me = exchange, group, exchange.me
-        self.tag = peer_exchange.take_tag(group)   # every rank, every exchange: the tags stay paired
+        are not moved: the caller did what it needs); `tag`: the group's next (every rank, every exchange)."""
+        self.exchange, self.group, self.tag, me = exchange, group, tag, exchange.me
         self.pieces = pieces
         self.works = [exchange.hold(dist.irecv(piece, group=group, group_src=p, tag=self.tag), piece)
                       for p, piece in enumerate(self.pieces) if p != me and piece.numel() > exchange.limit]
@@ -219,7 +222,8 @@ class LocalAllToAll:
         return self.exchange.channel.arrived(self.index) and all(w.is_completed() for w in self.works)
 
     @torch.compiler.disable   # inside a compiled model's forward or backward too: bytes, not graph ops
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        whole_waits_only(timeout, "a shared-memory exchange")
         if self.pieces is None:
             return True
         every = self.exchange.channel.wait(self.index)
@@ -245,19 +249,15 @@ class LocalAllToAll:
                 self.exchange.incoming[peer].take(start, end, n, piece)
 
 
-def of(group: Any) -> Optional[LocalExchange]:
-    """The exchange `connect` built for `group`, or None."""
-    return _exchanges.get(group) if group is not None else None
-
-
-def connect(group: Any, sizes: RingSizes = TOKENS, channel: Optional[local_channel.LocalChannel] = None
-            ) -> Optional[LocalExchange]:
-    """Collective over `group`: build its rings (None on every rank when any rank could not), their notices
-    through the group's channel (local_channel.connect), or through `channel`, a private one of the group's
-    ranks that the exchange then owns (messages on it never pair with the group's other ones)."""
-    owns_channel = channel is not None
-    channel = channel or local_channel.of(group)
-    if channel is None or platform.machine().lower() not in _ORDERED_STORES:
+def connect(group: Any, channel: Optional[local_channel.LocalChannel], sizes: RingSizes = TOKENS,
+            owns_channel: bool = False) -> Optional[LocalExchange]:
+    """Collective over `group` (nothing when `channel` is None): build its rings (None on every rank when any rank
+    could not), their notices through `channel` (local_channel.connect), the group's short messages' one, or with
+    `owns_channel` one of the exchange's own, closed with it (messages on it never pair with the group's other
+    ones; closed here if the rings cannot be built)."""
+    if channel is None:
+        return None
+    if platform.machine().lower() not in _ORDERED_STORES:
         if owns_channel:
             channel.close()
         return None
@@ -282,14 +282,7 @@ def connect(group: Any, sizes: RingSizes = TOKENS, channel: Optional[local_chann
     if not ok:
         exchange.close()
         return None
-    _exchanges[group] = exchange
     return exchange
-
-
-def disconnect(group: Any) -> None:
-    exchange = _exchanges.pop(group, None) if group is not None else None
-    if exchange is not None:
-        exchange.close()
 
 
 def ring_bytes(size: int, sizes: RingSizes = TOKENS) -> int:

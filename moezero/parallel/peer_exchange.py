@@ -4,37 +4,37 @@ that peer needs, straight from where it lies, and receives each peer's slice str
 Why: gloo's own collectives move more than the bytes they must, so its all_gather_into_tensor and
 all_to_all_single (what the reduce-scatter used) took clearly longer than the same bytes sent by isend/irecv, in
 bf16 and fp32; and the parameter all-gather after each step is a visible share of a small model's step
-(tools/bench_vs_peers.py).
+(tools/bench_vs_peers.py). The exchanges of a gloo group's transport
+(`GlooTransport`, transport.py).
 
 Matching: gloo pairs a send with the receive of the same (source, destination, tag). Every exchange on a group
-takes the group's next tag, and every rank issues its group's exchanges in the same order (as it must issue
-collectives), so two exchanges in flight on one group never take each other's messages. A peer that never
-posts its side makes wait() raise at the process group's timeout, as a collective would.
+takes the group's next tag (its transport's `Tags`), and every rank issues its group's exchanges in the same order
+(as it must issue collectives), so two exchanges in flight on one group never take each other's messages. A peer
+that never posts its side makes wait() raise at the process group's timeout, as a collective would.
 """
 from __future__ import annotations
 
-import weakref
+import datetime
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from moezero.parallel.work import whole_waits_only
+
 _TAG_LIMIT = 2 ** 31
-# per group object: the tag its next exchange uses (weak: a new group, even at a freed one's address, starts at 0
-# on every rank)
-_next_tags: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
-def uses_peer_exchange(group: Optional[Any]) -> bool:
-    """gloo groups of more than one rank (NCCL's collectives are the fast path there)."""
-    return group is not None and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+class Tags:
+    """The tags of one group's point-to-point messages: every exchange takes the next (every rank in the same
+    order). Held by the group's transport, so a new group starts at 0 on every rank."""
 
+    def __init__(self):
+        self.next = 0
 
-def take_tag(group: Any) -> int:
-    """The group's next tag (every rank takes one per exchange, in the same order)."""
-    tag = _next_tags.get(group, 0)
-    _next_tags[group] = (tag + 1) % _TAG_LIMIT
-    return tag
+    def take(self) -> int:
+        tag, self.next = self.next, (self.next + 1) % _TAG_LIMIT
+        return tag
 
 
 class PeerExchange:
@@ -46,7 +46,8 @@ class PeerExchange:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        whole_waits_only(timeout, "a point-to-point exchange")
         for work in self.works:
             work.wait()
         self.works = []
@@ -54,15 +55,14 @@ class PeerExchange:
 
 
 def exchange(sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]],
-             group: Any) -> PeerExchange:
-    """Post every (group rank, contiguous tensor) send and receive of one exchange, with the group's next tag."""
-    tag = take_tag(group)
+             group: Any, tag: int) -> PeerExchange:
+    """Post every (group rank, contiguous tensor) send and receive of one exchange, with its tag (the group's next)."""
     works = [dist.irecv(t, group=group, group_src=peer, tag=tag) for peer, t in receives if t.numel()]
     works += [dist.isend(t, group=group, group_dst=peer, tag=tag) for peer, t in sends if t.numel()]
     return PeerExchange(works)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> PeerExchange:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, tag: int) -> PeerExchange:
     """Rank j's `input` into slice j of the flat, contiguous `output` (input may already be this rank's slice)."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     n = input.numel()
@@ -71,12 +71,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> PeerExc
         slices[me].copy_(input.reshape(-1))
     mine = slices[me]
     peers = [p for p in range(size) if p != me]
-    return exchange([(p, mine) for p in peers], [(p, slices[p]) for p in peers], group)
+    return exchange([(p, mine) for p in peers], [(p, slices[p]) for p in peers], group, tag)
 
 
-def scatter_pieces(input: torch.Tensor, received: torch.Tensor, group: Any) -> PeerExchange:
+def scatter_pieces(input: torch.Tensor, received: torch.Tensor, group: Any, tag: int) -> PeerExchange:
     """Slice j of `input` to rank j; slice me of every peer j into slice j of `received` (its own slot unused)."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     mine, pieces = input.view(size, -1), received.view(size, -1)
     peers = [p for p in range(size) if p != me]
-    return exchange([(p, mine[p]) for p in peers], [(p, pieces[p]) for p in peers], group)
+    return exchange([(p, mine[p]) for p in peers], [(p, pieces[p]) for p in peers], group, tag)

@@ -6,7 +6,9 @@ import torch
 import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups, rank_layout
-from moezero.parallel import comm, local_channel
+from moezero.parallel import comm, transport
+from moezero.parallel.local_transport import LocalTransport
+from moezero.parallel.transport import GlooTransport, transport_of
 from tests.dist_utils import run_distributed
 
 
@@ -128,7 +130,7 @@ def _check_all_gather():
     rank = dist.get_rank()
     groups = ParallelGroups.build(expert_parallel_size=2)
     members = {groups.dp: [0, 1, 2, 3], groups.ep: [rank - rank % 2, rank - rank % 2 + 1]}
-    assert all(comm.peer_exchange.uses_peer_exchange(g) for g in members)
+    assert all(comm.receives_pieces(g) for g in members)
     for group, ranks in members.items():
         size, me = len(ranks), ranks.index(rank)
         for dtype in (torch.float32, torch.bfloat16):
@@ -208,7 +210,7 @@ def _check_count_exchange(local_records):
     """Row j of each rank's table goes to rank j of its ep group (through the ep group's pipes on one host)."""
     for ep in (2, 4):
         groups = ParallelGroups.build(expert_parallel_size=ep, local_records=local_records)
-        assert (local_channel.of(groups.ep) is not None) == local_records
+        assert (getattr(transport_of(groups.ep), "pipes", None) is not None) == local_records
         me = dist.get_rank(groups.ep)
         table = torch.tensor([[100 * dist.get_rank() + j, j, -me] for j in range(ep)])
         for waited_by in (None, lambda work: work.wait()):
@@ -218,7 +220,46 @@ def _check_count_exchange(local_records):
         groups.destroy()
 
 
+def _each_collective(group):
+    """Every kind of collective comm.py runs, twice, on `group`."""
+    size, me = comm.group_size(group), comm.group_rank(group)
+    for _ in range(2):
+        comm.all_reduce(torch.ones(2 * size), group)
+        comm.all_reduce(torch.ones(1), group, op=dist.ReduceOp.MAX)
+        comm.all_gather(torch.empty(3 * size), torch.ones(3), group)
+        comm.reduce_scatter_in_place(torch.ones(3 * size), group)
+        comm.exchange_counts(torch.ones(size, 2, dtype=torch.int64), group)
+        comm.all_to_all(torch.ones(size, 2), [1] * size, [1] * size, group)
+        comm.broadcast(torch.full((2,), float(me)), dist.get_global_rank(group, 0), group)
+
+
+def _check_transports_chosen_once():
+    """A group's transport is chosen once: the groups ParallelGroups builds on one host are served (pipes, rings)
+    as they are made, so no default is ever chosen for them; a group served nothing (another host's layout, a
+    test's own group) gets its backend's default on its first collective and keeps it, whatever runs after."""
+    chosen = []
+    default = transport.default_transport
+    transport.default_transport = lambda group: chosen.append(group) or default(group)
+    try:
+        for local_records in (True, False):
+            groups = ParallelGroups.build(expert_parallel_size=2, local_records=local_records)
+            own = dist.new_group(list(range(dist.get_world_size())))
+            every = (groups.dp, groups.ep, groups.edp, groups.control, own)
+            for group in every:
+                _each_collective(group)
+            served = [g for g in every if isinstance(transport_of(g), LocalTransport)]
+            assert (len(served) >= 3) == local_records   # dp, ep, control: pipes (edp's rings: x86 hosts)
+            assert all(chosen.count(g) == (g not in served) for g in every), (local_records, chosen)
+            assert type(transport_of(own)) is GlooTransport
+            chosen.clear()
+            groups.destroy()
+            dist.destroy_process_group(own)
+    finally:
+        transport.default_transport = default
+
+
 def _check_collectives(hidden):
+    _check_transports_chosen_once()
     _check_reduce_scatter()
     _check_all_gather()
     for local_records in (True, False):

@@ -12,7 +12,13 @@ import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups, comm, local_channel
 from moezero.parallel.agreement import Agreement, RanksDisagree, watched_wait
+from moezero.parallel.transport import transport_of
 from tests.dist_utils import run_distributed
+
+
+def _pipes(group):
+    """The group's pipes (its transport's), or None."""
+    return getattr(transport_of(group), "pipes", None)
 
 
 def _names():
@@ -22,9 +28,9 @@ def _names():
 def _messages_pair_by_index(out, rank):
     names = _names()
     group = ParallelGroups.build().agreement_group()
-    channel = local_channel.of(group)
+    channel = _pipes(group)
     out["channel"] = channel is not None
-    out["gloo when asked"] = local_channel.of(ParallelGroups.build(local_records=False).agreement_group()) is None
+    out["gloo when asked"] = _pipes(ParallelGroups.build(local_records=False).agreement_group()) is None
     out["no names left"] = _names() <= names
     if rank == 0:   # three messages ahead of rank 1: none has its pair yet
         indices = [channel.post(f"zero {i}".encode()) for i in range(3)]
@@ -50,7 +56,7 @@ def _timeout_and_exit(out, rank):
             out["timeout"], out["waited"] = str(exc), time.monotonic() - start
     dist.barrier()
     group = ParallelGroups.build(timeout=datetime.timedelta(seconds=60)).agreement_group()
-    channel = local_channel.of(group)
+    channel = _pipes(group)
     if rank == 1:   # a forked child (a data loader's worker) holds no pipe: closing ours is an exit seen at once
         child = os.fork()
         if child == 0:
@@ -88,7 +94,7 @@ def _worlds_without_pipes(out, rank, monkeypatch_host):
             local_channel._host_identity = original
         else:
             os.mkfifo = original
-    out["channel", monkeypatch_host] = local_channel.of(group) is not None
+    out["channel", monkeypatch_host] = _pipes(group) is not None
     Agreement([[1, rank % 1]], group, str).check()   # the records travel on gloo instead
     out["no names left", monkeypatch_host] = _names() <= names
 
@@ -103,7 +109,7 @@ def _high_descriptors(out, rank):
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
     fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        channel = local_channel.of(ParallelGroups.build().agreement_group())
+        channel = _pipes(ParallelGroups.build().agreement_group())
         out["high fds"] = min(channel.readers.values()) > 1024
         if rank == 1:
             time.sleep(0.3)   # rank 0 blocks in the wait meanwhile
@@ -117,7 +123,7 @@ def _short_all_reduces(out, rank):
     """The dp and control groups' short all-reduces travel through pipes too: the same values as gloo's, any
     length and dtype; a wait in slices (a watched wait) resumes; a peer that never comes ends it at the timeout."""
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
-    out["short piped"] = all(local_channel.of(g) is not None for g in (groups.dp, groups.control))
+    out["short piped"] = all(_pipes(g) is not None for g in (groups.dp, groups.control))
     values = {}
     for name, x, op in (("sum", torch.tensor([0.1 * (rank + 1), 1e16, -rank], dtype=torch.float64), "SUM"),
                         ("flag", torch.tensor([float(rank)]), "MIN"),
@@ -153,7 +159,7 @@ def _full_pipes_and_deadlines(out, rank):
     each reads while its writes wait for room, so both get through. A watched wait of a piped reduce whose peer
     never comes ends at the group's timeout from its launch, not later; a closed channel says so."""
     group = ParallelGroups.build(timeout=datetime.timedelta(seconds=10)).agreement_group()
-    channel = local_channel.of(group)
+    channel = _pipes(group)
     indices = [channel.post(bytes([rank, i % 256]) * 512) for i in range(300)]   # 300 KiB each way
     out["full pipes"] = all(channel.wait(i) == [bytes([0, i % 256]) * 512, bytes([1, i % 256]) * 512]
                             for i in indices)

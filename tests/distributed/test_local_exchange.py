@@ -13,7 +13,17 @@ import torch
 import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups, comm, local_channel, local_exchange
+from moezero.parallel.transport import transport_of
 from tests.dist_utils import run_distributed
+
+
+def _rings(group):
+    """The group's shared-memory rings (its transport's), or None."""
+    return getattr(transport_of(group), "rings", None)
+
+
+def _pipes(group):
+    return getattr(transport_of(group), "pipes", None)
 
 
 def _names():
@@ -36,8 +46,8 @@ def _exchange_cases(out, rank):
     names = _names()
     piped = ParallelGroups.build(expert_parallel_size=world)
     gloo = ParallelGroups.build(expert_parallel_size=world, local_records=False)
-    exchange = local_exchange.of(piped.ep)
-    out["built"] = exchange is not None and local_exchange.of(gloo.ep) is None
+    exchange = _rings(piped.ep)
+    out["built"] = exchange is not None and _rings(gloo.ep) is None
     out["sizes"] = [local_exchange.ring_bytes(n) >> 10 for n in (2, 3, 9, 200)]
     out["no names left"] = _names() <= names
     equal = []
@@ -49,7 +59,7 @@ def _exchange_cases(out, rank):
             x = _rows(rank, step, sum(send[rank]), width, dtype)
             recv = [send[i][rank] for i in range(world)]
             got = torch.empty(sum(recv), width, dtype=dtype)
-            works.append((exchange.launch(got, x, recv, send[rank], piped.ep), got, x, recv, send[rank]))
+            works.append((transport_of(piped.ep).all_to_all(got, x, recv, send[rank]), got, x, recv, send[rank]))
         for work, got, x, recv, sent in reversed(works):   # waited in reverse: rings free out of order
             work.wait()
             want = torch.empty_like(got)
@@ -62,7 +72,7 @@ def _exchange_cases(out, rank):
     for step in range(20):
         x = torch.full((world * 600, 256), float(rank + step), dtype=torch.float32).view(-1, 256)[: world * 600]
         got = torch.empty_like(x)
-        full.append((exchange.launch(got, x, [600] * world, [600] * world, piped.ep), got, step))
+        full.append((transport_of(piped.ep).all_to_all(got, x, [600] * world, [600] * world), got, step))
     out["ring filled"] = int(ring.freed_word.item()) < ring.head - ring.capacity // 2
     dist.barrier(gloo.dp)
     ok = True
@@ -74,10 +84,10 @@ def _exchange_cases(out, rank):
     dist.barrier(gloo.dp)   # the peer frees this rank's spans in its own waits (no wait here waits for it)
     out["ring freed"] = int(ring.freed_word.item()) == ring.head
     if rank == 1:   # as if it exited: its pipes close, rank 0 knows at its next wait
-        local_channel.of(piped.ep).close()
+        _pipes(piped.ep).close()
     else:
         x = torch.ones(world, 4)
-        work = exchange.launch(torch.empty_like(x), x, [1] * world, [1] * world, piped.ep)
+        work = transport_of(piped.ep).all_to_all(torch.empty_like(x), x, [1] * world, [1] * world)
         dist.barrier(gloo.dp)
         try:
             work.wait()
@@ -98,16 +108,16 @@ def _bucket_cases(out, rank):
     world, names = dist.get_world_size(), _names()
     piped = ParallelGroups.build(expert_parallel_size=world)
     gloo = ParallelGroups.build(expert_parallel_size=world, local_records=False)
-    exchange = local_exchange.of(piped.dp)
-    out["bucket rings"] = (exchange is not None and exchange.channel is not local_channel.of(piped.dp)
-                           and local_exchange.of(gloo.dp) is None and local_exchange.of(piped.edp) is None)
+    exchange = _rings(piped.dp)
+    out["bucket rings"] = (exchange is not None and exchange.channel is not _pipes(piped.dp)
+                           and _rings(gloo.dp) is None and _rings(piped.edp) is None)
     out["bucket ring kB"] = exchange.outgoing[(rank + 1) % world].capacity >> 10
     wide = ParallelGroups.build(expert_parallel_size=1)   # experts reduced over every rank: their rings too
-    out["edp rings"] = local_exchange.of(wide.edp) is not None and local_exchange.of(wide.edp) is not exchange
+    out["edp rings"] = _rings(wide.edp) is not None and _rings(wide.edp) is not exchange
     # stage 3's gather groups (made on first use): rings of their own, none between hosts' settings
-    gathers = [local_exchange.of(group) for group in wide.gather_groups()]
+    gathers = [_rings(group) for group in wide.gather_groups()]
     out["gather rings"] = (None not in gathers and len({id(e) for e in gathers + [exchange]}) == 3
-                           and [local_exchange.of(group) for group in gloo.gather_groups()] == [None, None])
+                           and [_rings(group) for group in gloo.gather_groups()] == [None, None])
     wide.destroy()
     equal = []
     for limit in (exchange.limit, 256):   # 256 bytes: most messages by gloo send and receive
@@ -154,13 +164,13 @@ def _late_send_cases(out, rank):
     with bytes rank 0 never reads; rank 0 launches the exchange and never waits for it."""
     world = dist.get_world_size()
     piped = ParallelGroups.build(expert_parallel_size=world)
-    exchange = local_exchange.of(piped.ep)
+    exchange = _rings(piped.ep)
     if rank == 1:
         ring = exchange.outgoing[0]
         ring.place(torch.zeros(ring.capacity, dtype=torch.uint8))
     x = torch.full((world * 4, 2), float(rank))
     got = torch.empty_like(x)
-    work = exchange.launch(got, x, [4] * world, [4] * world, piped.ep)
+    work = transport_of(piped.ep).all_to_all(got, x, [4] * world, [4] * world)
     if rank != 0:
         work.wait()
         out["late send"] = all(torch.equal(part, torch.full_like(part, float(r))) for r, part in enumerate(got.split(4)))

@@ -10,13 +10,19 @@ and every configuration also cycles through overlap on/off and tiny (many bucket
 flight), medium and huge (one bucket) bucket sizes. The model has a branch only rank 0 uses, a
 branch used by data, one skipped on odd steps, experts without tokens, tied weights and a
 checkpointed block.
+
+The same reproduction with torch's own collectives serving every group (`parallel/transport.py`'s `Transport`)
+in place of the pipes, shared-memory rings and point-to-point exchanges: the transport seam is swappable and
+the callers are served through it.
 """
+import collections
 import itertools
 
 import torch
 import torch.distributed as dist
 
-from moezero.parallel import ParallelGroups
+from moezero.parallel import ParallelGroups, Transport
+from moezero.parallel.transport import transport_of
 from moezero.zero import ShardedGradient, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel
@@ -26,8 +32,9 @@ STEPS, CLIP, TOL = 5, 0.05, 1e-10
 VARIANTS = [(True, 16), (False, 150), (True, 10 ** 9), (False, 16), (True, 150), (False, 10 ** 9)]
 
 
-def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references):
-    groups = ParallelGroups.build(expert_parallel_size=ep)
+def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references,
+                  transports=None):
+    groups = ParallelGroups.build(expert_parallel_size=ep, transports=transports)
     model = ZeroTestModel(groups).double()
     frozen_before = model.frozen.weight.detach().clone()
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -62,6 +69,9 @@ def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, buck
     with opt.full_parameters():
         assert torch.equal(model.frozen.weight, frozen_before)
         assert_replicas_equal(model, groups)
+    if transports is not None:
+        every = (groups.dp, groups.ep, groups.edp, groups.control, groups.agreement_group(), *groups.gather_groups())
+        assert all(type(transport_of(g)) is transports for g in every if g is not None)
     groups.destroy()
 
 
@@ -104,6 +114,54 @@ def _matrix(eps):
                                  f"no_sync={use_no_sync} overlap={overlap} bucket={bucket_size}: {exc}") from None
         done.append((ep, stage, accumulation, optimizer))
     return len(done)
+
+
+class _CountingTransport(Transport):
+    """torch's own collectives, counting the collectives of each kind that reached them through the seam."""
+
+    launched = collections.Counter()
+
+    def all_to_all(self, *args):
+        self.launched["all_to_all"] += 1
+        return super().all_to_all(*args)
+
+    def exchange_counts(self, *args):
+        self.launched["exchange_counts"] += 1
+        return super().exchange_counts(*args)
+
+    def gather_copies(self, *args):
+        self.launched["gather_copies"] += 1
+        return super().gather_copies(*args)
+
+    def all_reduce(self, *args):
+        self.launched["all_reduce"] += 1
+        return super().all_reduce(*args)
+
+    def reduce_scatter(self, *args):
+        self.launched["reduce_scatter"] += 1
+        return super().reduce_scatter(*args)
+
+    def all_gather(self, *args):
+        self.launched["all_gather"] += 1
+        return super().all_gather(*args)
+
+
+def _torch_collectives():
+    """ep 2 at stage 2 (the token all-to-alls and count exchanges on the ep group, the dense buckets on dp) and
+    ep 1 at stage 3 (the parameter gathers on their own groups, the expert buckets on edp)."""
+    world = dist.get_world_size()
+    references = {("adamw", 4): reference_run("adamw", world, 4, STEPS, clip=CLIP)}
+    for ep, stage in ((2, 2), (1, 3)):
+        _CountingTransport.launched.clear()
+        _check_config(ep, stage, 4, "adamw", True, True, 16, references, transports=_CountingTransport)
+        assert _CountingTransport.launched.keys() >= {"reduce_scatter", "all_gather", "gather_copies", "all_reduce"}
+        if ep > 1:
+            assert _CountingTransport.launched.keys() >= {"all_to_all", "exchange_counts"}
+    return True
+
+
+def test_torch_collectives_serve_every_group_in_place_of_pipes_and_rings():
+    assert run_distributed(_torch_collectives, 2) == [True, True]
 
 
 def test_exactness_matrix_two_ranks():

@@ -153,3 +153,44 @@ def test_the_engine_is_a_facade():
                     and isinstance(node.value, ast.Name) and node.value.id == "opt":
                 found.append(f"{path}:{node.lineno} opt.{node.attr}")
     assert not found, found
+
+
+NOT_WORKS = {"LocalChannel": "a channel: its wait takes a message index",
+             "Agreement": "records compared (agreement.py), waited through check()"}
+
+
+def test_every_work_in_parallel_answers_the_work_protocol():
+    """Whatever transport carries a collective, its launched work answers is_completed() and wait(timeout=None)
+    (parallel/work.py), so a caller waits for one without knowing which transport serves the group."""
+    import inspect
+
+    works = []
+    for path, _ in _sources(os.path.join("moezero", "parallel")):
+        module = importlib.import_module(os.path.splitext(path)[0].replace(os.sep, ".").removesuffix(".__init__"))
+        for name, cls in vars(module).items():
+            if not inspect.isclass(cls) or cls.__module__ != module.__name__ or not hasattr(cls, "wait"):
+                continue
+            if name in NOT_WORKS or name == "Work":
+                continue
+            works.append(name)
+            timeout = inspect.signature(cls.wait).parameters.get("timeout")
+            assert timeout is not None and timeout.default is None, f"{path}: {name}.wait takes no timeout=None"
+            assert list(inspect.signature(cls.is_completed).parameters) == ["self"], f"{path}: {name}.is_completed"
+    assert len(works) >= 10, works
+
+
+def test_one_place_maps_a_group_to_its_transport():
+    """comm.py reaches a group's transport only through transport.py (it imports none of the transports' parts),
+    and only transport.py keeps a map keyed by process group: a transport is chosen once per group, not picked on
+    every call from registries of the transports' modules."""
+    parts = {"local_channel", "local_exchange", "peer_exchange", "local_transport"}
+    for path, tree in _sources(os.path.join("moezero", "parallel")):
+        if path.endswith("comm.py"):
+            imported = {alias.name.split(".")[-1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                        for alias in node.names} | {node.module.split(".")[-1] for node in ast.walk(tree)
+                                                    if isinstance(node, ast.ImportFrom) and node.module}
+            assert not imported & parts, f"comm.py imports {sorted(imported & parts)}: ask transport.transport_of"
+        if not path.endswith("transport.py") or path.endswith("local_transport.py"):
+            registries = [node.lineno for node in ast.walk(tree)
+                          if isinstance(node, ast.Attribute) and node.attr == "WeakKeyDictionary"]
+            assert not registries, f"{path}:{registries[0]} keeps a registry by group: transport.py maps groups"
