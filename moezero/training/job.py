@@ -22,8 +22,8 @@ from moezero.checkpoint import CheckpointError
 from moezero.checkpoint.errors import first_line
 from moezero.config import ConfigError
 from moezero.data import DataError
+from moezero.parallel import ChannelError
 from moezero.parallel.agreement import RanksDisagree
-from moezero.parallel.local_channel import ChannelError
 from moezero.training.configs import Configs
 from moezero.training.plugin import PluginFactory
 from moezero.training.pretrain import Pretraining

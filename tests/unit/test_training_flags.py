@@ -227,7 +227,7 @@ def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, ca
     elsewhere a RanksDisagree; a data-loading worker killed (the out-of-memory killer) torch's RuntimeError; each
     ends the run with one line and exit code 1 (they were tracebacks)."""
     from moezero.parallel.agreement import RanksDisagree
-    from moezero.parallel.local_channel import ChannelError
+    from moezero.parallel import ChannelError
     from moezero.training import job
 
     error = {"channel": ChannelError("rank 1 of the control group exited or stopped reading (its end of the pipe "
