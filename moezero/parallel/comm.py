@@ -181,8 +181,8 @@ def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op:
 class _SummedPieces:
     """A reduce-scatter as an exchange of pieces (slice j of every rank's input goes to rank j) and a local sum
     of the pieces, in rank order, into this rank's slice of the input (or into `out`). Why on gloo: its own
-    reduce-scatter clones its input, and its ring all-reduce moves twice the bytes (2 ranks, 1.3M fp32:
-    reduce-scatter 6.9-8.2 ms, all-reduce 6.3-7.6; peer_exchange.py has the exchange's own figures)."""
+    reduce-scatter clones its input, and its ring all-reduce moves twice the bytes (docs/benchmarks.md#peer-exchange
+    has the figures)."""
 
     def __init__(self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int,
                  out: Optional[torch.Tensor] = None):

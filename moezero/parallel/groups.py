@@ -165,7 +165,7 @@ class ParallelGroups:
         (`parallel/agreement.py`), made on first use (collective: every rank asks in the same order).
         gloo also under NCCL: a record is a few integers on the CPU, checked without a device sync. With
         `local_records` and every rank on one host, the records travel through pipes instead
-        (`local_channel.py`, ~7x cheaper)."""
+        (`local_channel.py`, a fraction of gloo's cost: docs/benchmarks.md#small-reduce)."""
         if "agreement" not in self._lazy:
             world = self.layout.world_size
             group = None if self.dp is None else dist.new_group(list(range(world)), backend="gloo",

@@ -4,10 +4,11 @@ What travels here (a group's `LocalTransport`, local_transport.py): the agreemen
 integers that every rank states before a collective that pairs by order, ~10 messages a stage-3 step; the short
 all-reduces of the data-parallel and control groups (`small_reduce.py`: the step's norm and flags, the metrics,
 the stop check); the expert-parallel group's count exchanges (`comm.launch_exchange_counts`, one per MoE layer
-forward); and the notices of the shared-memory rings (`local_exchange.py`). A whole agreement message on gloo
-(an all-gather) costs ~0.5 ms of wall time and ~0.36 ms of CPU, on a CPU rank out of the cores the model's work
-uses; through pipes ~0.05 ms of each (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce). NCCL
-does the same between the GPUs of one node (shared memory).
+forward); and the notices of the shared-memory rings (`local_exchange.py`). On gloo each of these messages wakes
+gloo's threads on both ranks and goes through the TCP stack, on a CPU rank out of the cores the model's work
+uses; a pipe write and a poll take only the caller's own thread, a small share of that (figures:
+docs/benchmarks.md#small-reduce, `tools/bench_small_reduce.py`). NCCL does the same between the GPUs of one node
+(shared memory).
 
 How: each rank writes its k-th message to one pipe per peer and waits for every peer's k-th message, so
 messages pair by their index as collectives pair by their order, and a message can be posted now and

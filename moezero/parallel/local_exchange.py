@@ -4,14 +4,14 @@ all-to-alls (notices on the group's channel), and the dp and edp groups' ZeRO bu
 all-gathers (their own rings, sized for bucket slices, and a channel of their own: their notices never pair with
 the group's short all-reduces).
 
-Why: gloo moves an all-to-all through the TCP stack and wakes its own threads on both ranks, ~0.3 ms of latency
-and as much CPU per exchange whatever its size, taken from the cores the model's work holds; an MoE step has
-four per MoE layer and micro-batch. Here the sender copies each peer's rows into a ring of shared memory it
-writes to that peer and posts one notice per peer (where the rows lie); the receiver, when it waits, copies them
-out and frees the space. Nothing runs in between, so the exchange costs two copies on the ranks' own threads and
-no wake-up (tools/bench_small_reduce.py, docs/benchmarks.md#small-reduce). For a bucket's slices (MBs) gloo's
-TCP path is worse: posting a receive itself held the caller 1.6-4.9 ms a bucket in a bf16 step (torch.profiler's
-c10d::recv_), ~13 ms of its 100 (docs/benchmarks.md#distribution).
+Why: gloo moves an all-to-all through the TCP stack and wakes its own threads on both ranks, a latency and a CPU
+cost per exchange whatever its size, taken from the cores the model's work holds; an MoE step has four per MoE
+layer and micro-batch. Here the sender copies each peer's rows into a ring of shared memory it writes to that
+peer and posts one notice per peer (where the rows lie); the receiver, when it waits, copies them out and frees
+the space. Nothing runs in between, so the exchange costs two copies on the ranks' own threads and no wake-up
+(tools/bench_small_reduce.py, docs/benchmarks.md#small-reduce). For a bucket's slices (MBs) gloo's TCP path is
+worse: posting a receive itself held the caller for a visible share of a bf16 step (torch.profiler's
+c10d::recv_; docs/benchmarks.md#distribution).
 
 Every rank posts one notice per exchange to every peer (also where it sends nothing), so notices pair by index as
 the exchanges pair by order. A message larger than a share of a ring (RingSizes) goes as a gloo send and receive instead

@@ -1,6 +1,6 @@
 """The transport of a gloo group whose ranks all run on this host: short messages through pipes, exchanges through
 shared memory, each rank's own thread doing the work, where gloo wakes its threads and goes through the TCP
-stack (docs/benchmarks.md#small-reduce and #distribution).
+stack (figures: docs/benchmarks.md#small-reduce and #distribution).
 
 groups.py builds the parts (collectively, when it makes the groups) and serves each group a `LocalTransport` of
 those it has; a part that could not be built (ranks on several hosts, no /dev/shm room, a non-x86 host) leaves
@@ -48,8 +48,8 @@ class LocalTransport(GlooTransport):
     def exchange_counts(self, send_counts: torch.Tensor, wait: Optional[Callable[[Any], None]] = None) -> Work:
         if self.pipes is None or send_counts.device.type != "cpu":
             return super().exchange_counts(send_counts, wait)
-        # each rank posts its whole table and keeps its row of each (~0.05 ms, where gloo's all-to-all takes ~0.3 ms
-        # and its threads' CPU)
+        # each rank posts its whole table and keeps its row of each: one message, where gloo's all-to-all wakes
+        # its threads
         return RowsOfCopies(self.gather_copies(send_counts), send_counts, self.rank, wait)
 
     def gather_copies(self, x: torch.Tensor) -> Work:

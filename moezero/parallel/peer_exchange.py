@@ -4,7 +4,7 @@ that peer needs, straight from where it lies, and receives each peer's slice str
 Why: gloo's own collectives move more than the bytes they must, so its all_gather_into_tensor and
 all_to_all_single (what the reduce-scatter used) took clearly longer than the same bytes sent by isend/irecv, in
 bf16 and fp32; and the parameter all-gather after each step is a visible share of a small model's step
-(tools/bench_vs_peers.py). The exchanges of a gloo group's transport
+(tools/bench_vs_peers.py; figures: docs/benchmarks.md#peer-exchange). The exchanges of a gloo group's transport
 (`GlooTransport`, transport.py).
 
 Matching: gloo pairs a send with the receive of the same (source, destination, tag). Every exchange on a group

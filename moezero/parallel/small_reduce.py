@@ -1,10 +1,10 @@
 """A short all-reduce (a flag, a norm's sum of squares, the step's metrics) as every rank's copy sent to every
 rank, which then reduces the copies itself. The copies travel as the group's transport carries them
-(transport.py): through pipes when its ranks share a host (local_transport.py: ~0.05-0.1 ms, any length), else
-as gloo's all-gather (from 2 elements per rank).
+(transport.py): through pipes when its ranks share a host (local_transport.py, any length), else as gloo's
+all-gather (from 2 elements per rank).
 
 Why: a short all-reduce costs its rounds, not its bytes, and gloo's ring takes twice the rounds of its
-all-gather: from a few elements per rank on, gloo's all-reduce costs ~1.5-2x the CPU of this one
+all-gather: from a few elements per rank on, gloo's all-reduce costs more CPU than this one
 (`tools/bench_small_reduce.py`, docs/benchmarks.md#small-reduce), and a stage-3 step states ~10 agreement
 records. Below 2 elements per rank gloo's own is the faster of the two (it reduces them in one step), so
 without pipes it keeps those.
