@@ -50,8 +50,14 @@ class Transport:
     receives_pieces = False
 
     def __init__(self, group: Any):
-        self.group = group
+        # weak: `_served` keys on the group, and a value that held it would keep every group (and its connections)
+        # alive until released by hand
+        self._group = weakref.ref(group)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    @property
+    def group(self) -> Any:
+        return self._group()
 
     def close(self) -> None:
         """Release what the transport holds beside the group (pipes, shared memory); torch's collectives hold

@@ -281,3 +281,22 @@ def test_world_of_one_is_identity():
     work, mine = comm.reduce_scatter_in_place(x.detach().reshape(-1), None)
     assert work is None
     torch.testing.assert_close(mine.view(5, 3), x.detach())
+
+
+def test_a_group_nobody_released_is_not_kept_alive_by_its_transport():
+    """The map of transports is keyed weakly on the group: a transport holding its group strongly kept a destroyed
+    group (and its gloo connections) alive until released by hand."""
+    code = (
+        "import gc, tempfile, weakref, torch, torch.distributed as dist\n"
+        "from moezero.parallel import comm\n"
+        "from moezero.parallel.transport import transport_of\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+        "g = dist.new_group([0])\n"
+        "transport_of(g)\n"
+        "ref = weakref.ref(g)\n"
+        "dist.destroy_process_group(g); del g; gc.collect()\n"
+        "print('alive' if ref() is not None else 'freed')\n")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "freed", out.stdout + out.stderr
