@@ -1,9 +1,8 @@
 """The public ops' eager path: the kernels called straight from Python, their autograd an autograd.Function.
 
-A `torch.library` custom op costs 15-30 us of Python per call (schema checks, the autograd wrapper, the dispatch
-back into Python) and its generated backward node more again: a few milliseconds a step across the routing ops
-and the gradient buckets, more than the kernels themselves take at small widths (tools/bench_ops.py --only
-dispatch). Outside torch.compile, on plain tensors of a real device, the public ops (ops/__init__.py) call the
+A `torch.library` custom op costs Python per call (schema checks, the autograd wrapper, the dispatch back into
+Python) and its generated backward node more again: across the routing ops and the gradient buckets, more than
+the kernels themselves take at small widths (docs/benchmarks.md#dispatch, tools/bench_ops.py --only dispatch). Outside torch.compile, on plain tensors of a real device, the public ops (ops/__init__.py) call the
 same kernels (`_library.kernel`: the compiled one where wired, else the reference) through this file; traced
 code, FakeTensors, meta tensors and tensor subclasses keep the custom ops (`_library.py`), which stay the
 contract for torch.compile and torch.library's checks. Both paths give the same bits (tests/ops/test_library.py).

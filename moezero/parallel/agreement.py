@@ -7,7 +7,7 @@ silently mixes unrelated tensors. So before such a collective every rank states 
 as a short record of integers. Records travel as messages of one length that every rank sends every
 rank (its records and one flag of bits that rides along: whether any rank has something to do, e.g.
 gradients left unreduced), on a channel that carries nothing else: the group's pipes when its ranks share a host
-(`local_channel.py`: ~0.05 ms a message), else a gloo group's all-gather (~0.5 ms). Messages pair by
+(`local_channel.py`), else a gloo group's all-gather (docs/benchmarks.md#small-reduce). Messages pair by
 their index, so records only ever pair with records and never abort; when
 any rank's record differs, every rank raises `RanksDisagree`, naming what it was doing and what another
 rank was doing. A record can be launched ahead and checked when it matters (`Agreement`), so a
