@@ -26,18 +26,18 @@ from moezero import ops
 from moezero.parallel import ParallelGroups, comm
 from moezero.zero.agreement_points import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
 from moezero.zero.assigned_grads import reduce_assigned
-from moezero.zero.param_families import FamilyParts, ParamFamily, build_families
+from moezero.zero.param_families import build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
 from moezero.zero.model_guard import (ModelGuard, ParameterSetChanged, storage_replaced_error,
                                       unfrozen_by_hand_error, unknown_param_error)
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
-from moezero.zero.stages import stage_of
+from moezero.zero.stages import FamilyParts, stage_of
 from moezero.zero.step_totals import StepTotals
 from moezero.torch_internals import in_backward, no_subclass_dispatch
 from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
-from moezero.zero.zero_param import MasterPiece, Range, ZeroParam, optimizer_slice
+from moezero.zero.zero_param import MasterPiece, ParamFamily, Range, ZeroParam, optimizer_slice
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]
 

@@ -27,9 +27,8 @@ import torch
 
 from moezero import ops
 from moezero.parallel import comm
-from moezero.zero.param_families import ParamFamily, Range
 from moezero.zero.launch_queue import InFlight
-from moezero.zero.zero_param import ZeroParam
+from moezero.zero.zero_param import ParamFamily, Range, ZeroParam
 
 STAGING_POOL_BUCKETS = 2  # stages 2/3 keep at most this many largest-bucket staging buffers for reuse
 

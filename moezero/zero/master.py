@@ -15,9 +15,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from moezero.zero.param_families import FamilyParts, ParamFamily
+from moezero.zero.stages import FamilyParts
 from moezero.torch_internals import no_subclass_dispatch
-from moezero.zero.zero_param import MasterPiece, Range, ZeroParam
+from moezero.zero.zero_param import MasterPiece, ParamFamily, Range, ZeroParam
 
 ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]   # per family, per bucket (None: frozen)
 

@@ -4,90 +4,21 @@ Dense params form families over `dp`, routed-expert params over `edp`, one famil
 params frozen when the optimizer adopted them form families of their own (stored, sharded and held
 with their optimizer state like the others, but never reduced: a frozen model part costs no
 communication).
-A family is pure bookkeeping: its params' records (`zero_param.py`: where each sits in the flat
-layout and in its global tensor), and which slice of each bucket this rank owns. Storage is the
-param side's business (`param_storage.py`), gradients the grad side's (`grad_strategies.py`).
+A family (`ParamFamily`, in `zero_param.py` beside the params' records) is pure bookkeeping: its params'
+records (where each sits in the flat layout and in its global tensor), and which slice of each bucket this
+rank owns. Storage is the param side's business (`param_storage.py`), gradients the grad side's
+(`grad_strategies.py`). This module groups a model's params into families.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from moezero.parallel import ParallelGroups, comm, expert_shard_of
-from moezero.zero.partition import FlatLayout, plan_buckets
-from moezero.zero.zero_param import Range, ZeroParam, optimizer_slice
-
-if TYPE_CHECKING:
-    from moezero.zero.grad_strategies import GradStrategy
-    from moezero.zero.param_storage import ParamStorage
-
-
-@dataclass(eq=False)
-class ParamFamily:
-    """Params of one (reduce group, dtype); see the module docstring."""
-
-    kind: str                         # "dense" or "expert"
-    dtype: torch.dtype
-    trainable: bool                   # False: frozen when adopted; no gradient hooks, never reduced
-    group: Optional[Any]              # the reduce group (dp or edp)
-    members: List[ZeroParam]          # in layout order
-    layout: FlatLayout
-
-    def __post_init__(self):
-        self.group_rank = comm.group_rank(self.group)
-        self.group_size = comm.group_size(self.group)
-        self.owned: List[Range] = [b.shard_range(self.group_rank, self.group_size) for b in self.layout.buckets]
-        self.buckets: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
-        for zp in self.members:
-            zp.family = self
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.layout.buckets)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the family's storage lives: its params' device (the CPU for params still deferred on meta)."""
-        return next((zp.param.device for zp in self.members if zp.param.device.type != "meta"), torch.device("cpu"))
-
-    def bucket_numel(self, bucket: int) -> int:
-        return self.layout.buckets[bucket].numel
-
-    def bucket_region(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
-        """The bucket's slice of a family-sized flat tensor."""
-        b = self.layout.buckets[bucket]
-        return flat[b.start:b.start + b.numel]
-
-    def view_in_bucket(self, bucket_tensor: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
-        """The param's slice of a bucket-sized flat tensor, shaped like the param."""
-        lo, hi = zp.bucket_range((0, zp.slot.numel))
-        return bucket_tensor[lo:hi].view(zp.param.shape)
-
-    def param_view(self, flat: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
-        """The param's slice of a family-sized flat tensor, shaped like the param."""
-        return self.view_in_bucket(self.bucket_region(flat, zp.bucket), zp)
-
-    def pieces(self, bucket: int, span: Range) -> List[Tuple[ZeroParam, Range, int]]:
-        """(param, its part inside the bucket range `span` in param coordinates, where that part starts in
-        `span`)."""
-        out = []
-        for zp in self.buckets[bucket]:
-            part = zp.param_range_in(span)
-            if part is not None:
-                out.append((zp, part, optimizer_slice(zp.bucket_range(part), span).start))
-        return out
-
-
-@dataclass(eq=False)
-class FamilyParts:
-    """A family and the two sides that serve it: where its values live, how its gradients are reduced."""
-
-    family: ParamFamily
-    storage: "ParamStorage"
-    strategy: "GradStrategy"
+from moezero.zero.partition import plan_buckets
+from moezero.zero.zero_param import ParamFamily, ZeroParam
 
 
 def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype, bool]:

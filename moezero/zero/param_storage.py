@@ -16,7 +16,7 @@ from typing import Any, List
 import torch
 
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.param_families import ParamFamily, Range
+from moezero.zero.zero_param import ParamFamily, Range
 
 
 class ParamStorage(abc.ABC):

@@ -27,7 +27,7 @@ import torch
 
 from moezero.parallel import comm
 from moezero.zero.agreement_points import Activity, RankAgreement
-from moezero.zero.param_families import FamilyParts
+from moezero.zero.stages import FamilyParts
 from moezero.zero.launch_queue import build_queues
 from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.sharded_gradient import ShardedGradient

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.param_families import ParamFamily
+from moezero.zero.zero_param import ParamFamily
 from moezero.zero.param_storage import ParamStorage
 
 

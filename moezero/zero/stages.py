@@ -19,6 +19,7 @@ from moezero.zero.grad_strategies import (AllReduceGrads, GradStrategy, ReduceSc
                                           ReduceScatterEveryBackward)
 from moezero.zero.param_storage import ParamStorage, ReplicatedParams
 from moezero.zero.sharded_params import ShardedParams
+from moezero.zero.zero_param import ParamFamily
 
 KINDS = ("params", "grads", "optimizer_state")   # what a rank holds (masters count with the optimizer state)
 
@@ -52,6 +53,15 @@ STAGES: Dict[int, Stage] = {
     2: Stage(2, frozenset({"optimizer_state", "grads"}), ReplicatedParams, ReduceScatterEveryBackward),
     3: Stage(3, frozenset({"optimizer_state", "grads", "params"}), ShardedParams, ReduceScatterEveryBackward),
 }
+
+
+@dataclass(eq=False)
+class FamilyParts:
+    """What a stage builds for one family: where its values live, how its gradients are reduced."""
+
+    family: ParamFamily
+    storage: ParamStorage
+    strategy: GradStrategy
 
 
 def stage_of(number: int) -> Stage:

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 import torch
 
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.param_families import ParamFamily
+from moezero.zero.zero_param import ParamFamily
 
 
 class StepTotals:

@@ -1,4 +1,5 @@
-"""ZeroParam: everything the optimizer knows about one param, in one record (FSDP2's FSDPParam is the model).
+"""ZeroParam: everything the optimizer knows about one param, in one record (FSDP2's FSDPParam is the model);
+ParamFamily: the records of the params reduced over one group in one dtype (`param_families.py` groups them).
 
     who         name, the nn.Parameter, its family, its stage-3 gather unit
     where       its slot in the family's flat layout (bucket, offset, numel), its position among the
@@ -17,19 +18,16 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from moezero.parallel import expert_shard_of
+from moezero.parallel import comm, expert_shard_of
 from moezero.deferred_values import allocate, read_values, values_arrived
-from moezero.zero.partition import ParamSlot, shard_overlap
+from moezero.zero.partition import FlatLayout, ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.torch_internals import storage_key
-
-if TYPE_CHECKING:
-    from moezero.zero.param_families import ParamFamily
 
 Range = Tuple[int, int]
 
@@ -141,3 +139,59 @@ class ZeroParam:
     def storage_intact(self) -> bool:
         """False when the param no longer lives where the optimizer put it (a .data swap, a cast)."""
         return storage_key(self.param) == self._home
+
+
+@dataclass(eq=False)
+class ParamFamily:
+    """Params of one (reduce group, dtype); see param_families.py's docstring."""
+
+    kind: str                         # "dense" or "expert"
+    dtype: torch.dtype
+    trainable: bool                   # False: frozen when adopted; no gradient hooks, never reduced
+    group: Optional[Any]              # the reduce group (dp or edp)
+    members: List[ZeroParam]          # in layout order
+    layout: FlatLayout
+
+    def __post_init__(self):
+        self.group_rank = comm.group_rank(self.group)
+        self.group_size = comm.group_size(self.group)
+        self.owned: List[Range] = [b.shard_range(self.group_rank, self.group_size) for b in self.layout.buckets]
+        self.buckets: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
+        for zp in self.members:
+            zp.family = self
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.layout.buckets)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the family's storage lives: its params' device (the CPU for params still deferred on meta)."""
+        return next((zp.param.device for zp in self.members if zp.param.device.type != "meta"), torch.device("cpu"))
+
+    def bucket_numel(self, bucket: int) -> int:
+        return self.layout.buckets[bucket].numel
+
+    def bucket_region(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The bucket's slice of a family-sized flat tensor."""
+        b = self.layout.buckets[bucket]
+        return flat[b.start:b.start + b.numel]
+
+    def view_in_bucket(self, bucket_tensor: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
+        """The param's slice of a bucket-sized flat tensor, shaped like the param."""
+        lo, hi = zp.bucket_range((0, zp.slot.numel))
+        return bucket_tensor[lo:hi].view(zp.param.shape)
+
+    def param_view(self, flat: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
+        """The param's slice of a family-sized flat tensor, shaped like the param."""
+        return self.view_in_bucket(self.bucket_region(flat, zp.bucket), zp)
+
+    def pieces(self, bucket: int, span: Range) -> List[Tuple[ZeroParam, Range, int]]:
+        """(param, its part inside the bucket range `span` in param coordinates, where that part starts in
+        `span`)."""
+        out = []
+        for zp in self.buckets[bucket]:
+            part = zp.param_range_in(span)
+            if part is not None:
+                out.append((zp, part, optimizer_slice(zp.bucket_range(part), span).start))
+        return out

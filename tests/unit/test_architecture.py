@@ -92,6 +92,51 @@ def test_no_import_cycle_between_packages():
     assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
 
 
+def _module_of_file(path: str) -> str:
+    return os.path.splitext(path)[0].replace(os.sep, ".").removesuffix(".__init__")
+
+
+def _module_level_imports(tree: ast.Module) -> Iterator[ast.AST]:
+    """The imports that run when the module loads, and those under `if TYPE_CHECKING:` (a type hint's import
+    is a dependency for a reader and a type checker all the same); not those inside a function."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _module_graph() -> Dict[str, Set[str]]:
+    """moezero's modules and the modules each imports at module level (`from moezero.zero import engine` and
+    `from moezero.zero.engine import ZeroEngine` both name moezero.zero.engine; `from moezero.zero import
+    ZeroOptimizer` names the package's __init__)."""
+    sources = {_module_of_file(path): tree for path, tree in _sources("moezero")}
+    graph: Dict[str, Set[str]] = {}
+    for module, tree in sources.items():
+        for node in _module_level_imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                assert not node.level, f"{module}:{node.lineno} imports relatively (moezero's imports are absolute)"
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in sources else node.module
+                           for a in node.names]
+            graph.setdefault(module, set()).update(t for t in targets if t in sources and t != module)
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """No module imports itself through others at module level, type-hint imports included (a circle of
+    modules is one concept spread over files: each needs the others to be read). Break one by moving what both
+    need below both, or by passing an object in."""
+    graph = _module_graph()
+    assert "moezero.zero.engine" in graph["moezero.zero.optimizer"]   # the graph itself
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
 def test_layering():
     graph = _graph()
     broken = [(a, b) for a, b in FORBIDDEN if b in graph.get(a, ())]
