@@ -12,6 +12,7 @@ from typing import List, Optional
 from torch import nn
 
 from moezero.compression import PLUGIN_NAME, QATConfig, QATController, apply_qat
+from moezero.config import ConfigError
 from moezero.parallel import ParallelGroups
 from moezero.training.args import parse_configs
 from moezero.training.configs import CONFIG_CLASSES as TRAINING_CONFIG_CLASSES
@@ -28,8 +29,14 @@ class RecipeConfigs(Configs):
 
 
 def attach_qat(model: nn.Module, groups: ParallelGroups, cfg: RecipeConfigs) -> Optional[QATController]:
-    """Fake quantization in the model's forward when --qat-weight-bits is set."""
-    return apply_qat(model, cfg.qat, groups, cfg.train.seed) if cfg.qat.enabled else None
+    """Fake quantization in the model's forward when --qat-weight-bits is set (refused with pipeline stages until
+    tested there: one line at start, before the optimizer)."""
+    if not cfg.qat.enabled:
+        return None
+    if cfg.parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"--qat-weight-bits={cfg.qat.weight_bits}: quantization-aware training with "
+                          f"--pipeline-model-parallel-size={cfg.parallel.pipeline_parallel_size} is not supported yet")
+    return apply_qat(model, cfg.qat, groups, cfg.train.seed)
 
 
 PLUGINS = {PLUGIN_NAME: attach_qat}

@@ -18,8 +18,37 @@ class ParallelConfig(Validated):
     # Megatron's other parallelisms: accepted at 1 so launch scripts run unchanged
     tensor_parallel_size: int = option(1, "Megatron's tensor parallelism: only 1 (moezero shards with ZeRO and "
                                        "experts instead)", flag="--tensor-model-parallel-size")
-    pipeline_parallel_size: int = option(1, "Megatron's pipeline parallelism: only 1",
+    pipeline_parallel_size: int = option(1, "pipeline stages the layers are split over (Megatron's; 1F1B at ZeRO "
+                                         "stages 0 and 1, see docs/megatron.md)",
                                          flag="--pipeline-model-parallel-size")
+    # Megatron's other pipeline flags, its defaults; moezero.pipeline.PipelinePlan applies Megatron's rules to them
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "layers per virtual pipeline stage (interleaved schedule)",
+        flag="--num-layers-per-virtual-pipeline-stage")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
+        None, "virtual pipeline stages per pipeline rank (interleaved schedule)",
+        flag="--num-virtual-stages-per-pipeline-rank")
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "layers of the first pipeline stage (the rest split evenly)", flag="--decoder-first-pipeline-num-layers")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "layers of the last pipeline stage (the rest split evenly)", flag="--decoder-last-pipeline-num-layers")
+    pipeline_model_parallel_layout: Optional[str] = option(
+        None, "each stage's layers as Megatron's layout string (E embedding, t layer, m MTP, L loss, | between "
+        "stages)", flag="--pipeline-model-parallel-layout")
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, "the embedding counts as a layer of the first stage in the even split",
+        flag="--account-for-embedding-in-pipeline-split")
+    account_for_loss_in_pipeline_split: bool = option(
+        False, "the loss counts as a layer of the last stage in the even split",
+        flag="--account-for-loss-in-pipeline-split")
+    no_overlap_p2p_communication: bool = option(
+        False, "Megatron's: no overlap of the stage-to-stage sends (then virtual stages need "
+        "--pipeline-model-parallel-size > 2)", flag="--no-overlap-p2p-communication")
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "micro-batches per group of the interleaved schedule (default --pipeline-model-parallel-size)",
+        flag="--microbatch-group-size-per-virtual-pipeline-stage")
+    use_tp_pp_dp_mapping: bool = option(False, "Megatron's rank order tp-pp-dp instead of tp-dp-pp",
+                                        flag="--use-tp-pp-dp-mapping")
     context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
     expert_tensor_parallel_size: Optional[int] = option(None, "Megatron's expert tensor parallelism: only 1",
                                                         flag="--expert-tensor-parallel-size")
@@ -29,8 +58,8 @@ class ParallelConfig(Validated):
     def __post_init__(self):
         self._check_all_choices()
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-                     "expert_tensor_parallel_size"):
+        self._require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        for name in ("tensor_parallel_size", "context_parallel_size", "expert_tensor_parallel_size"):
             self._require(getattr(self, name) in (1, None), name, "not supported by moezero, only 1 is accepted (it splits "
                           "experts with --expert-model-parallel-size and shards the rest with --zero-stage)")
 

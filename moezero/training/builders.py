@@ -90,9 +90,17 @@ def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int,
             load_hub_weights(model, hub_dir)
         except (CheckpointMismatch, UnsupportedModel) as exc:   # the files do not hold the configs' model
             raise ConfigError(f"--load-hf={hub_dir}: {exc}") from None
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        model = place_on(model, torch.device("cuda", torch.cuda.current_device()))
+    device = run_device()
+    if device is not None:
+        model = place_on(model, device)
     return model
+
+
+def run_device() -> Optional[torch.device]:
+    """The GPU the backend uses (nccl), else None (the CPU)."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def place_on(model: GPTModel, device: torch.device) -> GPTModel:
@@ -105,6 +113,14 @@ def place_on(model: GPTModel, device: torch.device) -> GPTModel:
 
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
     """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
+    cls, kwargs = optimizer_class(cfg)
+    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero,
+                                     param_groups=megatron_param_groups(model, cfg.train), fp16=cfg.train.fp16,
+                                     lr=cfg.train.lr, **kwargs)
+
+
+def optimizer_class(cfg: Configs) -> Tuple[type, Dict]:
+    """The inner optimizer's class and keyword arguments (the learning rate aside) from the flags."""
     t, z = cfg.train, cfg.zero
     if t.optimizer == "adam" and z.use_precision_aware_optimizer:
         cls, kwargs = PrecisionAwareAdam, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
@@ -115,8 +131,7 @@ def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> Ze
         cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     else:
         cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)
-    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero, param_groups=megatron_param_groups(model, t),
-                                     fp16=t.fp16, lr=t.lr, **kwargs)
+    return cls, kwargs
 
 
 def megatron_param_groups(model: GPTModel, t) -> List[Dict]:

@@ -14,8 +14,10 @@ from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, Paral
 from moezero.data import num_micro_steps
 from moezero.config.model import RECOMPUTE_KEPT
 from moezero.parallel import rank_layout
+from moezero.pipeline import pipeline_rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
+from moezero.training.pipeline_checks import check_pipeline_run
 from moezero.training.megatron_rules import (check_accepted_megatron_flags, check_gpu_execution_flags,
                                              check_megatron_combinations, check_router)
 from moezero.training.profiling import ProfilingConfig, check_profiling
@@ -428,11 +430,16 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     (a resume); returns micro-steps per optimizer step. Raises ConfigError naming the flags. `new_model`: no
     checkpoint defines the model (what Megatron would not build is refused only then, so an older run resumes).
 
-    A --train-samples run gets its --train-iters here: the steps from where it starts to the samples."""
-    cfg.train.resolve_global_batch_size(world_size)
+    A --train-samples run gets its --train-iters here: the steps from where it starts to the samples.
+    With --pipeline-model-parallel-size (pp) the data-parallel size is world_size / pp: it deals the batch."""
+    plan = check_pipeline_run(cfg)
     ep = cfg.parallel.expert_parallel_size
+    if plan.pp > 1:   # Megatron's folding of the ranks: one line for sizes it refuses
+        pipeline_rank_layout(world_size, ep, plan.pp, cfg.parallel.use_tp_pp_dp_mapping)
+    dp_size = world_size // plan.pp
+    cfg.train.resolve_global_batch_size(dp_size)
     try:
-        rank_layout(world_size, ep)
+        rank_layout(dp_size, ep)
     except ValueError:
         raise ConfigError(f"--expert-model-parallel-size={ep}: must divide the number of processes ({world_size})")
     if cfg.moe.num_experts is None:
@@ -444,7 +451,7 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
     for size in schedule.sizes_from(consumed_samples):   # each batch still to come splits into micro-steps
         try:
-            num_micro_steps(size, cfg.train.micro_batch_size, world_size)
+            plan.check_num_microbatches(num_micro_steps(size, cfg.train.micro_batch_size, dp_size))
         except ConfigError as exc:
             flag = "--global-batch-size" if schedule.is_constant else "the batch-size ramp"
             raise ConfigError(f"{flag}: a global batch of {size}: {exc}") from None
@@ -466,4 +473,4 @@ def validate(cfg: Configs, world_size: int, start_iteration: int = 0, consumed_s
     if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(f"--eval-interval={cfg.train.eval_interval}: needs a validation split, but --split="
                           f"{cfg.data.split} gives it weight 0 (use --eval-interval 0 or a split like 969,30,1)")
-    return num_micro_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    return num_micro_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp_size)

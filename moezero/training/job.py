@@ -24,6 +24,7 @@ from moezero.config import ConfigError
 from moezero.data import DataError
 from moezero.parallel import ChannelError
 from moezero.parallel.agreement import RanksDisagree
+from moezero.pipeline.failure import PipelineFailed
 from moezero.training.configs import Configs
 from moezero.training.plugin import PluginFactory
 from moezero.training.pretrain import Pretraining
@@ -82,6 +83,9 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
         return 130
     except FloatingPointError as exc:   # a non-finite step (the same on every rank: the norm is global)
         _report(f"error: {exc}")
+        return 1
+    except PipelineFailed as exc:   # one line naming the stage and rank that failed first, on every rank
+        _report(f"error: {exc}", every_rank=True)
         return 1
     except RanksDisagree as exc:   # its message says where each rank was
         _report(f"error: {first_line(exc)}", every_rank=True)

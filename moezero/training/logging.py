@@ -151,12 +151,13 @@ def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, 
     return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at, train.tensorboard_queue_size, own_event_files)
 
 
-def agreed_event_files(logger: Logger, group) -> Tuple[str, ...]:
-    """Collective over `group` (every rank): rank 0's `event_files()`, which a checkpoint records. Every rank writes
-    the same train state (DCP keeps one rank's copy of it), so every rank must hold rank 0's names."""
+def agreed_event_files(logger: Logger, group, source: int = 0) -> Tuple[str, ...]:
+    """Collective over `group` (every rank): the logging rank's `event_files()` (`source`, its rank in `group`),
+    which a checkpoint records. Every rank writes the same train state (DCP keeps one rank's copy of it), so every
+    rank must hold the logging rank's names."""
     files = [logger.event_files()]
     if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(files, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast_object_list(files, src=dist.get_global_rank(group, source), group=group)
     return tuple(files[0])
 
 

@@ -27,12 +27,14 @@ from moezero.hf import UnsupportedModel, save_pretrained
 from moezero.hf.run_tokenizer import run_tokenizer_files, tokenizer_token_ids
 from moezero.hf.families import family_for
 from moezero.hf.load import hub_dtype
+from moezero.keyed_random import keyed_seed
 from moezero.models.upcycling import upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
-from moezero.training.builders import build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size
+from moezero.training.builders import (build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size,
+                                      param_dtype, run_device)
 from moezero.training.configs import Configs, interleaves_micro_batches, validate
 from moezero.training.host_memory import HeapTrimmer
 from moezero.training.logging import (Timer, agreed_event_files, build_logger, format_train_line,
@@ -41,6 +43,8 @@ from moezero.training.log_interval import LogInterval
 from moezero.training.megatron_rules import apply_deterministic_mode
 from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
                                    train_step)
+from moezero.training.pipeline_checks import check_pipeline_run
+from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
 from moezero.checkpoint.keys import plain_param_name
@@ -79,6 +83,7 @@ class Pretraining:
             raise
 
     def _build(self, cfg: Configs, plugins: Mapping[str, PluginFactory]) -> None:
+        check_pipeline_run(cfg)   # a layout refused before any checkpoint is read
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
@@ -89,8 +94,11 @@ class Pretraining:
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         defaulted = None
         if cfg.train.global_batch_size is None:   # Megatron's default, said as Megatron says it
-            defaulted = (f"setting global batch size to {cfg.train.micro_batch_size * self.world} "
-                         "(--micro-batch-size x the number of processes; no --global-batch-size given)")
+            dp_size = self.world // cfg.parallel.pipeline_parallel_size
+            processes = "the number of processes" + (" / --pipeline-model-parallel-size" if dp_size < self.world
+                                                      else "")
+            defaulted = (f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
+                         f"(--micro-batch-size x {processes}; no --global-batch-size given)")
             notices.append(f" {defaulted}")
         self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples,
                                     new_model=point is None and dense_source is None)
@@ -103,14 +111,13 @@ class Pretraining:
             if defaulted is None:
                 raise
             raise ConfigError(f"{exc} ({defaulted}: give the run's --global-batch-size)") from None
-        self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size,
-                                           timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
-        self.rank = self.groups.rank
-        self.logger = build_logger(self.rank, cfg.train, cfg.checkpoint.save,
+        self._build_groups(cfg)
+        self.logger = build_logger(0 if self.logs else 1, cfg.train, cfg.checkpoint.save,
                                    flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)),
                                    (self.iteration, progress.consumed_train_samples) if resumed_at else None,
                                    point.tensorboard_files if point is not None else None)
-        self.event_files = agreed_event_files(self.logger, self.groups.control)   # what its checkpoints record
+        # what its checkpoints record: the logging rank's
+        self.event_files = agreed_event_files(self.logger, self.control, self.log_rank)
         for line in notices:
             self.logger.print(line)
         sizes = dataset_sizes(cfg, self.iteration, progress)
@@ -125,8 +132,7 @@ class Pretraining:
         if cfg.train.bf16 and cfg.implementation.disable_bf16_reduced_precision_matmul:   # megatron-core's, global
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         apply_deterministic_mode(cfg)
-        self.model = build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
-                                 hub_dir=cfg.checkpoint.load_hf if point is None else None)
+        self.model = self._build_model(cfg, point)
         if dense_source is not None:   # before the optimizer copies the params into its masters
             dense = checkpoint.consolidate_checkpoint(dense_source.path)   # a QAT run's under plain names
             upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()})
@@ -135,7 +141,9 @@ class Pretraining:
         self._check_exportable()
         if point is not None:
             check_shapes(self.model, point)
-        self.opt = build_optimizer(self.model, cfg, self.groups)
+        self.opt = build_optimizer(self.model, cfg, self.groups) if self.pipeline is None else \
+            self.pipeline.optimizer(cfg)
+        self.pipeline_trainer = self.pipeline.trainer(self.opt, cfg) if self.pipeline is not None else None
         self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
         # process-wide: glibc's thresholds now, a trim after each step that ends well above the warmed-up heap
         self.heap = HeapTrimmer() if cfg.train.host_heap_policy else None
@@ -150,9 +158,39 @@ class Pretraining:
         if point is not None:
             self._resume(point)
 
+    def _build_groups(self, cfg: Configs) -> None:
+        """The process groups: one pipeline's (`groups`), or at --pipeline-model-parallel-size > 1 this rank's
+        stage's (`groups`) in its pipeline's (`pipeline`). `control` decides for the whole world, (`dp_rank`,
+        `dp_size`) deal the batch (every rank of a pipeline loads the same micro-batches) and `log_rank` logs:
+        Megatron's last rank with a pipeline (it holds the loss)."""
+        if cfg.parallel.pipeline_parallel_size == 1:
+            self.pipeline = None
+            self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size,
+                                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
+            self.rank, self.control, self.log_rank = self.groups.rank, self.groups.control, 0
+            self.dp_rank, self.dp_size = self.groups.rank, self.world
+        else:
+            self.pipeline = PipelineRun.build(cfg)
+            pipeline = self.pipeline.groups
+            self.groups, self.control, self.log_rank = pipeline.stage, pipeline.world_control, self.pipeline.log_rank
+            self.rank, self.dp_rank, self.dp_size = pipeline.rank, pipeline.dp_rank, pipeline.dp_size
+        self.logs = self.rank == self.log_rank
+
+    def _build_model(self, cfg: Configs, point: Optional[ResumePoint]):
+        """The GPT (build_model), or at pp > 1 this rank's stages of it."""
+        if self.pipeline is None:
+            return build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
+                               hub_dir=cfg.checkpoint.load_hf if point is None else None)
+        gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, self.data.tokenizer.vocab_size))
+        return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device())
+
+    def destroy_groups(self) -> None:
+        """Release every process group of the run (tests run many in one world)."""
+        (self.pipeline.groups if self.pipeline is not None else self.groups).destroy()
+
     def _resume(self, point: ResumePoint) -> None:
         ck = self.cfg.checkpoint
-        state = checkpoint.load_checkpoint(point.path, self.model, self.opt, self.groups.control,
+        state = checkpoint.load_checkpoint(point.path, self.model, self.opt, self.control,
                                            load_optim=not (ck.no_load_optim or ck.finetune or is_import(point)),
                                            load_rng=not (ck.no_load_rng or ck.finetune))
         if ck.finetune:  # a new run from these weights: iteration 0, plug-ins start fresh
@@ -208,9 +246,9 @@ class Pretraining:
 
     def _train_and_save(self, t) -> None:
         """The loop to --train-iters or a stop condition, then the last checkpoint."""
-        stop = StopConditions(t, self.groups.control)
+        stop = StopConditions(t, self.control)
         loader = MicroBatchLoader(self.data.train, self._train_index_lists(), self.cfg.data.num_workers)
-        profiler = StepProfiler(self.cfg.profiling, self.groups.rank, t.tensorboard_dir, self.iteration)
+        profiler = StepProfiler(self.cfg.profiling, self.rank, t.tensorboard_dir, self.iteration)
         try:
             self._loop(stop, loader, profiler)
         except BaseException:
@@ -236,7 +274,7 @@ class Pretraining:
         t, consumed = self.cfg.train, self.progress.consumed_train_samples
         for _ in range(self.iteration, t.train_iters):
             batch_size = self.batch_schedule.batch_size(consumed)
-            yield from micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.groups.rank, self.world)
+            yield from micro_batch_indices(consumed, batch_size, t.micro_batch_size, self.dp_rank, self.dp_size)
             consumed += batch_size
 
     def _loop(self, stop: StopConditions, loader: MicroBatchLoader, profiler: StepProfiler) -> None:
@@ -255,10 +293,13 @@ class Pretraining:
                 group["weight_decay"] = self.lr_schedule.weight_decay_at(self.lr_schedule_steps) * group["wd_mult"]
             profiler.before_iteration(self.iteration)
             timer = Timer()
-            batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.world))]
-            metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
-                                 per_token_loss=t.calculate_per_token_loss,
-                                 overlap_moe_comm=interleaves_micro_batches(self.cfg))
+            batches = [next(loader) for _ in range(batch_size // (t.micro_batch_size * self.dp_size))]
+            if self.pipeline_trainer is not None:
+                metrics = self.pipeline_trainer.train_step(batches, self.iteration, t.seed)
+            else:
+                metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
+                                     per_token_loss=t.calculate_per_token_loss,
+                                     overlap_moe_comm=interleaves_micro_batches(self.cfg))
             if self.heap is not None:
                 self.heap.after_step()
             if not metrics.stepped:
@@ -420,12 +461,18 @@ class Pretraining:
         t = self.cfg.train
         # Megatron's --skip-train validates from the split's start too
         start = self.progress.consumed_valid_samples if split == "valid" and not t.skip_train else 0
-        indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.groups.rank,
-                                     self.world, start)
+        indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.dp_rank,
+                                     self.dp_size, start)
         loader = MicroBatchLoader(self.data.valid if split == "valid" else self.data.test, indices,
                                   self.cfg.data.num_workers)
         try:
-            loss = evaluate(self.model, loader, self.groups.dp, t.seed, self.iteration, split)
+            if self.pipeline_trainer is not None:   # one forward-only schedule per global batch
+                per_batch = len(indices) // t.eval_iters
+                batches = ([next(loader) for _ in range(per_batch)] for _ in range(t.eval_iters))
+                loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split),
+                                                      self.iteration)
+            else:
+                loss = evaluate(self.model, loader, self.groups.dp, t.seed, self.iteration, split)
         finally:
             loader.close()
         if split == "valid":
@@ -453,7 +500,7 @@ class Pretraining:
             configs=self._stored_configs(),
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
             progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
-            group=self.groups.control, keep_last=ck.keep_last, background=ck.async_save,
+            group=self.control, keep_last=ck.keep_last, background=ck.async_save,
             writer_group=self._writer_group, tensorboard_files=self.event_files)
         self._saved_at = self.iteration
         if isinstance(saved, PendingSave):
@@ -525,9 +572,11 @@ class Pretraining:
 
     def _print_header(self) -> None:
         params = sum(p.numel() for p in self.model.parameters())
+        pp = f"pp {self.pipeline.plan.pp} (1F1B), " if self.pipeline is not None else ""
         self.logger.print(
-            f" moezero pretraining: world {self.world}, ep {self.groups.ep_size}, ZeRO stage {self.cfg.zero.stage}, "
-            f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank 0, "
+            f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
+            f"ZeRO stage {self.cfg.zero.stage}, "
+            f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank {self.rank}, "
             f"{len(self.data.train)} train samples")
         if self.cfg.moe.num_experts and self.cfg.model.mlp_activation() == "gelu_tanh":
             self.logger.print(" Megatron's bias-GELU fusion (on by default): the MLPs and experts use the tanh GELU, "

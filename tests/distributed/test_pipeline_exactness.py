@@ -19,7 +19,7 @@ from moezero.pipeline.failure import PipelineFailed
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.pipeline.step import PipelineTrainer
+from moezero.training.pipeline_step import PipelineTrainer
 from moezero.training.loop import _micro_batch_losses
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs

@@ -100,8 +100,8 @@ def test_args_file_reads_megatron_style_lines(tmp_path):
 
 
 def test_megatron_parallel_and_optimizer_flags():
-    assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=1, context_parallel_size=1)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+    assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2, context_parallel_size=1)
+    for name in ("tensor_parallel_size", "context_parallel_size"):
         with pytest.raises(ConfigError, match="not supported by moezero, only 1 is accepted"):
             ParallelConfig(**{name: 2})
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
@@ -252,3 +252,86 @@ def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, ca
     assert job.run(configs([])) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and str(error).split(";")[0] in lines[0], lines
+
+
+# ---- pipeline stages: what runs, what is refused at start ---------------------------------------------
+PP2 = ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights", "--zero-stage", "1"]
+
+
+def _pipeline_configs(extra):
+    from tests.integration.pretrain_utils import TINY, configs
+
+    return configs(TINY + PP2 + extra)
+
+
+def test_a_pipeline_run_deals_the_batch_over_its_data_parallel_ranks():
+    """--global-batch-size 8 of micro-batches of 2: 4 micro-steps on 2 ranks at pp 2 (one pipeline), 2 on 4 ranks
+    (two pipelines); without --global-batch-size Megatron's default is --micro-batch-size x the dp size."""
+    from moezero.training.configs import validate
+
+    assert validate(_pipeline_configs([]), world_size=2) == 4
+    assert validate(_pipeline_configs([]), world_size=4) == 2
+    cfg = _pipeline_configs([])
+    cfg.train.global_batch_size = None
+    validate(cfg, world_size=4)
+    assert cfg.train.global_batch_size == 2 * 2
+
+
+@pytest.mark.parametrize("extra,world,needle", [
+    (["--decoder-first-pipeline-num-layers", "3"], 2, "--decoder-first-pipeline-num-layers=3: more than --num-layers=2"),
+    (["--num-layers", "3"], 2, "--num-layers=3: must be divisible by --pipeline-model-parallel-size=2"),
+    (["--pipeline-model-parallel-layout", "Et|tt|L"], 2, "--pipeline-model-parallel-layout='Et|tt|L'"),
+    ([], 3, "--pipeline-model-parallel-size=2: must divide the world size (3)"),
+    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size=2, --pipeline-model-parallel-size=2"),
+])
+def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
+    from moezero.training.configs import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(_pipeline_configs(extra), world_size=world)
+    assert needle in str(info.value) and len(str(info.value).splitlines()) == 1, str(info.value)
+
+
+PIPELINE_REFUSALS = [
+    (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
+     "needs --untie-embeddings-and-output-weights for now"),
+    (PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1"),
+    (PP2 + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "2 virtual stages per pipeline rank: the interleaved schedule is not supported yet"),
+    (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
+    (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
+    (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
+    (PP2 + ["--calculate-per-token-loss"], "--calculate-per-token-loss: not supported with pipeline stages"),
+    (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
+    (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
+    (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
+    (PP2 + ["--load-hf", "hub"], "--load-hf=hub: not supported with pipeline stages"),
+    (PP2 + ["--save-hf", "hub"], "--save-hf=hub: not supported with pipeline stages"),
+    (PP2 + ["--save", "ckpt"], "--save=ckpt: checkpoints with pipeline stages are not supported yet"),
+    (PP2 + ["--load", "ckpt"], "--load=ckpt: checkpoints with pipeline stages are not supported yet"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", PIPELINE_REFUSALS, ids=[needle.split(":")[0] for _, needle in
+                                                                  PIPELINE_REFUSALS])
+def test_what_pipeline_stages_do_not_run_yet_is_one_line_at_start(argv, needle):
+    """Each refused at start (validate, which the script runs before building anything) in one line naming the flag
+    and the pipeline size."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    with pytest.raises(ConfigError) as info:
+        validate(configs(TINY + argv), world_size=2)
+    message = str(info.value)
+    assert needle in message and "--pipeline-model-parallel-size" in message and len(message.splitlines()) == 1, \
+        message
+
+
+def test_qat_with_pipeline_stages_is_one_line_at_start():
+    """QAT plugs in from the recipe (training never imports it): its plug-in refuses pipeline stages before the
+    optimizer is built."""
+    from moezero.recipe import attach_qat
+
+    with pytest.raises(ConfigError, match="--qat-weight-bits=4: quantization-aware training with "
+                                          "--pipeline-model-parallel-size=2 is not supported yet"):
+        attach_qat(None, None, _pipeline_configs(["--qat-weight-bits", "4"]))

@@ -1,8 +1,10 @@
 """One training step of a pipeline rank: its micro-batches through torch.distributed.pipelining's schedule, then the
-optimizer step; metrics summed over every stage.
+optimizer step; metrics summed over every stage. The pipeline's `training.loop.train_step` (here, not in
+moezero/pipeline/, which the training layer builds on: the metrics are the loop's StepMetrics).
 
     trainer = PipelineTrainer(model, opt, groups, micro_batch_size=2, seq_length=32)
     metrics = trainer.train_step(micro_batches, iteration, seed)     # every rank of every stage calls it
+    loss = trainer.evaluate(global_batches, seed, iteration)         # forward only, the lm loss's token mean
 
 - Schedule: Schedule1F1B, or ScheduleGPipe when there are fewer micro-batches than stages (torch's 1F1B refuses
   them; Megatron runs them with a shortened warm-up, the same numbers). One PipelineStage per local chunk with
@@ -17,12 +19,14 @@ optimizer step; metrics summed over every stage.
   reduces them once, then the norm is summed over the stages (optimizer.py).
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
   world, then `training.loop`'s own `_step_metrics`.
+- Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule with stage
+  objects of its own: torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
 - Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
   line on every rank of the pipeline (failure.py).
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -35,7 +39,7 @@ from moezero.pipeline.metrics import StepRecorder, tracked_loss_names
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.loop import StepMetrics, _step_metrics
+from moezero.training.loop import StepMetrics, _step_metrics, _token_mean
 
 
 class _MicroBatchLoss:
@@ -66,13 +70,15 @@ class PipelineTrainer:
         self.piece = model.pieces[0]
         self.device = next(model.parameters()).device
         self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.piece.stage_index)
-        self._schedules: Dict[int, object] = {}
+        self._schedules: Dict[int, object] = {}        # training's, by micro-batch count
+        self._eval_schedules: Dict[int, object] = {}   # evaluation's (stage objects of their own)
         moe = model.moe_config
         self._recorder_args = (model.moe_layers, moe.num_experts if moe is not None else 0, tracked_loss_names(moe))
 
     # ---- the schedule ------------------------------------------------------------------------------
-    def _schedule(self, num_microbatches: int):
-        schedule = self._schedules.get(num_microbatches)
+    def _schedule(self, num_microbatches: int, evaluation: bool = False):
+        cache = self._eval_schedules if evaluation else self._schedules
+        schedule = cache.get(num_microbatches)
         if schedule is None:
             pp = self.groups.pp
             if pp is None and self.groups.pp_size > 1:
@@ -80,9 +86,10 @@ class PipelineTrainer:
             inputs, outputs = stage_metas(self.piece, self.shape)
             stage = PipelineStage(StageChunk(self.model, 0, self.shape), self.piece.stage_index,
                                   self.groups.pp_size, self.device, input_args=inputs, output_args=outputs, group=pp)
-            kind = Schedule1F1B if num_microbatches >= self.groups.pp_size else ScheduleGPipe
+            one_f_one_b = num_microbatches >= self.groups.pp_size and not evaluation
+            kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
             schedule = kind(stage, num_microbatches, loss_fn=_MicroBatchLoss(num_microbatches), scale_grads=False)
-            self._schedules[num_microbatches] = schedule
+            cache[num_microbatches] = schedule
         return schedule
 
     def _inputs(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
@@ -128,9 +135,40 @@ class PipelineTrainer:
         comm.all_reduce(totals, self.groups.world_control)   # one all-reduce for every metric of every stage
         return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
 
+    # ---- evaluation ----------------------------------------------------------------------------------
+    def evaluate(self, global_batches: Iterable[Sequence[Dict[str, torch.Tensor]]], seed: int, iteration: int
+                 ) -> float:
+        """The lm loss of every pipeline's micro-batches as their token mean (training.loop.evaluate's); each item
+        of `global_batches` is this pipeline's micro-batches of one global batch, `seed` the evaluation's keyed
+        seed. A collective over the world."""
+        cause = None
+        try:
+            return self._evaluate(global_batches, seed, iteration)
+        except PipelineFailed:
+            raise
+        except Exception as error:
+            cause = first_line(error)
+        self._fail(cause, iteration)
+
+    def _evaluate(self, global_batches, seed: int, iteration: int) -> float:
+        recorder = self.model.recorder = StepRecorder(*self._recorder_args)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for micro_batches in global_batches:
+                    args, kwargs = self._inputs(micro_batches, iteration, seed)
+                    self._schedule(len(micro_batches), evaluation=True).eval(*args, return_outputs=False, **kwargs)
+        finally:
+            self.model.recorder = None
+            self.model.train()
+        totals = torch.stack([recorder.totals["lm_loss"], recorder.totals["lm_tokens"]])
+        comm.all_reduce(totals, self.groups.world_control)   # the last stages' sums, zeros elsewhere
+        return _token_mean(totals[0], totals[1])
+
     def _fail(self, cause: str, iteration: int) -> None:
         """Raise the step's failure on this rank (see failure.py): state it, close the pipeline, raise."""
         line = self.guard.line_for(cause, iteration)
         self._schedules.clear()   # the stages hold the pp group: drop them before closing it
+        self._eval_schedules.clear()
         self.groups.close_pp()
         raise PipelineFailed(line)

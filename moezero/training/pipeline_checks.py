@@ -1,0 +1,76 @@
+"""What a pretraining run at --pipeline-model-parallel-size > 1 is refused at start (pure: parse + checks).
+
+    plan = check_pipeline_run(cfg)   # Megatron's rules on the pipeline flags (any pp), then, at pp > 1, what the
+                                     # pipeline execution does not run yet: one line each, naming the flag
+
+What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
+than the stages) over untied stages at ZeRO stages 0 and 1, the even, first/last and layout splits without virtual
+stages, dense and MoE layers (expert parallel within a stage), recompute, clipping and the gradient norm over every
+stage, evaluation (a forward-only schedule). The rest is refused here until the execution has it.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from moezero.config import ConfigError
+from moezero.pipeline import PipelinePlan
+from moezero.pipeline.stage_model import check_stage_model_supported
+
+PP = "--pipeline-model-parallel-size"
+
+
+def pipeline_plan(cfg) -> PipelinePlan:
+    """Megatron's layer-to-stage plan of the run's flags; ConfigError (one line naming the flags) for what Megatron
+    refuses."""
+    p, model = cfg.parallel, cfg.model
+    return PipelinePlan(
+        num_layers=model.num_layers, mtp_num_layers=model.mtp_num_layers,
+        pipeline_model_parallel_size=p.pipeline_parallel_size,
+        num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_pipeline_rank=p.num_virtual_stages_per_pipeline_rank,
+        decoder_first_pipeline_num_layers=p.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=p.decoder_last_pipeline_num_layers,
+        pipeline_model_parallel_layout=p.pipeline_model_parallel_layout,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
+        overlap_p2p_comm=not p.no_overlap_p2p_communication,
+        microbatch_group_size_per_virtual_pipeline_stage=p.microbatch_group_size_per_virtual_pipeline_stage)
+
+
+def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
+    """(refused, its line) of what the pipeline execution does not run yet."""
+    t, ck, z = cfg.train, cfg.checkpoint, cfg.zero
+    return [
+        (plan.virtual_stages > 1, f"{plan.virtual_stages} virtual stages per pipeline rank: the interleaved schedule "
+                                  "is not supported yet"),
+        (z.stage not in (0, 1), f"--zero-stage={z.stage}: only ZeRO stages 0 and 1 run with pipeline stages for now "
+                                "(give --zero-stage 1, or --use-distributed-optimizer)"),
+        (t.fp16, "--fp16: the loss scale is not carried through the pipeline yet (use --bf16)"),
+        (t.calculate_per_token_loss, "--calculate-per-token-loss: not supported with pipeline stages yet"),
+        (t.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm: not supported with pipeline "
+                                             "stages yet (its micro-batch pairs are a schedule of their own)"),
+        (t.log_num_zeros_in_grad, "--log-num-zeros-in-grad: would count one stage's zeros only; not supported with "
+                                  "pipeline stages yet"),
+        (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
+        (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),
+        (ck.save_hf is not None, f"--save-hf={ck.save_hf}: not supported with pipeline stages yet"),
+        (ck.save is not None, f"--save={ck.save}: checkpoints with pipeline stages are not supported yet"),
+        (ck.load is not None, f"--load={ck.load}: checkpoints with pipeline stages are not supported yet"),
+    ]
+
+
+def check_pipeline_run(cfg) -> PipelinePlan:
+    """The run's plan (Megatron's rules at any pp); at pp > 1 also what is not supported yet (one line naming the
+    flag, the first that applies)."""
+    plan = pipeline_plan(cfg)
+    if plan.pp == 1:
+        return plan
+    plan.check_supported()
+    try:
+        check_stage_model_supported(cfg.model)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({PP}={plan.pp})") from None
+    problem = next((line for refused, line in _unsupported(cfg, plan) if refused), None)
+    if problem is not None:
+        raise ConfigError(f"{problem} ({PP}={plan.pp})")
+    return plan

@@ -1,0 +1,58 @@
+"""The pretraining script at --pipeline-model-parallel-size 2 on 2 gloo ranks (its entry point in-process in each
+rank) against the same command at pp 1 in one process: a GPT-MoE with a dense first layer and MoE layers (aux and
+z losses, capacity drops, router jitter and dropout, all keyed), float64, the lm loss, gradient norm and
+validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums). Megatron's console
+line and TensorBoard come from the last rank (the last stage, which holds the loss)."""
+import contextlib
+import io
+
+import pytest
+
+from moezero.recipe import pretraining
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, configs
+
+PIPELINE_TINY = TINY + ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--untie-embeddings-and-output-weights",
+                        "--zero-stage", "1", "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                        "--fp64", "--log-interval", "1"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+TOL = 1e-10
+
+
+def _run(argv):
+    """(history, console output) of one run of the script's entry point in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = pretraining(configs(argv))
+        run.train()
+    run.destroy_groups()
+    return run.history, out.getvalue()
+
+
+def _values(history):
+    return [(h["lm_loss"], h["grad_norm"], h.get("validation_loss")) for h in history]
+
+
+def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
+    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    board = str(tmp_path / "tb")
+    ranks = run_distributed(_run, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
+    single, _ = _run(argv)
+    expected = _values(single)
+    assert [h["iteration"] for h in single] == [1, 2, 3, 4]
+    assert [v is not None for _, _, v in expected] == [False, True, False, True]   # validations at 2 and 4
+    for history, _ in ranks:   # every rank reports the step's metrics of the whole pipeline
+        got = _values(history)
+        assert len(got) == len(expected)
+        for step, (a, b) in enumerate(zip(got, expected)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+    first, last = (output for _, output in ranks)
+    assert "iteration        4/       4 |" in last and "validation loss at iteration 4" in last
+    assert "pp 2 (1F1B)" in last and "iteration" not in first   # Megatron's: the last rank logs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(board)
+    events.Reload()
+    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([h["lm_loss"] for h in ranks[1][0]],
+                                                                         rel=1e-6)   # stored in float32
