@@ -12,7 +12,7 @@ formed) and `params_norm`; `--log-num-zeros-in-grad` still counts the stage's ze
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,19 @@ class PipelineZeroOptimizer(ZeroOptimizer):
     def params_norm(self) -> float:
         return math.sqrt(self._over_stages(self.engine.params_sum_of_squares(
             getattr(self.inner, "master_values", None))))
+
+    def state_dict(self) -> Dict:
+        """This rank's shard (ZeroOptimizer's), its "shapes" those of every stage's params: a checkpoint's train state
+        records them (the global model's, which another layout checks its params against), and DCP keeps one rank's
+        copy of it. A collective over the world (every rank saves)."""
+        shard = super().state_dict()
+        every: List[Dict] = [{}] * self.pipeline_groups.world_size
+        if self.pipeline_groups.world_control is not None and self.pipeline_groups.world_size > 1:
+            dist.all_gather_object(every, shard["shapes"], group=self.pipeline_groups.world_control)
+        else:
+            every = [shard["shapes"]]
+        shard["shapes"] = {name: shape for shapes in every for name, shape in shapes.items()}
+        return shard
 
     def _over_stages(self, stage_total: float) -> float:
         """Collective over the pp group: the sum of every stage's total. torch's own all-reduce, not comm's: the pp

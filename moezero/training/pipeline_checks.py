@@ -6,7 +6,8 @@
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
 than the stages) over untied stages at ZeRO stages 0 and 1, the even, first/last and layout splits without virtual
 stages, dense and MoE layers (expert parallel within a stage), recompute, clipping and the gradient norm over every
-stage, evaluation (a forward-only schedule). The rest is refused here until the execution has it.
+stage, evaluation (a forward-only schedule), checkpoints (a pp's resumes at any other). The rest is refused here
+until the execution has it.
 """
 from __future__ import annotations
 
@@ -54,8 +55,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
         (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
         (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),
         (ck.save_hf is not None, f"--save-hf={ck.save_hf}: not supported with pipeline stages yet"),
-        (ck.save is not None, f"--save={ck.save}: checkpoints with pipeline stages are not supported yet"),
-        (ck.load is not None, f"--load={ck.load}: checkpoints with pipeline stages are not supported yet"),
     ]
 
 

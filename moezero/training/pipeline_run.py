@@ -8,9 +8,10 @@ and step driver, built from the flags (what is refused at start: pipeline_checks
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+from typing import List, Optional, Set
 
 import torch
+import torch.distributed as dist
 
 from moezero.moe import expert_parallel
 from moezero.pipeline import PipelinePlan
@@ -45,6 +46,13 @@ class PipelineRun:
                            moe_layer=expert_parallel(self.groups.stage)).to(dtype)
         self.model = model.to(device) if device is not None else model
         return self.model
+
+    def other_stages_params(self) -> Set[str]:
+        """The names of the params the other stages hold (a collective over the world)."""
+        mine = [name for name, _ in self.model.named_parameters()]
+        every: List[List[str]] = [[] for _ in range(self.groups.world_size)]
+        dist.all_gather_object(every, mine, group=self.groups.world_control)
+        return {name for names in every for name in names} - set(mine)
 
     @property
     def log_rank(self) -> int:

@@ -139,8 +139,8 @@ class Pretraining:
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
         self._check_exportable()
-        if point is not None:
-            check_shapes(self.model, point)
+        if point is not None:   # at pp > 1 the other stages' params are in it too
+            check_shapes(self.model, point, self.pipeline.other_stages_params() if self.pipeline is not None else ())
         self.opt = build_optimizer(self.model, cfg, self.groups) if self.pipeline is None else \
             self.pipeline.optimizer(cfg)
         self.pipeline_trainer = self.pipeline.trainer(self.opt, cfg) if self.pipeline is not None else None

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from torch import nn
 
@@ -322,8 +322,9 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
     return dataclasses.replace(cfg, **sections)
 
 
-def check_shapes(model: nn.Module, point: ResumePoint) -> None:
-    """The model's trainable params (global shapes: experts over all ranks) against the saved ones."""
+def check_shapes(model: nn.Module, point: ResumePoint, elsewhere: Iterable[str] = ()) -> None:
+    """The model's trainable params (global shapes: experts over all ranks) against the saved ones; `elsewhere`:
+    the names of the params other pipeline stages hold (saved, not in this rank's model)."""
     saved = {plain_param_name(n): tuple(s) for n, s in point.param_shapes.items()}
     problems = []
     for name, param in model.named_parameters():
@@ -338,7 +339,7 @@ def check_shapes(model: nn.Module, point: ResumePoint) -> None:
             problems.append(f"{name} is not in it")
         elif old != tuple(shape):
             problems.append(f"{name} is {old} there, {tuple(shape)} here")
-    mine = {plain_param_name(name) for name, _ in model.named_parameters()}
+    mine = {plain_param_name(name) for name, _ in model.named_parameters()} | {plain_param_name(n) for n in elsewhere}
     problems += [f"{name} is in it, not in this model" for name in saved if name not in mine]
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""

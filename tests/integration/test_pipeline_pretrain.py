@@ -56,3 +56,29 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     events.Reload()
     assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([h["lm_loss"] for h in ranks[1][0]],
                                                                          rel=1e-6)   # stored in float32
+
+
+def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
+    """At pp 2: iterations 1-2 saved, then 3-4 resumed from that and from a pp 1 run's checkpoint."""
+    first, _ = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved_at_pp2])
+    same_layout, _ = _run(argv + PP2 + ["--load", saved_at_pp2])
+    from_pp1, _ = _run(argv + PP2 + ["--load", saved_at_pp1])
+    return first, same_layout, from_pp1
+
+
+def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(tmp_path):
+    """Checkpoints keep global names (the train state records every stage's shapes), so a pp 2 run's resumes in one
+    process at pp 1 and a pp 1 run's at pp 2, each on the uninterrupted run's curve (float64, 1e-10)."""
+    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = _values(_run(argv)[0])
+    first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
+    first, same_layout, from_pp1 = run_distributed(_resumes_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
+    from_pp2, _ = _run(argv + ["--load", at_pp2])
+    curves = {"pp 2 -> pp 2": first + same_layout, "pp 1 -> pp 2": first_pp1 + from_pp1,
+              "pp 2 -> pp 1": first + from_pp2}
+    for name, curve in curves.items():
+        assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
+        for step, (a, b) in enumerate(zip(_values(curve), straight)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)

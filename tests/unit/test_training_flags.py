@@ -307,8 +307,6 @@ PIPELINE_REFUSALS = [
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
     (PP2 + ["--load-hf", "hub"], "--load-hf=hub: not supported with pipeline stages"),
     (PP2 + ["--save-hf", "hub"], "--save-hf=hub: not supported with pipeline stages"),
-    (PP2 + ["--save", "ckpt"], "--save=ckpt: checkpoints with pipeline stages are not supported yet"),
-    (PP2 + ["--load", "ckpt"], "--load=ckpt: checkpoints with pipeline stages are not supported yet"),
 ]
 
 
