@@ -13,39 +13,40 @@ all-reduce of which params were assigned where (StepTotals' blocks), then one al
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
 from moezero.parallel import comm
+from moezero.zero.bucket import Bucket
 from moezero.zero.step_totals import StepTotals
+from moezero.zero.zero_param import ZeroParam
 
-Assigned = Dict[int, Tuple[Any, Any, torch.Tensor]]   # id(record) -> (family pass state, record, gradient)
+Assigned = Dict[int, Tuple[Bucket, ZeroParam, torch.Tensor]]   # id(record) -> (its bucket, record, gradient)
 
 
 @torch.no_grad()
-def reduce_assigned(assigned: Assigned, states: Sequence[Any], step_totals: StepTotals, scale: float) -> None:
+def reduce_assigned(assigned: Assigned, buckets: Sequence[Bucket], step_totals: StepTotals, scale: float) -> None:
     """Collective: the reduced gradient of every param assigned on some rank of its group becomes the average of
     the assigned tensors (`scale`: the fp16 loss scale the step divides by)."""
     anywhere = step_totals.marked_anywhere(set(assigned))
-    for state in states:
-        family, strategy = state.family, state.strategy
-        for bucket in range(family.num_buckets):
-            members = [zp for zp in family.buckets[bucket] if id(zp) in anywhere]
-            if not members:   # the same on every rank of the group
-                continue
-            summed = torch.zeros(family.bucket_numel(bucket), dtype=strategy.reduce_dtype, device=family.device)
-            factor = scale * strategy.assigned_scale(bucket)
-            for zp in members:
-                if id(zp) in assigned:
-                    lo, hi = zp.bucket_range((0, zp.slot.numel))
-                    summed[lo:hi] = assigned[id(zp)][2].detach().reshape(-1).to(summed.dtype) * factor
-            comm.all_reduce(summed, family.group)
-            start, stop = strategy.optimizer_range(bucket)
-            reduced = strategy.reduced_grad(bucket)
-            for zp in members:
+    for bucket in buckets:
+        members = [zp for zp in bucket.members if id(zp) in anywhere]
+        if not members:   # the same on every rank of the group
+            continue
+        family, strategy = bucket.family, bucket.strategy
+        summed = torch.zeros(bucket.numel, dtype=strategy.reduce_dtype, device=family.device)
+        factor = scale * strategy.assigned_scale(bucket)
+        for zp in members:
+            if id(zp) in assigned:
                 lo, hi = zp.bucket_range((0, zp.slot.numel))
-                lo, hi = max(lo, start), min(hi, stop)
-                if lo < hi:
-                    reduced[lo - start:hi - start] = summed[lo:hi] / strategy.dp_size
-                zp.got_grad = True
+                summed[lo:hi] = assigned[id(zp)][2].detach().reshape(-1).to(summed.dtype) * factor
+        comm.all_reduce(summed, family.group)
+        start, stop = strategy.optimizer_range(bucket.index)
+        reduced = strategy.reduced_grad(bucket)
+        for zp in members:
+            lo, hi = zp.bucket_range((0, zp.slot.numel))
+            lo, hi = max(lo, start), min(hi, stop)
+            if lo < hi:
+                reduced[lo - start:hi - start] = summed[lo:hi] / strategy.dp_size
+            zp.got_grad = True

@@ -89,7 +89,7 @@ class ZeroEngine:
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
         if plan is not None:   # units pair their gathers by position: every rank must plan the same ones
             self.agreement.check(Activity.UNIT_PLAN, unit_plan_fingerprint(plan.names))
-        self.reducer = GradReducer([p for p in self.parts if p.family.trainable], groups.control,
+        self.reducer = GradReducer([p.strategy for p in self.parts if p.family.trainable], groups.control,
                                    settings.overlap_comm, self.agreement)
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
         self.gatherer = self._unit_gatherer(plan) if plan else None
@@ -323,7 +323,7 @@ class ZeroEngine:
                                "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
         assigned = self.reducer.assigned_grads()
         if self.reducer.finish_reductions(assigned=bool(assigned)):   # some rank assigned a gradient by hand
-            reduce_assigned(assigned, self.reducer.states, self.step_totals, loss_scale)
+            reduce_assigned(assigned, self.reducer.buckets, self.step_totals, loss_scale)
             self.reducer.consume_assigned(assigned)
 
     # ---- at step() -------------------------------------------------------------------------------
@@ -344,8 +344,8 @@ class ZeroEngine:
 
     def reduced_grads(self) -> ReducedGrads:
         """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family)."""
-        return {p.family: [p.strategy.reduced_grad(b) if p.family.trainable else None
-                           for b in range(p.family.num_buckets)] for p in self.parts}
+        return {p.family: [p.strategy.reduced_grad(bucket) if p.family.trainable else None
+                           for bucket in p.strategy.buckets] for p in self.parts}
 
     def _settle_gradient_flags(self) -> None:
         """Which params got a gradient on some rank of their group, unless the norm brought it already."""

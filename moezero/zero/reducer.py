@@ -12,8 +12,9 @@ NOTE [no accumulation into a reducing bucket]: when `backward()` returns, no red
 so no gradient is ever added into a bucket whose reduction is running. Every gradient strategy
 (grad_strategies.py) relies on this and on nothing else for its buffers' reuse.
 
-Inside backward nothing blocks on a peer: buckets are launched in their queue's order (the same
-on every rank, `launch_queue.py`) and completed reductions are only polled. Before the end-of-backward
+A bucket's state (how many of its params are still awaited, staged, its buffers, its launched reduction)
+is its `Bucket` record (`bucket.py`). Inside backward nothing blocks on a peer: buckets are launched in their
+queue's order (the same on every rank, `bucket.LaunchQueue`) and completed reductions are only polled. Before the end-of-backward
 wait, and before step() reduces, every rank states an agreement record (`agreement_points.py`), so a
 rank whose backward reached no param (its peers would wait for it forever) makes every rank raise.
 """
@@ -27,8 +28,8 @@ import torch
 
 from moezero.parallel import comm
 from moezero.zero.agreement_points import Activity, RankAgreement
-from moezero.zero.stages import FamilyParts
-from moezero.zero.launch_queue import build_queues
+from moezero.zero.bucket import Bucket, build_queues
+from moezero.zero.grad_strategies import GradStrategy
 from moezero.zero.model_guard import storage_replaced_message
 from moezero.zero.sharded_gradient import ShardedGradient
 from moezero.zero.zero_param import ZeroParam
@@ -49,46 +50,33 @@ class ReducerCounters:
     zero_fills: Dict[str, int] = field(default_factory=dict)
 
 
-class FamilyPass:
-    """Per-bucket bookkeeping of one backward pass over a family (the params' own is in their records)."""
-
-    def __init__(self, parts: FamilyParts):
-        self.family, self.strategy = parts.family, parts.strategy
-        self.reset_pass()
-
-    def reset_pass(self) -> None:
-        for zp in self.family.members:
-            zp.fired = False
-        self.pending = [len(members) for members in self.family.buckets]
-        self.staged = [False] * self.family.num_buckets
-        self.touched = [False] * self.family.num_buckets
-
-
 class GradReducer:
     """Hooks, per-backward bookkeeping and bucket launches for a list of param families.
 
     Args:
-        parts: the trainable families with their param storage and grad strategy.
+        strategies: the grad strategies of the trainable families (each holds its family's buckets).
         control_group: carries the small step-time collectives.
         overlap_comm: launch buckets as they become ready (else at the end of backward).
         agreement: the records every rank states before it waits for a backward's reductions and
             before step() reduces (a rank whose backward reached no param would leave its peers waiting).
     """
 
-    def __init__(self, parts: Sequence[FamilyParts], control_group: Optional[Any], overlap_comm: bool = True,
+    def __init__(self, strategies: Sequence[GradStrategy], control_group: Optional[Any], overlap_comm: bool = True,
                  agreement: Optional[RankAgreement] = None):
-        self.states = [FamilyPass(p) for p in parts]
-        self._state_of = {id(s.family): s for s in self.states}
+        self.strategies = list(strategies)
+        self.buckets = [bucket for strategy in self.strategies for bucket in strategy.buckets]
+        for bucket in self.buckets:
+            bucket.begin_pass()
         self.agreement = agreement if agreement is not None else RankAgreement(None)
-        self.queues = build_queues(self.states)
-        self._queue_of = {id(s): q for q in self.queues for s, _ in q.entries}
+        self.queues = build_queues(self.buckets)
+        self._queue_of = {id(bucket): queue for queue in self.queues for bucket in queue.buckets}
         self.control_group = control_group
         self.overlap_comm = overlap_comm
         self.sync_enabled = True
         self.scaled_backward = False   # set by ZeroOptimizer.backward around loss.backward()
         self.unscaled_passes = 0
         self.counters = ReducerCounters()
-        self._always_reduce = bool(self.states) and self.states[0].strategy.reduces_under_no_sync
+        self._always_reduce = bool(self.strategies) and self.strategies[0].reduces_under_no_sync
         self._pass_task: Optional[int] = None
         self._grad_only_task: Optional[int] = None   # a torch.autograd.grad(): it accumulates nothing, not a pass
         self._consumed_assigned: Dict[int, Any] = {}   # id(record) -> the assigned gradient a step consumed
@@ -105,7 +93,8 @@ class GradReducer:
         # would close a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded
         # optimizer would stay alive with its buffers and process groups
         ref = weakref.ref(self)
-        self.records = [zp for state in self.states for zp in state.family.members]
+        self.records = [zp for strategy in self.strategies for zp in strategy.family.members]
+        self._bucket_of = [strategy.buckets[zp.bucket] for strategy in self.strategies for zp in strategy.family.members]
         self._handles = []
         for k, zp in enumerate(self.records):
             self._handles.append(zp.param.register_hook(_pre_hook(ref, k)))
@@ -152,17 +141,18 @@ class GradReducer:
         self._grad_only_task = task
         return False
 
-    def _before_accumulate(self, zp: ZeroParam) -> None:
-        """Before autograd adds a param's gradient: make .grad its view of the bucket."""
+    def _before_accumulate(self, k: int) -> None:
+        """Before autograd adds record k's gradient: make .grad its view of the bucket."""
+        zp, bucket = self.records[k], self._bucket_of[k]
         if not self._accumulates(zp):
             return
         self.begin_pass(zp.name)
-        state = self._state_of[id(zp.family)]
-        self._touch(state, zp.bucket)
-        views = state.strategy.accumulation_views(zp.bucket)
+        strategy = bucket.strategy
+        self._touch(bucket)
+        views = strategy.accumulation_views(bucket)
         if views is None:
-            if state.strategy.holds_local and zp.got_grad and zp.placeholder_cleared():
-                state.strategy.forget_local(zp)   # cleared by the user since the last backward
+            if strategy.holds_local and zp.got_grad and zp.placeholder_cleared():
+                strategy.forget_local(zp)   # cleared by the user since the last backward
             if zp.shows_sharded_gradient():
                 zp.param.grad = None   # autograd makes a fresh gradient, which the bucket copies in
             return
@@ -171,11 +161,14 @@ class GradReducer:
             if zp.exposed:
                 view.zero_()  # the user cleared this gradient (model.zero_grad(), p.grad = None)
         elif param.grad.data_ptr() != view.data_ptr():
-            state.strategy.adopt_assigned(zp, view, param.grad)  # accumulate on top of it, as torch does
+            strategy.adopt_assigned(bucket, view, param.grad)  # accumulate on top of it, as torch does
         param.grad = view
         zp.exposed = True
 
-    def _on_gradient(self, zp: ZeroParam) -> None:
+    def _on_gradient(self, k: int) -> None:
+        """Record k's gradient arrived: once its bucket has all of them, stage the bucket and launch what is
+        ready."""
+        zp, bucket = self.records[k], self._bucket_of[k]
         name = zp.name
         self.begin_pass(name)
         if zp.fired:
@@ -189,32 +182,31 @@ class GradReducer:
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
         if self.on_param_done is not None:
             self.on_param_done(zp)
-        state, bucket = self._state_of[id(zp.family)], zp.bucket
-        state.pending[bucket] -= 1
-        if state.pending[bucket] == 0:
-            self._stage(state, bucket)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._stage(bucket)
             if self.overlap_comm and self._pass_synced:
-                self._queue_of[id(state)].launch_ready()
+                self._queue_of[id(bucket)].launch_ready()
         for queue in self.queues:  # release what finished (staging buffers back to the pool); never blocks
             queue.poll()
 
-    def _touch(self, state: FamilyPass, bucket: int) -> None:
-        if not state.touched[bucket]:
-            state.strategy.before_accumulate(bucket)
-            state.touched[bucket] = True
+    def _touch(self, bucket: Bucket) -> None:
+        if not bucket.touched:
+            bucket.strategy.before_accumulate(bucket)
+            bucket.touched = True
 
-    def _stage(self, state: FamilyPass, bucket: int) -> None:
-        strategy = state.strategy
-        self._touch(state, bucket)
-        members = state.family.buckets[bucket]
+    def _stage(self, bucket: Bucket) -> None:
+        strategy = bucket.strategy
+        self._touch(bucket)
+        members = bucket.members
         views = strategy.accumulation_views(bucket)
         for zp in members:
             if zp.fired:
                 continue
-            assigned = self.assigned_grad(state, zp)
+            assigned = self.assigned_grad(bucket, zp)
             if assigned is not None:   # assigned since the last backward, which did not reach it: it is its gradient
                 if views is not None:
-                    strategy.adopt_assigned(zp, views[zp.position], assigned)
+                    strategy.adopt_assigned(bucket, views[zp.position], assigned)
                     zp.param.grad = views[zp.position]
                 zp.fired = zp.got_grad = True
             elif views is not None and zp.exposed and zp.param.grad is None:
@@ -228,18 +220,17 @@ class GradReducer:
             else:   # no full-size gradient outlives its bucket (stages 1-3): .grad says so when read
                 zp.param.grad = zp.sharded_gradient()
                 zp.exposed = False
-        state.staged[bucket] = True
+        bucket.staged = True
 
     def _end_pass(self) -> None:
         """End-of-backward callback: zero-fill, launch every bucket, wait for this backward's reductions."""
-        for state in self.states:
-            for bucket in range(state.family.num_buckets):
-                if state.staged[bucket]:
-                    continue
-                for zp in state.family.buckets[bucket]:
-                    if not zp.fired:
-                        self.counters.zero_fills[zp.name] = self.counters.zero_fills.get(zp.name, 0) + 1
-                self._stage(state, bucket)
+        for bucket in self.buckets:
+            if bucket.staged:
+                continue
+            for zp in bucket.members:
+                if not zp.fired:
+                    self.counters.zero_fills[zp.name] = self.counters.zero_fills.get(zp.name, 0) + 1
+            self._stage(bucket)
         if self._pass_synced:
             for queue in self.queues:
                 queue.launch_ready()
@@ -251,8 +242,8 @@ class GradReducer:
             self._dirty = False
         else:
             self._dirty = True
-        for state in self.states:
-            state.reset_pass()
+        for bucket in self.buckets:
+            bucket.begin_pass()
         self.counters.backward_passes += 1
         self._pass_task = None
 
@@ -273,17 +264,16 @@ class GradReducer:
         gradients assigned by hand since its last backward; returns whether some rank has."""
         flags = self.agreement.check(Activity.REDUCE, flag=int(self._dirty) | (2 if assigned else 0))
         if flags & 1:   # left unreduced on some rank
-            for state in self.states:
-                for bucket in range(state.family.num_buckets):
-                    state.strategy.before_accumulate(bucket)
+            for bucket in self.buckets:
+                bucket.strategy.before_accumulate(bucket)
             for queue in self.queues:
-                queue.launch_up_to(len(queue.entries))
+                queue.launch_up_to(len(queue.buckets))
             self._finish_round()
         self._dirty = False
         return bool(flags & 2)
 
     # ---- gradients assigned by hand (`p.grad = g`) ----------------------------------------------------
-    def assigned_grad(self, state: FamilyPass, zp: ZeroParam) -> Optional[torch.Tensor]:
+    def assigned_grad(self, bucket: Bucket, zp: ZeroParam) -> Optional[torch.Tensor]:
         """The tensor the user assigned to the param's .grad, if its .grad is one (not None, not the placeholder,
         not the view this reducer showed, not one a step consumed)."""
         with no_subclass_dispatch():
@@ -294,23 +284,23 @@ class GradReducer:
         if consumed is not None and consumed is grad:
             return None
         if zp.exposed:
-            views = state.strategy.accumulation_views(zp.bucket) if state.strategy.holds_local else None
+            views = bucket.strategy.accumulation_views(bucket) if bucket.strategy.holds_local else None
             if views is None or grad.data_ptr() == views[zp.position].data_ptr():
                 return None
         return grad
 
-    def assigned_grads(self) -> Dict[int, Tuple[FamilyPass, ZeroParam, torch.Tensor]]:
-        """id(record) -> (its family's state, record, gradient) of every param whose .grad was assigned by hand
-        since its last backward (`torch.autograd.grad` results, gradient surgery)."""
+    def assigned_grads(self) -> Dict[int, Tuple[Bucket, ZeroParam, torch.Tensor]]:
+        """id(record) -> (its bucket, record, gradient) of every param whose .grad was assigned by hand since its
+        last backward (`torch.autograd.grad` results, gradient surgery)."""
         out = {}
-        for state in self.states:
-            for zp in state.family.members:
-                grad = self.assigned_grad(state, zp)
+        for bucket in self.buckets:
+            for zp in bucket.members:
+                grad = self.assigned_grad(bucket, zp)
                 if grad is not None:
-                    out[id(zp)] = (state, zp, grad)
+                    out[id(zp)] = (bucket, zp, grad)
         return out
 
-    def consume_assigned(self, assigned: Dict[int, Tuple[FamilyPass, ZeroParam, torch.Tensor]]) -> None:
+    def consume_assigned(self, assigned: Dict[int, Tuple[Bucket, ZeroParam, torch.Tensor]]) -> None:
         """A step used these: .grad keeps showing them (as torch's), and the next backward starts from zero."""
         self._consumed_assigned = {key: grad for key, (_, _, grad) in assigned.items()}
 
@@ -318,11 +308,11 @@ class GradReducer:
         """Before the step's reductions finish: a gradient the user cleared after its last backward drops what
         of it is still local (stage 0 shows the whole of it: `p.grad = None` then leaves the param out of the
         step, as torch's optimizers skip it, `zero_()` makes it zero); what stages 1-3 reduced into shards stays."""
-        for state in self.states:
-            if not state.strategy.holds_local:   # stages 2/3: no per-step walk over the params
+        for strategy in self.strategies:
+            if not strategy.holds_local:   # stages 2/3: no per-step walk over the params
                 continue
-            for zp in state.family.members:
-                if zp.got_grad and zp.cleared_after_backward() and state.strategy.forget_local(zp) \
+            for zp in strategy.family.members:
+                if zp.got_grad and zp.cleared_after_backward() and strategy.forget_local(zp) \
                         and zp.param.grad is None:
                     zp.got_grad = False
 
@@ -338,9 +328,10 @@ class GradReducer:
         for queue in self.queues:
             queue.rewind()
         self.agreement.realign(self.control_group)
-        for state in self.states:
-            state.strategy.discard_pass()
-            state.reset_pass()
+        for strategy in self.strategies:
+            strategy.discard_pass()
+        for bucket in self.buckets:
+            bucket.begin_pass()
         self._pass_task = None
         # .grad may be a view of a staging buffer just returned to the pool, which another bucket takes next:
         # no param may keep pointing into it
@@ -350,24 +341,23 @@ class GradReducer:
     def clear_step(self, set_to_none: bool = False, assigned_too: bool = False) -> None:
         """Forget every gradient of the step (zero_grad, or a new step after step() consumed them); assigned
         gradients a step consumed are dropped (`assigned_too`, zero_grad: every assigned one, as torch clears)."""
-        for state in self.states:
-            state.strategy.zero()
-            for zp in state.family.members:
+        for strategy in self.strategies:
+            strategy.zero()
+            for zp in strategy.family.members:
                 zp.got_grad = False
                 if set_to_none and (zp.exposed or zp.shows_sharded_gradient()):
                     zp.param.grad = None
                     zp.exposed = False
         with no_subclass_dispatch():
-            for state in self.states if assigned_too else []:
-                for zp in state.family.members:
-                    grad = self.assigned_grad(state, zp)
+            for bucket in self.buckets if assigned_too else []:
+                for zp in bucket.members:
+                    grad = self.assigned_grad(bucket, zp)
                     if grad is not None:
                         zp.param.grad = None if set_to_none else grad.zero_()
-            for state in self.states if self._consumed_assigned else []:
-                for zp in state.family.members:
-                    consumed = self._consumed_assigned.get(id(zp))
-                    if consumed is not None and zp.param.grad is consumed:
-                        zp.param.grad = None
+            for zp in self.records if self._consumed_assigned else []:
+                consumed = self._consumed_assigned.get(id(zp))
+                if consumed is not None and zp.param.grad is consumed:
+                    zp.param.grad = None
         self._consumed_assigned = {}
         self._dirty = False
         self._consumed = False
@@ -381,7 +371,7 @@ def _pre_hook(ref, k: int):
     def hook(grad):
         reducer = ref()
         if reducer is not None:
-            reducer._before_accumulate(reducer.records[k])
+            reducer._before_accumulate(k)
     return hook
 
 
@@ -389,5 +379,5 @@ def _post_hook(ref, k: int):
     def hook(param):
         reducer = ref()
         if reducer is not None:
-            reducer._on_gradient(reducer.records[k])
+            reducer._on_gradient(k)
     return hook

@@ -36,7 +36,7 @@ class ShardedParams(ParamStorage):
         self.shard = torch.empty(sum(numels) // g, dtype=family.dtype, device=device)
         self.unit_buckets: Dict[int, List[int]] = {}
         for b in range(family.num_buckets):
-            unit = family.buckets[b][0].unit if family.buckets[b] else 0
+            unit = family.bucket_members[b][0].unit if family.bucket_members[b] else 0
             self.unit_buckets.setdefault(unit, []).append(b)
         self._full: Dict[int, torch.Tensor] = {}
         self._nbytes: Dict[int, int] = {}
@@ -58,7 +58,7 @@ class ShardedParams(ParamStorage):
                 else:
                     full = self._full[unit] = torch.empty(numel, dtype=family.dtype, device=device)
                 for b in buckets:
-                    for zp in family.buckets[b]:
+                    for zp in family.bucket_members[b]:
                         zp.adopt_storage(family.view_in_bucket(self._bucket_in_unit(unit, b), zp))
                 self._nbytes[unit] = 0 if self.local else full.untyped_storage().nbytes()
                 if not self.local:
@@ -100,7 +100,7 @@ class ShardedParams(ParamStorage):
 
     def members(self, unit: int) -> List[Any]:
         """The ZeroParams whose values live in the unit's full tensor."""
-        return [zp for b in self.unit_buckets[unit] for zp in self.family.buckets[b]]
+        return [zp for b in self.unit_buckets[unit] for zp in self.family.bucket_members[b]]
 
     def storage_pointer(self, unit: int) -> Optional[int]:
         """Where the unit's values are now (it changes with every gather; None: a local unit, never freed)."""

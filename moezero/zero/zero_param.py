@@ -156,7 +156,7 @@ class ParamFamily:
         self.group_rank = comm.group_rank(self.group)
         self.group_size = comm.group_size(self.group)
         self.owned: List[Range] = [b.shard_range(self.group_rank, self.group_size) for b in self.layout.buckets]
-        self.buckets: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
+        self.bucket_members: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
         for zp in self.members:
             zp.family = self
 
@@ -190,7 +190,7 @@ class ParamFamily:
         """(param, its part inside the bucket range `span` in param coordinates, where that part starts in
         `span`)."""
         out = []
-        for zp in self.buckets[bucket]:
+        for zp in self.bucket_members[bucket]:
             part = zp.param_range_in(span)
             if part is not None:
                 out.append((zp, part, optimizer_slice(zp.bucket_range(part), span).start))
