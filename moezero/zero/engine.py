@@ -89,10 +89,10 @@ class ZeroEngine:
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
         if plan is not None:   # units pair their gathers by position: every rank must plan the same ones
             self.agreement.check(Activity.UNIT_PLAN, unit_plan_fingerprint(plan.names))
-        self.reducer = GradReducer([p.strategy for p in self.parts if p.family.trainable], groups.control,
-                                   settings.overlap_comm, self.agreement)
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
         self.gatherer = self._unit_gatherer(plan) if plan else None
+        self.reducer = GradReducer([p.strategy for p in self.parts if p.family.trainable], groups.control,
+                                   settings.overlap_comm, self.agreement, listener=self.gatherer)
         self._collective_sites = self._watch_model_collectives(model)
         self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
         self.step_totals = StepTotals(families, groups)
@@ -114,11 +114,7 @@ class ZeroEngine:
             for zp in p.family.members:
                 count = per_unit.get(zp.unit, 0)
                 per_unit[zp.unit] = None if count is None or not p.family.trainable else count + 1
-        gatherer = UnitGatherer(plan, parts, per_unit, self.agreement)
-        self.reducer.on_pass_begin = gatherer.begin_backward
-        self.reducer.records_mid_backward = True
-        self.reducer.on_param_done = lambda zp: gatherer.param_done(zp.unit)
-        gatherer.on_written = lambda written: self.master.take_written_values(written)
+        gatherer = UnitGatherer(plan, parts, per_unit, self.agreement, take_written=self.master.take_written_values)
         for zp in self.records:   # reads outside the unit's forward and backward are guarded
             shard_param_type(zp.param, ShardInfo(zp.name, zp.unit, weakref.ref(gatherer)))
         return gatherer

@@ -116,7 +116,8 @@ class _Adopted:
     def __init__(self, name: str, p: nn.Parameter, group: int, origin: str):
         shape, _ = global_placement(p)
         frozen = "" if p.requires_grad else ", frozen"
-        self.description = f"'{name}' {tuple(shape)} {str(p.dtype).removeprefix('torch.')}{frozen}, group {group}, {origin}"
+        dtype = str(p.dtype).removeprefix("torch.")
+        self.description = f"'{name}' {tuple(shape)} {dtype}{frozen}, group {group}, {origin}"
         shard = expert_shard_of(p)
         self.ep_rank = -1 if shard is None else shard.ep_rank   # dense params: one replica everywhere
         self.name = name

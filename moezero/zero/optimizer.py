@@ -30,7 +30,6 @@ from moezero.zero.modify import AdoptionFailed, ModifiedDifferently, modify_mode
 from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups, steps_per_family_by_default
 from moezero.zero.state import load_state, shard_state
-from moezero.zero.stages import stage_of
 from moezero.zero.zero_param import Range
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

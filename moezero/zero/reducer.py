@@ -14,15 +14,16 @@ so no gradient is ever added into a bucket whose reduction is running. Every gra
 
 A bucket's state (how many of its params are still awaited, staged, its buffers, its launched reduction)
 is its `Bucket` record (`bucket.py`). Inside backward nothing blocks on a peer: buckets are launched in their
-queue's order (the same on every rank, `bucket.LaunchQueue`) and completed reductions are only polled. Before the end-of-backward
-wait, and before step() reduces, every rank states an agreement record (`agreement_points.py`), so a
-rank whose backward reached no param (its peers would wait for it forever) makes every rank raise.
+queue's order (the same on every rank, `bucket.LaunchQueue`) and completed reductions are only polled.
+Before the end-of-backward wait, and before step() reduces, every rank states an agreement record
+(`agreement_points.py`), so a rank whose backward reached no param (its peers would wait for it forever) makes
+every rank raise.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +51,23 @@ class ReducerCounters:
     zero_fills: Dict[str, int] = field(default_factory=dict)
 
 
+class BackwardListener:
+    """What the param side hears of a backward, from the reducer's hooks: stage 3's UnitGatherer (units.py), which
+    gathers and frees units around it. Passed to GradReducer at construction; this base, which does nothing,
+    is the listener of stages 0-2."""
+
+    # the listener states agreement records mid-backward (stage 3: a freed unit gathered again, which its peers
+    # do not), and only a record launched after them meets them: the end-of-backward record is then launched at
+    # the end, not when the backward begins
+    records_mid_backward = False
+
+    def begin_backward(self) -> None:
+        """The first hook of a backward ran (before the reducer states its own record)."""
+
+    def param_done(self, zp: ZeroParam) -> None:
+        """A trainable param got its gradient in this backward."""
+
+
 class GradReducer:
     """Hooks, per-backward bookkeeping and bucket launches for a list of param families.
 
@@ -59,10 +77,11 @@ class GradReducer:
         overlap_comm: launch buckets as they become ready (else at the end of backward).
         agreement: the records every rank states before it waits for a backward's reductions and
             before step() reduces (a rank whose backward reached no param would leave its peers waiting).
+        listener: told when a backward begins and when each param got its gradient (stage 3's unit gatherer).
     """
 
     def __init__(self, strategies: Sequence[GradStrategy], control_group: Optional[Any], overlap_comm: bool = True,
-                 agreement: Optional[RankAgreement] = None):
+                 agreement: Optional[RankAgreement] = None, listener: Optional[BackwardListener] = None):
         self.strategies = list(strategies)
         self.buckets = [bucket for strategy in self.strategies for bucket in strategy.buckets]
         for bucket in self.buckets:
@@ -84,17 +103,14 @@ class GradReducer:
         self._end_record = None   # the agreement record of this backward's end (stages 0-2: launched when it begins)
         self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
         self._consumed = False   # step() used the gradients: the next backward starts from zero
-        self.on_pass_begin: Optional[Callable[[], None]] = None                 # stage 3: the unit gatherer
-        # stage 3: a rank may state a record mid-backward (a freed unit gathered again, which its peers do not),
-        # and only a record launched after it meets it: the end's record is then launched at the end
-        self.records_mid_backward = False
-        self.on_param_done: Optional[Callable[[ZeroParam], None]] = None
+        self.listener = listener if listener is not None else BackwardListener()
         # the hooks hold the reducer weakly and their param's record by position: a hook that held the record
         # would close a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded
         # optimizer would stay alive with its buffers and process groups
         ref = weakref.ref(self)
         self.records = [zp for strategy in self.strategies for zp in strategy.family.members]
-        self._bucket_of = [strategy.buckets[zp.bucket] for strategy in self.strategies for zp in strategy.family.members]
+        self._bucket_of = [strategy.buckets[zp.bucket] for strategy in self.strategies
+                           for zp in strategy.family.members]   # the Bucket of records[k]
         self._handles = []
         for k, zp in enumerate(self.records):
             self._handles.append(zp.param.register_hook(_pre_hook(ref, k)))
@@ -119,10 +135,9 @@ class GradReducer:
         if self._consumed:
             self.clear_step()
         self._pass_task = task
-        if self.on_pass_begin is not None:   # stage 3: the backward's gather records come first, on every rank
-            self.on_pass_begin()
+        self.listener.begin_backward()   # stage 3: the backward's gather records come first, on every rank
         self._pass_synced = self.sync_enabled or self._always_reduce
-        if self._pass_synced and not self.records_mid_backward:   # settled before the end-of-backward wait
+        if self._pass_synced and not self.listener.records_mid_backward:   # settled before the end-of-backward wait
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
@@ -180,8 +195,7 @@ class GradReducer:
             raise GradientHookError(storage_replaced_message(name))
         zp.fired = zp.got_grad = True
         self.counters.fires[name] = self.counters.fires.get(name, 0) + 1
-        if self.on_param_done is not None:
-            self.on_param_done(zp)
+        self.listener.param_done(zp)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._stage(bucket)

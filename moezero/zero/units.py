@@ -52,6 +52,7 @@ from moezero.zero.agreement_points import Activity, RankAgreement
 from moezero.zero.gather_schedule import GatherSchedule
 from moezero.zero.hooks import WeakHook
 from moezero.zero.param_guard import COMPILE_REFUSED, expose, guard
+from moezero.zero.reducer import BackwardListener
 from moezero.zero.saved_params import SavedParamHooks
 from moezero.torch_internals import current_backward, in_backward, queue_end_of_backward
 
@@ -167,8 +168,9 @@ def _group_name(group: List[Tuple[str, nn.Module]]) -> str:
     return first if len(group) == 1 else f"{first}..{last.rsplit('.', 1)[-1]}"
 
 
-class UnitGatherer:
-    """Gathers and frees stage-3 units around forward and backward (see the module docstring).
+class UnitGatherer(BackwardListener):
+    """Gathers and frees stage-3 units around forward and backward (see the module docstring). The gradient
+    reducer's listener: it hears when a backward begins and when each param got its gradient.
 
     Args:
         plan: the units.
@@ -176,16 +178,20 @@ class UnitGatherer:
         params_per_unit: per unit, how many trainable params must get their gradient before the unit is
             freed in backward (None: the unit holds frozen params and stays until the end of backward).
         agreement: the records every rank states before a gather.
+        take_written: given the ZeroParams written in place while their unit was gathered (see below).
 
     While the schedule holds a unit gathered its params are exposed (their own type: no per-op check). When a
     gathered unit is let go, exposed or not (an on-demand gather, the last block kept for backward), params
     written in place meanwhile (a `clamp_()` in forward, `nn.Embedding(max_norm=...)`, `w.data.clamp_()`, a
-    write between forward and backward) are handed to `on_written` before the values go, so the writes reach
+    write between forward and backward) are handed to `take_written` before the values go, so the writes reach
     the shards and the master weights: the gathered copy of this rank's slice is compared with its shard.
     """
 
+    records_mid_backward = True   # a freed unit gathered again in backward states a record of its own
+
     def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
-                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement):
+                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement,
+                 take_written: Callable[[List[Any]], None]):
         self.plan = plan
         self.parts = parts
         self.params_per_unit = params_per_unit
@@ -213,7 +219,7 @@ class UnitGatherer:
         self.hold_depth = 0   # full_parameters() blocks open (nested ones count): units stay gathered until all end
         self._kept_at_hold: Set[int] = set()      # units the schedule held when the outermost block began
         self._released_in_hold: Set[int] = set()  # of those, the ones the schedule let go of meanwhile
-        self.on_written: Callable[[List[Any]], None] = lambda written: None
+        self.take_written = take_written
         ref = weakref.ref(self)
         self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
         self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
@@ -294,7 +300,7 @@ class UnitGatherer:
         written = [zp for zp, version in self._versions.get(unit, []) if zp.param._version != version]
         written += [zp for storage, key in self.parts.get(unit, []) for zp in storage.written(key)]
         if written:
-            self.on_written(written)
+            self.take_written(written)
             self._note_versions(unit)
 
     def _expose(self, unit: int) -> None:
@@ -478,8 +484,10 @@ class UnitGatherer:
             return
         self._visit(self.backward, unit)
 
-    def param_done(self, unit: int) -> None:
-        """A trainable param of `unit` got its gradient in this backward (the reducer calls this)."""
+    def param_done(self, zp) -> None:
+        """A trainable param got its gradient in this backward (the reducer calls this): its unit is freed once
+        all of them did."""
+        unit = zp.unit
         if self._backward_task is None or unit == 0 or self._pending.get(unit) is None:
             return
         self._pending[unit] -= 1
