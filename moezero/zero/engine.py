@@ -24,7 +24,7 @@ from torch import nn
 
 from moezero import ops
 from moezero.parallel import ParallelGroups, comm
-from moezero.zero.agreement_points import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
+from moezero.zero.rank_agreement import Activity, RankAgreement, SiteRecords, unit_plan_fingerprint
 from moezero.zero.assigned_grads import reduce_assigned
 from moezero.zero.param_families import build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
@@ -36,7 +36,8 @@ from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import FamilyParts, stage_of
 from moezero.zero.step_totals import StepTotals
 from moezero.torch_internals import in_backward, no_subclass_dispatch
-from moezero.zero.units import UnitGatherer, UnitPlan, plan_units
+from moezero.zero.unit_plan import UnitPlan, plan_units
+from moezero.zero.units import UnitGatherer
 from moezero.zero.zero_param import MasterPiece, ParamFamily, Range, ZeroParam, optimizer_slice
 
 GradientPieces = Dict[str, List[Tuple[Range, torch.Tensor]]]

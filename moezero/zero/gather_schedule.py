@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set, Tuple
 
 from moezero.parallel.agreement import RECORDS_PER_MESSAGE, Agreement
-from moezero.zero.agreement_points import Activity, RankAgreement
+from moezero.zero.rank_agreement import Activity, RankAgreement
 
 RECORDS_AHEAD = 2   # a schedule position's agreement record is launched at least this many positions before its gather
 LEAD = -1           # the records' key of the unit gathered at the pass's start, outside the order (the root)

@@ -29,7 +29,7 @@ from torch import nn
 
 from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
-from moezero.zero.agreement_points import Activity
+from moezero.zero.rank_agreement import Activity
 from moezero.zero.zero_param import global_placement
 from moezero.zero.master import master_dtype_of
 from moezero.zero.state import consolidate

@@ -16,7 +16,7 @@ A bucket's state (how many of its params are still awaited, staged, its buffers,
 is its `Bucket` record (`bucket.py`). Inside backward nothing blocks on a peer: buckets are launched in their
 queue's order (the same on every rank, `bucket.LaunchQueue`) and completed reductions are only polled.
 Before the end-of-backward wait, and before step() reduces, every rank states an agreement record
-(`agreement_points.py`), so a rank whose backward reached no param (its peers would wait for it forever) makes
+(`rank_agreement.py`), so a rank whose backward reached no param (its peers would wait for it forever) makes
 every rank raise.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from moezero.parallel import comm
-from moezero.zero.agreement_points import Activity, RankAgreement
+from moezero.zero.rank_agreement import Activity, RankAgreement
 from moezero.zero.bucket import Bucket, build_queues
 from moezero.zero.grad_strategies import GradStrategy
 from moezero.zero.model_guard import storage_replaced_message

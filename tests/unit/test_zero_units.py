@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import ExpertShard, mark_expert_parallel
-from moezero.zero.units import plan_units
+from moezero.zero.unit_plan import plan_units
 
 
 class _Experts(nn.Module):
@@ -89,7 +89,7 @@ def test_forward_records_travel_one_per_message_and_backward_records_together():
     on-demand gather's record may fall between them, and a rank about to wait in a gather must have launched
     one its peer has not); a backward's, where nothing falls between them, all in its first message."""
     from moezero.parallel.agreement import RECORDS_PER_MESSAGE
-    from moezero.zero.agreement_points import Activity, RankAgreement
+    from moezero.zero.rank_agreement import Activity, RankAgreement
     from moezero.zero.gather_schedule import GatherSchedule
 
     order = [1, 2, 3, 4, 5]   # units; their positions 0-4, the pass's end 5
