@@ -72,6 +72,29 @@ def test_every_zero_module_has_its_design_note_on_the_site():
     assert modules - {"__init__"} <= shown, f"add to docs/zero-internals.md: {sorted(modules - shown - {'__init__'})}"
 
 
+LIFE_ROW = re.compile(r"^\| (\d+) \| \[`([\w.]+)`\]\(#(moezero[\w.]+)\): `(\w+)` \|", re.M)
+
+
+def test_the_life_of_a_gradient_names_classes_of_the_files_it_links():
+    """Each row of the internals page's "life of" tables links a module shown on that page and names a class
+    defined at the top of that module's file; the rows of each table are numbered in order."""
+    import ast
+
+    with open(os.path.join(REPO, "docs", "zero-internals.md")) as f:
+        page = f.read()
+    shown = set(re.findall(r"^::: (moezero[\w.]+)$", page, re.M))
+    rows = LIFE_ROW.findall(page)
+    assert len(rows) >= 20, "the two tables, a row each per step"
+    numbers = [int(number) for number, *_ in rows]
+    assert all(b in (a + 1, 1) for a, b in zip(numbers, numbers[1:])), numbers
+    for number, file_name, module, cls in rows:
+        path = os.path.join(REPO, *module.split(".")) + ".py"
+        assert module in shown and os.path.basename(path) == file_name, f"row {number}: {file_name} -> #{module}"
+        with open(path) as source:
+            classes = {node.name for node in ast.parse(source.read()).body if isinstance(node, ast.ClassDef)}
+        assert cls in classes, f"row {number}: {file_name} defines no class {cls}"
+
+
 def _layout_entries() -> Iterator[Tuple[str, str]]:
     """(path, description) of each entry of docs/layout.md's tree."""
     block = next(_blocks(os.path.join(REPO, "docs", "layout.md"), "text"))
