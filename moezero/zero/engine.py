@@ -3,11 +3,15 @@
     records (zero_param.py)         one per param: where it sits, its master piece, its per-step state
     families (param_families.py)    the params reduced over one group in one dtype, in one flat layout
       x param side (param_storage)  where param values live: replicated (0-2) or sharded (3)
-      x grad side (grad_strategies) how gradients are accumulated and reduced (per stage, stages.py)
+      x grad side (grad_strategies) how gradients are accumulated and reduced (per stage, stages.py), each
+                                    bucket's state in one Bucket record (bucket.py)
     reducer (reducer.py)            hooks, per-backward bookkeeping, launch order
     master (master.py)              this rank's master weights, the pieces the inner optimizer steps
-    gatherer (units.py)             stage 3: gathers and frees units around forward and backward
+    gatherer (units.py)             stage 3: gathers and frees the units (unit_plan.py) around forward and
+                                    backward; the reducer's listener, passed to it at construction
     model guard (model_guard.py)    what must hold around every forward
+
+docs/zero-internals.md follows one gradient, and one stage-3 unit, through these parts in order.
 
 `ZeroOptimizer` owns one engine, talks to it through the methods below only, and builds a new one when
 the model changes (`modify_model`); the old one is detached (hooks removed, params given back).
