@@ -32,7 +32,9 @@ from moezero.zero.zero_param import ParamFamily, ZeroParam
 
 
 class GradSide(Protocol):
-    """What a bucket's launch asks of its family's grad strategy (`grad_strategies.GradStrategy`)."""
+    """What a bucket's launch asks of its family's grad strategy. The strategy is a `GradStrategy`
+    (grad_strategies.py), whose every method takes the Bucket; that module builds on this one, so the bucket
+    names only the call it makes itself."""
 
     def launch(self, bucket: "Bucket") -> None:
         """Start the bucket's reduction: set `bucket.work` and `bucket.finish`."""
