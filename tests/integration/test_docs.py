@@ -93,6 +93,10 @@ def test_the_life_of_a_gradient_names_classes_of_the_files_it_links():
         with open(path) as source:
             classes = {node.name for node in ast.parse(source.read()).body if isinstance(node, ast.ClassDef)}
         assert cls in classes, f"row {number}: {file_name} defines no class {cls}"
+    gradient = LIFE_ROW.findall(page.split("## The life of a stage-3 unit")[0])
+    files, classes = {row[2] for row in gradient}, {row[3] for row in gradient}
+    assert len(files) <= 8 and len(classes) <= 10, (f"a stage-2 gradient crosses {len(classes)} classes in "
+                                                    f"{len(files)} files (issue 74 asks <= 10 in <= 8)")
 
 
 def _layout_entries() -> Iterator[Tuple[str, str]]:
