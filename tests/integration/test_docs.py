@@ -216,14 +216,15 @@ def _check_launch_line(argv: List[str], world: int) -> None:
     """The configs the script would run with (the Hub folder's or checkpoint's model where the line takes it
     from there, resolved as the script resolves them), passing the checks the script makes at start for `world`
     processes. A line that would resume its own run (--load without --use-checkpoint-args) is checked as that
-    run's first launch: the workdir's `ckpt` holds another command's tiny model."""
+    run's first launch: the workdir's `ckpt` holds another command's tiny model, and its --save folders other
+    commands' checkpoints (a first launch saves into a new folder)."""
     import dataclasses
 
     from moezero.training.configs import validate
     from moezero.training.run_start import resolve_start
     cfg = configs(argv)
-    if not cfg.checkpoint.use_checkpoint_args:
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=None))
+    load = cfg.checkpoint.load if cfg.checkpoint.use_checkpoint_args else None
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load, save=None))
     start = resolve_start(cfg)
     assert start.point is not None or not cfg.checkpoint.use_checkpoint_args, \
         f"--load {cfg.checkpoint.load}: the docs' earlier command should have made it"
