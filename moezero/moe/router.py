@@ -196,10 +196,12 @@ class TopKRouter(nn.Module):
         return topk_ids_TK, probs_TE.gather(1, topk_ids_TK)
 
     def _jitter(self, x_TD, num_sequences, keys):
-        """--moe-input-jitter-eps: the input times uniform noise in [1 - eps, 1 + eps), in every forward, evaluation
-        included, as megatron-core's router; keyed by sample (`keys`), else from torch's generator."""
+        """--moe-input-jitter-eps: the input times uniform noise in [1 - eps, 1 + eps), in training and in the
+        training loop's evaluations (which pass `keys`), as megatron-core's router; keyed by sample (`keys`), else
+        from torch's generator. A bare eval-mode call (generation, the tools, a comparison of two models) has no
+        keys and no jitter: its outputs are the same at every call."""
         eps = self.config.input_jitter_eps
-        if not eps or x_TD.shape[0] == 0:
+        if not eps or x_TD.shape[0] == 0 or (keys is None and not self.training):
             return x_TD
         T, D = x_TD.shape
         if keys is None:

@@ -117,6 +117,19 @@ def test_the_input_jitter_applies_in_evaluation_as_megatron_cores():
 
 
 @torch.no_grad()
+def test_a_bare_eval_call_draws_no_jitter_and_training_does():
+    """Outside the training loop (no keys: generation, the export and evaluation tools) an eval-mode router draws
+    no jitter, so two calls agree (a quantized export matched its fake-quant model only by chance before); in
+    training, without keys, it still draws from torch's generator."""
+    ours = _ours(input_jitter_eps=0.2).eval()
+    x = _tokens().reshape(B * S, D)
+    first, second = ours(x, num_sequences=B), ours(x, num_sequences=B)
+    assert torch.equal(first.topk_weights_TK, second.topk_weights_TK)
+    ours.train()
+    assert (ours(x, num_sequences=B).topk_weights_TK - first.topk_weights_TK).abs().max() > 1e-3
+
+
+@torch.no_grad()
 def _capacity_picks(policy: str, capacity_factor: float, top_k: int):
     ours = _ours(capacity_factor=capacity_factor, token_drop_policy=policy, load_balancing_type="none", top_k=top_k,
                  pre_softmax=top_k == 1)
