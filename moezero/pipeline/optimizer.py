@@ -6,12 +6,11 @@ one float64 all-reduce over the pp group after the stage's own (on every rank, f
 coefficient, the non-finite skip and the loss scaler's update follow from the same number on every rank. The params
 norm (Megatron's log) is summed the same way.
 
-Until ZeroOptimizer takes a norm group of its own, this overrides its `_global_norm` (the one place the norm is
-formed) and `params_norm`; `--log-num-zeros-in-grad` still counts the stage's zeros only (refused at pp > 1).
+It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; `--log-num-zeros-in-grad` still counts the
+stage's zeros only (refused at pp > 1).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -34,14 +33,6 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.pipeline_groups = groups
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
 
-    def _global_norm(self, reduced) -> float:
-        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return math.sqrt(self._over_stages(self.engine.owned_sum_of_squares(reduced))) * inv_scale
-
-    def params_norm(self) -> float:
-        return math.sqrt(self._over_stages(self.engine.params_sum_of_squares(
-            getattr(self.inner, "master_values", None))))
-
     def state_dict(self) -> Dict:
         """This rank's shard (ZeroOptimizer's), its "shapes" those of every stage's params: a checkpoint's train state
         records them (the global model's, which another layout checks its params against), and DCP keeps one rank's
@@ -55,7 +46,7 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         shard["shapes"] = {name: shape for shapes in every for name, shape in shapes.items()}
         return shard
 
-    def _over_stages(self, stage_total: float) -> float:
+    def sum_over_model_parts(self, stage_total: float) -> float:
         """Collective over the pp group: the sum of every stage's total. torch's own all-reduce, not comm's: the pp
         group must stay free of anything that keeps a reference to it (PipelineGroups.close_pp)."""
         total = torch.tensor([stage_total], dtype=torch.float64)

@@ -229,7 +229,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _global_norm(self, reduced) -> float:
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return math.sqrt(self.engine.owned_sum_of_squares(reduced)) * inv_scale
+        return math.sqrt(self.sum_over_model_parts(self.engine.owned_sum_of_squares(reduced))) * inv_scale
+
+    def sum_over_model_parts(self, total: float) -> float:
+        """A seam meant to be overridden by a layout that splits the model beyond this optimizer's groups (pipeline
+        stages: moezero.pipeline's optimizer): `total`, a sum over the params this optimizer holds (every rank of its
+        groups has it), summed over the model's other parts. Collective where overridden; here the optimizer holds
+        the whole model. The gradient norm (so clipping, the non-finite skip and the loss scaler) and the params norm
+        go through it."""
+        return total
 
     def _skip(self) -> bool:
         self.skipped_steps += 1
@@ -250,7 +258,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ---- reading state -------------------------------------------------------------------------
     def params_norm(self) -> float:
         """Collective: the L2 norm of the trainable weights (their fp32 masters; Megatron's params norm)."""
-        return math.sqrt(self.engine.params_sum_of_squares(getattr(self.inner, "master_values", None)))
+        return math.sqrt(self.sum_over_model_parts(
+            self.engine.params_sum_of_squares(getattr(self.inner, "master_values", None))))
 
     def owned_gradients(self) -> GradientPieces:
         """{name: [(global element range, averaged gradient)]} of the elements this rank owns.
