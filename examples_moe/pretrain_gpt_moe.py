@@ -7,6 +7,7 @@
 All flags: --help. The library does the work (moezero.recipe composes training and QAT); this file only
 launches it.
 """
+
 import os
 import sys
 

@@ -9,6 +9,7 @@ server also accepts a socket its caller has bound (`master_listen_fd`), so this 
 `main` with every store server it creates bound to 127.0.0.1 first. It takes torchrun's arguments and requires
 --standalone (one machine: every worker connects through localhost); for several machines use torchrun itself.
 """
+
 import socket
 import sys
 
@@ -31,7 +32,7 @@ class LoopbackTCPStore(dist.TCPStore):
             sock.bind((LOOPBACK, port))
             sock.listen(socket.SOMAXCONN)
             port = sock.getsockname()[1]
-            kwargs["master_listen_fd"] = sock.detach()   # the store owns the descriptor from here
+            kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here
         super().__init__(host_name, port, *args, **kwargs)
 
 
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     if "--standalone" not in argv[:script]:
         print("torchrun_local.py: give --standalone (one machine; for several, use torchrun)", file=sys.stderr)
         return 2
-    for module in (dist, c10d_backend, static_backend):   # where torchrun's stores are created
+    for module in (dist, c10d_backend, static_backend):  # where torchrun's stores are created
         module.TCPStore = LoopbackTCPStore
     torchrun_main(argv)
     return 0

@@ -5,6 +5,7 @@ returning its flattened elements [lo, hi). The ZeRO optimizer stores such a para
 whole: at stage 3 it reads only this rank's slices; at stages 0-2 it materializes it first. Nothing can run
 the model before that.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -12,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 _ATTR = "_moezero_values_source"
-ReadRange = Callable[[int, int], torch.Tensor]   # (lo, hi) -> 1-D tensor of the flattened elements [lo, hi)
+ReadRange = Callable[[int, int], torch.Tensor]  # (lo, hi) -> 1-D tensor of the flattened elements [lo, hi)
 
 
 def defer_values(param: torch.nn.Parameter, read: ReadRange) -> None:
@@ -56,5 +57,5 @@ def allocate(tensor: torch.Tensor, device: torch.device = torch.device("cpu"), e
     if isinstance(tensor, torch.nn.Parameter):
         fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
     attributes = dict(tensor.__dict__)
-    torch.utils.swap_tensors(tensor, fresh)   # swaps the __dict__s too
+    torch.utils.swap_tensors(tensor, fresh)  # swaps the __dict__s too
     tensor.__dict__.update(attributes)

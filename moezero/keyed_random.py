@@ -13,6 +13,7 @@ is 16M numbers per head group and sample). Layouts agree on either kind of devic
 draw different masks for the same key, and GPU models may differ among themselves (torch's CUDA
 streams depend on the launch grid).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,9 @@ def keyed_normal_(tensor: torch.Tensor, std: float, *keys) -> torch.Tensor:
     return tensor
 
 
-def init_keyed_(module: nn.Module, seed: int, std_for: Callable[[str, torch.Tensor], Optional[float]],
-                prefix: str = "") -> None:
+def init_keyed_(
+    module: nn.Module, seed: int, std_for: Callable[[str, torch.Tensor], Optional[float]], prefix: str = ""
+) -> None:
     """Initialise every parameter of `module` from keys alone.
 
     std_for(name, param) gives the normal std, 0.0 for zeros (biases), or None to leave the param as
@@ -93,8 +95,9 @@ class SampleKeys:
             draw(row, keyed_generator(self.seed, self.iteration, int(sample), site, device=device))
         return out
 
-    def uniform(self, site: str, shape_per_sample, low: float, high: float,
-                device: torch.device | str = "cpu") -> torch.Tensor:
+    def uniform(
+        self, site: str, shape_per_sample, low: float, high: float, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
         """(B, *shape) uniform numbers in [low, high), one independent stream per sample."""
         return self._per_sample(site, shape_per_sample, lambda t, g: t.uniform_(low, high, generator=g), device)
 

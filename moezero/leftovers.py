@@ -1,6 +1,7 @@
 """Files and folders a killed write left behind (SIGKILL runs no cleanup), removed by the next write of the same
 thing: best effort, named in a warning, never failing that write (a leftover it may not remove, another user's
 in a shared folder, costs disk, not the write)."""
+
 from __future__ import annotations
 
 import os

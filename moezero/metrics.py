@@ -4,6 +4,7 @@ Producers hand values keyed by the names below (`lm_loss`, ...); the console lin
 writer look the names up here. Adding a metric is one line in this table (plus producing its value).
 Tags with {fields} are families (one scalar per MoE layer, expert or QAT module group).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,10 +13,10 @@ from typing import Dict, List, Mapping, Optional
 
 @dataclass(frozen=True)
 class Metric:
-    console: Optional[str]      # label on the console line (None: TensorBoard only)
+    console: Optional[str]  # label on the console line (None: TensorBoard only)
     tensorboard: Optional[str]  # TensorBoard tag, may name {fields} (None: console only)
-    fmt: str = ""               # format spec of the console value ("d" ones are printed as integers)
-    vs_samples: bool = False    # also '<tag> vs samples', over consumed samples (Megatron's second series)
+    fmt: str = ""  # format spec of the console value ("d" ones are printed as integers)
+    vs_samples: bool = False  # also '<tag> vs samples', over consumed samples (Megatron's second series)
 
 
 METRICS: Dict[str, Metric] = {
@@ -23,8 +24,8 @@ METRICS: Dict[str, Metric] = {
     # (its training_log), then moezero's own fields
     "consumed_samples": Metric("consumed samples", "consumed-samples", ">12d"),
     "step_time_ms": Metric("elapsed time per iteration (ms)", None, ".1f"),
-    "iteration_time": Metric(None, "iteration-time"),   # seconds, as Megatron's
-    "throughput": Metric("throughput per GPU (TFLOP/s/GPU)", "throughput", ".1f"),   # per rank, GPU or not
+    "iteration_time": Metric(None, "iteration-time"),  # seconds, as Megatron's
+    "throughput": Metric("throughput per GPU (TFLOP/s/GPU)", "throughput", ".1f"),  # per rank, GPU or not
     "lr": Metric("learning rate", "learning-rate", ".6E", vs_samples=True),
     "global_batch_size": Metric("global batch size", "batch-size", ">5d", vs_samples=True),
     "lm_loss": Metric("lm loss", "lm loss", ".6E", vs_samples=True),
@@ -36,14 +37,14 @@ METRICS: Dict[str, Metric] = {
     # multi-token prediction: each depth's loss without the scaling factor, as Megatron's MTPLossLoggingHelper
     # (depths past the fourth are added by mtp_loss_metric)
     **{f"mtp_{k}_loss": Metric(f"mtp_{k} loss", f"mtp_{k} loss", ".6E") for k in range(1, 5)},
-    "router_aux_loss": Metric(None, "aux loss"),   # moezero's: with their coefficients, summed over MoE layers
+    "router_aux_loss": Metric(None, "aux loss"),  # moezero's: with their coefficients, summed over MoE layers
     "router_z_loss": Metric(None, "z loss"),
     "loss_scale": Metric("loss scale", "loss-scale", ".1f", vs_samples=True),
-    "world_size": Metric(None, "world-size", vs_samples=True),   # --log-world-size-to-tensorboard
+    "world_size": Metric(None, "world-size", vs_samples=True),  # --log-world-size-to-tensorboard
     "grad_norm": Metric("grad norm", "grad-norm", ".3f", vs_samples=True),
     "num_zeros": Metric("num zeros", "num-zeros", "d", vs_samples=True),
     "params_norm": Metric("params norm", "params-norm", ".3f", vs_samples=True),
-    "skipped_iterations": Metric("number of skipped iterations", None, ">3d"),   # in the line's interval
+    "skipped_iterations": Metric("number of skipped iterations", None, ">3d"),  # in the line's interval
     "nan_iterations": Metric("number of nan iterations", None, ">3d"),
     "tokens_per_s": Metric("tokens/s", "tokens-per-sec", ".0f"),
     "max_rss_mb": Metric("max rss (MB)", "memory/max-rss-mb", ".0f"),

@@ -15,6 +15,7 @@ latest-created first (it orders a device's ready queue by sequence number), so a
 micro-batch's forward phase has its gradient's collective launched and waited with the other micro-batch's
 backward work in between (see PendingAllToAll).
 """
+
 from __future__ import annotations
 
 from typing import Any, Generator, List, Sequence
@@ -75,8 +76,16 @@ def _runs_its_forward(module: nn.Module) -> bool:
 
 
 def _plain_hooks_only(module: nn.Module) -> bool:
-    local = (module._forward_pre_hooks_with_kwargs or module._forward_hooks_with_kwargs
-             or module._backward_hooks or module._backward_pre_hooks)
-    global_hooks = (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
-                    or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    local = (
+        module._forward_pre_hooks_with_kwargs
+        or module._forward_hooks_with_kwargs
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+    global_hooks = (
+        torch_module._global_forward_pre_hooks
+        or torch_module._global_forward_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
     return not (local or global_hooks)

@@ -4,6 +4,7 @@ quantization-aware training plugged in from above (training never imports compre
     sys.exit(main())                            # parse the flags of every section, train
     run = pretraining(cfg); run.train()         # in-process (tests)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ def attach_qat(model: nn.Module, groups: ParallelGroups, cfg: RecipeConfigs) -> 
     if not cfg.qat.enabled:
         return None
     if cfg.parallel.pipeline_parallel_size > 1:
-        raise ConfigError(f"--qat-weight-bits={cfg.qat.weight_bits}: quantization-aware training with "
-                          f"--pipeline-model-parallel-size={cfg.parallel.pipeline_parallel_size} is not supported yet")
+        raise ConfigError(
+            f"--qat-weight-bits={cfg.qat.weight_bits}: quantization-aware training with "
+            f"--pipeline-model-parallel-size={cfg.parallel.pipeline_parallel_size} is not supported yet"
+        )
     return apply_qat(model, cfg.qat, groups, cfg.train.seed)
 
 

@@ -14,6 +14,7 @@ file to change.
                            the CPU kernels' autograd.Functions have no rules for them, torch's ops run instead
   all_gather_single, reduce_scatter_single   the flat-tensor collectives (renamed in torch 2.11; older names before)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -43,8 +44,8 @@ def backward_accumulates(leaf: torch.Tensor) -> bool:
     """Inside a backward that reached `leaf`: whether it accumulates into `.grad` (False in torch.autograd.grad)."""
     try:
         return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node))
-    except RuntimeError:   # "A leaf node was passed to _will_engine_execute_node but we are currently running
-        return False       # autograd.grad()": a backward that accumulates nothing
+    except RuntimeError:  # "A leaf node was passed to _will_engine_execute_node but we are currently running
+        return False  # autograd.grad()": a backward that accumulates nothing
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -1,5 +1,6 @@
 """GPT-2 BPE files (vocab.json, merges.txt) and a HuggingFace tokenizer.json, written by a byte-level BPE
 tokenizer trained here on the committed test corpus: real tokenizer files, no download."""
+
 import json
 import os
 
@@ -13,8 +14,9 @@ def write_bpe_files(folder: str, vocab_size: int = 400) -> dict:
     with open(CORPUS_JSONL) as f:
         texts = [json.loads(line)["text"] for line in f if line.strip()]
     tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"],
-                                  show_progress=False)
+    tokenizer.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     os.makedirs(folder, exist_ok=True)
     vocab, merges = tokenizer.save_model(folder)
     tokenizer_json = os.path.join(folder, "tokenizer.json")
@@ -31,7 +33,15 @@ def write_sentencepiece_model(folder: str, vocab_size: int = 300) -> str:
     with open(CORPUS_JSONL) as f, open(text, "w") as out:
         out.writelines(json.loads(line)["text"].replace("\n", " ") + "\n" for line in f if line.strip())
     prefix = os.path.join(folder, "tokenizer")
-    sentencepiece.SentencePieceTrainer.train(input=text, model_prefix=prefix, vocab_size=vocab_size,
-                                             model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                             minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        input=text,
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     return prefix + ".model"

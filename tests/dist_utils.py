@@ -10,6 +10,7 @@ failure or hang tears it down, so the next call starts from a fresh world.
   stuck ranks; every process of that world is killed.
 - `fn` must be importable (a module-level function) and its arguments and result picklable.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -44,9 +45,15 @@ class RankPool:
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children: one thread per rank
         try:
-            self.procs = [ctx.Process(target=_worker, name=f"moezero-rank{r}", daemon=True,
-                                      args=(r, world_size, init_file, self._tasks[r], self._results))
-                          for r in range(world_size)]
+            self.procs = [
+                ctx.Process(
+                    target=_worker,
+                    name=f"moezero-rank{r}",
+                    daemon=True,
+                    args=(r, world_size, init_file, self._tasks[r], self._results),
+                )
+                for r in range(world_size)
+            ]
             for p in self.procs:
                 p.start()
         finally:
@@ -123,8 +130,13 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=600),
+    )
     while True:
         task = tasks.get()
         if task is None:
@@ -151,8 +163,15 @@ def _live_groups():
 _POOLS: Dict[int, RankPool] = {}
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-                    fresh: bool = False, isolated: bool = False, **kwargs) -> List[Any]:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    fresh: bool = False,
+    isolated: bool = False,
+    **kwargs,
+) -> List[Any]:
     """Run fn(*args, **kwargs) on `world_size` gloo ranks; return each rank's result, in rank order.
 
     fresh=True starts new processes (for tests sensitive to what earlier tests left behind, such as

@@ -4,13 +4,27 @@ Process-wide, so allocations and frees on any thread count (gloo frees on its ow
 torch's profiler does not see). Large tensors are mmapped and show in `hblkhd`, the rest in
 `uordblks`. The project's machines run glibc (Debian); elsewhere this raises instead of guessing.
 """
+
 import ctypes
 import ctypes.util
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo() -> _MallInfo2:

@@ -6,6 +6,7 @@ to float32 by hand. `Float64Throughout` is a torch function mode under which suc
 tensor keeps float64 (nothing else changes), so the oracle's numbers are its own formulas at float64 and
 parity can be asked to 1e-8.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,45 @@ class Float64Throughout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, attention_dropout=0.0,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    num_experts_per_tok=2,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 
 def _deepseek(**routing):
-    return dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                max_position_embeddings=64, rms_norm_eps=1e-6, intermediate_size=40, moe_intermediate_size=12,
-                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
-                tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                **routing)
+    return dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        intermediate_size=40,
+        moe_intermediate_size=12,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **routing,
+    )
 
 
 def _yarn(**more):
@@ -53,44 +83,112 @@ def _yarn(**more):
 
 
 CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=4,
-                                                  rope_theta=1e6, tie_word_embeddings=True, sliding_window=None),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
-                                                     shared_expert_intermediate_size=40, num_experts=4,
-                                                     norm_topk_prob=False, decoder_sparse_step=1,
-                                                     mlp_only_layers=[0], tie_word_embeddings=False),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=12, intermediate_size=48,
-                                                     moe_intermediate_size=24, num_experts=4, norm_topk_prob=True,
-                                                     decoder_sparse_step=2, tie_word_embeddings=False),
-    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, norm_topk_prob=False,
-                                              tie_word_embeddings=False),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON,
+        intermediate_size=40,
+        num_local_experts=4,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        sliding_window=None,
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        head_dim=12,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_experts=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        tie_word_embeddings=False,
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **COMMON, intermediate_size=24, num_experts=4, norm_topk_prob=False, tie_word_embeddings=False
+    ),
     # the dense sources of upcycling
-    "llama": lambda: transformers.LlamaConfig(**COMMON, intermediate_size=40, tie_word_embeddings=True,
-                                              rope_theta=5e5),
+    "llama": lambda: transformers.LlamaConfig(**COMMON, intermediate_size=40, tie_word_embeddings=True, rope_theta=5e5),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=12, intermediate_size=40, tie_word_embeddings=False),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
-        **_deepseek(q_lora_rank=None, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
-                    topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
-                    rope_parameters=_yarn(mscale=0.707, mscale_all_dim=0.707))),
+        **_deepseek(
+            q_lora_rank=None,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters=_yarn(mscale=0.707, mscale_all_dim=0.707),
+        )
+    ),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
-                    topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                    rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0))),
+        **_deepseek(
+            q_lora_rank=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0),
+        )
+    ),
     # GLM-4.5: RoPE on half of each head, q/k/v biases, per-head q/k norms, DeepSeek-V3's router
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
-        **COMMON, head_dim=12, intermediate_size=40, moe_intermediate_size=12, n_routed_experts=8, n_shared_experts=1,
-        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=1e6, tie_word_embeddings=False,
-        num_nextn_predict_layers=0),
+        **COMMON,
+        head_dim=12,
+        intermediate_size=40,
+        moe_intermediate_size=12,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    ),
     # GPT-OSS: biases, sinks, a 5-key window on layers 1 and 3, YaRN without rounding, a clamp that bites
     "gpt_oss": lambda: transformers.GptOssConfig(
-        **COMMON, head_dim=12, intermediate_size=24, num_local_experts=4, sliding_window=5, swiglu_limit=0.5,
-        rope_parameters=_yarn(truncate=False, beta_fast=8.0, beta_slow=1.0), tie_word_embeddings=False),
+        **COMMON,
+        head_dim=12,
+        intermediate_size=24,
+        num_local_experts=4,
+        sliding_window=5,
+        swiglu_limit=0.5,
+        rope_parameters=_yarn(truncate=False, beta_fast=8.0, beta_slow=1.0),
+        tie_word_embeddings=False,
+    ),
     # Kimi-K2: DeepSeek-V3's architecture, one expert group, YaRN with beta 1/1 (its config.json says kimi_k2)
     "kimi_k2": lambda: transformers.DeepseekV3Config(
-        **_deepseek(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-                    topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-                    rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0))),
+        **_deepseek(
+            q_lora_rank=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            norm_topk_prob=True,
+            rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0, beta_fast=1.0, beta_slow=1.0),
+        )
+    ),
 }
 
 
@@ -100,15 +198,20 @@ def tiny_model(family: str, seed: int = 0, **config_fields):
     config = CONFIGS[family]()
     for name, value in config_fields.items():
         setattr(config, name, value)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                             experts_implementation="eager").double().eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", experts_implementation="eager"
+        )
+        .double()
+        .eval()
+    )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's selection-only bias: not zero
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection-only bias: not zero
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype))
     return model
 
@@ -146,8 +249,13 @@ def load_with_transformers(path: str):
     frequencies in float32 (.double() makes them what a float64 model built from its config has) and loads
     some tensors rounded to float32 (DeepSeek-V3's router weight and bias), which are copied again from the
     files at their float64."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").double().eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+        )
+        .double()
+        .eval()
+    )
     state = model.state_dict()
     with torch.no_grad():
         for name in os.listdir(path):
@@ -170,7 +278,7 @@ def mtp_layer(tensors, last: int, seed: int = 5):
     def rand(*shape, around=0.0):
         return (around + 0.1 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(dtype)
 
-    out = {mine + k[len(first):]: rand(*v.shape).to(v.dtype) for k, v in tensors.items() if k.startswith(first)}
+    out = {mine + k[len(first) :]: rand(*v.shape).to(v.dtype) for k, v in tensors.items() if k.startswith(first)}
     hidden = tensors["model.norm.weight"].shape[0]
     for name in ("enorm", "hnorm", "shared_head.norm"):
         out[f"{mine}{name}.weight"] = rand(hidden, around=1.0)

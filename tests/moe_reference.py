@@ -1,4 +1,5 @@
 """A naive per-token MoE: the oracle for the MoE layer tests."""
+
 import torch
 
 from moezero.moe.experts import activation
@@ -19,6 +20,6 @@ def naive_moe(x_TD, wg_ED, w1_EDF, w2_EFD, config, expert_bias=None):
             if config.score_function == "sigmoid" and config.top_k > 1:
                 w = w / (w.sum() + 1e-20)
         for weight, e in zip(w, ids.tolist()):
-            h = activation(x_TD[t:t + 1] @ w1_EDF[e], config.activation)
+            h = activation(x_TD[t : t + 1] @ w1_EDF[e], config.activation)
             out[t] += (weight * (h @ w2_EFD[e])[0]).to(out.dtype)
     return out

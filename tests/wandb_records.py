@@ -2,6 +2,7 @@
 
 The file is a LevelDB-style log (a 7-byte ':W&B' header, then 32 KiB blocks of records, each with a 7-byte
 header: CRC, length, type; a record may span blocks as FIRST, MIDDLE..., LAST) of wandb's Record protobufs."""
+
 import glob
 import json
 import os
@@ -17,11 +18,11 @@ def _records(data: bytes) -> Iterator[bytes]:
     position, pending = HEADER, b""
     while position + HEADER <= len(data):
         left_in_block = BLOCK - position % BLOCK
-        if left_in_block < HEADER:   # the block's tail is padding
+        if left_in_block < HEADER:  # the block's tail is padding
             position += left_in_block
             continue
-        length, kind = struct.unpack("<HB", data[position + 4:position + HEADER])
-        chunk = data[position + HEADER:position + HEADER + length]
+        length, kind = struct.unpack("<HB", data[position + 4 : position + HEADER])
+        chunk = data[position + HEADER : position + HEADER + length]
         position += HEADER + length
         if kind == FULL:
             yield chunk
@@ -29,7 +30,7 @@ def _records(data: bytes) -> Iterator[bytes]:
             pending = (b"" if kind == FIRST else pending) + chunk
         elif kind == LAST:
             yield pending + chunk
-        else:   # zero padding at the end of a block or file
+        else:  # zero padding at the end of a block or file
             position += BLOCK - position % BLOCK if position % BLOCK else 0
 
 

@@ -7,6 +7,7 @@
 - a non-reentrant activation-checkpointed block
 - optionally (`mixed_dtypes=True`) a branch whose params stay fp32 when the rest is cast to fp64
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,8 +22,14 @@ VOCAB, HIDDEN, SEQ, BATCH = 16, 8, 3, 2
 class ZeroTestModel(nn.Module):
     def __init__(self, groups, num_experts=8, top_k=2, seed=5, mixed_dtypes=False):
         super().__init__()
-        cfg = MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=12, num_experts=num_experts, top_k=top_k,
-                        aux_loss_coeff=0.05, z_loss_coeff=1e-3)
+        cfg = MoEConfig(
+            hidden_size=HIDDEN,
+            ffn_hidden_size=12,
+            num_experts=num_experts,
+            top_k=top_k,
+            aux_loss_coeff=0.05,
+            z_loss_coeff=1e-3,
+        )
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.block = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
         self.moe1 = MoELayer(cfg, groups, layer_number=1)

@@ -5,6 +5,7 @@ a step in order, with a plain torch optimizer; the N-rank loop runs micro-batch 
 on rank r, exactly as a user's data-parallel loop does. Both normalise the loss per step the
 same way (the optimizer averages over ranks), so they must agree.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,15 +26,24 @@ def assert_passes(worker: Callable, stage: int, *args, world: int = 2) -> None:
     `stage` over ZERO_STAGES, so each stage reports on its own."""
     assert all(run_distributed(worker, world, stage, *args)), f"stage {stage}"
 
+
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95))),
     "sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
 }
 
 
-def reference_run(optimizer: str, world: int, accumulation: int, steps: int, clip: Optional[float] = None,
-                  dtype=torch.float64, model_kwargs=None, make_opt: Optional[Callable] = None,
-                  each_step: Optional[Callable] = None) -> List[dict]:
+def reference_run(
+    optimizer: str,
+    world: int,
+    accumulation: int,
+    steps: int,
+    clip: Optional[float] = None,
+    dtype=torch.float64,
+    model_kwargs=None,
+    make_opt: Optional[Callable] = None,
+    each_step: Optional[Callable] = None,
+) -> List[dict]:
     """Per step: the averaged gradients torch computed, the grad norm and the params after the step."""
     model = ZeroTestModel(ParallelGroups.single(), **(model_kwargs or {})).to(dtype)
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -82,7 +92,7 @@ def assert_params_match(model, expected: Dict[str, torch.Tensor], rtol: float, a
         want = expected[name]
         shard = expert_shard_of(p)
         if shard is not None:
-            want = want[shard.first_global_expert:shard.first_global_expert + shard.num_local_experts]
+            want = want[shard.first_global_expert : shard.first_global_expert + shard.num_local_experts]
         torch.testing.assert_close(p.detach(), want.to(p.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -90,4 +100,4 @@ def local_reference_slice(name: str, p: torch.Tensor, full: torch.Tensor) -> tor
     shard = expert_shard_of(p)
     if shard is None:
         return full
-    return full[shard.first_global_expert:shard.first_global_expert + shard.num_local_experts]
+    return full[shard.first_global_expert : shard.first_global_expert + shard.num_local_experts]

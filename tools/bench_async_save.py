@@ -11,6 +11,7 @@ loop stood still per save (median over the saves after a run's first: a process'
 starts DCP's writer; the wait for the last save before exit is in the extra time, not here). The CPU model is
 named: a figure holds for the CPU it ran on.
 """
+
 import argparse
 import os
 import statistics
@@ -24,10 +25,36 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from moezero.recipe import parse, pretraining  # noqa: E402
 from tools.bench.machine import cpu_model  # noqa: E402
 
-MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
-         "--micro-batch-size", "4", "--global-batch-size", "16", "--num-experts", "8", "--moe-router-topk", "2",
-         "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000",
-         "--eval-interval", "0", "--num-workers", "0"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--lr",
+    "1e-3",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1000",
+    "--eval-interval",
+    "0",
+    "--num-workers",
+    "0",
+]
 
 
 def timed_run(steps: int, cache: str, save_flags):
@@ -58,11 +85,19 @@ def main():
     times = {"no save": [], "blocking save": [], "--async-save": []}
     stood = {label: [] for label in times}
     with tempfile.TemporaryDirectory() as cache:
-        timed_run(2, cache, [])   # the corpus and dataset indices, built once
+        timed_run(2, cache, [])  # the corpus and dataset indices, built once
         for round_ in range(args.rounds):
             for label in times:
-                flags = [] if label == "no save" else ["--save", os.path.join(cache, f"ckpt{round_}{len(label)}"),
-                                                       "--save-interval", str(args.save_interval)]
+                flags = (
+                    []
+                    if label == "no save"
+                    else [
+                        "--save",
+                        os.path.join(cache, f"ckpt{round_}{len(label)}"),
+                        "--save-interval",
+                        str(args.save_interval),
+                    ]
+                )
                 elapsed, stops = timed_run(args.steps, cache, flags + (["--async-save"] if "async" in label else []))
                 times[label].append(elapsed)
                 stood[label] += stops[1:]
@@ -75,12 +110,17 @@ def main():
         median = statistics.median(values)
         extra[label] = (median - base) * 1000 / saves
         still[label] = statistics.median(stood[label]) * 1000 if stood[label] else 0.0
-        cells = ["", ""] if label == "no save" else [f"{extra[label]:.1f}", f"{still[label]:.1f}" if stood[label]
-                                                     else "(one save: none after the first)"]
+        cells = (
+            ["", ""]
+            if label == "no save"
+            else [f"{extra[label]:.1f}", f"{still[label]:.1f}" if stood[label] else "(one save: none after the first)"]
+        )
         print(f"| {label} | {median * 1000 / args.steps:.1f} | {cells[0]} | {cells[1]} |")
     if extra["blocking save"] > 0 and still["blocking save"] > 0:
-        print(f"\nasync / blocking: extra time per save {extra['--async-save'] / extra['blocking save']:.2f}, "
-              f"standing still per save {still['--async-save'] / still['blocking save']:.2f}")
+        print(
+            f"\nasync / blocking: extra time per save {extra['--async-save'] / extra['blocking save']:.2f}, "
+            f"standing still per save {still['--async-save'] / still['blocking save']:.2f}"
+        )
 
 
 if __name__ == "__main__":

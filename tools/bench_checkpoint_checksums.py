@@ -9,6 +9,7 @@ with the shards hashed as written, and without (DCP's plain writer, no manifest)
 verifying the files it reads). Printed: the median wall time of each and the checksums' share. The CPU model
 and the folder's file system are named: a figure holds for the machine it ran on.
 """
+
 import argparse
 import os
 import shutil
@@ -30,8 +31,7 @@ from moezero.models import GPTModel, language_model_loss  # noqa: E402
 from moezero.zero import ZeroOptimizer  # noqa: E402
 from tools.bench.machine import cpu_model  # noqa: E402
 
-GPT = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=32000,
-                moe_layer_freq=1)
+GPT = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=32000, moe_layer_freq=1)
 MOE = MoEConfig(num_experts=8, top_k=2)
 
 
@@ -65,7 +65,7 @@ def _round(model, opt, root, hashed):
     save = _timed(lambda: checkpoint.save_checkpoint(root, 1, model, opt, configs={}, plugins={}))
     path = checkpoint.iteration_dir(root, 1)
     if not hashed:
-        os.remove(os.path.join(path, checksums.MANIFEST))   # only the index's record: nothing to verify
+        os.remove(os.path.join(path, checksums.MANIFEST))  # only the index's record: nothing to verify
     load = _timed(lambda: checkpoint.load_checkpoint(path, model, opt))
     return save, load
 
@@ -86,13 +86,18 @@ def main():
         for _ in range(args.rounds):
             for hashed in (False, True):
                 times[hashed].append(_round(model, opt, os.path.join(root, str(hashed)), hashed))
-        size = sum(os.path.getsize(os.path.join(folder, f)) for folder, _, files in os.walk(os.path.join(root, "True"))
-                   for f in files)
+        size = sum(
+            os.path.getsize(os.path.join(folder, f))
+            for folder, _, files in os.walk(os.path.join(root, "True"))
+            for f in files
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fs = os.popen(f"df -T {args.dir} | tail -1").read().split()
-    print(f"CPU: {cpu_model()}; folder {args.dir} on {fs[1] if len(fs) > 1 else '?'}; checkpoint {size / 2**20:.0f} MB;"
-          f" {args.rounds} rounds\n")
+    print(
+        f"CPU: {cpu_model()}; folder {args.dir} on {fs[1] if len(fs) > 1 else '?'}; checkpoint {size / 2**20:.0f} MB;"
+        f" {args.rounds} rounds\n"
+    )
     print("| | without checksums (s) | with (s) | added |")
     print("|---|---|---|---|")
     for i, what in enumerate(("save", "load")):

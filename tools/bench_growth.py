@@ -12,6 +12,7 @@ per-round ratios), so a reader sees whether the ratio holds as the model grows. 
 refuses its native MoE at stage 3 ("Native DeepSpeed MoE is not supported with ZeRO Stage 3");
 tools/bench_stage3.py compares moezero's stages 3 and 2.
 """
+
 import argparse
 import os
 import sys
@@ -25,26 +26,57 @@ from synthetic import bf16_native  # noqa: E402
 SIZES = {  # name: (layers, hidden, experts, seq, micro-batch, timed steps)
     "small": (4, 256, 8, 128, 4, 10),
     "medium": (4, 1024, 16, 512, 1, 4),
-    "large": (2, 2048, 16, 1024, 1, 3),   # sized so that DeepSpeed fits a 24 GiB machine on 2 ranks
+    "large": (2, 2048, 16, 1024, 1, 3),  # sized so that DeepSpeed fits a 24 GiB machine on 2 ranks
 }
 
 
 def size_args(name, dtype):
     layers, hidden, experts, seq, mb, steps = SIZES[name]
-    return ["--layers", str(layers), "--hidden", str(hidden), "--heads", str(hidden // 64), "--seq", str(seq),
-            "--mb", str(mb), "--experts", str(experts), "--k", "2", "--vocab", "1024", "--steps", str(steps),
-            "--warmup", "1", "--dtype", dtype, "--bucket", "2000000", "--stage", "2", "--ep", "2"]
+    return [
+        "--layers",
+        str(layers),
+        "--hidden",
+        str(hidden),
+        "--heads",
+        str(hidden // 64),
+        "--seq",
+        str(seq),
+        "--mb",
+        str(mb),
+        "--experts",
+        str(experts),
+        "--k",
+        "2",
+        "--vocab",
+        "1024",
+        "--steps",
+        str(steps),
+        "--warmup",
+        "1",
+        "--dtype",
+        dtype,
+        "--bucket",
+        "2000000",
+        "--stage",
+        "2",
+        "--ep",
+        "2",
+    ]
 
 
 def systems(name, dtype):
     argv = size_args(name, dtype)
-    return [(f"moezero {name} {dtype}", lambda: run_worker("moezero", argv)),
-            (f"DeepSpeed {name} {dtype}", lambda: run_worker("deepspeed", argv + ["--no-overlap"]))]
+    return [
+        (f"moezero {name} {dtype}", lambda: run_worker("moezero", argv)),
+        (f"DeepSpeed {name} {dtype}", lambda: run_worker("deepspeed", argv + ["--no-overlap"])),
+    ]
 
 
 def print_rows(results, sizes, dtypes):
-    print("| size | dtype | moezero tokens/s | DeepSpeed tokens/s | moezero vs DeepSpeed | "
-          "moezero peak RSS/rank (MB) | DeepSpeed peak RSS/rank (MB) |")
+    print(
+        "| size | dtype | moezero tokens/s | DeepSpeed tokens/s | moezero vs DeepSpeed | "
+        "moezero peak RSS/rank (MB) | DeepSpeed peak RSS/rank (MB) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in sizes:
         layers, hidden, experts, seq, mb, _ = SIZES[name]
@@ -69,8 +101,10 @@ def main():
     for name in sizes:
         for dtype in dtypes:
             results.update(alternate(systems(name, dtype), args.rounds, f"{name} {dtype}"))
-    print(f"\n#### moezero vs DeepSpeed as the model grows (ZeRO-2, ep 2, 2 processes, {args.rounds} rounds; "
-          f"bf16 GEMMs {'native' if bf16_native() else 'emulated'} on this CPU)\n")
+    print(
+        f"\n#### moezero vs DeepSpeed as the model grows (ZeRO-2, ep 2, 2 processes, {args.rounds} rounds; "
+        f"bf16 GEMMs {'native' if bf16_native() else 'emulated'} on this CPU)\n"
+    )
     print_rows(results, sizes, dtypes)
 
 

@@ -9,6 +9,7 @@ a time), a rank's start from the folder on 2 ranks (ep 2, ZeRO stage 3, what --l
 load a one-process import used to be (from_pretrained, eager), for scale. Also lazy against eager on one process
 (stage 0). The bound to compare with: about one shard file plus what the rank keeps.
 """
+
 import argparse
 import json
 import os
@@ -38,10 +39,22 @@ def _write_hub(path, hidden, experts, layers, shard_mb):
     from moezero.hf import save_pretrained
     from moezero.hf.families import FAMILIES
     from moezero.models import GPTModel
-    config = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-              "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8,
-              "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": experts,
-              "num_experts_per_tok": 2, "tie_word_embeddings": False}
+
+    config = {
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+    }
     gpt, moe = FAMILIES["mixtral"].configs(config)
     model = GPTModel(gpt, moe).to(torch.bfloat16)
     save_pretrained(model, path, max_shard_bytes=shard_mb << 20)
@@ -54,17 +67,22 @@ def _child(task, hub, work):
     from moezero.parallel import ParallelGroups
     from moezero.zero import ZeroOptimizer
     from moezero.hf.checkpoint_conversion import export_checkpoint, import_hub
+
     base = _rss_mb()
     extra = {}
     if task == "import":
         import_hub(hub, os.path.join(work, "ckpt"))
     elif task == "export":
-        export_checkpoint(os.path.join(work, "ckpt"), os.path.join(work, "back"), overwrite=True,
-                          max_shard_bytes=int(os.environ["SHARD_MB"]) << 20)
+        export_checkpoint(
+            os.path.join(work, "ckpt"),
+            os.path.join(work, "back"),
+            overwrite=True,
+            max_shard_bytes=int(os.environ["SHARD_MB"]) << 20,
+        )
     elif task in ("eager", "lazy"):
         model = from_pretrained(hub, lazy=task == "lazy")
         opt = ZeroOptimizer(model, torch.optim.AdamW, ParallelGroups.single(), stage=0)
-        extra["kept_mb"] = sum(opt.memory_bytes().values()) / 2 ** 20
+        extra["kept_mb"] = sum(opt.memory_bytes().values()) / 2**20
     elif task == "eager_whole":
         from_pretrained(hub, dtype=torch.float32)
     print(json.dumps(dict(base=base, peak=_peak_mb(), **extra)))
@@ -73,16 +91,18 @@ def _child(task, hub, work):
 def _rank(rank, hub, port, out):
     import torch
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from moezero.hf import from_pretrained
     from moezero.parallel import ParallelGroups
     from moezero.zero import ZeroOptimizer
+
     groups = ParallelGroups.build(expert_parallel_size=2)
     base = _rss_mb()
     model = from_pretrained(hub, groups=groups, lazy=True)
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3)
-    kept = sum(opt.memory_bytes().values()) / 2 ** 20
+    kept = sum(opt.memory_bytes().values()) / 2**20
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"base": base, "peak": _peak_mb(), "kept_mb": kept}, f)
     groups.destroy()
@@ -90,8 +110,13 @@ def _rank(rank, hub, port, out):
 
 
 def _measure(task, hub, work, shard_mb):
-    proc = subprocess.run([sys.executable, __file__, "--child", task, hub, work], capture_output=True, text=True,
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", SHARD_MB=str(shard_mb)))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", task, hub, work],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", SHARD_MB=str(shard_mb)),
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -99,6 +124,7 @@ def _measure(task, hub, work, shard_mb):
 
 def _measure_ranks(hub, work):
     import torch.multiprocessing as mp
+
     out = os.path.join(work, "rank")
     mp.spawn(_rank, args=(hub, 29400 + os.getpid() % 500, out), nprocs=2)
     return [json.load(open(f"{out}.{r}")) for r in range(2)]
@@ -119,16 +145,20 @@ def main():
         hub = os.path.join(work, "hub")
         _write_hub(hub, args.hidden, args.experts, args.layers, args.shard_mb)
         files = [n for n in os.listdir(hub) if n.endswith(".safetensors")]
-        size = sum(os.path.getsize(os.path.join(hub, n)) for n in files) / 2 ** 20
-        shard = max(os.path.getsize(os.path.join(hub, n)) for n in files) / 2 ** 20
-        print(f"Hub folder: {size:.0f} MB bf16 in {len(files)} files (largest {shard:.0f} MB); fp32 model "
-              f"{2 * size:.0f} MB")
+        size = sum(os.path.getsize(os.path.join(hub, n)) for n in files) / 2**20
+        shard = max(os.path.getsize(os.path.join(hub, n)) for n in files) / 2**20
+        print(
+            f"Hub folder: {size:.0f} MB bf16 in {len(files)} files (largest {shard:.0f} MB); fp32 model "
+            f"{2 * size:.0f} MB"
+        )
         print(f"{'what (peak RSS above the process after imports)':58s} {'MB':>7s} {'/ ckpt':>7s}")
-        rows = [("import, streamed (tools/hf_checkpoint.py import)", _measure("import", hub, work, args.shard_mb)),
-                ("export, streamed (export, --max-shard-size = the shards)", _measure("export", hub, work, args.shard_mb)),
-                ("whole model in fp32 (what import used to hold)", _measure("eager_whole", hub, work, args.shard_mb)),
-                ("one process, eager load + ZeRO-0", _measure("eager", hub, work, args.shard_mb)),
-                ("one process, lazy load + ZeRO-0", _measure("lazy", hub, work, args.shard_mb))]
+        rows = [
+            ("import, streamed (tools/hf_checkpoint.py import)", _measure("import", hub, work, args.shard_mb)),
+            ("export, streamed (export, --max-shard-size = the shards)", _measure("export", hub, work, args.shard_mb)),
+            ("whole model in fp32 (what import used to hold)", _measure("eager_whole", hub, work, args.shard_mb)),
+            ("one process, eager load + ZeRO-0", _measure("eager", hub, work, args.shard_mb)),
+            ("one process, lazy load + ZeRO-0", _measure("lazy", hub, work, args.shard_mb)),
+        ]
         for r, result in enumerate(_measure_ranks(hub, work)):
             rows.append((f"rank {r} of 2, lazy load + ZeRO-3 ep 2 (--load-hf)", result))
         for what, m in rows:

@@ -10,6 +10,7 @@ heap in use (every live allocation) and the heap held free (holes: fragmentation
 row is moezero without its heap trimming (MOEZERO_KEEP_MALLOC=1): glibc's default behaviour, what
 moezero did before moezero/training/host_memory.py.
 """
+
 import argparse
 import os
 import sys
@@ -20,8 +21,28 @@ from rounds import name_machine  # noqa: E402
 from runner import run_worker  # noqa: E402
 from synthetic import bf16_native  # noqa: E402
 
-MODEL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--mb", "4", "--experts", "8",
-         "--k", "2", "--vocab", "1024", "--ep", "2", "--warmup", "2"]
+MODEL = [
+    "--layers",
+    "4",
+    "--hidden",
+    "256",
+    "--heads",
+    "4",
+    "--seq",
+    "128",
+    "--mb",
+    "4",
+    "--experts",
+    "8",
+    "--k",
+    "2",
+    "--vocab",
+    "1024",
+    "--ep",
+    "2",
+    "--warmup",
+    "2",
+]
 
 
 def systems(dtype):
@@ -35,8 +56,10 @@ def systems(dtype):
 def report(dtype, steps):
     marks = [m for m in (10, 50, 100, 200) if m <= steps] or [steps]
     print(f"\n#### RSS per rank (MB), {dtype}, {steps} steps\n")
-    print("| system | " + " | ".join(f"step {m}" for m in marks) + " | growth after step 10 | heap in use | "
-          "heap held free | optimizer's accounting |")
+    print(
+        "| system | " + " | ".join(f"step {m}" for m in marks) + " | growth after step 10 | heap in use | "
+        "heap held free | optimizer's accounting |"
+    )
     print("|---|" + "---|" * (len(marks) + 4))
     for label, system, extra, env in systems(dtype):
         r = run_worker(system, MODEL + extra + ["--steps", str(steps), "--dtype", dtype], env_extra=env)
@@ -47,17 +70,25 @@ def report(dtype, steps):
         rss = [memory[m - 1]["rss_mb"] for m in marks]
         last = memory[-1]
         owned = r.get("optimizer_bytes")
-        owned = f"{sum(owned.values()) / 2 ** 20:.0f} MB" if owned else "n/a"
-        print(f"| {label} | " + " | ".join(f"{v:.0f}" for v in rss) +
-              f" | {last['rss_mb'] - memory[min(9, len(memory) - 1)]['rss_mb']:+.0f} | "
-              f"{last['heap_used_mb']:.0f} | {last['heap_free_mb']:.0f} | {owned} |", flush=True)
+        owned = f"{sum(owned.values()) / 2**20:.0f} MB" if owned else "n/a"
+        print(
+            f"| {label} | "
+            + " | ".join(f"{v:.0f}" for v in rss)
+            + f" | {last['rss_mb'] - memory[min(9, len(memory) - 1)]['rss_mb']:+.0f} | "
+            f"{last['heap_used_mb']:.0f} | {last['heap_free_mb']:.0f} | {owned} |",
+            flush=True,
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--bf16-steps", type=int, default=None, help="default: 200 where bf16 GEMMs are native, else "
-                   "30 (emulated bf16 GEMMs take many times the fp32 time)")
+    p.add_argument(
+        "--bf16-steps",
+        type=int,
+        default=None,
+        help="default: 200 where bf16 GEMMs are native, else 30 (emulated bf16 GEMMs take many times the fp32 time)",
+    )
     args = p.parse_args()
     name_machine()
     if args.bf16_steps is None:

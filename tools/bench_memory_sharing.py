@@ -10,6 +10,7 @@ other process waits) and on both processes at once (a barrier before every repet
 a bf16 GEMM is the compute-bound control. Median [min-max] over rounds of each round's median repetition.
 Docs: docs/benchmarks.md#distribution.
 """
+
 import argparse
 import os
 import queue
@@ -21,9 +22,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moezero import ops   # noqa: E402
-from tools.bench.machine import describe   # noqa: E402
-from tools.bench.rounds import spread   # noqa: E402
+from moezero import ops  # noqa: E402
+from tools.bench.machine import describe  # noqa: E402
+from tools.bench.rounds import spread  # noqa: E402
 
 
 def passes(numel: int):
@@ -34,14 +35,29 @@ def passes(numel: int):
     a, b = torch.randn(512, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
 
     def adamw():
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [count], lr=1e-4, beta1=0.9, beta2=0.95,
-                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    return [("fused AdamW (fp32 master, grad, 2 moments)", adamw),
-            ("gradient staging (fp32 += bf16)", lambda: ops.flatten_into(grad, [bf16_grad], [0], 1.0,
-                                                                          accumulate=True)),
-            ("gradient norm (sum of squares)", lambda: ops.sum_of_squares([grad])),
-            ("publishing cast (bf16 <- fp32)", lambda: param.copy_(master)),
-            ("control: bf16 GEMM 512 x 1024 x 1024", lambda: torch.mm(a, b))]
+        torch._fused_adamw_(
+            [master],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [count],
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            weight_decay=0.1,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
+
+    return [
+        ("fused AdamW (fp32 master, grad, 2 moments)", adamw),
+        ("gradient staging (fp32 += bf16)", lambda: ops.flatten_into(grad, [bf16_grad], [0], 1.0, accumulate=True)),
+        ("gradient norm (sum of squares)", lambda: ops.sum_of_squares([grad])),
+        ("publishing cast (bf16 <- fp32)", lambda: param.copy_(master)),
+        ("control: bf16 GEMM 512 x 1024 x 1024", lambda: torch.mm(a, b)),
+    ]
 
 
 def worker(rank, numel, reps, rounds, barrier, results):
@@ -91,8 +107,10 @@ def main():
         p.error("--params, --rounds and --reps must be positive")
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, int(args.params * 1e6), args.reps, args.rounds, barrier, results))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=worker, args=(r, int(args.params * 1e6), args.reps, args.rounds, barrier, results))
+        for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     by_rank = dict(_collect(results, procs))
@@ -105,8 +123,10 @@ def main():
     for name in dict.fromkeys(name for name, _ in alone):
         solo = alone[(name, "alone")]
         both = [statistics.mean(pair) for pair in zip(by_rank[0][(name, "at once")], by_rank[1][(name, "at once")])]
-        print(f"| {name} | {spread([s * 1e3 for s in solo], 2)} | {spread([b * 1e3 for b in both], 2)} | "
-              f"{spread([b / s for b, s in zip(both, solo)], 2)}x |")
+        print(
+            f"| {name} | {spread([s * 1e3 for s in solo], 2)} | {spread([b * 1e3 for b in both], 2)} | "
+            f"{spread([b / s for b, s in zip(both, solo)], 2)}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@
 - With --gloo-records, every 2-rank run also runs with the agreement records and the short all-reduces on
   gloo, as between ranks on several hosts, and a last table gives the step through pipes over that one.
 """
+
 import argparse
 import os
 import statistics
@@ -55,10 +56,40 @@ GEMM_STEPS = 3
 def worker_args(hidden, dtype, steps, warmup, micro_batches=1, experts=EXPERTS, ep=WORLD):
     """The peer configuration of bench_vs_peers.py at width `hidden` (each rank's 4 sequences in `micro_batches`
     micro-batches); the first `warmup` steps not timed."""
-    return ["--layers", "4", "--hidden", str(hidden), "--heads", str(hidden // 64), "--seq", "128", "--mb", "4",
-            "--experts", str(experts), "--k", "2", "--vocab", "1024", "--ep", str(ep), "--stage", "2",
-            "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype, "--bucket", "2000000",
-            "--gemm-steps", str(GEMM_STEPS), "--micro-batches", str(micro_batches)]
+    return [
+        "--layers",
+        "4",
+        "--hidden",
+        str(hidden),
+        "--heads",
+        str(hidden // 64),
+        "--seq",
+        "128",
+        "--mb",
+        "4",
+        "--experts",
+        str(experts),
+        "--k",
+        "2",
+        "--vocab",
+        "1024",
+        "--ep",
+        str(ep),
+        "--stage",
+        "2",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--dtype",
+        dtype,
+        "--bucket",
+        "2000000",
+        "--gemm-steps",
+        str(GEMM_STEPS),
+        "--micro-batches",
+        str(micro_batches),
+    ]
 
 
 def alone_args(hidden, dtype, steps, warmup, micro_batches=1):
@@ -68,13 +99,17 @@ def alone_args(hidden, dtype, steps, warmup, micro_batches=1):
 
 
 # the runs of each (dtype, hidden): their name's suffix and what the tables call them
-RUNS = {"": f"{WORLD} ranks", " overlapped": f"{WORLD} ranks, overlapped", " alone": "alone",
-        " side by side": f"{WORLD} alone at once"}
+RUNS = {
+    "": f"{WORLD} ranks",
+    " overlapped": f"{WORLD} ranks, overlapped",
+    " alone": "alone",
+    " side by side": f"{WORLD} alone at once",
+}
 
 
 def step_flops(argv, world=WORLD):
     """Megatron's FLOPs of one step of the worker run with `argv` (the global batch: a micro-batch per rank)."""
-    args, _ = common_parser().parse_known_args(argv)   # the worker's own flags (--gemm-steps) aside
+    args, _ = common_parser().parse_known_args(argv)  # the worker's own flags (--gemm-steps) aside
     gpt, moe = moezero_configs(args)
     return flops_per_batch(gpt, moe, args.vocab, args.mb * world)
 
@@ -93,13 +128,17 @@ def peak_gflops(dtypes, size):
 def print_cpu(paths):
     units = paths["bf16_units"]
     bf16 = f"native ({', '.join(units)})" if units else "emulated (no avx512_bf16 / amx_bf16)"
-    print(f"CPU: {torch.backends.cpu.get_cpu_capability()} kernels; bf16 GEMMs {bf16}; a bf16 torch.mm takes "
-          f"{paths['bf16_gemm_slowdown']:.2f}x the fp32 time")
+    print(
+        f"CPU: {torch.backends.cpu.get_cpu_capability()} kernels; bf16 GEMMs {bf16}; a bf16 torch.mm takes "
+        f"{paths['bf16_gemm_slowdown']:.2f}x the fp32 time"
+    )
 
 
 def print_table(configs, lone_configs, results, peaks, steps, warmup):
-    print("\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | products' share | MFU ceiling "
-          "| tokens/s | step (s) |")
+    print(
+        "\n| dtype | hidden | peak GFLOP/s per core | model GFLOP/s per rank | MFU | products' share | MFU ceiling "
+        "| tokens/s | step (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for (dtype, hidden), argv in configs.items():
         runs = ok(results[f"{dtype} h{hidden}"])
@@ -110,12 +149,16 @@ def print_table(configs, lone_configs, results, peaks, steps, warmup):
         rates = model_gflops(runs, argv)
         products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
         ceilings = [tflops_per_rank(flops, s, WORLD) * 1e3 / peaks[dtype] for s in products]
-        print(f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | {spread(rates)} | "
-              f"{spread([rate / peaks[dtype] for rate in rates], 3)} | "
-              f"{spread([s / r['step_s'] for s, r in zip(products, runs)], 2)} | {spread(ceilings, 3)} | "
-              f"{spread([r['tokens_per_s'] for r in runs])} | {spread([r['step_s'] for r in runs], 3)} |")
-    print(f"\n{steps} steps per run (the first {warmup} not timed), {WORLD} processes of one thread each; "
-          f"matrix-product time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks.")
+        print(
+            f"| {dtype} | {hidden} | {peaks[dtype]:.0f} | {spread(rates)} | "
+            f"{spread([rate / peaks[dtype] for rate in rates], 3)} | "
+            f"{spread([s / r['step_s'] for s, r in zip(products, runs)], 2)} | {spread(ceilings, 3)} | "
+            f"{spread([r['tokens_per_s'] for r in runs])} | {spread([r['step_s'] for r in runs], 3)} |"
+        )
+    print(
+        f"\n{steps} steps per run (the first {warmup} not timed), {WORLD} processes of one thread each; "
+        f"matrix-product time from {GEMM_STEPS} more steps under torch.profiler, averaged over the ranks."
+    )
     print_step_split(configs, results)
     print_distribution_cost(configs, lone_configs, results, peaks)
 
@@ -124,8 +167,10 @@ def print_distribution_cost(configs, lone_configs, results, peaks):
     """The 2-rank run against one rank's share run alone: what distributing costs (the exchanges, waiting for the
     busiest rank's experts, sharing the cores with the other rank and gloo's threads), and that split in two by
     the lone share run twice at once: sharing the host, and the rest."""
-    print("\n| dtype | hidden | run | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
-          f"| {WORLD} alone at once / alone | 2 ranks / {WORLD} alone at once | busiest rank's expert rows / mean |")
+    print(
+        "\n| dtype | hidden | run | MFU, 2 ranks | MFU, one rank's share alone | step, 2 ranks / alone "
+        f"| {WORLD} alone at once / alone | 2 ranks / {WORLD} alone at once | busiest rank's expert rows / mean |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for (dtype, hidden), argv in configs.items():
         lone = results[f"{dtype} h{hidden} alone"]
@@ -136,16 +181,20 @@ def print_distribution_cost(configs, lone_configs, results, peaks):
                 continue
             mfu = [g / peaks[dtype] for g in model_gflops(ok(runs), argv)]
             lone_mfu = [g / peaks[dtype] for g in model_gflops(ok(lone), lone_configs[(dtype, hidden)], world=1)]
-            print(f"| {dtype} | {hidden} | {RUNS[suffix]} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
-                  f"{spread(ratios(runs, lone, 'step_s'), 2)} | {spread(ratios(shared, lone, 'step_s'), 2)} | "
-                  f"{spread(ratios(runs, shared, 'step_s'), 2)} | "
-                  f"{spread([r['slowest_rank_expert_load'] for r in ok(runs)], 2)} |")
-    print(f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
-          f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
-          "rows: per MoE layer, the busiest rank's routed rows over the ranks' mean, averaged over the layers "
-          "(medians over the timed steps); the other rank waits for that excess at the layer's all-to-all. "
-          f"{WORLD} alone at once: {WORLD} such processes started together, each alone in its world (what sharing "
-          "this host's cores, caches and memory costs without any exchange); step: the mean of theirs.")
+            print(
+                f"| {dtype} | {hidden} | {RUNS[suffix]} | {spread(mfu, 3)} | {spread(lone_mfu, 3)} | "
+                f"{spread(ratios(runs, lone, 'step_s'), 2)} | {spread(ratios(shared, lone, 'step_s'), 2)} | "
+                f"{spread(ratios(runs, shared, 'step_s'), 2)} | "
+                f"{spread([r['slowest_rank_expert_load'] for r in ok(runs)], 2)} |"
+            )
+    print(
+        f"\nAlone: one process with {EXPERTS // WORLD} of the {EXPERTS} experts (a rank's share under ep "
+        f"{WORLD}), its own micro-batch routed among them, no exchange (the same FLOPs per token). The expert "
+        "rows: per MoE layer, the busiest rank's routed rows over the ranks' mean, averaged over the layers "
+        "(medians over the timed steps); the other rank waits for that excess at the layer's all-to-all. "
+        f"{WORLD} alone at once: {WORLD} such processes started together, each alone in its world (what sharing "
+        "this host's cores, caches and memory costs without any exchange); step: the mean of theirs."
+    )
 
 
 def ms(seconds):
@@ -155,23 +204,29 @@ def ms(seconds):
 def print_step_split(configs, results):
     """Each rank's step in ms: products, the main thread's other CPU time, the main thread off its core
     (waiting for a peer or a transfer, or waiting for a core), and the CPU of the other threads (gloo's)."""
-    print("\n| dtype | hidden | run | step (ms) | products | other main-thread CPU | main thread off-CPU "
-          "| other threads' CPU |")
+    print(
+        "\n| dtype | hidden | run | step (ms) | products | other main-thread CPU | main thread off-CPU "
+        "| other threads' CPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    for (dtype, hidden) in configs:
+    for dtype, hidden in configs:
         for suffix, run in RUNS.items():
             runs = [r for r in ok(results.get(f"{dtype} h{hidden}{suffix}", [])) if "main_thread_cpu_s_per_rank" in r]
             if not runs:
                 continue
             main = [statistics.mean(r["main_thread_cpu_s_per_rank"]) for r in runs]
             products = [statistics.mean(r["matrix_product_s_per_rank"]) for r in runs]
-            print(f"| {dtype} | {hidden} | {run} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "
-                  f"{ms([m - p for m, p in zip(main, products)])} | "
-                  f"{ms([max(0.0, r['step_s'] - m) for r, m in zip(runs, main)])} | "   # clocks' granularity
-                  f"{ms([statistics.mean(r['other_threads_cpu_s_per_rank']) for r in runs])} |")
-    print("\nMedians over the timed steps of each rank's thread CPU clocks (no profiler), averaged over the ranks; "
-          "products from the profiled steps. Off-CPU: the main thread waits for a peer (the slower rank, a "
-          "transfer) or for a core (two ranks and gloo's threads share the cores).")
+            print(
+                f"| {dtype} | {hidden} | {run} | {ms([r['step_s'] for r in runs])} | {ms(products)} | "
+                f"{ms([m - p for m, p in zip(main, products)])} | "
+                f"{ms([max(0.0, r['step_s'] - m) for r, m in zip(runs, main)])} | "  # clocks' granularity
+                f"{ms([statistics.mean(r['other_threads_cpu_s_per_rank']) for r in runs])} |"
+            )
+    print(
+        "\nMedians over the timed steps of each rank's thread CPU clocks (no profiler), averaged over the ranks; "
+        "products from the profiled steps. Off-CPU: the main thread waits for a peer (the slower rank, a "
+        "transfer) or for a core (two ranks and gloo's threads share the cores)."
+    )
 
 
 def main():
@@ -179,18 +234,34 @@ def main():
     p.add_argument("--hidden", default="256", help="model widths, comma-separated (e.g. 256,1024)")
     p.add_argument("--dtype", default="fp32,bf16", help="dtypes, comma-separated: fp32, bf16")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=10,
-                   help="steps not timed: a fresh router's first steps route much less evenly (the busiest rank's "
-                        "expert rows over the mean, bf16 hidden 256: 1.25 over steps 2-9, 1.11 over 10-19 and "
-                        "over 180-199)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="steps not timed: a fresh router's first steps route much less evenly (the busiest rank's "
+        "expert rows over the mean, bf16 hidden 256: 1.25 over steps 2-9, 1.11 over 10-19 and "
+        "over 180-199)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peak-size", type=int, default=2048, help="side of the square matrices of the peak GEMM")
-    p.add_argument("--micro-batches", type=int, default=1, help="each rank's 4 sequences per step in this many "
-                   "micro-batches (1, 2 or 4), in every run")
-    p.add_argument("--overlap-moe-comm", action="store_true", help="also run the 2 ranks with their micro-batches "
-                   "in interleaved pairs (--overlap-moe-expert-parallel-comm; needs --micro-batches 2 or 4)")
-    p.add_argument("--gloo-records", action="store_true", help="also run every 2-rank configuration with the "
-                   "agreement records and short all-reduces on gloo (as between hosts) and print the step ratio")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="each rank's 4 sequences per step in this many micro-batches (1, 2 or 4), in every run",
+    )
+    p.add_argument(
+        "--overlap-moe-comm",
+        action="store_true",
+        help="also run the 2 ranks with their micro-batches "
+        "in interleaved pairs (--overlap-moe-expert-parallel-comm; needs --micro-batches 2 or 4)",
+    )
+    p.add_argument(
+        "--gloo-records",
+        action="store_true",
+        help="also run every 2-rank configuration with the "
+        "agreement records and short all-reduces on gloo (as between hosts) and print the step ratio",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 steps (2 timed), 1 round, a 1024 peak GEMM")
     args = p.parse_args()
     name_machine()
@@ -208,20 +279,34 @@ def main():
         p.error(f"--dtype {','.join(sorted(unknown))}: must be among {', '.join(DTYPES)}")
     print_cpu(kernel_paths())
     peaks = peak_gflops(dtypes, args.peak_size)
-    configs = {(dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup, args.micro_batches)
-               for dtype in dtypes for h in args.hidden.split(",")}
-    lone_configs = {(dtype, hidden): alone_args(hidden, dtype, args.steps, args.warmup, args.micro_batches)
-                    for dtype, hidden in configs}
+    configs = {
+        (dtype, int(h)): worker_args(int(h), dtype, args.steps, args.warmup, args.micro_batches)
+        for dtype in dtypes
+        for h in args.hidden.split(",")
+    }
+    lone_configs = {
+        (dtype, hidden): alone_args(hidden, dtype, args.steps, args.warmup, args.micro_batches)
+        for dtype, hidden in configs
+    }
     systems = []
     for (dtype, hidden), argv in configs.items():
         systems.append((f"{dtype} h{hidden}", lambda argv=argv: run_worker("moezero", argv)))
         if args.overlap_moe_comm:
-            systems.append((f"{dtype} h{hidden} overlapped",
-                            lambda argv=argv: run_worker("moezero", argv + ["--overlap-moe-comm"])))
-        systems.append((f"{dtype} h{hidden} alone",
-                        lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1)))
-        systems.append((f"{dtype} h{hidden} side by side",
-                        lambda a=lone_configs[(dtype, hidden)]: run_side_by_side("moezero", a, copies=WORLD)))
+            systems.append(
+                (
+                    f"{dtype} h{hidden} overlapped",
+                    lambda argv=argv: run_worker("moezero", argv + ["--overlap-moe-comm"]),
+                )
+            )
+        systems.append(
+            (f"{dtype} h{hidden} alone", lambda a=lone_configs[(dtype, hidden)]: run_worker("moezero", a, nproc=1))
+        )
+        systems.append(
+            (
+                f"{dtype} h{hidden} side by side",
+                lambda a=lone_configs[(dtype, hidden)]: run_side_by_side("moezero", a, copies=WORLD),
+            )
+        )
     if args.gloo_records:
         for label, run in [(label, run) for label, run in systems if _two_ranks(label)]:
             flags = ["--overlap-moe-comm"] if label.endswith("overlapped") else []
@@ -249,11 +334,16 @@ def print_gloo_records(systems, results):
     for label, _ in systems:
         if not _two_ranks(label) or label.endswith("gloo records"):
             continue
-        pairs = [(a["step_s"], b["step_s"]) for a, b in zip(results[label], results[f"{label}, gloo records"])
-                 if "error" not in a and "error" not in b]
+        pairs = [
+            (a["step_s"], b["step_s"])
+            for a, b in zip(results[label], results[f"{label}, gloo records"])
+            if "error" not in a and "error" not in b
+        ]
         if pairs:
-            print(f"| {label} | {spread([1e3 * a for a, _ in pairs])} | {spread([1e3 * b for _, b in pairs])} | "
-                  f"{spread([a / b for a, b in pairs], 2)}x |")
+            print(
+                f"| {label} | {spread([1e3 * a for a, _ in pairs])} | {spread([1e3 * b for _, b in pairs])} | "
+                f"{spread([a / b for a, b in pairs], 2)}x |"
+            )
 
 
 if __name__ == "__main__":

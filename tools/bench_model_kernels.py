@@ -10,6 +10,7 @@ Styles: the peer model's layers (LayerNorm, exact GELU, biases), Llama's (RMSNor
 only by the kernels' roundings (bf16: where a sigmoid's or an rstd's last fp32 bit moves one). Docs:
 docs/benchmarks.md#swiglu.
 """
+
 import argparse
 import os
 import sys
@@ -20,10 +21,40 @@ from runner import run_worker  # noqa: E402
 
 
 def worker_args(style, dtype, steps, warmup):
-    return ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--mb", "4", "--k", "2",
-            "--vocab", "1024", "--experts", "4", "--ep", "1", "--stage", "2", "--bucket", "2000000",
-            "--micro-batches", "2", "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype,
-            "--style", style]
+    return [
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--seq",
+        "128",
+        "--mb",
+        "4",
+        "--k",
+        "2",
+        "--vocab",
+        "1024",
+        "--experts",
+        "4",
+        "--ep",
+        "1",
+        "--stage",
+        "2",
+        "--bucket",
+        "2000000",
+        "--micro-batches",
+        "2",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--dtype",
+        dtype,
+        "--style",
+        style,
+    ]
 
 
 def main():
@@ -39,13 +70,21 @@ def main():
     for style, dtype in configs:
         argv = worker_args(style, dtype, args.steps, args.warmup)
         systems.append((f"{style} {dtype} kernels", lambda argv=argv: run_worker("moezero", argv, nproc=1)))
-        systems.append((f"{style} {dtype} torch ops",
-                        lambda argv=argv: run_worker("moezero", argv + ["--torch-elementwise"], nproc=1)))
+        systems.append(
+            (
+                f"{style} {dtype} torch ops",
+                lambda argv=argv: run_worker("moezero", argv + ["--torch-elementwise"], nproc=1),
+            )
+        )
     results = alternate(systems, args.rounds, "model kernels")
-    print(f"\n{args.rounds} alternating rounds of {args.steps} steps (the first {args.warmup} not timed), one process, "
-          "one thread; medians [min-max] over the rounds\n")
-    print("| style | dtype | step, kernels (ms) | step, torch ops (ms) | torch ops / kernels | peak RSS, kernels / "
-          "torch ops (MB) | final loss, kernels / torch ops |")
+    print(
+        f"\n{args.rounds} alternating rounds of {args.steps} steps (the first {args.warmup} not timed), one process, "
+        "one thread; medians [min-max] over the rounds\n"
+    )
+    print(
+        "| style | dtype | step, kernels (ms) | step, torch ops (ms) | torch ops / kernels | peak RSS, kernels / "
+        "torch ops (MB) | final loss, kernels / torch ops |"
+    )
     print("|---|---|---|---|---|---|---|")
     for style, dtype in configs:
         fused, plain = results[f"{style} {dtype} kernels"], results[f"{style} {dtype} torch ops"]
@@ -55,8 +94,10 @@ def main():
         step = lambda runs: spread([r["step_s"] * 1e3 for r in ok(runs)], 1)
         rss = lambda runs: spread([max(r["peak_rss_mb"]) for r in ok(runs)])
         loss = lambda runs: f"{ok(runs)[-1]['final_loss']:.6f}"
-        print(f"| {style} | {dtype} | {step(fused)} | {step(plain)} | {spread(ratios(plain, fused, 'step_s'), 3, 'x')}"
-              f" | {rss(fused)} / {rss(plain)} | {loss(fused)} / {loss(plain)} |")
+        print(
+            f"| {style} | {dtype} | {step(fused)} | {step(plain)} | {spread(ratios(plain, fused, 'step_s'), 3, 'x')}"
+            f" | {rss(fused)} / {rss(plain)} | {loss(fused)} / {loss(plain)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ DeepSpeed's dropless layer computes every expert padded to the most loaded exper
 names that padding (E x max load / assignments) next to the measured load imbalance. Medians over
 alternating rounds with [min-max].
 """
+
 import argparse
 import json
 import os
@@ -22,11 +23,28 @@ from runner import HERE, REPO, deepspeed_python  # noqa: E402
 
 
 def run(system, nproc, args, python, skew):
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "layer_worker.py"), "--system", system, "--tokens", str(args.tokens),
-           "--reps", str(args.reps), "--skew", str(skew)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(HERE, "layer_worker.py"),
+        "--system",
+        system,
+        "--tokens",
+        str(args.tokens),
+        "--reps",
+        str(args.reps),
+        "--skew",
+        str(skew),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -36,8 +54,11 @@ def run(system, nproc, args, python, skew):
 
 
 def systems(args, ds, skew):
-    rows = [("dense MLP, same active FLOPs", "dense", 1, sys.executable),
-            ("moezero ep 1", "moezero", 1, sys.executable), ("moezero ep 2", "moezero", 2, sys.executable)]
+    rows = [
+        ("dense MLP, same active FLOPs", "dense", 1, sys.executable),
+        ("moezero ep 1", "moezero", 1, sys.executable),
+        ("moezero ep 2", "moezero", 2, sys.executable),
+    ]
     if ds:
         rows += [("DeepSpeed ep 1", "deepspeed", 1, ds), ("DeepSpeed ep 2", "deepspeed", 2, ds)]
     return [(label, lambda s=system, n=n, py=py: run(s, n, args, py, skew)) for label, system, n, py in rows]
@@ -45,8 +66,10 @@ def systems(args, ds, skew):
 
 def print_table(title, results):
     print(f"\n#### {title}\n")
-    print("| layer | tokens/s per process | vs DeepSpeed (same ep) | vs dense MLP | max/mean expert load | "
-          "DeepSpeed's padding |")
+    print(
+        "| layer | tokens/s per process | vs DeepSpeed (same ep) | vs dense MLP | max/mean expert load | "
+        "DeepSpeed's padding |"
+    )
     print("|---|---|---|---|---|---|")
     dense = results["dense MLP, same active FLOPs"]
     for label, runs in results.items():
@@ -58,8 +81,10 @@ def print_table(title, results):
         vs_ds = spread(ratios(runs, peer), 2, "x") if ok(peer) else ""
         load = f"{good[0]['max_mean_load']:.2f}" if "max_mean_load" in good[0] else ""
         padding = f"{good[0]['deepspeed_padding']:.2f}x rows" if label.startswith("DeepSpeed") else ""
-        print(f"| {label} | {spread([r['tokens_per_s'] for r in good])} | {vs_ds} | "
-              f"{spread(ratios(runs, dense), 2, 'x')} | {load} | {padding} |")
+        print(
+            f"| {label} | {spread([r['tokens_per_s'] for r in good])} | {vs_ds} | "
+            f"{spread(ratios(runs, dense), 2, 'x')} | {load} | {padding} |"
+        )
 
 
 def main():
@@ -73,8 +98,11 @@ def main():
     ds = None if args.no_deepspeed else deepspeed_python()
     for title, skew in (("balanced routing (a fresh router)", 0.0), ("skewed routing (a trained router)", 0.1)):
         results = alternate(systems(args, ds, skew), args.rounds, title.split()[0])
-        print_table(f"MoE layer fwd+bwd, {args.tokens} tokens per process, E=8 k=2, hidden 512, FFN 2048, fp32: "
-                    f"{title}, {args.rounds} rounds", results)
+        print_table(
+            f"MoE layer fwd+bwd, {args.tokens} tokens per process, E=8 k=2, hidden 512, FFN 2048, fp32: "
+            f"{title}, {args.rounds} rounds",
+            results,
+        )
 
 
 if __name__ == "__main__":

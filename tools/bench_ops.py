@@ -19,6 +19,7 @@ torch's RMSNorm and silu(gate) * up, forward and backward.
 The dispatch rows time the public ops' eager path against the same kernels through their torch.library custom
 ops. Times are medians over --reps runs; other processes on the machine make them noisy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ from moezero import ops
 from moezero.ops import _library, _loader, eager, reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tools.bench.elementwise_rows import (bias_add_rows, cross_entropy_rows, gelu_rows, rms_norm_rows,  # noqa: E402
-                                          swiglu_rows)
+from tools.bench.elementwise_rows import (
+    bias_add_rows,
+    cross_entropy_rows,
+    gelu_rows,
+    rms_norm_rows,  # noqa: E402
+    swiglu_rows,
+)
 from tools.bench.op_timing import COMPILED, DTYPES, Row, median_ms  # noqa: E402
 
 
@@ -94,7 +100,7 @@ def combine_backward_bmm(grad_TD, y_ND, row_map_TK, w_TK):
 def flatten_out(flat, tensors, offsets, scale, accumulate):
     """One fused kernel per tensor: torch.mul(..., out=view) or view.add_(src, alpha=scale)."""
     for t, o in zip(tensors, offsets):
-        view = flat[o:o + t.numel()]
+        view = flat[o : o + t.numel()]
         src = t.reshape(-1)
         if accumulate:
             view.add_(src, alpha=scale)
@@ -114,8 +120,10 @@ def sum_of_squares_dot(tensors):
 
 # ---- op table -------------------------------------------------------------------------------
 
-def compare(ext, op: str, args, candidates: Dict[str, Callable], reps: int, device: str,
-            check: Callable = None) -> Tuple[float, str, float]:
+
+def compare(
+    ext, op: str, args, candidates: Dict[str, Callable], reps: int, device: str, check: Callable = None
+) -> Tuple[float, str, float]:
     if check is not None:
         for fn in candidates.values():
             check(fn(*args), getattr(reference, op)(*args))
@@ -142,25 +150,53 @@ def routing_rows(ext, args, device) -> List[Row]:
             cfg = f"{dname} T={args.tokens} D={args.hidden} E={E} k={args.topk}"
             x = torch.randn(args.tokens, args.hidden, device=device).to(dtype)
             ids = routing(args.tokens, args.topk, E, device)
-            res = compare(ext, "permute", (x, ids, E),
-                          {"reference(argsort)": reference.permute, "onehot-cumsum": permute_onehot},
-                          args.reps, device, close)
+            res = compare(
+                ext,
+                "permute",
+                (x, ids, E),
+                {"reference(argsort)": reference.permute, "onehot-cumsum": permute_onehot},
+                args.reps,
+                device,
+                close,
+            )
             rows.append(("permute", cfg) + res)
             if dname == args.dtypes[0]:  # D = 1: the counting sort alone, without the row copy
-                res = compare(ext, "permute", (x[:, :1].contiguous(), ids, E),
-                              {"reference(argsort)": reference.permute, "onehot-cumsum": permute_onehot},
-                              args.reps, device, close)
+                res = compare(
+                    ext,
+                    "permute",
+                    (x[:, :1].contiguous(), ids, E),
+                    {"reference(argsort)": reference.permute, "onehot-cumsum": permute_onehot},
+                    args.reps,
+                    device,
+                    close,
+                )
                 rows.append(("permute (index only)", cfg.replace(f"D={args.hidden}", "D=1")) + res)
             y, _, row_map = reference.permute(x, ids, E)
             w = torch.rand(args.tokens, args.topk, device=device).softmax(-1)
-            res = compare(ext, "unpermute_combine", (y, row_map, w),
-                          {"reference(einsum)": reference.unpermute_combine, "gather+bmm": combine_bmm,
-                           "index_add_": combine_index_add}, args.reps, device, close)
+            res = compare(
+                ext,
+                "unpermute_combine",
+                (y, row_map, w),
+                {
+                    "reference(einsum)": reference.unpermute_combine,
+                    "gather+bmm": combine_bmm,
+                    "index_add_": combine_index_add,
+                },
+                args.reps,
+                device,
+                close,
+            )
             rows.append(("unpermute_combine", cfg) + res)
             grad = torch.randn_like(x)
-            res = compare(ext, "unpermute_combine_backward", (grad, y, row_map, w),
-                          {"reference": reference.unpermute_combine_backward,
-                           "index_copy_+bmm": combine_backward_bmm}, args.reps, device, close)
+            res = compare(
+                ext,
+                "unpermute_combine_backward",
+                (grad, y, row_map, w),
+                {"reference": reference.unpermute_combine_backward, "index_copy_+bmm": combine_backward_bmm},
+                args.reps,
+                device,
+                close,
+            )
             rows.append(("unpermute_combine_backward", cfg) + res)
     return rows
 
@@ -169,15 +205,31 @@ def bucket_params(hidden: int, layers: int, device: str, dtype) -> List[torch.Te
     """The gradients of `layers` GPT blocks: big matrices plus small biases and norms."""
     shapes = []
     for _ in range(layers):
-        shapes += [(3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,), (4 * hidden, hidden),
-                   (4 * hidden,), (hidden, 4 * hidden), (hidden,), (hidden,), (hidden,), (hidden,), (hidden,)]
+        shapes += [
+            (3 * hidden, hidden),
+            (3 * hidden,),
+            (hidden, hidden),
+            (hidden,),
+            (4 * hidden, hidden),
+            (4 * hidden,),
+            (hidden, 4 * hidden),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+        ]
     return [torch.randn(s, device=device).to(dtype) for s in shapes]
 
 
 def bucket_rows(ext, args, device) -> List[Row]:
     rows = []
-    for src_name, flat_name, accumulate in (("fp32", "fp32", False), ("bf16", "fp32", False),
-                                            ("fp32", "fp32", True), ("bf16", "bf16", False)):
+    for src_name, flat_name, accumulate in (
+        ("fp32", "fp32", False),
+        ("bf16", "fp32", False),
+        ("fp32", "fp32", True),
+        ("bf16", "bf16", False),
+    ):
         grads = bucket_params(args.hidden, args.layers, device, DTYPES[src_name])
         offsets, total = [], 0
         for g in grads:
@@ -185,17 +237,31 @@ def bucket_rows(ext, args, device) -> List[Row]:
             total += g.numel()
         flat = torch.zeros(total, device=device, dtype=DTYPES[flat_name])
         cfg = f"{src_name}->{flat_name} {'add' if accumulate else 'copy'} x0.5 {total / 1e6:.1f}M elems"
-        res = compare(ext, "flatten_into", (flat, grads, offsets, 0.5, accumulate),
-                      {"reference(_foreach)": reference.flatten_into, "per-tensor out=": flatten_out},
-                      args.reps, device)
+        res = compare(
+            ext,
+            "flatten_into",
+            (flat, grads, offsets, 0.5, accumulate),
+            {"reference(_foreach)": reference.flatten_into, "per-tensor out=": flatten_out},
+            args.reps,
+            device,
+        )
         rows.append(("flatten_into", cfg) + res)
     for dname in args.dtypes:
         grads = bucket_params(args.hidden, args.layers, device, DTYPES[dname])
         cfg = f"{dname} {sum(g.numel() for g in grads) / 1e6:.1f}M elems in {len(grads)} tensors"
-        res = compare(ext, "sum_of_squares", (grads,),
-                      {"reference": reference.sum_of_squares, "_foreach_norm(dtype=fp32)": sum_of_squares_foreach,
-                       "vector_norm each": sum_of_squares_dot}, args.reps, device,
-                      lambda g, w: torch.testing.assert_close(g, w, rtol=1e-4, atol=0))
+        res = compare(
+            ext,
+            "sum_of_squares",
+            (grads,),
+            {
+                "reference": reference.sum_of_squares,
+                "_foreach_norm(dtype=fp32)": sum_of_squares_foreach,
+                "vector_norm each": sum_of_squares_dot,
+            },
+            args.reps,
+            device,
+            lambda g, w: torch.testing.assert_close(g, w, rtol=1e-4, atol=0),
+        )
         rows.append(("sum_of_squares", cfg) + res)
     return rows
 
@@ -204,6 +270,7 @@ def dispatch_rows(args, device) -> List[Row]:
     """The public ops called as a step calls them, on the eager path (ops/eager.py) against the torch.library custom
     ops (what torch.compile traces): the MoE round trip (permute, combine, forward + backward) at a small rank's
     share and the gradient staging of a layer's worth of small tensors, where the per-call cost shows."""
+
     def custom_ops(fn):
         def run():
             applies, eager.applies = eager.applies, lambda *tensors: False
@@ -211,6 +278,7 @@ def dispatch_rows(args, device) -> List[Row]:
                 return fn()
             finally:
                 eager.applies = applies
+
         return run
 
     rows = []
@@ -228,19 +296,34 @@ def dispatch_rows(args, device) -> List[Row]:
                 out = ops.unpermute_combine(x_ND * 2, row_map, w)
                 out.sum().backward()
                 return out.detach(), x.grad, w.grad
+
             for got, want in zip(round_trip(), custom_ops(round_trip)()):
                 assert torch.equal(got, want)
             timed = median_ms({"eager": round_trip, "custom op": custom_ops(round_trip)}, args.reps, device)
-            rows.append(("permute+combine fwd+bwd", f"{dname} T={T} D={D} E={E} k={args.topk}", timed["eager"],
-                         "custom op", timed["custom op"]))
+            rows.append(
+                (
+                    "permute+combine fwd+bwd",
+                    f"{dname} T={T} D={D} E={E} k={args.topk}",
+                    timed["eager"],
+                    "custom op",
+                    timed["custom op"],
+                )
+            )
         grads = [torch.randn(n, device=device).to(dtype) for n in (256 * 768, 768, 256 * 256, 256, 256, 256) * 4]
         flat = torch.zeros(sum(t.numel() for t in grads), device=device)
         offsets = [sum(t.numel() for t in grads[:i]) for i in range(len(grads))]
         # one call per tensor: what each call costs beyond its kernel
         per_param = lambda: [ops.flatten_into(flat, [t], [o], accumulate=True) for t, o in zip(grads, offsets)]
         timed = median_ms({"eager": per_param, "custom op": custom_ops(per_param)}, args.reps, device)
-        rows.append(("flatten_into, one per param", f"{dname} {len(grads)} tensors, {flat.numel()} elements",
-                     timed["eager"], "custom op", timed["custom op"]))
+        rows.append(
+            (
+                "flatten_into, one per param",
+                f"{dname} {len(grads)} tensors, {flat.numel()} elements",
+                timed["eager"],
+                "custom op",
+                timed["custom op"],
+            )
+        )
     return rows
 
 
@@ -251,6 +334,7 @@ def print_op_table(rows: List[Row], ours: str = "compiled", theirs: str = "best 
 
 
 # ---- end-to-end MoE layer ---------------------------------------------------------------------
+
 
 def layer_step_ms(args, device: str) -> None:
     try:
@@ -277,6 +361,7 @@ def layer_step_ms(args, device: str) -> None:
         def run():
             os.environ[_loader.DISABLE_ENV] = disabled
             return step()
+
         return run
 
     runs = {"extension": with_env("0"), "reference": with_env("1")}
@@ -286,9 +371,11 @@ def layer_step_ms(args, device: str) -> None:
     timed = median_ms(runs, args.reps, device)
     os.environ.pop(_loader.DISABLE_ENV)
     ext_ms, ref_ms = timed["extension"], timed["reference"]
-    print(f"\nMoELayer fwd+bwd T={args.layer_tokens} D={args.layer_hidden} F={args.layer_ffn} E=8 k=2 fp32: "
-          f"extension {ext_ms:.1f}ms, reference {ref_ms:.1f}ms, ratio {ref_ms / ext_ms:.2f}x (same outputs); "
-          f"compiled ops wired: {', '.join(sorted(_library.WIRED.get(device, ()))) or 'none'}")
+    print(
+        f"\nMoELayer fwd+bwd T={args.layer_tokens} D={args.layer_hidden} F={args.layer_ffn} E=8 k=2 fp32: "
+        f"extension {ext_ms:.1f}ms, reference {ref_ms:.1f}ms, ratio {ref_ms / ext_ms:.2f}x (same outputs); "
+        f"compiled ops wired: {', '.join(sorted(_library.WIRED.get(device, ()))) or 'none'}"
+    )
 
 
 def main(argv=None) -> int:
@@ -308,9 +395,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-layer", action="store_true")
     p.add_argument("--wire-all", action="store_true", help="run the layer with every compiled op wired in")
     p.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000], help="vocabularies of the cross-entropy rows")
-    p.add_argument("--only", choices=("routing", "bucket", "gelu", "bias_add", "rms_norm", "swiglu",
-                            "cross_entropy", "dispatch"),
-                   help="time one op family only")
+    p.add_argument(
+        "--only",
+        choices=("routing", "bucket", "gelu", "bias_add", "rms_norm", "swiglu", "cross_entropy", "dispatch"),
+        help="time one op family only",
+    )
     args = p.parse_args(argv)
 
     if args.threads:

@@ -11,6 +11,7 @@ bf16 matrix products are emulated on CPUs without AVX-512 BF16) in bf16 on the b
 steps, with fp32 moments and with each narrow setting; printed: the loss every --steps / 5 steps and the
 largest relative difference to the fp32-moment run. The CPU model is named.
 """
+
 import argparse
 import gc
 import os
@@ -29,24 +30,69 @@ from tests.heap import heap_bytes  # noqa: E402
 from tools.bench.machine import cpu_model  # noqa: E402
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-OPTIMIZERS = {   # label: (optimizer class, ZeroOptimizer keyword arguments)
+OPTIMIZERS = {  # label: (optimizer class, ZeroOptimizer keyword arguments)
     "AdamW, fp32 grads, master and moments": (torch.optim.AdamW, {}),
     "precision-aware, all fp32 (remainder master)": (PrecisionAwareAdam, {}),
     "precision-aware, bf16 moments": (PrecisionAwareAdam, dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)),
-    "precision-aware, bf16 moments and main grads": (PrecisionAwareAdam, dict(
-        exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, grad_reduce_dtype=BF16, main_grads_dtype=BF16)),
-    "precision-aware, fp8 / fp16 moments, bf16 main grads": (PrecisionAwareAdam, dict(
-        exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, grad_reduce_dtype=BF16, main_grads_dtype=BF16)),
+    "precision-aware, bf16 moments and main grads": (
+        PrecisionAwareAdam,
+        dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16, grad_reduce_dtype=BF16, main_grads_dtype=BF16),
+    ),
+    "precision-aware, fp8 / fp16 moments, bf16 main grads": (
+        PrecisionAwareAdam,
+        dict(exp_avg_dtype=FP8, exp_avg_sq_dtype=FP16, grad_reduce_dtype=BF16, main_grads_dtype=BF16),
+    ),
 }
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "4", "--global-batch-size", "8", "--num-experts", "8", "--moe-router-topk", "2",
-         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10", "--lr-decay-style", "cosine", "--bf16",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000", "--eval-interval", "0",
-         "--num-workers", "0"]
-CURVES = {"fp32 moments": [], "bf16 moments": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
-          "bf16 moments + main grads": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-                                        "--main-grads-dtype", "bf16"],
-          "fp8 / fp16 moments": ["--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp16"]}
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "10",
+    "--lr-decay-style",
+    "cosine",
+    "--bf16",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1000",
+    "--eval-interval",
+    "0",
+    "--num-workers",
+    "0",
+]
+CURVES = {
+    "fp32 moments": [],
+    "bf16 moments": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+    "bf16 moments + main grads": [
+        "--exp-avg-dtype",
+        "bf16",
+        "--exp-avg-sq-dtype",
+        "bf16",
+        "--main-grads-dtype",
+        "bf16",
+    ],
+    "fp8 / fp16 moments": ["--exp-avg-dtype", "fp8", "--exp-avg-sq-dtype", "fp16"],
+}
 
 
 def heap_per_param(cls, kwargs):
@@ -68,13 +114,16 @@ def heap_per_param(cls, kwargs):
 
 
 def memory_table():
-    heap_per_param(torch.optim.AdamW, {})   # one-time allocations
+    heap_per_param(torch.optim.AdamW, {})  # one-time allocations
     print("| optimizer (bf16 params, one rank) | heap bytes / param | params | grads | master | moments |")
     print("|---|---|---|---|---|---|")
     for label, (cls, kwargs) in OPTIMIZERS.items():
         total, parts = heap_per_param(cls, kwargs)
-        print(f"| {label} | {total:.2f} | {parts['params']:.1f} | {parts['grads']:.1f} | {parts['master']:.1f} | "
-              f"{parts['optimizer_state']:.1f} |", flush=True)
+        print(
+            f"| {label} | {total:.2f} | {parts['params']:.1f} | {parts['grads']:.1f} | {parts['master']:.1f} | "
+            f"{parts['optimizer_state']:.1f} |",
+            flush=True,
+        )
 
 
 def loss_curves(steps, cache):

@@ -13,6 +13,7 @@ per step x CPU per message, over the step's CPU), and in the step itself: each r
 with the records sending no message (the worker's --no-agreement-messages, a measurement switch), and
 the ratio of the two stage-3 steps is what the messages cost there (waits, wake-ups and cache included).
 """
+
 import argparse
 import os
 import statistics
@@ -24,12 +25,54 @@ from rounds import alternate, error_of, name_machine, ok, spread  # noqa: E402
 from runner import run_worker  # noqa: E402
 
 MODELS = {  # name: worker flags
-    "peer GPT-MoE hidden 256, fp32": ["--layers", "4", "--hidden", "256", "--heads", "4", "--experts", "8",
-                                      "--seq", "128", "--mb", "4", "--dtype", "fp32"],
-    "peer GPT-MoE hidden 256, bf16": ["--layers", "4", "--hidden", "256", "--heads", "4", "--experts", "8",
-                                      "--seq", "128", "--mb", "4", "--dtype", "bf16"],
-    "small GPT-MoE hidden 64, fp32": ["--layers", "4", "--hidden", "64", "--heads", "2", "--experts", "8",
-                                      "--seq", "64", "--mb", "4", "--dtype", "fp32"],
+    "peer GPT-MoE hidden 256, fp32": [
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--experts",
+        "8",
+        "--seq",
+        "128",
+        "--mb",
+        "4",
+        "--dtype",
+        "fp32",
+    ],
+    "peer GPT-MoE hidden 256, bf16": [
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--experts",
+        "8",
+        "--seq",
+        "128",
+        "--mb",
+        "4",
+        "--dtype",
+        "bf16",
+    ],
+    "small GPT-MoE hidden 64, fp32": [
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--experts",
+        "8",
+        "--seq",
+        "64",
+        "--mb",
+        "4",
+        "--dtype",
+        "fp32",
+    ],
 }
 
 
@@ -53,8 +96,9 @@ def in_step_ratios(results) -> list:
 
 def agreement_share(result) -> float:
     """The CPU a rank spends on agreement messages per step over the CPU of its whole step (every thread)."""
-    step_cpu = statistics.median(m + o for m, o in zip(result["main_thread_cpu_s_per_rank"],
-                                                       result["other_threads_cpu_s_per_rank"]))
+    step_cpu = statistics.median(
+        m + o for m, o in zip(result["main_thread_cpu_s_per_rank"], result["other_threads_cpu_s_per_rank"])
+    )
     return result["agreement_messages_per_step"] * result["agreement_message_cpu_s"] / step_cpu
 
 
@@ -66,10 +110,12 @@ def agreement_rows(name, results) -> list:
         runs = [r for r in ok(results[f"stage {stage}"]) if "agreement_message_cpu_s" in r]
         in_step = in_step_ratios(results) if stage == 3 else []
         if runs:
-            rows.append(f"| {name} | {stage} | {spread([r['agreement_messages_per_step'] for r in runs])} | "
-                        f"{spread([1e3 * r['agreement_message_cpu_s'] for r in runs], 2)} | "
-                        f"{spread([100 * agreement_share(r) for r in runs], 1, '%')} | "
-                        f"{spread(in_step, 2, 'x') if in_step else ''} |")
+            rows.append(
+                f"| {name} | {stage} | {spread([r['agreement_messages_per_step'] for r in runs])} | "
+                f"{spread([1e3 * r['agreement_message_cpu_s'] for r in runs], 2)} | "
+                f"{spread([100 * agreement_share(r) for r in runs], 1, '%')} | "
+                f"{spread(in_step, 2, 'x') if in_step else ''} |"
+            )
     return rows
 
 
@@ -79,9 +125,12 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--models", nargs="*", default=list(MODELS), help="a subset of: " + ", ".join(MODELS))
     p.add_argument("--quick", action="store_true", help="3 steps, 2 rounds, the small model (a smoke test)")
-    p.add_argument("--min-unit-params", type=int, default=100_000,
-                   help="stage 3's min_unit_params (the training script's --zero-min-unit-params; 0: every "
-                        "layer a unit)")
+    p.add_argument(
+        "--min-unit-params",
+        type=int,
+        default=100_000,
+        help="stage 3's min_unit_params (the training script's --zero-min-unit-params; 0: every layer a unit)",
+    )
     args = p.parse_args()
     name_machine()
     if args.quick:
@@ -90,25 +139,44 @@ def main():
     print("|---|---|---|---|---|")
     agreement = []
     for name in args.models:
-        common = MODELS[name] + ["--steps", str(args.steps), "--warmup", "2", "--ep", "2",
-                                 "--min-unit-params", str(args.min_unit_params)]
+        common = MODELS[name] + [
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            "2",
+            "--ep",
+            "2",
+            "--min-unit-params",
+            str(args.min_unit_params),
+        ]
         systems = [(f"stage {s}", lambda s=s: run_worker("moezero", common + ["--stage", str(s)])) for s in (2, 3)]
-        systems.append(("stage 3, no messages",
-                        lambda: run_worker("moezero", common + ["--stage", "3", "--no-agreement-messages"])))
+        systems.append(
+            (
+                "stage 3, no messages",
+                lambda: run_worker("moezero", common + ["--stage", "3", "--no-agreement-messages"]),
+            )
+        )
         results = alternate(systems, args.rounds, name)
         if not (ok(results["stage 2"]) and ok(results["stage 3"])):
             print(f"| {name} | failed: {(error_of(results['stage 2']) or error_of(results['stage 3']))[:100]} | | | |")
             continue
         steps = {s: spread([r["step_s"] for r in ok(results[f"stage {s}"])], 3) for s in (2, 3)}
         quiet = quiet_ratios(results)
-        print(f"| {name} | {steps[2]} | {steps[3]} | {spread(stage_ratios(results), 2, 'x')} | "
-              f"{spread(quiet, 2, 'x') if quiet else 'failed'} |", flush=True)
+        print(
+            f"| {name} | {steps[2]} | {steps[3]} | {spread(stage_ratios(results), 2, 'x')} | "
+            f"{spread(quiet, 2, 'x') if quiet else 'failed'} |",
+            flush=True,
+        )
         agreement += agreement_rows(name, results)
-    print("\nAgreement records (every rank states what it does before collectives that pair by order): messages "
-          "per step, each one's CPU (every thread of a rank, timed after training on the same group), their "
-          "share of the rank's step CPU, and the stage-3 step over the same step whose records send no message")
-    print("| model | stage | messages per step | CPU per message (ms) | share of step CPU | "
-          "step / step without messages |")
+    print(
+        "\nAgreement records (every rank states what it does before collectives that pair by order): messages "
+        "per step, each one's CPU (every thread of a rank, timed after training on the same group), their "
+        "share of the rank's step CPU, and the stage-3 step over the same step whose records send no message"
+    )
+    print(
+        "| model | stage | messages per step | CPU per message (ms) | share of step CPU | "
+        "step / step without messages |"
+    )
     print("|---|---|---|---|---|---|")
     print("\n".join(agreement))
 

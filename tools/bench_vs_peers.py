@@ -17,6 +17,7 @@ Systems alternate round by round; each number is the median over rounds with [mi
 the median of per-round ratios. The kernel paths of the machine (bf16 units or emulated bf16 GEMM)
 are printed with the tables.
 """
+
 import argparse
 import os
 import sys
@@ -30,21 +31,58 @@ from synthetic import bf16_native  # noqa: E402
 
 def model_args(args, dtype):
     steps = args.steps if dtype == "fp32" else args.bf16_steps
-    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.hidden // 64),
-            "--seq", str(args.seq), "--mb", str(args.mb), "--experts", "8", "--k", "2", "--vocab", "1024",
-            "--steps", str(steps), "--warmup", "2", "--dtype", dtype, "--bucket", "2000000"]
+    return [
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.hidden // 64),
+        "--seq",
+        str(args.seq),
+        "--mb",
+        str(args.mb),
+        "--experts",
+        "8",
+        "--k",
+        "2",
+        "--vocab",
+        "1024",
+        "--steps",
+        str(steps),
+        "--warmup",
+        "2",
+        "--dtype",
+        dtype,
+        "--bucket",
+        "2000000",
+    ]
 
 
 def systems(args, dtype, eps):
     out = []
     for ep in eps:
-        out.append((f"moezero ZeRO-2 ep{ep}", lambda ep=ep: run_worker(
-            "moezero", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep)])))
-        out.append((f"DeepSpeed ZeRO-2 ep{ep}", lambda ep=ep: run_worker(
-            "deepspeed", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep), "--no-overlap"])))
+        out.append(
+            (
+                f"moezero ZeRO-2 ep{ep}",
+                lambda ep=ep: run_worker("moezero", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep)]),
+            )
+        )
+        out.append(
+            (
+                f"DeepSpeed ZeRO-2 ep{ep}",
+                lambda ep=ep: run_worker(
+                    "deepspeed", model_args(args, dtype) + ["--stage", "2", "--ep", str(ep), "--no-overlap"]
+                ),
+            )
+        )
     if dtype == "fp32":
-        out.append(("moezero stage 0 ep2 (no ZeRO)", lambda: run_worker(
-            "moezero", model_args(args, dtype) + ["--stage", "0", "--ep", "2"])))
+        out.append(
+            (
+                "moezero stage 0 ep2 (no ZeRO)",
+                lambda: run_worker("moezero", model_args(args, dtype) + ["--stage", "0", "--ep", "2"]),
+            )
+        )
     return out
 
 
@@ -60,17 +98,21 @@ def print_table(title, results):
         ep = good[0]["ep"]
         peer = results.get(f"DeepSpeed ZeRO-2 ep{ep}", [])
         ratio = "1.00x" if label.startswith("DeepSpeed") else spread(ratios(runs, peer), 2, "x")
-        print(f"| {label} | {spread([r['tokens_per_s'] for r in good])} | {ratio} | "
-              f"{spread([r['step_s'] for r in good], 3)} | {spread([r['rss_end_mb'] for r in good])} | "
-              f"{good[-1]['final_loss']:.4f} |")
+        print(
+            f"| {label} | {spread([r['tokens_per_s'] for r in good])} | {ratio} | "
+            f"{spread([r['step_s'] for r in good], 3)} | {spread([r['rss_end_mb'] for r in good])} | "
+            f"{good[-1]['final_loss']:.4f} |"
+        )
 
 
 def print_kernel_paths(results):
     paths = next((r["kernel_paths"] for runs in results.values() for r in ok(runs)), None)
     if paths:
         units = ", ".join(paths["bf16_units"]) if paths["bf16_units"] else "none (bf16 GEMMs are emulated)"
-        print(f"\nKernel paths: CPU capability {paths['cpu_capability']}; bf16 GEMM units: {units}; a bf16 "
-              f"torch.mm takes {paths['bf16_gemm_slowdown']:.1f}x the fp32 time here.")
+        print(
+            f"\nKernel paths: CPU capability {paths['cpu_capability']}; bf16 GEMM units: {units}; a bf16 "
+            f"torch.mm takes {paths['bf16_gemm_slowdown']:.1f}x the fp32 time here."
+        )
 
 
 def main():
@@ -91,16 +133,20 @@ def main():
     if args.quick:
         args.layers, args.hidden, args.seq, args.steps, args.bf16_steps, args.rounds = 2, 128, 64, 4, 3, 2
     fp32 = alternate(systems(args, "fp32", (1, 2)), args.rounds, "fp32")
-    print_table(f"GPT-MoE {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mb}, "
-                f"E=8 k=2, fp32, 2 processes, {args.rounds} rounds", fp32)
+    print_table(
+        f"GPT-MoE {args.layers} layers, hidden {args.hidden}, seq {args.seq}, micro-batch {args.mb}, "
+        f"E=8 k=2, fp32, 2 processes, {args.rounds} rounds",
+        fp32,
+    )
     bf16 = alternate(systems(args, "bf16", (2,)), args.rounds, "bf16")
     print_table(f"the same, bf16 (fp32 masters), ep 2, {args.rounds} rounds", bf16)
     print_kernel_paths(fp32)
     if args.large:
         args.hidden, args.seq, args.mb, args.layers, args.steps = 1024, 1024, 1, 2, 5
         large = alternate(systems(args, "fp32", (2,))[:2], args.rounds, "large")
-        print_table(f"GPT-MoE 2 layers, hidden 1024, seq 1024, micro-batch 1, E=8 k=2, fp32, ep 2, "
-                    f"{args.rounds} rounds", large)
+        print_table(
+            f"GPT-MoE 2 layers, hidden 1024, seq 1024, micro-batch 1, E=8 k=2, fp32, ep 2, {args.rounds} rounds", large
+        )
 
 
 if __name__ == "__main__":

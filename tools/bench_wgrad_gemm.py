@@ -11,6 +11,7 @@ an fp32 buffer, as the gradient staging does) and MKL's fused GEMM (beta 1: it a
 alternating rounds, and prints their ratio: below 1 the fusion would pay on this CPU. Docs:
 docs/benchmarks.md#mfu.
 """
+
 import argparse
 import ctypes
 import os
@@ -20,16 +21,18 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tools.bench.machine import bf16_units, cpu_model   # noqa: E402
-from tools.bench.rounds import spread   # noqa: E402
+from tools.bench.machine import bf16_units, cpu_model  # noqa: E402
+from tools.bench.rounds import spread  # noqa: E402
 
 # (label, tokens, in features, out features): dW = dY^T X is (out x in), summed over the tokens
-SHAPES = [("expert fc1, hidden 256 (256 tokens)", 256, 256, 1024),
-          ("expert fc2, hidden 256 (256 tokens)", 256, 1024, 256),
-          ("attention qkv, hidden 256 (512 tokens)", 512, 256, 768),
-          ("output head, vocab 1024 (512 tokens)", 512, 256, 1024),
-          ("expert fc1, hidden 1024 (2048 tokens)", 2048, 1024, 4096)]
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112   # cblas enums
+SHAPES = [
+    ("expert fc1, hidden 256 (256 tokens)", 256, 256, 1024),
+    ("expert fc2, hidden 256 (256 tokens)", 256, 1024, 256),
+    ("attention qkv, hidden 256 (512 tokens)", 512, 256, 768),
+    ("output head, vocab 1024 (512 tokens)", 512, 256, 1024),
+    ("expert fc1, hidden 1024 (2048 tokens)", 2048, 1024, 4096),
+]
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # cblas enums
 
 
 def mkl_gemm():
@@ -49,12 +52,26 @@ def fused(gemm, x, dy, main_grad):
     """main_grad (out x in, fp32) += dy^T x, from bf16 x (tokens x in) and dy (tokens x out)."""
     tokens, fin = x.shape
     fout = dy.shape[1]
-    gemm(ROW_MAJOR, TRANS, NO_TRANS, fout, fin, tokens, 1.0, dy.data_ptr(), fout, x.data_ptr(), fin, 1.0,
-         main_grad.data_ptr(), fin)
+    gemm(
+        ROW_MAJOR,
+        TRANS,
+        NO_TRANS,
+        fout,
+        fin,
+        tokens,
+        1.0,
+        dy.data_ptr(),
+        fout,
+        x.data_ptr(),
+        fin,
+        1.0,
+        main_grad.data_ptr(),
+        fin,
+    )
 
 
 def staged(x, dy, main_grad):
-    main_grad.add_(dy.t() @ x)   # a bf16 GEMM, then the bf16 gradient widened into the fp32 buffer
+    main_grad.add_(dy.t() @ x)  # a bf16 GEMM, then the bf16 gradient widened into the fp32 buffer
 
 
 def per_call(fn, calls):
@@ -93,8 +110,10 @@ def main():
             for name, run in runs if index % 2 == 0 else list(reversed(runs)):
                 times[name].append(per_call(run, calls))
         ratios = [f / t for f, t in zip(times["fused"], times["today"])]
-        print(f"| {label} | {spread(times['today'], 3)} | {spread(times['fused'], 3)} | {spread(ratios, 2)}x | "
-              f"{error:.1e} |")
+        print(
+            f"| {label} | {spread(times['today'], 3)} | {spread(times['fused'], 3)} | {spread(ratios, 2)}x | "
+            f"{error:.1e} |"
+        )
 
 
 if __name__ == "__main__":

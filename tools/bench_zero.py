@@ -11,6 +11,7 @@ rounds with [min-max]; memory is the resident set at the end of the run and the 
 accounting (moezero). DeepSpeed's ZeRO-3 runs the dense model; on the MoE model it fails in backward
 (the router reads its gate weight inside the op, which DeepSpeed's per-module gathering does not see).
 """
+
 import argparse
 import os
 import sys
@@ -21,10 +22,44 @@ from rounds import alternate, error_of, name_machine, ok, ratios, spread  # noqa
 from runner import run_worker  # noqa: E402
 
 MODELS = {  # name: (model flags, DeepSpeed stages that run it)
-    "GPT-MoE (E=8, k=2, ep 1)": (["--layers", "4", "--hidden", "256", "--heads", "4", "--experts", "8",
-                                  "--seq", "128", "--mb", "4", "--vocab", "1024"], (1, 2)),
-    "dense GPT ~30M": (["--layers", "8", "--hidden", "576", "--heads", "9", "--experts", "0", "--seq", "128",
-                        "--mb", "2", "--vocab", "1024"], (1, 2, 3)),
+    "GPT-MoE (E=8, k=2, ep 1)": (
+        [
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--experts",
+            "8",
+            "--seq",
+            "128",
+            "--mb",
+            "4",
+            "--vocab",
+            "1024",
+        ],
+        (1, 2),
+    ),
+    "dense GPT ~30M": (
+        [
+            "--layers",
+            "8",
+            "--hidden",
+            "576",
+            "--heads",
+            "9",
+            "--experts",
+            "0",
+            "--seq",
+            "128",
+            "--mb",
+            "2",
+            "--vocab",
+            "1024",
+        ],
+        (1, 2, 3),
+    ),
 }
 
 
@@ -33,8 +68,10 @@ def deepspeed(common, stage):
 
 
 def systems(common, ds_stages):
-    out = [("torch DDP + AdamW", lambda: run_worker("ddp", common)),
-           ("torch ZeroRedundancyOptimizer", lambda: run_worker("torch_zero", common))]
+    out = [
+        ("torch DDP + AdamW", lambda: run_worker("ddp", common)),
+        ("torch ZeroRedundancyOptimizer", lambda: run_worker("torch_zero", common)),
+    ]
     for stage in (1, 2, 3):
         out.append((f"moezero stage {stage}", lambda s=stage: run_worker("moezero", common + ["--stage", str(s)])))
         if stage in ds_stages:
@@ -44,8 +81,10 @@ def systems(common, ds_stages):
 
 def print_table(name, results, rounds):
     print(f"\n#### {name}: 2 processes, fp32, {rounds} rounds\n")
-    print("| system | step time (s) | vs DeepSpeed (same stage) | vs DDP | RSS/rank at end (MB) | optimizer bytes/rank "
-          "(MB) | final loss |")
+    print(
+        "| system | step time (s) | vs DeepSpeed (same stage) | vs DDP | RSS/rank at end (MB) | optimizer bytes/rank "
+        "(MB) | final loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     ddp = results.get("torch DDP + AdamW", [])
     for label, runs in results.items():
@@ -57,9 +96,11 @@ def print_table(name, results, rounds):
         peer = results.get(f"DeepSpeed stage {stage}", []) if label.startswith("moezero") else []
         vs_ds = spread(ratios(runs, peer), 2, "x") if ok(peer) else "n/a"
         owned = good[-1].get("optimizer_bytes")
-        owned = f"{sum(owned.values()) / 2 ** 20:.0f}" if owned else ""
-        print(f"| {label} | {spread([r['step_s'] for r in good], 3)} | {vs_ds} | {spread(ratios(runs, ddp), 2, 'x')} "
-              f"| {spread([r['rss_end_mb'] for r in good])} | {owned} | {good[-1]['final_loss']:.4f} |")
+        owned = f"{sum(owned.values()) / 2**20:.0f}" if owned else ""
+        print(
+            f"| {label} | {spread([r['step_s'] for r in good], 3)} | {vs_ds} | {spread(ratios(runs, ddp), 2, 'x')} "
+            f"| {spread([r['rss_end_mb'] for r in good])} | {owned} | {good[-1]['final_loss']:.4f} |"
+        )
     print("\n(ratios: this system's tokens/s over the other's, per round; above 1 means this system is faster)")
 
 

@@ -9,6 +9,7 @@ their plain names) and the buffers (e.g. the router expert bias), and loads into
 ep = 1; "configs" holds the run's configs (every section), so tools/generate.py, export_quantized.py
 and eval_quantized.py rebuild the model from the file alone; "iteration" says where the run stood.
 """
+
 import os
 import sys
 
@@ -33,14 +34,16 @@ def main(argv=None) -> int:
         else:
             path = checkpoint.iteration_dir(args.load, args.iteration)
             if not os.path.isdir(path):
-                raise checkpoint.CheckpointError(f"--iteration={args.iteration}: {path} does not exist (saved: "
-                                                 f"{checkpoint.saved_iterations(args.load)})")
+                raise checkpoint.CheckpointError(
+                    f"--iteration={args.iteration}: {path} does not exist (saved: "
+                    f"{checkpoint.saved_iterations(args.load)})"
+                )
         source = load_checkpoint_model(path)
     except ValueError as exc:  # CheckpointError, ConfigError, and an incomplete set of shards
         parser.error(str(exc))
     try:
         torch.save(consolidated_file(source), args.output)
-    except (OSError, RuntimeError) as exc:   # torch.save's writer raises RuntimeError for a failed write
+    except (OSError, RuntimeError) as exc:  # torch.save's writer raises RuntimeError for a failed write
         parser.error(f"--output={args.output}: {first_line(exc)}")
     total = sum(t.numel() for t in source.state.values())
     print(f"wrote {args.output}: {len(source.state)} tensors, {total:,} elements, with the run's configs, from {path}")

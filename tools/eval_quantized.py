@@ -9,6 +9,7 @@ quantized in the forward, as QAT does) and the exported model (packed integers, 
 the validation split of the default corpus or of --data-path, tokenized as the run did (with --load, its
 tokenizer where no tokenizer flag is typed). Reads only the model description: no training batch settings.
 """
+
 import argparse
 import dataclasses
 import os
@@ -33,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--quantized", default=None, help="the file tools/export_quantized.py wrote")
     parser.add_argument("--load", default=None, help="checkpoint (--save directory or iter_N folder)")
-    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
-                        help="ranks sharing one copy of the experts")
+    parser.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="ranks sharing one copy of the experts"
+    )
     parser.add_argument("--eval-samples", type=int, default=256, help="samples from the start of the split")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per forward")
     parser.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (the training default)")
@@ -48,8 +50,9 @@ def run_tokenizer(data: DataConfig, load, typed) -> DataConfig:
         return data
     given = {name: getattr(data, name) for name in TOKENIZER_FIELDS if f"data.{name}" in typed}
     fields = run_tokenizer_fields(_stored_configs(load).get("data") or {}, given)
-    return dataclasses.replace(data, **{name: fields.get(name, getattr(DataConfig(), name))
-                                        for name in TOKENIZER_FIELDS})
+    return dataclasses.replace(
+        data, **{name: fields.get(name, getattr(DataConfig(), name)) for name in TOKENIZER_FIELDS}
+    )
 
 
 def _stored_configs(load) -> dict:
@@ -79,13 +82,22 @@ def main(argv=None) -> int:
         data = run_tokenizer(configs_from_args(args, [DataConfig])["data"], args.load, given_dests(parser, argv))
         init_distributed("gloo", 2)
         groups = ParallelGroups.build(expert_parallel_size=args.expert_model_parallel_size)
-        losses = evaluate_models(data, args.seed, args.eval_samples, args.micro_batch_size,
-                                 quantized=args.quantized, checkpoint=args.load, groups=groups)
+        losses = evaluate_models(
+            data,
+            args.seed,
+            args.eval_samples,
+            args.micro_batch_size,
+            quantized=args.quantized,
+            checkpoint=args.load,
+            groups=groups,
+        )
         bits = read_exported(args.quantized)["quantization"]["weight_bits"] if args.quantized else None
         if groups.rank == 0:
-            split = "validation" if data.split_weights[1] > 0 else "test"   # as eval_dataset reads
-            print(f" evaluation on {args.eval_samples} samples of the {split} split of {_data_source(data)}, "
-                  f"world {groups.world_size}, ep {groups.ep_size}")
+            split = "validation" if data.split_weights[1] > 0 else "test"  # as eval_dataset reads
+            print(
+                f" evaluation on {args.eval_samples} samples of the {split} split of {_data_source(data)}, "
+                f"world {groups.world_size}, ep {groups.ep_size}"
+            )
             print(format_report(losses, bits), flush=True)
         return 0
     except (ConfigError, DataError, ValueError) as exc:

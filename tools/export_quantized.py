@@ -9,6 +9,7 @@ flags below override them, or quantize a run trained without QAT (post-training 
 Load the file with `moezero.compression.inference.load_quantized_model` on any number of ranks;
 evaluate it with tools/eval_quantized.py.
 """
+
 import argparse
 import dataclasses
 import sys
@@ -29,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="path of the quantized model file")
     parser.add_argument("--weight-bits", type=int, default=None, help="bits (default: the run's --qat-weight-bits)")
     parser.add_argument("--groups", type=int, default=None, help="groups per tensor / per expert (default: the run's)")
-    parser.add_argument("--symmetric", action=argparse.BooleanOptionalAction, default=None,
-                        help="symmetric or asymmetric (default: the run's)")
+    parser.add_argument(
+        "--symmetric",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="symmetric or asymmetric (default: the run's)",
+    )
     parser.add_argument("--modules", default=None, help="comma list of module groups (default: the run's)")
     parser.add_argument("--activation-bits", type=int, default=None, help="default: the run's")
     return parser
@@ -38,9 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def quantization_spec(run_qat, args) -> QATConfig:
     """The run's QAT settings at their target bits, with the command line's overrides."""
-    overrides = {k: v for k, v in dict(weight_bits=args.weight_bits, groups=args.groups, symmetric=args.symmetric,
-                                       modules=args.modules, activation_bits=args.activation_bits).items()
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            weight_bits=args.weight_bits,
+            groups=args.groups,
+            symmetric=args.symmetric,
+            modules=args.modules,
+            activation_bits=args.activation_bits,
+        ).items()
+        if v is not None
+    }
     if run_qat is None and args.weight_bits is None:
         raise ConfigError("--weight-bits: the checkpoint was trained without QAT; give the bits to quantize to")
     return dataclasses.replace(run_qat or QATConfig(weight_bits=args.weight_bits), start_bits=None, **overrides)
@@ -58,12 +71,14 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     try:
         torch.save(exported, args.output)
-    except (OSError, RuntimeError) as exc:   # torch.save's writer raises RuntimeError for a failed write
+    except (OSError, RuntimeError) as exc:  # torch.save's writer raises RuntimeError for a failed write
         parser.error(f"--output={args.output}: {first_line(exc)}")
     sizes = packed_bytes(exported)
-    print(f"wrote {args.output}: {len(exported['quantized'])} tensors at {spec.weight_bits} bits "
-          f"({sizes['quantized']:,} bytes with scales) + {len(exported['tensors'])} fp tensors "
-          f"({sizes['fp']:,} bytes), from {source.path}")
+    print(
+        f"wrote {args.output}: {len(exported['quantized'])} tensors at {spec.weight_bits} bits "
+        f"({sizes['quantized']:,} bytes with scales) + {len(exported['tensors'])} fp tensors "
+        f"({sizes['fp']:,} bytes), from {source.path}"
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ stored, so no model flag is re-typed (tokenizer files that moved: --vocab-file/-
 as its next forward would have been, at the bits its schedule had reached. Prints the prompt and
 its continuation; generation stops early at the end-of-document token.
 """
+
 import argparse
 import dataclasses
 import os
@@ -38,21 +39,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0, off)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="sample from the smallest set of tokens with this much probability (default: 1.0, off)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens with this much probability (default: 1.0, off)",
+    )
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default: 1234)")
     for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         parser.add_argument(flag, default=None, help="the tokenizer file, where it moved since training")
-    parser.add_argument("--tokenizer-type", default=None, choices=_TOKENIZER_TYPES,
-                        help="the tokenizer (default: the run's; another type takes none of the run's tokenizer files)")
+    parser.add_argument(
+        "--tokenizer-type",
+        default=None,
+        choices=_TOKENIZER_TYPES,
+        help="the tokenizer (default: the run's; another type takes none of the run's tokenizer files)",
+    )
     return parser
 
 
 def tokenizer_config(configs, args) -> DataConfig:
     """The run's tokenizer settings (every field that decides it: a TikTokenizer's special tokens, a
     NullTokenizer's size), with the files and type the command line gives instead."""
-    typed = {k: getattr(args, k) for k in ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_type")
-             if getattr(args, k)}
+    typed = {
+        k: getattr(args, k)
+        for k in ("vocab_file", "merge_file", "tokenizer_model", "tokenizer_type")
+        if getattr(args, k)
+    }
     return DataConfig(**run_tokenizer_fields(configs.get("data") or {}, typed))
 
 
@@ -64,16 +76,26 @@ def main(argv=None) -> int:
     try:
         source = load_checkpoint_model(args.load)
         tokenizer = build_tokenizer(tokenizer_config(source.configs, args))
-        model = load_checkpoint_weights(source, fake_quant=source.qat_forward())   # where its schedule stood
+        model = load_checkpoint_weights(source, fake_quant=source.qat_forward())  # where its schedule stood
         prompt = tokenizer.tokenize(args.prompt) or [tokenizer.eod]
         vocab = model.config.vocab_size
         if max(prompt) >= vocab:
-            raise ValueError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary ({vocab}): the "
-                             f"tokenizer ({tokenizer_config(source.configs, args).tokenizer_type}) is not the run's; "
-                             "give its --tokenizer-type / --tokenizer-model / --vocab-file")
-        new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                       torch.Generator().manual_seed(args.seed), vocab_size=tokenizer.vocab_size,
-                       stop_token=tokenizer.eod)
+            raise ValueError(
+                f"--prompt: token id {max(prompt)} is outside the model's vocabulary ({vocab}): the "
+                f"tokenizer ({tokenizer_config(source.configs, args).tokenizer_type}) is not the run's; "
+                "give its --tokenizer-type / --tokenizer-model / --vocab-file"
+            )
+        new = generate(
+            model,
+            prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            torch.Generator().manual_seed(args.seed),
+            vocab_size=tokenizer.vocab_size,
+            stop_token=tokenizer.eod,
+        )
     except (CheckpointError, ConfigError, DataError, ValueError) as exc:
         parser.error(str(exc))
     print(args.prompt + tokenizer.detokenize(new), flush=True)

@@ -5,6 +5,7 @@ the file against transformers' own config classes.
 
     .venv/bin/python tools/hf_config_defaults.py > moezero/hf/config_defaults.json
 """
+
 import json
 import os
 import sys
@@ -14,13 +15,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moezero.hf.families import FAMILIES  # noqa: E402
 
 # who the config is, not what the model is (and what transformers fills in for any model)
-IDENTITY = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-            "id2label", "label2id", "output_hidden_states", "output_attentions", "return_dict",
-            "chunk_size_feed_forward",
-            "problem_type", "tokenizer_class", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder",
-            "model_type", "base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "attribute_map",
-            "sub_configs", "keys_to_ignore_at_inference", "base_config_key", "has_no_defaults_at_init",
-            "base_model_fsdp_plan", "extra_config_files", "extra_files", "sub_configs_defaults", "rope_parameters"}
+IDENTITY = {
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "id2label",
+    "label2id",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "problem_type",
+    "tokenizer_class",
+    "is_encoder_decoder",
+    "add_cross_attention",
+    "tie_encoder_decoder",
+    "model_type",
+    "base_model_tp_plan",
+    "base_model_pp_plan",
+    "base_model_ep_plan",
+    "attribute_map",
+    "sub_configs",
+    "keys_to_ignore_at_inference",
+    "base_config_key",
+    "has_no_defaults_at_init",
+    "base_model_fsdp_plan",
+    "extra_config_files",
+    "extra_files",
+    "sub_configs_defaults",
+    "rope_parameters",
+}
 
 
 def defaults(model_type: str) -> dict:
@@ -38,7 +65,7 @@ def defaults(model_type: str) -> dict:
     out = {k: v for k, v in out.items() if k not in IDENTITY and _is_json(v)}
     if hasattr(cls, "default_theta"):
         out["default_theta"] = cls.default_theta
-    out["attribute_map"] = dict(getattr(cls, "attribute_map", {}))   # other names of a field (num_experts)
+    out["attribute_map"] = dict(getattr(cls, "attribute_map", {}))  # other names of a field (num_experts)
     return dict(sorted(out.items()))
 
 
@@ -53,8 +80,10 @@ def _is_json(value) -> bool:
 def main():
     import transformers
 
-    table = {"transformers": transformers.__version__,
-             "families": {model_type: defaults(model_type) for model_type in sorted(FAMILIES)}}
+    table = {
+        "transformers": transformers.__version__,
+        "families": {model_type: defaults(model_type) for model_type in sorted(FAMILIES)},
+    }
     json.dump(table, sys.stdout, indent=1, sort_keys=True)
     print()
 

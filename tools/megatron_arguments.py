@@ -1,4 +1,5 @@
-"""Megatron-LM's command-line flags, defaults and value counts (nargs) as JSON, read from its own argument parser: the oracle of
+"""Megatron-LM's command-line flags, defaults and value counts (nargs) as JSON, read from its own argument parser: the
+oracle of
 tests/unit/test_megatron_flags.py (every flag moezero shares with Megatron has Megatron's default), and the
 training script's list of Megatron flags it does not support (a one-line error naming them).
 
@@ -9,6 +10,7 @@ moezero's venv is 3.11; its Python files are read directly, with two stand-ins t
     PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_arguments.py \
         > moezero/training/assets/megatron_arguments.json
 """
+
 import argparse
 import enum
 import json
@@ -21,7 +23,7 @@ from megatron.training import arguments  # noqa: E402
 
 
 def _plain(value):
-    if isinstance(value, enum.Enum):   # an enum choice is typed by its name
+    if isinstance(value, enum.Enum):  # an enum choice is typed by its name
         return value.name
     return value if isinstance(value, (int, float, str, bool, type(None), list)) else repr(value)
 
@@ -34,9 +36,13 @@ def main():
         kind = type(action).__name__.lstrip("_").replace("Action", "").lower() or "store"
         for flag in action.option_strings:
             if flag.startswith("--"):
-                flags[flag] = {"dest": action.dest, "default": _plain(action.default), "action": kind,
-                               "choices": [_plain(c) for c in action.choices] if action.choices else None,
-                               "nargs": action.nargs}
+                flags[flag] = {
+                    "dest": action.dest,
+                    "default": _plain(action.default),
+                    "action": kind,
+                    "choices": [_plain(c) for c in action.choices] if action.choices else None,
+                    "nargs": action.nargs,
+                }
     json.dump({"megatron_core": package_info.__version__, "flags": flags}, sys.stdout, indent=1, sort_keys=True)
 
 

@@ -10,6 +10,7 @@ Same setup as tools/megatron_arguments.py (megatron-core 0.19's wheel):
 
     PYTHONPATH=/tmp/mcore/x .venv/bin/python tools/megatron_params.py > tests/assets/megatron_params.json
 """
+
 import argparse
 import json
 import logging
@@ -18,52 +19,195 @@ import re
 import sys
 from collections import Counter
 
-logging.disable(logging.WARNING)   # its deprecation notices print on stdout, which is the JSON
+logging.disable(logging.WARNING)  # its deprecation notices print on stdout, which is the JSON
 
 import megatron_wheel  # noqa: E402,F401  (before megatron-core)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-CPU_BUILD = ["--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-             "--no-gradient-accumulation-fusion", "--transformer-impl", "local", "--no-persist-layer-norm",
-             "--no-bias-gelu-fusion"]
-SHAPE = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32"]
-LLAMA = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights"]
+CPU_BUILD = [
+    "--no-rope-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--transformer-impl",
+    "local",
+    "--no-persist-layer-norm",
+    "--no-bias-gelu-fusion",
+]
+SHAPE = [
+    "--num-layers",
+    "3",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+]
+LLAMA = [
+    "--swiglu",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+]
 CASES = {
     "gpt with biases, gelu experts, tied head": SHAPE + ["--num-experts", "4", "--moe-router-topk", "2"],
-    "grouped-query, per-head q/k norms, gated shared expert": SHAPE + LLAMA + [
-        "--num-experts", "4", "--moe-router-topk", "2", "--group-query-attention", "--num-query-groups", "2",
-        "--qk-layernorm", "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"],
-    "wide heads, q/k/v biases, narrow experts, a dense first layer": SHAPE + LLAMA + [
-        "--num-experts", "8", "--moe-router-topk", "2", "--kv-channels", "24", "--add-qkv-bias",
-        "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "([0]*1+[1]*2)"],
-    "multi-latent attention with a q latent, DeepSeek-V3 routing": SHAPE + LLAMA + [
-        "--num-experts", "8", "--moe-router-topk", "4", "--multi-latent-attention", "--q-lora-rank", "48",
-        "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12",
-        "--qk-layernorm", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-        "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
-        "--moe-shared-expert-intermediate-size", "32", "--moe-ffn-hidden-size", "32",
-        "--moe-layer-freq", "([0]*1+[1]*2)", "--rope-type", "yarn", "--rotary-scaling-factor", "4"],
-    "multi-latent attention without latent norms or a q latent": SHAPE + LLAMA + [
-        "--num-experts", "4", "--moe-router-topk", "2", "--multi-latent-attention", "--kv-lora-rank", "32",
-        "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"],
-    "GLM-4.5: half-rotary GQA, q/k/v biases, q/k norms, sigmoid routing with groups, a shared expert": SHAPE + LLAMA + [
-        "--num-experts", "8", "--moe-router-topk", "4", "--group-query-attention", "--num-query-groups", "2",
-        "--kv-channels", "24", "--rotary-percent", "0.5", "--add-qkv-bias", "--qk-layernorm",
-        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
-        "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
-        "--moe-shared-expert-intermediate-size", "16", "--moe-ffn-hidden-size", "16",
-        "--moe-layer-freq", "([0]*1+[1]*2)"],
+    "grouped-query, per-head q/k norms, gated shared expert": SHAPE
+    + LLAMA
+    + [
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--qk-layernorm",
+        "--moe-shared-expert-intermediate-size",
+        "32",
+        "--moe-shared-expert-gate",
+    ],
+    "wide heads, q/k/v biases, narrow experts, a dense first layer": SHAPE
+    + LLAMA
+    + [
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "2",
+        "--kv-channels",
+        "24",
+        "--add-qkv-bias",
+        "--moe-ffn-hidden-size",
+        "48",
+        "--moe-layer-freq",
+        "([0]*1+[1]*2)",
+    ],
+    "multi-latent attention with a q latent, DeepSeek-V3 routing": SHAPE
+    + LLAMA
+    + [
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "4",
+        "--multi-latent-attention",
+        "--q-lora-rank",
+        "48",
+        "--kv-lora-rank",
+        "32",
+        "--qk-head-dim",
+        "16",
+        "--qk-pos-emb-head-dim",
+        "8",
+        "--v-head-dim",
+        "12",
+        "--qk-layernorm",
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-num-groups",
+        "4",
+        "--moe-router-group-topk",
+        "2",
+        "--moe-router-topk-scaling-factor",
+        "2.5",
+        "--moe-shared-expert-intermediate-size",
+        "32",
+        "--moe-ffn-hidden-size",
+        "32",
+        "--moe-layer-freq",
+        "([0]*1+[1]*2)",
+        "--rope-type",
+        "yarn",
+        "--rotary-scaling-factor",
+        "4",
+    ],
+    "multi-latent attention without latent norms or a q latent": SHAPE
+    + LLAMA
+    + [
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--multi-latent-attention",
+        "--kv-lora-rank",
+        "32",
+        "--qk-head-dim",
+        "16",
+        "--qk-pos-emb-head-dim",
+        "8",
+        "--v-head-dim",
+        "16",
+    ],
+    "GLM-4.5: half-rotary GQA, q/k/v biases, q/k norms, sigmoid routing with groups, a shared expert": SHAPE
+    + LLAMA
+    + [
+        "--num-experts",
+        "8",
+        "--moe-router-topk",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--kv-channels",
+        "24",
+        "--rotary-percent",
+        "0.5",
+        "--add-qkv-bias",
+        "--qk-layernorm",
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-num-groups",
+        "4",
+        "--moe-router-group-topk",
+        "2",
+        "--moe-router-topk-scaling-factor",
+        "2.5",
+        "--moe-shared-expert-intermediate-size",
+        "16",
+        "--moe-ffn-hidden-size",
+        "16",
+        "--moe-layer-freq",
+        "([0]*1+[1]*2)",
+    ],
 }
 CASES["GPT-OSS: attention sinks, windows on every other layer, clamped quick GEGLU, biases"] = SHAPE + [
-    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-    "--group-query-attention", "--num-query-groups", "2", "--quick-geglu", "--glu-linear-offset", "1.0",
-    "--activation-func-clamp-value", "7.0", "--softmax-type", "learnable", "--window-size", "128,0",
-    "--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--quick-geglu",
+    "--glu-linear-offset",
+    "1.0",
+    "--activation-func-clamp-value",
+    "7.0",
+    "--softmax-type",
+    "learnable",
+    "--window-size",
+    "128,0",
+    "--window-attn-skip-freq",
+    "2",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "32",
+]
 CASES["DeepSeek-V3's routing and attention with two multi-token-prediction depths"] = CASES[
-    "multi-latent attention with a q latent, DeepSeek-V3 routing"] + ["--mtp-num-layers", "2"]
+    "multi-latent attention with a q latent, DeepSeek-V3 routing"
+] + ["--mtp-num-layers", "2"]
 VOCAB = 128
 
 # Megatron's module paths -> the groups tests/unit/test_megatron_shapes.py compares
@@ -115,7 +259,7 @@ def megatron_model(flags):
     parser = argparse.ArgumentParser(allow_abbrev=False)
     arguments.add_megatron_arguments(parser)
     args = parser.parse_args(flags + CPU_BUILD)
-    if args.ffn_hidden_size is None:   # validate_args' derived defaults
+    if args.ffn_hidden_size is None:  # validate_args' derived defaults
         args.ffn_hidden_size = int(8 * args.hidden_size / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
     args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
@@ -130,10 +274,16 @@ def megatron_model(flags):
         layer.submodules.self_attention.submodules.core_attention = _NoParamsCoreAttention
     # pretrain_gpt.py's: the MTP depths' layer spec is the decoder's last
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp_num_layers else None
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    mtp_block_spec=mtp)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        mtp_block_spec=mtp,
+    )
 
 
 def main():
@@ -142,7 +292,7 @@ def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.cuda.current_device = lambda: "cpu"   # MLA's RoPE tables are placed on the GPU when built
+    torch.cuda.current_device = lambda: "cpu"  # MLA's RoPE tables are placed on the GPU when built
     parallel_state.initialize_model_parallel(1, 1)
     cases = []
     for name, flags in CASES.items():

@@ -1,6 +1,7 @@
 """What the megatron_* oracle tools need before importing megatron-core 0.19's wheel on moezero's Python 3.11:
 `typing.override` (a 3.12 name it imports) and a stand-in for its MoE paged-stash kernels (they import Triton,
 which nothing the tools call uses). Import this module first; it changes nothing else."""
+
 import sys
 import types
 import typing

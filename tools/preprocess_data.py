@@ -13,6 +13,7 @@ tokenizer.model or Kimi's tiktoken.model); train with the same tokenizer flags (
 folder's). Beside each dataset, <prefix>.tokenizer-record.json names the tokenizer: a run with another refuses it.
 The output depends only on the inputs, their order and the tokenizer, not on --workers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="jsonl or text files, read in the order given")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.{bin,idx}")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys to extract, one dataset each")
-    p.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
-                   help="auto: .jsonl/.json are jsonl, anything else is one text document per file")
+    p.add_argument(
+        "--input-format",
+        choices=("auto", "jsonl", "text"),
+        default="auto",
+        help="auto: .jsonl/.json are jsonl, anything else is one text document per file",
+    )
     add_config_arguments(p, DataConfig, only=TOKENIZER_FIELDS)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -68,8 +73,10 @@ def read_texts(inputs: List[str], key: str, fmt: str) -> Iterator[str]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise ConfigError(f"--input {path}:{lineno}: not UTF-8 text (byte {exc.start + 1} of the line is "
-                                      f"{raw[exc.start:exc.start + 1]!r}); JSON lines are UTF-8") from None
+                    raise ConfigError(
+                        f"--input {path}:{lineno}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                        f"{raw[exc.start : exc.start + 1]!r}); JSON lines are UTF-8"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -110,8 +117,11 @@ def preprocess(args: argparse.Namespace) -> List[Tuple[str, int, int]]:
     try:
         for key in args.json_keys:
             texts = read_texts(args.input, key, args.input_format)
-            staged.append(stage_indexed_dataset(f"{args.output_prefix}_{key}_document", encode_all(texts, args),
-                                                tokenizer.vocab_size))
+            staged.append(
+                stage_indexed_dataset(
+                    f"{args.output_prefix}_{key}_document", encode_all(texts, args), tokenizer.vocab_size
+                )
+            )
     except BaseException:
         for dataset in staged:
             dataset.discard()

@@ -14,6 +14,7 @@ one `CheckpointError` naming the file. The checkpoint stays a plain DCP checkpoi
 recorded in its metadata), so torch's own tools still read it. Checkpoints written before this have no
 manifest and load unverified.
 """
+
 from __future__ import annotations
 
 import io
@@ -51,7 +52,7 @@ class _HashingTransforms(_StorageWriterTransforms):
     def __init__(self):
         super().__init__(())
         self._hashers: Dict[str, "_FileHash"] = {}
-        self._lock = threading.Lock()   # DCP may write several files at once, one thread each
+        self._lock = threading.Lock()  # DCP may write several files at once, one thread each
 
     def transform_save_stream(self, write_item, raw_stream):
         stream, descriptors = super().transform_save_stream(write_item, raw_stream)
@@ -113,8 +114,13 @@ def write_manifest(folder: str, iteration: int, world_size: int, shard_digests: 
     for digests in shard_digests:
         files.update(digests)
     files[".metadata"] = file_record(os.path.join(folder, ".metadata"))
-    manifest = {"format": FORMAT, "iteration": iteration, "world_size": world_size, "algorithm": "xxh3_64",
-                "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "world_size": world_size,
+        "algorithm": "xxh3_64",
+        "files": dict(sorted(files.items())),
+    }
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -131,12 +137,16 @@ def read_manifest(path: str) -> Optional[Dict]:
             manifest = json.load(f)
         files, iteration = manifest["files"], int(manifest["iteration"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{file}: unreadable ({str(exc)[:80]}); the checkpoint cannot be verified, resume "
-                              "from another one with --ckpt-step N") from None
+        raise CheckpointError(
+            f"{file}: unreadable ({str(exc)[:80]}); the checkpoint cannot be verified, resume "
+            "from another one with --ckpt-step N"
+        ) from None
     named = _ITER.search(os.path.basename(os.path.normpath(path)))
     if named and int(named.group(1)) != iteration:
-        raise CheckpointError(f"{file}: records iteration {iteration}, but the folder is iteration "
-                              f"{int(named.group(1))}; resume from another checkpoint with --ckpt-step N")
+        raise CheckpointError(
+            f"{file}: records iteration {iteration}, but the folder is iteration "
+            f"{int(named.group(1))}; resume from another checkpoint with --ckpt-step N"
+        )
     if not isinstance(files, dict):
         raise CheckpointError(f"{file}: unreadable (no file list)")
     return manifest
@@ -155,6 +165,8 @@ def verify_files(path: str, manifest: Dict, names: Iterable[str]) -> Optional[st
         if size != expected["bytes"]:
             return f"{file}: holds {size:,} bytes, the checkpoint wrote {expected['bytes']:,}"
         if file_record(file)["digest"] != expected["digest"]:
-            return (f"{file}: its contents differ from what the checkpoint wrote (checksum mismatch: damaged, or "
-                    "replaced by another checkpoint's file)")
+            return (
+                f"{file}: its contents differ from what the checkpoint wrote (checksum mismatch: damaged, or "
+                "replaced by another checkpoint's file)"
+            )
     return None

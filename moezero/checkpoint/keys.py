@@ -15,6 +15,7 @@
 Routed experts are stacked over the global experts, so every element has one global coordinate
 whatever the dp/ep/stage layout that wrote it.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -32,7 +33,7 @@ TRAIN_STATE = "train_state"
 MODEL_STATE = "model_state/"
 _PIECE = re.compile(r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)/(?P<field>[^/]+)$")
 
-Piece = Dict[str, Any]   # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
+Piece = Dict[str, Any]  # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
 
 
 def rng_key(rank: int) -> str:
@@ -85,12 +86,16 @@ def saved_names_for(held: Iterable[str], keys: Iterable[str]) -> Dict[str, str]:
     a parametrization (a QAT run from a plain checkpoint, or the reverse)."""
     saved = {m["name"] for m in (_PIECE.match(key) for key in keys) if m}
     by_plain = {plain_param_name(n): n for n in saved}
-    return {name: by_plain[plain_param_name(name)] for name in held
-            if name not in saved and plain_param_name(name) in by_plain}
+    return {
+        name: by_plain[plain_param_name(name)]
+        for name in held
+        if name not in saved and plain_param_name(name) in by_plain
+    }
 
 
-def piece_keys(keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]],
-               masters_only: bool = False) -> List[str]:
+def piece_keys(
+    keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]], masters_only: bool = False
+) -> List[str]:
     """The piece keys among `keys` that overlap `wanted` ({param: global ranges}; None: every piece)."""
     out = []
     for key in keys:
@@ -119,15 +124,18 @@ def model_state(model: nn.Module, held: Iterable[torch.Tensor]) -> Dict[str, tor
 
 def model_state_name(key: str) -> str:
     """The param or buffer name of a model_state/ key."""
-    return key[len(MODEL_STATE):].partition("@experts")[0]
+    return key[len(MODEL_STATE) :].partition("@experts")[0]
 
 
 def legacy_model_state_keys(keys: Iterable[str], held: Dict[str, Any]) -> List[str]:
     """model_state/ keys of params the optimizer holds but the checkpoint has no pieces for."""
     keys = list(keys)
     with_pieces = {match["name"] for match in map(_PIECE.match, keys) if match}
-    return [key for key in keys if key.startswith(MODEL_STATE) and model_state_name(key) in held
-            and model_state_name(key) not in with_pieces]
+    return [
+        key
+        for key in keys
+        if key.startswith(MODEL_STATE) and model_state_name(key) in held and model_state_name(key) not in with_pieces
+    ]
 
 
 def pieces_from_model_state(entries: Dict[str, torch.Tensor], name: str) -> List[Piece]:
@@ -153,8 +161,9 @@ def train_state_sections(state: Dict[str, Any]) -> Dict[str, Any]:
     if "optimizer" in state:
         return state
     scalars = ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips")
-    return dict(state, optimizer={k: state.get(k) for k in scalars},
-                plugins={"qat": state["qat"]} if state.get("qat") else {})
+    return dict(
+        state, optimizer={k: state.get(k) for k in scalars}, plugins={"qat": state["qat"]} if state.get("qat") else {}
+    )
 
 
 def encode(obj: Any) -> bytes:

@@ -9,6 +9,7 @@ pointer; a crash or Ctrl-C at any point leaves the previous checkpoint and point
 the same iteration) by renaming it to `iter_N.removed` first, so a kill mid-removal never leaves a half-deleted
 `iter_N` behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ def latest_iteration(root: str) -> Optional[int]:
     with open(path) as f:
         text = f.read().strip()
     if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
-        raise CheckpointError(f"{path}: names iteration {text!r}, which has no checkpoint folder (saved: "
-                              f"{saved_iterations(root) or 'none'}; pick one with --ckpt-step)")
+        raise CheckpointError(
+            f"{path}: names iteration {text!r}, which has no checkpoint folder (saved: "
+            f"{saved_iterations(root) or 'none'}; pick one with --ckpt-step)"
+        )
     return int(text)
 
 

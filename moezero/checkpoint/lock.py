@@ -13,6 +13,7 @@ running, or runs with another start time (the pid was reused). A lock of another
 (whether that job lives cannot be known from here): the line says to remove the file once that job has ended.
 Where the file system offers no `flock`, the file's contents alone decide.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,7 @@ def process_start(pid: int) -> Optional[str]:
     stat = _read(f"/proc/{pid}/stat")
     if stat is None:
         return None
-    fields = stat.rsplit(")", 1)[-1].split()   # the command name, in parentheses, may hold spaces
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name, in parentheses, may hold spaces
     return fields[19] if len(fields) > 19 else None
 
 
@@ -58,21 +59,31 @@ class Holder:
 
     host: str
     pid: int
-    start: Optional[str]        # process_start(pid) when it took the lock
-    boot: Optional[str]         # the host's boot id then (a reboot ends every process)
-    since: str                  # when, for the message
+    start: Optional[str]  # process_start(pid) when it took the lock
+    boot: Optional[str]  # the host's boot id then (a reboot ends every process)
+    since: str  # when, for the message
 
     @classmethod
     def this_process(cls) -> "Holder":
-        return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()), _boot_id(),
-                   datetime.datetime.now().isoformat(timespec="seconds"))
+        return cls(
+            socket.gethostname(),
+            os.getpid(),
+            process_start(os.getpid()),
+            _boot_id(),
+            datetime.datetime.now().isoformat(timespec="seconds"),
+        )
 
     @classmethod
     def parse(cls, text: str) -> Optional["Holder"]:
         try:
             fields = json.loads(text)
-            return cls(str(fields["host"]), int(fields["pid"]), fields.get("start"), fields.get("boot"),
-                       str(fields.get("since", "?")))
+            return cls(
+                str(fields["host"]),
+                int(fields["pid"]),
+                fields.get("start"),
+                fields.get("boot"),
+                str(fields.get("since", "?")),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -109,7 +120,7 @@ class Holder:
         return None
 
 
-_HELD: Dict[str, "SaveLock"] = {}   # this process's locks: a second run in one process (tests) reuses its own
+_HELD: Dict[str, "SaveLock"] = {}  # this process's locks: a second run in one process (tests) reuses its own
 
 
 class SaveLock:
@@ -124,7 +135,7 @@ class SaveLock:
             return
         try:
             if _same_file(self.fd, self.path):
-                os.unlink(self.path)   # while the flock is still held: no one else has it yet
+                os.unlink(self.path)  # while the flock is still held: no one else has it yet
         except OSError:
             pass
         os.close(self.fd)
@@ -132,7 +143,7 @@ class SaveLock:
         _HELD.pop(os.path.realpath(self.path), None)
         if self.made_folder:
             try:
-                os.rmdir(os.path.dirname(self.path))   # only when empty: never anything this run did not write
+                os.rmdir(os.path.dirname(self.path))  # only when empty: never anything this run did not write
             except OSError:
                 pass
 
@@ -157,7 +168,7 @@ def _flock(fd: int) -> Optional[bool]:
         return True
     except BlockingIOError:
         return False
-    except OSError:   # ENOLCK, EOPNOTSUPP, ...: a file system without flock
+    except OSError:  # ENOLCK, EOPNOTSUPP, ...: a file system without flock
         return None
 
 
@@ -171,7 +182,7 @@ def acquire(root: str, report: Callable[[str], None]) -> SaveLock:
     try:
         made_folder = not os.path.isdir(root)
         os.makedirs(root, exist_ok=True)
-        for _ in range(5):   # the file was removed or replaced between our open and our flock: open it again
+        for _ in range(5):  # the file was removed or replaced between our open and our flock: open it again
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 lock = _take(root, path, fd, report)
@@ -185,8 +196,9 @@ def acquire(root: str, report: Callable[[str], None]) -> SaveLock:
             os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"--save={root}: cannot write there ({first_line(exc)})") from None
-    raise CheckpointError(f"--save={root}: its lock file {path} keeps changing under this job (another job starting "
-                          "on the same folder?)")
+    raise CheckpointError(
+        f"--save={root}: its lock file {path} keeps changing under this job (another job starting on the same folder?)"
+    )
 
 
 def _take(root: str, path: str, fd: int, report: Callable[[str], None]) -> Optional[SaveLock]:
@@ -197,10 +209,12 @@ def _take(root: str, path: str, fd: int, report: Callable[[str], None]) -> Optio
     holder = Holder.parse(text) if text else None
     if locked is False or (holder is not None and not holder.is_this_process()):
         _refuse_or_take_over(root, path, holder, report, flocked=locked is False)
-    elif text and holder is None:   # not a lock file this code wrote, or one whose writer died mid-write
+    elif text and holder is None:  # not a lock file this code wrote, or one whose writer died mid-write
         if locked is None:
-            raise CheckpointError(f"--save={root}: its lock file {path} is unreadable and this file system cannot "
-                                  "lock it: remove it if no job uses this folder")
+            raise CheckpointError(
+                f"--save={root}: its lock file {path} is unreadable and this file system cannot "
+                "lock it: remove it if no job uses this folder"
+            )
         report(f" --save={root}: took over the unreadable lock file {path} (no process holds it)")
     os.ftruncate(fd, 0)
     os.pwrite(fd, Holder.this_process().text().encode(), 0)
@@ -208,21 +222,28 @@ def _take(root: str, path: str, fd: int, report: Callable[[str], None]) -> Optio
     return SaveLock(path, fd)
 
 
-def _refuse_or_take_over(root: str, path: str, holder: Optional[Holder], report: Callable[[str], None],
-                         flocked: bool) -> None:
+def _refuse_or_take_over(
+    root: str, path: str, holder: Optional[Holder], report: Callable[[str], None], flocked: bool
+) -> None:
     """Another process's lock: raise unless its holder is gone (then say so)."""
     who = holder.describe() if holder is not None else "a process that has not written its name yet"
     if flocked or holder is None:
-        raise CheckpointError(f"--save={root}: in use by another job ({who}; lock file {path}): two jobs on one folder "
-                              "overwrite each other's checkpoints; save elsewhere, or stop that job first")
+        raise CheckpointError(
+            f"--save={root}: in use by another job ({who}; lock file {path}): two jobs on one folder "
+            "overwrite each other's checkpoints; save elsewhere, or stop that job first"
+        )
     reason = holder.gone()
     if reason is None and holder.host != socket.gethostname():
-        raise CheckpointError(f"--save={root}: in use by another job ({who}; lock file {path}), which cannot be "
-                              "checked from this host; save elsewhere, or remove the lock file once that job has "
-                              "ended")
+        raise CheckpointError(
+            f"--save={root}: in use by another job ({who}; lock file {path}), which cannot be "
+            "checked from this host; save elsewhere, or remove the lock file once that job has "
+            "ended"
+        )
     if reason is None:
-        raise CheckpointError(f"--save={root}: in use by another job ({who}; lock file {path}): two jobs on one folder "
-                              "overwrite each other's checkpoints; save elsewhere, or stop that job first")
+        raise CheckpointError(
+            f"--save={root}: in use by another job ({who}; lock file {path}): two jobs on one folder "
+            "overwrite each other's checkpoints; save elsewhere, or stop that job first"
+        )
     report(f" --save={root}: took over the lock of a job that ended without releasing it ({who}: {reason})")
 
 
@@ -242,7 +263,7 @@ def lock_save_folder(root: Optional[str], report: Callable[[str], None] = _say):
             lock = acquire(root, report)
         except CheckpointError as exc:
             error = str(exc)
-        except Exception as exc:   # anything else: said on every rank, never a rank left waiting below
+        except Exception as exc:  # anything else: said on every rank, never a rank left waiting below
             error = f"--save={root}: taking its lock failed ({first_line(exc)})"
     if dist.is_initialized() and dist.get_world_size() > 1:
         outcome = [error]

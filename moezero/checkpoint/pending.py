@@ -8,6 +8,7 @@ The background writer runs its collectives on a process group of its own (`async
 groups training uses. Nothing is published until `finish()`: a job stopped while a save is in flight keeps the
 previous checkpoint as `latest` (the staging folder is removed by the next save).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -23,11 +24,11 @@ from moezero.parallel import comm
 @dataclass
 class PendingSave:
     future: Future
-    path: str                        # the iter_N folder it becomes
-    publish: Callable[[], str]       # collective: rename into place, point `latest` at it, prune
-    group: Any                       # the control group the ranks agree on
-    abandon: Callable[[], None] = lambda: None   # collective: remove the partial folder after a failed write
-    disk_full: Callable[[], bool] = lambda: False   # whether the folder's file system is full (before `abandon`)
+    path: str  # the iter_N folder it becomes
+    publish: Callable[[], str]  # collective: rename into place, point `latest` at it, prune
+    group: Any  # the control group the ranks agree on
+    abandon: Callable[[], None] = lambda: None  # collective: remove the partial folder after a failed write
+    disk_full: Callable[[], bool] = lambda: False  # whether the folder's file system is full (before `abandon`)
 
     def done_everywhere(self) -> bool:
         """Collective: whether every rank's background write has ended (an all-reduce of one flag)."""
@@ -39,13 +40,15 @@ class PendingSave:
         error = None
         try:
             self.future.result()
-        except (Exception, CheckpointException) as exc:   # the writer's error, whatever its kind (DCP's
-            error = exc                                    # CheckpointException is a BaseException): never a hang
+        except (Exception, CheckpointException) as exc:  # the writer's error, whatever its kind (DCP's
+            error = exc  # CheckpointException is a BaseException): never a hang
         if comm.all_true(error is None, self.group):
             return self.publish()
         reason = innermost_cause(error) if error is not None else "another rank could not write its part"
-        if error is not None and self.disk_full():   # torch's writer may report a full disk as a bad offset
+        if error is not None and self.disk_full():  # torch's writer may report a full disk as a bad offset
             reason = no_space(reason)
-        self.abandon()   # frees the space: asked above
-        raise CheckpointError(f"--async-save: writing {self.path} failed ({reason}); its partial folder is removed "
-                              "and the previous checkpoint stays latest")
+        self.abandon()  # frees the space: asked above
+        raise CheckpointError(
+            f"--async-save: writing {self.path} failed ({reason}); its partial folder is removed "
+            "and the previous checkpoint stays latest"
+        )

@@ -14,6 +14,7 @@ an unpickler that admits only the classes and functions such a file holds:
 Anything else is an `UnsafePickle` naming what the file asked for. This keeps a checkpoint from running code;
 it is otherwise trusted input (its tensors and configs are used as they are).
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,21 +49,34 @@ def _storage_from_bytes(blob: bytes):
 _DATA_TYPES = {("builtins", t.__name__): t for t in (set, frozenset, complex, bytearray, slice, range)}
 
 METADATA_GLOBALS: Dict[Tuple[str, str], Any] = {
-    **{(dcp_metadata.__name__, name): getattr(dcp_metadata, name)
-       for name in ("ChunkStorageMetadata", "_MEM_FORMAT_ENCODING", "TensorProperties", "TensorStorageMetadata",
-                    "BytesStorageMetadata", "StorageMeta", "Metadata", "MetadataIndex")},
+    **{
+        (dcp_metadata.__name__, name): getattr(dcp_metadata, name)
+        for name in (
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "StorageMeta",
+            "Metadata",
+            "MetadataIndex",
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    **_DATA_TYPES, **_dtypes(),
+    **_DATA_TYPES,
+    **_dtypes(),
 }
 
 BLOB_GLOBALS: Dict[Tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
     ("numpy._core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
     ("numpy.core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
     ("numpy._core.multiarray", "scalar"): np._core.multiarray.scalar,
@@ -70,7 +84,8 @@ BLOB_GLOBALS: Dict[Tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("torch", "Size"): torch.Size,
-    **_DATA_TYPES, **_dtypes(),
+    **_DATA_TYPES,
+    **_dtypes(),
 }
 
 
@@ -128,4 +143,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-

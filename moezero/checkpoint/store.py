@@ -10,6 +10,7 @@ another. Offline, `consolidate_checkpoint` merges every rank's pieces with `moez
 Every read first checks the files (a readable .metadata, every shard file as long as the index says),
 so a damaged checkpoint is a `CheckpointError` naming the file, on every rank alike, before any collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,11 +36,21 @@ from moezero.parallel import comm
 from moezero.zero import consolidate
 
 
-def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: Dict[str, Any],
-                    plugins: Dict[str, Any], group=None, keep_last: int = 0,
-                    progress: Optional[Dict[str, int]] = None, lr_schedule: Optional[Dict[str, Any]] = None,
-                    background: bool = False, writer_group=None,
-                    tensorboard_files: Sequence[str] = ()) -> Union[str, PendingSave]:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model: nn.Module,
+    opt,
+    configs: Dict[str, Any],
+    plugins: Dict[str, Any],
+    group=None,
+    keep_last: int = 0,
+    progress: Optional[Dict[str, int]] = None,
+    lr_schedule: Optional[Dict[str, Any]] = None,
+    background: bool = False,
+    writer_group=None,
+    tensorboard_files: Sequence[str] = (),
+) -> Union[str, PendingSave]:
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
@@ -49,16 +60,23 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     With `background` the state is copied and written in the background, its collectives on `writer_group` (a
     process group of the writer's own, never one training uses): a PendingSave is returned, `finish()` publishes.
     """
-    if group is None and dist.is_initialized():   # the whole world (comm's None is a world of one)
+    if group is None and dist.is_initialized():  # the whole world (comm's None is a world of one)
         group = dist.group.WORLD
     if _rank() == 0:
         layout.remove_stale(root)
     _barrier(group)
     shard = opt.state_dict()
-    train_state = {"iteration": iteration, "world_size": _world_size(), "param_shapes": shard["shapes"],
-                   "optimizer": opt.scalar_state(), "configs": configs, "plugins": plugins,
-                   "progress": dict(progress or {}), "opt_param_scheduler": dict(lr_schedule or {}),
-                   "tensorboard_files": list(tensorboard_files)}
+    train_state = {
+        "iteration": iteration,
+        "world_size": _world_size(),
+        "param_shapes": shard["shapes"],
+        "optimizer": opt.scalar_state(),
+        "configs": configs,
+        "plugins": plugins,
+        "progress": dict(progress or {}),
+        "opt_param_scheduler": dict(lr_schedule or {}),
+        "tensorboard_files": list(tensorboard_files),
+    }
     state: Dict[str, Any] = keys.piece_entries(shard["pieces"])
     state.update(keys.model_state(model, _held_params(opt)))
     state[keys.TRAIN_STATE] = keys.encode(train_state)
@@ -68,36 +86,52 @@ def save_checkpoint(root: str, iteration: int, model: nn.Module, opt, configs: D
     publish = functools.partial(_publish, root, iteration, keep_last, group, writer)
     if background:
         with _quiet():
-            future = dcp.async_save(state, storage_writer=writer, no_dist=not dist.is_initialized(),
-                                    process_group=writer_group)
-        return PendingSave(future, layout.iteration_dir(root, iteration), publish, group,
-                           functools.partial(abandon_save, root, iteration, group),
-                           functools.partial(_disk_full, staging))
+            future = dcp.async_save(
+                state, storage_writer=writer, no_dist=not dist.is_initialized(), process_group=writer_group
+            )
+        return PendingSave(
+            future,
+            layout.iteration_dir(root, iteration),
+            publish,
+            group,
+            functools.partial(abandon_save, root, iteration, group),
+            functools.partial(_disk_full, staging),
+        )
     error = None
     try:
         with _quiet():
             dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized(), process_group=group)
-    except (CheckpointException, OSError) as exc:   # a full disk, a vanished mount: agreed below
+    except (CheckpointException, OSError) as exc:  # a full disk, a vanished mount: agreed below
         error = exc
     if not _all_ok(error is None, group):
         reason = innermost_cause(error) if error is not None else "another rank could not write its part"
-        if error is not None and _disk_full(staging):   # torch's writer may report a full disk as a bad offset
+        if error is not None and _disk_full(staging):  # torch's writer may report a full disk as a bad offset
             reason = no_space(reason)
         abandon_save(root, iteration, group)
-        raise CheckpointError(f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
-                              "folder is removed and the previous checkpoint stays latest")
+        raise CheckpointError(
+            f"--save={root}: saving iteration {iteration} failed ({reason}); its partial "
+            "folder is removed and the previous checkpoint stays latest"
+        )
     return publish()
 
 
-def save_read_checkpoint(root: str, iteration: int, ranges: Dict[str, List[Tuple[int, int]]],
-                         read: Callable[[str, int, int], torch.Tensor], model_state: Dict[str, torch.Tensor],
-                         train_state: Dict[str, Any]) -> str:
+def save_read_checkpoint(
+    root: str,
+    iteration: int,
+    ranges: Dict[str, List[Tuple[int, int]]],
+    read: Callable[[str, int, int], torch.Tensor],
+    model_state: Dict[str, torch.Tensor],
+    train_state: Dict[str, Any],
+) -> str:
     """One process: iteration `iteration` of `root` as a world of one with fresh optimizer state, whose fp32
     masters of param `name`, pieces `ranges[name]`, `read(name, lo, hi)` returns when DCP writes them, one piece
     per file: at most one piece is in memory (an import that never holds the model). Published as save_checkpoint
     does."""
-    state: Dict[str, Any] = {f"optimizer/{name}/{lo}-{hi}/master": torch.empty(hi - lo, device="meta")
-                             for name, pieces in ranges.items() for lo, hi in pieces}
+    state: Dict[str, Any] = {
+        f"optimizer/{name}/{lo}-{hi}/master": torch.empty(hi - lo, device="meta")
+        for name, pieces in ranges.items()
+        for lo, hi in pieces
+    }
     state.update({keys.MODEL_STATE + name: tensor for name, tensor in model_state.items()})
     state[keys.TRAIN_STATE] = keys.encode(dict(train_state, iteration=iteration, world_size=1))
     state[keys.rng_key(0)] = keys.encode(_rng_state())
@@ -132,7 +166,7 @@ def _disk_full(path: str) -> bool:
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     try:
-        return shutil.disk_usage(path or ".").free < 2 ** 20
+        return shutil.disk_usage(path or ".").free < 2**20
     except OSError:
         return False
 
@@ -154,33 +188,37 @@ def _publish(root: str, iteration: int, keep_last: int, group, writer: checksums
             checksums.write_manifest(layout.staging_dir(root, iteration), iteration, _world_size(), digests)
             layout.publish(root, iteration)
             layout.prune(root, keep_last)
-        except OSError as exc:   # a disk that filled after the shards: every rank says so, not rank 0 alone
+        except OSError as exc:  # a disk that filled after the shards: every rank says so, not rank 0 alone
             error = exc
     if not _all_ok(error is None, group):
         reason = first_line(error) if error is not None else "rank 0 could not write the manifest or the pointer"
-        raise CheckpointError(f"--save={root}: publishing iteration {iteration} failed ({reason}); the previous "
-                              "checkpoint stays latest (an unfinished folder is removed by the next save)")
+        raise CheckpointError(
+            f"--save={root}: publishing iteration {iteration} failed ({reason}); the previous "
+            "checkpoint stays latest (an unfinished folder is removed by the next save)"
+        )
     return layout.iteration_dir(root, iteration)
 
 
-def load_checkpoint(path: str, model: nn.Module, opt, group=None, load_optim: bool = True,
-                    load_rng: bool = True) -> Dict[str, Any]:
+def load_checkpoint(
+    path: str, model: nn.Module, opt, group=None, load_optim: bool = True, load_rng: bool = True
+) -> Dict[str, Any]:
     """Collective: restore the weights (fp32 masters), the model's other state (buffers), with `load_optim`
     the optimizer state and scalars (else they stay fresh) and with `load_rng` (same world size) the RNG
     states; returns the train state."""
     index = _index(path)
     metadata = index.state_dict_metadata
     held = opt.held_ranges()
-    renamed = keys.saved_names_for(held, metadata)   # QAT's parametrized names on one side only
+    renamed = keys.saved_names_for(held, metadata)  # QAT's parametrized names on one side only
     held = {renamed.get(name, name): ranges for name, ranges in held.items()}
     wanted = keys.piece_keys(metadata, held, masters_only=not load_optim)
     legacy = keys.legacy_model_state_keys(metadata, held)
-    request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-                               for key in wanted + legacy}
+    request: Dict[str, Any] = {
+        key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype) for key in wanted + legacy
+    }
     other_state = keys.model_state(model, _held_params(opt))
     for key, tensor in other_state.items():
         if key not in metadata:
-            raise CheckpointError(f"{path}: has no '{key[len(keys.MODEL_STATE):]}' (saved from another model?)")
+            raise CheckpointError(f"{path}: has no '{key[len(keys.MODEL_STATE) :]}' (saved from another model?)")
         request[key] = torch.empty_like(tensor)
     request[keys.TRAIN_STATE] = b""
     rng_key = keys.rng_key(_rank())
@@ -224,13 +262,15 @@ def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
     index = _index(path)
     metadata = index.state_dict_metadata
     model_keys = [key for key in metadata if key.startswith(keys.MODEL_STATE)]
-    request: Dict[str, Any] = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-                               for key in keys.piece_keys(metadata, None, masters_only=True) + model_keys}
+    request: Dict[str, Any] = {
+        key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
+        for key in keys.piece_keys(metadata, None, masters_only=True) + model_keys
+    }
     request[keys.TRAIN_STATE] = b""
     _verified_load(request, path, index)
     shapes = _train_state(request, path)["param_shapes"]
     full = consolidate([{"pieces": keys.pieces_from_entries(request), "shapes": shapes}])
-    return dict(full["params"], **{key[len(keys.MODEL_STATE):]: request[key] for key in model_keys})
+    return dict(full["params"], **{key[len(keys.MODEL_STATE) :]: request[key] for key in model_keys})
 
 
 class CheckpointReader:
@@ -250,7 +290,7 @@ class CheckpointReader:
         _verified_load(request, path, index)
         self.train_state = _train_state(request, path)
         manifest = checksums.read_manifest(path)
-        if manifest is not None:   # every file now: the reads below skip the check
+        if manifest is not None:  # every file now: the reads below skip the check
             files = {info.relative_path for info in (index.storage_data or {}).values()}
             problem = checksums.verify_files(path, manifest, files)
             if problem is not None:
@@ -269,15 +309,16 @@ class CheckpointReader:
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         overlapping = sorted(p for p in self._pieces.get(name, []) if p[0] < hi and lo < p[1])
         wanted = [key for _, _, key in overlapping]
-        if not set(wanted) <= set(self._last):   # keep the pieces last read: an expert stack is read expert by expert
-            self._last = {key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype)
-                          for key in wanted}
+        if not set(wanted) <= set(self._last):  # keep the pieces last read: an expert stack is read expert by expert
+            self._last = {
+                key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype) for key in wanted
+            }
             _load(self._last, self.path)
         out = torch.empty(hi - lo, dtype=torch.float32)
         covered = 0
         for a, b, key in overlapping:
             start, stop = max(a, lo), min(b, hi)
-            out[start - lo:stop - lo] = self._last[key][start - a:stop - a]
+            out[start - lo : stop - lo] = self._last[key][start - a : stop - a]
             covered += stop - start
         if covered != hi - lo:
             raise CheckpointError(f"{self.path}: its pieces of {name} do not cover elements [{lo}, {hi})")
@@ -285,10 +326,11 @@ class CheckpointReader:
 
     def model_state(self) -> Dict[str, torch.Tensor]:
         wanted = [key for key in self._metadata if key.startswith(keys.MODEL_STATE)]
-        request = {key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype)
-                   for key in wanted}
+        request = {
+            key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype) for key in wanted
+        }
         _load(request, self.path)
-        return {key[len(keys.MODEL_STATE):]: value for key, value in request.items()}
+        return {key[len(keys.MODEL_STATE) :]: value for key, value in request.items()}
 
 
 def _train_state(request: Dict[str, Any], path: str) -> Dict[str, Any]:
@@ -299,11 +341,13 @@ def _decoded(blob: Any, path: str, what: str) -> Any:
     try:
         return keys.decode(blob)
     except safe_pickle.UnsafePickle as exc:
-        raise CheckpointError(f"{path}: its {what} is refused, {exc} (a file made to run code?); nothing of it was "
-                              "run") from None
+        raise CheckpointError(
+            f"{path}: its {what} is refused, {exc} (a file made to run code?); nothing of it was run"
+        ) from None
     except Exception as exc:  # unpickling damaged bytes raises anything
-        raise CheckpointError(f"{path}: its {what} is damaged ({first_line(exc, 80)}); resume from another "
-                              "checkpoint with --ckpt-step N") from None
+        raise CheckpointError(
+            f"{path}: its {what} is damaged ({first_line(exc, 80)}); resume from another checkpoint with --ckpt-step N"
+        ) from None
 
 
 # ---- DCP calls ---------------------------------------------------------------------------------------
@@ -325,15 +369,17 @@ def _index(path: str):
         raise CheckpointError(f"{path}: {what}")
     manifest = checksums.read_manifest(path)
     problem = checksums.verify_files(path, manifest, [".metadata"]) if manifest is not None else None
-    if problem is not None:   # before a byte of it is unpickled
+    if problem is not None:  # before a byte of it is unpickled
         raise CheckpointError(f"{problem}; the checkpoint is refused, resume from another one with --ckpt-step N")
     try:
         metadata = safe_pickle.SafeFileSystemReader(path).read_metadata()
     except safe_pickle.UnsafePickle as exc:
         raise CheckpointError(f"{index}: refused, {exc} (a file made to run code?); nothing of it was run") from None
     except Exception as exc:  # a damaged pickle raises whatever its bytes decode to
-        raise CheckpointError(f"{index}: unreadable, the file is damaged ({first_line(exc, 80)}); resume from "
-                              "another checkpoint with --ckpt-step N") from None
+        raise CheckpointError(
+            f"{index}: unreadable, the file is damaged ({first_line(exc, 80)}); resume from "
+            "another checkpoint with --ckpt-step N"
+        ) from None
     _check_shard_files(path, metadata.storage_data or {})
     return metadata
 
@@ -346,7 +392,7 @@ def _verified_load(request: Dict[str, Any], path: str, index, collective: bool =
     problem = None
     if manifest is not None:
         files = {info.relative_path for item, info in (index.storage_data or {}).items() if item.fqn in request}
-        problem = checksums.verify_files(path, manifest, files)   # .metadata: by _index, before it was read
+        problem = checksums.verify_files(path, manifest, files)  # .metadata: by _index, before it was read
     problem = next((p for p in (_gathered(problem, group) if collective else [problem]) if p), None)
     if problem is not None:
         raise CheckpointError(f"{problem}; the checkpoint is refused, resume from another one with --ckpt-step N")
@@ -363,8 +409,9 @@ def _check_shard_files(path: str, storage: Dict[Any, Any]) -> None:
         size = os.path.getsize(file) if os.path.isfile(file) else None
         if size is None or size < length:
             state = "is missing" if size is None else f"is truncated ({size:,} of {length:,} bytes)"
-            raise CheckpointError(f"{file}: {state}; the checkpoint is incomplete, resume from another one "
-                                  "with --ckpt-step N")
+            raise CheckpointError(
+                f"{file}: {state}; the checkpoint is incomplete, resume from another one with --ckpt-step N"
+            )
 
 
 def _load(request: Dict[str, Any], path: str, collective: bool = False, group=None) -> None:
@@ -373,12 +420,18 @@ def _load(request: Dict[str, Any], path: str, collective: bool = False, group=No
     failed read from every rank, so all raise the same CheckpointError."""
     try:
         with _quiet():
-            dcp.load(request, storage_reader=safe_pickle.SafeFileSystemReader(path),
-                     planner=safe_pickle.SafeLoadPlanner(allow_partial_load=True),
-                     no_dist=not (collective and dist.is_initialized()), process_group=group)
+            dcp.load(
+                request,
+                storage_reader=safe_pickle.SafeFileSystemReader(path),
+                planner=safe_pickle.SafeLoadPlanner(allow_partial_load=True),
+                no_dist=not (collective and dist.is_initialized()),
+                process_group=group,
+            )
     except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) gathers every rank's error
-        raise CheckpointError(f"{path}: reading it failed, the shard files are damaged ({innermost_cause(exc)}); "
-                              "resume from another checkpoint with --ckpt-step N") from None
+        raise CheckpointError(
+            f"{path}: reading it failed, the shard files are damaged ({innermost_cause(exc)}); "
+            "resume from another checkpoint with --ckpt-step N"
+        ) from None
 
 
 # ---- ranks and RNG -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ kept to the end. Dropping bits gradually lets the weights adapt to each coarser 
 (DeepSpeed doubles the period after each drop; a fixed period is easier to reason about and to
 set from a run's length.)
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -4,6 +4,7 @@ Deliberately nothing else: no batch sizes, no world size, no optimizer or schedu
 loading a model never validates (or fails on) how it was trained - the field failure was an
 inference init that checked "train batch 8 // micro 4 // world 4" and found 0.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,7 @@ from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,9 @@ class ModelDescription:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "ModelDescription":
         configs = upgrade_stored_configs({"model": d["model"], "moe": d.get("moe")})
-        return cls(dict(configs["model"]), dict(configs["moe"]) if configs.get("moe") else None,
-                   d.get("dtype", "float32"))
+        return cls(
+            dict(configs["model"]), dict(configs["moe"]) if configs.get("moe") else None, d.get("dtype", "float32")
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -55,6 +56,7 @@ class ModelDescription:
 
     def build(self, groups: Optional[ParallelGroups] = None) -> GPTModel:
         """The model with this rank's experts (weights still from the init; load them next)."""
-        model = GPTModel(self.gpt_config(), self.moe_config(),
-                         moe_layer=expert_parallel(groups or ParallelGroups.single()))
+        model = GPTModel(
+            self.gpt_config(), self.moe_config(), moe_layer=expert_parallel(groups or ParallelGroups.single())
+        )
         return model.to(self.torch_dtype)

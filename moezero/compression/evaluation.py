@@ -5,6 +5,7 @@ with fewer run a weightless repeat so every rank makes the same number of forwar
 forward is a collective under expert parallelism). Token losses are summed in fp64 and
 all-reduced, so the result is the mean over the same tokens for any world size or ep.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,7 @@ def eval_dataset(data: DataConfig, seq_length: int, seed: int, num_samples: int)
     return datasets.valid if split == 1 else datasets.test
 
 
-def rank_micro_batches(num_samples: int, micro_batch_size: int, rank: int, world: int
-                       ) -> List[Tuple[List[int], float]]:
+def rank_micro_batches(num_samples: int, micro_batch_size: int, rank: int, world: int) -> List[Tuple[List[int], float]]:
     """(sample indices, weight) of this rank's micro-batches; weight 0 marks a padding repeat."""
     starts = list(range(0, num_samples, micro_batch_size))
     mine = starts[rank::world]
@@ -40,8 +40,7 @@ def rank_micro_batches(num_samples: int, micro_batch_size: int, rank: int, world
 
 
 @torch.no_grad()
-def lm_loss(model, dataset, num_samples: int, micro_batch_size: int,
-            groups: Optional[ParallelGroups] = None) -> float:
+def lm_loss(model, dataset, num_samples: int, micro_batch_size: int, groups: Optional[ParallelGroups] = None) -> float:
     """Mean token cross-entropy over samples [0, num_samples) (a collective over groups.dp)."""
     groups = groups or ParallelGroups.single()
     model.eval()
@@ -49,8 +48,9 @@ def lm_loss(model, dataset, num_samples: int, micro_batch_size: int,
     for indices, weight in rank_micro_batches(num_samples, micro_batch_size, groups.rank, groups.world_size):
         batch = load_micro_batch(dataset, indices)
         logits, _ = model(batch["tokens"])
-        losses = F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                                 reduction="none")
+        losses = F.cross_entropy(
+            logits.double().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="none"
+        )
         mask = batch["loss_mask"].reshape(-1).double()
         totals += weight * torch.stack([(losses * mask).sum(), mask.sum()]).cpu()
     comm.all_reduce(totals, groups.dp)

@@ -12,6 +12,7 @@ Each weight is quantized exactly as the fake-quant forward did in training (same
 rounding to nearest, from the fp32 master rounded to the params' dtype), so the dequantized
 model reproduces the QAT model's forward. Names are canonical (no parametrization wrapping).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -40,15 +41,20 @@ def spec_from_dict(d: Dict[str, Any]) -> QATConfig:
 def quantize_tensor(w: torch.Tensor, units: int, spec: QATConfig) -> Dict[str, Any]:
     """One weight's entry of the "quantized" table (nearest rounding)."""
     rq = quantize_rows(to_rows(w, units, spec.groups), spec.weight_bits, spec.symmetric)
-    entry = {"codes": pack_rows(rq.q_RN, spec.weight_bits, spec.symmetric), "scale": rq.scale_R.contiguous(),
-             "shape": list(w.shape), "units": units}
+    entry = {
+        "codes": pack_rows(rq.q_RN, spec.weight_bits, spec.symmetric),
+        "scale": rq.scale_R.contiguous(),
+        "shape": list(w.shape),
+        "units": units,
+    }
     if not spec.symmetric:
         entry["zero_point"] = rq.zero_point_R.to(torch.uint8 if spec.weight_bits <= 8 else torch.int32)
     return entry
 
 
-def dequantize_entry(entry: Dict[str, Any], spec: QATConfig, first_unit: int = 0,
-                     num_units: Optional[int] = None) -> torch.Tensor:
+def dequantize_entry(
+    entry: Dict[str, Any], spec: QATConfig, first_unit: int = 0, num_units: Optional[int] = None
+) -> torch.Tensor:
     """fp32 weights of units [first_unit, first_unit + num_units) (default: all), shaped like the tensor
     with dim 0 cut to those units when the tensor is a stack of experts."""
     units = entry["units"]
@@ -84,14 +90,20 @@ def export_quantized(source: CheckpointModel, spec: QATConfig) -> Dict[str, Any]
             quantized[name] = quantize_tensor(value, by_name[name].units, spec)
         else:
             tensors[name] = value.clone()
-    return {"format": FORMAT, "description": source.description.to_dict(), "quantization": spec_to_dict(spec),
-            "quantized": quantized, "tensors": tensors,
-            "source": {"checkpoint": source.path, "iteration": source.iteration}}
+    return {
+        "format": FORMAT,
+        "description": source.description.to_dict(),
+        "quantization": spec_to_dict(spec),
+        "quantized": quantized,
+        "tensors": tensors,
+        "source": {"checkpoint": source.path, "iteration": source.iteration},
+    }
 
 
 def packed_bytes(exported: Dict[str, Any]) -> Dict[str, int]:
     """Bytes of the quantized weights (codes + scales + zero points) and of the fp tensors."""
-    q = sum(t.numel() * t.element_size() for e in exported["quantized"].values()
-            for k, t in e.items() if torch.is_tensor(t))
+    q = sum(
+        t.numel() * t.element_size() for e in exported["quantized"].values() for k, t in e.items() if torch.is_tensor(t)
+    )
     fp = sum(t.numel() * t.element_size() for t in exported["tensors"].values())
     return {"quantized": q, "fp": fp}

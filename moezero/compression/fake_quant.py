@@ -10,6 +10,7 @@ buffer and the next step wrote the unquantized master back over them.
 Both read the current bits from a shared `QATState` that the `QATController` advances once per
 optimizer step (bits None: not quantizing yet).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ from moezero.parallel.expert_marker import ExpertShard
 class QATState:
     """Where the bit schedule stands; shared by the controller (writer) and the fake-quant modules."""
 
-    step: int = 0                  # optimizer steps done
-    bits: Optional[int] = None     # bits of this step's forward; None = full precision
+    step: int = 0  # optimizer steps done
+    bits: Optional[int] = None  # bits of this step's forward; None = full precision
 
 
 class FakeQuantWeight(nn.Module):
@@ -45,8 +46,17 @@ class FakeQuantWeight(nn.Module):
         state: the shared QATState.
     """
 
-    def __init__(self, name: str, units: int, groups: int, symmetric: bool, stochastic: bool, seed: int,
-                 shard: Optional[ExpertShard], state: QATState):
+    def __init__(
+        self,
+        name: str,
+        units: int,
+        groups: int,
+        symmetric: bool,
+        stochastic: bool,
+        seed: int,
+        shard: Optional[ExpertShard],
+        state: QATState,
+    ):
         super().__init__()
         self.name, self.units, self.groups = name, units, groups
         self.symmetric, self.stochastic, self.seed = symmetric, stochastic, seed
@@ -66,14 +76,20 @@ class FakeQuantWeight(nn.Module):
         if self.shard is None:
             g = keyed_generator(self.seed, "qat-rounding", step, self.name)
             return torch.rand(w.shape, generator=g).to(w.device)
-        per_expert = [torch.rand(w.shape[1:], generator=keyed_generator(
-            self.seed, "qat-rounding", step, self.name, self.shard.global_index(local)))
-            for local in range(self.units)]
+        per_expert = [
+            torch.rand(
+                w.shape[1:],
+                generator=keyed_generator(self.seed, "qat-rounding", step, self.name, self.shard.global_index(local)),
+            )
+            for local in range(self.units)
+        ]
         return torch.stack(per_expert).to(w.device)
 
     def extra_repr(self) -> str:
-        return (f"{self.name}, units={self.units}, groups={self.groups}, symmetric={self.symmetric}, "
-                f"stochastic={self.stochastic}")
+        return (
+            f"{self.name}, units={self.units}, groups={self.groups}, symmetric={self.symmetric}, "
+            f"stochastic={self.stochastic}"
+        )
 
 
 class ActivationFakeQuant:

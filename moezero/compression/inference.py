@@ -7,6 +7,7 @@
 Only the model description is read: no batch sizes, world size or training schedule is looked at,
 so any world size whose ep divides the experts works. Each rank unpacks only its local experts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ def read_exported(path: str) -> Dict[str, Any]:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except Exception as exc:   # torch.load's unpickling errors have no common base class
+    except Exception as exc:  # torch.load's unpickling errors have no common base class
         raise ConfigError(f"{path}: not a moezero quantized model ({type(exc).__name__})") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise ConfigError(f"{path}: not a moezero quantized model (expected format {FORMAT})")
@@ -51,7 +52,7 @@ def _local(tensor: torch.Tensor, shard) -> torch.Tensor:
     """This rank's experts of a globally stacked tensor (the tensor itself when not an expert stack)."""
     if shard is None:
         return tensor
-    return tensor[shard.first_global_expert:shard.first_global_expert + shard.num_local_experts]
+    return tensor[shard.first_global_expert : shard.first_global_expert + shard.num_local_experts]
 
 
 def load_quantized_model(source: Any, groups: Optional[ParallelGroups] = None) -> Tuple[GPTModel, QATConfig]:
@@ -81,27 +82,32 @@ def load_quantized_model(source: Any, groups: Optional[ParallelGroups] = None) -
     model.load_state_dict(local)
     if spec.activation_bits is not None:
         # the QAT forward quantized these activations too; inference must do the same
-        add_activation_quant(quant_targets(model, spec.module_groups), spec.activation_bits,
-                             QATState(bits=spec.weight_bits))
+        add_activation_quant(
+            quant_targets(model, spec.module_groups), spec.activation_bits, QATState(bits=spec.weight_bits)
+        )
     return model.eval(), spec
 
 
-def load_checkpoint_weights(source: CheckpointModel, groups: Optional[ParallelGroups] = None,
-                            fake_quant: Optional[QATConfig] = None) -> GPTModel:
+def load_checkpoint_weights(
+    source: CheckpointModel, groups: Optional[ParallelGroups] = None, fake_quant: Optional[QATConfig] = None
+) -> GPTModel:
     """The checkpoint's fp model (the fp32 masters in the params' dtype), in eval mode; with
     `fake_quant`, fake-quantized at `fake_quant.weight_bits` exactly as the QAT forward does."""
     groups = groups or ParallelGroups.single()
     _check_ep(source.description, groups)
     model = source.description.build(groups)
-    known = set(model.state_dict()) | {name for name, _ in model.named_buffers()}   # an old import's buffers too
+    known = set(model.state_dict()) | {name for name, _ in model.named_buffers()}  # an old import's buffers too
     unused = sorted(set(source.state) - known)
-    if unused:   # weights this model has no place for: another model than the one trained
-        raise ConfigError(f"{source.path}: holds weights this model has no place for ({', '.join(unused[:3])}"
-                          f"{', ...' if len(unused) > 3 else ''}); it was saved by a moezero that built this model "
-                          "otherwise")
+    if unused:  # weights this model has no place for: another model than the one trained
+        raise ConfigError(
+            f"{source.path}: holds weights this model has no place for ({', '.join(unused[:3])}"
+            f"{', ...' if len(unused) > 3 else ''}); it was saved by a moezero that built this model "
+            "otherwise"
+        )
     shards = _expert_shards(model)
-    local = {name: _local(source.state[name], shards.get(name)).to(ref.dtype)
-             for name, ref in model.state_dict().items()}
+    local = {
+        name: _local(source.state[name], shards.get(name)).to(ref.dtype) for name, ref in model.state_dict().items()
+    }
     model.load_state_dict(local)
     if fake_quant is not None:  # fixed at the target bits: no offset, no start bits
         apply_qat(model, dataclasses.replace(fake_quant, start_bits=None, schedule_offset=0), groups)

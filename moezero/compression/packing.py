@@ -8,6 +8,7 @@ unpacking the others (a rank loads only its local experts).
     b <= 8:  uint8 (R, N)
     b <= 16: int16 (R, N) holding c - 2^15
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,11 +26,11 @@ def code_offset(bits: int, symmetric: bool) -> int:
 def pack_rows(q_RN: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
     """Pack integer-valued codes (fp32 or int) of shape (R, N)."""
     c = q_RN.to(torch.int32) + code_offset(bits, symmetric)
-    if c.numel() and (c.min() < 0 or c.max() >= 2 ** bits):
+    if c.numel() and (c.min() < 0 or c.max() >= 2**bits):
         raise ValueError(f"codes outside [0, 2^{bits}) after the offset")
     kind = storage_kind(bits)
     if kind == "int16":
-        return (c - 2 ** 15).to(torch.int16)
+        return (c - 2**15).to(torch.int16)
     c = c.to(torch.uint8)
     if kind == "int8":
         return c
@@ -42,7 +43,7 @@ def unpack_rows(packed: torch.Tensor, bits: int, symmetric: bool, n: int) -> tor
     """Signed integer codes q (int32, shape (R, n)) from `pack_rows`' output."""
     kind = storage_kind(bits)
     if kind == "int16":
-        c = packed.to(torch.int32) + 2 ** 15
+        c = packed.to(torch.int32) + 2**15
     elif kind == "int8":
         c = packed.to(torch.int32)
     else:

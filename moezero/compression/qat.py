@@ -12,6 +12,7 @@ Implements MoQ-style QAT (DeepSpeed's Mixture-of-Quantization: a bit schedule th
 precision during training) with fake quantization in the forward and straight-through gradients,
 so the optimizer's fp32 master shards stay full precision and keep accumulating small updates.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -29,8 +30,7 @@ from moezero.metrics import tag
 from moezero.moe.experts import GroupedExperts
 from moezero.parallel import ParallelGroups, comm
 
-PLUGIN_NAME = "qat"   # its state's name in a checkpoint's plug-in states
-
+PLUGIN_NAME = "qat"  # its state's name in a checkpoint's plug-in states
 
 
 class QATController:
@@ -44,8 +44,9 @@ class QATController:
             quantization error of expert weights is summed over it.
     """
 
-    def __init__(self, config: QATConfig, targets: Sequence[QuantTarget], state: QATState,
-                 ep_group: Optional[object] = None):
+    def __init__(
+        self, config: QATConfig, targets: Sequence[QuantTarget], state: QATState, ep_group: Optional[object] = None
+    ):
         self.config = config
         self.targets = list(targets)
         self.state = state
@@ -85,8 +86,8 @@ class QATController:
         expert counted as one tensor), at the current bits with nearest rounding. Collective over ep.
         """
         groups = self.module_groups()
-        sums = torch.zeros(2 * len(groups), dtype=torch.float64)     # dense part: identical on every rank
-        expert_sums = torch.zeros_like(sums)                          # expert part: summed over ep
+        sums = torch.zeros(2 * len(groups), dtype=torch.float64)  # dense part: identical on every rank
+        expert_sums = torch.zeros_like(sums)  # expert part: summed over ep
         if self.bits is not None:
             for t in self.targets:
                 ratios = _relative_errors(t, self.bits, self.config)
@@ -97,8 +98,9 @@ class QATController:
         if any(t.shard is not None for t in self.targets):
             comm.all_reduce(expert_sums, self.ep_group)
         total = sums + expert_sums
-        return {g: float(total[2 * i] / total[2 * i + 1]) if total[2 * i + 1] > 0 else 0.0
-                for i, g in enumerate(groups)}
+        return {
+            g: float(total[2 * i] / total[2 * i + 1]) if total[2 * i + 1] > 0 else 0.0 for i, g in enumerate(groups)
+        }
 
     def scalars(self) -> Dict[str, float]:
         """TensorBoard scalars: bits and quantization error per module group (collective over ep)."""
@@ -124,8 +126,9 @@ def _relative_errors(t: QuantTarget, bits: int, config: QATConfig) -> torch.Tens
     return torch.where(norm_U > 0, err_U / norm_U.clamp(min=1e-30), torch.zeros_like(err_U))
 
 
-def apply_qat(model: nn.Module, config: QATConfig, groups: Optional[ParallelGroups] = None,
-              seed: int = 0) -> QATController:
+def apply_qat(
+    model: nn.Module, config: QATConfig, groups: Optional[ParallelGroups] = None, seed: int = 0
+) -> QATController:
     """Register fake quantization on the selected weights of `model` (before building the optimizer).
 
     Raises ConfigError for a module group the model cannot quantize or groups that do not divide
@@ -146,13 +149,16 @@ def apply_qat(model: nn.Module, config: QATConfig, groups: Optional[ParallelGrou
 def _register(t: QuantTarget, config: QATConfig, seed: int, state: QATState) -> None:
     param = getattr(t.module, t.attr)
     storage = param.data_ptr()
-    fq = FakeQuantWeight(t.name, t.units, config.groups, config.symmetric, config.rounding == "stochastic",
-                         seed, t.shard, state)
+    fq = FakeQuantWeight(
+        t.name, t.units, config.groups, config.symmetric, config.rounding == "stochastic", seed, t.shard, state
+    )
     parametrize.register_parametrization(t.module, t.attr, fq)
     kept = t.module.parametrizations[t.attr].original
     if kept is not param or kept.data_ptr() != storage:
-        raise RuntimeError(f"QAT on {t.name}: the parametrization replaced the Parameter or its storage; "
-                           "the optimizer would train a detached copy")
+        raise RuntimeError(
+            f"QAT on {t.name}: the parametrization replaced the Parameter or its storage; "
+            "the optimizer would train a detached copy"
+        )
 
 
 def add_activation_quant(targets: Sequence[QuantTarget], bits: int, state: QATState) -> None:

@@ -18,6 +18,7 @@ which keeps the rounding unbiased (Gupta et al. 2015). Fake quantization returns
 weight's dtype and passes the gradient straight through (the STE of Bengio et al. 2013, as in
 DeepSpeed MoQ and torch.ao's FakeQuantize): the master weights keep learning in full precision.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ import torch
 class RowQuant:
     """Integer codes and per-row parameters of a quantized (R, N) tensor (see the module docstring)."""
 
-    q_RN: torch.Tensor           # fp32 holding integers: signed for symmetric, in [0, 2^b) for asymmetric
-    scale_R: torch.Tensor        # fp32
-    zero_point_R: torch.Tensor   # fp32 integers (all 0 when symmetric)
+    q_RN: torch.Tensor  # fp32 holding integers: signed for symmetric, in [0, 2^b) for asymmetric
+    scale_R: torch.Tensor  # fp32
+    zero_point_R: torch.Tensor  # fp32 integers (all 0 when symmetric)
     bits: int
     symmetric: bool
 
@@ -49,15 +50,14 @@ def qmax_symmetric(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def quantize_rows(w_RN: torch.Tensor, bits: int, symmetric: bool, noise_RN: Optional[torch.Tensor] = None
-                  ) -> RowQuant:
+def quantize_rows(w_RN: torch.Tensor, bits: int, symmetric: bool, noise_RN: Optional[torch.Tensor] = None) -> RowQuant:
     """Quantize each row of fp32 w_RN; `noise_RN` (uniform in [0, 1)) selects stochastic rounding."""
     if symmetric:
         qmax = qmax_symmetric(bits)
         scale = w_RN.abs().amax(dim=1) / qmax
         lo, hi, zero = -qmax, qmax, torch.zeros_like(scale)
     else:
-        lo, hi = 0, 2 ** bits - 1
+        lo, hi = 0, 2**bits - 1
         w_min = w_RN.amin(dim=1).clamp(max=0.0)
         w_max = w_RN.amax(dim=1).clamp(min=0.0)
         scale = (w_max - w_min) / hi
@@ -71,8 +71,9 @@ def quantize_rows(w_RN: torch.Tensor, bits: int, symmetric: bool, noise_RN: Opti
     return RowQuant(q, scale, zero, bits, symmetric)
 
 
-def fake_quantize(w: torch.Tensor, bits: int, units: int, groups: int, symmetric: bool,
-                  noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fake_quantize(
+    w: torch.Tensor, bits: int, units: int, groups: int, symmetric: bool, noise: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """w_hat (same shape and dtype as w) with the gradient passed straight through to w."""
     with torch.no_grad():
         noise_RN = None if noise is None else noise.reshape(units * groups, -1)

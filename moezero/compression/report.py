@@ -4,6 +4,7 @@ The three rows of the comparison: the checkpoint's fp model (fp32 masters), the 
 fake-quantized as the QAT forward does it, and the exported file (packed integers, dequantized).
 Any world size and ep; every rank gets the same numbers.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,15 @@ from moezero.config import DataConfig
 from moezero.parallel import ParallelGroups
 
 
-def evaluate_models(data: DataConfig, seed: int, num_samples: int, micro_batch_size: int,
-                    quantized: Optional[str] = None, checkpoint: Optional[str] = None,
-                    groups: Optional[ParallelGroups] = None) -> Dict[str, float]:
+def evaluate_models(
+    data: DataConfig,
+    seed: int,
+    num_samples: int,
+    micro_batch_size: int,
+    quantized: Optional[str] = None,
+    checkpoint: Optional[str] = None,
+    groups: Optional[ParallelGroups] = None,
+) -> Dict[str, float]:
     """{"fp": loss, "fake_quant": loss, "quantized": loss}, each present when its source is given
     (fake_quant needs both: the checkpoint's weights with the export's quantization)."""
     groups = groups or ParallelGroups.single()
@@ -27,7 +34,7 @@ def evaluate_models(data: DataConfig, seed: int, num_samples: int, micro_batch_s
     source = load_checkpoint_model(checkpoint) if checkpoint else None
     description = ModelDescription.from_dict(blob["description"]) if blob else source.description
     dataset = eval_dataset(data, description.gpt_config().seq_length, seed, num_samples)
-    dataset.vocab_limit = description.gpt_config().vocab_size   # another tokenizer's ids: one line, not an IndexError
+    dataset.vocab_limit = description.gpt_config().vocab_size  # another tokenizer's ids: one line, not an IndexError
     losses: Dict[str, float] = {}
 
     def run(model) -> float:
@@ -44,9 +51,11 @@ def evaluate_models(data: DataConfig, seed: int, num_samples: int, micro_batch_s
 
 
 def format_report(losses: Dict[str, float], bits: Optional[int] = None) -> str:
-    names = {"fp": "fp model (checkpoint fp32 masters)",
-             "fake_quant": f"fake-quant model ({bits}-bit, as in QAT forward)",
-             "quantized": f"exported model ({bits}-bit packed, dequantized)"}
+    names = {
+        "fp": "fp model (checkpoint fp32 masters)",
+        "fake_quant": f"fake-quant model ({bits}-bit, as in QAT forward)",
+        "quantized": f"exported model ({bits}-bit packed, dequantized)",
+    }
     lines = []
     for key in ("fp", "fake_quant", "quantized"):
         if key in losses:

@@ -15,6 +15,7 @@ torch's parametrization wrapping ("qkv.parametrizations.weight.original" -> "qkv
 stochastic rounding, the quantization-error scalars and the exported file, whether or not the
 model carries the fake-quant parametrizations.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,10 +45,10 @@ class QuantTarget:
     """One quantized weight: `module.<attr>`, in module group `group`."""
 
     group: str
-    name: str                      # canonical name, e.g. "layers.0.mlp.experts.w1"
+    name: str  # canonical name, e.g. "layers.0.mlp.experts.w1"
     module: nn.Module
     attr: str
-    shard: Optional[ExpertShard]   # set for stacked routed-expert weights
+    shard: Optional[ExpertShard]  # set for stacked routed-expert weights
 
     @property
     def units(self) -> int:
@@ -95,10 +96,15 @@ def quant_targets(model: nn.Module, module_groups: Sequence[str]) -> List[QuantT
     Raises ConfigError when "output" is selected but the output layer is tied to the embedding
     (one tensor cannot be quantized for one use and not the other).
     """
-    if "output" in module_groups and "embedding" not in module_groups and \
-            any(isinstance(m, GPTModel) and m.output is None for m in model.modules()):
-        raise ConfigError("--qat-modules=output: the output layer shares its weight with the embedding "
-                          "(tied); select embedding too, or use --untie-embeddings-and-output-weights")
+    if (
+        "output" in module_groups
+        and "embedding" not in module_groups
+        and any(isinstance(m, GPTModel) and m.output is None for m in model.modules())
+    ):
+        raise ConfigError(
+            "--qat-modules=output: the output layer shares its weight with the embedding "
+            "(tied); select embedding too, or use --untie-embeddings-and-output-weights"
+        )
     targets = []
     for group, qual, module, attr in _candidates(model):
         if group in module_groups:
@@ -113,5 +119,7 @@ def check_groups_divide(targets: Sequence[QuantTarget], groups: int) -> None:
         numel = t.parameter().numel() // t.units
         if numel % groups:
             unit = " per expert" if t.shard is not None else ""
-            raise ConfigError(f"--qat-groups={groups}: does not divide {t.name} ({numel} elements{unit}); "
-                              "use a divisor of every quantized tensor's size")
+            raise ConfigError(
+                f"--qat-groups={groups}: does not divide {t.name} ({numel} elements{unit}); "
+                "use a divisor of every quantized tensor's size"
+            )

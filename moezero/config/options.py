@@ -1,18 +1,29 @@
 """How a config field declares its flag, help and validation: option(), Validated, ConfigError."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
 from typing import Any, Optional, Tuple
 
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag and what is allowed."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = "",
-           choices: Optional[tuple] = None, default_factory: Any = dataclasses.MISSING,
-           defines_model: bool = False, derived_when_none: bool = False, parse: Optional[Any] = None,
-           nargs: Optional[Any] = None, aliases: Tuple[str, ...] = ()) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: Optional[str] = "",
+    choices: Optional[tuple] = None,
+    default_factory: Any = dataclasses.MISSING,
+    defines_model: bool = False,
+    derived_when_none: bool = False,
+    parse: Optional[Any] = None,
+    nargs: Optional[Any] = None,
+    aliases: Tuple[str, ...] = (),
+) -> Any:
     """A config field with its command-line flag.
 
     flag="" derives the flag from the field name (`top_k` -> `--top-k`); flag=None keeps the
@@ -24,8 +35,16 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional
     parse: how the command line's text becomes the value (default: the field's type); nargs: values it takes
     (argparse's); aliases: other spellings of the flag (Megatron's --override-opt_param-scheduler has two).
     """
-    metadata = {"flag": flag, "help": help, "choices": choices, "defines_model": defines_model, "parse": parse,
-                "nargs": nargs, "aliases": aliases, "derived_when_none": derived_when_none}
+    metadata = {
+        "flag": flag,
+        "help": help,
+        "choices": choices,
+        "defines_model": defines_model,
+        "parse": parse,
+        "nargs": nargs,
+        "aliases": aliases,
+        "derived_when_none": derived_when_none,
+    }
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -55,8 +74,9 @@ def derived_when_none_fields(cls_or_obj: Any) -> Tuple[str, ...]:
 def check_experts_divide(num_experts: int, expert_parallel_size: int) -> None:
     """Each ep rank holds num_experts / ep experts (the one check of it: training, MoELayer, inference)."""
     if num_experts % expert_parallel_size:
-        raise ConfigError(f"--num-experts={num_experts}: must be divisible by "
-                          f"--expert-model-parallel-size ({expert_parallel_size})")
+        raise ConfigError(
+            f"--num-experts={num_experts}: must be divisible by --expert-model-parallel-size ({expert_parallel_size})"
+        )
 
 
 class Validated:

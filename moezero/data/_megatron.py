@@ -13,6 +13,7 @@ The import happens only when data is first built, with the warnings raised durin
 silenced; its dataset loggers are held at WARNING (the blended-dataset one at ERROR: its warnings are about
 choices this package makes on purpose). Its cached-index readers get a numpy that refuses pickles (index_cache).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,19 +44,27 @@ def megatron_datasets() -> types.SimpleNamespace:
         try:
             if first:
                 _defer_package_init("megatron.core")
-                importlib.import_module("megatron.core.parallel_state")   # before utils: the two import each other
+                importlib.import_module("megatron.core.parallel_state")  # before utils: the two import each other
             from megatron.core.datasets import helpers
             from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
             from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
             from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
         except ImportError as exc:
-            raise DataError(f"the data layer needs megatron-core with its compiled dataset helpers "
-                            f"(pip install 'megatron-core>=0.16.1,<0.18'): {exc}") from exc
+            raise DataError(
+                "the data layer needs megatron-core with its compiled dataset helpers "
+                f"(pip install 'megatron-core>=0.16.1,<0.18'): {exc}"
+            ) from exc
     refuse_pickled_indices(sys.modules[name] for name in INDEX_READERS)
     return types.SimpleNamespace(
-        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder, GPTDataset=GPTDataset, MockGPTDataset=MockGPTDataset,
-        GPTDatasetConfig=GPTDatasetConfig, IndexedDataset=IndexedDataset,
-        IndexedDatasetBuilder=IndexedDatasetBuilder, DType=DType, helpers=helpers)
+        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
+        GPTDataset=GPTDataset,
+        MockGPTDataset=MockGPTDataset,
+        GPTDatasetConfig=GPTDatasetConfig,
+        IndexedDataset=IndexedDataset,
+        IndexedDatasetBuilder=IndexedDatasetBuilder,
+        DType=DType,
+        helpers=helpers,
+    )
 
 
 def _defer_package_init(name: str) -> None:
@@ -70,7 +79,7 @@ def _defer_package_init(name: str) -> None:
     sys.modules[name] = package
     parent, _, child = name.rpartition(".")
     if parent:
-        setattr(sys.modules[parent], child, package)   # as the import system binds a loaded submodule
+        setattr(sys.modules[parent], child, package)  # as the import system binds a loaded submodule
 
 
 class _DeferredInit:
@@ -81,7 +90,7 @@ class _DeferredInit:
     def __init__(self, package):
         self.package = package
         self.lock = threading.RLock()
-        self.running = False   # the __init__'s own reads of names it has not defined yet fail, as in an import
+        self.running = False  # the __init__'s own reads of names it has not defined yet fail, as in an import
 
     def __call__(self, attribute: str):
         name = self.package.__name__

@@ -5,6 +5,7 @@ text with nothing to download. The file list is sorted and capped, hence determi
 Python installation; each file is one document ending with the EOD token. Its tokenizer is recorded beside it
 (tokenizer_record), as tools/preprocess_data.py records its output's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,10 +24,21 @@ logger = logging.getLogger(__name__)
 
 # Directories that are not representative source text: tests, third-party packages, codec
 # tables and the generated pydoc topics.
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
-                        "encodings", "pydoc_data", "ensurepip"})
+_SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "test",
+        "tests",
+        "idle_test",
+        "encodings",
+        "pydoc_data",
+        "ensurepip",
+    }
+)
 _NAME = "stdlib_text_document"
-_LAYOUT = "with tokenizer record"   # in the cache key: a cache from before the records is built anew, with one
+_LAYOUT = "with tokenizer record"  # in the cache key: a cache from before the records is built anew, with one
 T = TypeVar("T")
 
 
@@ -42,11 +54,11 @@ def stdlib_source_files(max_files: int, root: str | None = None) -> List[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("config-")]
         rel = os.path.relpath(dirpath, root)
-        found += [os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/")
-                  for f in filenames if f.endswith(".py")]
+        found += [os.path.normpath(os.path.join(rel, f)).replace(os.sep, "/") for f in filenames if f.endswith(".py")]
     if not found:
-        raise DataError(f"--data-path not given and no Python sources found under {root} for the default corpus; "
-                        "pass --data-path")
+        raise DataError(
+            f"--data-path not given and no Python sources found under {root} for the default corpus; pass --data-path"
+        )
     return sorted(found)[:max_files]
 
 
@@ -64,10 +76,19 @@ def _corpus_key(root: str, files: List[str], tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-TOKENIZER_PATH_KEYS = ("path", "vocab_file", "merge_file")   # the tokenizers' unique_identifiers naming files
+TOKENIZER_PATH_KEYS = ("path", "vocab_file", "merge_file")  # the tokenizers' unique_identifiers naming files
 # what a tokenizer reads from a folder (a Hugging Face one): its weights and README beside it do not count
-TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                        "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 def _tokenizer_files(value) -> List[str]:
@@ -87,7 +108,7 @@ def _file_fingerprint(path: str, read_limit: int = 64 << 20) -> bytes:
             with open(path, "rb") as f:
                 return hashlib.sha256(f.read()).digest()
         return f"{st.st_size}\0{st.st_mtime_ns}".encode()
-    except OSError as error:   # unreadable or gone: the tokenizer itself reports what it needs
+    except OSError as error:  # unreadable or gone: the tokenizer itself reports what it needs
         return f"{path}: {error.strerror}".encode()
 
 
@@ -172,5 +193,6 @@ def rank0_first(fn: Callable[[], T], enabled: bool = True) -> T:
 def default_corpus_prefix(data_config, tokenizer, rank0_builds_first: bool = True) -> str:
     """The default corpus prefix for a `DataConfig` with no data_path, built on first use."""
     cache_dir = default_cache_dir(data_config.data_cache_path)
-    return rank0_first(lambda: build_default_corpus(cache_dir, data_config.default_corpus_max_files, tokenizer),
-                       rank0_builds_first)
+    return rank0_first(
+        lambda: build_default_corpus(cache_dir, data_config.default_corpus_max_files, tokenizer), rank0_builds_first
+    )

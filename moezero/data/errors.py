@@ -1,4 +1,5 @@
 """The one error type of the data layer."""
+
 from moezero.config import ConfigError
 
 

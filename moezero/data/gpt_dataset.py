@@ -15,6 +15,7 @@ sample dict the training loop uses, and one fix:
 megatron-core 0.16 calls `torch.distributed.get_rank()` when caching blend indices, which fails
 in a single process without a process group, so there the (cheap) blend indices stay in memory.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,7 +57,7 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
         raise DataError(f"--data-path={data_path!r}: no dataset prefix given")
     weights = [_float_or_none(w) for w in words[0::2]] if len(words) % 2 == 0 else [None]
     if all(w is not None for w in weights):
-        if any(w <= 0 for w in weights):   # megatron-core's blend asserts it (with no message)
+        if any(w <= 0 for w in weights):  # megatron-core's blend asserts it (with no message)
             raise DataError(f"--data-path={data_path!r}: weights must be > 0 (leave a prefix out to skip it)")
         return Blend(tuple(words[1::2]), tuple(weights))
     if any(w is not None for w in weights) or any(_float_or_none(w) is not None for w in words):
@@ -81,9 +82,9 @@ class GPTSamples(torch.utils.data.Dataset):
     def __init__(self, dataset, split: str):
         self.dataset = dataset
         self.split = split
-        self.vocab_limit: Optional[int] = None   # token ids must be below it (the model's vocabulary): checked
-                                                  # per sample as read, so a damaged .bin is one line, not an
-                                                  # IndexError deep in the embedding
+        self.vocab_limit: Optional[int] = None  # token ids must be below it (the model's vocabulary): checked
+        # per sample as read, so a damaged .bin is one line, not an
+        # IndexError deep in the embedding
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -91,8 +92,10 @@ class GPTSamples(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         i = int(i)
         if not 0 <= i < len(self.dataset):
-            raise IndexError(f"{self.split} sample {i} is out of range: the {self.split} set was built with "
-                             f"{len(self.dataset)} samples (raise num_samples for {self.split})")
+            raise IndexError(
+                f"{self.split} sample {i} is out of range: the {self.split} set was built with "
+                f"{len(self.dataset)} samples (raise num_samples for {self.split})"
+            )
         sample = self.dataset[i]
         if self.vocab_limit is not None:
             self._check_token_ids(i, torch.cat([sample["tokens"], sample["labels"][-1:]]))
@@ -103,18 +106,20 @@ class GPTSamples(torch.utils.data.Dataset):
         if 0 <= low and high < self.vocab_limit:
             return
         prefix, documents = _locate(self.dataset, i)
-        raise DataError(f"{prefix}.bin: token id {high if high >= self.vocab_limit else low} in document "
-                        f"{', '.join(map(str, documents))} ({self.split} sample {i}) is outside the model's vocabulary "
-                        f"(0..{self.vocab_limit - 1}): the file is damaged or was written with another tokenizer")
+        raise DataError(
+            f"{prefix}.bin: token id {high if high >= self.vocab_limit else low} in document "
+            f"{', '.join(map(str, documents))} ({self.split} sample {i}) is outside the model's vocabulary "
+            f"(0..{self.vocab_limit - 1}): the file is damaged or was written with another tokenizer"
+        )
 
 
 def _locate(dataset, i: int) -> Tuple[str, List[int]]:
     """(the dataset prefix, the documents) megatron-core's (blended) GPT dataset reads sample i from."""
-    if hasattr(dataset, "dataset_index"):   # a blend: which dataset, and which of its samples
+    if hasattr(dataset, "dataset_index"):  # a blend: which dataset, and which of its samples
         dataset, i = dataset.datasets[int(dataset.dataset_index[i])], int(dataset.dataset_sample_index[i])
     index = int(dataset.shuffle_index[i])
     first, last = int(dataset.sample_index[index][0]), int(dataset.sample_index[index + 1][0])
-    documents = sorted({int(d) for d in dataset.document_index[first:last + 1]})
+    documents = sorted({int(d) for d in dataset.document_index[first : last + 1]})
     return getattr(dataset.dataset, "path_prefix", "mock data"), documents
 
 
@@ -127,12 +132,16 @@ class GPTDatasets:
     test: Optional[GPTSamples]
     tokenizer: object
     blend: Blend
-    notices: Tuple[str, ...] = ()   # lines for the run's log (a split left out)
+    notices: Tuple[str, ...] = ()  # lines for the run's log (a split left out)
 
 
-def build_datasets(data_config, seq_length: int, seed: int,
-                   num_samples: Sequence[Optional[int]] = (None, None, None),
-                   rank0_builds_first: bool = True) -> GPTDatasets:
+def build_datasets(
+    data_config,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[Optional[int]] = (None, None, None),
+    rank0_builds_first: bool = True,
+) -> GPTDatasets:
     """Build the train/valid/test sample sets of a `DataConfig`.
 
     Args:
@@ -164,12 +173,20 @@ def build_datasets(data_config, seq_length: int, seed: int,
     mg = megatron_datasets()
     cache = os.path.join(default_cache_dir(data_config.data_cache_path), "indices", _files_fingerprint(blend))
     config = mg.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(list(blend.prefixes), _list(blend.weights)),
-        split=data_config.split, path_to_cache=cache, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
-        create_attention_mask=False)
-    config.split_matrix = _usable_splits(config.split_matrix, lengths, sizes, seq_length, data_config.split,
-                                         notices.append)
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(list(blend.prefixes), _list(blend.weights)),
+        split=data_config.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=False,
+    )
+    config.split_matrix = _usable_splits(
+        config.split_matrix, lengths, sizes, seq_length, data_config.split, notices.append
+    )
     builder = _quiet_builder_class(mg)(mg.GPTDataset, sizes, lambda: True, config)
     splits = _build_locked(builder, cache)
     wrapped = [GPTSamples(ds, name) if ds is not None else None for ds, name in zip(splits, SPLIT_NAMES)]
@@ -192,14 +209,23 @@ def _mock_datasets(data_config, tokenizer, seq_length: int, seed: int, num_sampl
     sizes = [max(1, s) if s is not None else 1 for s in num_samples]
     mg = megatron_datasets()
     config = mg.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=None, split=data_config.split,
-        path_to_cache=os.path.join(default_cache_dir(data_config.data_cache_path), "indices"), tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data_config.eod_mask_loss,
-        create_attention_mask=False)
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=None,
+        split=data_config.split,
+        path_to_cache=os.path.join(default_cache_dir(data_config.data_cache_path), "indices"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=False,
+    )
     builder = _quiet_builder_class(mg)(mg.MockGPTDataset, sizes, lambda: True, config)
     splits = _build_locked(builder, config.path_to_cache)
-    wrapped = [GPTSamples(ds, name) if ds is not None and num_samples[i] != 0 else None
-               for i, (ds, name) in enumerate(zip(splits, SPLIT_NAMES))]
+    wrapped = [
+        GPTSamples(ds, name) if ds is not None and num_samples[i] != 0 else None
+        for i, (ds, name) in enumerate(zip(splits, SPLIT_NAMES))
+    ]
     return GPTDatasets(*wrapped, tokenizer=tokenizer, blend=Blend(()))
 
 
@@ -216,8 +242,9 @@ def _requested_sizes(num_samples: Sequence[Optional[int]], blend: Blend) -> list
     return sizes
 
 
-def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_length: int, split_flag: str,
-                   report: Callable[[str], None]):
+def _usable_splits(
+    split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_length: int, split_flag: str, report: Callable[[str], None]
+):
     """The split matrix with unbuildable splits set to None; DataError where one is required.
 
     Train is required; valid is required when samples are requested from it; test is dropped, and `report`
@@ -235,14 +262,18 @@ def _usable_splits(split_matrix, lengths: Dict[str, np.ndarray], sizes, seq_leng
             tokens = int(lens[beg:end].sum())
             if tokens >= seq_length + 1:
                 continue
-            if name == "test":   # the run goes on without a test evaluation, and says so
-                report(f"--split={split_flag}: the test split of {prefix} gets {tokens} tokens, fewer than one "
-                       f"sample of --seq-length + 1 = {seq_length + 1}: no test evaluation")
+            if name == "test":  # the run goes on without a test evaluation, and says so
+                report(
+                    f"--split={split_flag}: the test split of {prefix} gets {tokens} tokens, fewer than one "
+                    f"sample of --seq-length + 1 = {seq_length + 1}: no test evaluation"
+                )
                 matrix[i] = None
                 break
-            raise DataError(f"--split={split_flag}: the {name} split of {prefix} gets documents [{beg}, {end}) of "
-                            f"{len(lens)} ({tokens} tokens), fewer than one sample of --seq-length + 1 = "
-                            f"{seq_length + 1} tokens; use more data, a smaller --seq-length or another --split")
+            raise DataError(
+                f"--split={split_flag}: the {name} split of {prefix} gets documents [{beg}, {end}) of "
+                f"{len(lens)} ({tokens} tokens), fewer than one sample of --seq-length + 1 = "
+                f"{seq_length + 1} tokens; use more data, a smaller --seq-length or another --split"
+            )
     return matrix
 
 
@@ -260,17 +291,19 @@ def _build_locked(builder, cache: str):
         os.makedirs(cache, exist_ok=True)
         with FileLock(os.path.join(cache, ".build.lock")):
             return builder.build()
-    except DataError:   # a pickled index file (index_cache), already named
+    except DataError:  # a pickled index file (index_cache), already named
         raise
     except (ValueError, EOFError, OSError) as error:
-        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:   # the build's own write failed
+        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:  # the build's own write failed
             raise
         damaged = _unreadable_index_files(cache, written_before=started)
         if not damaged:
             raise
-        raise DataError(f"--data-cache-path: the dataset index file {damaged[0]} cannot be read ({error}): a build "
-                        "killed half-way, or another job's build still writing it; delete the file (it is rebuilt) "
-                        "or wait for the other job") from error
+        raise DataError(
+            f"--data-cache-path: the dataset index file {damaged[0]} cannot be read ({error}): a build "
+            "killed half-way, or another job's build still writing it; delete the file (it is rebuilt) "
+            "or wait for the other job"
+        ) from error
 
 
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)

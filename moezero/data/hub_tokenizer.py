@@ -11,6 +11,7 @@ The end-of-document token is the eos_token the folder's tokenizer_config.json (o
 declares, as transformers and megatron-core's HuggingFaceTokenizer take it, else the form's own (a bare
 tokenizer.json declares none: the first of the usual names it holds).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,15 +29,18 @@ _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 def tokenizer_file(path: str) -> str:
     """The file a --tokenizer-model path is read from: itself, or the first of FORMS its folder holds."""
     if not os.path.exists(path):
-        raise DataError(f"--tokenizer-model={path!r}: no such file or directory (a local tokenizer path is needed; "
-                        "nothing is downloaded)")
+        raise DataError(
+            f"--tokenizer-model={path!r}: no such file or directory (a local tokenizer path is needed; "
+            "nothing is downloaded)"
+        )
     if os.path.isfile(path):
         return path
     for name in FORMS:
         if os.path.isfile(os.path.join(path, name)):
             return os.path.join(path, name)
-    raise DataError(f"--tokenizer-model={path!r}: the folder holds no tokenizer ({', '.join(FORMS)}: looked for "
-                    "in that order)")
+    raise DataError(
+        f"--tokenizer-model={path!r}: the folder holds no tokenizer ({', '.join(FORMS)}: looked for in that order)"
+    )
 
 
 class HuggingFaceTokenizer:
@@ -47,21 +51,29 @@ class HuggingFaceTokenizer:
         self.file = tokenizer_file(path)
         self.folder = os.path.dirname(os.path.abspath(self.file))
         name = os.path.basename(self.file)
-        reader = _SentencePiece if name == "tokenizer.model" else _TiktokenModel if name == "tiktoken.model" \
+        reader = (
+            _SentencePiece
+            if name == "tokenizer.model"
+            else _TiktokenModel
+            if name == "tiktoken.model"
             else _TokenizersJson
+        )
         self._impl = reader(self.file, path, _tokenizer_config(self.folder))
         declared = _declared(self.folder, "eos_token")
         self.eod = self._impl.id_of(declared) if declared is not None else None
         if self.eod is None:
             self.eod = self._impl.default_eod()
         if self.eod is None:
-            raise DataError(f"--tokenizer-model={path!r}: {self.file} has no end-of-document token (its folder "
-                            f"declares {declared!r}; looked for {', '.join(_EOD_CANDIDATES)})")
+            raise DataError(
+                f"--tokenizer-model={path!r}: {self.file} has no end-of-document token (its folder "
+                f"declares {declared!r}; looked for {', '.join(_EOD_CANDIDATES)})"
+            )
         bos = _declared(self.folder, "bos_token")
         self.bos = self._impl.id_of(bos) if bos is not None else self._impl.default_bos()
         self.vocab_size = self._impl.vocab_size
-        self.unique_identifiers = OrderedDict(cls=type(self).__name__, path=os.path.abspath(path),
-                                              vocab_size=self.vocab_size, eod=self.eod)
+        self.unique_identifiers = OrderedDict(
+            cls=type(self).__name__, path=os.path.abspath(path), vocab_size=self.vocab_size, eod=self.eod
+        )
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of `text` without special tokens added."""
@@ -79,13 +91,16 @@ class _TokenizersJson:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError("--tokenizer-type=HuggingFaceTokenizer needs the `tokenizers` package (pip install "
-                            "tokenizers), or use --tokenizer-type=ByteLevelTokenizer") from None
+            raise DataError(
+                "--tokenizer-type=HuggingFaceTokenizer needs the `tokenizers` package (pip install "
+                "tokenizers), or use --tokenizer-type=ByteLevelTokenizer"
+            ) from None
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as exc:  # the package's errors carry no type of their own
-            raise DataError(f"--tokenizer-model={path!r}: {file} is not a Hugging Face tokenizer.json "
-                            f"({_first_line(exc)})") from None
+            raise DataError(
+                f"--tokenizer-model={path!r}: {file} is not a Hugging Face tokenizer.json ({_first_line(exc)})"
+            ) from None
         self._vocab = self._tok.get_vocab(with_added_tokens=True)
         if not self._vocab:
             raise DataError(f"--tokenizer-model={path!r}: {file} holds an empty vocabulary")
@@ -117,13 +132,16 @@ class _SentencePiece:
         try:
             import sentencepiece
         except ImportError:
-            raise DataError(f"--tokenizer-model={path!r}: {file} is a SentencePiece model, which needs the "
-                            "`sentencepiece` package (pip install sentencepiece)") from None
+            raise DataError(
+                f"--tokenizer-model={path!r}: {file} is a SentencePiece model, which needs the "
+                "`sentencepiece` package (pip install sentencepiece)"
+            ) from None
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=file)
         except Exception as exc:  # its errors carry no type of their own
-            raise DataError(f"--tokenizer-model={path!r}: {file} is not a SentencePiece model "
-                            f"({_first_line(exc)})") from None
+            raise DataError(
+                f"--tokenizer-model={path!r}: {file} is not a SentencePiece model ({_first_line(exc)})"
+            ) from None
         self.vocab_size = self._sp.vocab_size()
 
     def encode(self, text: str) -> List[int]:
@@ -190,7 +208,7 @@ def _declared(folder: str, field: str) -> Optional[str]:
                 token = json.load(f).get(field)
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(token, dict):   # an AddedToken's fields
+        if isinstance(token, dict):  # an AddedToken's fields
             token = token.get("content")
         if isinstance(token, str):
             return token

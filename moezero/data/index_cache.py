@@ -6,6 +6,7 @@ can write to would run its code in every training process. The cache holds integ
 `numpy.load` of those two megatron-core modules refuses pickled data, and a file that holds some is one
 DataError naming it (it is never unpickled, so nothing in it runs).
 """
+
 from __future__ import annotations
 
 import types
@@ -20,15 +21,17 @@ INDEX_READERS = ("megatron.core.datasets.gpt_dataset", "megatron.core.datasets.b
 
 def load_index(file, mmap_mode=None, allow_pickle=False, **kwargs):
     """numpy.load of a cached index with pickles refused whatever the caller asks: a DataError naming the file."""
-    del allow_pickle   # megatron-core passes True; a cached index never needs it
+    del allow_pickle  # megatron-core passes True; a cached index never needs it
     try:
         return numpy.load(file, mmap_mode=mmap_mode, allow_pickle=False, **kwargs)
     except ValueError as error:
         if not holds_python_objects(file):
             raise
-        raise DataError(f"--data-cache-path: the dataset index file {file} holds pickled Python objects, not an "
-                        "index array; it is not loaded (unpickling runs code from the file): delete it (it is "
-                        "rebuilt) and keep the cache folder writable by you only") from error
+        raise DataError(
+            f"--data-cache-path: the dataset index file {file} holds pickled Python objects, not an "
+            "index array; it is not loaded (unpickling runs code from the file): delete it (it is "
+            "rebuilt) and keep the cache folder writable by you only"
+        ) from error
 
 
 def holds_python_objects(file) -> bool:
@@ -36,11 +39,12 @@ def holds_python_objects(file) -> bool:
     try:
         with open(file, "rb") as f:
             if f.read(6) != b"\x93NUMPY":
-                return True   # numpy.load reads anything but a .npy or .npz as a pickle
+                return True  # numpy.load reads anything but a .npy or .npz as a pickle
             f.seek(0)
             version = numpy.lib.format.read_magic(f)
-            header = (numpy.lib.format.read_array_header_1_0 if version == (1, 0)
-                      else numpy.lib.format.read_array_header_2_0)(f)
+            header = (
+                numpy.lib.format.read_array_header_1_0 if version == (1, 0) else numpy.lib.format.read_array_header_2_0
+            )(f)
         return header[2].hasobject
     except (OSError, ValueError):
         return False

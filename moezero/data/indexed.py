@@ -10,6 +10,7 @@ instead of an assertion or a read past the end deep inside a training step.
 u64 document count d, then int32[n] sequence lengths, int64[n] byte offsets, int64[d]
 document boundaries (sequence indices, first 0, last n).
 """
+
 from __future__ import annotations
 
 import os
@@ -55,19 +56,22 @@ def _read_index(prefix: str, flag: str):
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
-            raise DataError(f"{flag}: {path} does not exist (a dataset prefix needs {prefix}.bin and "
-                            f"{prefix}.idx, written by tools/preprocess_data.py)")
+            raise DataError(
+                f"{flag}: {path} does not exist (a dataset prefix needs {prefix}.bin and "
+                f"{prefix}.idx, written by tools/preprocess_data.py)"
+            )
     idx_size = os.path.getsize(idx_path)
 
     def corrupt(why: str) -> DataError:
-        return DataError(f"{flag}: {idx_path} is not a valid Megatron index ({why}); re-create it with "
-                         "tools/preprocess_data.py")
+        return DataError(
+            f"{flag}: {idx_path} is not a valid Megatron index ({why}); re-create it with tools/preprocess_data.py"
+        )
 
     with open(idx_path, "rb") as f:
         head = f.read(_FIXED_BYTES)
-    if len(head) < _FIXED_BYTES or head[:len(_HEADER)] != _HEADER:
+    if len(head) < _FIXED_BYTES or head[: len(_HEADER)] != _HEADER:
         raise corrupt("bad header" if len(head) >= len(_HEADER) else f"only {idx_size} bytes")
-    version, code, n, d = struct.unpack("<QBQQ", head[len(_HEADER):])
+    version, code, n, d = struct.unpack("<QBQQ", head[len(_HEADER) :])
     if version != 1:
         raise corrupt(f"version {version}, expected 1")
     if code not in _TOKEN_DTYPES:
@@ -83,9 +87,11 @@ def _read_index(prefix: str, flag: str):
     num_tokens = int(lengths.sum(dtype=np.int64))
     bin_size = os.path.getsize(bin_path)
     if bin_size != num_tokens * np.dtype(dtype).itemsize:
-        raise DataError(f"{flag}: {bin_path} has {bin_size} bytes but {idx_path} describes {num_tokens} "
-                        f"{np.dtype(dtype).name} tokens ({num_tokens * np.dtype(dtype).itemsize} bytes): "
-                        "truncated, or .bin and .idx are from different runs")
+        raise DataError(
+            f"{flag}: {bin_path} has {bin_size} bytes but {idx_path} describes {num_tokens} "
+            f"{np.dtype(dtype).name} tokens ({num_tokens * np.dtype(dtype).itemsize} bytes): "
+            "truncated, or .bin and .idx are from different runs"
+        )
     summary = IndexSummary(dtype=dtype, num_sequences=int(n), num_documents=int(d - 1), num_tokens=num_tokens)
     return summary, lengths
 
@@ -160,8 +166,11 @@ def _remove_killed_writes(prefix: str) -> None:
     cleanup ran); those of another host, or of a process still running, are left."""
     folder, name = os.path.split(os.path.abspath(prefix))
     pattern = re.compile(re.escape(f"{name}.tmp-{socket.gethostname()}-") + r"(\d+)\.(bin|idx)$")
-    killed = [entry for entry in sorted(os.listdir(folder))
-              if (match := pattern.match(entry)) and not _process_alive(int(match.group(1)))]
+    killed = [
+        entry
+        for entry in sorted(os.listdir(folder))
+        if (match := pattern.match(entry)) and not _process_alive(int(match.group(1)))
+    ]
     remove_leftovers(folder, killed, prefix, "left by a write of it that was killed")
 
 
@@ -170,7 +179,6 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # another user's
+    except PermissionError:  # another user's
         return True
     return True
-

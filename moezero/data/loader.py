@@ -6,6 +6,7 @@
 
 The order, and so every number of a run, does not depend on `num_workers`: workers only read.
 """
+
 from __future__ import annotations
 
 import signal
@@ -32,7 +33,7 @@ def _leave_stop_signals_to_the_rank(worker_id: int) -> None:
     """A scheduler's SIGTERM (scancel) or a terminal's Ctrl-C reaches the whole process tree: a worker that died
     of it would fail the rank's next read before the rank could save. The rank decides (--exit-signal-handler, or
     the default disposition); the workers end with it (torch's DataLoader watches its parent)."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):   # USR1/2: --exit-signal's
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):  # USR1/2: --exit-signal's
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -41,9 +42,14 @@ class MicroBatchLoader:
         if num_workers == 0:
             self._loader = None
             self._batches: Iterator = (load_micro_batch(dataset, indices) for indices in index_lists)
-        else:   # batch_size=None: each sampler item (an index list) is one dataset read
-            self._loader = DataLoader(_MicroBatchReader(dataset), sampler=index_lists, batch_size=None,
-                                      num_workers=num_workers, worker_init_fn=_leave_stop_signals_to_the_rank)
+        else:  # batch_size=None: each sampler item (an index list) is one dataset read
+            self._loader = DataLoader(
+                _MicroBatchReader(dataset),
+                sampler=index_lists,
+                batch_size=None,
+                num_workers=num_workers,
+                worker_init_fn=_leave_stop_signals_to_the_rank,
+            )
             self._batches = iter(self._loader)
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
@@ -52,12 +58,12 @@ class MicroBatchLoader:
     def __next__(self) -> Dict[str, torch.Tensor]:
         try:
             return next(self._batches)
-        except DataError as exc:   # from a worker, torch adds the worker's traceback: keep the one line
+        except DataError as exc:  # from a worker, torch adds the worker's traceback: keep the one line
             raise DataError(str(exc).strip().splitlines()[-1].split("DataError: ", 1)[-1]) from None
 
     def close(self) -> None:
         """Stop the workers now (a run that stops early leaves batches read ahead)."""
-        shutdown = getattr(self._batches, "_shutdown_workers", None)   # torch's multi-process iterator
+        shutdown = getattr(self._batches, "_shutdown_workers", None)  # torch's multi-process iterator
         if shutdown is not None:
             shutdown()
         self._batches = iter(())

@@ -9,6 +9,7 @@ Each exposes what the data layer and megatron-core's GPT dataset read: `vocab_si
 hashes it into the names of its cached sample indices, so a different tokenizer never reuses them), and
 `vocab_items()`, every (id, token) of its vocabulary (the tokenizer record of preprocessed data hashes them).
 """
+
 from __future__ import annotations
 
 import os
@@ -63,16 +64,22 @@ class GPT2BPETokenizer:
         try:
             tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(vocab_file, merge_file))
         except Exception as exc:  # the package's errors carry no type of their own
-            raise DataError(f"--vocab-file={vocab_file!r} / --merge-file={merge_file!r}: not GPT-2 BPE files "
-                            f"({str(exc).splitlines()[0][:200]})") from None
+            raise DataError(
+                f"--vocab-file={vocab_file!r} / --merge-file={merge_file!r}: not GPT-2 BPE files "
+                f"({str(exc).splitlines()[0][:200]})"
+            ) from None
         tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tokenizers.decoders.ByteLevel()
         vocab = tok.get_vocab(with_added_tokens=True)
         if self.EOD_TOKEN not in vocab:
             raise DataError(f"--vocab-file={vocab_file!r}: has no {self.EOD_TOKEN} token (GPT-2's end of document)")
         self._tok, self.eod, self.vocab_size = tok, vocab[self.EOD_TOKEN], max(vocab.values()) + 1
-        self.unique_identifiers = OrderedDict(cls=type(self).__name__, vocab_file=os.path.abspath(vocab_file),
-                                              merge_file=os.path.abspath(merge_file), vocab_size=self.vocab_size)
+        self.unique_identifiers = OrderedDict(
+            cls=type(self).__name__,
+            vocab_file=os.path.abspath(vocab_file),
+            merge_file=os.path.abspath(merge_file),
+            vocab_size=self.vocab_size,
+        )
 
     def tokenize(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -98,18 +105,21 @@ class SentencePieceTokenizer:
         try:
             import sentencepiece
         except ImportError:
-            raise DataError(f"--tokenizer-type={kind} needs the `sentencepiece` package "
-                            "(pip install sentencepiece)") from None
+            raise DataError(
+                f"--tokenizer-type={kind} needs the `sentencepiece` package (pip install sentencepiece)"
+            ) from None
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         except Exception as exc:  # its errors carry no type of their own
-            raise DataError(f"--tokenizer-model={model_file!r}: not a SentencePiece model "
-                            f"({str(exc).splitlines()[0][:200]})") from None
+            raise DataError(
+                f"--tokenizer-model={model_file!r}: not a SentencePiece model ({str(exc).splitlines()[0][:200]})"
+            ) from None
         self.vocab_size, self.bos, self.eod = self._sp.vocab_size(), self._sp.bos_id(), self._sp.eos_id()
         if self.eod < 0:
             raise DataError(f"--tokenizer-model={model_file!r}: has no end-of-sentence token")
-        self.unique_identifiers = OrderedDict(cls=kind, path=os.path.abspath(model_file),
-                                              vocab_size=self.vocab_size, eod=self.eod)
+        self.unique_identifiers = OrderedDict(
+            cls=kind, path=os.path.abspath(model_file), vocab_size=self.vocab_size, eod=self.eod
+        )
 
     def tokenize(self, text: str) -> List[int]:
         return ([self.bos] if self.adds_bos and self.bos >= 0 else []) + self._sp.encode(text)
@@ -176,8 +186,12 @@ def build_tokenizer(data_config):
     if kind in SENTENCEPIECE:
         return SENTENCEPIECE[kind](data_config.tokenizer_model)
     if kind == "TikTokenizer":
-        return TikTokenizer(data_config.tokenizer_model, data_config.tiktoken_pattern or "v2",
-                            data_config.tiktoken_num_special_tokens, data_config.vocab_size or DEFAULT_VOCAB_SIZE)
+        return TikTokenizer(
+            data_config.tokenizer_model,
+            data_config.tiktoken_pattern or "v2",
+            data_config.tiktoken_num_special_tokens,
+            data_config.vocab_size or DEFAULT_VOCAB_SIZE,
+        )
     if kind == "NullTokenizer":
         return NullTokenizer(data_config.vocab_size)
     return HuggingFaceTokenizer(data_config.tokenizer_model)

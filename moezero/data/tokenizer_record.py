@@ -8,6 +8,7 @@ type and source, its size and end-of-document id, a sha256 of its vocabulary (ev
 seen as such). A run refuses data whose vocabulary hash differs from its tokenizer's, naming both; data with no
 record (Megatron's tools, older files) or a record of other files is accepted with one notice.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,16 +33,23 @@ def tokenizer_identity(tokenizer) -> Dict[str, object]:
     if cached is None:
         ids = dict(getattr(tokenizer, "unique_identifiers", {}))
         source = ids.get("path") or ids.get("vocab_file")
-        cached = {"type": type(tokenizer).__name__, "source": source, "vocab_size": int(tokenizer.vocab_size),
-                  "eod": int(tokenizer.eod), "vocab_sha256": vocab_digest(tokenizer.vocab_items())}
+        cached = {
+            "type": type(tokenizer).__name__,
+            "source": source,
+            "vocab_size": int(tokenizer.vocab_size),
+            "eod": int(tokenizer.eod),
+            "vocab_sha256": vocab_digest(tokenizer.vocab_items()),
+        }
         tokenizer._moezero_identity = cached
     return cached
 
 
 def describe(identity: Dict[str, object]) -> str:
     source = f" {identity['source']}" if identity.get("source") else ""
-    return (f"{identity.get('type')}{source} ({identity.get('vocab_size')} ids, vocabulary sha256 "
-            f"{str(identity.get('vocab_sha256'))[:12]})")
+    return (
+        f"{identity.get('type')}{source} ({identity.get('vocab_size')} ids, vocabulary sha256 "
+        f"{str(identity.get('vocab_sha256'))[:12]})"
+    )
 
 
 def write_record(prefix: str, tokenizer) -> None:
@@ -67,25 +75,33 @@ def check_record(prefix: str, tokenizer, report: Callable[[str], None], flag: st
     path = record_path(prefix)
     run = tokenizer_identity(tokenizer)
     if not os.path.exists(path):
-        report(f"{flag}: {prefix} has no tokenizer record ({os.path.basename(path)}: Megatron's tools and older "
-               f"files write none): its token ids are taken to be those of the run's tokenizer, {describe(run)}")
+        report(
+            f"{flag}: {prefix} has no tokenizer record ({os.path.basename(path)}: Megatron's tools and older "
+            f"files write none): its token ids are taken to be those of the run's tokenizer, {describe(run)}"
+        )
         return
     try:
         with open(path) as f:
             record = json.load(f)
         written, idx = record["vocab_sha256"], record["idx"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{flag}: {path} is not a tokenizer record ({str(exc)[:120]}); delete it to train on "
-                        f"{prefix} unchecked, or preprocess it again") from None
+        raise DataError(
+            f"{flag}: {path} is not a tokenizer record ({str(exc)[:120]}); delete it to train on "
+            f"{prefix} unchecked, or preprocess it again"
+        ) from None
     if idx != _idx_fingerprint(prefix + ".idx"):
-        report(f"{flag}: the tokenizer record {path} describes other files than {prefix}.idx (rewritten since, by "
-               f"another tool?): ignored; its token ids are taken to be those of the run's tokenizer, {describe(run)}")
+        report(
+            f"{flag}: the tokenizer record {path} describes other files than {prefix}.idx (rewritten since, by "
+            f"another tool?): ignored; its token ids are taken to be those of the run's tokenizer, {describe(run)}"
+        )
         return
     if written != run["vocab_sha256"]:
-        raise DataError(f"{flag}: {prefix} was tokenized with {describe(record)} ({path}), but the run's tokenizer is "
-                        f"{describe(run)}: its token ids would name other tokens. Train with the data's tokenizer "
-                        "(--tokenizer-type / --tokenizer-model), or preprocess the data with the run's "
-                        "(tools/preprocess_data.py)")
+        raise DataError(
+            f"{flag}: {prefix} was tokenized with {describe(record)} ({path}), but the run's tokenizer is "
+            f"{describe(run)}: its token ids would name other tokens. Train with the data's tokenizer "
+            "(--tokenizer-type / --tokenizer-model), or preprocess the data with the run's "
+            "(tools/preprocess_data.py)"
+        )
 
 
 def _idx_fingerprint(path: str) -> Dict[str, object]:
@@ -97,4 +113,3 @@ def _idx_fingerprint(path: str) -> Dict[str, object]:
             f.seek(size - _ENDS)
         h.update(f.read())
     return {"bytes": size, "ends_sha256": h.hexdigest()}
-

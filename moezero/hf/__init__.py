@@ -5,9 +5,18 @@
 
 Needs safetensors only; transformers is the test oracle.
 """
+
 from moezero.hf.families import FAMILIES, UnsupportedModel
 from moezero.hf.load import CheckpointMismatch, ParamsNotRead, from_pretrained, load_hub_weights, run_configs
 from moezero.hf.save import save_pretrained
 
-__all__ = ["FAMILIES", "CheckpointMismatch", "ParamsNotRead", "UnsupportedModel", "from_pretrained", "load_hub_weights", "run_configs",
-           "save_pretrained"]
+__all__ = [
+    "FAMILIES",
+    "CheckpointMismatch",
+    "ParamsNotRead",
+    "UnsupportedModel",
+    "from_pretrained",
+    "load_hub_weights",
+    "run_configs",
+    "save_pretrained",
+]

@@ -8,6 +8,7 @@ each piece of at most `piece_bytes` from the Hub files as DCP writes it, the exp
 stack one expert at a time) from the checkpoint as its Hub file is filled. The peak is about one Hub shard file
 plus one piece, whatever the model's size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,11 +39,13 @@ def import_hub(hf_dir: str, ckpt_dir: str, piece_bytes: int = PIECE_BYTES) -> st
     (`run_configs`), so `--load ckpt_dir --use-checkpoint-args --finetune` continues it with no model flag typed."""
     saved = checkpoint.saved_iterations(ckpt_dir)
     if saved or os.path.exists(os.path.join(ckpt_dir, checkpoint.POINTER)):
-        raise CheckpointError(f"{ckpt_dir}: holds a run's checkpoints (iterations {', '.join(map(str, saved))}); "
-                              "import into a new folder (the import is iteration 0 and would become latest)")
+        raise CheckpointError(
+            f"{ckpt_dir}: holds a run's checkpoints (iterations {', '.join(map(str, saved))}); "
+            "import into a new folder (the import is iteration 0 and would become latest)"
+        )
     hub = HubDirectory(hf_dir)
-    hub_dtype(hub.config)   # the dtype an export writes by default: a name it cannot write is refused now
-    configs = run_configs(hf_dir)   # the tensors' names and the tokenizer checked, before a model is built
+    hub_dtype(hub.config)  # the dtype an export writes by default: a name it cannot write is refused now
+    configs = run_configs(hf_dir)  # the tensors' names and the tokenizer checked, before a model is built
     gpt, moe = hub_configs(hub)
     table = links(family_of(hub.config), gpt, moe)
     with torch.device("meta"):
@@ -50,11 +53,20 @@ def import_hub(hf_dir: str, ckpt_dir: str, piece_bytes: int = PIECE_BYTES) -> st
     params = dict(model.named_parameters())
     check_hub_shapes(hub, table, params)
     reader = _HubPieces(hub, table, {name: tuple(p.shape) for name, p in params.items()})
-    kept = set(model.state_dict())   # the persistent buffers, as a training save writes them
-    buffers = {name: table[name].assemble(hub).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
-               for name, b in model.named_buffers() if name in kept}
-    train_state = {"param_shapes": reader.shapes, "optimizer": _fresh_adamw_scalars(), "configs": configs,
-                   "plugins": {}, "progress": {}, "opt_param_scheduler": {}}
+    kept = set(model.state_dict())  # the persistent buffers, as a training save writes them
+    buffers = {
+        name: table[name].assemble(hub).float() if name in table else torch.zeros(b.shape, dtype=b.dtype)
+        for name, b in model.named_buffers()
+        if name in kept
+    }
+    train_state = {
+        "param_shapes": reader.shapes,
+        "optimizer": _fresh_adamw_scalars(),
+        "configs": configs,
+        "plugins": {},
+        "progress": {},
+        "opt_param_scheduler": {},
+    }
     ranges = {name: reader.pieces(name, piece_bytes) for name in params}
     return checkpoint.save_read_checkpoint(ckpt_dir, 0, ranges, reader.read, buffers, train_state)
 
@@ -87,9 +99,16 @@ def _fresh_adamw_scalars() -> Dict:
     return {"param_groups": [hyper], "loss_scaler": None, "skipped_steps": 0, "consecutive_skips": 0}
 
 
-def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = None, family: Optional[str] = None,
-                      hub_config: Optional[Dict] = None, overwrite: bool = False,
-                      max_shard_bytes: int = 5 * 2 ** 30, generation_config: Optional[Dict] = None) -> None:
+def export_checkpoint(
+    path: str,
+    hf_dir: str,
+    dtype: Optional[torch.dtype] = None,
+    family: Optional[str] = None,
+    hub_config: Optional[Dict] = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    generation_config: Optional[Dict] = None,
+) -> None:
     """The Hub folder of checkpoint `path`'s fp32 masters (a --save root, an iter_N folder), in `dtype` (default:
     an imported model's source dtype, else the run's params'), as `family` (default: the one that holds it);
     `hub_config`, `generation_config`: a Hub config whose other fields (token ids) to keep and the generation
@@ -99,11 +118,20 @@ def export_checkpoint(path: str, hf_dir: str, dtype: Optional[torch.dtype] = Non
     configs = upgrade_stored_configs(reader.train_state["configs"])
     saved_names = {canonical_name(n): n for n in reader.train_state["param_shapes"]}
     model = _model_reading(reader, configs, saved_names)
-    model.hub_config, model.hub_generation_config, token_ids, tokenizer = export_sources(configs, hub_config,
-                                                                                         generation_config)
+    model.hub_config, model.hub_generation_config, token_ids, tokenizer = export_sources(
+        configs, hub_config, generation_config
+    )
     dtype = dtype or (hub_dtype(configs["hf"]) if configs.get("hf") else _run_dtype(configs.get("train") or {}))
-    save_pretrained(model, hf_dir, family=family, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                    token_ids=token_ids, tokenizer_files=tokenizer)
+    save_pretrained(
+        model,
+        hf_dir,
+        family=family,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+        token_ids=token_ids,
+        tokenizer_files=tokenizer,
+    )
 
 
 def export_sources(configs: Dict, hub_config: Optional[Dict] = None, generation_config: Optional[Dict] = None):
@@ -115,7 +143,7 @@ def export_sources(configs: Dict, hub_config: Optional[Dict] = None, generation_
     data = configs.get("data") or {}
     if config is None:
         token_ids = run_token_ids(data)
-    elif hub_config is None and data.get("tokenizer_type"):   # kept unless the run's tokenizer was another
+    elif hub_config is None and data.get("tokenizer_type"):  # kept unless the run's tokenizer was another
         token_ids = run_token_ids(data, quiet=True)
     else:
         token_ids = None
@@ -137,7 +165,7 @@ def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTMod
     stored, persistent = reader.model_state(), set(model.state_dict())
     for name, buffer in model.named_buffers():
         allocate(buffer)
-        if name not in persistent:   # a checkpoint holds no non-persistent buffer (an unused expert bias): its zeros
+        if name not in persistent:  # a checkpoint holds no non-persistent buffer (an unused expert bias): its zeros
             buffer.zero_()
             continue
         if name not in stored:
@@ -147,5 +175,12 @@ def _model_reading(reader, configs: Dict, saved_names: Dict[str, str]) -> GPTMod
 
 
 def _run_dtype(train: Dict) -> torch.dtype:
-    return (torch.bfloat16 if train.get("bf16") else torch.float16 if train.get("fp16")
-            else torch.float64 if train.get("fp64") else torch.float32)
+    return (
+        torch.bfloat16
+        if train.get("bf16")
+        else torch.float16
+        if train.get("fp16")
+        else torch.float64
+        if train.get("fp64")
+        else torch.float32
+    )

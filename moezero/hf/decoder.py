@@ -1,5 +1,6 @@
 """The parts of a declaration that the Llama-style families share: the decoder's sizes and norms, the settings
 refused everywhere, grouped-query attention, the routed experts and Qwen-MoE's dense layers."""
+
 from __future__ import annotations
 
 import operator
@@ -25,18 +26,30 @@ def _float_or_zero(value: Any) -> float:
     return float(value or 0.0)
 
 
-DECODER = (   # every family's: an RMSNorm decoder with RoPE
-    Same("vocab_size", "vocab_size"), Same("hidden_size", "hidden_size"), Same("num_hidden_layers", "num_layers"),
-    Same("num_attention_heads", "num_attention_heads"), Positions(), Same("rms_norm_eps", "norm_epsilon"),
+DECODER = (  # every family's: an RMSNorm decoder with RoPE
+    Same("vocab_size", "vocab_size"),
+    Same("hidden_size", "hidden_size"),
+    Same("num_hidden_layers", "num_layers"),
+    Same("num_attention_heads", "num_attention_heads"),
+    Positions(),
+    Same("rms_norm_eps", "norm_epsilon"),
     Same("tie_word_embeddings", "untie_embeddings_and_output_weights", operator.not_, operator.not_, default=False),
     Same("attention_dropout", "attention_dropout", _float_or_zero, default=0.0),
     Same("initializer_range", "init_method_std", default=0.02),
-    Fixed({"position_embedding_type": "rope", "normalization": "RMSNorm", "make_vocab_size_divisible_by": 1,
-           "hidden_dropout": 0.0}),
-    Requires("hidden_act", "silu", "SwiGLU with silu only"), Requires("clip_qkv", None, written=False),
-    Requires("use_sliding_window", False, written=False), Requires("mlp_bias", False, written=False),
+    Fixed(
+        {
+            "position_embedding_type": "rope",
+            "normalization": "RMSNorm",
+            "make_vocab_size_divisible_by": 1,
+            "hidden_dropout": 0.0,
+        }
+    ),
+    Requires("hidden_act", "silu", "SwiGLU with silu only"),
+    Requires("clip_qkv", None, written=False),
+    Requires("use_sliding_window", False, written=False),
+    Requires("mlp_bias", False, written=False),
 )
-SWIGLU = Fixed({"swiglu": True, "disable_bias_linear": True})   # SwiGLU MLPs, no biases
+SWIGLU = Fixed({"swiglu": True, "disable_bias_linear": True})  # SwiGLU MLPs, no biases
 DENSE_WIDTH = Same("intermediate_size", "ffn_hidden_size")
 
 
@@ -56,8 +69,11 @@ class GroupedQueryAttention(Part):
     def read(self, hf):
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
-        return {"group_query_attention": kv_heads != heads, "num_query_groups": kv_heads,
-                "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads}
+        return {
+            "group_query_attention": kv_heads != heads,
+            "num_query_groups": kv_heads,
+            "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        }
 
     def write(self, gpt, moe):
         return {"num_key_value_heads": gpt.query_groups, "head_dim": gpt.kv_channels}
@@ -73,9 +89,12 @@ class Experts(Part):
     dense_width: bool = False
 
     def read(self, hf):
-        out = {"moe.num_experts": num_experts_of(hf), "moe.top_k": hf["num_experts_per_tok"],
-               "moe.ffn_hidden_size": hf[self.width],
-               "moe.aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+        out = {
+            "moe.num_experts": num_experts_of(hf),
+            "moe.top_k": hf["num_experts_per_tok"],
+            "moe.ffn_hidden_size": hf[self.width],
+            "moe.aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0)),
+        }
         if self.dense_width:
             out["ffn_hidden_size"] = hf[self.width]
         return out
@@ -83,9 +102,12 @@ class Experts(Part):
     def write(self, gpt, moe):
         # transformers' router_aux_loss_coef is one number, its loss over the batch: Megatron's aux_loss (a
         # sequence or global-batch loss, alone or beside it, has no field there)
-        return {"num_experts_per_tok": moe.top_k, self.count: moe.num_experts,
-                self.width: moe.ffn_hidden_size or gpt.ffn_hidden_size,
-                "router_aux_loss_coef": moe.balancing_coefficients().get("aux_loss", 0.0)}
+        return {
+            "num_experts_per_tok": moe.top_k,
+            self.count: moe.num_experts,
+            self.width: moe.ffn_hidden_size or gpt.ffn_hidden_size,
+            "router_aux_loss_coef": moe.balancing_coefficients().get("aux_loss", 0.0),
+        }
 
 
 def num_experts_of(hf: Dict[str, Any]) -> int:

@@ -1,5 +1,6 @@
 """A config.json as transformers reads it: each field it omits takes the default its family's config class declares
 (config_defaults.json, written by tools/hf_config_defaults.py)."""
+
 from __future__ import annotations
 
 import functools

@@ -7,6 +7,7 @@ that the model's other settings make moot (MLA's ranks in standard attention, Ya
 where every layer is MoE) is left out. Both sides of a comparison leave out the same fields unless a field that
 decides it differs, and that one is named.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, Optional, Set
@@ -14,15 +15,40 @@ from typing import Any, Dict, Iterator, Optional, Set
 from moezero.config import GPTConfig, MoEConfig, flag_of, is_moe_layer, is_window_layer, model_defining_fields
 
 MLA_FIELDS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
-YARN_FIELDS = {"rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
-               "yarn_beta_fast", "yarn_beta_slow", "no_yarn_correction_range_round_to_int"}
+YARN_FIELDS = {
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "no_yarn_correction_range_round_to_int",
+}
 # named first where they differ, in this order: a setting that makes others moot comes before them
-FIRST = ("mtp_num_layers", "rotary_percent", "apply_layernorm_1p", "multi_latent_attention", "rope_type",
-         "position_embedding_type", "rotary_seq_len_interpolation_factor", "normalization", "swiglu", "quick_geglu",
-         "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_layernorm_scope", "softmax_type", "window_size",
-         "moe_layer_freq", "moe.shared_expert_intermediate_size", "moe.shared_expert_gate", "moe.score_function",
-         "moe.pre_softmax")
-WORDS = {"moe.bias": "router and expert biases"}   # fields without a flag
+FIRST = (
+    "mtp_num_layers",
+    "rotary_percent",
+    "apply_layernorm_1p",
+    "multi_latent_attention",
+    "rope_type",
+    "position_embedding_type",
+    "rotary_seq_len_interpolation_factor",
+    "normalization",
+    "swiglu",
+    "quick_geglu",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "qk_layernorm_scope",
+    "softmax_type",
+    "window_size",
+    "moe_layer_freq",
+    "moe.shared_expert_intermediate_size",
+    "moe.shared_expert_gate",
+    "moe.score_function",
+    "moe.pre_softmax",
+)
+WORDS = {"moe.bias": "router and expert biases"}  # fields without a flag
 
 
 def definition(gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Any]:
@@ -31,7 +57,7 @@ def definition(gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Any]:
     out["num_query_groups"] = gpt.query_groups
     out["add_qkv_bias"] = gpt.add_qkv_bias or not gpt.disable_bias_linear
     if gpt.multi_latent_attention and gpt.position_embedding_type == "none":
-        out["position_embedding_type"] = "rope"   # MLA rotates its positional part either way
+        out["position_embedding_type"] = "rope"  # MLA rotates its positional part either way
     windows = tuple(int(is_window_layer(i, gpt)) for i in range(gpt.num_layers))
     out["window_size"] = gpt.window_size if any(windows) else None
     out["window_attn_skip_freq"] = windows if any(windows) else None
@@ -48,7 +74,7 @@ def definition(gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Any]:
 
 def _moot_in_attention(gpt: GPTConfig) -> Set[str]:
     moot = {"qk_layernorm_scope"} if not gpt.qk_layernorm else set()
-    if gpt.multi_latent_attention:   # its own head widths and biases; RoPE on its positional part
+    if gpt.multi_latent_attention:  # its own head widths and biases; RoPE on its positional part
         moot |= {"kv_channels", "num_query_groups", "qk_layernorm_scope", "rotary_percent", "add_qkv_bias"}
     else:
         moot |= MLA_FIELDS
@@ -62,16 +88,18 @@ def _moot_in_attention(gpt: GPTConfig) -> Set[str]:
 
 def _moe_definition(gpt: GPTConfig, moe: MoEConfig) -> Dict[str, Any]:
     out = {name: getattr(moe, name) for name in model_defining_fields(MoEConfig)}
-    out.update(ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
-               topk_scaling_factor=1.0 if moe.topk_scaling_factor is None else moe.topk_scaling_factor,
-               bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias)
-    moot = {"pre_softmax"} if moe.score_function != "softmax" else set()   # sigmoid weights: renormalised
+    out.update(
+        ffn_hidden_size=moe.ffn_hidden_size or gpt.ffn_hidden_size,
+        topk_scaling_factor=1.0 if moe.topk_scaling_factor is None else moe.topk_scaling_factor,
+        bias=not gpt.disable_bias_linear if moe.bias is None else moe.bias,
+    )
+    moot = {"pre_softmax"} if moe.score_function != "softmax" else set()  # sigmoid weights: renormalised
     if not moe.shared_expert_intermediate_size:
         moot.add("shared_expert_gate")
     if moe.num_groups and moe.group_topk < moe.num_groups:
         summed = {"max": 1, "top2_sum": 2}.get(moe.group_score) or moe.top_k // moe.group_topk
         out["group_score"] = {1: "max", 2: "top2_sum"}.get(summed, "top_sum")
-    else:   # every group kept: no limit
+    else:  # every group kept: no limit
         out["num_groups"] = None
         moot |= {"group_topk", "group_score"}
     return {name: value for name, value in out.items() if name not in moot}

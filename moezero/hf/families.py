@@ -22,6 +22,7 @@ layers route with a top-k; they differ in a few settings:
 `Family.configs(hf)` gives (GPTConfig, MoEConfig) from a config.json dict, `Family.hf_config(gpt, moe)` the
 other way; a setting the family cannot express is an UnsupportedModel naming it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -38,19 +39,30 @@ from moezero.hf.family_olmoe import OLMOE
 from moezero.hf.family_qwen2_moe import QWEN2_MOE
 from moezero.hf.family_qwen3 import QWEN3, QWEN3_MOE
 
-__all__ = ["ALIASES", "FAMILIES", "Family", "UnsupportedModel", "family_for", "family_of", "mtp_layers",
-           "with_defaults"]
+__all__ = [
+    "ALIASES",
+    "FAMILIES",
+    "Family",
+    "UnsupportedModel",
+    "family_for",
+    "family_of",
+    "mtp_layers",
+    "with_defaults",
+]
 
-FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
-    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA, QWEN3)}
+FAMILIES: Dict[str, Family] = {
+    f.model_type: f
+    for f in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA, QWEN3)
+}
 ALIASES = {alias: f.model_type for f in FAMILIES.values() for alias in f.aliases}
 
 
 def family_of(hf: Dict[str, Any]) -> Family:
     model_type = ALIASES.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in FAMILIES:
-        raise UnsupportedModel(f"model_type {model_type!r} is not supported by moezero (supported: "
-                               f"{', '.join(FAMILIES)})")
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported by moezero (supported: {', '.join(FAMILIES)})"
+        )
     return FAMILIES[model_type]
 
 

@@ -2,6 +2,7 @@
 (`parts`, see parts.py), and the facts of its files. Reading a config, writing one and the check of what the family
 can hold all come from the declaration: the family holds a model exactly when the config.json it writes reads back
 as the same model (definition.py), so the three cannot drift apart. families.py lists the families."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,13 +22,13 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class Family:
     """Args:
-        model_type, architecture: config.json's names of it (`aliases`: other model_types of the same model).
-        parts: the declaration of its config.json, read and written in order.
-        dense: no MoE layers (Llama, Qwen3: the sources of upcycling).
-        moe_block, expert_projections, shared_expert_module: module names of its MoE MLP, of one expert's
-            (gate, up, down) projections and of its shared expert.
-        stacked_experts: each layer's experts in stacked tensors (GPT-OSS), not one key each.
-        fp32_modules: transformers' _keep_in_fp32_modules_strict: fp32 in any model dtype.
+    model_type, architecture: config.json's names of it (`aliases`: other model_types of the same model).
+    parts: the declaration of its config.json, read and written in order.
+    dense: no MoE layers (Llama, Qwen3: the sources of upcycling).
+    moe_block, expert_projections, shared_expert_module: module names of its MoE MLP, of one expert's
+        (gate, up, down) projections and of its shared expert.
+    stacked_experts: each layer's experts in stacked tensors (GPT-OSS), not one key each.
+    fp32_modules: transformers' _keep_in_fp32_modules_strict: fp32 in any model dtype.
     """
 
     model_type: str
@@ -90,8 +91,9 @@ class Family:
             yield "MoE layers (it is dense)" if self.dense else "no MoE layers (it is an MoE)"
             return
         # the aux loss trains and defines no weights; a list of them has no config.json spelling
-        model_only = None if moe is None else dataclasses.replace(moe, load_balancing_type="aux_loss",
-                                                                   aux_loss_coeff=0.0)
+        model_only = (
+            None if moe is None else dataclasses.replace(moe, load_balancing_type="aux_loss", aux_loss_coeff=0.0)
+        )
         yield from self.config_differences(self._written(gpt, model_only, "float32"), gpt, moe)
 
     def config_differences(self, hf: Dict[str, Any], gpt: GPTConfig, moe: Optional[MoEConfig]) -> Iterator[str]:

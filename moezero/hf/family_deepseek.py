@@ -1,6 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 / Kimi-K2: multi-latent attention (interleaved RoPE, YaRN) and DeepSeekMoE (shared
 experts, the first layers dense); V2's softmax router, V3's sigmoid one (GLM-4.5's too) and its multi-token-
 prediction layers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,12 +32,18 @@ def _partial_rotary(hf: Dict[str, Any]) -> Optional[str]:
 
 
 LATENT_ATTENTION = (
-    Fixed({"multi_latent_attention": True, "qk_layernorm": True}), OwnKeyValueHeads(),
-    Same("q_lora_rank", "q_lora_rank", default=None), Same("kv_lora_rank", "kv_lora_rank"),
-    Same("qk_nope_head_dim", "qk_head_dim"), Same("qk_rope_head_dim", "qk_pos_emb_head_dim"),
-    Same("v_head_dim", "v_head_dim"), Rope(yarn=True), Refuse(_partial_rotary),
-    Requires("rms_norm_eps", 1e-6, "its latent norms use 1e-6 whatever it says; moezero one epsilon for all",
-             written=False),
+    Fixed({"multi_latent_attention": True, "qk_layernorm": True}),
+    OwnKeyValueHeads(),
+    Same("q_lora_rank", "q_lora_rank", default=None),
+    Same("kv_lora_rank", "kv_lora_rank"),
+    Same("qk_nope_head_dim", "qk_head_dim"),
+    Same("qk_rope_head_dim", "qk_pos_emb_head_dim"),
+    Same("v_head_dim", "v_head_dim"),
+    Rope(yarn=True),
+    Refuse(_partial_rotary),
+    Requires(
+        "rms_norm_eps", 1e-6, "its latent norms use 1e-6 whatever it says; moezero one epsilon for all", written=False
+    ),
 )
 
 
@@ -75,7 +82,8 @@ def _one_if_none(value: Optional[float]) -> float:
 
 
 DEEPSEEK_MOE = (
-    Experts("n_routed_experts", "moe_intermediate_size"), SharedExperts(),
+    Experts("n_routed_experts", "moe_intermediate_size"),
+    SharedExperts(),
     Same("routed_scaling_factor", "moe.topk_scaling_factor", float, _one_if_none, default=1.0),
 )
 
@@ -90,13 +98,20 @@ class GreedyRouter(Part):
 
     def read(self, hf):
         groups = hf.get("n_group") or 1
-        limits = {"moe.num_groups": groups, "moe.group_topk": hf["topk_group"]} \
-            if groups > 1 and hf.get("topk_method") == "group_limited_greedy" else {}
+        limits = (
+            {"moe.num_groups": groups, "moe.group_topk": hf["topk_group"]}
+            if groups > 1 and hf.get("topk_method") == "group_limited_greedy"
+            else {}
+        )
         return {"moe.score_function": "softmax", "moe.pre_softmax": True, "moe.group_score": "max", **limits}
 
     def write(self, gpt, moe):
-        return {"n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1, "norm_topk_prob": False,
-                "topk_method": "group_limited_greedy" if moe.num_groups else "greedy"}
+        return {
+            "n_group": moe.num_groups or 1,
+            "topk_group": moe.group_topk or 1,
+            "norm_topk_prob": False,
+            "topk_method": "group_limited_greedy" if moe.num_groups else "greedy",
+        }
 
 
 class SigmoidRouter(Part):
@@ -105,8 +120,10 @@ class SigmoidRouter(Part):
 
     def refusal(self, hf):
         if hf["num_experts_per_tok"] == 1:
-            return ("num_experts_per_tok=1 with sigmoid scores (transformers renormalises the one weight to 1.0, "
-                    "Megatron keeps the score)")
+            return (
+                "num_experts_per_tok=1 with sigmoid scores (transformers renormalises the one weight to 1.0, "
+                "Megatron keeps the score)"
+            )
         return None if hf.get("norm_topk_prob", True) else "norm_topk_prob=false with sigmoid scores"
 
     def read(self, hf):
@@ -121,8 +138,12 @@ def sigmoid_router(hf: Dict[str, Any]) -> Dict[str, Any]:
     limits = dict(num_groups=groups, group_topk=hf["topk_group"]) if groups > 1 else {}
     # transformers scores a group by its two best experts whatever top-k is (Megatron's top_sum when k = 2 x groups)
     two_per_group = hf["num_experts_per_tok"] == 2 * (hf.get("topk_group") or 1)
-    return dict(score_function="sigmoid", enable_expert_bias=True,
-                group_score="top_sum" if two_per_group else "top2_sum", **limits)
+    return dict(
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        group_score="top_sum" if two_per_group else "top2_sum",
+        **limits,
+    )
 
 
 def mtp_layers(hf: Dict[str, Any]) -> Optional[int]:
@@ -139,14 +160,32 @@ class MultiTokenPrediction(Part):
         return {"num_nextn_predict_layers": gpt.mtp_num_layers or 0}
 
 
-_DEEPSEEK = (*DECODER, SWIGLU, DENSE_WIDTH, no_attention_bias(), *LATENT_ATTENTION, *DEEPSEEK_MOE,
-             FirstDenseLayers(every="moe_layer_freq"))
+_DEEPSEEK = (
+    *DECODER,
+    SWIGLU,
+    DENSE_WIDTH,
+    no_attention_bias(),
+    *LATENT_ATTENTION,
+    *DEEPSEEK_MOE,
+    FirstDenseLayers(every="moe_layer_freq"),
+)
 _FILES = dict(shared_expert_module="shared_experts")
 
-DEEPSEEK_V2 = Family("deepseek_v2", "DeepseekV2ForCausalLM", parts=(*_DEEPSEEK, GreedyRouter()),
-                     fp32_modules=("gate.weight",), **_FILES)
-DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", parts=(
-    *_DEEPSEEK, SigmoidRouter(), Requires("scoring_func", "sigmoid"), Written("topk_method", "noaux_tc"),
-    Requires("rope_interleave", True), MultiTokenPrediction(),
-), aliases=("kimi_k2",),   # Kimi-K2's config.json names its own type for DeepSeek-V3's architecture
-    fp32_modules=("e_score_correction_bias", "gate.weight"), **_FILES)
+DEEPSEEK_V2 = Family(
+    "deepseek_v2", "DeepseekV2ForCausalLM", parts=(*_DEEPSEEK, GreedyRouter()), fp32_modules=("gate.weight",), **_FILES
+)
+DEEPSEEK_V3 = Family(
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    parts=(
+        *_DEEPSEEK,
+        SigmoidRouter(),
+        Requires("scoring_func", "sigmoid"),
+        Written("topk_method", "noaux_tc"),
+        Requires("rope_interleave", True),
+        MultiTokenPrediction(),
+    ),
+    aliases=("kimi_k2",),  # Kimi-K2's config.json names its own type for DeepSeek-V3's architecture
+    fp32_modules=("e_score_correction_bias", "gate.weight"),
+    **_FILES,
+)

@@ -1,5 +1,6 @@
 """Mixtral: every layer MoE, experts under block_sparse_moe (w1/w3/w2), the top-k weights always renormalised;
 a sliding window wherever the config gives one."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -17,8 +18,18 @@ def _sliding_window(hf: Dict[str, Any]) -> Optional[str]:
 
 
 MIXTRAL = Family(
-    "mixtral", "MixtralForCausalLM", moe_block="block_sparse_moe", expert_projections=("w1", "w3", "w2"), parts=(
-        *DECODER, SWIGLU, GroupedQueryAttention(), Rope(), no_attention_bias(written=False), Refuse(_sliding_window),
+    "mixtral",
+    "MixtralForCausalLM",
+    moe_block="block_sparse_moe",
+    expert_projections=("w1", "w3", "w2"),
+    parts=(
+        *DECODER,
+        SWIGLU,
+        GroupedQueryAttention(),
+        Rope(),
+        no_attention_bias(written=False),
+        Refuse(_sliding_window),
         Experts("num_local_experts", "intermediate_size", dense_width=True),
-        Fixed({"moe.pre_softmax": False}),   # top-k weights always renormalised
-    ))
+        Fixed({"moe.pre_softmax": False}),  # top-k weights always renormalised
+    ),
+)

@@ -5,6 +5,7 @@ so a rank reads only what it holds and keeps no more than one file's pages mappe
 scales (DeepSeek-V3's published checkpoints, `weight_scale_inv`) and MXFP4 expert stacks (GPT-OSS's, `X_blocks`
 and `X_scales` for a tensor X) are dequantized as they are read. Writing is `moezero.hf.staged_write`'s.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ SINGLE = "model.safetensors"
 # the files transformers' from_pretrained takes a model's weights from (PEFT's adapter too): model.safetensors,
 # pytorch_model-00001-of-00002.bin, their .index.json, tf_model.h5, flax_model.msgpack; not the other files a
 # folder may hold (a model.pt being exported, optimizer.pt, training_args.bin, rng_state.pth)
-_WEIGHTS = re.compile(r"^((model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)|tf_model\.h5|"
-                      r"flax_model(-\d+-of-\d+)?\.msgpack)(\.index\.json)?$")
+_WEIGHTS = re.compile(
+    r"^((model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)|tf_model\.h5|"
+    r"flax_model(-\d+-of-\d+)?\.msgpack)(\.index\.json)?$"
+)
 
 
 class CheckpointMismatch(ValueError):
@@ -44,8 +47,11 @@ class HubDirectory:
         self.generation_config = _read_json(generation) if os.path.isfile(generation) else None
         self._open: Dict[str, object] = {}
         self.weight_map = self._weight_map()
-        self.mxfp4 = {k[:-len("_blocks")] for k in self.weight_map
-                      if k.endswith("_blocks") and k[:-len("_blocks")] + "_scales" in self.weight_map}
+        self.mxfp4 = {
+            k[: -len("_blocks")]
+            for k in self.weight_map
+            if k.endswith("_blocks") and k[: -len("_blocks")] + "_scales" in self.weight_map
+        }
 
     def _weight_map(self) -> Dict[str, str]:
         index = os.path.join(self.path, INDEX)
@@ -53,12 +59,14 @@ class HubDirectory:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointMismatch(f"{index}: has no weight_map")
-            missing = sorted({name for name in weight_map.values()
-                              if not os.path.isfile(os.path.join(self.path, str(name)))})
-            if missing:   # now, not at the first read of one of its tensors deep inside a training step
+            missing = sorted(
+                {name for name in weight_map.values() if not os.path.isfile(os.path.join(self.path, str(name)))}
+            )
+            if missing:  # now, not at the first read of one of its tensors deep inside a training step
                 more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-                raise CheckpointMismatch(f"{index}: names {missing[0]}{more}, which the folder does not hold "
-                                         "(a download or copy cut short?)")
+                raise CheckpointMismatch(
+                    f"{index}: names {missing[0]}{more}, which the folder does not hold (a download or copy cut short?)"
+                )
             return weight_map
         single = os.path.join(self.path, SINGLE)
         if not os.path.isfile(single):
@@ -88,19 +96,19 @@ class HubDirectory:
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `key` (dim 0), read without the rest; FP8 and MXFP4 ones dequantized."""
-        if key in self.mxfp4:   # rows of dim 0 are experts: whole ones, with their scales
+        if key in self.mxfp4:  # rows of dim 0 are experts: whole ones, with their scales
             return dequantize_mxfp4(self._slice(key + "_blocks")[start:stop], self._slice(key + "_scales")[start:stop])
         if not self._slice(key).get_dtype().startswith("F8"):
             return self._slice(key)[start:stop]
         self._check_scale_grid(key)
         rows = self.block_size[0]
-        first = start // rows * rows   # whole blocks, so each row meets its block's scale
+        first = start // rows * rows  # whole blocks, so each row meets its block's scale
         weight = self._slice(key)[first:stop]
-        scale = self._slice(key + "_scale_inv")[start // rows:-(-stop // rows)]
-        return dequantize_blocks(weight, scale, self.block_size)[start - first:]
+        scale = self._slice(key + "_scale_inv")[start // rows : -(-stop // rows)]
+        return dequantize_blocks(weight, scale, self.block_size)[start - first :]
 
     def shape(self, key: str) -> Tuple[int, ...]:
-        if key in self.mxfp4:   # blocks (E, out, in / 32, 16 bytes) hold the stack (E, in, out)
+        if key in self.mxfp4:  # blocks (E, out, in / 32, 16 bytes) hold the stack (E, in, out)
             experts, out, groups, nbytes = self._slice(key + "_blocks").get_shape()
             return experts, groups * nbytes * 2, out
         return tuple(self._slice(key).get_shape())
@@ -119,10 +127,12 @@ class HubDirectory:
         grid = self.shape(key + "_scale_inv")
         if tuple(grid) != expected:
             file = os.path.join(self.path, self.weight_map[key])
-            raise CheckpointMismatch(f"{file}: {key} is an FP8 {rows} x {cols} "
-                             f"weight whose scales are a {' x '.join(map(str, grid))} grid, not the "
-                             f"{expected[0]} x {expected[1]} its {self.block_size[0]} x {self.block_size[1]} blocks "
-                             "need (config.json quantization_config.weight_block_size)")
+            raise CheckpointMismatch(
+                f"{file}: {key} is an FP8 {rows} x {cols} "
+                f"weight whose scales are a {' x '.join(map(str, grid))} grid, not the "
+                f"{expected[0]} x {expected[1]} its {self.block_size[0]} x {self.block_size[1]} blocks "
+                "need (config.json quantization_config.weight_block_size)"
+            )
 
     def _stored(self, key: str) -> torch.Tensor:
         return self._read(key, lambda f: f.get_tensor(key))
@@ -140,8 +150,10 @@ class HubDirectory:
         try:
             return read(shard)
         except Exception as exc:  # safetensors' errors carry no type of their own
-            raise CheckpointMismatch(f"{os.path.join(self.path, name)}: cannot read {key} ({_first_line(exc)}; the "
-                                     f"index names this file for it)") from None
+            raise CheckpointMismatch(
+                f"{os.path.join(self.path, name)}: cannot read {key} ({_first_line(exc)}; the "
+                "index names this file for it)"
+            ) from None
 
     def _open_file(self, name: str):
         if name not in self._open:

@@ -5,6 +5,7 @@ FOLDER`), checked readable now: a folder whose tokenizer_config.json is there bu
 whose tokenizer.json is not JSON, is refused naming the file, where it trained with the command line's (byte-level)
 tokenizer before, or died later naming neither. A folder with no tokenizer file at all leaves the run's own.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,12 @@ def folder_tokenizer_fields(path: str) -> Optional[Dict[str, str]]:
     if not present:
         return None
     if not any(name in FORMS for name in present):
-        raise CheckpointMismatch(f"{path}: holds {', '.join(present)} but no tokenizer file ({', '.join(FORMS)}): "
-                                 "copy the model's tokenizer in (the data must be tokenized with it)")
+        raise CheckpointMismatch(
+            f"{path}: holds {', '.join(present)} but no tokenizer file ({', '.join(FORMS)}): "
+            "copy the model's tokenizer in (the data must be tokenized with it)"
+        )
     try:
         HuggingFaceTokenizer(path)
-    except DataError as exc:   # "--tokenizer-model=PATH: <what is wrong with which file>"
+    except DataError as exc:  # "--tokenizer-model=PATH: <what is wrong with which file>"
         raise CheckpointMismatch(str(exc).split(": ", 1)[-1]) from None
     return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(path)}

@@ -7,6 +7,7 @@ transpose of the concatenation (Hub weights are (out, in), moezero's expert stac
 one Hub tensor holds every expert as moezero does (GPT-OSS's), a rank reading its experts' rows, with the gate
 and up columns alternating where `interleaved` (moezero's gated input projection holds [gate | up]).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,11 +24,11 @@ from moezero.hf.families import Family
 class Link:
     keys: Tuple[str, ...]
     per_expert: bool = False
-    sizes: Optional[Tuple[int, ...]] = None   # rows of each key (None: equal shares)
-    copies: Tuple[str, ...] = ()   # Hub keys holding the same tensor again (an MTP layer's embedding and head):
-                                   # written on export, not read (nor required) on import
-    stacked: bool = False       # an expert stack held whole by one Hub tensor, in moezero's layout
-    interleaved: bool = False   # a stacked gated projection whose Hub columns alternate gate, up
+    sizes: Optional[Tuple[int, ...]] = None  # rows of each key (None: equal shares)
+    copies: Tuple[str, ...] = ()  # Hub keys holding the same tensor again (an MTP layer's embedding and head):
+    # written on export, not read (nor required) on import
+    stacked: bool = False  # an expert stack held whole by one Hub tensor, in moezero's layout
+    interleaved: bool = False  # a stacked gated projection whose Hub columns alternate gate, up
 
     def hub_keys(self, num_experts: int) -> List[str]:
         if not self.per_expert or self.stacked:
@@ -55,7 +56,7 @@ class Link:
             if a < b:
                 parts.append(hub.read_rows(key, a, b))
             start += rows
-        return _cat(parts).reshape(-1)[lo - first * row:hi - first * row]
+        return _cat(parts).reshape(-1)[lo - first * row : hi - first * row]
 
     def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
         """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`; a `stacked` one
@@ -69,7 +70,6 @@ class Link:
             parts = self._parts(expert.t())
             out.update({key.format(e=first_expert + l): part for key, part in zip(self.keys, parts)})
         return out
-
 
     def _parts(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if len(self.keys) == 1:
@@ -98,26 +98,37 @@ def links(family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str,
     embedding = tuple(hub + "embed_tokens.weight" for hub in depths)
     heads = tuple(hub + "shared_head.head.weight" for hub in depths)
     tied = not gpt.untie_embeddings_and_output_weights
-    out = {"embedding.weight": Link(("model.embed_tokens.weight",), copies=embedding + (heads if tied else ())),
-           "final_norm.weight": Link(("model.norm.weight",))}
+    out = {
+        "embedding.weight": Link(("model.embed_tokens.weight",), copies=embedding + (heads if tied else ())),
+        "final_norm.weight": Link(("model.norm.weight",)),
+    }
     if not tied:
         out["output.weight"] = Link(("lm_head.weight",), copies=heads)
     for i in range(gpt.num_layers):
         out.update(_layer(f"layers.{i}.", f"model.layers.{i}.", i, family, gpt, moe))
-    for k, hub in enumerate(depths):   # DeepSeek-V3's MTP modules: Hub layers after the last
+    for k, hub in enumerate(depths):  # DeepSeek-V3's MTP modules: Hub layers after the last
         ours = f"mtp.{k}."
-        out.update({ours + mine: Link((hub + theirs,)) for mine, theirs in (
-            ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
-            ("final_norm.weight", "shared_head.norm.weight"))})
+        out.update(
+            {
+                ours + mine: Link((hub + theirs,))
+                for mine, theirs in (
+                    ("enorm.weight", "enorm.weight"),
+                    ("hnorm.weight", "hnorm.weight"),
+                    ("eh_proj.weight", "eh_proj.weight"),
+                    ("final_norm.weight", "shared_head.norm.weight"),
+                )
+            }
+        )
         out.update(_layer(ours + "layer.", hub, gpt.num_layers - 1, family, gpt, moe))
     return out
 
 
-def _layer(ours: str, hub: str, kind: int, family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]
-           ) -> Dict[str, Link]:
+def _layer(ours: str, hub: str, kind: int, family: Family, gpt: GPTConfig, moe: Optional[MoEConfig]) -> Dict[str, Link]:
     """A transformer layer's links; its MLP is of layer `kind`'s kind."""
-    out = {ours + "input_norm.weight": Link((hub + "input_layernorm.weight",)),
-           ours + "mlp_norm.weight": Link((hub + "post_attention_layernorm.weight",))}
+    out = {
+        ours + "input_norm.weight": Link((hub + "input_layernorm.weight",)),
+        ours + "mlp_norm.weight": Link((hub + "post_attention_layernorm.weight",)),
+    }
     attention = _latent_attention if gpt.multi_latent_attention else _attention
     out.update(attention(ours + "attention.", hub + "self_attn.", gpt))
     if moe is not None and is_moe_layer(kind, gpt.moe_layer_freq):
@@ -130,13 +141,15 @@ def _layer(ours: str, hub: str, kind: int, family: Family, gpt: GPTConfig, moe: 
 def _attention(ours: str, hub: str, gpt: GPTConfig) -> Dict[str, Link]:
     qkv = tuple(hub + p for p in ("q_proj", "k_proj", "v_proj"))
     sizes = (gpt.num_attention_heads * gpt.kv_channels,) + (gpt.query_groups * gpt.kv_channels,) * 2
-    out = {ours + "qkv.weight": Link(tuple(k + ".weight" for k in qkv), sizes=sizes),
-           ours + "proj.weight": Link((hub + "o_proj.weight",))}
+    out = {
+        ours + "qkv.weight": Link(tuple(k + ".weight" for k in qkv), sizes=sizes),
+        ours + "proj.weight": Link((hub + "o_proj.weight",)),
+    }
     if gpt.add_qkv_bias or not gpt.disable_bias_linear:
         out[ours + "qkv.bias"] = Link(tuple(k + ".bias" for k in qkv), sizes=sizes)
     if not gpt.disable_bias_linear:
         out[ours + "proj.bias"] = Link((hub + "o_proj.bias",))
-    if gpt.softmax_type == "learnable":   # GPT-OSS's attention sinks
+    if gpt.softmax_type == "learnable":  # GPT-OSS's attention sinks
         out[ours + "softmax_offset"] = Link((hub + "sinks",))
     if gpt.qk_layernorm:
         out[ours + "q_norm.weight"] = Link((hub + "q_norm.weight",))
@@ -162,14 +175,19 @@ def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]
     if family.stacked_experts:
         return _stacked_moe(ours, hub)
     gate, up, down = (f"{hub}experts.{{e}}.{p}.weight" for p in family.expert_projections)
-    out = {ours + "router.wg.weight": Link((hub + "gate.weight",)),
-           ours + "experts.w1": Link((gate, up), per_expert=True),
-           ours + "experts.w2": Link((down,), per_expert=True)}
-    if moe.enable_expert_bias:   # a buffer: the selection-only correction bias (DeepSeek-V3)
+    out = {
+        ours + "router.wg.weight": Link((hub + "gate.weight",)),
+        ours + "experts.w1": Link((gate, up), per_expert=True),
+        ours + "experts.w2": Link((down,), per_expert=True),
+    }
+    if moe.enable_expert_bias:  # a buffer: the selection-only correction bias (DeepSeek-V3)
         out[ours + "router.expert_bias"] = Link((hub + "gate.e_score_correction_bias",))
     if moe.shared_expert_intermediate_size:
-        out.update(_swiglu(ours + "shared_expert.", f"{hub}{family.shared_expert_module}.",
-                           ("gate_proj", "up_proj", "down_proj")))
+        out.update(
+            _swiglu(
+                ours + "shared_expert.", f"{hub}{family.shared_expert_module}.", ("gate_proj", "up_proj", "down_proj")
+            )
+        )
     if moe.shared_expert_gate:
         out[ours + "shared_expert_gate.weight"] = Link((hub + "shared_expert_gate.weight",))
     return out
@@ -177,10 +195,13 @@ def _moe(ours: str, hub: str, family: Family, moe: MoEConfig) -> Dict[str, Link]
 
 def _stacked_moe(ours: str, hub: str) -> Dict[str, Link]:
     """GPT-OSS's: a router with its bias, each layer's experts in four stacked tensors, gate and up alternating."""
-    return {ours + "router.wg.weight": Link((hub + "router.weight",)),
-            ours + "router.wg.bias": Link((hub + "router.bias",)),
-            ours + "experts.w1": Link((hub + "experts.gate_up_proj",), per_expert=True, stacked=True, interleaved=True),
-            ours + "experts.b1": Link((hub + "experts.gate_up_proj_bias",), per_expert=True, stacked=True,
-                                      interleaved=True),
-            ours + "experts.w2": Link((hub + "experts.down_proj",), per_expert=True, stacked=True),
-            ours + "experts.b2": Link((hub + "experts.down_proj_bias",), per_expert=True, stacked=True)}
+    return {
+        ours + "router.wg.weight": Link((hub + "router.weight",)),
+        ours + "router.wg.bias": Link((hub + "router.bias",)),
+        ours + "experts.w1": Link((hub + "experts.gate_up_proj",), per_expert=True, stacked=True, interleaved=True),
+        ours + "experts.b1": Link(
+            (hub + "experts.gate_up_proj_bias",), per_expert=True, stacked=True, interleaved=True
+        ),
+        ours + "experts.w2": Link((hub + "experts.down_proj",), per_expert=True, stacked=True),
+        ours + "experts.b2": Link((hub + "experts.down_proj_bias",), per_expert=True, stacked=True),
+    }

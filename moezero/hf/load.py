@@ -2,6 +2,7 @@
 
 With `groups`, the MoE layers hold this rank's experts only and only their tensors are read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,13 @@ from moezero.parallel.expert_marker import expert_shard_of
 _NOT_WEIGHTS = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Optional[ParallelGroups] = None,
-                    seed: int = 0, lazy: bool = False) -> GPTModel:
+def from_pretrained(
+    path: str,
+    dtype: Optional[torch.dtype] = None,
+    groups: Optional[ParallelGroups] = None,
+    seed: int = 0,
+    lazy: bool = False,
+) -> GPTModel:
     """The model of the Hub directory `path` in `dtype` (default: the config's), evaluation mode.
 
     The files' tensors (names, and shapes from the safetensors headers) are checked against the model the config
@@ -46,7 +52,7 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     table = links(family, gpt, moe)
     dtype = dtype or hub_dtype(hub.config)
     check_key_sets(hub, table, moe.num_experts if moe else 0, tied=not gpt.untie_embeddings_and_output_weights)
-    if not lazy:   # the shapes too, of a model without storage, before the one with storage is built
+    if not lazy:  # the shapes too, of a model without storage, before the one with storage is built
         with torch.device("meta"):
             check_hub_shapes(hub, table, model_tensors(GPTModel(gpt, moe, seed=seed, moe_layer=factory), table))
     with torch.device("meta") if lazy else contextlib.nullcontext():
@@ -56,7 +62,7 @@ def from_pretrained(path: str, dtype: Optional[torch.dtype] = None, groups: Opti
     load_weights(model, hub, table, lazy)
     if lazy:
         _refuse_forward_until_read(model)
-    model.hub_config = hub.config   # save_pretrained keeps what moezero's configs do not hold (token ids)
+    model.hub_config = hub.config  # save_pretrained keeps what moezero's configs do not hold (token ids)
     model.hub_generation_config = hub.generation_config
     return model.eval()
 
@@ -69,8 +75,12 @@ def run_configs(path: str) -> Dict[str, Dict]:
     gpt, moe = hub_configs(hub)
     # the tensors' names now (a glance at the index or headers): a run or import of a folder that does not hold the
     # config's model stops before it creates anything
-    check_key_sets(hub, links(family_of(hub.config), gpt, moe), moe.num_experts if moe else 0,
-                   tied=not gpt.untie_embeddings_and_output_weights)
+    check_key_sets(
+        hub,
+        links(family_of(hub.config), gpt, moe),
+        moe.num_experts if moe else 0,
+        tied=not gpt.untie_embeddings_and_output_weights,
+    )
     configs = {"model": dataclasses.asdict(gpt), "moe": dataclasses.asdict(moe or MoEConfig()), "hf": hub.config}
     if hub.generation_config is not None:
         configs["hf_generation"] = hub.generation_config
@@ -103,14 +113,18 @@ def hub_configs(hub: HubDirectory) -> Tuple[GPTConfig, MoEConfig]:
     """moezero's (GPTConfig, MoEConfig) of a Hub directory's model."""
     gpt, moe = family_of(hub.config).configs(hub.config)
     if not gpt.untie_embeddings_and_output_weights and _holds_its_own_head(hub):
-        warnings.warn(f"{hub.path}: the config ties the output layer to the embedding but the files hold a "
-                      "different lm_head.weight: it is used untied, as transformers does")
+        warnings.warn(
+            f"{hub.path}: the config ties the output layer to the embedding but the files hold a "
+            "different lm_head.weight: it is used untied, as transformers does"
+        )
         gpt = dataclasses.replace(gpt, untie_embeddings_and_output_weights=True)
     if gpt.mtp_num_layers and not _holds_mtp_layers(hub, gpt.num_layers):
         if "num_nextn_predict_layers" in hub.config or "num_mtp_layers" in hub.config:
-            warnings.warn(f"{hub.path}: the config gives {gpt.mtp_num_layers} multi-token-prediction layer(s) but the "
-                          f"files hold no model.layers.{gpt.num_layers}.* (transformers does not save them): the "
-                          "model has none")
+            warnings.warn(
+                f"{hub.path}: the config gives {gpt.mtp_num_layers} multi-token-prediction layer(s) but the "
+                f"files hold no model.layers.{gpt.num_layers}.* (transformers does not save them): the "
+                "model has none"
+            )
         gpt = dataclasses.replace(gpt, mtp_num_layers=None)
     return gpt, moe
 
@@ -131,8 +145,7 @@ def _holds_its_own_head(hub: HubDirectory) -> bool:
 
 
 # the dtypes a Hub folder's weights are written in (transformers' spelling in config.json)
-HUB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "float64": torch.float64}
+HUB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def hub_dtype(config: Dict) -> torch.dtype:
@@ -141,8 +154,10 @@ def hub_dtype(config: Dict) -> torch.dtype:
     name = config.get(field) or "float32"
     dtype = HUB_DTYPES.get(str(name).replace("torch.", ""))
     if dtype is None:
-        raise CheckpointMismatch(f"config.json {field} {name!r} is not a dtype Hub weights are written in (one of "
-                                 f"{', '.join(HUB_DTYPES)}): correct the config")
+        raise CheckpointMismatch(
+            f"config.json {field} {name!r} is not a dtype Hub weights are written in (one of "
+            f"{', '.join(HUB_DTYPES)}): correct the config"
+        )
     return dtype
 
 
@@ -150,12 +165,17 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
     """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack); with
     `lazy`, the params other than expert stacks are deferred to their readers instead. Names and shapes are
     checked first (the headers only), so a model on the meta device is allocated only for files that hold it."""
-    check_key_sets(hub, table, model.moe_config.num_experts if model.moe_config else 0,
-                    tied=not model.config.untie_embeddings_and_output_weights)
+    check_key_sets(
+        hub,
+        table,
+        model.moe_config.num_experts if model.moe_config else 0,
+        tied=not model.config.untie_embeddings_and_output_weights,
+    )
     params = model_tensors(model, table)
     if set(params) != set(table):
-        raise CheckpointMismatch(f"{hub.path}: moezero's model and the key table differ: "
-                                 f"{sorted(set(params) ^ set(table))[:5]}")
+        raise CheckpointMismatch(
+            f"{hub.path}: moezero's model and the key table differ: {sorted(set(params) ^ set(table))[:5]}"
+        )
     check_hub_shapes(hub, table, params)
     _materialize_buffers(model)
     with torch.no_grad():
@@ -166,13 +186,18 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
                 continue
             if param.device.type == "meta":
                 allocate(param)
-            experts = range(shard.first_global_expert, shard.first_global_expert + shard.num_local_experts) \
-                if shard else range(0)
+            experts = (
+                range(shard.first_global_expert, shard.first_global_expert + shard.num_local_experts)
+                if shard
+                else range(0)
+            )
             value = table[name].assemble(hub, experts)
             if value.shape != param.shape:
-                raise CheckpointMismatch(f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "
-                                         f"model its config describes, {tuple(value.shape)} from "
-                                         f"{table[name].keys[0]}")
+                raise CheckpointMismatch(
+                    f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "
+                    f"model its config describes, {tuple(value.shape)} from "
+                    f"{table[name].keys[0]}"
+                )
             param.copy_(value.to(param.dtype))
 
 
@@ -185,20 +210,24 @@ def check_hub_shapes(hub: HubDirectory, table: Dict[str, Link], params: Dict[str
     """Each param's Hub tensors (an expert stack's: expert 0's) have its shape, read from the files' headers."""
     for name, param in params.items():
         link = table[name]
-        if link.stacked:   # the Hub tensor holds every expert, each as moezero's
+        if link.stacked:  # the Hub tensor holds every expert, each as moezero's
             shape, expected = hub.shape(link.keys[0])[1:], tuple(param.shape[1:])
             if shape != expected:
-                raise CheckpointMismatch(f"{hub.file_of(link.keys[0])}: {name} holds experts of "
-                                         f"{tuple(param.shape[1:])} in the model its config describes, "
-                                         f"{shape} in {link.keys[0]}")
+                raise CheckpointMismatch(
+                    f"{hub.file_of(link.keys[0])}: {name} holds experts of "
+                    f"{tuple(param.shape[1:])} in the model its config describes, "
+                    f"{shape} in {link.keys[0]}"
+                )
             continue
         keys = [key.format(e=0) for key in link.keys] if link.per_expert else list(link.keys)
         shapes = [hub.shape(key) for key in keys]
         shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
         expected = tuple(param.shape[1:][::-1]) if link.per_expert else tuple(param.shape)
         if shape != expected:
-            raise CheckpointMismatch(f"{hub.file_of(keys[0])}: {name} is {tuple(param.shape)} in the model its "
-                                     f"config describes, {shape} from {keys[0]}")
+            raise CheckpointMismatch(
+                f"{hub.file_of(keys[0])}: {name} is {tuple(param.shape)} in the model its "
+                f"config describes, {shape} from {keys[0]}"
+            )
 
 
 class ParamsNotRead(RuntimeError):
@@ -208,12 +237,15 @@ class ParamsNotRead(RuntimeError):
 def _refuse_forward_until_read(model: GPTModel) -> None:
     """A forward pre-hook naming the cause, instead of torch's device error on the meta params; it removes
     itself at the first forward that finds every param read (one scan, not one per step)."""
+
     def check(module, args):
         deferred = [name for name, p in module.named_parameters() if values_source(p) is not None]
         if deferred:
-            raise ParamsNotRead(f"{len(deferred)} params of this model (e.g. {deferred[0]}) are not read yet: "
-                                "from_pretrained(lazy=True) leaves them to the ZeroOptimizer; build it first "
-                                "(or load without lazy)")
+            raise ParamsNotRead(
+                f"{len(deferred)} params of this model (e.g. {deferred[0]}) are not read yet: "
+                "from_pretrained(lazy=True) leaves them to the ZeroOptimizer; build it first "
+                "(or load without lazy)"
+            )
         handle.remove()
 
     handle = model.register_forward_pre_hook(check)
@@ -231,7 +263,7 @@ def _multi_token_prediction_keys(hub: HubDirectory, unexpected: Set[str]) -> Set
     """DeepSeek-V3's MTP modules: layers numbered from num_hidden_layers, num_nextn_predict_layers of them."""
     config = hub.config
     first, count = config.get("num_hidden_layers"), mtp_layers(config) or 0
-    if not count or first is None:   # (a config leaving its depth to the class default names no MTP layer either)
+    if not count or first is None:  # (a config leaving its depth to the class default names no MTP layer either)
         return set()
     pattern = re.compile(r"^model\.layers\.(\d+)\.")
     return {k for k in unexpected if (m := pattern.match(k)) and first <= int(m.group(1)) < first + count}
@@ -253,10 +285,14 @@ def check_key_sets(hub: HubDirectory, table: Dict[str, Link], num_experts: int, 
     unexpected = present - expected - copies - scales
     mtp = _multi_token_prediction_keys(hub, unexpected)
     if mtp:
-        warnings.warn(f"{hub.path}: skipping the multi-token-prediction layer stored after the last layer "
-                      f"({len(mtp)} tensors): this model has no MTP layers (--mtp-num-layers)")
+        warnings.warn(
+            f"{hub.path}: skipping the multi-token-prediction layer stored after the last layer "
+            f"({len(mtp)} tensors): this model has no MTP layers (--mtp-num-layers)"
+        )
     extra = sorted(k for k in unexpected - mtp if not _NOT_WEIGHTS.search(k) and not (tied and k == "lm_head.weight"))
     if missing or extra:
-        raise CheckpointMismatch(f"{hub.path}: tensors missing for the config's model: {missing[:5]}"
-                                 f"{' ...' if len(missing) > 5 else ''}; tensors the model has no place for: "
-                                 f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise CheckpointMismatch(
+            f"{hub.path}: tensors missing for the config's model: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; tensors the model has no place for: "
+            f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )

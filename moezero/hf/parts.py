@@ -6,6 +6,7 @@ A moezero field is named as GPTConfig names it ("num_layers") or, prefixed "moe.
 is None; `read(hf)` gives the moezero fields; `write(gpt, moe)` the config.json fields of a model. Nothing says
 which models a family can hold: that is whatever survives a write and a read (Family.differences).
 """
+
 from __future__ import annotations
 
 import json

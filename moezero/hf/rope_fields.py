@@ -1,4 +1,5 @@
 """RoPE in a config.json (rope_theta, rope_parameters, YaRN's fields) and the `Rope` part of a declaration."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,9 +62,15 @@ def rope_hf_parameters(gpt: GPTConfig) -> Dict[str, Any]:
     """transformers' rope_parameters of a model's RoPE (YaRN's with its fields; truncate only where false)."""
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": gpt.rotary_base}
     if gpt.rope_type == "yarn":
-        rope.update(rope_type="yarn", factor=gpt.rotary_scaling_factor, mscale=gpt.mscale,
-                    mscale_all_dim=gpt.mscale_all_dim, beta_fast=gpt.yarn_beta_fast, beta_slow=gpt.yarn_beta_slow,
-                    original_max_position_embeddings=gpt.yarn_original_max_position_embeddings)
+        rope.update(
+            rope_type="yarn",
+            factor=gpt.rotary_scaling_factor,
+            mscale=gpt.mscale,
+            mscale_all_dim=gpt.mscale_all_dim,
+            beta_fast=gpt.yarn_beta_fast,
+            beta_slow=gpt.yarn_beta_slow,
+            original_max_position_embeddings=gpt.yarn_original_max_position_embeddings,
+        )
         if gpt.no_yarn_correction_range_round_to_int:
             rope["truncate"] = False
     return rope
@@ -73,8 +80,13 @@ def yarn_fields(rope: Dict[str, Any]) -> Dict[str, Any]:
     """The GPTConfig fields of a YaRN rope_parameters; plain RoPE's where it is not YaRN."""
     if rope.get("rope_type", rope.get("type")) != "yarn":
         return dict(rope_type="rope")
-    return dict(rope_type="yarn", rotary_scaling_factor=float(rope.get("factor", 1.0)),
-                mscale=float(rope.get("mscale") or 0.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
-                yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings"),
-                yarn_beta_fast=rope.get("beta_fast"), yarn_beta_slow=rope.get("beta_slow"),
-                no_yarn_correction_range_round_to_int=rope.get("truncate", True) is False)
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=float(rope.get("factor", 1.0)),
+        mscale=float(rope.get("mscale") or 0.0),
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        yarn_original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+        yarn_beta_fast=rope.get("beta_fast"),
+        yarn_beta_slow=rope.get("beta_slow"),
+        no_yarn_correction_range_round_to_int=rope.get("truncate", True) is False,
+    )

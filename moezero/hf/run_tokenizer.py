@@ -5,6 +5,7 @@ A Hub config that omits bos/eos/pad takes its config class's defaults (Mixtral's
 name other tokens than the run's: transformers' generate would not stop at the run's end of document. A folder
 without the run's tokenizer files gives AutoTokenizer an empty tokenizer (it encodes 'hello world' as []).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,19 @@ from moezero.data.tokenizer import build_tokenizer
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 NO_TOKEN_IDS: Dict[str, Optional[int]] = dict.fromkeys(TOKEN_ID_FIELDS)
 # what AutoTokenizer reads from a Hub folder
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "tiktoken.model", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "tiktoken.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def tokenizer_token_ids(tokenizer) -> Dict[str, Optional[int]]:
@@ -39,8 +50,10 @@ def run_token_ids(data_section: Dict[str, Any], quiet: bool = False) -> Dict[str
     except (ConfigError, DataError, OSError) as exc:
         if quiet:
             return dict(NO_TOKEN_IDS)
-        warnings.warn(f"the run's tokenizer cannot be built here ({str(exc).splitlines()[0]}): the export names no "
-                      "bos/eos token; pass --hf-config with a config.json that gives them")
+        warnings.warn(
+            f"the run's tokenizer cannot be built here ({str(exc).splitlines()[0]}): the export names no "
+            "bos/eos token; pass --hf-config with a config.json that gives them"
+        )
         return dict(NO_TOKEN_IDS)
     return tokenizer_token_ids(tokenizer)
 
@@ -61,8 +74,10 @@ def run_tokenizer_files(data_section: Dict[str, Any]) -> Dict[str, Union[str, by
     if kind is None:
         return {}
     if kind != "HuggingFaceTokenizer" or not path:
-        warnings.warn(f"the run's tokenizer ({kind}) has no Hugging Face spelling moezero writes: the folder holds "
-                      "no tokenizer; copy in one that gives the run's token ids")
+        warnings.warn(
+            f"the run's tokenizer ({kind}) has no Hugging Face spelling moezero writes: the folder holds "
+            "no tokenizer; copy in one that gives the run's token ids"
+        )
         return {}
     folder = os.path.dirname(path) if os.path.isfile(path) else path
     # a tokenizer.json file's folder holds what declares its special tokens (the run read its eos there too)
@@ -93,17 +108,26 @@ BYTE_LEVEL_EOD = "<|endoftext|>"
 
 def _bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's map of the 256 bytes to printable characters (the ByteLevel pre-tokenizer's)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def _gpt2_bpe_files(vocab_file: Optional[str], merge_file: Optional[str]) -> Dict[str, Union[str, bytes]]:
     if not (vocab_file and merge_file and os.path.isfile(vocab_file) and os.path.isfile(merge_file)):
-        warnings.warn(f"the run's GPT-2 BPE files ({vocab_file}, {merge_file}) are not here: the export holds no "
-                      "tokenizer files")
+        warnings.warn(
+            f"the run's GPT-2 BPE files ({vocab_file}, {merge_file}) are not here: the export holds no tokenizer files"
+        )
         return {}
-    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
-              "unk_token": "<|endoftext|>", "add_prefix_space": False}
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "add_prefix_space": False,
+    }
     return {"vocab.json": vocab_file, "merges.txt": merge_file, "tokenizer_config.json": json.dumps(config).encode()}

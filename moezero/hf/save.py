@@ -5,6 +5,7 @@ own (see `write_plan`), a routed-expert stack by one of the ranks holding those 
 index and config once all wrote. At ZeRO stage 3 pass the optimizer: it gathers one unit at a time while the
 tensors are read.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,16 +27,24 @@ from moezero.deferred_values import read_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
 
-def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups] = None,
-                    family: Union[str, Family, None] = None, dtype: Optional[torch.dtype] = None,
-                    optimizer: Optional[Any] = None, max_shard_bytes: int = 5 * 2 ** 30,
-                    overwrite: bool = False, token_ids: Optional[Dict[str, Optional[int]]] = None,
-                    tokenizer_files: Optional[Dict[str, str]] = None) -> None:
+def save_pretrained(
+    model: GPTModel,
+    path: str,
+    groups: Optional[ParallelGroups] = None,
+    family: Union[str, Family, None] = None,
+    dtype: Optional[torch.dtype] = None,
+    optimizer: Optional[Any] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    token_ids: Optional[Dict[str, Optional[int]]] = None,
+    tokenizer_files: Optional[Dict[str, str]] = None,
+) -> None:
     """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
     model's). A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
     generation_config.json; one with no source names the tokens `token_ids` gives (`run_tokenizer.tokenizer_token_ids`
     of its run), else none (never the family's defaults), and so does one whose source's end of document is not
-    the run's (its run trained with another tokenizer than the source folder's). A source config that would read back as another model
+    the run's (its run trained with another tokenizer than the source folder's). A source config that would read back
+    as another model
     (another model's sliding window, ...) is refused. A folder holding weights already is refused unless
     `overwrite` (see `staged_write.start_write`). `tokenizer_files` ({name: path}, `run_tokenizer_files`) are
     copied in with the weights.
@@ -61,8 +70,9 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
     failure = None
     if _rank() == 0:
         try:
-            finish_write(staging, path, config, plan.file_of, layout.total_bytes, generation, tokenizer_files,
-                         TOKENIZER_FILES)
+            finish_write(
+                staging, path, config, plan.file_of, layout.total_bytes, generation, tokenizer_files, TOKENIZER_FILES
+            )
         except OSError as exc:
             failure = exc
     _raise_on_every_rank(failure, path, None)
@@ -71,8 +81,7 @@ def save_pretrained(model: GPTModel, path: str, groups: Optional[ParallelGroups]
 class _HubLayout:
     """The Hub tensors of a model: which pieces there are, their bytes, and this rank's values of its own."""
 
-    def __init__(self, table: Dict[str, Link], family: Family, dtype: torch.dtype,
-                 groups: Optional[ParallelGroups]):
+    def __init__(self, table: Dict[str, Link], family: Family, dtype: torch.dtype, groups: Optional[ParallelGroups]):
         self.table, self.family, self.dtype, self.groups = table, family, dtype, groups
         self.total_bytes = 0
 
@@ -99,18 +108,27 @@ class _HubLayout:
         if shard is None or shard.ep_size == 1:
             return [(None, None, everyone)]
         if self.table[name].stacked:
-            raise UnsupportedModel(f"{self.family.model_type} holds all experts of a layer in one tensor "
-                                   f"({self.table[name].keys[0]}), which no rank of an ep {shard.ep_size} layout "
-                                   "holds whole: save from an ep 1 layout, or export a checkpoint with "
-                                   "tools/hf_checkpoint.py export")
+            raise UnsupportedModel(
+                f"{self.family.model_type} holds all experts of a layer in one tensor "
+                f"({self.table[name].keys[0]}), which no rank of an ep {shard.ep_size} layout "
+                "holds whole: save from an ep 1 layout, or export a checkpoint with "
+                "tools/hf_checkpoint.py export"
+            )
         if self.groups is None or self.groups.ep_size != shard.ep_size:
-            raise ValueError(f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
-                             f"ParallelGroups the model was built with")
+            raise ValueError(
+                f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
+                "ParallelGroups the model was built with"
+            )
         n = shard.num_local_experts
         return [(j * n, n, self.groups.layout.edp_groups[j]) for j in range(shard.ep_size)]
 
-    def read_own_tensors(self, tensors: Dict[str, torch.Tensor], plan: WritePlan, optimizer: Optional[Any],
-                         put: Callable[[str, torch.Tensor], None]) -> None:
+    def read_own_tensors(
+        self,
+        tensors: Dict[str, torch.Tensor],
+        plan: WritePlan,
+        optimizer: Optional[Any],
+        put: Callable[[str, torch.Tensor], None],
+    ) -> None:
         """put(Hub key, tensor) for each tensor this rank writes, read unit by unit (collective at stage 3)."""
         rank = _rank()
         waiting = dict(tensors)
@@ -120,7 +138,7 @@ class _HubLayout:
                 ids = {id(p) for p in held}
                 for name in [n for n, t in waiting.items() if id(t) in ids]:
                     self._take(name, waiting.pop(name), plan, rank, put)
-            for name, tensor in waiting.items():   # buffers, params outside the optimizer (or no optimizer)
+            for name, tensor in waiting.items():  # buffers, params outside the optimizer (or no optimizer)
                 self._take(name, tensor, plan, rank, put)
 
     def _take(self, name: str, tensor: torch.Tensor, plan: WritePlan, rank: int, put) -> None:
@@ -181,30 +199,33 @@ def _piece_name(name: str, first_expert: Optional[int]) -> str:
     return name if first_expert is None else f"{name}@experts{first_expert}"
 
 
-def _hub_config(model: GPTModel, family: Family, dtype: torch.dtype,
-               token_ids: Optional[Dict[str, Optional[int]]]) -> Dict:
+def _hub_config(
+    model: GPTModel, family: Family, dtype: torch.dtype, token_ids: Optional[Dict[str, Optional[int]]]
+) -> Dict:
     source = getattr(model, "hub_config", None)
     # token ids and the like of the source (what it omits keeps its class default); with none, or a source whose
     # tokens are another tokenizer's than the run's, the run's tokens
     config = dict(source or {})
     if not source or _other_tokens(source, token_ids):
         config.update(token_ids or NO_TOKEN_IDS)
-    config.pop("quantization_config", None)   # the tensors written are dense (an FP8 source's dequantized)
-    config.pop("auto_map", None)   # the folder holds no remote code: transformers' own class of the family runs it
+    config.pop("quantization_config", None)  # the tensors written are dense (an FP8 source's dequantized)
+    config.pop("auto_map", None)  # the folder holds no remote code: transformers' own class of the family runs it
     # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
     for stale in ("rope_scaling", "original_max_position_embeddings"):
         config.pop(stale, None)
     written = family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", ""))
-    for alias, attribute in attribute_aliases(family).items():   # a source's other name of a field written
-        for name, other in ((alias, attribute), (attribute, alias)):   # would be the one transformers reads
+    for alias, attribute in attribute_aliases(family).items():  # a source's other name of a field written
+        for name, other in ((alias, attribute), (attribute, alias)):  # would be the one transformers reads
             if name in written:
                 config.pop(other, None)
     config.update(written)
     problem = next(family.config_differences(config, model.config, model.moe_config), None)
     if problem:
-        raise UnsupportedModel(f"the Hub config whose other fields the export keeps (--hf-config, or the model's "
-                               f"source) describes another model than this one: {problem}; export with a config of "
-                               "this model, or none")
+        raise UnsupportedModel(
+            "the Hub config whose other fields the export keeps (--hf-config, or the model's "
+            f"source) describes another model than this one: {problem}; export with a config of "
+            "this model, or none"
+        )
     return config
 
 
@@ -213,7 +234,7 @@ def _other_tokens(source: Dict, token_ids: Optional[Dict[str, Optional[int]]]) -
     several) does not hold the run's end of document (a run of a folder without a tokenizer, on the command
     line's)."""
     eod = (token_ids or {}).get("eos_token_id")
-    if eod is None:   # the run's tokenizer is unknown here: the source's stay
+    if eod is None:  # the run's tokenizer is unknown here: the source's stay
         return False
     eos = source.get("eos_token_id")
     return eod not in (eos if isinstance(eos, list) else [eos])
@@ -231,12 +252,16 @@ def _generation_config(model: GPTModel, token_ids: Optional[Dict[str, Optional[i
 def _warn_of_routing_transformers_lacks(moe, family: Family) -> None:
     """Routing the run did that transformers' model does not (the weights are the same; the outputs differ)."""
     if moe is not None and moe.capacity_factor is not None:
-        warnings.warn(f"the model routes with an expert capacity factor ({moe.capacity_factor:g}: tokens over an "
-                      f"expert's capacity are dropped); transformers' {family.architecture} routes every token, so "
-                      "its outputs differ wherever this model drops tokens")
+        warnings.warn(
+            f"the model routes with an expert capacity factor ({moe.capacity_factor:g}: tokens over an "
+            f"expert's capacity are dropped); transformers' {family.architecture} routes every token, so "
+            "its outputs differ wherever this model drops tokens"
+        )
     if moe is not None and moe.force_load_balancing:
-        warnings.warn(f"the model routes by random logits (--moe-router-force-load-balancing); transformers' "
-                      f"{family.architecture} routes by the trained router, so its outputs differ")
+        warnings.warn(
+            "the model routes by random logits (--moe-router-force-load-balancing); transformers' "
+            f"{family.architecture} routes by the trained router, so its outputs differ"
+        )
 
 
 def _agreed_staging(path: str, overwrite: bool) -> str:

@@ -9,6 +9,7 @@ this write's weights (an old `model.safetensors` or a surplus shard left beside 
 load instead), and a write that fails leaves the target as it was. A write that was killed leaves its staging
 folder, which the next write into the same target removes.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from moezero.hf.files import INDEX, weight_files
 from moezero.leftovers import remove_leftovers
 
-STAGING_PREFIX = ".moezero-export-"   # + the target folder's name + "." + mkdtemp's 8 characters
+STAGING_PREFIX = ".moezero-export-"  # + the target folder's name + "." + mkdtemp's 8 characters
 
 
 def start_write(path: str, overwrite: bool) -> str:
@@ -35,9 +36,11 @@ def start_write(path: str, overwrite: bool) -> str:
         raise FileExistsError(f"{path}: is a file, not a folder to write a model into")
     old = weight_files(path)
     if old and not overwrite:
-        raise FileExistsError(f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"
-                              "), which transformers could load instead of this export; export into a new folder, "
-                              "or replace them (overwrite=True, --overwrite)")
+        raise FileExistsError(
+            f"{path}: holds weights already ({', '.join(old[:3])}{', ...' if len(old) > 3 else ''}"
+            "), which transformers could load instead of this export; export into a new folder, "
+            "or replace them (overwrite=True, --overwrite)"
+        )
     parent, base = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     _remove_unfinished(parent, base)
@@ -48,20 +51,30 @@ def _remove_unfinished(parent: str, base: str) -> None:
     """Staging folders an interrupted write into `parent/base` left (a killed job writes no `finally`): the next
     write into the same folder removes them, as the next checkpoint save removes an unfinished `iter_N.tmp`."""
     mine = re.compile(re.escape(f"{STAGING_PREFIX}{base}.") + r"[a-z0-9_]{8}$")
-    unfinished = [name for name in sorted(os.listdir(parent))
-                  if mine.match(name) and os.path.isdir(os.path.join(parent, name))]
-    remove_leftovers(parent, unfinished, os.path.join(parent, base),
-                     "the staging folder of an export into it that did not finish")
+    unfinished = [
+        name for name in sorted(os.listdir(parent)) if mine.match(name) and os.path.isdir(os.path.join(parent, name))
+    ]
+    remove_leftovers(
+        parent, unfinished, os.path.join(parent, base), "the staging folder of an export into it that did not finish"
+    )
 
 
 def write_shard(staging: str, name: str, tensors: Dict[str, torch.Tensor]) -> None:
-    save_file({key: t.contiguous() for key, t in tensors.items()}, os.path.join(staging, name),
-              metadata={"format": "pt"})
+    save_file(
+        {key: t.contiguous() for key, t in tensors.items()}, os.path.join(staging, name), metadata={"format": "pt"}
+    )
 
 
-def finish_write(staging: str, path: str, config: Dict, weight_map: Dict[str, str], total_size: int,
-                 generation_config: Optional[Dict] = None, copies: Optional[Dict[str, Union[str, bytes]]] = None,
-                 replaced: Tuple[str, ...] = ()) -> None:
+def finish_write(
+    staging: str,
+    path: str,
+    config: Dict,
+    weight_map: Dict[str, str],
+    total_size: int,
+    generation_config: Optional[Dict] = None,
+    copies: Optional[Dict[str, Union[str, bytes]]] = None,
+    replaced: Tuple[str, ...] = (),
+) -> None:
     """The index, config.json, generation_config.json (if given) and `copies` ({name: source file, or the bytes
     to write}: the tokenizer's) into the staging folder, then its files into `path` (the old model's out, and
     with `copies` the old files of the names in `replaced`: another tokenizer's config beside the new
@@ -99,6 +112,9 @@ def abandon_write(staging: str) -> None:
 def _model_files(path: str) -> List[str]:
     """What describes the model in `path`: its weights, config and generation config, a PEFT adapter's config
     (transformers would load the adapter's base model instead) (not its tokenizer)."""
-    described = [n for n in ("config.json", "generation_config.json", "adapter_config.json")
-                 if os.path.isfile(os.path.join(path, n))]
+    described = [
+        n
+        for n in ("config.json", "generation_config.json", "adapter_config.json")
+        if os.path.isfile(os.path.join(path, n))
+    ]
     return weight_files(path) + described

@@ -5,6 +5,7 @@ ranks holding them), the least loaded so far of the ranks that hold it; a rank's
 of at most `max_shard_bytes`, numbered rank after rank. So every rank writes about 1/world of the model and
 never holds more than its share (plus the unit an export is reading).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ class Piece:
 
     name: str
     holders: Tuple[int, ...]
-    keys: Tuple[Tuple[str, int], ...]   # (Hub key, bytes)
+    keys: Tuple[Tuple[str, int], ...]  # (Hub key, bytes)
 
     @property
     def nbytes(self) -> int:
@@ -27,10 +28,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class WritePlan:
-    writer: Dict[str, int]            # piece name -> its rank
-    file_of: Dict[str, str]           # Hub key -> file name
-    files_of_rank: Dict[int, List[List[str]]]   # rank -> its files' keys, in file order
-    names: List[str]                  # every file name, in order
+    writer: Dict[str, int]  # piece name -> its rank
+    file_of: Dict[str, str]  # Hub key -> file name
+    files_of_rank: Dict[int, List[List[str]]]  # rank -> its files' keys, in file order
+    names: List[str]  # every file name, in order
 
     def files(self, rank: int) -> List[Tuple[str, List[str]]]:
         """(file name, its keys) of the files `rank` writes."""

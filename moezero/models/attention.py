@@ -3,6 +3,7 @@
 
 Shapes: B batch, S sequence, D hidden, H query heads, G key/value groups, h head width.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,11 +78,11 @@ class CausalSelfAttention(nn.Module):
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.layer_scale = query_key_layer_scale(config, layer_number)
         self.dropout = config.attention_dropout
-        self.window = window   # a sliding window: each query sees itself and the `window` keys before it
+        self.window = window  # a sliding window: each query sees itself and the `window` keys before it
         offset = softmax_offset(config)
         if offset is None or isinstance(offset, nn.Parameter):
             self.softmax_offset = offset
-        else:   # a constant: a buffer, so that moving or casting the model moves it too
+        else:  # a constant: a buffer, so that moving or casting the model moves it too
             self.register_buffer("softmax_offset", offset, persistent=False)
         self.recompute_core = config.recomputes("core_attn")
         self.site = site
@@ -96,14 +97,18 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = norm_layer(config, kv_width if self.full_width_norm else self.head_dim)
         self.rotary = None
         if config.position_embedding_type == "rope":
-            self.rotary = Rotary(config.rotary_dim, config.rotary_base, yarn_of(config),
-                                 position_interpolation=config.rotary_seq_len_interpolation_factor)
+            self.rotary = Rotary(
+                config.rotary_dim,
+                config.rotary_base,
+                yarn_of(config),
+                position_interpolation=config.rotary_seq_len_interpolation_factor,
+            )
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
         q, k, v = self._heads(self.qkv(x_BSD))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        if self.recompute_core and recomputing(self):   # selective recompute: only this part is redone
+        if self.recompute_core and recomputing(self):  # selective recompute: only this part is redone
             y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
         else:
             y = self._core(q, k, v, keys)
@@ -111,8 +116,9 @@ class CausalSelfAttention(nn.Module):
 
     def _heads(self, qkv_BSF: torch.Tensor):
         """(q B H S h, k B G S h, v B G S h), queries and keys normalised if asked."""
-        q, k, v = qkv_BSF.split([self.heads * self.head_dim, self.groups * self.head_dim,
-                                 self.groups * self.head_dim], dim=-1)
+        q, k, v = qkv_BSF.split(
+            [self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim], dim=-1
+        )
         if self.full_width_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (rearrange(t, "B S (H h) -> B H S h", h=self.head_dim) for t in (q, k, v))
@@ -121,8 +127,18 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def _core(self, q, k, v, keys):
-        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, window=self.window,
-                                sinks=self.softmax_offset, layer_scale=self.layer_scale)
+        return causal_attention(
+            q,
+            k,
+            v,
+            self.dropout,
+            self.training,
+            keys,
+            self.site,
+            window=self.window,
+            sinks=self.softmax_offset,
+            layer_scale=self.layer_scale,
+        )
 
 
 def query_key_layer_scale(config: GPTConfig, layer_number: int) -> Optional[int]:
@@ -148,9 +164,19 @@ def softmax_offset(config: GPTConfig) -> Optional[torch.Tensor]:
 EXPLICIT_CPU_MAX_SEQ = 128
 
 
-def causal_attention(q_BHSh, k_BGSh, v_BGSv, dropout: float, training: bool, keys: Optional[SampleKeys], site: str,
-                     scale: Optional[float] = None, window: Optional[int] = None,
-                     sinks: Optional[torch.Tensor] = None, layer_scale: Optional[int] = None) -> torch.Tensor:
+def causal_attention(
+    q_BHSh,
+    k_BGSh,
+    v_BGSv,
+    dropout: float,
+    training: bool,
+    keys: Optional[SampleKeys],
+    site: str,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    layer_scale: Optional[int] = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal (scale default 1/sqrt(h)); each key/value group serves H/G consecutive
     query heads; dropout on the probabilities, drawn from `keys` when given (SDPA's fused dropout draws from the
     global RNG, so that case runs the explicit path, as do short bf16 sequences on the CPU). With `window`, a
@@ -160,12 +186,23 @@ def causal_attention(q_BHSh, k_BGSh, v_BGSv, dropout: float, training: bool, key
     explicit path."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
-    short = (q_BHSh.device.type == "cpu" and q_BHSh.dtype == torch.bfloat16
-             and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ and (dropout == 0 or keyed))
+    short = (
+        q_BHSh.device.type == "cpu"
+        and q_BHSh.dtype == torch.bfloat16
+        and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ
+        and (dropout == 0 or keyed)
+    )
     if keyed or short or window is not None or sinks is not None or layer_scale is not None:
         return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks, layer_scale)
-    return F.scaled_dot_product_attention(q_BHSh, k_BGSh, v_BGSv, is_causal=True, scale=scale,
-                                          dropout_p=dropout, enable_gqa=k_BGSh.shape[1] != q_BHSh.shape[1])
+    return F.scaled_dot_product_attention(
+        q_BHSh,
+        k_BGSh,
+        v_BGSv,
+        is_causal=True,
+        scale=scale,
+        dropout_p=dropout,
+        enable_gqa=k_BGSh.shape[1] != q_BHSh.shape[1],
+    )
 
 
 def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=None, layer_scale=None):
@@ -173,7 +210,7 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if layer_scale is None:
-        q = q * scale   # before the product: fp16's range
+        q = q * scale  # before the product: fp16's range
         scores = q @ k.transpose(-1, -2)
     else:
         scores = _layer_scaled_scores(q, k, scale, layer_scale)
@@ -182,7 +219,7 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=
     scores = mask_future_(scores) if window is None else _mask_outside_window(scores, window)
     if sinks is None:
         probs = torch.softmax(scores, -1)
-    else:   # the sink's column joins each row's softmax and is dropped after it
+    else:  # the sink's column joins each row's softmax and is dropped after it
         sink = sinks.to(scores).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), -1)[..., :-1]
     return keyed_dropout(probs.to(v.dtype), dropout, True, keys, site) @ v
@@ -194,8 +231,9 @@ def _layer_scaled_scores(q, k, scale: float, layer_scale: int) -> torch.Tensor:
     fp32 (at least), where the softmax runs."""
     B, H, S, h = q.shape
     out = torch.empty(B * H, S, k.shape[2], dtype=q.dtype, device=q.device)
-    scores = torch.baddbmm(out, q.reshape(B * H, S, h), k.reshape(B * H, -1, h).transpose(1, 2), beta=0.0,
-                           alpha=scale / layer_scale).view(B, H, S, -1)
+    scores = torch.baddbmm(
+        out, q.reshape(B * H, S, h), k.reshape(B * H, -1, h).transpose(1, 2), beta=0.0, alpha=scale / layer_scale
+    ).view(B, H, S, -1)
     return scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer_scale
 
 
@@ -203,7 +241,7 @@ def _mask_outside_window(scores: torch.Tensor, window: int) -> torch.Tensor:
     """-inf where a key lies after its query or more than `window` places before it (Megatron's window L,0)."""
     queries, keys = scores.shape[-2:]
     position = torch.arange(queries, device=scores.device)
-    offset = position[:, None] - torch.arange(keys, device=scores.device)[None, :]   # query - key
+    offset = position[:, None] - torch.arange(keys, device=scores.device)[None, :]  # query - key
     return scores.masked_fill((offset < 0) | (offset > window), float("-inf"))
 
 

@@ -8,6 +8,7 @@ and ZeRO wraps the finished model.
 Dropout draws from keys (seed, iteration, global sample index, site) when `SampleKeys` are
 passed, so its masks do not depend on the parallel layout and recompute redraws them exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ from moezero.moe.experts import DenseMLP
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero import phases
 
-MoELayerFactory = Callable[..., MoELayer]   # (config, layer_number=i) -> the MoE MLP of layer i
+MoELayerFactory = Callable[..., MoELayer]  # (config, layer_number=i) -> the MoE MLP of layer i
 
 
 class TransformerLayer(nn.Module):
@@ -43,8 +44,9 @@ class TransformerLayer(nn.Module):
             self.attention = MultiLatentAttention(config, site=f"{self.site}.attention", layer_number=layer_number)
         else:
             window = config.window_size[0] if is_window_layer(layer_number, config) else None
-            self.attention = CausalSelfAttention(config, site=f"{self.site}.attention", window=window,
-                                                 layer_number=layer_number)
+            self.attention = CausalSelfAttention(
+                config, site=f"{self.site}.attention", window=window, layer_number=layer_number
+            )
         self.mlp_norm = norm_layer(config)
         self.moe_recompute = config.moe_layer_recompute or config.recomputes("moe")
         self.mlp_recompute, self.norm_recompute = config.recomputes("mlp"), config.recomputes("layernorm")
@@ -93,36 +95,55 @@ class GPTModel(nn.Module):
     forward(tokens_BS, keys=None) -> (logits_BSV, [MoEStats of each MoE layer])
     """
 
-    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig] = None, seed: int = 0,
-                 moe_layer: MoELayerFactory = MoELayer):
+    def __init__(
+        self,
+        config: GPTConfig,
+        moe_config: Optional[MoEConfig] = None,
+        seed: int = 0,
+        moe_layer: MoELayerFactory = MoELayer,
+    ):
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         self.config = config
         layer_moe = moe_layer_config(config, moe_config, seed) if moe_config is not None else None
-        self.moe_config = layer_moe   # what every MoE layer is built from (None: a dense model)
+        self.moe_config = layer_moe  # what every MoE layer is built from (None: a dense model)
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embedding = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList([TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i)
-                                     for i in range(config.num_layers)])
+        self.layers = nn.ModuleList(
+            [TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i) for i in range(config.num_layers)]
+        )
         self.final_norm = norm_layer(config)
         self.output = None
         if config.untie_embeddings_and_output_weights:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = None
-        if config.mtp_num_layers:   # Megatron's: each depth's MLP is of the last layer's kind
+        if config.mtp_num_layers:  # Megatron's: each depth's MLP is of the last layer's kind
             last_kind = config.num_layers - 1
-            self.mtp = nn.ModuleList([
-                MultiTokenPredictionLayer(config, TransformerLayer(config, self._mlp(last_kind, layer_moe, moe_layer,
-                                                                                     config.num_layers + k),
-                                                                   config.num_layers + k))
-                for k in range(config.mtp_num_layers)])
+            self.mtp = nn.ModuleList(
+                [
+                    MultiTokenPredictionLayer(
+                        config,
+                        TransformerLayer(
+                            config,
+                            self._mlp(last_kind, layer_moe, moe_layer, config.num_layers + k),
+                            config.num_layers + k,
+                        ),
+                    )
+                    for k in range(config.mtp_num_layers)
+                ]
+            )
         init_keyed_(self, seed, self._init_std)
 
-    def _mlp(self, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory,
-             number: Optional[int] = None) -> nn.Module:
+    def _mlp(
+        self,
+        layer_number: int,
+        moe_config: Optional[MoEConfig],
+        moe_layer: MoELayerFactory,
+        number: Optional[int] = None,
+    ) -> nn.Module:
         return build_mlp(self.config, layer_number, moe_config, moe_layer, number)
 
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
@@ -133,8 +154,9 @@ class GPTModel(nn.Module):
         and the MTP layers', [logits of each MTP depth])."""
         return phases.run(self.forward_steps(tokens_BS, keys, mtp, phased=False))
 
-    def forward_steps(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False,
-                      phased: bool = True) -> phases.Steps:
+    def forward_steps(
+        self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False, phased: bool = True
+    ) -> phases.Steps:
         """forward() in phases (moezero.phases): with `phased`, the MoE layers' (a recomputed chunk of
         layers and the MTP depths run whole)."""
         x = embed_tokens(self, tokens_BS, keys)
@@ -155,14 +177,20 @@ class GPTModel(nn.Module):
         # an untied head is called as a module, so whatever wraps modules (ZeRO-3 engines) sees it run
         return F.linear(x_BSD, self.embedding.weight) if self.output is None else self.output(x_BSD)
 
-    def _mtp_depths(self, tokens_BS: torch.Tensor, hidden: torch.Tensor, keys: Optional[SampleKeys],
-                    all_stats: List[MoEStats]):
+    def _mtp_depths(
+        self, tokens_BS: torch.Tensor, hidden: torch.Tensor, keys: Optional[SampleKeys], all_stats: List[MoEStats]
+    ):
         """Each MTP depth's hidden states in turn (its MoE stats appended to `all_stats`); Megatron recomputes
         the depths with --recompute-method uniform."""
         recompute = self.config.recompute_granularity == "full" and self.config.recompute_method == "uniform"
         for k, module in enumerate(self.mtp or ()):
-            embedded = keyed_dropout(self.embedding(shift_left(tokens_BS, k + 1)), self.config.hidden_dropout,
-                                     self.training, keys, f"mtp{k}.embedding")
+            embedded = keyed_dropout(
+                self.embedding(shift_left(tokens_BS, k + 1)),
+                self.config.hidden_dropout,
+                self.training,
+                keys,
+                f"mtp{k}.embedding",
+            )
             if recompute and recomputing(self):
                 hidden, stats = checkpoint(module, embedded, hidden, keys, use_reentrant=False)
             else:
@@ -171,13 +199,13 @@ class GPTModel(nn.Module):
                 all_stats.append(stats)
             yield hidden
 
-
     def _layers(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys]):
         """Layers [first, last) in order; their MoE stats."""
         return phases.run(self._layer_steps(first, last, x, keys, phased=False))
 
-    def _layer_steps(self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys], phased: bool
-                     ) -> phases.Steps:
+    def _layer_steps(
+        self, first: int, last: int, x: torch.Tensor, keys: Optional[SampleKeys], phased: bool
+    ) -> phases.Steps:
         all_stats = []
         for layer in self.layers[first:last]:
             x, stats = (yield from phases.module_steps(layer, x, keys)) if phased else layer(x, keys)
@@ -186,14 +214,25 @@ class GPTModel(nn.Module):
         return x, all_stats
 
 
-def build_mlp(config: GPTConfig, layer_number: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory,
-              number: Optional[int] = None) -> nn.Module:
+def build_mlp(
+    config: GPTConfig,
+    layer_number: int,
+    moe_config: Optional[MoEConfig],
+    moe_layer: MoELayerFactory,
+    number: Optional[int] = None,
+) -> nn.Module:
     """Layer `layer_number`'s kind of MLP (an MoE one numbered `number`, default `layer_number`)."""
     if moe_config is not None and is_moe_layer(layer_number, config.moe_layer_freq):
         return moe_layer(moe_config, layer_number=layer_number if number is None else number)
     c = config
-    return DenseMLP(c.hidden_size, c.ffn_hidden_size, c.mlp_activation(), bias=not c.disable_bias_linear,
-                    offset=c.glu_linear_offset, clamp=c.activation_func_clamp_value)
+    return DenseMLP(
+        c.hidden_size,
+        c.ffn_hidden_size,
+        c.mlp_activation(),
+        bias=not c.disable_bias_linear,
+        offset=c.glu_linear_offset,
+        clamp=c.activation_func_clamp_value,
+    )
 
 
 def init_std(config: GPTConfig, name: str, param: torch.Tensor) -> Optional[float]:
@@ -201,7 +240,7 @@ def init_std(config: GPTConfig, name: str, param: torch.Tensor) -> Optional[floa
     by 1/sqrt(2L); biases zero, norm weights their ones (None: as built)."""
     if is_bias(name):
         return 0.0
-    if name.endswith(("softmax_offset", "router.wg.bias")):   # Megatron's: its init method, as a weight's
+    if name.endswith(("softmax_offset", "router.wg.bias")):  # Megatron's: its init method, as a weight's
         return config.init_method_std
     if param.ndim < 2:
         return None
@@ -232,8 +271,9 @@ def recompute_chunks(config: GPTConfig, num_layers: Optional[int] = None) -> Lis
     return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
 
 
-def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
-                        fused: bool = False) -> torch.Tensor:
+def language_model_loss(
+    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, fused: bool = False
+) -> torch.Tensor:
     """Mean token cross-entropy of one micro-batch (fp32), over the positions the mask keeps; `fused`:
     --cross-entropy-loss-fusion (moezero.ops.cross_entropy)."""
     losses = token_cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), labels_BS.reshape(-1), fused)

@@ -10,6 +10,7 @@ mscale(factor, mscale_all_dim)^2.
 
 Shapes: B batch, S sequence, D hidden, H heads, n/r/v the no-position, RoPE and value widths per head.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -67,8 +68,9 @@ class MultiLatentAttention(nn.Module):
         return self.proj(rearrange(y, "B H S v -> B S (H v)"))
 
     def _core(self, q, k, v, keys):
-        return causal_attention(q, k, v, self.dropout, self.training, keys, self.site, scale=self.scale,
-                                layer_scale=self.layer_scale)
+        return causal_attention(
+            q, k, v, self.dropout, self.training, keys, self.site, scale=self.scale, layer_scale=self.layer_scale
+        )
 
     def _heads(self, x_BSD: torch.Tensor):
         """(q B H S n+r, k B H S n+r, v B H S v)."""

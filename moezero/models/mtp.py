@@ -10,6 +10,7 @@ moves left and lets zeros in at the end, as Megatron's roll_tensor does; the lab
 way, so the positions past the sequence's end count for nothing. The loss is Megatron's: the training loss adds
 mtp_loss_scaling_factor x the mean over depths of each depth's masked token mean.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -27,7 +28,7 @@ def shift_left(tensor_BS: torch.Tensor, places: int = 1) -> torch.Tensor:
     """Each row moved `places` positions left, zeros in at the end (Megatron's roll_tensor, `places` times)."""
     out = torch.zeros_like(tensor_BS)
     if places < tensor_BS.shape[-1]:
-        out[..., :tensor_BS.shape[-1] - places] = tensor_BS[..., places:]
+        out[..., : tensor_BS.shape[-1] - places] = tensor_BS[..., places:]
     return out
 
 
@@ -43,15 +44,19 @@ class MultiTokenPredictionLayer(nn.Module):
         self.layer = layer
         self.final_norm = norm_layer(config)
 
-    def forward(self, embedded_BSD: torch.Tensor, hidden_BSD: torch.Tensor, keys: Optional[SampleKeys]
-                ) -> Tuple[torch.Tensor, Optional[MoEStats]]:
+    def forward(
+        self, embedded_BSD: torch.Tensor, hidden_BSD: torch.Tensor, keys: Optional[SampleKeys]
+    ) -> Tuple[torch.Tensor, Optional[MoEStats]]:
         x = self.eh_proj(torch.cat([self.enorm(embedded_BSD), self.hnorm(hidden_BSD)], dim=-1))
         x, stats = self.layer(x, keys)
         return self.final_norm(x), stats
 
 
-def mtp_losses(logits: List[torch.Tensor], labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, loss_fn
-               ) -> List[torch.Tensor]:
+def mtp_losses(
+    logits: List[torch.Tensor], labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, loss_fn
+) -> List[torch.Tensor]:
     """Each depth's loss: `loss_fn(logits, labels, mask)` with the labels and mask shifted k+1 places."""
-    return [loss_fn(depth_logits, shift_left(labels_BS, k + 1), shift_left(loss_mask_BS, k + 1))
-            for k, depth_logits in enumerate(logits)]
+    return [
+        loss_fn(depth_logits, shift_left(labels_BS, k + 1), shift_left(loss_mask_BS, k + 1))
+        for k, depth_logits in enumerate(logits)
+    ]

@@ -7,6 +7,7 @@ layout (transformers' rope_interleave, Megatron's MLA). The inverse frequencies 
 of them compute them; angles, cos and sin in the input's precision (at least fp32). Nothing is a buffer, so
 casting the model never rounds the tables.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,17 +31,19 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
-    round_to_int: bool = True   # the ramp's ends rounded out to whole dimensions (Megatron's default, DeepSeek's)
+    round_to_int: bool = True  # the ramp's ends rounded out to whole dimensions (Megatron's default, DeepSeek's)
 
     def inverse_frequencies(self, dim: int, base: float) -> torch.Tensor:
         powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         extrapolated, interpolated = 1.0 / powers, 1.0 / (self.factor * powers)
-        low, high = (_correction_dim(b, dim, base, self.original_max_positions) for b in (self.beta_fast, self.beta_slow))
+        low, high = (
+            _correction_dim(b, dim, base, self.original_max_positions) for b in (self.beta_fast, self.beta_slow)
+        )
         if self.round_to_int:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
-            high += 0.001   # no division by zero
+            high += 0.001  # no division by zero
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         keep = 1 - ramp
         return interpolated * (1 - keep) + extrapolated * keep
@@ -62,9 +65,15 @@ def yarn_of(config: GPTConfig) -> Optional[YarnScaling]:
     """The model's YaRN scaling (--rope-type yarn), else None."""
     if config.rope_type != "yarn":
         return None
-    return YarnScaling(config.rotary_scaling_factor, config.yarn_original_max_position_embeddings,
-                       config.yarn_beta_fast, config.yarn_beta_slow, config.mscale, config.mscale_all_dim,
-                       round_to_int=not config.no_yarn_correction_range_round_to_int)
+    return YarnScaling(
+        config.rotary_scaling_factor,
+        config.yarn_original_max_position_embeddings,
+        config.yarn_beta_fast,
+        config.yarn_beta_slow,
+        config.mscale,
+        config.mscale_all_dim,
+        round_to_int=not config.no_yarn_correction_range_round_to_int,
+    )
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -80,8 +89,14 @@ class Rotary(nn.Module):
     """`position_interpolation`: linear position interpolation (Megatron's --rotary-seq-len-interpolation-factor),
     each position divided by it."""
 
-    def __init__(self, dim: int, base: float, yarn: Optional[YarnScaling] = None, deinterleave: bool = False,
-                 position_interpolation: Optional[float] = None):
+    def __init__(
+        self,
+        dim: int,
+        base: float,
+        yarn: Optional[YarnScaling] = None,
+        deinterleave: bool = False,
+        position_interpolation: Optional[float] = None,
+    ):
         super().__init__()
         self.dim, self.base, self.yarn, self.deinterleave = dim, base, yarn, deinterleave
         self.position_interpolation = position_interpolation
@@ -96,7 +111,7 @@ class Rotary(nn.Module):
                 inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
             positions = torch.arange(seq_length, dtype=torch.float32)
             if self.position_interpolation is not None:
-                positions *= 1 / self.position_interpolation   # in fp32, as Megatron scales its positions
+                positions *= 1 / self.position_interpolation  # in fp32, as Megatron scales its positions
             angles = torch.outer(positions.to(dtype), inv_freq.to(dtype))
             scale = self.yarn.attention_factor if self.yarn is not None else 1.0
             self._tables[key] = (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
@@ -105,7 +120,7 @@ class Rotary(nn.Module):
     def forward(self, x_BHSh: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x_BHSh.dtype, torch.float32)
         cos, sin = self.tables(x_BHSh.shape[2], dtype, x_BHSh.device)
-        rotated, passed = x_BHSh[..., : self.dim].to(dtype), x_BHSh[..., self.dim:]
+        rotated, passed = x_BHSh[..., : self.dim].to(dtype), x_BHSh[..., self.dim :]
         if self.deinterleave:
             x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
         else:

@@ -8,6 +8,7 @@ are small). On an expert-parallel model every rank calls it with the same prompt
 each forward is a collective there, and equal logits give equal choices. At ZeRO stage 3 the forward
 gathers its params itself.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -16,9 +17,17 @@ import torch
 
 
 @torch.no_grad()
-def generate(model, prompt: Sequence[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None,
-             stop_token: Optional[int] = None) -> List[int]:
+def generate(
+    model,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    vocab_size: Optional[int] = None,
+    stop_token: Optional[int] = None,
+) -> List[int]:
     """The new token ids after `prompt` (not repeated); stops early after `stop_token`.
 
     temperature 0 is greedy; top_k 0 and top_p 1 (or 0, Megatron's "off") keep every token; only the
@@ -38,11 +47,12 @@ def generate(model, prompt: Sequence[int], max_new_tokens: int, temperature: flo
         if next_id == stop_token:
             break
     model.train(was_training)
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
-def sample_next(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: Optional[torch.Generator]) -> int:
+def sample_next(
+    logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
+) -> int:
     """One token id from the last position's logits."""
     if temperature == 0:
         return int(logits_V.argmax())
@@ -53,7 +63,7 @@ def sample_next(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: f
     if 0 < top_p < 1:
         sorted_logits, order = logits_V.sort(descending=True)
         probs = torch.softmax(sorted_logits, -1)
-        outside = probs.cumsum(-1) - probs > top_p   # the smallest set whose mass reaches top_p stays
+        outside = probs.cumsum(-1) - probs > top_p  # the smallest set whose mass reaches top_p stays
         logits_V = logits_V.clone()
         logits_V[order[outside]] = float("-inf")
     probs = torch.softmax(logits_V.double(), -1)

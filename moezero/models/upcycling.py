@@ -5,6 +5,7 @@ or sigmoid scores over k > 1) and nothing is dropped, its MoE output is the dens
 upcycled model's logits start as the dense model's. Model surgery only: which checkpoint a run upcycles and
 where it starts is the training layer's (`moezero.training.resume.upcycling_point`).
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,8 @@ import torch
 from moezero.config import ConfigError, GPTConfig, MoEConfig
 from moezero.models.gpt import GPTModel
 
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(w1|w2|b1|b2)$")   # the layers' and the MTP depths' (Megatron matches
-                                                                  # by suffix)
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(w1|w2|b1|b2)$")  # the layers' and the MTP depths' (Megatron matches
+# by suffix)
 _DENSE = {"w1": ("fc1.weight", True), "w2": ("fc2.weight", True), "b1": ("fc1.bias", False), "b2": ("fc2.bias", False)}
 
 
@@ -24,16 +25,23 @@ def check_upcyclable(model: GPTConfig, moe: MoEConfig) -> None:
     """The MoE settings under which the upcycled logits equal the dense ones."""
     problems = [
         (moe.num_experts is None, "needs --num-experts"),
-        (moe.ffn_hidden_size not in (None, model.ffn_hidden_size), f"--moe-ffn-hidden-size must be the dense width "
-                                                                   f"({model.ffn_hidden_size})"),
+        (
+            moe.ffn_hidden_size not in (None, model.ffn_hidden_size),
+            f"--moe-ffn-hidden-size must be the dense width ({model.ffn_hidden_size})",
+        ),
         (moe.shared_expert_intermediate_size is not None, "no shared expert (the dense MLP has no counterpart)"),
         (moe.capacity_factor is not None, "dropless routing (a dropped token loses its MLP)"),
         (moe.topk_scaling_factor not in (None, 1.0), "no --moe-router-topk-scaling-factor"),
-        (moe.score_function == "softmax" and moe.pre_softmax, "top-k weights that sum to 1: not "
-                                                              "--moe-router-pre-softmax"),
+        (
+            moe.score_function == "softmax" and moe.pre_softmax,
+            "top-k weights that sum to 1: not --moe-router-pre-softmax",
+        ),
         (moe.score_function == "sigmoid" and moe.top_k == 1, "top-k weights that sum to 1: sigmoid needs top-k > 1"),
-        (moe.load_balancing_type == "sinkhorn", "top-k weights that sum to 1: not --moe-router-load-balancing-type "
-                                                "sinkhorn (its weights are not renormalised)"),
+        (
+            moe.load_balancing_type == "sinkhorn",
+            "top-k weights that sum to 1: not --moe-router-load-balancing-type "
+            "sinkhorn (its weights are not renormalised)",
+        ),
     ]
     for failed, what in problems:
         if failed:
@@ -51,13 +59,12 @@ def upcycle(model: GPTModel, dense: Dict[str, torch.Tensor]) -> None:
 
 def _dense_tensor(name: str, dense: Dict[str, torch.Tensor], model: GPTModel):
     expert = _EXPERT.match(name)
-    if expert:   # every local expert: the dense MLP (its weights transposed into the (in, out) stack layout)
+    if expert:  # every local expert: the dense MLP (its weights transposed into the (in, out) stack layout)
         key, transpose = _DENSE[expert.group(2)]
         weight = dense[f"{expert.group(1)}.{key}"]
         return (weight.t() if transpose else weight).unsqueeze(0)
     if ".mlp.router." in name:
-        return None   # a new router
+        return None  # a new router
     if name not in dense:
         raise ConfigError(f"--moe-use-upcycling: the dense checkpoint has no {name}")
     return dense[name]
-

@@ -7,6 +7,7 @@ P = ep size, L = local experts per rank (E = P * L).
 `dispatch()` returns a frozen `DispatchMeta` that `combine()` consumes: nothing is stored on
 `self` between the two, so recompute and several micro-batches in flight are safe.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,10 +24,10 @@ from moezero.parallel.groups import SharesProcessGroups
 
 @dataclass(frozen=True)
 class DispatchMeta:
-    row_map_TK: torch.Tensor          # permuted row of each (t, k) assignment, -1 if dropped
-    weights_TK: torch.Tensor          # combine weights (fp32, in the autograd graph)
-    send_splits: List[int]            # rows sent to each ep rank
-    recv_splits: List[int]            # rows received from each ep rank
+    row_map_TK: torch.Tensor  # permuted row of each (t, k) assignment, -1 if dropped
+    weights_TK: torch.Tensor  # combine weights (fp32, in the autograd graph)
+    send_splits: List[int]  # rows sent to each ep rank
+    recv_splits: List[int]  # rows received from each ep rank
     unsort_index_M: Optional[torch.Tensor]  # (local expert, source) order -> (source, local expert) order
 
 
@@ -39,8 +40,13 @@ class TokenDispatcher(SharesProcessGroups):
         self.ep_size = comm.group_size(ep_group)
         self.num_local_experts = num_experts // self.ep_size
 
-    def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                 record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        record: Optional[ExchangeRecord] = None,
+    ) -> Tuple[torch.Tensor, List[int], DispatchMeta]:
         """Returns (rows for the local experts x_MD, rows per local expert, metadata for combine). `record`
         rides on the count exchange: every rank checks what every other sent."""
         return phases.run(self.dispatch_steps(x_TD, topk_ids_TK, weights_TK, record)).receive()
@@ -49,8 +55,13 @@ class TokenDispatcher(SharesProcessGroups):
         """Expert outputs back in token order, summed over the top-k with their weights."""
         return phases.run(self.combine_steps(y_MD, meta))
 
-    def dispatch_steps(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-                       record: Optional[ExchangeRecord] = None) -> phases.Steps:
+    def dispatch_steps(
+        self,
+        x_TD: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        record: Optional[ExchangeRecord] = None,
+    ) -> phases.Steps:
         """dispatch() in phases (moezero.phases): yields after launching the count exchange; returns, having
         launched the rows' all-to-all, what `receive()`s them (the caller yields in between)."""
         x_ND, counts_E, row_map_TK = ops.permute_tokens(x_TD, topk_ids_TK, self.num_experts)
@@ -65,8 +76,9 @@ class TokenDispatcher(SharesProcessGroups):
             recv_PL = pending.wait()
         else:
             stamped = torch.tensor(record.mine, dtype=send_PL.dtype, device=send_PL.device).expand(P, -1)
-            pending = comm.launch_exchange_counts(torch.cat([send_PL, stamped], 1), self.ep_group,
-                                                  record.prepare(self.ep_group))
+            pending = comm.launch_exchange_counts(
+                torch.cat([send_PL, stamped], 1), self.ep_group, record.prepare(self.ep_group)
+            )
             yield
             received = pending.wait()
             record.check_received(received[:, L:])
@@ -95,11 +107,12 @@ DOUBLE_BACKWARD_REFUSED = (
     "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True): a gradient penalty, a double "
     "backward) reached an MoE layer, whose token permute/combine kernels are differentiable once: their backward "
     "builds no graph, so a second backward cannot go through them. Differentiate with create_graph=True only with "
-    "respect to tensors its backward reaches before any MoE layer (the layers after the last one)")
+    "respect to tensors its backward reaches before any MoE layer (the layers after the last one)"
+)
 
 
 def _refuse_double_backward(grad: torch.Tensor) -> None:
-    if torch.is_grad_enabled():   # inside a backward: it records a graph (create_graph=True)
+    if torch.is_grad_enabled():  # inside a backward: it records a graph (create_graph=True)
         raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
 
 
@@ -109,7 +122,7 @@ class _Rows:
     metadata for combine)."""
 
     rows: Any
-    sort_index_M: Optional[torch.Tensor]   # (source, local expert) order -> (local expert, source) order
+    sort_index_M: Optional[torch.Tensor]  # (source, local expert) order -> (local expert, source) order
     counts: List[int]
     meta: DispatchMeta
 

@@ -1,11 +1,13 @@
 """Aux-loss-free load balancing (DeepSeek-V3): update each router's expert bias once per step.
 
 The bias only shifts which experts are selected, never the combine weights. It is updated from
-the tokens each expert received (after capacity dropping, as Megatron counts), summed over every micro-batch of the step and every
+the tokens each expert received (after capacity dropping, as Megatron counts), summed over every micro-batch of the
+step and every
 data-parallel rank, so every rank applies the same update and the (replicated) bias stays
 bitwise equal everywhere. Forward passes stay collective-free: the routers' forward hooks only
 count; the one all-reduce runs in the optimizer's step post-hook.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +40,11 @@ class ExpertBiasUpdater:
         self.group = group
         self.enabled = any(r.config.enable_expert_bias for r in self.routers)
         self._counts: Optional[torch.Tensor] = None
-        self._handles = [r.register_forward_hook(functools.partial(self._count, i))
-                         for i, r in enumerate(self.routers)] if self.enabled else []
+        self._handles = (
+            [r.register_forward_hook(functools.partial(self._count, i)) for i, r in enumerate(self.routers)]
+            if self.enabled
+            else []
+        )
 
     def attach(self, optimizer: Any) -> "ExpertBiasUpdater":
         """Update the biases after every `optimizer.step()` (a torch optimizer step post-hook)."""
@@ -70,6 +75,7 @@ class ExpertBiasUpdater:
         with torch.no_grad():
             for router, layer_counts in zip(self.routers, counts):
                 if router.config.enable_expert_bias:
-                    router.expert_bias.copy_(updated_expert_bias(router.expert_bias, layer_counts,
-                                                                 router.config.bias_update_rate))
+                    router.expert_bias.copy_(
+                        updated_expert_bias(router.expert_bias, layer_counts, router.config.bias_update_rate)
+                    )
         self._counts = None

@@ -4,6 +4,7 @@ Shapes: M rows for the local experts (sorted by expert), L local experts, D hidd
 FFN width (2F for the fused SwiGLU input projection), P rows once each expert's are padded to
 its size class (row_size_class).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -29,9 +30,9 @@ _SMALLEST_ROW_CLASS = 8
 
 # GELU kinds -> torch's `approximate`: "gelu_tanh" is Megatron's fused bias-GELU (GPTConfig.mlp_activation)
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
-GATED = ("swiglu", "quick_geglu")   # input projection [gate | up]: act(gate) * (up + offset)
+GATED = ("swiglu", "quick_geglu")  # input projection [gate | up]: act(gate) * (up + offset)
 ACTIVATIONS = ("gelu", "gelu_tanh") + GATED
-QUICK_GELU_ALPHA = 1.702   # quick GELU: x sigmoid(1.702 x)
+QUICK_GELU_ALPHA = 1.702  # quick GELU: x sigmoid(1.702 x)
 
 
 def activation(h_MF: torch.Tensor, kind: str, offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
@@ -54,8 +55,14 @@ def activation(h_MF: torch.Tensor, kind: str, offset: float = 0.0, clamp: Option
     return F.gelu(h_MF, approximate=approximate)
 
 
-def biased_activation(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int], kind: str,
-                      offset: float = 0.0, clamp: Optional[float] = None) -> torch.Tensor:
+def biased_activation(
+    y_MF: torch.Tensor,
+    b_LF: Optional[torch.Tensor],
+    counts: List[int],
+    kind: str,
+    offset: float = 0.0,
+    clamp: Optional[float] = None,
+) -> torch.Tensor:
     """activation(y + each expert's bias on its rows); GELU adds the bias in its own pass where it is fused."""
     if kind in _GELU_APPROXIMATE and fused_gelu_applies(y_MF, b_LF):
         return bias_gelu(y_MF, b_LF, counts, _GELU_APPROXIMATE[kind])
@@ -114,11 +121,17 @@ def padded_positions(counts: List[int], padded: List[int], device: torch.device)
     shift_L = torch.tensor([0] + gaps[:-1], dtype=torch.long, device=device).cumsum(0)
     rows = sum(counts)
     return torch.arange(rows, device=device) + torch.repeat_interleave(
-        shift_L, torch.tensor(counts, device=device), output_size=rows)
+        shift_L, torch.tensor(counts, device=device), output_size=rows
+    )
 
 
-def expert_mm(x_MD: torch.Tensor, w_LDF: torch.Tensor, counts: List[int], use_grouped: bool,
-              deferred: Optional["DeferredWeightGrads"] = None) -> torch.Tensor:
+def expert_mm(
+    x_MD: torch.Tensor,
+    w_LDF: torch.Tensor,
+    counts: List[int],
+    use_grouped: bool,
+    deferred: Optional["DeferredWeightGrads"] = None,
+) -> torch.Tensor:
     """Rows of expert l times w_LDF[l]; with `deferred`, w's gradient is left to it (--delay-wgrad-compute)."""
     grouped = use_grouped and grouped_mm_supported(x_MD, w_LDF)
     if deferred is not None:
@@ -142,16 +155,19 @@ class DeferredWeightGrads:
         for i, weight in enumerate(self.weights):
             if weight is w:
                 return i
-        raise RuntimeError("--delay-wgrad-compute: an expert GEMM ran with a weight its DeferredWeightGrads "
-                           "did not read (pass the experts' forward the object it was made with)")
+        raise RuntimeError(
+            "--delay-wgrad-compute: an expert GEMM ran with a weight its DeferredWeightGrads "
+            "did not read (pass the experts' forward the object it was made with)"
+        )
 
     def keep(self, slot: int, x_MD, grad_MF, counts: List[int], grouped: bool) -> None:
         self.kept[slot] = (x_MD, grad_MF, counts, grouped)
 
     def weight_grads(self) -> List[torch.Tensor]:
-        if len(self.kept) != len(self.weights):   # autograd reaches this node after the GEMMs' backward
-            raise RuntimeError("--delay-wgrad-compute: the experts' weight gradients were asked for before their "
-                               "GEMMs' backward ran")
+        if len(self.kept) != len(self.weights):  # autograd reaches this node after the GEMMs' backward
+            raise RuntimeError(
+                "--delay-wgrad-compute: the experts' weight gradients were asked for before their GEMMs' backward ran"
+            )
         return [_weight_grad(*self.kept.pop(slot)) for slot in range(len(self.weights))]
 
     def attach(self, y: torch.Tensor) -> torch.Tensor:
@@ -228,7 +244,7 @@ class GroupedExperts(nn.Module):
         self.pad_rows = config.pad_expert_rows
         self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
         self.w2 = nn.Parameter(torch.empty(L, Fw, D))
-        self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None   # Megatron's add_bias_linear
+        self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None  # Megatron's add_bias_linear
         self.b2 = nn.Parameter(torch.zeros(L, D)) if config.bias else None
         self.shard = shard
         self._mark_expert_parallel()
@@ -248,12 +264,13 @@ class GroupedExperts(nn.Module):
         computed (the MoE layer makes it after launching the rows' all-to-all); else None."""
         if not (self.delay_wgrad and torch.is_grad_enabled()):
             return None
-        w1, w2 = self.w1, self.w2   # read once: under QAT each read fake-quantizes the weight
+        w1, w2 = self.w1, self.w2  # read once: under QAT each read fake-quantizes the weight
         return DeferredWeightGrads(w1, w2) if w1.requires_grad or w2.requires_grad else None
 
-    def forward(self, x_MD: torch.Tensor, counts: List[int],
-                deferred: Optional[DeferredWeightGrads] = None) -> torch.Tensor:
-        if not (self.pad_rows and x_MD.device.type == "cpu"):   # GPU GEMMs cache nothing per shape: it only adds work
+    def forward(
+        self, x_MD: torch.Tensor, counts: List[int], deferred: Optional[DeferredWeightGrads] = None
+    ) -> torch.Tensor:
+        if not (self.pad_rows and x_MD.device.type == "cpu"):  # GPU GEMMs cache nothing per shape: it only adds work
             return self._ffn(x_MD, counts, deferred)
         # each expert's rows padded to its size class with zero rows, whose outputs are dropped: their gradients
         # are zero, so every GEMM (forward and backward) has a class's shape and the numbers are unchanged
@@ -262,12 +279,19 @@ class GroupedExperts(nn.Module):
         x_PD = x_MD.new_zeros(sum(padded), x_MD.shape[1]).index_copy(0, rows_M, x_MD)
         return self._ffn(x_PD, padded, deferred).index_select(0, rows_M)
 
-    def _ffn(self, x_MD: torch.Tensor, counts: List[int], deferred: Optional[DeferredWeightGrads] = None
-             ) -> torch.Tensor:
+    def _ffn(
+        self, x_MD: torch.Tensor, counts: List[int], deferred: Optional[DeferredWeightGrads] = None
+    ) -> torch.Tensor:
         # with `deferred`, the weights it read: a parametrized weight (QAT) is a new tensor at every read
         w1, w2 = (self.w1, self.w2) if deferred is None else deferred.weights
-        a = biased_activation(expert_mm(x_MD, w1, counts, self.use_grouped, deferred), self.b1, counts,
-                              self.activation, self.offset, self.clamp)
+        a = biased_activation(
+            expert_mm(x_MD, w1, counts, self.use_grouped, deferred),
+            self.b1,
+            counts,
+            self.activation,
+            self.offset,
+            self.clamp,
+        )
         y = _add_bias(expert_mm(a, w2, counts, self.use_grouped, deferred), self.b2, counts)
         return y if deferred is None else deferred.attach(y)
 
@@ -280,8 +304,15 @@ def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int
 class DenseMLP(nn.Module):
     """A plain MLP (the shared expert, and the dense layers of the GPT model)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation_kind: str, bias: bool = False,
-                 offset: float = 0.0, clamp: Optional[float] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation_kind: str,
+        bias: bool = False,
+        offset: float = 0.0,
+        clamp: Optional[float] = None,
+    ):
         super().__init__()
         if activation_kind not in ACTIVATIONS:
             raise ValueError(f"activation {activation_kind!r}: must be one of {', '.join(ACTIVATIONS)}")

@@ -4,6 +4,7 @@ Implements the top-k gated MoE of GShard/Switch (Lepikhin et al. 2020, Fedus et 
 expert parallelism over the `ep` group: each rank routes its own tokens, sends them to the ranks
 holding their experts, and combines the returned outputs with the routing weights.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,18 +29,18 @@ from moezero.parallel.agreement import ExchangeRecord
 class MoEStats:
     """Per-forward statistics. The losses are graph tensors the caller adds to its loss."""
 
-    aux_loss: torch.Tensor            # the load-balancing losses, each times its coefficient
-    z_loss: torch.Tensor              # router z-loss times its coefficient
-    tokens_per_expert: torch.Tensor   # int64 (E,): this rank's assignments per global expert, before dropping
-    dropped_fraction: torch.Tensor    # share of this rank's assignments dropped by capacity
-    tracked: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # for logging: each router loss
-                                      # without its coefficient, under megatron-core's tracker names (detached)
-    token_weighted: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)   # each of LOSSES times the
-                                      # tokens megatron-core weighs it by under --calculate-per-token-loss (the
-                                      # caller divides by the global batch's loss tokens)
+    aux_loss: torch.Tensor  # the load-balancing losses, each times its coefficient
+    z_loss: torch.Tensor  # router z-loss times its coefficient
+    tokens_per_expert: torch.Tensor  # int64 (E,): this rank's assignments per global expert, before dropping
+    dropped_fraction: torch.Tensor  # share of this rank's assignments dropped by capacity
+    tracked: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # for logging: each router loss
+    # without its coefficient, under megatron-core's tracker names (detached)
+    token_weighted: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # each of LOSSES times the
+    # tokens megatron-core weighs it by under --calculate-per-token-loss (the
+    # caller divides by the global batch's loss tokens)
 
-    LOSSES = ("aux_loss", "z_loss")   # the router's losses: the training loop adds, averages and logs each
-                                      # by name (a new one: a field here and its row in moezero.metrics)
+    LOSSES = ("aux_loss", "z_loss")  # the router's losses: the training loop adds, averages and logs each
+    # by name (a new one: a field here and its row in moezero.metrics)
 
     @property
     def losses(self) -> Dict[str, torch.Tensor]:
@@ -69,10 +70,15 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, shard)
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                          config.activation, bias=bool(config.bias), offset=config.glu_linear_offset,
-                                          clamp=config.activation_clamp)
-        if config.shared_expert_gate:   # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
+            self.shared_expert = DenseMLP(
+                config.hidden_size,
+                config.shared_expert_intermediate_size,
+                config.activation,
+                bias=bool(config.bias),
+                offset=config.glu_linear_offset,
+                clamp=config.activation_clamp,
+            )
+        if config.shared_expert_gate:  # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
         # gives the record its exchanges carry (the token counts, the global aux loss's counts): a ZeroOptimizer
@@ -86,8 +92,12 @@ class MoELayer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone; biases zero."""
-        init_keyed_(self, self.config.init_seed, lambda name, p: 0.0 if is_bias(name) else self.config.init_std,
-                    prefix=f"layer{self.layer_number}.")
+        init_keyed_(
+            self,
+            self.config.init_seed,
+            lambda name, p: 0.0 if is_bias(name) else self.config.init_std,
+            prefix=f"layer{self.layer_number}.",
+        )
 
     def forward(self, x: torch.Tensor, keys: Optional[SampleKeys] = None):
         return phases.run(self.forward_steps(x, keys))
@@ -111,8 +121,14 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             y_TD = y_TD + shared_TD
-        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.tokens_per_expert_E, routing.dropped_fraction,
-                         routing.tracked, routing.token_weighted)
+        stats = MoEStats(
+            routing.aux_loss,
+            routing.z_loss,
+            routing.tokens_per_expert_E,
+            routing.dropped_fraction,
+            routing.tracked,
+            routing.token_weighted,
+        )
         return y_TD.view(x.shape), stats
 
 

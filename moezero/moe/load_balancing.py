@@ -8,6 +8,7 @@ tracker logs it.
 
 Shapes: T tokens, E experts, B sequences, S tokens per sequence.
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple
@@ -19,8 +20,11 @@ from moezero.parallel.agreement import ExchangeRecord
 from moezero.parallel.groups import SharesProcessGroups
 from moezero.torch_internals import in_backward
 
-TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                 "global_aux_loss": "global_load_balancing_loss"}
+TRACKER_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 def balancing_scores(logits_TE: torch.Tensor, score_function: str, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +39,9 @@ def balancing_scores(logits_TE: torch.Tensor, score_function: str, top_k: int) -
     return probs_TE, map_TE
 
 
-def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
-                    total_tokens: Optional[float] = None) -> torch.Tensor:
+def switch_aux_loss(
+    probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, total_tokens: Optional[float] = None
+) -> torch.Tensor:
     """Switch/GShard load-balancing loss E * sum_e f_e * P_e (1.0 when perfectly balanced).
 
     f_e: fraction of the assignments routed to e (counts over `total_tokens` * top_k, default this batch's T);
@@ -69,18 +74,20 @@ class GlobalBalancing(SharesProcessGroups):
     def reset(self) -> None:
         self.counts_E: Optional[torch.Tensor] = None
         self.micro_batches = 0
-        self._counted: List[Tuple[torch.Tensor, float]] = []   # each forward's (average counts, global tokens)
+        self._counted: List[Tuple[torch.Tensor, float]] = []  # each forward's (average counts, global tokens)
 
-    def loss(self, probs_TE: torch.Tensor, map_TE: torch.Tensor, top_k: int,
-             record: Optional[ExchangeRecord] = None) -> Tuple[torch.Tensor, int]:
+    def loss(
+        self, probs_TE: torch.Tensor, map_TE: torch.Tensor, top_k: int, record: Optional[ExchangeRecord] = None
+    ) -> Tuple[torch.Tensor, int]:
         """(the loss of this micro-batch, the data-parallel ranks' count): Megatron's switch loss of this rank's
         probabilities against the averaged global counts, over the global batch's tokens. `record` rides on the
         all-reduce (summed with its square: every rank finds out whether all stated the same)."""
-        if in_backward():   # a recompute (activation checkpointing) of a forward that counted already: the
+        if in_backward():  # a recompute (activation checkpointing) of a forward that counted already: the
             # backward takes forwards latest first (one micro-batch's, or an interleaved pair's, see phases.py)
             average_E, total_tokens = self._counted.pop()
-            return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), \
-                comm.group_size(self.group)
+            return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), comm.group_size(
+                self.group
+            )
         E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
         wait = None
@@ -94,7 +101,7 @@ class GlobalBalancing(SharesProcessGroups):
             wait(work)
         if record is not None:
             n = len(record.mine)
-            record.check_summed(local[E + 1:E + 1 + n], local[E + 1 + n:], comm.group_size(self.group))
+            record.check_summed(local[E + 1 : E + 1 + n], local[E + 1 + n :], comm.group_size(self.group))
         counts_E, total_tokens = local[:E], float(local[E])
         self.counts_E = counts_E if self.counts_E is None else self.counts_E + counts_E
         self.micro_batches += 1

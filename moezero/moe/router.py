@@ -7,6 +7,7 @@ fp32 by casting *inside the matmul*. Casting the module (`self.wg = self.wg.floa
 swaps) would detach the parameter from its gradient hook and the optimizer's buffer - the bug
 that left DeepSpeed-MoE routers untrained under ZeRO-2.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,29 +20,35 @@ from torch import nn
 from moezero.config import MoEConfig
 from moezero.keyed_random import SampleKeys
 from moezero.parallel.agreement import ExchangeRecord
-from moezero.moe.load_balancing import (TRACKER_NAMES, GlobalBalancing, balancing_scores, sequence_aux_loss,
-                                        sinkhorn, switch_aux_loss)
+from moezero.moe.load_balancing import (
+    TRACKER_NAMES,
+    GlobalBalancing,
+    balancing_scores,
+    sequence_aux_loss,
+    sinkhorn,
+    switch_aux_loss,
+)
 
 
-ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}   # --moe-router-dtype
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
 
 
 @dataclass(frozen=True)
 class Routing:
     """What the router decided for T tokens."""
 
-    topk_ids_TK: torch.Tensor        # int64 expert ids; -1 where capacity dropped the assignment
-    topk_weights_TK: torch.Tensor    # fp32 (fp64 for fp64 models) combine weights; 0 where dropped
+    topk_ids_TK: torch.Tensor  # int64 expert ids; -1 where capacity dropped the assignment
+    topk_weights_TK: torch.Tensor  # fp32 (fp64 for fp64 models) combine weights; 0 where dropped
     tokens_per_expert_E: torch.Tensor  # int64 assignments per expert before dropping
-    kept_per_expert_E: torch.Tensor    # int64 assignments per expert after dropping (what the expert bias counts)
-    aux_loss: torch.Tensor           # fp32 scalar: the load-balancing losses, each times its coefficient
-    z_loss: torch.Tensor             # fp32 scalar, already multiplied by its coefficient
-    dropped_fraction: torch.Tensor   # fp32 scalar: dropped assignments / (T * K)
-    tracked: Dict[str, torch.Tensor] = field(default_factory=dict)   # each loss without its coefficient, under
-                                     # megatron-core's tracker names (detached: for logging)
-    token_weighted: Dict[str, torch.Tensor] = field(default_factory=dict)   # "aux_loss", "z_loss": as above, each
-                                     # loss times the tokens megatron-core weighs it by under --calculate-per-token-
-                                     # loss (per_token_loss_weight); in the graph
+    kept_per_expert_E: torch.Tensor  # int64 assignments per expert after dropping (what the expert bias counts)
+    aux_loss: torch.Tensor  # fp32 scalar: the load-balancing losses, each times its coefficient
+    z_loss: torch.Tensor  # fp32 scalar, already multiplied by its coefficient
+    dropped_fraction: torch.Tensor  # fp32 scalar: dropped assignments / (T * K)
+    tracked: Dict[str, torch.Tensor] = field(default_factory=dict)  # each loss without its coefficient, under
+    # megatron-core's tracker names (detached: for logging)
+    token_weighted: Dict[str, torch.Tensor] = field(default_factory=dict)  # "aux_loss", "z_loss": as above, each
+    # loss times the tokens megatron-core weighs it by under --calculate-per-token-
+    # loss (per_token_loss_weight); in the graph
 
 
 def per_token_loss_weight(kind: str, num_tokens: int, num_sequences: int) -> int:
@@ -64,8 +71,14 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 
-def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
-                       capacity: int, policy: str, num_sequences: int = 1) -> torch.Tensor:
+def capacity_keep_mask(
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    policy: str,
+    num_sequences: int = 1,
+) -> torch.Tensor:
     """Which (t, k) assignments an over-capacity expert keeps, decided from this rank's tokens as megatron-core's
     apply_router_token_dropping decides: each expert keeps the `capacity` rows that torch.topk picks along the
     tokens of its column of the routing probabilities ("probs") or of the 0/1 routing map ("position"), with
@@ -79,7 +92,7 @@ def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     B = num_sequences
     S = T // B
 
-    def sequence_major(x_TE: torch.Tensor) -> torch.Tensor:   # contiguous, as Megatron's [S * B, E]
+    def sequence_major(x_TE: torch.Tensor) -> torch.Tensor:  # contiguous, as Megatron's [S * B, E]
         return x_TE.view(B, S, num_experts).transpose(0, 1).reshape(T, num_experts)
 
     if policy == "position":
@@ -90,12 +103,13 @@ def capacity_keep_mask(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
         values_TE.scatter_(1, topk_ids_TK, topk_weights_TK)
     picked = torch.topk(sequence_major(values_TE), k=capacity, dim=0, sorted=False).indices
     kept_TE = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_ids_TK.device).scatter_(0, picked, True)
-    kept_TE = kept_TE.view(S, B, num_experts).transpose(0, 1).reshape(T, num_experts)   # back to batch-major
+    kept_TE = kept_TE.view(S, B, num_experts).transpose(0, 1).reshape(T, num_experts)  # back to batch-major
     return kept_TE.gather(1, topk_ids_TK)
 
 
-def limit_to_groups(selection_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str,
-                    top_k: int) -> torch.Tensor:
+def limit_to_groups(
+    selection_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str, top_k: int
+) -> torch.Tensor:
     """Group-limited routing (DeepSeek-V2/V3): experts form `num_groups` consecutive groups, each token keeps
     the `group_topk` best groups and its other experts get -inf. A group's score is the sum of its top
     top_k / group_topk selection scores ("top_sum"), of its top two ("top2_sum") or its best one ("max")."""
@@ -127,8 +141,9 @@ class TopKRouter(nn.Module):
         self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=bool(config.bias))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that only affects selection.
         # Replicated on every rank and updated once per optimizer step (see expert_bias.py).
-        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32),
-                             persistent=config.enable_expert_bias)
+        self.register_buffer(
+            "expert_bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=config.enable_expert_bias
+        )
 
     def _apply(self, fn, recurse=True):
         """Casting the model to bf16/fp16 keeps the expert bias fp32: its per-step updates (1e-3) are below
@@ -138,8 +153,13 @@ class TopKRouter(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, keys: Optional[SampleKeys] = None,
-                record: Optional[ExchangeRecord] = None) -> Routing:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        num_sequences: int = 1,
+        keys: Optional[SampleKeys] = None,
+        record: Optional[ExchangeRecord] = None,
+    ) -> Routing:
         cfg = self.config
         x_TD = self._jitter(x_TD, num_sequences, keys)
         # fp32 (fp64 for fp64 models) logits with the weight cast inside the op: wg.weight keeps
@@ -160,13 +180,19 @@ class TopKRouter(nn.Module):
         if cfg.z_loss_coeff:
             raw = router_z_loss(logits_TE)
             z_loss, tracked["z_loss"] = raw * cfg.z_loss_coeff, raw.detach()
-        token_weighted = {"aux_loss": weighted_aux,
-                          "z_loss": z_loss * per_token_loss_weight("z_loss", logits_TE.shape[0], num_sequences)}
+        token_weighted = {
+            "aux_loss": weighted_aux,
+            "z_loss": z_loss * per_token_loss_weight("z_loss", logits_TE.shape[0], num_sequences),
+        }
         topk_ids_TK, topk_weights_TK, dropped = self._drop_over_capacity(topk_ids_TK, topk_weights_TK, num_sequences)
-        kept_E = counts_E if cfg.capacity_factor is None else torch.bincount(
-            topk_ids_TK[topk_ids_TK >= 0], minlength=cfg.num_experts)
-        return Routing(topk_ids_TK, topk_weights_TK, counts_E, kept_E, aux_loss, z_loss, dropped, tracked,
-                       token_weighted)
+        kept_E = (
+            counts_E
+            if cfg.capacity_factor is None
+            else torch.bincount(topk_ids_TK[topk_ids_TK >= 0], minlength=cfg.num_experts)
+        )
+        return Routing(
+            topk_ids_TK, topk_weights_TK, counts_E, kept_E, aux_loss, z_loss, dropped, tracked, token_weighted
+        )
 
     def reset_global_balancing(self) -> None:
         """After each optimizer step: the global-batch aux loss counts the next step's tokens afresh."""
@@ -216,8 +242,11 @@ class TopKRouter(nn.Module):
         post_softmax = cfg.score_function == "softmax" and not cfg.pre_softmax
         # softmax after the top-k selects on the logits (Megatron's): groups are scored by their logits, and two
         # logits a softmax would round to one probability stay apart
-        scores_TE = None if post_softmax and not cfg.enable_expert_bias else (
-            torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE))
+        scores_TE = (
+            None
+            if post_softmax and not cfg.enable_expert_bias
+            else (torch.softmax(logits_TE, -1) if cfg.score_function == "softmax" else torch.sigmoid(logits_TE))
+        )
         selection_TE = logits_TE if scores_TE is None else scores_TE
         if cfg.enable_expert_bias:
             selection_TE = selection_TE + self.expert_bias
@@ -235,8 +264,9 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK * cfg.topk_scaling_factor
         return topk_ids_TK, weights_TK
 
-    def _balancing_losses(self, logits_TE, num_sequences, record=None
-                          ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    def _balancing_losses(
+        self, logits_TE, num_sequences, record=None
+    ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """(the load-balancing losses that are on, each times its coefficient, summed; the same sum with each also
         times its per_token_loss_weight; {tracker name: each without its coefficient}). The global one in training
         forwards only (it counts the step's tokens, collectively)."""
@@ -252,13 +282,14 @@ class TopKRouter(nn.Module):
                 if not (self.training and torch.is_grad_enabled()):
                     continue
                 loss, ranks = self.global_balancing.loss(probs_TE, map_TE, cfg.top_k, record)
-                tracked[TRACKER_NAMES[kind]] = loss.detach() * ranks   # Megatron's tracker sums it over ranks
+                tracked[TRACKER_NAMES[kind]] = loss.detach() * ranks  # Megatron's tracker sums it over ranks
             elif kind == "seq_aux_loss" and logits_TE.shape[0]:
                 S = logits_TE.shape[0] // num_sequences
-                loss = sequence_aux_loss(probs_TE.view(num_sequences, S, -1), map_TE.view(num_sequences, S, -1),
-                                         cfg.top_k)
+                loss = sequence_aux_loss(
+                    probs_TE.view(num_sequences, S, -1), map_TE.view(num_sequences, S, -1), cfg.top_k
+                )
                 tracked[TRACKER_NAMES[kind]] = loss.detach()
-            else:   # an empty micro-batch has nothing to balance (and no sequence to average)
+            else:  # an empty micro-batch has nothing to balance (and no sequence to average)
                 loss = switch_aux_loss(probs_TE, map_TE.sum(0), cfg.top_k)
                 tracked[TRACKER_NAMES[kind]] = loss.detach()
             total = total + loss * coefficient
@@ -271,8 +302,9 @@ class TopKRouter(nn.Module):
         if cfg.capacity_factor is None or T == 0:
             return topk_ids_TK, topk_weights_TK, topk_weights_TK.new_zeros(())
         capacity = expert_capacity(T, cfg.num_experts, K, cfg.capacity_factor)
-        keep_TK = capacity_keep_mask(topk_ids_TK, topk_weights_TK.detach(), cfg.num_experts, capacity,
-                                     cfg.token_drop_policy, num_sequences)
+        keep_TK = capacity_keep_mask(
+            topk_ids_TK, topk_weights_TK.detach(), cfg.num_experts, capacity, cfg.token_drop_policy, num_sequences
+        )
         ids = torch.where(keep_TK, topk_ids_TK, -1)
         weights = torch.where(keep_TK, topk_weights_TK, 0.0)
         dropped = (~keep_TK).sum().to(torch.float32) / (T * K)

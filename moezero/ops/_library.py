@@ -10,6 +10,7 @@ in tools/bench_ops.py. On CUDA that is what tools/gpu_check.sh showed correct an
 (docs/benchmarks.md#cuda-kernels): the routing ops 2.1-5.0x and flatten_into 1.1-1.4x; sum_of_squares
 (1.04-1.08x, within a run's noise) stays torch's _foreach_norm.
 """
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -24,21 +25,39 @@ from moezero.torch_internals import functorch_transforms_active
 OPS = ("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into", "sum_of_squares")
 # called from an autograd.Function (gelu.py, bias_add.py, rms_norm.py, swiglu.py), not registered as custom ops:
 # a custom op's dispatch costs more per call than these element-wise kernels take on an expert's rows
-DIRECT_OPS = ("bias_gelu", "bias_gelu_backward", "grouped_bias_add", "grouped_bias_grad", "rms_norm",
-              "rms_norm_backward", "swiglu", "swiglu_backward", "quick_geglu", "quick_geglu_backward", "cross_entropy",
-              "cross_entropy_backward")
-WIRED = MappingProxyType({
-    "cpu": frozenset(OPS + DIRECT_OPS),
-    "cuda": frozenset(("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into")),
-})
+DIRECT_OPS = (
+    "bias_gelu",
+    "bias_gelu_backward",
+    "grouped_bias_add",
+    "grouped_bias_grad",
+    "rms_norm",
+    "rms_norm_backward",
+    "swiglu",
+    "swiglu_backward",
+    "quick_geglu",
+    "quick_geglu_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+)
+WIRED = MappingProxyType(
+    {
+        "cpu": frozenset(OPS + DIRECT_OPS),
+        "cuda": frozenset(("permute", "unpermute_combine", "unpermute_combine_backward", "flatten_into")),
+    }
+)
 
 
 def direct_kernels_apply(t: Tensor) -> bool:
     """Whether the DIRECT_OPS' CPU kernels may run on `t`: on the CPU, float32 or bfloat16, in eager mode
     (torch.compile traces torch's ops instead, and torch.func's transforms refuse an autograd.Function without
     their rules), the extension loaded. Each op adds its own conditions."""
-    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
-            and not functorch_transforms_active() and _loader.load("cpu") is not None)
+    return (
+        t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.bfloat16)
+        and not torch.compiler.is_compiling()
+        and not functorch_transforms_active()
+        and _loader.load("cpu") is not None
+    )
 
 
 def kernel(name: str, device: torch.device) -> Callable:
@@ -52,6 +71,7 @@ def kernel(name: str, device: torch.device) -> Callable:
 
 # ---- permute ------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("moezero::permute", mutates_args=())
 def permute(x_TD: Tensor, topk_ids_TK: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
     x_ND, counts_E, row_map_TK = kernel("permute", x_TD.device)(x_TD, topk_ids_TK, num_experts)
@@ -62,9 +82,11 @@ def permute(x_TD: Tensor, topk_ids_TK: Tensor, num_experts: int) -> Tuple[Tensor
 def _permute_fake(x_TD, topk_ids_TK, num_experts):
     # N (kept assignments) depends on the ids: fine for FakeTensors / torch.compile, an error on meta
     n = torch.library.get_ctx().new_dynamic_size()
-    return (x_TD.new_empty(n, x_TD.shape[1]),
-            topk_ids_TK.new_empty(num_experts, dtype=torch.int64),
-            topk_ids_TK.new_empty(topk_ids_TK.shape, dtype=torch.int64))
+    return (
+        x_TD.new_empty(n, x_TD.shape[1]),
+        topk_ids_TK.new_empty(num_experts, dtype=torch.int64),
+        topk_ids_TK.new_empty(topk_ids_TK.shape, dtype=torch.int64),
+    )
 
 
 def _permute_setup(ctx, inputs, output):
@@ -82,6 +104,7 @@ permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 # ---- unpermute + weighted combine -----------------------------------------------------------
 
+
 @torch.library.custom_op("moezero::unpermute_combine", mutates_args=())
 def unpermute_combine(y_ND: Tensor, row_map_TK: Tensor, weights_TK: Optional[Tensor]) -> Tensor:
     return kernel("unpermute_combine", y_ND.device)(y_ND, row_map_TK, weights_TK)
@@ -93,8 +116,9 @@ def _unpermute_combine_fake(y_ND, row_map_TK, weights_TK):
 
 
 @torch.library.custom_op("moezero::unpermute_combine_backward", mutates_args=())
-def unpermute_combine_backward(grad_TD: Tensor, y_ND: Tensor, row_map_TK: Tensor,
-                               weights_TK: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def unpermute_combine_backward(
+    grad_TD: Tensor, y_ND: Tensor, row_map_TK: Tensor, weights_TK: Optional[Tensor]
+) -> Tuple[Tensor, Tensor]:
     """(grad_y_ND, grad_weights_TK); grad_weights_TK is empty when weights_TK is None."""
     grad_y, grad_w = kernel("unpermute_combine_backward", y_ND.device)(grad_TD, y_ND, row_map_TK, weights_TK)
     return grad_y, grad_w if grad_w is not None else y_ND.new_empty(0)
@@ -120,6 +144,7 @@ unpermute_combine.register_autograd(_combine_backward, setup_context=_combine_se
 
 
 # ---- gradient-bucket ops ------------------------------------------------------------------
+
 
 @torch.library.custom_op("moezero::flatten_into", mutates_args={"flat"})
 def flatten_into(flat: Tensor, tensors: List[Tensor], offsets: List[int], scale: float, accumulate: bool) -> None:

@@ -7,6 +7,7 @@
 - `MOEZERO_REQUIRE_EXT=1` turns a missing extension into an error instead of a fallback, so CI
   cannot pass on a silently broken build.
 """
+
 from __future__ import annotations
 
 import functools

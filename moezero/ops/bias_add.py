@@ -7,6 +7,7 @@ one sum per expert were 2-4 x E ops a layer: thousands of kernel launches a step
 give the same bits: one rounded add, and each expert's column sums in row order, in fp32 (fp64 for fp64 rows),
 as the fused bias-GELU's.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -27,7 +28,7 @@ def add_expert_bias(y_MF: Tensor, b_LF: Tensor, counts: List[int]) -> Tensor:
     """y + b_LF[l] on expert l's rows, in y's dtype; differentiable in both."""
     if fused_bias_add_applies(y_MF):
         return _FusedExpertBias.apply(y_MF, b_LF, counts)
-    if functorch_transforms_active():   # torch.func refuses an autograd.Function without its rules: plain ops
+    if functorch_transforms_active():  # torch.func refuses an autograd.Function without its rules: plain ops
         return y_MF + _rows_of(b_LF.to(y_MF.dtype), counts)
     return _ExpertBiasOps.apply(y_MF, b_LF, counts)
 
@@ -43,7 +44,7 @@ class _FusedExpertBias(torch.autograd.Function):
     def backward(ctx, grad_MF):
         if not ctx.needs_input_grad[1]:
             return grad_MF, None, None
-        if torch.is_grad_enabled():   # create_graph: a graph through the sums (the kernel builds none)
+        if torch.is_grad_enabled():  # create_graph: a graph through the sums (the kernel builds none)
             return grad_MF, _segment_sums(grad_MF, ctx.counts).to(ctx.bias_dtype), None
         sums = _library.kernel("grouped_bias_grad", grad_MF.device)(grad_MF.contiguous(), ctx.counts)
         return grad_MF, sums.to(ctx.bias_dtype), None

@@ -7,6 +7,7 @@ reference.py its oracle.
 Used where the compiled kernel is loaded, on CPU float32 / bfloat16 logits, outside torch.compile; elsewhere
 `token_cross_entropy` runs F.cross_entropy on the logits widened to fp32 (Megatron's unfused loss).
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from moezero.ops import _library
 
-IGNORE_INDEX = -100   # F.cross_entropy's default
+IGNORE_INDEX = -100  # F.cross_entropy's default
 
 
 def fused_cross_entropy_applies(logits: Tensor) -> bool:
@@ -34,14 +35,15 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_N: Tensor):
         logits_NV, labels_N, stats = ctx.saved_tensors
         grad = _library.kernel("cross_entropy_backward", logits_NV.device)(
-            grad_N.float().contiguous(), logits_NV, labels_N, stats, IGNORE_INDEX)
+            grad_N.float().contiguous(), logits_NV, labels_N, stats, IGNORE_INDEX
+        )
         return grad, None
 
 
 def token_cross_entropy(logits_NV: Tensor, labels_N: Tensor, fused: bool = False) -> Tensor:
     """Per-row cross-entropy in fp32 at least (fp64 logits: fp64) of logits (N, V) against labels (N,); `fused`
     (--cross-entropy-loss-fusion): the fused kernel where fused_cross_entropy_applies(logits)."""
-    if fused and labels_N.dtype == torch.int64 and fused_cross_entropy_applies(logits_NV):   # uint8: torch's
+    if fused and labels_N.dtype == torch.int64 and fused_cross_entropy_applies(logits_NV):  # uint8: torch's
         return _CrossEntropy.apply(logits_NV.contiguous(), labels_N.contiguous())
     wide = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
     return F.cross_entropy(wide, labels_N, reduction="none", ignore_index=IGNORE_INDEX)

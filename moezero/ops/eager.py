@@ -2,11 +2,13 @@
 
 A `torch.library` custom op costs Python per call (schema checks, the autograd wrapper, the dispatch back into
 Python) and its generated backward node more again: across the routing ops and the gradient buckets, more than
-the kernels themselves take at small widths (docs/benchmarks.md#dispatch, tools/bench_ops.py --only dispatch). Outside torch.compile, on plain tensors of a real device, the public ops (ops/__init__.py) call the
+the kernels themselves take at small widths (docs/benchmarks.md#dispatch, tools/bench_ops.py --only dispatch). Outside
+torch.compile, on plain tensors of a real device, the public ops (ops/__init__.py) call the
 same kernels (`_library.kernel`: the compiled one where wired, else the reference) through this file; traced
 code, FakeTensors, meta tensors and tensor subclasses keep the custom ops (`_library.py`), which stay the
 contract for torch.compile and torch.library's checks. Both paths give the same bits (tests/ops/test_library.py).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -49,11 +51,12 @@ class _UnpermuteCombine(torch.autograd.Function):
         return kernel("unpermute_combine", y_ND.device)(y_ND, row_map_TK, weights_TK)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # as the custom op, whose backward op has no autograd
+    @torch.autograd.function.once_differentiable  # as the custom op, whose backward op has no autograd
     def backward(ctx, grad_TD: Tensor):
         y_ND, row_map_TK, weights_TK = ctx.saved_tensors
         grad_y, grad_w = kernel("unpermute_combine_backward", y_ND.device)(
-            grad_TD.contiguous(), y_ND, row_map_TK, weights_TK)
+            grad_TD.contiguous(), y_ND, row_map_TK, weights_TK
+        )
         return grad_y, None, None if weights_TK is None else grad_w
 
 
@@ -67,7 +70,7 @@ def unpermute_combine(y_ND: Tensor, row_map_TK: Tensor, weights_TK: Optional[Ten
 
 def flatten_into(flat: Tensor, tensors: List[Tensor], offsets: List[int], scale: float, accumulate: bool) -> None:
     kernel("flatten_into", flat.device)(flat, tensors, offsets, scale, accumulate)
-    torch.autograd.graph.increment_version(flat)   # as the custom op's in-place mutation does
+    torch.autograd.graph.increment_version(flat)  # as the custom op's in-place mutation does
 
 
 def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:

@@ -11,6 +11,7 @@ the kernel, reference.py its oracle.
 Used where the compiled kernel is loaded, on CPU float32 / bfloat16 tensors that need a gradient, outside
 torch.compile; elsewhere the callers run torch's GELU on the biased input.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -32,23 +33,25 @@ class _BiasGelu(torch.autograd.Function):
     def forward(ctx, y_MF: Tensor, bias_LF: Optional[Tensor], counts: List[int], tanh: bool) -> Tensor:
         bias = None if bias_LF is None else bias_LF.to(y_MF.dtype).contiguous()
         a_MF, h_MF = _library.kernel("bias_gelu", y_MF.device)(y_MF.contiguous(), bias, counts, tanh)
-        ctx.save_for_backward(h_MF)   # GELU's input, as torch's GELU saves: the backward computes gelu'(h) in fp32
+        ctx.save_for_backward(h_MF)  # GELU's input, as torch's GELU saves: the backward computes gelu'(h) in fp32
         ctx.counts, ctx.tanh = counts, tanh
         ctx.bias_dtype = None if bias_LF is None else bias_LF.dtype
         return a_MF
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # the kernel's backward builds no graph: double backward raises
+    @torch.autograd.function.once_differentiable  # the kernel's backward builds no graph: double backward raises
     def backward(ctx, grad_a_MF: Tensor):
         (h_MF,) = ctx.saved_tensors
         with_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[1]
         grad_h, grad_bias = _library.kernel("bias_gelu_backward", h_MF.device)(
-            grad_a_MF.contiguous(), h_MF, ctx.counts, with_bias, ctx.tanh)
+            grad_a_MF.contiguous(), h_MF, ctx.counts, with_bias, ctx.tanh
+        )
         return grad_h, grad_bias.to(ctx.bias_dtype) if with_bias else None, None, None
 
 
-def bias_gelu(y: Tensor, bias_LF: Optional[Tensor] = None, counts: Optional[List[int]] = None,
-              approximate: str = "none") -> Tensor:
+def bias_gelu(
+    y: Tensor, bias_LF: Optional[Tensor] = None, counts: Optional[List[int]] = None, approximate: str = "none"
+) -> Tensor:
     """gelu(y + bias_LF[l]) on the rows of expert l (rows grouped by expert, counts[l] of them; no bias: gelu(y)),
     over y's last dimension, `approximate` as torch's F.gelu; only where fused_gelu_applies(y, bias_LF)."""
     if approximate not in ("none", "tanh"):

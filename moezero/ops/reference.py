@@ -7,6 +7,7 @@ and within one expert by flat assignment index t * K + k (a stable counting sort
 `row_map_TK[t, k]` is the permuted row of assignment (t, k), or -1 when it was dropped
 (topk_ids_TK[t, k] == -1).
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -14,8 +15,9 @@ from typing import List, Sequence, Tuple
 import torch
 
 
-def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def permute(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert-sorted copy of the routed tokens.
 
     Returns (x_ND, counts_E int64, row_map_TK int64).
@@ -33,8 +35,7 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int
     return x_ND, counts_E, row_map.view(T, K)
 
 
-def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: torch.Tensor | None
-                      ) -> torch.Tensor:
+def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * y[row_map[t, k]] over kept k (w = 1 when weights is None).
 
     Accumulates in fp32 (fp64 for fp64 inputs) and returns y's dtype.
@@ -45,15 +46,19 @@ def unpermute_combine(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: 
     rows = torch.where(kept, row_map_TK, torch.zeros_like(row_map_TK)).reshape(-1)
     w = kept.to(acc_dtype) if weights_TK is None else torch.where(kept, weights_TK.to(acc_dtype), 0.0)
     # no rows at all (T = 0, or every assignment dropped): index_select cannot address y
-    gathered = y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1) if T * K and y_ND.shape[0] else \
-        y_ND.new_zeros(T, K, y_ND.shape[1], dtype=acc_dtype)
+    gathered = (
+        y_ND.index_select(0, rows).to(acc_dtype).view(T, K, -1)
+        if T * K and y_ND.shape[0]
+        else y_ND.new_zeros(T, K, y_ND.shape[1], dtype=acc_dtype)
+    )
     # a dropped slot reads row 0: zero the row itself (0 * an inf or NaN row 0 would be NaN), as the kernel skips it
     gathered = torch.where(kept[:, :, None], gathered, 0.0)
     return torch.einsum("tkd,tk->td", gathered, w).to(y_ND.dtype)
 
 
-def unpermute_combine_backward(grad_TD: torch.Tensor, y_ND: torch.Tensor, row_map_TK: torch.Tensor,
-                               weights_TK: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor | None]:
+def unpermute_combine_backward(
+    grad_TD: torch.Tensor, y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: torch.Tensor | None
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of unpermute_combine: (grad_y_ND in y's dtype, grad_weights_TK in weights' dtype or None)."""
     T, K = row_map_TK.shape
     acc_dtype = torch.promote_types(y_ND.dtype, torch.float32)
@@ -73,10 +78,15 @@ def unpermute_combine_backward(grad_TD: torch.Tensor, y_ND: torch.Tensor, row_ma
     return grad_y.to(y_ND.dtype), grad_w
 
 
-def flatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-                 scale: float = 1.0, accumulate: bool = False) -> None:
+def flatten_into(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    scale: float = 1.0,
+    accumulate: bool = False,
+) -> None:
     """flat[o_i : o_i + n_i] (+)= scale * tensors[i].flatten(), cast to flat's dtype."""
-    views: List[torch.Tensor] = [flat[o:o + t.numel()] for t, o in zip(tensors, offsets)]
+    views: List[torch.Tensor] = [flat[o : o + t.numel()] for t, o in zip(tensors, offsets)]
     sources = [t.reshape(-1) for t in tensors]
     if not views:
         return
@@ -103,22 +113,22 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _expert_rows(rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """Each row's block of `rows` ((L, F) -> (M, F)) for row blocks of counts[l] rows."""
-    return torch.repeat_interleave(rows, torch.tensor(list(counts), device=rows.device), dim=0,
-                                   output_size=sum(counts))
+    return torch.repeat_interleave(rows, torch.tensor(list(counts), device=rows.device), dim=0, output_size=sum(counts))
 
 
 def _gelu_slope(wide: torch.Tensor, tanh: bool) -> torch.Tensor:
     """gelu'(h) in float64 (exact, or of the tanh approximation)."""
     if tanh:
         beta, kappa = (2.0 / torch.pi) ** 0.5, 0.044715
-        t = torch.tanh(beta * (wide + kappa * wide ** 3))
+        t = torch.tanh(beta * (wide + kappa * wide**3))
         return 0.5 * (1.0 + t) + 0.5 * wide * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * wide * wide)
-    cdf = 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))
+    cdf = 0.5 * (1.0 + torch.erf(wide * 0.5**0.5))
     return cdf + wide * torch.exp(-0.5 * wide * wide) * (2.0 * torch.pi) ** -0.5
 
 
-def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int], tanh: bool = False
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
+def bias_gelu(
+    y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence[int], tanh: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(gelu(h) rounded to y's dtype, h) of h = y + the bias of each row's expert (rounded to y's dtype; y itself
     without a bias); rows are grouped by expert, counts[l] of them. gelu is the exact (erf) one, or its tanh
     approximation."""
@@ -126,12 +136,13 @@ def bias_gelu(y_MF: torch.Tensor, bias_LF: torch.Tensor | None, counts: Sequence
     wide = h.double()
     if tanh:
         beta, kappa = (2.0 / torch.pi) ** 0.5, 0.044715
-        return (0.5 * wide * (1.0 + torch.tanh(beta * (wide + kappa * wide ** 3)))).to(y_MF.dtype), h
-    return (wide * 0.5 * (1.0 + torch.erf(wide * 0.5 ** 0.5))).to(y_MF.dtype), h
+        return (0.5 * wide * (1.0 + torch.tanh(beta * (wide + kappa * wide**3)))).to(y_MF.dtype), h
+    return (wide * 0.5 * (1.0 + torch.erf(wide * 0.5**0.5))).to(y_MF.dtype), h
 
 
-def bias_gelu_backward(grad_a_MF: torch.Tensor, h_MF: torch.Tensor, counts: Sequence[int], bias_grad: bool,
-                       tanh: bool = False) -> Tuple[torch.Tensor, torch.Tensor | None]:
+def bias_gelu_backward(
+    grad_a_MF: torch.Tensor, h_MF: torch.Tensor, counts: Sequence[int], bias_grad: bool, tanh: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """(grad_h = grad_a * gelu'(h), gelu'(h) in float64, rounded once to their dtype; each expert's bias gradient
     (its rows' column sums of grad_h) in fp32, or None when not bias_grad)."""
     grad_h = (grad_a_MF.double() * _gelu_slope(h_MF.double(), tanh)).to(grad_a_MF.dtype)
@@ -164,8 +175,9 @@ def rms_norm(x_NH: torch.Tensor, weight_H: torch.Tensor | None, eps: float) -> T
     return (y if weight_H is None else y * weight_H.double()).to(x_NH.dtype), rstd.float()
 
 
-def rms_norm_backward(grad_NH: torch.Tensor, x_NH: torch.Tensor, rstd_N: torch.Tensor, weight_H: torch.Tensor | None,
-                      weight_grad: bool) -> Tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_backward(
+    grad_NH: torch.Tensor, x_NH: torch.Tensor, rstd_N: torch.Tensor, weight_H: torch.Tensor | None, weight_grad: bool
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """(grad_x = rstd (gw - x rstd^2 mean(gw x)) with gw = g w, the weight's gradient sum(g x rstd) in fp32 or
     None), in float64 before the last rounding."""
     g, x, rstd = grad_NH.double(), x_NH.double(), rstd_N.double()[:, None]
@@ -216,8 +228,9 @@ def quick_geglu(h_M2F: torch.Tensor, alpha: float, offset: float, clamp: float |
     return (a * u1).to(h_M2F.dtype)
 
 
-def quick_geglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor, alpha: float, offset: float,
-                         clamp: float | None) -> torch.Tensor:
+def quick_geglu_backward(
+    grad_MF: torch.Tensor, h_M2F: torch.Tensor, alpha: float, offset: float, clamp: float | None
+) -> torch.Tensor:
     """[grad_gate | grad_up] as autograd runs quick_geglu's chain: grad_a = dy u1, grad_u = dy a, grad_gate =
     grad_a s + (grad_a g (1 - s) s) alpha, each product rounded; 0 where a clamp held the input."""
     rounded = lambda t: t.to(h_M2F.dtype).double()
@@ -234,8 +247,9 @@ def quick_geglu_backward(grad_MF: torch.Tensor, h_M2F: torch.Tensor, alpha: floa
     return torch.cat([grad_gate, grad_up], dim=-1).to(h_M2F.dtype)
 
 
-def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(losses_N, stats_N2), fp32, from the logits widened to fp32: each row's stats are its max m and
     l = log sum_j exp(x_j - m), kept apart (their fp32 sum would lose digits at large logits); the loss is
     (m - x_label) + l, 0 where the label is ignore_index."""
@@ -247,8 +261,9 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index:
     return torch.where(kept, (m - picked) + log_sum, 0.0), torch.stack([m, log_sum], dim=1)
 
 
-def cross_entropy_backward(grad_N: torch.Tensor, logits_NV: torch.Tensor, labels_N: torch.Tensor,
-                           stats_N2: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def cross_entropy_backward(
+    grad_N: torch.Tensor, logits_NV: torch.Tensor, labels_N: torch.Tensor, stats_N2: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
     """grad_N * (softmax - one_hot(labels)) in fp32, rounded to the logits' dtype (0 on an ignored row)."""
     kept = labels_N != ignore_index
     grad = torch.where(kept, grad_N, 0.0)[:, None]

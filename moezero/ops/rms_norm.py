@@ -7,6 +7,7 @@ autograd do, so values agree with torch's to fp32 rounding in the row's sums (in
 rounding); reference.py has its float64 oracle. Elsewhere (a GPU, fp64: the HF oracles, torch.compile, no
 extension) torch's F.rms_norm runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,11 @@ def fused_rms_norm_applies(x: Tensor, weight: Optional[Tensor]) -> bool:
 
 def rms_norm(x: Tensor, normalized_shape: List[int], weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
     """F.rms_norm(x, normalized_shape, weight, eps), by the kernel where fused_rms_norm_applies()."""
-    trailing = tuple(x.shape[max(0, x.dim() - len(normalized_shape)):])
-    shaped = weight is None or tuple(weight.shape) == tuple(normalized_shape)   # else torch's error
+    trailing = tuple(x.shape[max(0, x.dim() - len(normalized_shape)) :])
+    shaped = weight is None or tuple(weight.shape) == tuple(normalized_shape)  # else torch's error
     if x.numel() == 0 or trailing != tuple(normalized_shape) or not shaped or not fused_rms_norm_applies(x, weight):
         return F.rms_norm(x, normalized_shape, weight, eps)
-    eps = torch.finfo(torch.float32).eps if eps is None else eps   # torch's: its computation dtype's, fp32
+    eps = torch.finfo(torch.float32).eps if eps is None else eps  # torch's: its computation dtype's, fp32
     width = math.prod(normalized_shape)
     w = None if weight is None else weight.reshape(width)
     return _RMSNorm.apply(x.reshape(-1, width), w, eps).view(x.shape)
@@ -48,10 +49,11 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # the kernel's backward builds no graph: double backward raises
+    @torch.autograd.function.once_differentiable  # the kernel's backward builds no graph: double backward raises
     def backward(ctx, grad_NH: Tensor):
         x_NH, rstd, weight_H = ctx.saved_tensors
         weight_grad = weight_H is not None and ctx.needs_input_grad[1]
         grad_x, grad_w = _library.kernel("rms_norm_backward", x_NH.device)(
-            grad_NH.contiguous(), x_NH, rstd, weight_H, weight_grad)
+            grad_NH.contiguous(), x_NH, rstd, weight_H, weight_grad
+        )
         return grad_x, grad_w.to(weight_H.dtype) if weight_grad else None, None

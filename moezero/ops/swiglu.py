@@ -12,6 +12,7 @@ bit moves a rounding, or underflows: 0 below alpha gate = -87, torch's ~1e-38) a
 (torch's chain also keeps four tensors of the output's size). Elsewhere (a GPU, fp64: the HF oracles, torch.compile,
 no extension) the torch ops run.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,7 +42,7 @@ class _SwiGLU(torch.autograd.Function):
         return _library.kernel("swiglu", h_M2F.device)(h_M2F)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # the kernel's backward builds no graph: double backward raises
+    @torch.autograd.function.once_differentiable  # the kernel's backward builds no graph: double backward raises
     def backward(ctx, grad_MF: Tensor):
         (h_M2F,) = ctx.saved_tensors
         return _library.kernel("swiglu_backward", h_M2F.device)(grad_MF.contiguous(), h_M2F)

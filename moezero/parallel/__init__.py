@@ -4,5 +4,16 @@ from moezero.parallel.local_channel import ChannelError, ChannelTimeout
 from moezero.parallel.transport import Transport
 from moezero.parallel.work import Work
 
-__all__ = ["ParallelGroups", "RankLayout", "rank_layout", "ExpertShard", "mark_expert_parallel",
-           "expert_shard_of", "is_expert_parallel", "ChannelError", "ChannelTimeout", "Transport", "Work"]
+__all__ = [
+    "ParallelGroups",
+    "RankLayout",
+    "rank_layout",
+    "ExpertShard",
+    "mark_expert_parallel",
+    "expert_shard_of",
+    "is_expert_parallel",
+    "ChannelError",
+    "ChannelTimeout",
+    "Transport",
+    "Work",
+]

@@ -19,6 +19,7 @@ timeout expires, naming where it waited. A record that rides on a model's exchan
 among the records too lets that exchange wait watching them (`watched_wait`): a rank whose peer
 went elsewhere finds the peer's differing record there and raises instead of waiting.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from moezero.parallel import small_reduce
 
 RECORD_LENGTH = 6
-WATCH_SLICE = datetime.timedelta(milliseconds=20)   # a watched wait checks the agreement records this often
-RECORDS_PER_MESSAGE = 8   # records launched together travel in one all-reduce (a short message: padded)
+WATCH_SLICE = datetime.timedelta(milliseconds=20)  # a watched wait checks the agreement records this often
+RECORDS_PER_MESSAGE = 8  # records launched together travel in one all-reduce (a short message: padded)
 Describe = Callable[[Sequence[int]], str]
 Record = Sequence[int]
 
@@ -52,8 +53,8 @@ class Agreement:
         self.records = [_padded(r) for r in records]
         self.describe = describe
         self.message: Optional[Any] = None
-        self.checked = False        # check() or wait() ran
-        self.flag_anywhere = flag   # the flag's bits set on any rank (their OR), once checked
+        self.checked = False  # check() or wait() ran
+        self.flag_anywhere = flag  # the flag's bits set on any rank (their OR), once checked
         if group is not None and dist.get_world_size(group) > 1:
             unused = [0] * (RECORD_LENGTH * (RECORDS_PER_MESSAGE - len(self.records)))
             self.mine = [v for r in self.records for v in r] + unused + [int(flag)]
@@ -70,19 +71,19 @@ class Agreement:
         message, self.message = self.message, None
         try:
             message.wait()
-        except RuntimeError as exc:   # the group's timeout, or a peer that exited
+        except RuntimeError as exc:  # the group's timeout, or a peer that exited
             raise RanksDisagree(not_arrived_message(self.describe(self.record), exc)) from None
         every = message.copies.view(-1, len(self.mine)).tolist()
         self.flag_anywhere = 0
-        for row in every:   # bits of a flag are set where any rank set them
+        for row in every:  # bits of a flag are set where any rank set them
             self.flag_anywhere |= row[-1]
         mine = self.mine[:-1]
-        if all(row[:-1] == mine for row in every):   # the common case: no per-record loop
+        if all(row[:-1] == mine for row in every):  # the common case: no per-record loop
             return
-        empty = [[0] * RECORD_LENGTH] * (RECORDS_PER_MESSAGE - len(self.records))   # what an unused slot holds
-        for slot, record in enumerate(self.records + empty):   # the first record that differs, on any rank
+        empty = [[0] * RECORD_LENGTH] * (RECORDS_PER_MESSAGE - len(self.records))  # what an unused slot holds
+        for slot, record in enumerate(self.records + empty):  # the first record that differs, on any rank
             for row in every:
-                other = row[slot * RECORD_LENGTH:(slot + 1) * RECORD_LENGTH]
+                other = row[slot * RECORD_LENGTH : (slot + 1) * RECORD_LENGTH]
                 if other != record:
                     raise RanksDisagree(disagreement_message(dist.get_rank(), record, other, self.describe))
 
@@ -112,8 +113,9 @@ class ExchangeRecord:
     whose peer went elsewhere raises instead of waiting in the exchange for it; where a wait cannot be watched,
     the record is settled before the exchange."""
 
-    def __init__(self, mine: Record, describe: Describe,
-                 channel: Optional[Tuple[Callable[[], None], Callable[[], None]]] = None):
+    def __init__(
+        self, mine: Record, describe: Describe, channel: Optional[Tuple[Callable[[], None], Callable[[], None]]] = None
+    ):
         self.mine = _padded(mine)
         self.describe = describe
         self.channel = channel
@@ -123,7 +125,7 @@ class ExchangeRecord:
         if self.channel is None:
             return None
         settle, check_arrived = self.channel
-        if dist.get_backend(group) != "gloo":   # only gloo's waits can be left and resumed
+        if dist.get_backend(group) != "gloo":  # only gloo's waits can be left and resumed
             settle()
             return None
         return lambda work: watched_wait(work, check_arrived)
@@ -137,8 +139,10 @@ class ExchangeRecord:
     def check_summed(self, sums: torch.Tensor, squares: torch.Tensor, ranks: int) -> None:
         """The record and its square summed over `ranks` ranks: all equal iff ranks * sum(r^2) == sum(r)^2."""
         if not torch.equal(sums * sums, squares * ranks):
-            raise RanksDisagree("the ranks are not doing the same thing, so their collectives would not pair up: "
-                                f"this rank ({dist.get_rank()}) {self.describe(self.mine)}; another rank was not")
+            raise RanksDisagree(
+                "the ranks are not doing the same thing, so their collectives would not pair up: "
+                f"this rank ({dist.get_rank()}) {self.describe(self.mine)}; another rank was not"
+            )
 
 
 def watched_wait(work: Any, check_arrived: Callable[[], None]) -> None:
@@ -151,7 +155,7 @@ def watched_wait(work: Any, check_arrived: Callable[[], None]) -> None:
             work.wait(WATCH_SLICE)
             return
         except RuntimeError:
-            if work.is_completed():   # it ended meanwhile, or failed: wait() says which
+            if work.is_completed():  # it ended meanwhile, or failed: wait() says which
                 work.wait()
                 return
             check_arrived()
@@ -164,13 +168,17 @@ def agree(record: Sequence[int], group: Optional[Any], describe: Describe) -> No
 
 def not_arrived_message(doing: str, exc: BaseException) -> str:
     """A wait that ended without every peer: what this rank was doing, and the backend's reason."""
-    return (f"rank {dist.get_rank()} {doing}, and not every other rank arrived there (one is blocked in a "
-            "collective of its own, ran a different number of forwards or backwards, or exited): "
-            f"{str(exc).splitlines()[0]}")
+    return (
+        f"rank {dist.get_rank()} {doing}, and not every other rank arrived there (one is blocked in a "
+        "collective of its own, ran a different number of forwards or backwards, or exited): "
+        f"{str(exc).splitlines()[0]}"
+    )
 
 
 def disagreement_message(rank: int, mine: List[int], other: List[int], describe: Describe) -> str:
     """This rank's record and another rank's."""
-    return ("the ranks are not doing the same thing, so their collectives would not pair up (every rank must run "
-            f"the same forwards, backwards and optimizer calls, in the same order): this rank ({rank}) "
-            f"{describe(mine)}; another rank {describe(other)}")
+    return (
+        "the ranks are not doing the same thing, so their collectives would not pair up (every rank must run "
+        f"the same forwards, backwards and optimizer calls, in the same order): this rank ({rank}) "
+        f"{describe(mine)}; another rank {describe(other)}"
+    )

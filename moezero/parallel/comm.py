@@ -7,6 +7,7 @@ What each collective does is said here; how its bytes travel is the group's tran
 chosen once per group), so callers never learn which transport serves a group. Every launched collective gives a
 `Work` (work.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,16 +29,18 @@ def group_rank(group: Optional[Any]) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def launch_all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-                      group: Optional[Any]) -> Work:
+def launch_all_to_all(
+    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Optional[Any]
+) -> Work:
     """all_to_all, launched: a work whose `wait()` gives the rows (a group of one: `x` at once)."""
     if group_size(group) == 1:
         return Ready(x)
     return PendingAllToAll(x, output_splits, input_splits, group)
 
 
-def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-               group: Optional[Any]) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Optional[Any]
+) -> torch.Tensor:
     """Send rows x[sum(input_splits[:j]) : ...] to rank j of `group`; autograd-aware.
 
     `input_splits[j]` rows go to rank j; `output_splits[j]` rows arrive from rank j.
@@ -55,7 +58,7 @@ class PendingAllToAll:
     def __init__(self, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Any):
         self.output_splits, self.input_splits, self.group = list(output_splits), list(input_splits), group
         self.work = self.grad_work = None
-        self.sent = self.grad_sent = self.grad_received = None   # kept alive while their exchange travels
+        self.sent = self.grad_sent = self.grad_received = None  # kept alive while their exchange travels
         self.rows = _LaunchAllToAll.apply(x, self)
 
     def is_completed(self) -> bool:
@@ -63,11 +66,11 @@ class PendingAllToAll:
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> torch.Tensor:
         whole_waits_only(timeout, "an all-to-all inside autograd")
-        rows, self.rows = self.rows, None   # the rows' autograd node holds this object: no cycle through them
+        rows, self.rows = self.rows, None  # the rows' autograd node holds this object: no cycle through them
         return _WaitAllToAll.apply(rows, self)
 
 
-@torch.compiler.disable   # as launch_exchange_counts
+@torch.compiler.disable  # as launch_exchange_counts
 def _launch(out: torch.Tensor, sent: torch.Tensor, output_splits, input_splits, group) -> Work:
     """The all-to-all's work, as the group's transport carries it."""
     return transport_of(group).all_to_all(out, sent, output_splits, input_splits)
@@ -106,9 +109,10 @@ class _WaitAllToAll(torch.autograd.Function):
         pending = ctx.pending
         pending.grad_sent = grad_rows.contiguous()
         pending.grad_received = grad_rows.new_empty((sum(pending.input_splits),) + tuple(grad_rows.shape[1:]))
-        pending.grad_work = _launch(pending.grad_received, pending.grad_sent, pending.input_splits,
-                                    pending.output_splits, pending.group)
-        return grad_rows, None   # its shape autograd expects; the launch's backward returns what arrives
+        pending.grad_work = _launch(
+            pending.grad_received, pending.grad_sent, pending.input_splits, pending.output_splits, pending.group
+        )
+        return grad_rows, None  # its shape autograd expects; the launch's backward returns what arrives
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
@@ -116,9 +120,10 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[Any]) -> torch.Te
     return launch_exchange_counts(send_counts, group).wait()
 
 
-@torch.compiler.disable   # a transport's messages and bytes, not graph ops: run as they are, compiled model or not
-def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
-                           wait: Optional[Callable[[Any], None]] = None) -> Work:
+@torch.compiler.disable  # a transport's messages and bytes, not graph ops: run as they are, compiled model or not
+def launch_exchange_counts(
+    send_counts: torch.Tensor, group: Optional[Any], wait: Optional[Callable[[Any], None]] = None
+) -> Work:
     """exchange_counts, launched: a work whose `wait()` gives the received counts. `wait`: how to wait for
     the underlying work (default: its own wait)."""
     if group_size(group) == 1:
@@ -126,8 +131,7 @@ def launch_exchange_counts(send_counts: torch.Tensor, group: Optional[Any],
     return transport_of(group).exchange_counts(send_counts, wait)
 
 
-def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False
-               ) -> Optional[Work]:
+def all_reduce(x: torch.Tensor, group: Optional[Any], op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """In-place all-reduce; returns the work (None when nothing was launched or the call was synchronous).
 
     A short one (flags, norms, records) travels as every rank's copy, each rank reducing them (small_reduce.py),
@@ -153,8 +157,13 @@ def receives_pieces(group: Optional[Any]) -> bool:
     return group_size(group) > 1 and transport_of(group).receives_pieces
 
 
-def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op: bool = False,
-                            received: Optional[torch.Tensor] = None, sum_into: Optional[torch.Tensor] = None):
+def reduce_scatter_in_place(
+    input: torch.Tensor,
+    group: Optional[Any],
+    async_op: bool = False,
+    received: Optional[torch.Tensor] = None,
+    sum_into: Optional[torch.Tensor] = None,
+):
     """Sum `input` (a multiple of the group size long) over the group; returns (work or None, this rank's slice
     of the sum, valid once the work completed). `input` is scratch. The slice is a view of `input` where the
     transport allows, so no output is allocated: a group of one, and gloo's (see _SummedPieces), which receive
@@ -169,8 +178,9 @@ def reduce_scatter_in_place(input: torch.Tensor, group: Optional[Any], async_op:
     transport = transport_of(group)
     if transport.receives_pieces:
         pieces = received if received is not None else torch.empty_like(input)
-        work = _SummedPieces(transport.scatter_pieces(input, pieces), pieces.view(size, n), input.view(size, n),
-                             transport.rank, sum_into)
+        work = _SummedPieces(
+            transport.scatter_pieces(input, pieces), pieces.view(size, n), input.view(size, n), transport.rank, sum_into
+        )
         return launched(work, async_op), work.out
     if sum_into is not None:
         raise ValueError("sum_into needs a group whose reduce-scatter sums the received pieces here (gloo)")
@@ -184,8 +194,9 @@ class _SummedPieces:
     reduce-scatter clones its input, and its ring all-reduce moves twice the bytes (docs/benchmarks.md#peer-exchange
     has the figures)."""
 
-    def __init__(self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int,
-                 out: Optional[torch.Tensor] = None):
+    def __init__(
+        self, work, pieces_PN: torch.Tensor, input_PN: torch.Tensor, me: int, out: Optional[torch.Tensor] = None
+    ):
         self.work, self.pieces, self.me = work, pieces_PN, me
         self.mine = input_PN[me]
         self.out = self.mine if out is None else out
@@ -199,21 +210,21 @@ class _SummedPieces:
             terms = list(self.pieces)
             terms[self.me] = self.mine
             if self.out is not self.mine:
-                self.out.copy_(terms[0])   # widened exactly; each add below rounds once in out's dtype
+                self.out.copy_(terms[0])  # widened exactly; each add below rounds once in out's dtype
                 for term in terms[1:]:
                     add_widened_(self.out, term)
             else:
-                if self.me >= 2:   # the sum below overwrites `mine` before reaching its term
+                if self.me >= 2:  # the sum below overwrites `mine` before reaching its term
                     terms[self.me] = self.pieces[self.me].copy_(self.mine)
-                torch.add(terms[0], terms[1], out=self.mine)   # the first add reads `mine` before writing it
+                torch.add(terms[0], terms[1], out=self.mine)  # the first add reads `mine` before writing it
                 for term in terms[2:]:
                     self.mine.add_(term)
-            self.pieces = None   # summed once; frees the receive buffer
+            self.pieces = None  # summed once; frees the receive buffer
         return True
 
 
 # elements widened per add_widened_ chunk: 1 MB of fp32, reused from the allocator's cache
-_WIDEN_CHUNK = 2 ** 18
+_WIDEN_CHUNK = 2**18
 
 
 def add_widened_(out: torch.Tensor, term: torch.Tensor) -> None:
@@ -227,9 +238,9 @@ def add_widened_(out: torch.Tensor, term: torch.Tensor) -> None:
     out, term = out.view(-1), term.reshape(-1)
     scratch = torch.empty(_WIDEN_CHUNK, dtype=out.dtype, device=out.device)
     for start in range(0, out.numel(), _WIDEN_CHUNK):
-        part = out[start:start + _WIDEN_CHUNK]
-        wide = scratch[:part.numel()]
-        wide.copy_(term[start:start + part.numel()])
+        part = out[start : start + _WIDEN_CHUNK]
+        wide = scratch[: part.numel()]
+        wide.copy_(term[start : start + part.numel()])
         part.add_(wide)
 
 
@@ -239,8 +250,9 @@ def broadcast(tensor: torch.Tensor, source: int, group: Optional[Any]) -> None:
         transport_of(group).broadcast(tensor, source)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False
-               ) -> Optional[Work]:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool = False
+) -> Optional[Work]:
     """Concatenate every rank's `input` into `output` (input may be a view of output's own slice)."""
     if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():

@@ -4,6 +4,7 @@ Routed-expert weights are stacked (local experts along dim 0) and reduced over t
 group; everything else is replicated over `dp`. The MoE layer sets the tag, the optimizer and
 checkpointing read it, so `zero/` never imports `moe/`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ class ExpertShard:
 
 def mark_expert_parallel(param: torch.Tensor, shard: ExpertShard) -> None:
     if param.shape[0] != shard.num_local_experts:
-        raise ValueError(f"expert tensor of shape {tuple(param.shape)} does not stack "
-                         f"{shard.num_local_experts} local experts along dim 0")
+        raise ValueError(
+            f"expert tensor of shape {tuple(param.shape)} does not stack "
+            f"{shard.num_local_experts} local experts along dim 0"
+        )
     setattr(param, _ATTR, shard)
 
 

@@ -8,6 +8,7 @@ Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1
 
 Each group's transport (transport.py: how its collectives travel) is chosen here, once, as the group is made.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,8 +49,9 @@ def rank_layout(world_size: int, expert_parallel_size: int) -> RankLayout:
     if expert_parallel_size < 1:
         raise ValueError(f"expert parallel size must be >= 1, got {expert_parallel_size}")
     if world_size % expert_parallel_size != 0:
-        raise ValueError(f"world size ({world_size}) must be divisible by the expert parallel size "
-                         f"({expert_parallel_size})")
+        raise ValueError(
+            f"world size ({world_size}) must be divisible by the expert parallel size ({expert_parallel_size})"
+        )
     ep = expert_parallel_size
     ep_groups = tuple(tuple(range(start, start + ep)) for start in range(0, world_size, ep))
     edp_groups = tuple(tuple(range(offset, world_size, ep)) for offset in range(ep))
@@ -72,8 +74,8 @@ class ParallelGroups:
     ep: Optional[Any] = None
     edp: Optional[Any] = None
     control: Optional[Any] = None
-    timeout: Optional[datetime.timedelta] = None   # every group's (None: torch's default for new groups)
-    local_records: bool = True   # records and short all-reduces through pipes when every rank is on this host
+    timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
+    local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
     # what serves every group's collectives (None: chosen per group, see build)
     transports: Optional[Callable[[Any], Transport]] = field(default=None, compare=False, repr=False)
     _lazy: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -108,9 +110,13 @@ class ParallelGroups:
         return cls(rank_layout(1, 1), rank=0)
 
     @classmethod
-    def build(cls, expert_parallel_size: int = 1, timeout: Optional[datetime.timedelta] = None,
-              local_records: bool = True, transports: Optional[Callable[[Any], Transport]] = None
-              ) -> "ParallelGroups":
+    def build(
+        cls,
+        expert_parallel_size: int = 1,
+        timeout: Optional[datetime.timedelta] = None,
+        local_records: bool = True,
+        transports: Optional[Callable[[Any], Transport]] = None,
+    ) -> "ParallelGroups":
         """Create the groups and their transports; every rank must call this in the same order (after
         init_process_group). `timeout`: how long a collective of any of them waits for a peer (torch's new groups
         do not take the default group's: pass the run's, e.g. --distributed-timeout-minutes).
@@ -121,8 +127,10 @@ class ParallelGroups:
         group instead, e.g. `Transport`, torch's own collectives."""
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
-                raise ValueError(f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
-                                 "initialised (world of one)")
+                raise ValueError(
+                    f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
+                    "initialised (world of one)"
+                )
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = rank_layout(world, expert_parallel_size)
@@ -135,11 +143,20 @@ class ParallelGroups:
                 serve(group, transports(group))
         elif local_records and dist.get_backend(control) == "gloo":
             _serve_local(layout, dp, control, ep, edp, timeout)
-        return cls(layout, rank, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout,
-                   local_records=local_records, transports=transports)
+        return cls(
+            layout,
+            rank,
+            dp=dp,
+            ep=ep,
+            edp=edp,
+            control=control,
+            timeout=timeout,
+            local_records=local_records,
+            transports=transports,
+        )
 
     def __deepcopy__(self, memo) -> "ParallelGroups":
-        return self   # a copied model talks to the same ranks (process groups cannot be copied)
+        return self  # a copied model talks to the same ranks (process groups cannot be copied)
 
     def gather_groups(self) -> Tuple[Optional[Any], Optional[Any]]:
         """(dp, edp)-shaped groups for ZeRO-3 parameter gathers, made on first use (collective: every
@@ -155,7 +172,7 @@ class ParallelGroups:
                 if self.transports is not None:
                     serve(dp, self.transports(dp))
                     serve(edp, self.transports(edp))
-                elif self.local_records and dist.get_backend(dp) == "gloo":   # as the buckets', when on one host
+                elif self.local_records and dist.get_backend(dp) == "gloo":  # as the buckets', when on one host
                     _serve_local_parts(dp, None, _bucket_rings(dp, self.timeout, "data-parallel gather group"))
                     _serve_local_parts(edp, None, _bucket_rings(edp, self.timeout, "expert data-parallel gather group"))
         return self._lazy["dp"], self._lazy["edp"]
@@ -168,8 +185,9 @@ class ParallelGroups:
         (`local_channel.py`, a fraction of gloo's cost: docs/benchmarks.md#small-reduce)."""
         if "agreement" not in self._lazy:
             world = self.layout.world_size
-            group = None if self.dp is None else dist.new_group(list(range(world)), backend="gloo",
-                                                                timeout=self.timeout)
+            group = (
+                None if self.dp is None else dist.new_group(list(range(world)), backend="gloo", timeout=self.timeout)
+            )
             if group is not None and self.transports is not None:
                 serve(group, self.transports(group))
             elif group is not None and self.local_records:
@@ -187,12 +205,13 @@ class ParallelGroups:
                 dist.destroy_process_group(group)
 
 
-def _serve_local(layout: RankLayout, dp: Any, control: Any, ep: Any, edp: Any,
-                 timeout: Optional[datetime.timedelta]) -> None:
+def _serve_local(
+    layout: RankLayout, dp: Any, control: Any, ep: Any, edp: Any, timeout: Optional[datetime.timedelta]
+) -> None:
     """Collective: pipes and rings for the groups whose ranks all run on this host (local_transport.py); a group
     without either keeps gloo's default transport."""
     world = layout.world_size
-    wide_ep = layout.expert_parallel_size == world   # the same ranks: one setup for all of them
+    wide_ep = layout.expert_parallel_size == world  # the same ranks: one setup for all of them
     edp_spans_world = layout.expert_parallel_size == 1
     # pipes: the dp and control groups' short all-reduces (small_reduce.py), the ep group's count exchanges
     shared = [(dp, "data-parallel group"), (control, "control group")]
@@ -203,26 +222,30 @@ def _serve_local(layout: RankLayout, dp: Any, control: Any, ep: Any, edp: Any,
     buckets += [(edp, "expert data-parallel group's buckets")] if edp_spans_world else []
     channels = local_channel.connect_all(shared + buckets, timeout)
     pipes = {group: channel for (group, _), channel in zip(shared, channels)}
-    rings = {group: local_exchange.connect(group, channel, local_exchange.BUCKETS, owns_channel=True)
-             for (group, _), channel in zip(buckets, channels[len(shared):])}
+    rings = {
+        group: local_exchange.connect(group, channel, local_exchange.BUCKETS, owns_channel=True)
+        for (group, _), channel in zip(buckets, channels[len(shared) :])
+    }
     if not wide_ep and dist.get_world_size(ep) > 1:
         pipes[ep] = local_channel.connect(ep, timeout, "expert-parallel group")
     if not edp_spans_world:
         rings[edp] = _bucket_rings(edp, timeout, "expert data-parallel group's buckets")
-    rings[ep] = local_exchange.connect(ep, pipes.get(ep))   # the token rows, their notices on the group's pipes
+    rings[ep] = local_exchange.connect(ep, pipes.get(ep))  # the token rows, their notices on the group's pipes
     for group in (dp, control, ep, edp):
         _serve_local_parts(group, pipes.get(group), rings.get(group))
 
 
-def _serve_local_parts(group: Any, pipes: Optional[local_channel.LocalChannel],
-                       rings: Optional[local_exchange.LocalExchange]) -> None:
+def _serve_local_parts(
+    group: Any, pipes: Optional[local_channel.LocalChannel], rings: Optional[local_exchange.LocalExchange]
+) -> None:
     """`group` served by its pipes and rings, where it got either."""
     if pipes is not None or rings is not None:
         serve(group, LocalTransport(group, pipes, rings))
 
 
-def _bucket_rings(group: Optional[Any], timeout: Optional[datetime.timedelta], name: str
-                  ) -> Optional[local_exchange.LocalExchange]:
+def _bucket_rings(
+    group: Optional[Any], timeout: Optional[datetime.timedelta], name: str
+) -> Optional[local_exchange.LocalExchange]:
     """Collective over `group` (a rank's own, or None): shared-memory rings for its bucket-sized exchanges when its
     ranks share this host, their notices on a channel of their own (local_exchange.connect)."""
     if group is None or dist.get_world_size(group) < 2:

@@ -18,6 +18,7 @@ timeout. Built (collectively, once per group, by groups.py) when every rank sees
 temp directory; otherwise `connect` gives None and the group keeps its backend's transport. The pipes' names
 are removed as soon as every rank opened them, so nothing is left on disk.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,9 +35,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-_HEADER = struct.Struct("<qq")   # message index, payload bytes
+_HEADER = struct.Struct("<qq")  # message index, payload bytes
 _READ_CHUNK = 1 << 16
-_NAP = 0.05   # the longest a wait blocks before looking again (seconds)
+_NAP = 0.05  # the longest a wait blocks before looking again (seconds)
 _open_channels: "weakref.WeakSet[LocalChannel]" = weakref.WeakSet()
 
 
@@ -51,20 +52,27 @@ class ChannelTimeout(RuntimeError):
 class LocalChannel:
     """Messages of this rank (group rank `me` of `size`) to and from its peers, by index."""
 
-    def __init__(self, me: int, size: int, readers: Dict[int, int], writers: Dict[int, int],
-                 timeout: datetime.timedelta, name: str = "group"):
+    def __init__(
+        self,
+        me: int,
+        size: int,
+        readers: Dict[int, int],
+        writers: Dict[int, int],
+        timeout: datetime.timedelta,
+        name: str = "group",
+    ):
         self.me, self.size, self.name = me, size, name
-        self.readers, self.writers = readers, writers   # peer -> fd
+        self.readers, self.writers = readers, writers  # peer -> fd
         self.timeout = timeout.total_seconds()
         self.posted = 0
         self.closed = False
         self._mine: Dict[int, bytes] = {}
-        self._received: Dict[int, Dict[int, bytes]] = {peer: {} for peer in readers}   # peer -> index -> payload
+        self._received: Dict[int, Dict[int, bytes]] = {peer: {} for peer in readers}  # peer -> index -> payload
         self._unparsed: Dict[int, bytearray] = {peer: bytearray() for peer in readers}
-        self._gone: Dict[int, str] = {}   # peer -> why no more of its messages will come (end-of-file)
+        self._gone: Dict[int, str] = {}  # peer -> why no more of its messages will come (end-of-file)
         self._lock = threading.Lock()
         _open_channels.add(self)
-        weakref.finalize(self, _close_all, readers, writers)   # a channel dropped without close()
+        weakref.finalize(self, _close_all, readers, writers)  # a channel dropped without close()
 
     def post(self, payload: bytes) -> int:
         """Send this rank's next message to every peer; returns its index (for arrived / wait)."""
@@ -95,7 +103,7 @@ class LocalChannel:
         instead (a watched wait's slice), and a later wait for the same message resumes."""
         deadline = time.monotonic() + (self.timeout if seconds is None else seconds)
         while True:
-            with self._lock:   # not held while blocked: another thread may post or poll meanwhile
+            with self._lock:  # not held while blocked: another thread may post or poll meanwhile
                 self._check_open()
                 self._drain()
                 missing = self._missing(index)
@@ -106,9 +114,11 @@ class LocalChannel:
             if left <= 0:
                 if not final:
                     raise ChannelTimeout(f"message {index} not here from rank {missing[0]} within {seconds:.3f} s")
-                raise ChannelError(f"no message {index} from rank {missing[0]} of the {self.name} within "
-                                   f"the group's timeout ({self.timeout:.0f} s)")
-            _wait_for(waiting_on, min(left, _NAP))   # a nap: another thread may have read the message meanwhile
+                raise ChannelError(
+                    f"no message {index} from rank {missing[0]} of the {self.name} within "
+                    f"the group's timeout ({self.timeout:.0f} s)"
+                )
+            _wait_for(waiting_on, min(left, _NAP))  # a nap: another thread may have read the message meanwhile
 
     def close(self) -> None:
         with self._lock:
@@ -123,8 +133,9 @@ class LocalChannel:
         for peer, why in self._gone.items():
             if index not in self._received[peer]:
                 raise ChannelError(f"rank {peer} of the {self.name} {why}")
-        return [self._mine.pop(index) if rank == self.me else self._received[rank].pop(index)
-                for rank in range(self.size)]
+        return [
+            self._mine.pop(index) if rank == self.me else self._received[rank].pop(index) for rank in range(self.size)
+        ]
 
     def _missing(self, index: int) -> List[int]:
         """Peers whose message `index` has not come and still may."""
@@ -138,7 +149,7 @@ class LocalChannel:
         deadline = time.monotonic() + self.timeout
         while view:
             try:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -177,7 +188,7 @@ class LocalChannel:
             end = _HEADER.size + length
             if len(buffer) < end:
                 return
-            self._received[peer][index] = bytes(buffer[_HEADER.size:end])
+            self._received[peer][index] = bytes(buffer[_HEADER.size : end])
             del buffer[:end]
 
 
@@ -208,8 +219,9 @@ def connect(group: Any, timeout: Optional[datetime.timedelta] = None, name: str 
     return connect_all([(group, name)], timeout)[0]
 
 
-def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None
-                ) -> List[Optional[LocalChannel]]:
+def connect_all(
+    named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datetime.timedelta] = None
+) -> List[Optional[LocalChannel]]:
     """`connect` for several (group, name) of the same ranks in the same order, with one exchange of the hosts
     and two of the outcome for all of them (on the first group)."""
     group = named_groups[0][0]
@@ -225,26 +237,35 @@ def connect_all(named_groups: Sequence[Tuple[Any, str]], timeout: Optional[datet
     if any(e[0] != here[0] for e in every):
         return none
     token, folder = every[0][1], every[0][2]
-    paths = [lambda sender, receiver, c=c: os.path.join(folder, f"moezero-records-{token}-{c}-{sender}-{receiver}")
-             for c in range(len(named_groups))]
+    paths = [
+        lambda sender, receiver, c=c: os.path.join(folder, f"moezero-records-{token}-{c}-{sender}-{receiver}")
+        for c in range(len(named_groups))
+    ]
     peers = [p for p in range(size) if p != me]
     readers: List[Dict[int, int]] = [{} for _ in named_groups]
     writers: List[Dict[int, int]] = [{} for _ in named_groups]
     try:
         ok = each_rank_did(lambda: [_open_readers(peers, me, path, r) for path, r in zip(paths, readers)], group)
-        ok = ok and each_rank_did(lambda: [w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK)
-                                                     for p in peers}) for path, w in zip(paths, writers)], group)
-    except BaseException:   # a peer died or timed out during the setup: nothing stays open
+        ok = ok and each_rank_did(
+            lambda: [
+                w.update({p: os.open(path(me, p), os.O_WRONLY | os.O_NONBLOCK) for p in peers})
+                for path, w in zip(paths, writers)
+            ],
+            group,
+        )
+    except BaseException:  # a peer died or timed out during the setup: nothing stays open
         for r, w in zip(readers, writers):
             _close_all(r, w)
         raise
     finally:
-        for path in paths:   # every rank opened both ends (or gave up): no name is needed any more (every
-            for sender in range(size):   # rank removes them all, in case the one that made them died)
+        for path in paths:  # every rank opened both ends (or gave up): no name is needed any more (every
+            for sender in range(size):  # rank removes them all, in case the one that made them died)
                 for receiver in range(size):
                     remove(path(sender, receiver))
-    channels = [LocalChannel(me, size, r, w, timeout or _default_timeout(), name)
-                for r, w, (_, name) in zip(readers, writers, named_groups)]
+    channels = [
+        LocalChannel(me, size, r, w, timeout or _default_timeout(), name)
+        for r, w, (_, name) in zip(readers, writers, named_groups)
+    ]
     if not ok:
         for channel in channels:
             channel.close()
@@ -289,13 +310,14 @@ def _host_identity() -> str:
 
 def _default_timeout() -> datetime.timedelta:
     from torch.distributed.constants import default_pg_timeout
+
     return default_pg_timeout
 
 
 def _close_in_child() -> None:
     """A forked child (a data loader's worker) must not keep a peer's pipes open: its end-of-file would never come."""
     for channel in list(_open_channels):
-        channel._lock = threading.Lock()   # another thread of the parent may have held it at the fork
+        channel._lock = threading.Lock()  # another thread of the parent may have held it at the fork
         channel.closed = True
         _close_all(channel.readers, channel.writers)
 

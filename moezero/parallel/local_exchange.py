@@ -24,6 +24,7 @@ Rings are built with a channel of the group (`connect`, collective) in /dev/shm 
 reserved up front (a full /dev/shm makes `connect` give None, never a SIGBUS later), their names removed once
 every rank mapped them; on x86 hosts only (see _ORDERED_STORES).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -48,9 +49,9 @@ from moezero.parallel.work import whole_waits_only
 class RingSizes:
     """How large a group's rings are, and which messages take them."""
 
-    rank_bytes: int              # a rank's rings from all its peers together (shared memory: the host's RAM) ...
-    bounds: Tuple[int, int]      # ... each ring within these
-    largest_share: int           # a message over capacity / largest_share goes by gloo
+    rank_bytes: int  # a rank's rings from all its peers together (shared memory: the host's RAM) ...
+    bounds: Tuple[int, int]  # ... each ring within these
+    largest_share: int  # a message over capacity / largest_share goes by gloo
 
     def ring_bytes(self, size: int) -> int:
         """Each ring's capacity in a group of `size` ranks."""
@@ -63,9 +64,9 @@ TOKENS = RingSizes(32 << 20, (256 << 10, 8 << 20), 8)
 # ZeRO's bucket reduce-scatters and all-gathers: a few slices of a bucket each (2M fp32 over 2 ranks: 4 MB)
 BUCKETS = RingSizes(32 << 20, (1 << 20, 16 << 20), 2)
 
-_HEADER_BYTES = 64     # the ring's shared word (how far the receiver freed), on its own cache line
-_NOTICE = struct.Struct("<qqq")   # start, end (positions in the ring's running count; start -1: no ring), bytes
-_BY_GLOO, _LATE_GLOO = -1, -2   # a notice's start when the message does not lie in the ring
+_HEADER_BYTES = 64  # the ring's shared word (how far the receiver freed), on its own cache line
+_NOTICE = struct.Struct("<qqq")  # start, end (positions in the ring's running count; start -1: no ring), bytes
+_BY_GLOO, _LATE_GLOO = -1, -2  # a notice's start when the message does not lie in the ring
 # The receiver frees a span by a plain store after its copy out, which the sender reads without a syscall between:
 # safe where a store is never seen before earlier loads (x86's total store order); elsewhere gloo.
 _ORDERED_STORES = ("x86_64", "amd64")
@@ -81,8 +82,8 @@ class _Ring:
         whole = torch.frombuffer(mapped, dtype=torch.uint8)
         self.freed_word = whole[:8].view(torch.int64)
         self.data = whole[_HEADER_BYTES:]
-        self.head = 0                          # sender: the running count after its last message
-        self.skips: Dict[int, int] = {}        # sender: span start -> the bytes it skipped to the ring's start
+        self.head = 0  # sender: the running count after its last message
+        self.skips: Dict[int, int] = {}  # sender: span start -> the bytes it skipped to the ring's start
         self.freed_spans: Dict[int, int] = {}  # receiver: start -> end of spans copied out, not yet contiguous
 
     def place(self, source: torch.Tensor) -> Optional[tuple]:
@@ -101,24 +102,24 @@ class _Ring:
             self.skips[self.head] = skip
         start, self.head = self.head, self.head + skip + n
         offset = (self.head - n) % self.capacity
-        self.data[offset:offset + n].copy_(source)
+        self.data[offset : offset + n].copy_(source)
         return start, self.head
 
     def take(self, start: int, end: int, n: int, into: torch.Tensor) -> None:
         """Receiver: copy the message of span [start, end) out, then free every span now contiguous."""
         offset = (end - n) % self.capacity
-        into.copy_(self.data[offset:offset + n])
+        into.copy_(self.data[offset : offset + n])
         self.freed_spans[start] = end
         freed = int(self.freed_word.item())
         while freed in self.freed_spans:
             freed = self.freed_spans.pop(freed)
-        self.freed_word.fill_(freed)   # after the copy: the sender may now write there
+        self.freed_word.fill_(freed)  # after the copy: the sender may now write there
 
     def close(self) -> None:
         self.freed_word = self.data = None
         try:
             self.mapped.close()
-        except BufferError:   # a tensor still views it: the mapping goes with the last view
+        except BufferError:  # a tensor still views it: the mapping goes with the last view
             pass
 
 
@@ -128,12 +129,18 @@ class LocalExchange:
     exchange takes the group's next point-to-point `tag` (peer_exchange.Tags, held by the group's transport): a
     message that does not lie in a ring goes as a gloo send and receive."""
 
-    def __init__(self, channel: local_channel.LocalChannel, outgoing: Dict[int, _Ring], incoming: Dict[int, _Ring],
-                 largest_share: int = 8, owns_channel: bool = False):
+    def __init__(
+        self,
+        channel: local_channel.LocalChannel,
+        outgoing: Dict[int, _Ring],
+        incoming: Dict[int, _Ring],
+        largest_share: int = 8,
+        owns_channel: bool = False,
+    ):
         self.channel, self.outgoing, self.incoming = channel, outgoing, incoming
         self.me, self.size, self.owns_channel = channel.me, channel.size, owns_channel
         self.limit = min([ring.capacity for ring in outgoing.values()] or [0]) // largest_share
-        self.lock = threading.Lock()   # the rings' positions (a backward may run on another thread)
+        self.lock = threading.Lock()  # the rings' positions (a backward may run on another thread)
         # every gloo send and receive posted, with its bytes, until it completed: an exchange that a rank drops
         # unwaited (it raised) keeps its part of the transfer, which a peer may be waiting for
         self.unfinished: List[Tuple[Any, torch.Tensor]] = []
@@ -144,8 +151,15 @@ class LocalExchange:
             self.unfinished[:] = [(w, b) for w, b in self.unfinished if not w.is_completed()] + [(work, buffer)]
         return work
 
-    def launch(self, out: torch.Tensor, x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
-               group: Any, tag: int) -> "LocalAllToAll":
+    def launch(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        group: Any,
+        tag: int,
+    ) -> "LocalAllToAll":
         """Rows x[sum(input_splits[:j]) ...] to rank j, rows from rank i into `out` (contiguous), launched."""
         sends = [_bytes(t) for t in x.contiguous().split(list(input_splits))]
         pieces = [_bytes(t) for t in out.split(list(output_splits))]
@@ -185,19 +199,23 @@ class LocalAllToAll:
     the receiver reads the notice (its ring was full; the sender's wait does not wait for that send, which a peer
     that raised before its wait never receives). No bytes ride in the pipes, so a post never waits for a reader."""
 
-    def __init__(self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any,
-                 tag: int):
+    def __init__(
+        self, exchange: LocalExchange, sends: List[torch.Tensor], pieces: List[torch.Tensor], group: Any, tag: int
+    ):
         """sends[j]: the bytes for rank j; pieces[i]: where rank i's bytes go (contiguous; this rank's own entries
         are not moved: the caller did what it needs); `tag`: the group's next (every rank, every exchange)."""
         self.exchange, self.group, self.tag, me = exchange, group, tag, exchange.me
         self.pieces = pieces
-        self.works = [exchange.hold(dist.irecv(piece, group=group, group_src=p, tag=self.tag), piece)
-                      for p, piece in enumerate(self.pieces) if p != me and piece.numel() > exchange.limit]
+        self.works = [
+            exchange.hold(dist.irecv(piece, group=group, group_src=p, tag=self.tag), piece)
+            for p, piece in enumerate(self.pieces)
+            if p != me and piece.numel() > exchange.limit
+        ]
         notices = {me: b""}
         for p, sent in enumerate(sends):
             if p != me:
                 notices[p] = self._send(p, sent)
-        self.keep = sends   # a gloo send reads its rows until completed
+        self.keep = sends  # a gloo send reads its rows until completed
         self.index = exchange.channel.post_each(notices)
 
     def _send(self, peer: int, sent: torch.Tensor) -> bytes:
@@ -208,9 +226,10 @@ class LocalAllToAll:
                 span = self.exchange.outgoing[peer].place(sent)
         if span is not None:
             return _NOTICE.pack(span[0], span[1], n)
-        if n > self.exchange.limit:   # both ends post now: waiting for it needs nothing more of the peer
-            self.works.append(self.exchange.hold(dist.isend(sent, group=self.group, group_dst=peer, tag=self.tag),
-                                                 sent))
+        if n > self.exchange.limit:  # both ends post now: waiting for it needs nothing more of the peer
+            self.works.append(
+                self.exchange.hold(dist.isend(sent, group=self.group, group_dst=peer, tag=self.tag), sent)
+            )
         elif n:
             # the peer posts its receive only when it waits for this exchange, which a peer that raised never does:
             # a copy is sent, held until done, and this rank's wait does not wait for it (no deadlock)
@@ -221,7 +240,7 @@ class LocalAllToAll:
     def is_completed(self) -> bool:
         return self.exchange.channel.arrived(self.index) and all(w.is_completed() for w in self.works)
 
-    @torch.compiler.disable   # inside a compiled model's forward or backward too: bytes, not graph ops
+    @torch.compiler.disable  # inside a compiled model's forward or backward too: bytes, not graph ops
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         whole_waits_only(timeout, "a shared-memory exchange")
         if self.pieces is None:
@@ -239,18 +258,22 @@ class LocalAllToAll:
         start, end, n = _NOTICE.unpack_from(notice)
         piece = self.pieces[peer]
         if n != piece.numel():
-            raise RuntimeError(f"an all-to-all expected {piece.numel()} bytes from rank {peer} of its group and "
-                               f"that rank sent {n}: the ranks exchanged different splits")
+            raise RuntimeError(
+                f"an all-to-all expected {piece.numel()} bytes from rank {peer} of its group and "
+                f"that rank sent {n}: the ranks exchanged different splits"
+            )
         if start == _LATE_GLOO and n:
-            self.works.append(self.exchange.hold(dist.irecv(piece, group=self.group, group_src=peer, tag=self.tag),
-                                                 piece))
+            self.works.append(
+                self.exchange.hold(dist.irecv(piece, group=self.group, group_src=peer, tag=self.tag), piece)
+            )
         elif start >= 0:
             with self.exchange.lock:
                 self.exchange.incoming[peer].take(start, end, n, piece)
 
 
-def connect(group: Any, channel: Optional[local_channel.LocalChannel], sizes: RingSizes = TOKENS,
-            owns_channel: bool = False) -> Optional[LocalExchange]:
+def connect(
+    group: Any, channel: Optional[local_channel.LocalChannel], sizes: RingSizes = TOKENS, owns_channel: bool = False
+) -> Optional[LocalExchange]:
     """Collective over `group` (nothing when `channel` is None): build its rings (None on every rank when any rank
     could not), their notices through `channel` (local_channel.connect), the group's short messages' one, or with
     `owns_channel` one of the exchange's own, closed with it (messages on it never pair with the group's other
@@ -293,7 +316,7 @@ def ring_bytes(size: int, sizes: RingSizes = TOKENS) -> int:
 def _make_ring(path: str, capacity: int) -> _Ring:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, _HEADER_BYTES + capacity)   # the space now, or an error now
+        os.posix_fallocate(fd, 0, _HEADER_BYTES + capacity)  # the space now, or an error now
         return _Ring(mmap.mmap(fd, _HEADER_BYTES + capacity), capacity)
     finally:
         os.close(fd)

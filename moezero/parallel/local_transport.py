@@ -12,6 +12,7 @@ that part's collectives on gloo (`GlooTransport`, which this extends):
   notices on a channel of the rings' own).
 Only CPU tensors take them; a device tensor on such a group goes by gloo.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,12 +36,13 @@ class LocalTransport(GlooTransport):
 
     def close(self) -> None:
         if self.rings is not None:
-            self.rings.close()   # and the rings' own channel
+            self.rings.close()  # and the rings' own channel
         if self.pipes is not None:
             self.pipes.close()
 
-    def all_to_all(self, out: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int],
-                   input_splits: Sequence[int]) -> Work:
+    def all_to_all(
+        self, out: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ) -> Work:
         if self.rings is None or sent.device.type != "cpu":
             return super().all_to_all(out, sent, output_splits, input_splits)
         return self.rings.launch(out, sent, output_splits, input_splits, self.group, self.tags.take())
@@ -85,13 +87,15 @@ class PipedCopies:
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         left = max(0.0, self.deadline - time.monotonic())
-        if timeout is None or timeout.total_seconds() >= left:   # up to the group's timeout from the launch
+        if timeout is None or timeout.total_seconds() >= left:  # up to the group's timeout from the launch
             every = self.channel.wait(self.index, left)
-        else:   # a slice: ChannelTimeout, and a later wait resumes
+        else:  # a slice: ChannelTimeout, and a later wait resumes
             every = self.channel.wait(self.index, timeout.total_seconds(), final=False)
         if any(len(m) != len(every[0]) for m in every):
-            raise RuntimeError(f"a short all-reduce of {self.numel} elements met a rank's of another length: the "
-                               "ranks are not running the same collectives")
+            raise RuntimeError(
+                f"a short all-reduce of {self.numel} elements met a rank's of another length: the "
+                "ranks are not running the same collectives"
+            )
         self.copies = torch.frombuffer(bytearray(b"".join(every)), dtype=self.dtype)
         return True
 

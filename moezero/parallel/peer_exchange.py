@@ -12,6 +12,7 @@ takes the group's next tag (its transport's `Tags`), and every rank issues its g
 (as it must issue collectives), so two exchanges in flight on one group never take each other's messages. A peer
 that never posts its side makes wait() raise at the process group's timeout, as a collective would.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from moezero.parallel.work import whole_waits_only
 
-_TAG_LIMIT = 2 ** 31
+_TAG_LIMIT = 2**31
 
 
 class Tags:
@@ -54,8 +55,9 @@ class PeerExchange:
         return True
 
 
-def exchange(sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]],
-             group: Any, tag: int) -> PeerExchange:
+def exchange(
+    sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]], group: Any, tag: int
+) -> PeerExchange:
     """Post every (group rank, contiguous tensor) send and receive of one exchange, with its tag (the group's next)."""
     works = [dist.irecv(t, group=group, group_src=peer, tag=tag) for peer, t in receives if t.numel()]
     works += [dist.isend(t, group=group, group_dst=peer, tag=tag) for peer, t in sends if t.numel()]

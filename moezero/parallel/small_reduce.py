@@ -11,6 +11,7 @@ without pipes it keeps those.
 The reduction runs in rank order with exact elementwise ops, so every rank gets the same bits whatever its
 CPU.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from moezero.parallel.transport import transport_of
 from moezero.parallel.work import Work
 
-SMALL_REDUCE_BYTES = 64 * 1024   # an all-reduce whose gathered copies (ranks x bytes) fit this travels as one
+SMALL_REDUCE_BYTES = 64 * 1024  # an all-reduce whose gathered copies (ranks x bytes) fit this travels as one
 _OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
 
@@ -72,6 +73,5 @@ def _reduced(copies: torch.Tensor, op: Any) -> torch.Tensor:
             total.add_(row)
         else:
             keep = row > total if op == dist.ReduceOp.MAX else row < total
-            total = torch.where(keep | row.isnan(), row, total)   # NaN wins, as in torch.maximum
+            total = torch.where(keep | row.isnan(), row, total)  # NaN wins, as in torch.maximum
     return total
-

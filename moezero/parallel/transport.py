@@ -22,6 +22,7 @@ a group that no ParallelGroups built (a test's own, a tool's) gets its backend's
 the group's life (`transport_of`). Nothing consults anything else per call. A new kind of exchange (pipeline
 sends, tensor-parallel reductions) is a method here, overridden where a transport carries it its own way.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -63,11 +64,18 @@ class Transport:
         """Release what the transport holds beside the group (pipes, shared memory); torch's collectives hold
         nothing."""
 
-    def all_to_all(self, out: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int],
-                   input_splits: Sequence[int]) -> Work:
+    def all_to_all(
+        self, out: torch.Tensor, sent: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ) -> Work:
         """Rows sent[sum(input_splits[:j]) ...] to rank j, rows from rank i into `out` (contiguous), launched."""
-        return dist.all_to_all_single(out, sent, output_split_sizes=list(output_splits),
-                                      input_split_sizes=list(input_splits), group=self.group, async_op=True)
+        return dist.all_to_all_single(
+            out,
+            sent,
+            output_split_sizes=list(output_splits),
+            input_split_sizes=list(input_splits),
+            group=self.group,
+            async_op=True,
+        )
 
     def exchange_counts(self, send_counts: torch.Tensor, wait: Optional[Callable[[Any], None]] = None) -> Work:
         """Row j of the int64 table `send_counts` to rank j, launched: a work whose wait gives the rows received
@@ -130,7 +138,7 @@ class GlooTransport(Transport):
 
     def __init__(self, group: Any):
         super().__init__(group)
-        self.tags = peer_exchange.Tags()   # every exchange on the group takes the next (every rank in order)
+        self.tags = peer_exchange.Tags()  # every exchange on the group takes the next (every rank in order)
 
     def reduces_by_copies(self, numel: int) -> bool:
         return numel >= 2 * self.size

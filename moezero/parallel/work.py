@@ -5,6 +5,7 @@ and what comm.py and small_reduce.py build on them (a reduce-scatter summed here
 an all-to-all inside autograd) all answer these two calls, so a caller (the bucket launch queue, a watched wait)
 waits for a collective without knowing which transport (transport.py) carries it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -23,11 +24,9 @@ class Work(Protocol):
     (a gloo receive waited with a timeout is abandoned) and refuses a timeout (`whole_waits_only`).
     """
 
-    def is_completed(self) -> bool:
-        ...
+    def is_completed(self) -> bool: ...
 
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> Any:
-        ...
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> Any: ...
 
 
 class Ready:
@@ -51,5 +50,6 @@ def wait_for(work: Any, timeout: Optional[datetime.timedelta]) -> Any:
 def whole_waits_only(timeout: Optional[datetime.timedelta], what: str) -> None:
     """Refuse a timeout for a work that cannot resume a wait that ended early."""
     if timeout is not None:
-        raise ValueError(f"{what} is waited whole: its point-to-point receives would be abandoned by a wait that "
-                         "ends at a timeout")
+        raise ValueError(
+            f"{what} is waited whole: its point-to-point receives would be abandoned by a wait that ends at a timeout"
+        )

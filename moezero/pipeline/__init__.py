@@ -3,6 +3,7 @@ order with a pipeline dimension (ranks.py), exported here (pure: no processes, n
 torch.distributed.pipelining is imported from its own modules: stage_groups.py (PipelineGroups), stage_model.py
 (StageModel), optimizer.py (PipelineZeroOptimizer); the step driver is the training layer's
 moezero/training/pipeline_step.py (PipelineTrainer)."""
+
 from moezero.pipeline.layout import PipelinePlan, StagePiece
 from moezero.pipeline.ranks import PipelineRankLayout, pipeline_rank_layout
 

@@ -11,6 +11,7 @@ it is sent (a wrong dtype or shape would arrive as garbage in the next stage's b
     middle stage: (hidden (mbs, S, D), aux ()), both with grad  -> (hidden, aux)
     last stage:   (hidden, aux)                                 -> loss ()
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,12 +31,13 @@ class ActivationShape:
     micro_batch_size: int
     seq_length: int
     hidden_size: int
-    dtype: torch.dtype       # the hidden states' (the model's)
-    aux_dtype: torch.dtype   # the router losses'
+    dtype: torch.dtype  # the hidden states' (the model's)
+    aux_dtype: torch.dtype  # the router losses'
 
     def hidden(self, requires_grad: bool) -> torch.Tensor:
-        return torch.empty(self.micro_batch_size, self.seq_length, self.hidden_size, dtype=self.dtype,
-                           device="meta").requires_grad_(requires_grad)
+        return torch.empty(
+            self.micro_batch_size, self.seq_length, self.hidden_size, dtype=self.dtype, device="meta"
+        ).requires_grad_(requires_grad)
 
     def aux(self, requires_grad: bool) -> torch.Tensor:
         return torch.empty((), dtype=self.aux_dtype, device="meta").requires_grad_(requires_grad)
@@ -44,9 +46,9 @@ class ActivationShape:
         return torch.empty(self.micro_batch_size, self.seq_length, dtype=torch.int64, device="meta")
 
     def loss(self) -> torch.Tensor:
-        return torch.empty((), dtype=torch.promote_types(self.aux_dtype, torch.promote_types(self.dtype,
-                                                                                           torch.float32)),
-                           device="meta")
+        return torch.empty(
+            (), dtype=torch.promote_types(self.aux_dtype, torch.promote_types(self.dtype, torch.float32)), device="meta"
+        )
 
 
 def stage_metas(piece: StagePiece, shape: ActivationShape) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
@@ -61,7 +63,7 @@ class StageChunk(nn.Module):
 
     def __init__(self, model: StageModel, virtual_stage: int, shape: ActivationShape):
         super().__init__()
-        object.__setattr__(self, "rank_model", model)   # not registered: the rank module owns the params
+        object.__setattr__(self, "rank_model", model)  # not registered: the rank module owns the params
         self.piece = model.pieces[virtual_stage]
         self.virtual_stage = virtual_stage
         _, outputs = stage_metas(self.piece, shape)
@@ -71,6 +73,8 @@ class StageChunk(nn.Module):
         out = self.rank_model(self.virtual_stage, *inputs, **kwargs)
         got = tuple((tuple(t.shape), t.dtype) for t in (out if isinstance(out, tuple) else (out,)))
         if got != self._expected:
-            raise RuntimeError(f"pipeline stage {self.piece.stage_index} produced {got}, its metadata say "
-                               f"{self._expected} (shape, dtype)")
+            raise RuntimeError(
+                f"pipeline stage {self.piece.stage_index} produced {got}, its metadata say "
+                f"{self._expected} (shape, dtype)"
+            )
         return out

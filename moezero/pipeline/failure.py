@@ -13,6 +13,7 @@ line of a rank that timed out names as its cause.
 Ranks of other pipelines (data parallel > 1) that wait in a stage collective for a failed rank are not reached
 here: they end when the failed process exits (torchrun) or at their group's timeout.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,7 +63,7 @@ class FailureGuard:
             return mine
         try:
             return self._store.compare_set(self.key, "", mine).decode()
-        except Exception:   # the store is gone (the launcher tore the world down): our own line
+        except Exception:  # the store is gone (the launcher tore the world down): our own line
             return mine
 
 

@@ -31,6 +31,7 @@ TransformerConfig.__post_init__ (transformer_config.py) and the asserts of get_n
 only reaches when it builds the model. Where Megatron accepts values that build a broken model, moezero refuses too
 (each such rule says so); tests/unit/test_pipeline_layout.py checks all of it against megatron-core.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -50,14 +51,14 @@ GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 class StagePiece:
     """What one (pipeline rank, virtual stage) holds."""
 
-    stage_index: int              # virtual_stage * pp + pp_rank
+    stage_index: int  # virtual_stage * pp + pp_rank
     pp_rank: int
     virtual_stage: int
-    layers: Tuple[int, ...]       # global decoder layer numbers, from 0
-    embedding: bool               # the word (and position) embedding: the first stage
-    final_norm: bool              # the decoder's final norm
-    head: bool                    # the output layer and the loss: the last stage
-    mtp: Tuple[int, ...]          # MTP depths, from 0
+    layers: Tuple[int, ...]  # global decoder layer numbers, from 0
+    embedding: bool  # the word (and position) embedding: the first stage
+    final_norm: bool  # the decoder's final norm
+    head: bool  # the output layer and the loss: the last stage
+    mtp: Tuple[int, ...]  # MTP depths, from 0
 
     @property
     def empty(self) -> bool:
@@ -78,11 +79,11 @@ class PipelinePlan:
     pipeline_model_parallel_layout: Optional[str] = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
-    overlap_p2p_comm: bool = True                 # Megatron's default; --no-overlap-p2p-communication clears it
-    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = None   # None: pp (Megatron's default)
+    overlap_p2p_comm: bool = True  # Megatron's default; --no-overlap-p2p-communication clears it
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = None  # None: pp (Megatron's default)
     regime: str = field(init=False)
-    virtual_stages: int = field(init=False)       # vpp (1 without virtual stages)
-    pieces: Tuple[StagePiece, ...] = field(init=False, repr=False)   # by stage index
+    virtual_stages: int = field(init=False)  # vpp (1 without virtual stages)
+    pieces: Tuple[StagePiece, ...] = field(init=False, repr=False)  # by stage index
 
     def __post_init__(self):
         _check_values(self)
@@ -91,8 +92,11 @@ class PipelinePlan:
             _check_virtual_stages(self.pipeline_model_parallel_size, self.overlap_p2p_comm, virtual)
         object.__setattr__(self, "regime", regime)
         object.__setattr__(self, "virtual_stages", virtual)
-        object.__setattr__(self, "pieces", _pieces(self.pipeline_model_parallel_size, self.num_layers,
-                                                   self.mtp_depths, layer_counts, mtp_counts))
+        object.__setattr__(
+            self,
+            "pieces",
+            _pieces(self.pipeline_model_parallel_size, self.num_layers, self.mtp_depths, layer_counts, mtp_counts),
+        )
 
     @property
     def pp(self) -> int:
@@ -115,7 +119,7 @@ class PipelinePlan:
 
     def pieces_of(self, pp_rank: int) -> Tuple[StagePiece, ...]:
         """A rank's pieces, by virtual stage."""
-        return self.pieces[pp_rank::self.pp]
+        return self.pieces[pp_rank :: self.pp]
 
     def stage_of_layer(self, layer: int) -> StagePiece:
         return next(piece for piece in self.pieces if layer in piece.layers)
@@ -127,8 +131,9 @@ class PipelinePlan:
 
     def fingerprint(self) -> int:
         """A number every rank computes alike from the pieces (for agreement records)."""
-        text = ";".join(f"{p.stage_index}:{p.layers}:{p.embedding:d}{p.final_norm:d}{p.head:d}:{p.mtp}"
-                        for p in self.pieces)
+        text = ";".join(
+            f"{p.stage_index}:{p.layers}:{p.embedding:d}{p.final_norm:d}{p.head:d}:{p.mtp}" for p in self.pieces
+        )
         return zlib.crc32(f"{self.pp}x{self.virtual_stages}|{text}".encode())
 
     def check_num_microbatches(self, num_microbatches: int) -> None:
@@ -142,27 +147,40 @@ class PipelinePlan:
         all forwards first when M < pp, as Megatron's warm-up does), and g is unused, as in Megatron."""
         m, pp, g = num_microbatches, self.pp, self.microbatch_group_size
         if m < 1:
-            raise ConfigError(f"{m} micro-batches per step: at least one is needed (--global-batch-size / "
-                              "(--micro-batch-size x data-parallel size))")
+            raise ConfigError(
+                f"{m} micro-batches per step: at least one is needed (--global-batch-size / "
+                "(--micro-batch-size x data-parallel size))"
+            )
         if self.virtual_stages == 1:
             return
-        given = f"{GROUP_FLAG}={g}" if self.microbatch_group_size_per_virtual_pipeline_stage else \
-            f"{GROUP_FLAG} (default --pipeline-model-parallel-size, {g})"
+        given = (
+            f"{GROUP_FLAG}={g}"
+            if self.microbatch_group_size_per_virtual_pipeline_stage
+            else f"{GROUP_FLAG} (default --pipeline-model-parallel-size, {g})"
+        )
         if not pp <= g <= m:
-            raise ConfigError(f"{given}: with virtual stages it must range in [--pipeline-model-parallel-size "
-                              f"({pp}), the micro-batches per step ({m})] (Megatron's interleaved schedule)")
+            raise ConfigError(
+                f"{given}: with virtual stages it must range in [--pipeline-model-parallel-size "
+                f"({pp}), the micro-batches per step ({m})] (Megatron's interleaved schedule)"
+            )
         if 0 < m % g < pp:
-            raise ConfigError(f"{given}: {m} micro-batches per step leave a last group of {m % g}, fewer than "
-                              f"--pipeline-model-parallel-size ({pp}) (Megatron's interleaved schedule refuses it)")
+            raise ConfigError(
+                f"{given}: {m} micro-batches per step leave a last group of {m % g}, fewer than "
+                f"--pipeline-model-parallel-size ({pp}) (Megatron's interleaved schedule refuses it)"
+            )
         rounds = max(1, m // pp)
         if m % rounds:
-            raise ConfigError(f"{given}: torch's interleaved schedule cannot split {m} micro-batches per step into "
-                              f"{rounds} equal rounds (M // pp); use a multiple of --pipeline-model-parallel-size "
-                              f"({pp}) with the default group size")
+            raise ConfigError(
+                f"{given}: torch's interleaved schedule cannot split {m} micro-batches per step into "
+                f"{rounds} equal rounds (M // pp); use a multiple of --pipeline-model-parallel-size "
+                f"({pp}) with the default group size"
+            )
         if m // rounds != g:
-            raise ConfigError(f"{given}: with {m} micro-batches per step torch's interleaved schedule runs groups "
-                              f"of {m // rounds} (M // max(1, M // pp)); give that group size, or the default with "
-                              f"a multiple of --pipeline-model-parallel-size ({pp}) micro-batches")
+            raise ConfigError(
+                f"{given}: with {m} micro-batches per step torch's interleaved schedule runs groups "
+                f"of {m // rounds} (M // max(1, M // pp)); give that group size, or the default with "
+                f"a multiple of --pipeline-model-parallel-size ({pp}) micro-batches"
+            )
 
     def check_supported(self) -> None:
         """What the stage execution does not run yet (a limit of moezero, not a Megatron rule): MTP depths on a
@@ -170,12 +188,16 @@ class PipelinePlan:
         layout = f"{layout_string.FLAG}={self.pipeline_model_parallel_layout!r}"
         if self.mtp_standalone:
             piece = next(p for p in self.pieces if p.mtp)
-            raise ConfigError(f"{layout}: the MTP depths on pipeline rank {piece.pp_rank} (not the last, "
-                              "Megatron's mtp_standalone) are not supported yet: put 'm' in the last stage")
+            raise ConfigError(
+                f"{layout}: the MTP depths on pipeline rank {piece.pp_rank} (not the last, "
+                "Megatron's mtp_standalone) are not supported yet: put 'm' in the last stage"
+            )
         empty = [p.stage_index for p in self.pieces if p.empty]
         if empty:
-            raise ConfigError(f"{layout}: stage {empty[0]} holds nothing (no layer, embedding, MTP or loss): "
-                              "empty stages are not supported yet")
+            raise ConfigError(
+                f"{layout}: stage {empty[0]} holds nothing (no layer, embedding, MTP or loss): "
+                "empty stages are not supported yet"
+            )
 
 
 def _flag(name: str) -> str:
@@ -184,9 +206,15 @@ def _flag(name: str) -> str:
 
 def _check_values(plan: PipelinePlan) -> None:
     """Plain range checks, then Megatron's rules between the flags that pick a regime."""
-    positive = ("num_layers", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers", "microbatch_group_size_per_virtual_pipeline_stage")
+    positive = (
+        "num_layers",
+        "pipeline_model_parallel_size",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+        "microbatch_group_size_per_virtual_pipeline_stage",
+    )
     for name in positive:
         value = getattr(plan, name)
         if value is not None and value < 1:
@@ -194,27 +222,44 @@ def _check_values(plan: PipelinePlan) -> None:
             raise ConfigError(f"{_flag(name)}={value}: must be >= 1")
     if plan.mtp_num_layers is not None and plan.mtp_num_layers < 0:
         raise ConfigError(f"--mtp-num-layers={plan.mtp_num_layers}: must be >= 0")
-    virtual_flags = [f"{_flag(name)}={getattr(plan, name)!r}" for name in
-                     ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                      "pipeline_model_parallel_layout") if getattr(plan, name) is not None]
-    if len(virtual_flags) > 1:   # arguments.py:503
+    virtual_flags = [
+        f"{_flag(name)}={getattr(plan, name)!r}"
+        for name in (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
+            "pipeline_model_parallel_layout",
+        )
+        if getattr(plan, name) is not None
+    ]
+    if len(virtual_flags) > 1:  # arguments.py:503
         raise ConfigError(f"{', '.join(virtual_flags)}: at most one of these may be given")
-    first_last = [f"{_flag(name)}={getattr(plan, name)}" for name in
-                  ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-                  if getattr(plan, name) is not None]
-    accounts = [_flag(name) for name in ("account_for_embedding_in_pipeline_split",
-                                         "account_for_loss_in_pipeline_split") if getattr(plan, name)]
+    first_last = [
+        f"{_flag(name)}={getattr(plan, name)}"
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        if getattr(plan, name) is not None
+    ]
+    accounts = [
+        _flag(name)
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+        if getattr(plan, name)
+    ]
     if plan.pipeline_model_parallel_layout is not None and (first_last or accounts):
         # transformer_config.py:1310 (after 1294 for first/last with account_for, the same refusal)
-        raise ConfigError(f"{layout_string.FLAG}={plan.pipeline_model_parallel_layout!r}, "
-                          f"{', '.join(first_last + accounts)}: the layout cannot be combined with them")
-    if first_last and plan.num_layers_per_virtual_pipeline_stage is not None:   # arguments.py:530
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={plan.num_layers_per_virtual_pipeline_stage}, "
-                          f"{', '.join(first_last)}: with uneven first/last stages give the virtual stages with "
-                          "--num-virtual-stages-per-pipeline-rank")
-    if first_last and accounts:   # transformer_config.py:1294
-        raise ConfigError(f"{', '.join(first_last + accounts)}: the first/last stage counts cannot be combined with "
-                          "the embedding/loss accounting")
+        raise ConfigError(
+            f"{layout_string.FLAG}={plan.pipeline_model_parallel_layout!r}, "
+            f"{', '.join(first_last + accounts)}: the layout cannot be combined with them"
+        )
+    if first_last and plan.num_layers_per_virtual_pipeline_stage is not None:  # arguments.py:530
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage={plan.num_layers_per_virtual_pipeline_stage}, "
+            f"{', '.join(first_last)}: with uneven first/last stages give the virtual stages with "
+            "--num-virtual-stages-per-pipeline-rank"
+        )
+    if first_last and accounts:  # transformer_config.py:1294
+        raise ConfigError(
+            f"{', '.join(first_last + accounts)}: the first/last stage counts cannot be combined with "
+            "the embedding/loss accounting"
+        )
 
 
 def _stage_counts(plan: PipelinePlan) -> Tuple[str, int, List[int], List[int]]:
@@ -246,16 +291,21 @@ def _virtual_from_flags(plan: PipelinePlan, layers_per_rank: Optional[int]) -> i
     per_stage = plan.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         return 1
-    if layers_per_rank % per_stage:   # arguments.py:547
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage={per_stage}: must divide the layers per "
-                          f"pipeline rank ({layers_per_rank}: {_slots_text(plan)} over "
-                          f"--pipeline-model-parallel-size={plan.pp})")
+    if layers_per_rank % per_stage:  # arguments.py:547
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage={per_stage}: must divide the layers per "
+            f"pipeline rank ({layers_per_rank}: {_slots_text(plan)} over "
+            f"--pipeline-model-parallel-size={plan.pp})"
+        )
     return layers_per_rank // per_stage
 
 
 def _slots_text(plan: PipelinePlan) -> str:
-    extra = [_flag(name) for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-             if getattr(plan, name)]
+    extra = [
+        _flag(name)
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+        if getattr(plan, name)
+    ]
     return f"--num-layers={plan.num_layers}" + "".join(f" + 1 for {flag}" for flag in extra)
 
 
@@ -267,50 +317,68 @@ def _even_counts(plan: PipelinePlan) -> Tuple[int, List[int], List[int]]:
         raise ConfigError(f"{_slots_text(plan)}: must be divisible by --pipeline-model-parallel-size={plan.pp}")
     per_rank = slots // plan.pp
     virtual = _virtual_from_flags(plan, per_rank)
-    if per_rank % virtual:   # transformer_config.py:1471; get_num_layers_to_build's assert
-        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank={virtual}: must divide the layers per pipeline "
-                          f"rank ({per_rank}: {_slots_text(plan)} over --pipeline-model-parallel-size={plan.pp})")
+    if per_rank % virtual:  # transformer_config.py:1471; get_num_layers_to_build's assert
+        raise ConfigError(
+            f"--num-virtual-stages-per-pipeline-rank={virtual}: must divide the layers per pipeline "
+            f"rank ({per_rank}: {_slots_text(plan)} over --pipeline-model-parallel-size={plan.pp})"
+        )
     per_stage = per_rank // virtual
     counts = [per_stage] * (plan.pp * virtual)
-    counts[0] -= embedding    # the embedding's slot: first stage; the loss's: last stage
-    counts[-1] -= loss        # (never below 0: a stage has >= 1 slot, and a single stage has both plus the layers)
+    counts[0] -= embedding  # the embedding's slot: first stage; the loss's: last stage
+    counts[-1] -= loss  # (never below 0: a stage has >= 1 slot, and a single stage has both plus the layers)
     return virtual, counts, _mtp_on_last(plan, len(counts))
 
 
 def _first_last_counts(plan: PipelinePlan) -> Tuple[int, List[int], List[int]]:
     first, last = plan.decoder_first_pipeline_num_layers, plan.decoder_last_pipeline_num_layers
     pp, virtual = plan.pp, _virtual_from_flags(plan, None)
-    given = [(flag, value) for flag, value in (("--decoder-first-pipeline-num-layers", first),
-                                               ("--decoder-last-pipeline-num-layers", last)) if value is not None]
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--decoder-first-pipeline-num-layers", first),
+            ("--decoder-last-pipeline-num-layers", last),
+        )
+        if value is not None
+    ]
     if pp == 1:
         # one stage is both first and last: Megatron builds the last count there (else the first), and with both
         # given accepts a last count short of --num-layers (transformer_config.py:1406 then sees -1 middle
         # stages): refused
         flag, value = given[-1]
         if value != plan.num_layers:
-            raise ConfigError(f"{flag}={value}: with --pipeline-model-parallel-size=1 the one stage holds all "
-                              f"--num-layers={plan.num_layers}")
+            raise ConfigError(
+                f"{flag}={value}: with --pipeline-model-parallel-size=1 the one stage holds all "
+                f"--num-layers={plan.num_layers}"
+            )
         return virtual, [plan.num_layers], _mtp_on_last(plan, 1)
     for flag, value in given:
-        if value % virtual:   # transformer_config.py:1372, 1391
-            raise ConfigError(f"{flag}={value}: must be divisible by the virtual stages per rank "
-                              f"(--num-virtual-stages-per-pipeline-rank={virtual})")
+        if value % virtual:  # transformer_config.py:1372, 1391
+            raise ConfigError(
+                f"{flag}={value}: must be divisible by the virtual stages per rank "
+                f"(--num-virtual-stages-per-pipeline-rank={virtual})"
+            )
     middle_layers = plan.num_layers - sum(value for _, value in given)
     middle_ranks = pp - len(given)
     named = ", ".join(f"{flag}={value}" for flag, value in given)
     if middle_layers < 0:
         # Megatron accepts this when middle ranks are left (its middle ranks then build a negative count): refused
         raise ConfigError(f"{named}: more than --num-layers={plan.num_layers}")
-    if bool(middle_layers) != bool(middle_ranks):   # transformer_config.py:1406
-        raise ConfigError(f"{named}: leave {middle_layers} layers of --num-layers={plan.num_layers} for "
-                          f"{middle_ranks} middle ranks of --pipeline-model-parallel-size={pp}")
-    if middle_ranks and middle_layers % middle_ranks:   # transformer_config.py:1414
-        raise ConfigError(f"{named}: the {middle_layers} other layers of --num-layers={plan.num_layers} must be "
-                          f"divisible by the {middle_ranks} middle ranks of --pipeline-model-parallel-size={pp}")
+    if bool(middle_layers) != bool(middle_ranks):  # transformer_config.py:1406
+        raise ConfigError(
+            f"{named}: leave {middle_layers} layers of --num-layers={plan.num_layers} for "
+            f"{middle_ranks} middle ranks of --pipeline-model-parallel-size={pp}"
+        )
+    if middle_ranks and middle_layers % middle_ranks:  # transformer_config.py:1414
+        raise ConfigError(
+            f"{named}: the {middle_layers} other layers of --num-layers={plan.num_layers} must be "
+            f"divisible by the {middle_ranks} middle ranks of --pipeline-model-parallel-size={pp}"
+        )
     per_middle = middle_layers // middle_ranks if middle_ranks else 0
-    if per_middle % virtual:   # transformer_config.py:1422
-        raise ConfigError(f"{named}: the {per_middle} layers of each middle rank must be divisible by "
-                          f"--num-virtual-stages-per-pipeline-rank={virtual}")
+    if per_middle % virtual:  # transformer_config.py:1422
+        raise ConfigError(
+            f"{named}: the {per_middle} layers of each middle rank must be divisible by "
+            f"--num-virtual-stages-per-pipeline-rank={virtual}"
+        )
     per_rank = [per_middle] * pp
     if first is not None:
         per_rank[0] = first
@@ -326,12 +394,15 @@ def _check_virtual_stages(pp: int, overlap_p2p_comm: bool, virtual: int) -> None
     if overlap_p2p_comm and pp < 2:
         raise ConfigError(f"--pipeline-model-parallel-size={pp}: {virtual} virtual stages per rank need it > 1")
     if not overlap_p2p_comm and pp < 3:
-        raise ConfigError(f"--pipeline-model-parallel-size={pp}, --no-overlap-p2p-communication: "
-                          f"{virtual} virtual stages per rank without p2p overlap need it > 2")
+        raise ConfigError(
+            f"--pipeline-model-parallel-size={pp}, --no-overlap-p2p-communication: "
+            f"{virtual} virtual stages per rank without p2p overlap need it > 2"
+        )
 
 
-def _pieces(pp: int, num_layers: int, mtp_depths: int, layer_counts: List[int],
-            mtp_counts: List[int]) -> Tuple[StagePiece, ...]:
+def _pieces(
+    pp: int, num_layers: int, mtp_depths: int, layer_counts: List[int], mtp_counts: List[int]
+) -> Tuple[StagePiece, ...]:
     """Hand out layers (and MTP depths) in stage order, each stage its count."""
     pieces, next_layer, next_depth = [], 0, 0
     last = len(layer_counts) - 1
@@ -340,8 +411,18 @@ def _pieces(pp: int, num_layers: int, mtp_depths: int, layer_counts: List[int],
         next_layer += count
         holds_last_layer = num_layers - 1 in layers
         final_norm = holds_last_layer if mtp_depths else stage == last
-        pieces.append(StagePiece(stage, stage % pp, stage // pp, layers, stage == 0, final_norm, stage == last,
-                                 tuple(range(next_depth, next_depth + depths))))
+        pieces.append(
+            StagePiece(
+                stage,
+                stage % pp,
+                stage // pp,
+                layers,
+                stage == 0,
+                final_norm,
+                stage == last,
+                tuple(range(next_depth, next_depth + depths)),
+            )
+        )
         next_depth += depths
     assert next_layer == num_layers and next_depth == mtp_depths, (layer_counts, mtp_counts)
     return tuple(pieces)

@@ -8,6 +8,7 @@ the sums `training.loop`'s single-pipeline step computes over its ranks' micro-b
 `_step_metrics` turns them into a StepMetrics (averages over every micro-batch of every pipeline).
 Recorded from the chunk's forward, not inside the layers: a recomputed layer does not record twice.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,21 +37,25 @@ class StepRecorder:
         self._slot = {layer: k for k, layer in enumerate(self.moe_layers)}
         layers = len(self.moe_layers)
         self.totals: Dict[str, torch.Tensor] = {
-            "lm_loss": torch.zeros((), dtype=torch.float64), "lm_tokens": torch.zeros((), dtype=torch.float64),
+            "lm_loss": torch.zeros((), dtype=torch.float64),
+            "lm_tokens": torch.zeros((), dtype=torch.float64),
             **{name: torch.zeros((), dtype=torch.float64) for name in MoEStats.LOSSES},
             **{f"tracked_{name}": torch.zeros(layers, dtype=torch.float64) for name in tracked},
             "dropped_fraction": torch.zeros(layers, dtype=torch.float64),
             "tokens_per_expert": torch.zeros(layers, num_experts if layers else 0, dtype=torch.float64),
-            "mtp_losses": torch.zeros(0, dtype=torch.float64)}
+            "mtp_losses": torch.zeros(0, dtype=torch.float64),
+        }
 
-    def record(self, piece: StagePiece, stats: List[MoEStats], lm: Optional[torch.Tensor],
-               loss_mask: Optional[torch.Tensor]) -> None:
+    def record(
+        self, piece: StagePiece, stats: List[MoEStats], lm: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]
+    ) -> None:
         """One chunk forward: `stats` of the piece's MoE layers in layer order; `lm` on the last stage."""
         totals = self.totals
         layers = [layer for layer in piece.layers if layer in self._slot]
         if len(layers) != len(stats):
-            raise RuntimeError(f"stage {piece.stage_index} returned the stats of {len(stats)} MoE layers, it holds "
-                               f"{len(layers)}")
+            raise RuntimeError(
+                f"stage {piece.stage_index} returned the stats of {len(stats)} MoE layers, it holds {len(layers)}"
+            )
         with torch.no_grad():
             for layer, s in zip(layers, stats):
                 k = self._slot[layer]

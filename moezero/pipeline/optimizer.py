@@ -9,6 +9,7 @@ norm (Megatron's log) is summed the same way.
 It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; `--log-num-zeros-in-grad` still counts the
 stage's zeros only (refused at pp > 1).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional

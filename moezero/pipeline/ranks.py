@@ -14,6 +14,7 @@ At pp = 1 the groups are `rank_layout`'s (dp: the world). The embedding group of
 last rank (default_embedding_ranks: where the word embedding and the output layer live), the position embedding
 group its first rank.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,8 +25,8 @@ from moezero.config.options import ConfigError
 
 Ranks = Tuple[int, ...]
 Partition = Tuple[Ranks, ...]
-DEFAULT_ORDER = ("ep", "dp", "pp")          # 'tp-cp-ep-dp-pp' without the size-1 tp and cp
-TP_PP_DP_ORDER = ("ep", "pp", "dp")         # 'tp-cp-ep-pp-dp' (--use-tp-pp-dp-mapping)
+DEFAULT_ORDER = ("ep", "dp", "pp")  # 'tp-cp-ep-dp-pp' without the size-1 tp and cp
+TP_PP_DP_ORDER = ("ep", "pp", "dp")  # 'tp-cp-ep-pp-dp' (--use-tp-pp-dp-mapping)
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,12 @@ class PipelineRankLayout:
     expert_parallel_size: int
     pipeline_parallel_size: int
     use_tp_pp_dp_mapping: bool
-    dp_groups: Partition                    # dense params' data parallel group, one per pp coordinate
-    pp_groups: Partition                    # the stages of one pipeline, in stage order
+    dp_groups: Partition  # dense params' data parallel group, one per pp coordinate
+    pp_groups: Partition  # the stages of one pipeline, in stage order
     ep_groups: Partition
-    edp_groups: Partition                   # expert data parallel (Megatron's expert 'dp')
-    embedding_groups: Tuple[Ranks, ...]     # per pp group: its first and last rank (one rank at pp 1)
-    position_embedding_groups: Tuple[Ranks, ...]   # per pp group: its first rank
+    edp_groups: Partition  # expert data parallel (Megatron's expert 'dp')
+    embedding_groups: Tuple[Ranks, ...]  # per pp group: its first and last rank (one rank at pp 1)
+    position_embedding_groups: Tuple[Ranks, ...]  # per pp group: its first rank
 
     def group_of(self, partition: Partition, rank: int) -> Ranks:
         return next(group for group in partition if rank in group)
@@ -56,8 +57,9 @@ class PipelineRankLayout:
         return self.group_of(self.ep_groups, rank).index(rank)
 
 
-def pipeline_rank_layout(world_size: int, expert_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                         use_tp_pp_dp_mapping: bool = False) -> PipelineRankLayout:
+def pipeline_rank_layout(
+    world_size: int, expert_parallel_size: int = 1, pipeline_parallel_size: int = 1, use_tp_pp_dp_mapping: bool = False
+) -> PipelineRankLayout:
     """The dp, pp, ep, edp partitions and the embedding groups; Megatron's refusals as one-line ConfigErrors."""
     world, ep, pp = world_size, expert_parallel_size, pipeline_parallel_size
     _check(world, ep, pp, use_tp_pp_dp_mapping)
@@ -68,29 +70,42 @@ def pipeline_rank_layout(world_size: int, expert_parallel_size: int = 1, pipelin
     # holds whenever the checks above pass, so they are taken from the decoder's folding
     pp_groups = _groups(order, decoder, "pp")
     return PipelineRankLayout(
-        world, ep, pp, use_tp_pp_dp_mapping,
-        dp_groups=_groups(order, decoder, "dp"), pp_groups=pp_groups,
-        ep_groups=_groups(order, expert, "ep"), edp_groups=_groups(order, expert, "dp"),
+        world,
+        ep,
+        pp,
+        use_tp_pp_dp_mapping,
+        dp_groups=_groups(order, decoder, "dp"),
+        pp_groups=pp_groups,
+        ep_groups=_groups(order, expert, "ep"),
+        edp_groups=_groups(order, expert, "dp"),
         embedding_groups=tuple(_first_and_last(group) for group in pp_groups),
-        position_embedding_groups=tuple(group[:1] for group in pp_groups))
+        position_embedding_groups=tuple(group[:1] for group in pp_groups),
+    )
 
 
 def _check(world: int, ep: int, pp: int, use_tp_pp_dp_mapping: bool) -> None:
-    for name, value in (("world size", world), ("--expert-model-parallel-size", ep),
-                        ("--pipeline-model-parallel-size", pp)):
+    for name, value in (
+        ("world size", world),
+        ("--expert-model-parallel-size", ep),
+        ("--pipeline-model-parallel-size", pp),
+    ):
         if value < 1:
             raise ConfigError(f"{name}={value}: must be >= 1")
-    if world % pp:   # parallel_state.py:740; Megatron-LM arguments.py:317 (core_v0.16.1)
+    if world % pp:  # parallel_state.py:740; Megatron-LM arguments.py:317 (core_v0.16.1)
         raise ConfigError(f"--pipeline-model-parallel-size={pp}: must divide the world size ({world})")
-    if world % (ep * pp):   # parallel_state.py:792
-        raise ConfigError(f"--expert-model-parallel-size={ep}, --pipeline-model-parallel-size={pp}: their product "
-                          f"({ep * pp}) must divide the world size ({world})")
+    if world % (ep * pp):  # parallel_state.py:792
+        raise ConfigError(
+            f"--expert-model-parallel-size={ep}, --pipeline-model-parallel-size={pp}: their product "
+            f"({ep * pp}) must divide the world size ({world})"
+        )
     if use_tp_pp_dp_mapping and pp > 1 and ep > 1:
         # parallel_state.py:808: without pp last in the order, the experts' data parallel size must equal the
         # decoder's (world / (ep x pp) == world / pp at tp = 1, i.e. ep = 1)
-        raise ConfigError(f"--use-tp-pp-dp-mapping, --expert-model-parallel-size={ep}, "
-                          f"--pipeline-model-parallel-size={pp}: Megatron's tp-pp-dp rank order needs "
-                          "--expert-model-parallel-size=1 with a pipeline")
+        raise ConfigError(
+            f"--use-tp-pp-dp-mapping, --expert-model-parallel-size={ep}, "
+            f"--pipeline-model-parallel-size={pp}: Megatron's tp-pp-dp rank order needs "
+            "--expert-model-parallel-size=1 with a pipeline"
+        )
 
 
 def _first_and_last(group: Ranks) -> Ranks:

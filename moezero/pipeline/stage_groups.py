@@ -13,6 +13,7 @@ one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel o
     groups.stage   # ParallelGroups of this rank's stage
     groups.pp      # this rank's pipeline, stage order (None once closed after a failure)
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,8 +30,15 @@ from moezero.pipeline.ranks import Partition, PipelineRankLayout, pipeline_rank_
 class PipelineGroups:
     """This rank's groups: `stage` (ParallelGroups), `pp`, `world_control`; coordinates from `layout`."""
 
-    def __init__(self, layout: PipelineRankLayout, rank: int, stage: ParallelGroups, pp: Optional[Any],
-                 world_control: Optional[Any], timeout: Optional[datetime.timedelta] = None):
+    def __init__(
+        self,
+        layout: PipelineRankLayout,
+        rank: int,
+        stage: ParallelGroups,
+        pp: Optional[Any],
+        world_control: Optional[Any],
+        timeout: Optional[datetime.timedelta] = None,
+    ):
         self.layout, self.rank, self.stage = layout, rank, stage
         self._pp = pp
         self.world_control = world_control
@@ -66,8 +74,13 @@ class PipelineGroups:
         return self.layout.world_size
 
     @classmethod
-    def build(cls, pipeline_parallel_size: int, expert_parallel_size: int = 1, use_tp_pp_dp_mapping: bool = False,
-              timeout: Optional[datetime.timedelta] = None) -> "PipelineGroups":
+    def build(
+        cls,
+        pipeline_parallel_size: int,
+        expert_parallel_size: int = 1,
+        use_tp_pp_dp_mapping: bool = False,
+        timeout: Optional[datetime.timedelta] = None,
+    ) -> "PipelineGroups":
         """Create the groups; every rank calls this in the same order (after init_process_group). Raises
         ConfigError (one line) for sizes Megatron refuses."""
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -79,8 +92,9 @@ class PipelineGroups:
         edp = _own_group(layout.edp_groups, rank, timeout)
         pp = _own_group(layout.pp_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
-        stage = stage_parallel_groups(layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement,
-                                      timeout=timeout)
+        stage = stage_parallel_groups(
+            layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement, timeout=timeout
+        )
         return cls(layout, rank, stage, pp, world_control, timeout)
 
     def close_pp(self) -> None:
@@ -103,12 +117,30 @@ class PipelineGroups:
             self.world_control = None
 
 
-def stage_parallel_groups(layout: PipelineRankLayout, rank: int, *, dp: Any, ep: Any, edp: Any, control: Any,
-                          agreement: Any, timeout: Optional[datetime.timedelta] = None) -> ParallelGroups:
+def stage_parallel_groups(
+    layout: PipelineRankLayout,
+    rank: int,
+    *,
+    dp: Any,
+    ep: Any,
+    edp: Any,
+    control: Any,
+    agreement: Any,
+    timeout: Optional[datetime.timedelta] = None,
+) -> ParallelGroups:
     """A `ParallelGroups` for this rank's stage, in stage-local coordinates (see the module's docstring)."""
     local, me = stage_coordinates(layout, rank)
-    return ParallelGroups(local, me, dp=dp, ep=ep, edp=edp, control=control, timeout=timeout, local_records=False,
-                          _lazy={"agreement": agreement})
+    return ParallelGroups(
+        local,
+        me,
+        dp=dp,
+        ep=ep,
+        edp=edp,
+        control=control,
+        timeout=timeout,
+        local_records=False,
+        _lazy={"agreement": agreement},
+    )
 
 
 def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout, int]:
@@ -117,17 +149,22 @@ def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout
     members = layout.group_of(layout.dp_groups, rank)
     local = rank_layout(len(members), layout.expert_parallel_size)
     me = members.index(rank)
-    for name, partition, expected in (("ep", layout.ep_groups, local.ep_group_of(me)),
-                                      ("edp", layout.edp_groups, local.edp_group_of(me))):
+    for name, partition, expected in (
+        ("ep", layout.ep_groups, local.ep_group_of(me)),
+        ("edp", layout.edp_groups, local.edp_group_of(me)),
+    ):
         mapped = tuple(members[i] for i in expected)
         if layout.group_of(partition, rank) != mapped:
-            raise AssertionError(f"the {name} group of rank {rank} is {layout.group_of(partition, rank)}, its stage's "
-                                 f"layout gives {mapped}")
+            raise AssertionError(
+                f"the {name} group of rank {rank} is {layout.group_of(partition, rank)}, its stage's "
+                f"layout gives {mapped}"
+            )
     return local, me
 
 
-def _own_group(partition: Partition, rank: int, timeout: Optional[datetime.timedelta],
-               backend: Optional[str] = None) -> Any:
+def _own_group(
+    partition: Partition, rank: int, timeout: Optional[datetime.timedelta], backend: Optional[str] = None
+) -> Any:
     """Every rank creates every group of the partition (new_group is collective); keep this rank's."""
     mine = None
     for members in partition:

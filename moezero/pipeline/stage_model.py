@@ -16,6 +16,7 @@ pipe); the last stage returns the micro-batch's loss lm + aux, which the schedul
 Not yet (refused in one line): tied embedding/output weights (the last stage would need the first stage's
 embedding) and MTP depths.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,15 @@ from torch.utils.checkpoint import checkpoint
 from moezero.config import ConfigError, GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
 from moezero.keyed_random import SampleKeys, init_keyed_
 from moezero.models.attention import norm_layer, recomputing
-from moezero.models.gpt import (MoELayerFactory, TransformerLayer, build_mlp, embed_tokens, init_std,
-                                language_model_loss, recompute_chunks)
+from moezero.models.gpt import (
+    MoELayerFactory,
+    TransformerLayer,
+    build_mlp,
+    embed_tokens,
+    init_std,
+    language_model_loss,
+    recompute_chunks,
+)
 from moezero.moe import MoELayer, MoEStats
 from moezero.pipeline.layout import PipelinePlan, StagePiece
 
@@ -37,11 +45,15 @@ from moezero.pipeline.layout import PipelinePlan, StagePiece
 def check_stage_model_supported(config: GPTConfig) -> None:
     """What the stage execution does not run yet, one line each."""
     if not config.untie_embeddings_and_output_weights:
-        raise ConfigError("--pipeline-model-parallel-size > 1 needs --untie-embeddings-and-output-weights for now: "
-                          "tied embedding and output weights across the first and last stage are not supported yet")
+        raise ConfigError(
+            "--pipeline-model-parallel-size > 1 needs --untie-embeddings-and-output-weights for now: "
+            "tied embedding and output weights across the first and last stage are not supported yet"
+        )
     if config.mtp_num_layers:
-        raise ConfigError(f"--mtp-num-layers={config.mtp_num_layers}: MTP depths with "
-                          "--pipeline-model-parallel-size > 1 are not supported yet")
+        raise ConfigError(
+            f"--mtp-num-layers={config.mtp_num_layers}: MTP depths with "
+            "--pipeline-model-parallel-size > 1 are not supported yet"
+        )
 
 
 def moe_layer_numbers(config: GPTConfig, has_moe: bool) -> Tuple[int, ...]:
@@ -60,8 +72,15 @@ class StageModel(nn.Module):
       is given each chunk forward's MoE stats and lm loss, detached.
     """
 
-    def __init__(self, config: GPTConfig, moe_config: Optional[MoEConfig], seed: int, plan: PipelinePlan,
-                 pp_rank: int, moe_layer: MoELayerFactory = MoELayer):
+    def __init__(
+        self,
+        config: GPTConfig,
+        moe_config: Optional[MoEConfig],
+        seed: int,
+        plan: PipelinePlan,
+        pp_rank: int,
+        moe_layer: MoELayerFactory = MoELayer,
+    ):
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
@@ -78,9 +97,13 @@ class StageModel(nn.Module):
             self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
             if config.position_embedding_type == "learned_absolute":
                 self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleDict({str(layer): TransformerLayer(config, build_mlp(config, layer, layer_moe,
-                                                                                    moe_layer), layer)
-                                     for piece in self.pieces for layer in piece.layers})
+        self.layers = nn.ModuleDict(
+            {
+                str(layer): TransformerLayer(config, build_mlp(config, layer, layer_moe, moe_layer), layer)
+                for piece in self.pieces
+                for layer in piece.layers
+            }
+        )
         self.final_norm = norm_layer(config) if any(piece.final_norm for piece in self.pieces) else None
         self.output = None
         if any(piece.head for piece in self.pieces):
@@ -99,9 +122,16 @@ class StageModel(nn.Module):
             dtype = torch.float64
         return dtype
 
-    def forward(self, virtual_stage: int, *inputs: torch.Tensor, seed: int, iteration: int,
-                sample_index: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        virtual_stage: int,
+        *inputs: torch.Tensor,
+        seed: int,
+        iteration: int,
+        sample_index: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ):
         piece = self.pieces[virtual_stage]
         keys = SampleKeys(seed, iteration, tuple(sample_index.tolist()))
         if piece.embedding:
@@ -125,8 +155,9 @@ class StageModel(nn.Module):
             return lm + aux
         return x, aux
 
-    def _run_layers(self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys
-                    ) -> Tuple[torch.Tensor, List[MoEStats]]:
+    def _run_layers(
+        self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys
+    ) -> Tuple[torch.Tensor, List[MoEStats]]:
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config, len(layers)):
             run = layers[first:last]
@@ -137,8 +168,9 @@ class StageModel(nn.Module):
             all_stats += stats
         return x, all_stats
 
-    def _layers(self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys
-                ) -> Tuple[torch.Tensor, List[MoEStats]]:
+    def _layers(
+        self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys
+    ) -> Tuple[torch.Tensor, List[MoEStats]]:
         all_stats = []
         for layer in layers:
             x, stats = self.layers[str(layer)](x, keys)

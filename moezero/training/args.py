@@ -7,6 +7,7 @@ Megatron's conventions: `@args.txt` reads flags from a file (whitespace-separate
 number per line), and a bad command line costs one line per problem, all of them at once: the error, a
 did-you-mean for a misspelled flag, and "see --help" (no 80-line usage dump).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from moezero.config import ConfigError
 from moezero.training.megatron_flags import megatron_table
 
 
-_BAD = object()   # a value argparse could not read (its problem is recorded)
+_BAD = object()  # a value argparse could not read (its problem is recorded)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -51,7 +52,7 @@ class ArgumentParser(argparse.ArgumentParser):
             namespace, extras = self.parse_known_args(args, namespace)
         finally:
             problems, self._problems = self._problems, None
-        for dest in self._outside_choices:   # reported once, here, not again by its config
+        for dest in self._outside_choices:  # reported once, here, not again by its config
             setattr(namespace, dest, _BAD)
         if extras:
             problems.append("unrecognized arguments: " + " ".join(extras))
@@ -60,7 +61,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def _get_value(self, action, arg_string):
         try:
             return super()._get_value(action, arg_string)
-        except argparse.ArgumentError as exc:   # a value of the wrong type: recorded, parsing goes on
+        except argparse.ArgumentError as exc:  # a value of the wrong type: recorded, parsing goes on
             if self._problems is None:
                 raise
             self._problems.append(str(exc))
@@ -71,7 +72,7 @@ class ArgumentParser(argparse.ArgumentParser):
             return
         try:
             super()._check_value(action, value)
-        except argparse.ArgumentError as exc:   # a value outside the choices: recorded, parsing goes on
+        except argparse.ArgumentError as exc:  # a value outside the choices: recorded, parsing goes on
             if self._problems is None:
                 raise
             self._problems.append(str(exc))
@@ -102,19 +103,21 @@ class ArgumentParser(argparse.ArgumentParser):
         lines = []
         for flag, words in _by_flag(message.split(":", 1)[1].split()):
             if flag in megatron:
-                lines.append(f"{flag}: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, "
-                             "'Coming from Megatron-LM')")
+                lines.append(
+                    f"{flag}: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, "
+                    "'Coming from Megatron-LM')"
+                )
             else:
                 lines.append(f"unrecognized arguments: {' '.join(words)}{self._did_you_mean(flag)}")
         return lines
 
     def _did_you_mean(self, flag: Optional[str]) -> str:
         opposite = flag and "--no-" + flag[2:]
-        if opposite in self._option_string_actions:   # Megatron's store_false switches have only the --no- form
+        if opposite in self._option_string_actions:  # Megatron's store_false switches have only the --no- form
             return f"; that is on by default ({opposite} turns it off)"
         known = [s for s in self._option_string_actions if s.startswith("--")]
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if flag else []
-        if close and close[0].startswith("--no-") and not flag.startswith("--no-"):   # not the opposite meaning
+        if close and close[0].startswith("--no-") and not flag.startswith("--no-"):  # not the opposite meaning
             return f"; the nearest flag, {close[0]}, turns an option off"
         return f"; did you mean {close[0]}?" if close else ""
 
@@ -155,8 +158,9 @@ def flag_fields(config_cls: Type) -> Iterable[tuple]:
             yield f, flag or "--" + f.name.replace("_", "-")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
-                         only: Optional[Sequence[str]] = None) -> None:
+def add_config_arguments(
+    parser: argparse.ArgumentParser, config_cls: Type, only: Optional[Sequence[str]] = None
+) -> None:
     """One argument per field that has a flag (or the fields named in `only`), in a group named after the config."""
     group = parser.add_argument_group(config_cls.__name__, (config_cls.__doc__ or "").strip().splitlines()[0])
     hints = typing.get_type_hints(config_cls)
@@ -171,8 +175,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
         if kind is bool and (flag.startswith("--no-") or len(flags) > 1):
             # a negative switch (Megatron's --no-load-optim): on when given. As a --flag/--no-flag pair its own
             # name would read as the negation and set it off (argparse's BooleanOptionalAction)
-            group.add_argument(*flags, dest=dest, action="store_true", default=default,
-                               help=f"{help_text} (default: off)")
+            group.add_argument(
+                *flags, dest=dest, action="store_true", default=default, help=f"{help_text} (default: off)"
+            )
             continue
         if kind is bool:
             group.add_argument(flag, dest=dest, action=_Switch, default=default, help=help_text)
@@ -180,9 +185,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: Type,
         if default is not None and "default" not in help_text:
             help_text += f" (default: {default})"
         metavar = None if f.metadata.get("choices") else flag.lstrip("-").replace("-", "_").upper()
-        group.add_argument(*flags, dest=dest, type=f.metadata.get("parse") or kind, default=default,
-                           choices=f.metadata.get("choices"), metavar=metavar, help=help_text,
-                           nargs=f.metadata.get("nargs"))
+        group.add_argument(
+            *flags,
+            dest=dest,
+            type=f.metadata.get("parse") or kind,
+            default=default,
+            choices=f.metadata.get("choices"),
+            metavar=metavar,
+            help=help_text,
+            nargs=f.metadata.get("nargs"),
+        )
 
 
 def build_parser(config_classes: Sequence[Type], description: str) -> ArgumentParser:
@@ -200,11 +212,11 @@ def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Ty
         if section in values:
             values[section][name] = value
     problems, built = [], {}
-    for cls in config_classes:   # every section's first problem, so one launch lists them all
+    for cls in config_classes:  # every section's first problem, so one launch lists them all
         if any(v is _BAD for v in values[cls.section].values()):
-            continue   # the value argparse could not read is the problem reported
+            continue  # the value argparse could not read is the problem reported
         try:
-            if hasattr(cls, "check_command_line"):   # Megatron's reading, where a config alone cannot tell
+            if hasattr(cls, "check_command_line"):  # Megatron's reading, where a config alone cannot tell
                 cls.check_command_line(values[cls.section])
             built[cls.section] = cls(**values[cls.section])
         except ConfigError as exc:

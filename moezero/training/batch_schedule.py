@@ -10,13 +10,14 @@ another batch size, or a ramp, continues from the samples its checkpoint consume
   --step-batch-size-schedule "0:16 2.4B:320 ..."  from each threshold on, that size; thresholds count
       tokens (divided by --seq-length into samples, as Megatron does), with K/M/B/T suffixes.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
 def parse_number(text: str) -> int:
@@ -64,8 +65,8 @@ def rampup_steps(start: int, increment: int, samples: int, final: int) -> List[T
 
 @dataclass(frozen=True)
 class BatchSchedule:
-    steps: Tuple[Tuple[int, int], ...]   # (from consumed samples, global batch size), ascending from 0
-    ramp_samples: Optional[int] = None   # --rampup-batch-size's SAMPLES (Megatron counts a ramp's steps by it)
+    steps: Tuple[Tuple[int, int], ...]  # (from consumed samples, global batch size), ascending from 0
+    ramp_samples: Optional[int] = None  # --rampup-batch-size's SAMPLES (Megatron counts a ramp's steps by it)
 
     @classmethod
     def from_config(cls, t, seq_length: int) -> "BatchSchedule":
@@ -86,8 +87,10 @@ class BatchSchedule:
     def sizes_from(self, consumed_samples: int) -> List[int]:
         """The batch sizes a run that has consumed `consumed_samples` still meets (Megatron checks only those:
         a run resumed on more ranks may have passed sizes its layout cannot split)."""
-        return sorted({self.batch_size(consumed_samples)} |
-                      {size for threshold, size in self.steps if threshold > consumed_samples})
+        return sorted(
+            {self.batch_size(consumed_samples)}
+            | {size for threshold, size in self.steps if threshold > consumed_samples}
+        )
 
     @property
     def final(self) -> int:

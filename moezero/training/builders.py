@@ -1,9 +1,10 @@
 """What a pretraining run is made of, each built by one function from the configs.
 
-    data  = build_data(cfg, dataset_sizes(cfg, start_iteration, progress))
-    model = build_model(cfg, groups, data.tokenizer.vocab_size)    # built, expert-parallel, cast, placed
-    opt   = build_optimizer(model, cfg, groups)                     # after any plug-in reparametrized it
+data  = build_data(cfg, dataset_sizes(cfg, start_iteration, progress))
+model = build_model(cfg, groups, data.tokenizer.vocab_size)    # built, expert-parallel, cast, placed
+opt   = build_optimizer(model, cfg, groups)                     # after any plug-in reparametrized it
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ from moezero.training.configs import Configs, TrainConfig
 from moezero.training.resume import Progress
 from moezero.zero import STATE_DTYPES, PrecisionAwareAdam, ZeroOptimizer, weight_decay_groups
 
+
 def build_data(cfg: Configs, sizes: Tuple[int, int, int]):
     """The train, validation and test splits with `sizes` samples each (0: not built); see `dataset_sizes`."""
     return build_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed, num_samples=sizes)
@@ -45,13 +47,15 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
     else:
         train = max(t.train_samples or t.train_iters * t.global_batch_size, needed)
     valid, per_evaluation = 0, t.eval_iters * t.global_batch_size
-    if t.evaluates and t.skip_train:   # one evaluation, from the split's start
+    if t.evaluates and t.skip_train:  # one evaluation, from the split's start
         valid = per_evaluation
     elif t.evaluates:
         # every --eval-interval, and once more after training (Megatron's)
         evaluations = sum(1 for i in range(start_iteration + 1, t.train_iters + 1) if i % t.eval_interval == 0) + 1
-        valid = max((t.train_iters // t.eval_interval + 1) * per_evaluation,
-                    progress.consumed_valid_samples + evaluations * per_evaluation)
+        valid = max(
+            (t.train_iters // t.eval_interval + 1) * per_evaluation,
+            progress.consumed_valid_samples + evaluations * per_evaluation,
+        )
     test = per_evaluation if cfg.data.split_weights[2] > 0 else 0
     return train, valid, test
 
@@ -61,8 +65,9 @@ def padded_vocab_size(cfg: Configs, tokenizer_vocab: int) -> int:
     rounded up to a multiple of --make-vocab-size-divisible-by (Megatron's padding)."""
     if cfg.model.vocab_size is not None:
         if cfg.model.vocab_size < tokenizer_vocab:
-            raise ConfigError(f"the model's vocabulary ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                              f"({tokenizer_vocab})")
+            raise ConfigError(
+                f"the model's vocabulary ({cfg.model.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab})"
+            )
         return cfg.model.vocab_size
     multiple = cfg.model.make_vocab_size_divisible_by
     return math.ceil(max(tokenizer_vocab, cfg.data.vocab_size or 0) / multiple) * multiple
@@ -76,19 +81,18 @@ def param_dtype(train: TrainConfig) -> torch.dtype:
     return torch.float64 if train.fp64 else torch.float32
 
 
-def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int,
-                hub_dir: Optional[str] = None) -> GPTModel:
+def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int, hub_dir: Optional[str] = None) -> GPTModel:
     """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses; with
     `hub_dir` (--load-hf) its weights are that Hugging Face folder's, read lazily (see load_hub_weights)."""
     gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, tokenizer_vocab))
-    moe = cfg.moe if cfg.moe.num_experts is not None else None   # no --num-experts: a dense GPT, as Megatron's
+    moe = cfg.moe if cfg.moe.num_experts is not None else None  # no --num-experts: a dense GPT, as Megatron's
     with torch.device("meta") if hub_dir else contextlib.nullcontext():
         model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
     model = model.to(param_dtype(cfg.train))
     if hub_dir:
         try:
             load_hub_weights(model, hub_dir)
-        except (CheckpointMismatch, UnsupportedModel) as exc:   # the files do not hold the configs' model
+        except (CheckpointMismatch, UnsupportedModel) as exc:  # the files do not hold the configs' model
             raise ConfigError(f"--load-hf={hub_dir}: {exc}") from None
     device = run_device()
     if device is not None:
@@ -114,19 +118,32 @@ def place_on(model: GPTModel, device: torch.device) -> GPTModel:
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
     """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
     cls, kwargs = optimizer_class(cfg)
-    return ZeroOptimizer.from_config(model, cls, groups, cfg.zero,
-                                     param_groups=megatron_param_groups(model, cfg.train), fp16=cfg.train.fp16,
-                                     lr=cfg.train.lr, **kwargs)
+    return ZeroOptimizer.from_config(
+        model,
+        cls,
+        groups,
+        cfg.zero,
+        param_groups=megatron_param_groups(model, cfg.train),
+        fp16=cfg.train.fp16,
+        lr=cfg.train.lr,
+        **kwargs,
+    )
 
 
 def optimizer_class(cfg: Configs) -> Tuple[type, Dict]:
     """The inner optimizer's class and keyword arguments (the learning rate aside) from the flags."""
     t, z = cfg.train, cfg.zero
     if t.optimizer == "adam" and z.use_precision_aware_optimizer:
-        cls, kwargs = PrecisionAwareAdam, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                               master_weight_dtype=STATE_DTYPES[z.main_params_dtype],
-                                               exp_avg_dtype=STATE_DTYPES[z.exp_avg_dtype],
-                                               exp_avg_sq_dtype=STATE_DTYPES[z.exp_avg_sq_dtype])
+        cls, kwargs = (
+            PrecisionAwareAdam,
+            dict(
+                betas=(t.adam_beta1, t.adam_beta2),
+                eps=t.adam_eps,
+                master_weight_dtype=STATE_DTYPES[z.main_params_dtype],
+                exp_avg_dtype=STATE_DTYPES[z.exp_avg_dtype],
+                exp_avg_sq_dtype=STATE_DTYPES[z.exp_avg_sq_dtype],
+            ),
+        )
     elif t.optimizer == "adam":
         cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     else:
@@ -138,7 +155,7 @@ def megatron_param_groups(model: GPTModel, t) -> List[Dict]:
     """Megatron's groups: no weight decay for biases and norms; with --decoupled-lr the embedding and output
     layer (megatron-core's is_embedding_or_output_parameter) in groups of their own max_lr / min_lr."""
     groups = weight_decay_groups(model, t.weight_decay)
-    if t.apply_wd_to_qk_layernorm:   # a GPT always has both groups (its embedding is decayed, its norms not)
+    if t.apply_wd_to_qk_layernorm:  # a GPT always has both groups (its embedding is decayed, its norms not)
         groups = _qk_norms_decayed(model, groups)
     if t.decoupled_lr is None:
         return groups

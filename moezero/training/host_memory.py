@@ -27,6 +27,7 @@ A process-wide policy, so the training loop chooses it (the pretraining script d
 
 MOEZERO_KEEP_MALLOC=1 turns all of it off. Linux/glibc only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,12 +36,12 @@ import os
 import sys
 from typing import Optional
 
-SLACK_BYTES = 64 * 2 ** 20
+SLACK_BYTES = 64 * 2**20
 # mallopt parameters (malloc.h) and the values set: glibc's own ceiling for its dynamic mmap threshold, and a
 # top-of-heap size free() never reaches (the trimmer returns memory instead)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD_BYTES = 32 * 2 ** 20
-TRIM_THRESHOLD_BYTES = 2 ** 30
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+TRIM_THRESHOLD_BYTES = 2**30
 
 
 def _libc() -> Optional[ctypes.CDLL]:

@@ -6,6 +6,7 @@
 
 Launched by `torchrun --nproc_per_node=N ...`; one process without torchrun works too (a world of one).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -49,10 +50,10 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(" --distributed-backend=nccl: no CUDA device here, using gloo", flush=True)
     options = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
-    if backend == "nccl":   # bound to its GPU from the start, as Megatron's (NCCL need not guess it from the rank)
+    if backend == "nccl":  # bound to its GPU from the start, as Megatron's (NCCL need not guess it from the rank)
         options["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(options["device_id"])
-    if "MASTER_ADDR" not in os.environ:   # `python pretrain_gpt_moe.py` on a GPU machine: a world of one
+    if "MASTER_ADDR" not in os.environ:  # `python pretrain_gpt_moe.py` on a GPU machine: a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -60,8 +61,13 @@ def init_distributed(backend: str, timeout_minutes: float) -> None:
         dist.init_process_group(backend, **options)
         return
     store, rank, world_size = next(dist.rendezvous("env://", timeout=options["timeout"]))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"moezero/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, **options)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"moezero/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        **options,
+    )
 
 
 def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({})) -> int:
@@ -69,9 +75,12 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
     try:
         try:
             init_distributed(cfg.parallel.distributed_backend, cfg.train.dist_timeout_minutes)
-        except (RuntimeError, ValueError, OSError) as exc:   # torch's DistError, DistNetworkError, DistStoreError
-            _report(f"error: joining the process group failed ({first_line(exc)}); check MASTER_ADDR / MASTER_PORT "
-                    "(a port in use?), that every rank started, and --distributed-timeout-minutes", every_rank=True)
+        except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError, DistNetworkError, DistStoreError
+            _report(
+                f"error: joining the process group failed ({first_line(exc)}); check MASTER_ADDR / MASTER_PORT "
+                "(a port in use?), that every rank started, and --distributed-timeout-minutes",
+                every_rank=True,
+            )
             return 1
         Pretraining(cfg, plugins).train()
         return 0
@@ -81,24 +90,30 @@ def run(cfg: Configs, plugins: Mapping[str, PluginFactory] = MappingProxyType({}
     except KeyboardInterrupt:
         _report(interrupt_message(cfg.checkpoint.save), every_rank=True)
         return 130
-    except FloatingPointError as exc:   # a non-finite step (the same on every rank: the norm is global)
+    except FloatingPointError as exc:  # a non-finite step (the same on every rank: the norm is global)
         _report(f"error: {exc}")
         return 1
-    except PipelineFailed as exc:   # one line naming the stage and rank that failed first, on every rank
+    except PipelineFailed as exc:  # one line naming the stage and rank that failed first, on every rank
         _report(f"error: {exc}", every_rank=True)
         return 1
-    except RanksDisagree as exc:   # its message says where each rank was
+    except RanksDisagree as exc:  # its message says where each rank was
         _report(f"error: {first_line(exc)}", every_rank=True)
         return 1
     except (RuntimeError, dist.DistBackendError) as exc:
         if _a_data_worker_died(exc):
-            _report(f"error: a data-loading worker process ended ({first_line(exc)}); the system's out-of-memory "
-                    "killer? lower --num-workers (0 reads in the rank's own process)", every_rank=True)
+            _report(
+                f"error: a data-loading worker process ended ({first_line(exc)}); the system's out-of-memory "
+                "killer? lower --num-workers (0 reads in the rank's own process)",
+                every_rank=True,
+            )
             return 1
         if not dist.is_initialized() or not (isinstance(exc, ChannelError) or _looks_like_peer_failure(exc)):
             raise
-        _report(f"error: a collective failed ({str(exc).splitlines()[0][:200]}); another rank probably died or "
-                "stopped answering. Exiting.", every_rank=True)
+        _report(
+            f"error: a collective failed ({str(exc).splitlines()[0][:200]}); another rank probably died or "
+            "stopped answering. Exiting.",
+            every_rank=True,
+        )
         return 1
     finally:
         if dist.is_initialized():
@@ -113,11 +128,17 @@ def interrupt_message(save_dir) -> str:
         latest = checkpoint.latest_iteration(save_dir)
     except CheckpointError:
         latest = None
-    last = (f"the last complete checkpoint is {checkpoint.iteration_dir(save_dir, latest)}" if latest is not None
-            else f"no complete checkpoint in {save_dir}")
+    last = (
+        f"the last complete checkpoint is {checkpoint.iteration_dir(save_dir, latest)}"
+        if latest is not None
+        else f"no complete checkpoint in {save_dir}"
+    )
     unfinished = checkpoint.unfinished_saves(save_dir)
-    partial = (f"; the unfinished save {', '.join(unfinished)} is ignored by --load and removed by the next save"
-               if unfinished else "")
+    partial = (
+        f"; the unfinished save {', '.join(unfinished)} is ignored by --load and removed by the next save"
+        if unfinished
+        else ""
+    )
     return f"interrupted; {last}{partial} (--exit-signal-handler saves before exiting)"
 
 

@@ -8,6 +8,7 @@ The losses (lm loss and the MoE losses under the names Megatron's tracker gives 
 iterations that stepped; the time per iteration over all of them; skipped iterations are counted, and those
 whose loss was not finite are also "nan iterations" (Megatron's counts, reset at each line).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ class LogInterval:
 
     def reset(self) -> None:
         self.loss_sums: Dict[str, float] = {}
-        self.loss_names: Set[str] = set()   # of every step, skipped ones too
+        self.loss_names: Set[str] = set()  # of every step, skipped ones too
         self.elapsed_s = 0.0
         self.advanced = self.skipped = self.nan = 0
 
@@ -40,6 +41,7 @@ class LogInterval:
         interval was taken (Megatron's line has none when every step was skipped)."""
         iterations = max(self.advanced + self.skipped, 1)
         values = {name: total / max(self.advanced, 1) for name, total in self.loss_sums.items()}
-        values.update(step_time_ms=self.elapsed_s / iterations * 1000, skipped_iterations=self.skipped,
-                      nan_iterations=self.nan)
+        values.update(
+            step_time_ms=self.elapsed_s / iterations * 1000, skipped_iterations=self.skipped, nan_iterations=self.nan
+        )
         return values

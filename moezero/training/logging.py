@@ -4,6 +4,7 @@ non-writing ranks.
 Metrics are reduced on every rank before they get here; only the writing is rank 0's (Megatron writes W&B
 from its last rank: the values are the same). Labels, formats and tags come from `moezero.metrics`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,16 +46,21 @@ class WandbRun:
     --wandb-project, --wandb-exp-name, --wandb-save-dir, --wandb-entity; the run's flags as its config).
     WANDB_MODE=offline writes it to local files only (`wandb sync` uploads them later)."""
 
-    def __init__(self, project: str, name: Optional[str], save_dir: str, entity: Optional[str],
-                 config: Mapping[str, Any]):
+    def __init__(
+        self, project: str, name: Optional[str], save_dir: str, entity: Optional[str], config: Mapping[str, Any]
+    ):
         try:
             import wandb
         except ImportError:
             raise ConfigError("--wandb-project: needs the wandb package (pip install wandb)") from None
         os.makedirs(save_dir, exist_ok=True)
-        self.run = wandb.init(dir=save_dir, project=project, name=name, entity=entity,
-                              config={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
-                                      for k, v in config.items()})
+        self.run = wandb.init(
+            dir=save_dir,
+            project=project,
+            name=name,
+            entity=entity,
+            config={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v) for k, v in config.items()},
+        )
 
     def log(self, scalars: Dict[str, float], step: int) -> None:
         self.run.log(dict(scalars), step=step)
@@ -74,9 +80,14 @@ class TensorBoardLogger:
     """Console lines to stdout; scalars ({tag: value}) to TensorBoard when a directory is given, and to a W&B
     run when one is given (iteration-stepped scalars only: a W&B run's steps only go forward)."""
 
-    def __init__(self, tensorboard_dir: Optional[str], wandb: Optional[WandbRun] = None,
-                 resumed_at: Optional[Tuple[int, int]] = None, queue_size: int = 1000,
-                 own_event_files: Optional[Sequence[str]] = None):
+    def __init__(
+        self,
+        tensorboard_dir: Optional[str],
+        wandb: Optional[WandbRun] = None,
+        resumed_at: Optional[Tuple[int, int]] = None,
+        queue_size: int = 1000,
+        own_event_files: Optional[Sequence[str]] = None,
+    ):
         """`resumed_at`: (iteration, consumed samples) of the checkpoint a resume starts from: what its run's event
         files (`own_event_files`, the names the checkpoint recorded) hold after it is dropped first, so each step
         shows once (tensorboard_resume.py)."""
@@ -137,17 +148,27 @@ class TensorBoardLogger:
 Logger = Union[NullLogger, TensorBoardLogger]
 
 
-def build_logger(rank: int, train, save_dir: Optional[str], flags: Mapping[str, Any],
-                 resumed_at: Optional[Tuple[int, int]] = None,
-                 own_event_files: Optional[Sequence[str]] = None) -> Logger:
+def build_logger(
+    rank: int,
+    train,
+    save_dir: Optional[str],
+    flags: Mapping[str, Any],
+    resumed_at: Optional[Tuple[int, int]] = None,
+    own_event_files: Optional[Sequence[str]] = None,
+) -> Logger:
     """Rank 0's logger for a `TrainConfig` (TensorBoard, W&B under --wandb-save-dir or <save_dir>/wandb);
     `resumed_at`, `own_event_files`: see TensorBoardLogger."""
     if rank != 0:
         return NullLogger()
     wandb = None
     if train.wandb_project:
-        wandb = WandbRun(train.wandb_project, train.wandb_exp_name,
-                         train.wandb_save_dir or os.path.join(save_dir, "wandb"), train.wandb_entity, flags)
+        wandb = WandbRun(
+            train.wandb_project,
+            train.wandb_exp_name,
+            train.wandb_save_dir or os.path.join(save_dir, "wandb"),
+            train.wandb_entity,
+            flags,
+        )
     return TensorBoardLogger(train.tensorboard_dir, wandb, resumed_at, train.tensorboard_queue_size, own_event_files)
 
 
@@ -161,13 +182,17 @@ def agreed_event_files(logger: Logger, group, source: int = 0) -> Tuple[str, ...
     return tuple(files[0])
 
 
-def format_train_line(iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float,
-                      now: Optional[datetime.datetime] = None) -> str:
+def format_train_line(
+    iteration: int, train_iters: int, values: Mapping[str, float], eta_s: float, now: Optional[datetime.datetime] = None
+) -> str:
     """Megatron's training_log line, ' [2026-12-02 08:00:37.123456] iteration       10/     100 | consumed
     samples: ... | lm loss: ... |', with moezero's fields after Megatron's, ETA last."""
     stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
-    parts = [f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}", *console_fields(values),
-             f"ETA: {format_duration(eta_s)}"]
+    parts = [
+        f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}",
+        *console_fields(values),
+        f"ETA: {format_duration(eta_s)}",
+    ]
     return " | ".join(parts) + " |"
 
 

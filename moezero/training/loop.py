@@ -3,6 +3,7 @@
 Every rank runs the same number of micro-steps (each MoE forward is a collective under EP), and
 metrics are all-reduced on every rank before anyone writes them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,14 +28,14 @@ class StepMetrics:
     """Averages over the global batch (every micro-batch of every rank); counts summed."""
 
     lm_loss: float
-    router_losses: Dict[str, float]   # MoEStats.LOSSES (times their coefficients), summed over MoE layers
+    router_losses: Dict[str, float]  # MoEStats.LOSSES (times their coefficients), summed over MoE layers
     grad_norm: float
     stepped: bool
-    tokens_per_expert: torch.Tensor   # (MoE layers, E): global assignments per expert this step
-    dropped_fraction: torch.Tensor    # (MoE layers,)
-    layer_tracked_losses: Dict[str, torch.Tensor]   # each router loss without its coefficient per MoE layer,
-                                                    # (MoE layers,), under megatron-core's tracker names
-    mtp_losses: Tuple[float, ...] = ()              # each MTP depth's loss (without the scaling factor)
+    tokens_per_expert: torch.Tensor  # (MoE layers, E): global assignments per expert this step
+    dropped_fraction: torch.Tensor  # (MoE layers,)
+    layer_tracked_losses: Dict[str, torch.Tensor]  # each router loss without its coefficient per MoE layer,
+    # (MoE layers,), under megatron-core's tracker names
+    mtp_losses: Tuple[float, ...] = ()  # each MTP depth's loss (without the scaling factor)
 
     def values(self) -> Dict[str, float]:
         """The scalar metrics, under their names in `moezero.metrics.METRICS`."""
@@ -84,15 +85,18 @@ def _mtp_term(model, depth_losses: List[torch.Tensor], batch, token_share: Optio
     return scale * token_share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
 
 
-def _named_metrics(lm: torch.Tensor, loss_mask: torch.Tensor, router: Dict[str, torch.Tensor], stats,
-                   depths: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _named_metrics(
+    lm: torch.Tensor, loss_mask: torch.Tensor, router: Dict[str, torch.Tensor], stats, depths: List[torch.Tensor]
+) -> Dict[str, torch.Tensor]:
     """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next); the lm loss as its
     token sum and count, so that the step's is the global batch's token mean (Megatron's 'lm loss')."""
-    layers = {f"tracked_{name}": torch.stack([s.tracked[name] for s in stats])
-              for name in (stats[0].tracked if stats else {})}
-    per_layer = {"dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
-                 "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats
-                 else lm.new_zeros(0, 0)}
+    layers = {
+        f"tracked_{name}": torch.stack([s.tracked[name] for s in stats]) for name in (stats[0].tracked if stats else {})
+    }
+    per_layer = {
+        "dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
+        "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats else lm.new_zeros(0, 0),
+    }
     per_layer["mtp_losses"] = torch.stack(depths) if depths else lm.new_zeros(0)
     tokens = loss_mask.sum().to(lm.device, torch.float64)
     lm_sums = {"lm_loss": lm.detach().double() * tokens, "lm_tokens": tokens}
@@ -113,8 +117,16 @@ class _Packed:
         return {name: t.view(shape) for (name, shape), t in zip(self.shapes.items(), flat.split(sizes))}
 
 
-def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int,
-               group, per_token_loss: bool = False, overlap_moe_comm: bool = False) -> StepMetrics:
+def train_step(
+    model,
+    opt,
+    micro_batches: Sequence[Dict[str, torch.Tensor]],
+    iteration: int,
+    seed: int,
+    group,
+    per_token_loss: bool = False,
+    overlap_moe_comm: bool = False,
+) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
     `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
     the router losses each times its tokens) / the global batch's loss tokens.
@@ -131,8 +143,12 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
         js = range(first, min(first + together, n))
         # earlier micro-steps only accumulate (stage 0/1 reduce once, overlapped with the last backward)
         with opt.no_sync() if js[-1] < n - 1 else contextlib.nullcontext():
-            forwards = [_micro_batch_steps(model, micro_batches[j], _keys(seed, iteration, micro_batches[j]),
-                                           mtp=True, phased=len(js) > 1) for j in js]
+            forwards = [
+                _micro_batch_steps(
+                    model, micro_batches[j], _keys(seed, iteration, micro_batches[j]), mtp=True, phased=len(js) > 1
+                )
+                for j in js
+            ]
             results = phases.run_interleaved(forwards)
             losses = []
             for j, (lm, router, stats, depths) in zip(js, results):
@@ -143,9 +159,9 @@ def train_step(model, opt, micro_batches: Sequence[Dict[str, torch.Tensor]], ite
             opt.backward(sum(losses[1:], losses[0]))
     stepped = opt.step()
     opt.zero_grad()
-    reset_global_load_balancing(model)   # the global-batch aux loss counts each step's tokens
+    reset_global_load_balancing(model)  # the global-batch aux loss counts each step's tokens
     totals = torch.stack(per_micro).sum(0).cpu()
-    comm.all_reduce(totals, group)   # one all-reduce for every metric
+    comm.all_reduce(totals, group)  # one all-reduce for every metric
     return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
 
 
@@ -153,8 +169,9 @@ def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKe
     return SampleKeys(seed, iteration, tuple(batch["sample_index"].tolist()))
 
 
-def _micro_batch_loss(model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"]
-                      ) -> torch.Tensor:
+def _micro_batch_loss(
+    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"]
+) -> torch.Tensor:
     """What one of n micro-batches adds to the loss that is backpropagated."""
     if tokens is None:
         return (lm + sum(router.values()) + _mtp_term(model, depths, batch, None)) / n
@@ -190,12 +207,16 @@ def _step_metrics(totals: Dict[str, torch.Tensor], micro_batches: int, grad_norm
     """From sums over every micro-batch of every rank: the lm loss the token mean, the other losses and drop
     fractions averaged over micro-batches, counts summed."""
     mean = {name: t / micro_batches for name, t in totals.items() if name != "tokens_per_expert"}
-    return StepMetrics(_token_mean(totals["lm_loss"], totals["lm_tokens"]), {name: mean[name].item() for name in MoEStats.LOSSES},
-                       grad_norm if grad_norm is not None else float("nan"), stepped,
-                       tokens_per_expert=totals["tokens_per_expert"], dropped_fraction=mean["dropped_fraction"],
-                       layer_tracked_losses={name[len("tracked_"):]: t for name, t in mean.items()
-                                             if name.startswith("tracked_")},
-                       mtp_losses=tuple(mean["mtp_losses"].tolist()))
+    return StepMetrics(
+        _token_mean(totals["lm_loss"], totals["lm_tokens"]),
+        {name: mean[name].item() for name in MoEStats.LOSSES},
+        grad_norm if grad_norm is not None else float("nan"),
+        stepped,
+        tokens_per_expert=totals["tokens_per_expert"],
+        dropped_fraction=mean["dropped_fraction"],
+        layer_tracked_losses={name[len("tracked_") :]: t for name, t in mean.items() if name.startswith("tracked_")},
+        mtp_losses=tuple(mean["mtp_losses"].tolist()),
+    )
 
 
 def _token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
@@ -203,14 +224,20 @@ def _token_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, micro_batches: Iterable[Dict[str, torch.Tensor]], group, seed: Optional[int] = None,
-             iteration: int = 0, split: str = "valid") -> float:
+def evaluate(
+    model,
+    micro_batches: Iterable[Dict[str, torch.Tensor]],
+    group,
+    seed: Optional[int] = None,
+    iteration: int = 0,
+    split: str = "valid",
+) -> float:
     """The lm loss of the given (loaded) micro-batches of every rank as their token mean, Megatron's (a collective:
     all ranks call it). With `seed`, the router jitter and random logits, which Megatron's router draws in
     evaluation too, are keyed by (seed, `split`, `iteration`, sample) as training's are, so any layout draws the
     same; without it they come from torch's generator."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)   # (token sum of the loss, tokens)
+    totals = torch.zeros(2, dtype=torch.float64)  # (token sum of the loss, tokens)
     for batch in micro_batches:
         tokens = batch["loss_mask"].sum().double()
         keys = None if seed is None else evaluation_keys(seed, split, iteration, batch)
@@ -226,8 +253,9 @@ def evaluation_keys(seed: int, split: str, iteration: int, batch: Dict[str, torc
     return _keys(keyed_seed(seed, "evaluation", split), iteration, batch)
 
 
-def expert_load_scalars(layer_numbers: Sequence[int], tokens_per_expert: torch.Tensor, dropped: torch.Tensor
-                        ) -> Dict[str, float]:
+def expert_load_scalars(
+    layer_numbers: Sequence[int], tokens_per_expert: torch.Tensor, dropped: torch.Tensor
+) -> Dict[str, float]:
     """TensorBoard scalars per MoE layer: tokens per expert, max/mean load ratio and dropped fraction."""
     out: Dict[str, float] = {}
     for layer, counts, drop in zip(layer_numbers, tokens_per_expert, dropped):
@@ -247,5 +275,8 @@ def moe_losses(m: StepMetrics) -> Dict[str, float]:
 
 def moe_layer_loss_scalars(layer_numbers: Sequence[int], m: StepMetrics) -> Dict[str, float]:
     """--moe-per-layer-logging: each MoE layer's losses, tagged as megatron-core's tracker writes them."""
-    return {tag("moe_layer_loss", loss=name, layer=layer): value
-            for name, values in m.layer_tracked_losses.items() for layer, value in zip(layer_numbers, values.tolist())}
+    return {
+        tag("moe_layer_loss", loss=name, layer=layer): value
+        for name, values in m.layer_tracked_losses.items()
+        for layer, value in zip(layer_numbers, values.tolist())
+    }

@@ -13,6 +13,7 @@ at --lr. A checkpoint records the schedule (`state`); a resume whose command lin
 refused unless --override-opt_param-scheduler (the command line's) or --use-checkpoint-opt_param-scheduler (the
 checkpoint's) says which to keep (`resumed_schedule`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ from moezero.config import ConfigError
 _WSD_COEFFICIENT = {
     "linear": lambda r: 1.0 - r,
     "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
-    "exponential": lambda r: 2.0 * 0.5 ** r - 1.0,
+    "exponential": lambda r: 2.0 * 0.5**r - 1.0,
     "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
 }
 
@@ -40,11 +41,11 @@ class LearningRateSchedule:
     warmup: float
     decay: float
     style: str
-    wsd_decay: Optional[float] = None   # WSD: the samples of the final anneal
+    wsd_decay: Optional[float] = None  # WSD: the samples of the final anneal
     wsd_style: str = "exponential"
-    weight_decay: float = 0.0   # of the decayed params (a group's wd_mult: 0 for biases and norms); the first
-    decoupled_max_lr: Optional[float] = None   # --decoupled-lr: the embedding and output layer's groups' peak
-    decoupled_min_lr: Optional[float] = None   # their final lr: --decoupled-min-lr, else --min-lr
+    weight_decay: float = 0.0  # of the decayed params (a group's wd_mult: 0 for biases and norms); the first
+    decoupled_max_lr: Optional[float] = None  # --decoupled-lr: the embedding and output layer's groups' peak
+    decoupled_min_lr: Optional[float] = None  # their final lr: --decoupled-min-lr, else --min-lr
     # --weight-decay-incr-style linear / cosine: from weight_decay to end_weight_decay over wd_incr samples
     wd_incr_style: str = "constant"
     end_weight_decay: Optional[float] = None
@@ -53,12 +54,19 @@ class LearningRateSchedule:
     # what a resume compares (Megatron's scheduler state, its start/end weight decay too), with the flags each
     # comes from. The WSD anneal is not in it: as in Megatron, a resume may choose it anew (deciding the anneal
     # late is what WSD is for)
-    COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup": "the warmup (--lr-warmup-*)",
-                "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
-                "style": "--lr-decay-style", "weight_decay": "--weight-decay",
-                "decoupled_max_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr",
-                "wd_incr_style": "--weight-decay-incr-style", "end_weight_decay": "--end-weight-decay",
-                "wd_incr": "the weight-decay increment's length (--train-iters / --train-samples)"}
+    COMPARED = {
+        "max_lr": "--lr",
+        "min_lr": "--min-lr",
+        "warmup": "the warmup (--lr-warmup-*)",
+        "decay": "the decay length (--lr-decay-*, --train-iters / --train-samples)",
+        "style": "--lr-decay-style",
+        "weight_decay": "--weight-decay",
+        "decoupled_max_lr": "--decoupled-lr",
+        "decoupled_min_lr": "--decoupled-min-lr",
+        "wd_incr_style": "--weight-decay-incr-style",
+        "end_weight_decay": "--end-weight-decay",
+        "wd_incr": "the weight-decay increment's length (--train-iters / --train-samples)",
+    }
 
     @classmethod
     def from_config(cls, config) -> "LearningRateSchedule":
@@ -76,10 +84,22 @@ class LearningRateSchedule:
             warmup = config.lr_warmup_fraction * decay
         increments = config.weight_decay_incr_style != "constant"
         wd_incr = (config.train_samples or config.train_iters * config.global_batch_size) if increments else 0.0
-        return cls(config.lr_warmup_init, config.lr, config.min_lr, warmup, decay, config.lr_decay_style,
-                   wsd, config.lr_wsd_decay_style, config.start_weight_decay if increments else config.weight_decay,
-                   config.decoupled_lr, _decoupled_min_lr(config), config.weight_decay_incr_style,
-                   config.end_weight_decay if increments else None, wd_incr)
+        return cls(
+            config.lr_warmup_init,
+            config.lr,
+            config.min_lr,
+            warmup,
+            decay,
+            config.lr_decay_style,
+            wsd,
+            config.lr_wsd_decay_style,
+            config.start_weight_decay if increments else config.weight_decay,
+            config.decoupled_lr,
+            _decoupled_min_lr(config),
+            config.weight_decay_incr_style,
+            config.end_weight_decay if increments else None,
+            wd_incr,
+        )
 
     def lr(self, num_steps: float, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate of a step taken when the schedule has advanced `num_steps` samples; `max_lr` and
@@ -99,10 +119,13 @@ class LearningRateSchedule:
             coefficient = 1.0 - ratio
         elif self.style == "cosine":
             coefficient = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        else:   # WSD: constant until the anneal's samples before the end, then the anneal
+        else:  # WSD: constant until the anneal's samples before the end, then the anneal
             anneal_start = self.decay - self.wsd_decay
-            coefficient = 1.0 if num_steps <= anneal_start else \
-                _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
+            coefficient = (
+                1.0
+                if num_steps <= anneal_start
+                else _WSD_COEFFICIENT[self.wsd_style]((num_steps - anneal_start) / self.wsd_decay)
+            )
         return min_lr + coefficient * (max_lr - min_lr)
 
     def weight_decay_at(self, num_steps: float) -> float:
@@ -130,10 +153,13 @@ class LearningRateSchedule:
     def differences(self, saved: "LearningRateSchedule") -> List[str]:
         """'what: X in the checkpoint, Y now' for each compared value that differs."""
         named = dict(self.COMPARED)
-        if self.wd_incr_style != "constant":   # the first weight decay is --start-weight-decay's then
+        if self.wd_incr_style != "constant":  # the first weight decay is --start-weight-decay's then
             named["weight_decay"] = "--start-weight-decay"
-        return [f"{what}: {_shown(getattr(saved, n))} in the checkpoint, {_shown(getattr(self, n))} now"
-                for n, what in named.items() if getattr(saved, n) != getattr(self, n)]
+        return [
+            f"{what}: {_shown(getattr(saved, n))} in the checkpoint, {_shown(getattr(self, n))} now"
+            for n, what in named.items()
+            if getattr(saved, n) != getattr(self, n)
+        ]
 
 
 def _decoupled_min_lr(config) -> Optional[float]:
@@ -147,8 +173,9 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def resumed_schedule(current: LearningRateSchedule, saved: Dict[str, Any], override: bool,
-                     use_checkpoint: bool) -> LearningRateSchedule:
+def resumed_schedule(
+    current: LearningRateSchedule, saved: Dict[str, Any], override: bool, use_checkpoint: bool
+) -> LearningRateSchedule:
     """The schedule a resume runs: the command line's if it equals the checkpoint's or with `override`
     (--override-opt_param-scheduler), the checkpoint's with `use_checkpoint`; else a ConfigError listing what
     differs (Megatron refuses the same way). --lr-warmup-init and the WSD anneal are the command line's, as in
@@ -161,7 +188,9 @@ def resumed_schedule(current: LearningRateSchedule, saved: Dict[str, Any], overr
         return checkpoint
     differences = current.differences(checkpoint)
     if differences:
-        raise ConfigError(f"--load: the checkpoint's learning-rate schedule differs ({'; '.join(differences)}); "
-                          "give --override-opt_param-scheduler to take the command line's or "
-                          "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        raise ConfigError(
+            f"--load: the checkpoint's learning-rate schedule differs ({'; '.join(differences)}); "
+            "give --override-opt_param-scheduler to take the command line's or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
     return current

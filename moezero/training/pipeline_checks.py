@@ -9,6 +9,7 @@ stages, dense and MoE layers (expert parallel within a stage), recompute, clippi
 stage, evaluation (a forward-only schedule), checkpoints (a pp's resumes at any other). The rest is refused here
 until the execution has it.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -25,7 +26,8 @@ def pipeline_plan(cfg) -> PipelinePlan:
     refuses."""
     p, model = cfg.parallel, cfg.model
     return PipelinePlan(
-        num_layers=model.num_layers, mtp_num_layers=model.mtp_num_layers,
+        num_layers=model.num_layers,
+        mtp_num_layers=model.mtp_num_layers,
         pipeline_model_parallel_size=p.pipeline_parallel_size,
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
         num_virtual_stages_per_pipeline_rank=p.num_virtual_stages_per_pipeline_rank,
@@ -35,23 +37,34 @@ def pipeline_plan(cfg) -> PipelinePlan:
         account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         overlap_p2p_comm=not p.no_overlap_p2p_communication,
-        microbatch_group_size_per_virtual_pipeline_stage=p.microbatch_group_size_per_virtual_pipeline_stage)
+        microbatch_group_size_per_virtual_pipeline_stage=p.microbatch_group_size_per_virtual_pipeline_stage,
+    )
 
 
 def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
     """(refused, its line) of what the pipeline execution does not run yet."""
     t, ck, z = cfg.train, cfg.checkpoint, cfg.zero
     return [
-        (plan.virtual_stages > 1, f"{plan.virtual_stages} virtual stages per pipeline rank: the interleaved schedule "
-                                  "is not supported yet"),
-        (z.stage not in (0, 1), f"--zero-stage={z.stage}: only ZeRO stages 0 and 1 run with pipeline stages for now "
-                                "(give --zero-stage 1, or --use-distributed-optimizer)"),
+        (
+            plan.virtual_stages > 1,
+            f"{plan.virtual_stages} virtual stages per pipeline rank: the interleaved schedule is not supported yet",
+        ),
+        (
+            z.stage not in (0, 1),
+            f"--zero-stage={z.stage}: only ZeRO stages 0 and 1 run with pipeline stages for now "
+            "(give --zero-stage 1, or --use-distributed-optimizer)",
+        ),
         (t.fp16, "--fp16: the loss scale is not carried through the pipeline yet (use --bf16)"),
         (t.calculate_per_token_loss, "--calculate-per-token-loss: not supported with pipeline stages yet"),
-        (t.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm: not supported with pipeline "
-                                             "stages yet (its micro-batch pairs are a schedule of their own)"),
-        (t.log_num_zeros_in_grad, "--log-num-zeros-in-grad: would count one stage's zeros only; not supported with "
-                                  "pipeline stages yet"),
+        (
+            t.overlap_moe_expert_parallel_comm,
+            "--overlap-moe-expert-parallel-comm: not supported with pipeline "
+            "stages yet (its micro-batch pairs are a schedule of their own)",
+        ),
+        (
+            t.log_num_zeros_in_grad,
+            "--log-num-zeros-in-grad: would count one stage's zeros only; not supported with pipeline stages yet",
+        ),
         (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
         (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),
         (ck.save_hf is not None, f"--save-hf={ck.save_hf}: not supported with pipeline stages yet"),

@@ -5,6 +5,7 @@ and step driver, built from the flags (what is refused at start: pipeline_checks
     model = run.build_model(cfg, gpt_config, dtype, device)   # the rank's StageModel
     opt = run.optimizer(cfg); trainer = run.trainer(opt, cfg)
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,16 +35,26 @@ class PipelineRun:
     def build(cls, cfg) -> "PipelineRun":
         """The groups, in Megatron's rank order (a collective over the world)."""
         p = cfg.parallel
-        groups = PipelineGroups.build(p.pipeline_parallel_size, p.expert_parallel_size, p.use_tp_pp_dp_mapping,
-                                      timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
+        groups = PipelineGroups.build(
+            p.pipeline_parallel_size,
+            p.expert_parallel_size,
+            p.use_tp_pp_dp_mapping,
+            timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
+        )
         return cls(groups, pipeline_plan(cfg))
 
     def build_model(self, cfg, gpt_config, dtype: torch.dtype, device: Optional[torch.device]) -> StageModel:
         """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert parallel within
         the stage, in the params' dtype and on `device`."""
         moe = cfg.moe if cfg.moe.num_experts is not None else None
-        model = StageModel(gpt_config, moe, cfg.train.seed, self.plan, self.groups.pp_rank,
-                           moe_layer=expert_parallel(self.groups.stage)).to(dtype)
+        model = StageModel(
+            gpt_config,
+            moe,
+            cfg.train.seed,
+            self.plan,
+            self.groups.pp_rank,
+            moe_layer=expert_parallel(self.groups.stage),
+        ).to(dtype)
         self.model = model.to(device) if device is not None else model
         return self.model
 
@@ -62,10 +73,16 @@ class PipelineRun:
     def optimizer(self, cfg) -> PipelineZeroOptimizer:
         """The stage's ZeRO optimizer (build_optimizer's class, groups and settings), its norm over every stage."""
         cls, kwargs = optimizer_class(cfg)
-        return PipelineZeroOptimizer.from_config(self.model, cls, self.groups, cfg.zero,
-                                                 param_groups=megatron_param_groups(self.model, cfg.train),
-                                                 fp16=cfg.train.fp16, lr=cfg.train.lr, **kwargs)
+        return PipelineZeroOptimizer.from_config(
+            self.model,
+            cls,
+            self.groups,
+            cfg.zero,
+            param_groups=megatron_param_groups(self.model, cfg.train),
+            fp16=cfg.train.fp16,
+            lr=cfg.train.lr,
+            **kwargs,
+        )
 
     def trainer(self, opt: PipelineZeroOptimizer, cfg) -> PipelineTrainer:
         return PipelineTrainer(self.model, opt, self.groups, cfg.train.micro_batch_size, cfg.model.seq_length)
-

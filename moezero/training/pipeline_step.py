@@ -24,6 +24,7 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
 - Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
   line on every rank of the pipeline (failure.py).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Sequence, Tuple
@@ -56,22 +57,30 @@ class PipelineTrainer:
     """Runs a pipeline rank's training steps. Args: the rank's StageModel, its PipelineZeroOptimizer, the groups,
     and the micro-batch shape (micro-batch size, sequence length)."""
 
-    def __init__(self, model: StageModel, opt: PipelineZeroOptimizer, groups: PipelineGroups, micro_batch_size: int,
-                 seq_length: int):
+    def __init__(
+        self,
+        model: StageModel,
+        opt: PipelineZeroOptimizer,
+        groups: PipelineGroups,
+        micro_batch_size: int,
+        seq_length: int,
+    ):
         if len(model.pieces) != 1:
-            raise ValueError(f"{len(model.pieces)} virtual stages per rank: the interleaved schedule is not "
-                             "supported yet")
+            raise ValueError(
+                f"{len(model.pieces)} virtual stages per rank: the interleaved schedule is not supported yet"
+            )
         if opt.loss_scaler is not None:
             raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
         self.model, self.opt, self.groups = model, opt, groups
         dtype = next(model.parameters()).dtype
-        self.shape = ActivationShape(micro_batch_size, seq_length, model.config.hidden_size, dtype,
-                                     model.aux_dtype(dtype))
+        self.shape = ActivationShape(
+            micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype)
+        )
         self.piece = model.pieces[0]
         self.device = next(model.parameters()).device
         self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.piece.stage_index)
-        self._schedules: Dict[int, object] = {}        # training's, by micro-batch count
-        self._eval_schedules: Dict[int, object] = {}   # evaluation's (stage objects of their own)
+        self._schedules: Dict[int, object] = {}  # training's, by micro-batch count
+        self._eval_schedules: Dict[int, object] = {}  # evaluation's (stage objects of their own)
         moe = model.moe_config
         self._recorder_args = (model.moe_layers, moe.num_experts if moe is not None else 0, tracked_loss_names(moe))
 
@@ -84,17 +93,26 @@ class PipelineTrainer:
             if pp is None and self.groups.pp_size > 1:
                 raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
             inputs, outputs = stage_metas(self.piece, self.shape)
-            stage = PipelineStage(StageChunk(self.model, 0, self.shape), self.piece.stage_index,
-                                  self.groups.pp_size, self.device, input_args=inputs, output_args=outputs, group=pp)
+            stage = PipelineStage(
+                StageChunk(self.model, 0, self.shape),
+                self.piece.stage_index,
+                self.groups.pp_size,
+                self.device,
+                input_args=inputs,
+                output_args=outputs,
+                group=pp,
+            )
             one_f_one_b = num_microbatches >= self.groups.pp_size and not evaluation
             kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
             schedule = kind(stage, num_microbatches, loss_fn=_MicroBatchLoss(num_microbatches), scale_grads=False)
             cache[num_microbatches] = schedule
         return schedule
 
-    def _inputs(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
-                ) -> Tuple[tuple, dict]:
+    def _inputs(
+        self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
+    ) -> Tuple[tuple, dict]:
         """(args, kwargs) of schedule.step for this rank's stage."""
+
         def joined(key: str) -> torch.Tensor:
             return torch.cat([batch[key] for batch in micro_batches]).to(self.device)
 
@@ -105,17 +123,16 @@ class PipelineTrainer:
         return args, kwargs
 
     # ---- the step ------------------------------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
-                   ) -> StepMetrics:
+    def train_step(self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int) -> StepMetrics:
         """Forward/backward every micro-batch through the pipeline, then step; a collective over the world."""
         cause = None
         try:
             return self._train_step(micro_batches, iteration, seed)
         except PipelineFailed:
             raise
-        except Exception as error:   # this rank's own, or a neighbour's closed connection
+        except Exception as error:  # this rank's own, or a neighbour's closed connection
             cause = first_line(error)
-        self._fail(cause, iteration)   # outside the except block: no frame of the step holds the pp group
+        self._fail(cause, iteration)  # outside the except block: no frame of the step holds the pp group
 
     def _train_step(self, micro_batches, iteration: int, seed: int) -> StepMetrics:
         self.model.train()
@@ -124,7 +141,7 @@ class PipelineTrainer:
         args, kwargs = self._inputs(micro_batches, iteration, seed)
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
         try:
-            with self.opt.no_sync():   # one reduction at step(): stages 0/1 accumulate every micro-batch
+            with self.opt.no_sync():  # one reduction at step(): stages 0/1 accumulate every micro-batch
                 schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.model.recorder = None
@@ -132,12 +149,11 @@ class PipelineTrainer:
         self.opt.zero_grad()
         reset_global_load_balancing(self.model)
         totals = recorder.pack()
-        comm.all_reduce(totals, self.groups.world_control)   # one all-reduce for every metric of every stage
+        comm.all_reduce(totals, self.groups.world_control)  # one all-reduce for every metric of every stage
         return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
 
     # ---- evaluation ----------------------------------------------------------------------------------
-    def evaluate(self, global_batches: Iterable[Sequence[Dict[str, torch.Tensor]]], seed: int, iteration: int
-                 ) -> float:
+    def evaluate(self, global_batches: Iterable[Sequence[Dict[str, torch.Tensor]]], seed: int, iteration: int) -> float:
         """The lm loss of every pipeline's micro-batches as their token mean (training.loop.evaluate's); each item
         of `global_batches` is this pipeline's micro-batches of one global batch, `seed` the evaluation's keyed
         seed. A collective over the world."""
@@ -162,13 +178,13 @@ class PipelineTrainer:
             self.model.recorder = None
             self.model.train()
         totals = torch.stack([recorder.totals["lm_loss"], recorder.totals["lm_tokens"]])
-        comm.all_reduce(totals, self.groups.world_control)   # the last stages' sums, zeros elsewhere
+        comm.all_reduce(totals, self.groups.world_control)  # the last stages' sums, zeros elsewhere
         return _token_mean(totals[0], totals[1])
 
     def _fail(self, cause: str, iteration: int) -> None:
         """Raise the step's failure on this rank (see failure.py): state it, close the pipeline, raise."""
         line = self.guard.line_for(cause, iteration)
-        self._schedules.clear()   # the stages hold the pp group: drop them before closing it
+        self._schedules.clear()  # the stages hold the pp group: drop them before closing it
         self._eval_schedules.clear()
         self.groups.close_pp()
         raise PipelineFailed(line)

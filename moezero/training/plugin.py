@@ -10,6 +10,7 @@ and returns a plug-in, or None when its feature is off. The run then drives the 
                              collective)
     state_dict() / load_state_dict(state)   saved in and restored from checkpoints under its name
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Protocol
@@ -29,11 +30,12 @@ class TrainingPlugin(Protocol):
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
 
 
-PluginFactory = Callable[[nn.Module, ParallelGroups, Any], Optional[TrainingPlugin]]   # (model, groups, configs)
+PluginFactory = Callable[[nn.Module, ParallelGroups, Any], Optional[TrainingPlugin]]  # (model, groups, configs)
 
 
-def attach_plugins(factories: Mapping[str, PluginFactory], model: nn.Module, groups: ParallelGroups,
-                   configs: Any) -> Dict[str, TrainingPlugin]:
+def attach_plugins(
+    factories: Mapping[str, PluginFactory], model: nn.Module, groups: ParallelGroups, configs: Any
+) -> Dict[str, TrainingPlugin]:
     """{name: plug-in} of the factories whose feature is on, in the factories' order."""
     plugins = {name: factory(model, groups, configs) for name, factory in factories.items()}
     return {name: plugin for name, plugin in plugins.items() if plugin is not None}

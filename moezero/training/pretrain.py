@@ -1,8 +1,9 @@
 """A GPT-MoE pretraining run: it composes the builders, then runs the loop, evaluates, logs and saves.
 
-    run = Pretraining(cfg, plugins={"qat": attach_qat})   # see moezero.recipe
-    run.train()
+run = Pretraining(cfg, plugins={"qat": attach_qat})   # see moezero.recipe
+run.train()
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,23 +34,42 @@ from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
-from moezero.training.builders import (build_data, build_model, build_optimizer, dataset_sizes, padded_vocab_size,
-                                      param_dtype, run_device)
+from moezero.training.builders import (
+    build_data,
+    build_model,
+    build_optimizer,
+    dataset_sizes,
+    padded_vocab_size,
+    param_dtype,
+    run_device,
+)
 from moezero.training.configs import Configs, interleaves_micro_batches, validate
 from moezero.training.host_memory import HeapTrimmer
-from moezero.training.logging import (Timer, agreed_event_files, build_logger, format_train_line,
-                                      format_validation_line)
+from moezero.training.logging import Timer, agreed_event_files, build_logger, format_train_line, format_validation_line
 from moezero.training.log_interval import LogInterval
 from moezero.training.megatron_rules import apply_deterministic_mode
-from moezero.training.loop import (StepMetrics, evaluate, expert_load_scalars, moe_layer_loss_scalars, moe_losses,
-                                   train_step)
+from moezero.training.loop import (
+    StepMetrics,
+    evaluate,
+    expert_load_scalars,
+    moe_layer_loss_scalars,
+    moe_losses,
+    train_step,
+)
 from moezero.training.pipeline_checks import check_pipeline_run
 from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
 from moezero.checkpoint.keys import plain_param_name
-from moezero.training.resume import (ResumePoint, check_shapes, data_differences, is_import, start_iteration,
-                                     start_lr_schedule, start_progress)
+from moezero.training.resume import (
+    ResumePoint,
+    check_shapes,
+    data_differences,
+    is_import,
+    start_iteration,
+    start_lr_schedule,
+    start_progress,
+)
 from moezero.training.run_start import resolve_start
 from moezero.training.lr_schedule import LearningRateSchedule
 from moezero.training.throughput import flops_per_batch, tflops_per_rank
@@ -59,10 +79,12 @@ from moezero.training.stopping import StopConditions
 def megatron_cuda_memory() -> Dict[str, float]:
     """Megatron's --log-memory-to-tensorboard values, from the CUDA caching allocator's statistics."""
     stats = torch.cuda.memory_stats()
-    return {"mem_reserved_bytes": stats["reserved_bytes.all.current"],
-            "mem_allocated_bytes": stats["allocated_bytes.all.current"],
-            "mem_max_allocated_bytes": stats["allocated_bytes.all.peak"],
-            "mem_allocated_count": stats["allocation.all.current"]}
+    return {
+        "mem_reserved_bytes": stats["reserved_bytes.all.current"],
+        "mem_allocated_bytes": stats["allocated_bytes.all.current"],
+        "mem_max_allocated_bytes": stats["allocated_bytes.all.peak"],
+        "mem_allocated_count": stats["allocation.all.current"],
+    }
 
 
 class Pretraining:
@@ -83,39 +105,52 @@ class Pretraining:
             raise
 
     def _build(self, cfg: Configs, plugins: Mapping[str, PluginFactory]) -> None:
-        check_pipeline_run(cfg)   # a layout refused before any checkpoint is read
+        check_pipeline_run(cfg)  # a layout refused before any checkpoint is read
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:
-            checkpoint.check_writable(cfg.checkpoint.save)   # now, not at the first save an interval later
+            checkpoint.check_writable(cfg.checkpoint.save)  # now, not at the first save an interval later
         progress = start_progress(point, cfg.checkpoint.finetune)
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         defaulted = None
-        if cfg.train.global_batch_size is None:   # Megatron's default, said as Megatron says it
+        if cfg.train.global_batch_size is None:  # Megatron's default, said as Megatron says it
             dp_size = self.world // cfg.parallel.pipeline_parallel_size
-            processes = "the number of processes" + (" / --pipeline-model-parallel-size" if dp_size < self.world
-                                                      else "")
-            defaulted = (f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
-                         f"(--micro-batch-size x {processes}; no --global-batch-size given)")
+            processes = "the number of processes" + (
+                " / --pipeline-model-parallel-size" if dp_size < self.world else ""
+            )
+            defaulted = (
+                f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
+                f"(--micro-batch-size x {processes}; no --global-batch-size given)"
+            )
             notices.append(f" {defaulted}")
-        self.micro_steps = validate(cfg, self.world, resumed_at, progress.consumed_train_samples,
-                                    new_model=point is None and dense_source is None)
+        self.micro_steps = validate(
+            cfg,
+            self.world,
+            resumed_at,
+            progress.consumed_train_samples,
+            new_model=point is None and dense_source is None,
+        )
         self.iteration = start_iteration(point, cfg.train.train_iters, cfg.checkpoint.finetune, cfg.train.skip_train)
         self.batch_schedule = BatchSchedule.from_config(cfg.train, cfg.model.seq_length)
         try:
             self.lr_schedule, self.lr_schedule_steps = start_lr_schedule(
-                LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train)
-        except ConfigError as exc:   # an iteration-counted schedule moves with a defaulted batch: say why
+                LearningRateSchedule.from_config(cfg.train), point, cfg.checkpoint, cfg.train
+            )
+        except ConfigError as exc:  # an iteration-counted schedule moves with a defaulted batch: say why
             if defaulted is None:
                 raise
             raise ConfigError(f"{exc} ({defaulted}: give the run's --global-batch-size)") from None
         self._build_groups(cfg)
-        self.logger = build_logger(0 if self.logs else 1, cfg.train, cfg.checkpoint.save,
-                                   flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)),
-                                   (self.iteration, progress.consumed_train_samples) if resumed_at else None,
-                                   point.tensorboard_files if point is not None else None)
+        self.logger = build_logger(
+            0 if self.logs else 1,
+            cfg.train,
+            cfg.checkpoint.save,
+            flag_values(getattr(cfg, f.name) for f in dataclasses.fields(cfg)),
+            (self.iteration, progress.consumed_train_samples) if resumed_at else None,
+            point.tensorboard_files if point is not None else None,
+        )
         # what its checkpoints record: the logging rank's
         self.event_files = agreed_event_files(self.logger, self.control, self.log_rank)
         for line in notices:
@@ -129,31 +164,32 @@ class Pretraining:
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:
                 split.vocab_limit = self.vocab_size
-        if cfg.train.bf16 and cfg.implementation.disable_bf16_reduced_precision_matmul:   # megatron-core's, global
+        if cfg.train.bf16 and cfg.implementation.disable_bf16_reduced_precision_matmul:  # megatron-core's, global
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         apply_deterministic_mode(cfg)
         self.model = self._build_model(cfg, point)
-        if dense_source is not None:   # before the optimizer copies the params into its masters
-            dense = checkpoint.consolidate_checkpoint(dense_source.path)   # a QAT run's under plain names
+        if dense_source is not None:  # before the optimizer copies the params into its masters
+            dense = checkpoint.consolidate_checkpoint(dense_source.path)  # a QAT run's under plain names
             upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()})
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
         self._check_exportable()
-        if point is not None:   # at pp > 1 the other stages' params are in it too
+        if point is not None:  # at pp > 1 the other stages' params are in it too
             check_shapes(self.model, point, self.pipeline.other_stages_params() if self.pipeline is not None else ())
-        self.opt = build_optimizer(self.model, cfg, self.groups) if self.pipeline is None else \
-            self.pipeline.optimizer(cfg)
+        self.opt = (
+            build_optimizer(self.model, cfg, self.groups) if self.pipeline is None else self.pipeline.optimizer(cfg)
+        )
         self.pipeline_trainer = self.pipeline.trainer(self.opt, cfg) if self.pipeline is not None else None
         self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
         # process-wide: glibc's thresholds now, a trim after each step that ends well above the warmed-up heap
         self.heap = HeapTrimmer() if cfg.train.host_heap_policy else None
-        ExpertBiasUpdater(self.model, self.groups.dp).attach(self.opt)   # counts in forward, updates after step
+        ExpertBiasUpdater(self.model, self.groups.dp).attach(self.opt)  # counts in forward, updates after step
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
         self.stop_reason: Optional[str] = None
         self._saved_at: Optional[int] = None
         self._saved_path: Optional[str] = None
         self._saved_hf_at: Optional[int] = None
-        self._pending: Optional[PendingSave] = None   # --async-save: the save in flight
+        self._pending: Optional[PendingSave] = None  # --async-save: the save in flight
         self._writer_group = self._async_writer_group()
         if point is not None:
             self._resume(point)
@@ -165,8 +201,10 @@ class Pretraining:
         Megatron's last rank with a pipeline (it holds the loss)."""
         if cfg.parallel.pipeline_parallel_size == 1:
             self.pipeline = None
-            self.groups = ParallelGroups.build(expert_parallel_size=cfg.parallel.expert_parallel_size,
-                                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
+            self.groups = ParallelGroups.build(
+                expert_parallel_size=cfg.parallel.expert_parallel_size,
+                timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
+            )
             self.rank, self.control, self.log_rank = self.groups.rank, self.groups.control, 0
             self.dp_rank, self.dp_size = self.groups.rank, self.world
         else:
@@ -179,8 +217,12 @@ class Pretraining:
     def _build_model(self, cfg: Configs, point: Optional[ResumePoint]):
         """The GPT (build_model), or at pp > 1 this rank's stages of it."""
         if self.pipeline is None:
-            return build_model(cfg, self.groups, self.data.tokenizer.vocab_size,
-                               hub_dir=cfg.checkpoint.load_hf if point is None else None)
+            return build_model(
+                cfg,
+                self.groups,
+                self.data.tokenizer.vocab_size,
+                hub_dir=cfg.checkpoint.load_hf if point is None else None,
+            )
         gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, self.data.tokenizer.vocab_size))
         return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device())
 
@@ -190,9 +232,14 @@ class Pretraining:
 
     def _resume(self, point: ResumePoint) -> None:
         ck = self.cfg.checkpoint
-        state = checkpoint.load_checkpoint(point.path, self.model, self.opt, self.control,
-                                           load_optim=not (ck.no_load_optim or ck.finetune or is_import(point)),
-                                           load_rng=not (ck.no_load_rng or ck.finetune))
+        state = checkpoint.load_checkpoint(
+            point.path,
+            self.model,
+            self.opt,
+            self.control,
+            load_optim=not (ck.no_load_optim or ck.finetune or is_import(point)),
+            load_rng=not (ck.no_load_rng or ck.finetune),
+        )
         if ck.finetune:  # a new run from these weights: iteration 0, plug-ins start fresh
             self.logger.print(f" --finetune: weights from {point.path} (iteration {point.iteration}); starting at 0")
             return
@@ -202,14 +249,18 @@ class Pretraining:
             else:  # saved without it: it joins where the run stands
                 plugin.on_step_end(self._steps_taken())
         fresh = [flag for flag, on in (("optimizer state", ck.no_load_optim), ("RNG states", ck.no_load_rng)) if on]
-        self.logger.print(f" resumed from {point.path} at iteration {self.iteration}, "
-                          f"{self.progress.consumed_train_samples} samples consumed"
-                          + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
+        self.logger.print(
+            f" resumed from {point.path} at iteration {self.iteration}, "
+            f"{self.progress.consumed_train_samples} samples consumed"
+            + (f" (fresh {' and '.join(fresh)})" if fresh else "")
+        )
         changed = [] if is_import(point) or self.cfg.train.skip_train else data_differences(self.cfg, point)
-        if changed:   # Megatron's resume says nothing; a document already trained on may come again
-            self.logger.print(f" the sample stream is not the checkpoint's ({'; '.join(changed)}): training goes on "
-                              f"at sample {self.progress.consumed_train_samples} of the new one, as Megatron's resume "
-                              "does")
+        if changed:  # Megatron's resume says nothing; a document already trained on may come again
+            self.logger.print(
+                f" the sample stream is not the checkpoint's ({'; '.join(changed)}): training goes on "
+                f"at sample {self.progress.consumed_train_samples} of the new one, as Megatron's resume "
+                "does"
+            )
 
     # ---- the loop -----------------------------------------------------------------------------
     def train(self) -> None:
@@ -217,17 +268,19 @@ class Pretraining:
         end with --save. `stop_reason` says why it stopped early (None: it finished)."""
         try:
             self._run()
-        finally:   # the --save folder is free for the next job, however the run ends
+        finally:  # the --save folder is free for the next job, however the run ends
             self._save_lock.release()
 
     def _run(self) -> None:
         t = self.cfg.train
         self._print_header()
-        if t.skip_train:   # Megatron's evaluation-only run: no step, no save, the evaluations below
+        if t.skip_train:  # Megatron's evaluation-only run: no step, no save, the evaluations below
             self.logger.print(" skipping training (--skip-train is on) ...")
-        elif self.iteration >= t.train_iters:   # a finished run relaunched (a requeued job): its end again
-            self.logger.print(f" the checkpoint is at iteration {self.iteration} = --train-iters: nothing to train "
-                              "(raise --train-iters to go on); the end of the run follows (Megatron's)")
+        elif self.iteration >= t.train_iters:  # a finished run relaunched (a requeued job): its end again
+            self.logger.print(
+                f" the checkpoint is at iteration {self.iteration} = --train-iters: nothing to train "
+                "(raise --train-iters to go on); the end of the run follows (Megatron's)"
+            )
         else:
             self._train_and_save(t)
         # Megatron's order for a run that finished: the checkpoint, then one more validation (its window is not
@@ -236,7 +289,7 @@ class Pretraining:
             self._evaluate("valid", after_training=True)
         if self.stop_reason is None and self.data.test is not None:
             self._evaluate("test")
-        finished = self.stop_reason is None   # a stopped run's grace goes to the checkpoint that resumes it
+        finished = self.stop_reason is None  # a stopped run's grace goes to the checkpoint that resumes it
         if self.cfg.checkpoint.save_hf and finished and not t.skip_train and self._saved_hf_at != self.iteration:
             self._save_hf()
         if self.stop_reason is not None:
@@ -257,11 +310,11 @@ class Pretraining:
         finally:
             profiler.close()
             loader.close()
-        try:   # the last checkpoint first (Megatron's order: a job's grace), published (an --async-save's too)
+        try:  # the last checkpoint first (Megatron's order: a job's grace), published (an --async-save's too)
             if self.cfg.checkpoint.save and self._saved_at != self.iteration:
                 self._save()
             self._finish_pending()
-        finally:   # the handlers stay while it is written: a signal then waits for it instead of killing it
+        finally:  # the handlers stay while it is written: a signal then waits for it instead of killing it
             stop.close()
 
     def _steps_taken(self) -> int:
@@ -286,9 +339,9 @@ class Pretraining:
             consumed = self.progress.consumed_train_samples
             batch_size = self.batch_schedule.batch_size(consumed)
             if batch_size != last_batch_size and ck.save and self._saved_at != self.iteration:
-                self._save()   # Megatron's: a checkpoint whenever a batch ramp changes the number of micro-batches
+                self._save()  # Megatron's: a checkpoint whenever a batch ramp changes the number of micro-batches
             last_batch_size = batch_size
-            for group in self.opt.param_groups:   # a group's own max_lr / min_lr: --decoupled-lr
+            for group in self.opt.param_groups:  # a group's own max_lr / min_lr: --decoupled-lr
                 group["lr"] = self.lr_schedule.group_lr(self.lr_schedule_steps, group)
                 group["weight_decay"] = self.lr_schedule.weight_decay_at(self.lr_schedule_steps) * group["wd_mult"]
             profiler.before_iteration(self.iteration)
@@ -297,21 +350,30 @@ class Pretraining:
             if self.pipeline_trainer is not None:
                 metrics = self.pipeline_trainer.train_step(batches, self.iteration, t.seed)
             else:
-                metrics = train_step(self.model, self.opt, batches, self.iteration, t.seed, self.groups.dp,
-                                     per_token_loss=t.calculate_per_token_loss,
-                                     overlap_moe_comm=interleaves_micro_batches(self.cfg))
+                metrics = train_step(
+                    self.model,
+                    self.opt,
+                    batches,
+                    self.iteration,
+                    t.seed,
+                    self.groups.dp,
+                    per_token_loss=t.calculate_per_token_loss,
+                    overlap_moe_comm=interleaves_micro_batches(self.cfg),
+                )
             if self.heap is not None:
                 self.heap.after_step()
             if not metrics.stepped:
                 self._check_non_finite(metrics)
             step_time = timer.elapsed()
-            if metrics.stepped:   # as Megatron's scheduler: a skipped step does not advance it
+            if metrics.stepped:  # as Megatron's scheduler: a skipped step does not advance it
                 self.lr_schedule_steps += batch_size
             self.iteration += 1
             profiler.after_iteration(self.iteration)
-            self.progress = dataclasses.replace(self.progress, consumed_train_samples=consumed + batch_size,
-                                                skipped_iterations=self.progress.skipped_iterations
-                                                + int(not metrics.stepped))
+            self.progress = dataclasses.replace(
+                self.progress,
+                consumed_train_samples=consumed + batch_size,
+                skipped_iterations=self.progress.skipped_iterations + int(not metrics.stepped),
+            )
             for plugin in self.plugins.values():
                 plugin.on_step_end(self._steps_taken())
             self.history.append({"iteration": self.iteration, **metrics.values()})
@@ -321,12 +383,13 @@ class Pretraining:
             # Megatron's: every --log-interval and the run's first iteration (moezero's: and its last)
             console = self.iteration % t.log_interval == 0 or self.iteration in (start_iteration + 1, t.train_iters)
             board = t.tensorboard_dir is not None and self.iteration % t.tensorboard_log_interval == 0
-            if console or board:   # decided alike on every rank: logging may run collectives
+            if console or board:  # decided alike on every rank: logging may run collectives
                 # the lr Megatron logs is its scheduler's after the step: the next step's
                 logged_lr = self.lr_schedule.lr(self.lr_schedule_steps)
-                self._log_step(metrics, moe, logged_lr, batch_size, step_time, eta, board,
-                               interval if console else None)
-            if t.tensorboard_dir is not None and not board:   # Megatron's MoE and MTP trackers: every iteration
+                self._log_step(
+                    metrics, moe, logged_lr, batch_size, step_time, eta, board, interval if console else None
+                )
+            if t.tensorboard_dir is not None and not board:  # Megatron's MoE and MTP trackers: every iteration
                 self.logger.log(self._moe_board_scalars(metrics, dict(moe, **metrics.mtp_values())), self.iteration)
             if t.evaluates and self.iteration % t.eval_interval == 0:
                 self._evaluate("valid")
@@ -350,10 +413,20 @@ class Pretraining:
             f"iteration {self.iteration + 1}: the loss or the gradient is not finite (lm loss {m.lm_loss:g}, grad "
             f"norm {m.grad_norm:g}); the step was not taken and the run stops, as Megatron's "
             "--check-for-nan-in-loss-and-grad does (the last checkpoint stays as it was); "
-            "--no-check-for-nan-in-loss-and-grad skips such steps instead")
+            "--no-check-for-nan-in-loss-and-grad skips such steps instead"
+        )
 
-    def _log_step(self, m: StepMetrics, moe: Dict[str, float], lr: float, batch_size: int, step_time: float,
-                  eta: float, board: bool, interval: Optional[LogInterval]) -> None:
+    def _log_step(
+        self,
+        m: StepMetrics,
+        moe: Dict[str, float],
+        lr: float,
+        batch_size: int,
+        step_time: float,
+        eta: float,
+        board: bool,
+        interval: Optional[LogInterval],
+    ) -> None:
         """Megatron's TensorBoard scalars (`board`: the step's) and with `interval` the console line (averages
         over the interval, then reset); moezero's per-expert loads and plug-in scalars with the console line of
         an uninterrupted run (every --log-interval, the first and the last iteration)."""
@@ -370,8 +443,8 @@ class Pretraining:
             self.logger.log(scalars, self.iteration)
             self.logger.log_vs_samples(vs_samples_scalars(board_values), self.progress.consumed_train_samples)
         if interval is not None:
-            line = {k: v for k, v in values.items() if k not in interval.loss_names}   # the step's own losses:
-            line.update(interval.summary())                                          # the interval's instead
+            line = {k: v for k, v in values.items() if k not in interval.loss_names}  # the step's own losses:
+            line.update(interval.summary())  # the interval's instead
             self._rate_values(line, batch_size, line["step_time_ms"] / 1000)
             t = self.cfg.train
             if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
@@ -406,14 +479,21 @@ class Pretraining:
 
     def _step_values(self, m: StepMetrics, lr: float, batch_size: int, step_time: float) -> Dict[str, float]:
         t = self.cfg.train
-        values = dict(m.values(), consumed_samples=self.progress.consumed_train_samples,
-                      step_time_ms=step_time * 1000, iteration_time=step_time, lr=lr, global_batch_size=batch_size,
-                      loss_scale=1.0, **self._memory_values())   # Megatron's loss scale without fp16: 1.0
+        values = dict(
+            m.values(),
+            consumed_samples=self.progress.consumed_train_samples,
+            step_time_ms=step_time * 1000,
+            iteration_time=step_time,
+            lr=lr,
+            global_batch_size=batch_size,
+            loss_scale=1.0,
+            **self._memory_values(),
+        )  # Megatron's loss scale without fp16: 1.0
         for name in self._router_losses_not_in_the_run():
             values.pop(name, None)
         self._rate_values(values, batch_size, step_time)
         if t.log_params_norm:
-            values["params_norm"] = self.opt.params_norm()   # a collective: every rank logs
+            values["params_norm"] = self.opt.params_norm()  # a collective: every rank logs
         if t.log_num_zeros_in_grad and self.opt.last_num_zeros_in_grad is not None:
             values["num_zeros"] = self.opt.last_num_zeros_in_grad
         if self.opt.loss_scaler is not None:
@@ -425,8 +505,9 @@ class Pretraining:
         aux-loss coefficients of 0. Megatron logs no series of such a loss; the step's values hold a 0.0 for it."""
         moe = self.cfg.moe
         coefficients = moe.aux_loss_coeff if isinstance(moe.aux_loss_coeff, list) else [moe.aux_loss_coeff]
-        return ([] if moe.z_loss_coeff is not None else ["router_z_loss"]) + ([] if any(coefficients)
-                                                                              else ["router_aux_loss"])
+        return ([] if moe.z_loss_coeff is not None else ["router_z_loss"]) + (
+            [] if any(coefficients) else ["router_aux_loss"]
+        )
 
     def _rate_values(self, values: Dict[str, float], batch_size: int, step_time: float) -> None:
         """tokens/s and (--log-throughput) TFLOP/s per rank at `step_time` seconds per step."""
@@ -438,10 +519,12 @@ class Pretraining:
 
     def _memory_values(self) -> Dict[str, float]:
         """This rank's peak process memory, what the optimizer holds, and (CUDA) the peak allocation."""
-        values = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-                  "zero_held_mb": sum(self.opt.memory_bytes().values()) / 2 ** 20}
+        values = {
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            "zero_held_mb": sum(self.opt.memory_bytes().values()) / 2**20,
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            values["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+            values["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
             if self.cfg.implementation.log_memory_to_tensorboard:
                 values.update(megatron_cuda_memory())
         return values
@@ -461,47 +544,57 @@ class Pretraining:
         t = self.cfg.train
         # Megatron's --skip-train validates from the split's start too
         start = self.progress.consumed_valid_samples if split == "valid" and not t.skip_train else 0
-        indices = eval_micro_batches(t.eval_iters, t.global_batch_size, t.micro_batch_size, self.dp_rank,
-                                     self.dp_size, start)
-        loader = MicroBatchLoader(self.data.valid if split == "valid" else self.data.test, indices,
-                                  self.cfg.data.num_workers)
+        indices = eval_micro_batches(
+            t.eval_iters, t.global_batch_size, t.micro_batch_size, self.dp_rank, self.dp_size, start
+        )
+        loader = MicroBatchLoader(
+            self.data.valid if split == "valid" else self.data.test, indices, self.cfg.data.num_workers
+        )
         try:
-            if self.pipeline_trainer is not None:   # one forward-only schedule per global batch
+            if self.pipeline_trainer is not None:  # one forward-only schedule per global batch
                 per_batch = len(indices) // t.eval_iters
                 batches = ([next(loader) for _ in range(per_batch)] for _ in range(t.eval_iters))
-                loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split),
-                                                      self.iteration)
+                loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split), self.iteration)
             else:
                 loss = evaluate(self.model, loader, self.groups.dp, t.seed, self.iteration, split)
         finally:
             loader.close()
         if split == "valid":
             self.progress = dataclasses.replace(
-                self.progress, consumed_valid_samples=start + t.eval_iters * t.global_batch_size)
+                self.progress, consumed_valid_samples=start + t.eval_iters * t.global_batch_size
+            )
         name = "validation" if split == "valid" else "test"
         if self.history:
             self.history[-1][f"{name}_loss"] = loss
         values = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 20.0))}
         where = "test" if split == "test" else "validation" if after_training else ""
         self.logger.print(format_validation_line(self.iteration, values, where))
-        if t.skip_train:   # Megatron's write_to_tensorboard=not args.skip_train
+        if t.skip_train:  # Megatron's write_to_tensorboard=not args.skip_train
             return
         if after_training and t.eval_interval and self.iteration % t.eval_interval == 0:
-            return   # the interval's validation of this iteration is on the board; Megatron adds a second point
+            return  # the interval's validation of this iteration is on the board; Megatron adds a second point
         self.logger.log(tensorboard_scalars(values), self.iteration)
         if split == "valid":
             self.logger.log_vs_samples(vs_samples_scalars(values), self.progress.consumed_train_samples)
 
     def _save(self) -> None:
-        self._finish_pending()   # one save in flight at a time
+        self._finish_pending()  # one save in flight at a time
         ck = self.cfg.checkpoint
         saved = checkpoint.save_checkpoint(
-            ck.save, self.iteration, self.model, self.opt,
+            ck.save,
+            self.iteration,
+            self.model,
+            self.opt,
             configs=self._stored_configs(),
             plugins={name: plugin.state_dict() for name, plugin in self.plugins.items()},
-            progress=self.progress.saved(), lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
-            group=self.control, keep_last=ck.keep_last, background=ck.async_save,
-            writer_group=self._writer_group, tensorboard_files=self.event_files)
+            progress=self.progress.saved(),
+            lr_schedule=self.lr_schedule.state(self.lr_schedule_steps),
+            group=self.control,
+            keep_last=ck.keep_last,
+            background=ck.async_save,
+            writer_group=self._writer_group,
+            tensorboard_files=self.event_files,
+        )
         self._saved_at = self.iteration
         if isinstance(saved, PendingSave):
             self._pending = saved
@@ -529,18 +622,22 @@ class Pretraining:
         except UnsupportedModel as exc:
             raise ConfigError(f"--save-hf={target}: {exc}") from None
         if family.stacked_experts and self.groups.ep_size > 1:
-            raise ConfigError(f"--save-hf={target}: {family.model_type} holds all experts of a layer in one tensor, "
-                              f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
-                              "export a checkpoint with tools/hf_checkpoint.py export instead")
-        if self.hub_config is not None:   # the dtype the folder is written in (the source's)
+            raise ConfigError(
+                f"--save-hf={target}: {family.model_type} holds all experts of a layer in one tensor, "
+                f"which no rank of --expert-model-parallel-size {self.groups.ep_size} holds whole; "
+                "export a checkpoint with tools/hf_checkpoint.py export instead"
+            )
+        if self.hub_config is not None:  # the dtype the folder is written in (the source's)
             try:
                 hub_dtype(self.hub_config)
             except ValueError as exc:
                 raise ConfigError(f"--save-hf={target}: the source's {exc}") from None
         if any(parametrize.is_parametrized(module) for module in self.model.modules()):
-            raise ConfigError(f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); write the "
-                              "quantized model with tools/export_quantized.py, or a checkpoint's fp32 masters with "
-                              "tools/hf_checkpoint.py export --qat-masters")
+            raise ConfigError(
+                f"--save-hf={target}: not with a plug-in that reparametrizes weights (QAT); write the "
+                "quantized model with tools/export_quantized.py, or a checkpoint's fp32 masters with "
+                "tools/hf_checkpoint.py export --qat-masters"
+            )
 
     def _save_hf(self) -> None:
         """--save-hf: the model as a Hub folder of this iteration, every rank writing its share (in the Hub
@@ -549,9 +646,16 @@ class Pretraining:
         path = os.path.join(self.cfg.checkpoint.save_hf, f"iter_{self.iteration:07d}")
         dtype = hub_dtype(self.hub_config) if self.hub_config is not None else None
         self.model.hub_config, self.model.hub_generation_config = self.hub_config, self.hub_generation_config
-        save_pretrained(self.model, path, groups=self.groups, dtype=dtype, optimizer=self.opt, overwrite=True,
-                        token_ids=tokenizer_token_ids(self.data.tokenizer),
-                        tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)))
+        save_pretrained(
+            self.model,
+            path,
+            groups=self.groups,
+            dtype=dtype,
+            optimizer=self.opt,
+            overwrite=True,
+            token_ids=tokenizer_token_ids(self.data.tokenizer),
+            tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)),
+        )
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")
 
@@ -567,8 +671,7 @@ class Pretraining:
         another thread, so never on a group training uses), created alike on every rank."""
         if not (self.cfg.checkpoint.async_save and self.cfg.checkpoint.save and dist.is_initialized()):
             return None
-        return dist.new_group(backend="gloo",
-                              timeout=datetime.timedelta(minutes=self.cfg.train.dist_timeout_minutes))
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=self.cfg.train.dist_timeout_minutes))
 
     def _print_header(self) -> None:
         params = sum(p.numel() for p in self.model.parameters())
@@ -577,9 +680,12 @@ class Pretraining:
             f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
             f"ZeRO stage {self.cfg.zero.stage}, "
             f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank {self.rank}, "
-            f"{len(self.data.train)} train samples")
+            f"{len(self.data.train)} train samples"
+        )
         if self.cfg.moe.num_experts and self.cfg.model.mlp_activation() == "gelu_tanh":
-            self.logger.print(" Megatron's bias-GELU fusion (on by default): the MLPs and experts use the tanh GELU, "
-                              "which Megatron refuses in MoE layers; --no-bias-gelu-fusion gives the exact GELU")
+            self.logger.print(
+                " Megatron's bias-GELU fusion (on by default): the MLPs and experts use the tanh GELU, "
+                "which Megatron refuses in MoE layers; --no-bias-gelu-fusion gives the exact GELU"
+            )
         sections = [getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)]
         self.logger.log_run_config(flag_values(sections), tensorboard_scalars({"lm_loss": 0, "validation_loss": 0}))

@@ -13,6 +13,7 @@
 Every rank reads the same files and decides the same, so a refusal is raised on all ranks alike
 before any collective. A model-defining flag is one declared with `option(..., defines_model=True)`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,18 +35,18 @@ from moezero.parallel import expert_shard_of
 from moezero.training.configs import TrainConfig
 from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
 
-TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")   # taken from a checkpoint only when not given
+TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")  # taken from a checkpoint only when not given
 
 
 @dataclass(frozen=True)
 class ResumePoint:
-    path: str                              # the iter_N folder
+    path: str  # the iter_N folder
     iteration: int
-    configs: Dict[str, Dict[str, Any]]     # the sections the saving run stored
+    configs: Dict[str, Dict[str, Any]]  # the sections the saving run stored
     param_shapes: Dict[str, Tuple[int, ...]]
-    progress: Dict[str, int] = dataclasses.field(default_factory=dict)   # consumed samples (see Progress)
-    lr_schedule: Dict[str, Any] = dataclasses.field(default_factory=dict)   # LearningRateSchedule.state()
-    tensorboard_files: Optional[Tuple[str, ...]] = None   # its lineage's event files (None: saved before recorded)
+    progress: Dict[str, int] = dataclasses.field(default_factory=dict)  # consumed samples (see Progress)
+    lr_schedule: Dict[str, Any] = dataclasses.field(default_factory=dict)  # LearningRateSchedule.state()
+    tensorboard_files: Optional[Tuple[str, ...]] = None  # its lineage's event files (None: saved before recorded)
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,19 @@ def find_checkpoint(ckpt) -> Optional[str]:
     saved = checkpoint.saved_iterations(load)
     if ckpt.ckpt_step is not None:
         if ckpt.ckpt_step not in saved:
-            raise CheckpointError(f"--ckpt-step={ckpt.ckpt_step}: --load={load} has no iter_{ckpt.ckpt_step:07d} "
-                                  f"(saved iterations: {', '.join(map(str, saved)) or 'none'})")
+            raise CheckpointError(
+                f"--ckpt-step={ckpt.ckpt_step}: --load={load} has no iter_{ckpt.ckpt_step:07d} "
+                f"(saved iterations: {', '.join(map(str, saved)) or 'none'})"
+            )
         return checkpoint.iteration_dir(load, ckpt.ckpt_step)
     latest = checkpoint.latest_iteration(load) if os.path.isdir(load) else None
     if latest is not None:
         return checkpoint.iteration_dir(load, latest)
-    if saved:   # complete folders nobody published (a save whose pointer write failed, folders copied in)
-        raise CheckpointError(f"--load={load}: holds iter folders {saved} but no {checkpoint.POINTER} naming one: "
-                              "resume one with --ckpt-step N, or move them away to start a new run there")
+    if saved:  # complete folders nobody published (a save whose pointer write failed, folders copied in)
+        raise CheckpointError(
+            f"--load={load}: holds iter folders {saved} but no {checkpoint.POINTER} naming one: "
+            "resume one with --ckpt-step N, or move them away to start a new run there"
+        )
     if getattr(ckpt, "exit_on_missing_checkpoint", False):
         raise CheckpointError(f"--load={load}: holds no checkpoint (--exit-on-missing-checkpoint)")
     if ckpt.save is not None and os.path.abspath(ckpt.save) == os.path.abspath(load):
@@ -104,18 +109,23 @@ def check_save_folder(ckpt) -> None:
     iter_N, `latest`, the pruning of older ones), so it stops at start (--load's own folders are find_checkpoint's).
     Megatron writes over them without a word."""
     save, load = ckpt.save, ckpt.load
-    if save is None or (load is not None and os.path.abspath(save) in (os.path.abspath(load),
-                                                                       os.path.dirname(os.path.abspath(load)))):
-        return   # --load is --save, or one of its iter folders: resumed by name
+    if save is None or (
+        load is not None and os.path.abspath(save) in (os.path.abspath(load), os.path.dirname(os.path.abspath(load)))
+    ):
+        return  # --load is --save, or one of its iter folders: resumed by name
     saved = checkpoint.saved_iterations(save)
     if not saved:
         return
     if not os.path.exists(os.path.join(save, checkpoint.POINTER)):
-        raise CheckpointError(f"--save={save}: holds iter folders {saved} but no {checkpoint.POINTER} naming one, "
-                              "which this run would write over: resume one (--load the folder, --ckpt-step N), or "
-                              "save elsewhere")
-    raise CheckpointError(f"--save={save}: holds another run's checkpoints (iterations {saved}), which this run "
-                          f"would write over: resume that run (--load {save}), or save elsewhere")
+        raise CheckpointError(
+            f"--save={save}: holds iter folders {saved} but no {checkpoint.POINTER} naming one, "
+            "which this run would write over: resume one (--load the folder, --ckpt-step N), or "
+            "save elsewhere"
+        )
+    raise CheckpointError(
+        f"--save={save}: holds another run's checkpoints (iterations {saved}), which this run "
+        f"would write over: resume that run (--load {save}), or save elsewhere"
+    )
 
 
 def find_resume_point(ckpt) -> Optional[ResumePoint]:
@@ -124,9 +134,15 @@ def find_resume_point(ckpt) -> Optional[ResumePoint]:
         return None
     state = checkpoint.read_train_state(path)
     files = state.get("tensorboard_files")
-    return ResumePoint(path, int(state["iteration"]), state.get("configs") or {}, state.get("param_shapes") or {},
-                       state.get("progress") or {}, state.get("opt_param_scheduler") or {},
-                       tuple(files) if files is not None else None)
+    return ResumePoint(
+        path,
+        int(state["iteration"]),
+        state.get("configs") or {},
+        state.get("param_shapes") or {},
+        state.get("progress") or {},
+        state.get("opt_param_scheduler") or {},
+        tuple(files) if files is not None else None,
+    )
 
 
 def start_progress(point: Optional[ResumePoint], finetune: bool) -> Progress:
@@ -146,8 +162,9 @@ def is_import(point: ResumePoint) -> bool:
     return not point.lr_schedule and not point.configs.get("train")
 
 
-def start_lr_schedule(current: LearningRateSchedule, point: Optional[ResumePoint], ckpt, train
-                      ) -> Tuple[LearningRateSchedule, float]:
+def start_lr_schedule(
+    current: LearningRateSchedule, point: Optional[ResumePoint], ckpt, train
+) -> Tuple[LearningRateSchedule, float]:
     """The schedule the run follows and the samples it has advanced (Megatron's num_steps). A resume loads
     them with the optimizer, as Megatron does: --no-load-optim and --finetune start the schedule at 0."""
     if point is None or ckpt.no_load_optim or ckpt.finetune:
@@ -155,16 +172,20 @@ def start_lr_schedule(current: LearningRateSchedule, point: Optional[ResumePoint
     if is_import(point):
         return current, 0
     saved = point.lr_schedule or _schedule_of_old_checkpoint(point)
-    schedule = resumed_schedule(current, saved, train.override_opt_param_scheduler,
-                                train.use_checkpoint_opt_param_scheduler)
+    schedule = resumed_schedule(
+        current, saved, train.override_opt_param_scheduler, train.use_checkpoint_opt_param_scheduler
+    )
     return schedule, saved["num_steps"]
 
 
 def _schedule_of_old_checkpoint(point: ResumePoint) -> Dict[str, Any]:
     """A checkpoint saved before the schedule was recorded: the one its stored flags give, advanced by the
     samples it consumed (a skipped step advanced it then)."""
-    stored = {n: v for n, v in (point.configs.get("train") or {}).items()
-              if n in {f.name for f in dataclasses.fields(TrainConfig)}}
+    stored = {
+        n: v
+        for n, v in (point.configs.get("train") or {}).items()
+        if n in {f.name for f in dataclasses.fields(TrainConfig)}
+    }
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
     schedule = LearningRateSchedule.from_config(SimpleNamespace(**{**defaults, **stored}))
     return schedule.state(start_progress(point, False).consumed_train_samples)
@@ -176,8 +197,10 @@ def start_iteration(point: Optional[ResumePoint], train_iters: int, finetune: bo
     if point is None or finetune:
         return 0
     if point.iteration > train_iters and not skip_train:
-        raise ConfigError(f"--train-iters={train_iters}: below the iteration of the checkpoint {point.path} "
-                          f"({point.iteration}); raise it to go on, or --finetune to start a new run from its weights")
+        raise ConfigError(
+            f"--train-iters={train_iters}: below the iteration of the checkpoint {point.path} "
+            f"({point.iteration}); raise it to go on, or --finetune to start a new run from its weights"
+        )
     return point.iteration
 
 
@@ -205,8 +228,11 @@ def model_differences(cfg, point: ResumePoint) -> List[str]:
 
 
 # what decides which tokens each sample holds and their order, besides the model's flags
-DATA_STREAM_FIELDS = {"data": ("data_path", "split", "mock_data", "default_corpus_max_files"),
-                      "model": ("seq_length",), "train": ("seed",)}
+DATA_STREAM_FIELDS = {
+    "data": ("data_path", "split", "mock_data", "default_corpus_max_files"),
+    "model": ("seq_length",),
+    "train": ("seed",),
+}
 
 
 def data_differences(cfg, point: ResumePoint) -> List[str]:
@@ -222,8 +248,10 @@ def data_differences(cfg, point: ResumePoint) -> List[str]:
             if name not in saved or name == "default_corpus_max_files" and not _on_default_corpus(saved, current):
                 continue
             old, new = saved[name], getattr(current, name)
-            same = {"data_path": lambda a, b: _blend(a) == _blend(b),
-                    "split": lambda a, b: _split_fractions(a) == _split_fractions(b)}.get(name, lambda a, b: a == b)
+            same = {
+                "data_path": lambda a, b: _blend(a) == _blend(b),
+                "split": lambda a, b: _split_fractions(a) == _split_fractions(b),
+            }.get(name, lambda a, b: a == b)
             if not same(old, new):
                 out.append(f"{flag_of(current, name)}: {_words(old)} in the checkpoint, {_words(new)} now")
     return out
@@ -238,8 +266,9 @@ def _blend(data_path) -> Optional[Tuple]:
     its weights normalised."""
     if not data_path:
         return None
-    blend = parse_data_path([word for part in ([data_path] if isinstance(data_path, str) else data_path)
-                             for word in part.split()])
+    blend = parse_data_path(
+        [word for part in ([data_path] if isinstance(data_path, str) else data_path) for word in part.split()]
+    )
     return tuple(map(os.path.realpath, blend.prefixes)), _normalised(blend.weights)
 
 
@@ -263,8 +292,10 @@ def _shown(value) -> str:
 def check_same_model(cfg, point: ResumePoint) -> None:
     differences = model_differences(cfg, point)
     if differences:
-        raise CheckpointError(f"--load: {point.path} holds another model ({'; '.join(differences)}); give the "
-                              "checkpoint's values or --use-checkpoint-args")
+        raise CheckpointError(
+            f"--load: {point.path} holds another model ({'; '.join(differences)}); give the "
+            "checkpoint's values or --use-checkpoint-args"
+        )
 
 
 # what a Hugging Face config says about training (attention_dropout, router_aux_loss_coef), taken from an
@@ -275,16 +306,20 @@ IMPORTED_TRAINING_FIELDS = {"model": ("hidden_dropout", "attention_dropout"), "m
 CHECKPOINT_TRAINING_FIELDS = {"model": ("seq_length", "hidden_dropout", "attention_dropout")}
 
 
-def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig,
-                    report: Callable[[str], None]) -> ResumePoint:
+def upcycling_point(point: ResumePoint, model: GPTConfig, moe: MoEConfig, report: Callable[[str], None]) -> ResumePoint:
     """The dense checkpoint seen as the MoE run's: its MoE section and layer pattern are the command line's,
     so --use-checkpoint-args and the same-model check apply to the rest. Errors name what cannot upcycle."""
     if (point.configs.get("moe") or {}).get("num_experts"):
         raise ConfigError(f"--moe-use-upcycling: {point.path} is already an MoE checkpoint (it needs a dense one)")
-    report(f" --moe-use-upcycling: the experts start as the dense MLPs of {point.path} (iteration "
-           f"{point.iteration}); starting at 0")
-    configs = dict(point.configs, moe=dataclasses.asdict(moe),
-                   model=dict(point.configs.get("model") or {}, moe_layer_freq=model.moe_layer_freq))
+    report(
+        f" --moe-use-upcycling: the experts start as the dense MLPs of {point.path} (iteration "
+        f"{point.iteration}); starting at 0"
+    )
+    configs = dict(
+        point.configs,
+        moe=dataclasses.asdict(moe),
+        model=dict(point.configs.get("model") or {}, moe_layer_freq=model.moe_layer_freq),
+    )
     return dataclasses.replace(point, configs=configs)
 
 
@@ -295,8 +330,9 @@ def apply_hub_configs(cfg, hub_dir: str, configs: Dict[str, Dict[str, Any]], rep
     return apply_checkpoint_args(cfg, point, report, source="--load-hf")
 
 
-def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None],
-                          source: str = "--use-checkpoint-args"):
+def apply_checkpoint_args(
+    cfg, point: ResumePoint, report: Callable[[str], None], source: str = "--use-checkpoint-args"
+):
     """--use-checkpoint-args: `cfg` with the checkpoint's model-defining flags (and its tokenizer files
     where the command line gives none; the training values Megatron takes too, or for a checkpoint from a Hugging
     Face import its config's, where the command line does not set them); reports the flags typed on the command
@@ -311,11 +347,19 @@ def apply_checkpoint_args(cfg, point: ResumePoint, report: Callable[[str], None]
         names += [n for n in training.get(section, ()) if f"{section}.{n}" not in given]
         values = {n: saved[n] for n in names if n in saved}
         if getattr(cfg.checkpoint, "use_tokenizer_model_from_checkpoint_args", True):
-            values.update({n: saved[n] for n in TOKENIZER_FILES if saved.get(n) and hasattr(current, n)
-                           and getattr(current, n) is None})
+            values.update(
+                {
+                    n: saved[n]
+                    for n in TOKENIZER_FILES
+                    if saved.get(n) and hasattr(current, n) and getattr(current, n) is None
+                }
+            )
         # said for the flags typed only: an untyped one's value is the default, not the command line's
-        changes += [f"{flag_of(current, n)} {v} (command line: {getattr(current, n)})"
-                    for n, v in values.items() if v != getattr(current, n) and f"{section}.{n}" in given]
+        changes += [
+            f"{flag_of(current, n)} {v} (command line: {getattr(current, n)})"
+            for n, v in values.items()
+            if v != getattr(current, n) and f"{section}.{n}" in given
+        ]
         sections[section] = dataclasses.replace(current, **values)
     if changes:
         report(f" {source}: {', '.join(changes)}")
@@ -343,12 +387,16 @@ def check_shapes(model: nn.Module, point: ResumePoint, elsewhere: Iterable[str] 
     problems += [f"{name} is in it, not in this model" for name in saved if name not in mine]
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise CheckpointError(f"--load: the weights of {point.path} do not fit this model ({'; '.join(problems[:3])}"
-                              f"{more}); {_hint(set(saved) - mine)}")
+        raise CheckpointError(
+            f"--load: the weights of {point.path} do not fit this model ({'; '.join(problems[:3])}"
+            f"{more}); {_hint(set(saved) - mine)}"
+        )
 
 
 def _hint(extra) -> str:
     if any(re.search(r"\.(q_down|kv_down)\.bias$", name) for name in extra):
-        return ("its MLA down projections have biases: it was trained before moezero built multi-latent attention as "
-                "megatron-core does (only the output projection biased); no flag builds that model now")
+        return (
+            "its MLA down projections have biases: it was trained before moezero built multi-latent attention as "
+            "megatron-core does (only the output projection biased); no flag builds that model now"
+        )
     return "check the model flags, the tokenizer and --vocab-size"

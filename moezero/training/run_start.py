@@ -2,6 +2,7 @@
 model a Hub folder (--load-hf) or the checkpoint (--use-checkpoint-args) defines, the dense checkpoint
 --moe-use-upcycling starts the experts from. The pretraining script and the docs' command checks call it,
 so a launch line shown in the docs is resolved exactly as the script resolves it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,34 +14,43 @@ from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, run_configs
 from moezero.models.upcycling import check_upcyclable
 from moezero.training.configs import Configs, moe_comm_overlap_notices, recompute_notices
-from moezero.training.resume import (ResumePoint, apply_checkpoint_args, apply_hub_configs, check_same_model,
-                                     check_save_folder, find_resume_point, upcycling_point)
+from moezero.training.resume import (
+    ResumePoint,
+    apply_checkpoint_args,
+    apply_hub_configs,
+    check_same_model,
+    check_save_folder,
+    find_resume_point,
+    upcycling_point,
+)
 
 
 @dataclass
 class RunStart:
-    cfg: Configs                                  # the flags, with the model a Hub folder or checkpoint defines
-    point: Optional[ResumePoint]                  # the checkpoint the run resumes from (None: a new run)
-    hub_config: Optional[Dict[str, Any]]          # the Hub config the model came from (--load-hf), if any
-    hub_generation_config: Optional[Dict[str, Any]] = None   # and its generation_config.json, if any
-    dense_source: Optional[ResumePoint] = None    # --moe-use-upcycling: the dense checkpoint of the experts
-    notices: List[str] = field(default_factory=list)   # lines for the run's log
+    cfg: Configs  # the flags, with the model a Hub folder or checkpoint defines
+    point: Optional[ResumePoint]  # the checkpoint the run resumes from (None: a new run)
+    hub_config: Optional[Dict[str, Any]]  # the Hub config the model came from (--load-hf), if any
+    hub_generation_config: Optional[Dict[str, Any]] = None  # and its generation_config.json, if any
+    dense_source: Optional[ResumePoint] = None  # --moe-use-upcycling: the dense checkpoint of the experts
+    notices: List[str] = field(default_factory=list)  # lines for the run's log
 
 
 def resolve_start(cfg: Configs) -> RunStart:
     notices: List[str] = []
     own = _upcycled_runs_own_checkpoint(cfg)
-    if own is None:   # an upcycled run requeued resumes its --save, which is not its (dense) --load
+    if own is None:  # an upcycled run requeued resumes its --save, which is not its (dense) --load
         check_save_folder(cfg.checkpoint)
     upcycling = cfg.moe.use_upcycling and own is None
     point = own or find_resume_point(cfg.checkpoint)
     if own is not None:
-        notices.append(f" --moe-use-upcycling: resuming from the run's own checkpoint {own.path}, not upcycling "
-                       f"{cfg.checkpoint.load} again")
+        notices.append(
+            f" --moe-use-upcycling: resuming from the run's own checkpoint {own.path}, not upcycling "
+            f"{cfg.checkpoint.load} again"
+        )
     hub = cfg.checkpoint.load_hf
     hub_config = point.configs.get("hf") if point is not None else None
     hub_generation = point.configs.get("hf_generation") if point is not None else None
-    if hub is not None:   # the Hub folder says what the model is, resumed or not
+    if hub is not None:  # the Hub folder says what the model is, resumed or not
         hub_configs = _hub_run_configs(hub)
         cfg = apply_hub_configs(cfg, hub, hub_configs, notices.append)
         hub_config, hub_generation = hub_configs["hf"], hub_configs.get("hf_generation")
@@ -59,7 +69,7 @@ def resolve_start(cfg: Configs) -> RunStart:
     dense_source = None
     if point is not None and upcycling:
         check_upcyclable(cfg.model, cfg.moe)
-        dense_source, point = point, None   # a new run: iteration 0, fresh optimizer, as --finetune
+        dense_source, point = point, None  # a new run: iteration 0, fresh optimizer, as --finetune
     return RunStart(cfg, point, hub_config, hub_generation, dense_source, notices)
 
 
@@ -70,7 +80,7 @@ def _upcycled_runs_own_checkpoint(cfg: Configs) -> Optional[ResumePoint]:
     if not cfg.moe.use_upcycling or ckpt.save is None or latest_iteration(ckpt.save) is None:
         return None
     own = find_resume_point(dataclasses.replace(ckpt, load=ckpt.save, ckpt_step=None))
-    if not (own.configs.get("moe") or {}).get("num_experts"):   # --save is also the dense --load: not saved yet
+    if not (own.configs.get("moe") or {}).get("num_experts"):  # --save is also the dense --load: not saved yet
         return None
     return own
 

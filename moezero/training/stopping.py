@@ -9,6 +9,7 @@ A second Ctrl-C (SIGINT) gets the default behaviour back: it interrupts at once.
 recorded again, as Megatron's handler does: Slurm signals every process of a job step, so each rank gets the
 scheduler's SIGTERM and torchrun's forwarded one, and must still save.
 """
+
 from __future__ import annotations
 
 import signal
@@ -34,7 +35,7 @@ class StopConditions:
         self.received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         if train_config.exit_signal_handler:
-            for sig in {signal.Signals[train_config.exit_signal], signal.SIGINT}:   # --exit-signal, and Ctrl-C
+            for sig in {signal.Signals[train_config.exit_signal], signal.SIGINT}:  # --exit-signal, and Ctrl-C
                 self._previous[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:
@@ -51,7 +52,7 @@ class StopConditions:
             local = torch.tensor([self.received or 0, minutes], dtype=torch.float64, device=self._device())
             comm.all_reduce(local, self.group, op=torch.distributed.ReduceOp.MAX)
             received, minutes = int(local[0].item()), local[1].item()
-            if iteration >= self.cfg.train_iters:   # the run is done: it saves and finishes as any run does
+            if iteration >= self.cfg.train_iters:  # the run is done: it saves and finishes as any run does
                 return None
             if received:
                 return f"received {signal.Signals(received).name}"

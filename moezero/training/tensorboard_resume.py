@@ -11,6 +11,7 @@ Only the event files of the run's own lineage are rewritten: each checkpoint rec
 its run and the runs it resumed from wrote (`run_event_files`), and a file of another run that logs to the same
 folder (another job, the demo and the example script) is never touched. Each file rewritten is said in a line.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,13 +27,15 @@ class Dropped:
 
     path: str
     events: int
-    first_step: Optional[int]   # the iteration-stepped events' steps (None: only 'vs samples' ones)
+    first_step: Optional[int]  # the iteration-stepped events' steps (None: only 'vs samples' ones)
     last_step: Optional[int]
 
     def line(self, iteration: int) -> str:
         steps = f" (steps {self.first_step}-{self.last_step})" if self.first_step is not None else ""
-        return (f" TensorBoard: dropped {self.events} events logged after iteration {iteration}{steps} from "
-                f"{self.path}, which this run logs again")
+        return (
+            f" TensorBoard: dropped {self.events} events logged after iteration {iteration}{steps} from "
+            f"{self.path}, which this run logs again"
+        )
 
 
 def trim_after(log_dir: str, iteration: int, consumed_samples: int, own_files: Optional[Sequence[str]]) -> List[str]:
@@ -41,12 +44,19 @@ def trim_after(log_dir: str, iteration: int, consumed_samples: int, own_files: O
     none, it was saved before they were); returns the lines to print, one per file rewritten."""
     if not os.path.isdir(log_dir):
         return []
-    present = sorted(name for name in os.listdir(log_dir)
-                     if "tfevents" in name and os.path.isfile(os.path.join(log_dir, name)))
+    present = sorted(
+        name for name in os.listdir(log_dir) if "tfevents" in name and os.path.isfile(os.path.join(log_dir, name))
+    )
     if own_files is None:
-        return [f" TensorBoard: the checkpoint does not record which event files in {log_dir} its run wrote (saved "
+        return (
+            [
+                f" TensorBoard: the checkpoint does not record which event files in {log_dir} its run wrote (saved "
                 f"before moezero recorded them): none is rewritten, steps after iteration {iteration} may show "
-                "twice"] if present else []
+                "twice"
+            ]
+            if present
+            else []
+        )
     lines = []
     for name in sorted(set(own_files) & set(present)):
         dropped = _trim_file(os.path.join(log_dir, name), iteration, consumed_samples)

@@ -9,6 +9,17 @@ from moezero.zero.reducer import GradientHookError
 from moezero.zero.sharded_gradient import GradientIsSharded, ShardedGradient
 from moezero.zero.state import consolidate
 
-__all__ = ["ZeroOptimizer", "DynamicLossScaler", "GradientHookError", "ParameterSetChanged", "ParamNotGathered",
-           "RanksDisagree", "weight_decay_groups", "consolidate", "PrecisionAwareAdam", "STATE_DTYPES",
-           "GradientIsSharded", "ShardedGradient"]
+__all__ = [
+    "ZeroOptimizer",
+    "DynamicLossScaler",
+    "GradientHookError",
+    "ParameterSetChanged",
+    "ParamNotGathered",
+    "RanksDisagree",
+    "weight_decay_groups",
+    "consolidate",
+    "PrecisionAwareAdam",
+    "STATE_DTYPES",
+    "GradientIsSharded",
+    "ShardedGradient",
+]

@@ -11,6 +11,7 @@ is rescaled as stage 0 rescales what it showed, `AllReduceGrads.adopt_assigned`)
 Collective, and only when some rank assigned a gradient (a bit on the step's agreement record says so): one
 all-reduce of which params were assigned where (StepTotals' blocks), then one all-reduce per bucket that holds one.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Sequence, Tuple
@@ -22,7 +23,7 @@ from moezero.zero.bucket import Bucket
 from moezero.zero.step_totals import StepTotals
 from moezero.zero.zero_param import ZeroParam
 
-Assigned = Dict[int, Tuple[Bucket, ZeroParam, torch.Tensor]]   # id(record) -> (its bucket, record, gradient)
+Assigned = Dict[int, Tuple[Bucket, ZeroParam, torch.Tensor]]  # id(record) -> (its bucket, record, gradient)
 
 
 @torch.no_grad()
@@ -32,7 +33,7 @@ def reduce_assigned(assigned: Assigned, buckets: Sequence[Bucket], step_totals: 
     anywhere = step_totals.marked_anywhere(set(assigned))
     for bucket in buckets:
         members = [zp for zp in bucket.members if id(zp) in anywhere]
-        if not members:   # the same on every rank of the group
+        if not members:  # the same on every rank of the group
             continue
         family, strategy = bucket.family, bucket.strategy
         summed = torch.zeros(bucket.numel, dtype=strategy.reduce_dtype, device=family.device)
@@ -48,5 +49,5 @@ def reduce_assigned(assigned: Assigned, buckets: Sequence[Bucket], step_totals: 
             lo, hi = zp.bucket_range((0, zp.slot.numel))
             lo, hi = max(lo, start), min(hi, stop)
             if lo < hi:
-                reduced[lo - start:hi - start] = summed[lo:hi] / strategy.dp_size
+                reduced[lo - start : hi - start] = summed[lo:hi] / strategy.dp_size
             zp.got_grad = True

@@ -19,6 +19,7 @@ buckets of the first family, then the next, each in index order. A bucket is lau
 before it in its queue are staged; nothing here ever blocks inside backward (completed reductions are only
 polled), so no rank waits on a collective that another rank can only join later.
 """
+
 from __future__ import annotations
 
 import collections
@@ -70,12 +71,12 @@ class Bucket:
     # the gradients (the grad strategy)
     views: Optional[List[torch.Tensor]] = None
     staging: Optional[StagingBuffer] = None
-    added_directly: bool = False            # stages 2/3, a group of one: this backward's gradients are in the shard
+    added_directly: bool = False  # stages 2/3, a group of one: this backward's gradients are in the shard
     shard: Optional[torch.Tensor] = None
     cleared: bool = True
-    holds_average: bool = False             # stage 0: the buffer holds the last reduction's average ...
-    rescaled: bool = False                  # ... which this backward rescaled before adding to it
-    cast: Optional[torch.Tensor] = None     # stage 0: the average in the master dtype (one copy per reduction)
+    holds_average: bool = False  # stage 0: the buffer holds the last reduction's average ...
+    rescaled: bool = False  # ... which this backward rescaled before adding to it
+    cast: Optional[torch.Tensor] = None  # stage 0: the average in the master dtype (one copy per reduction)
     # the reduction (LaunchQueue)
     work: Optional[Any] = None
     finish: Optional[Callable[[], None]] = None
@@ -102,17 +103,22 @@ class Bucket:
 
     def add_to_shard(self, reduced: torch.Tensor, scale: float) -> None:
         """Add this rank's reduced slice, times `scale`, to the shard (a cleared shard is written, not added to)."""
-        if self.cleared:   # scaled and cast in fp32 (or fp64), as add_ would onto zeros
+        if self.cleared:  # scaled and cast in fp32 (or fp64), as add_ would onto zeros
             ops.flatten_into(self.shard, [reduced], [0], scale)
             self.cleared = False
         else:
-            self.shard.add_(reduced, alpha=scale)   # a wider shard dtype promotes in place
+            self.shard.add_(reduced, alpha=scale)  # a wider shard dtype promotes in place
 
     def add_local(self, fired: List[ZeroParam], scale: float) -> None:
         """A group of one (nothing to reduce): add the fired params' grads, scaled and cast, to the whole-bucket
         shard."""
-        ops.flatten_into(self.shard, [zp.param.grad for zp in fired], [zp.slot.offset for zp in fired], scale,
-                         accumulate=not self.cleared)
+        ops.flatten_into(
+            self.shard,
+            [zp.param.grad for zp in fired],
+            [zp.slot.offset for zp in fired],
+            scale,
+            accumulate=not self.cleared,
+        )
         if self.cleared:
             zero_uncovered(self.shard, fired)
             self.cleared = False
@@ -150,7 +156,7 @@ class LaunchQueue:
 
     def __init__(self, buckets: Sequence[Bucket]):
         self.buckets = list(buckets)
-        self.next = 0   # the first bucket not launched in this round
+        self.next = 0  # the first bucket not launched in this round
         self.inflight: Deque[Bucket] = collections.deque()
 
     def launch_ready(self) -> None:

@@ -16,6 +16,7 @@ docs/zero-internals.md follows one gradient, and one stage-3 unit, through these
 `ZeroOptimizer` owns one engine, talks to it through the methods below only, and builds a new one when
 the model changes (`modify_model`); the old one is detached (hooks removed, params given back).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,13 @@ from moezero.zero.assigned_grads import reduce_assigned
 from moezero.zero.param_families import build_families
 from moezero.zero.grad_strategies import GradStrategy, NoGradients
 from moezero.zero.master import MasterShards, ReducedGrads, master_dtype_of
-from moezero.zero.model_guard import (ModelGuard, ParameterSetChanged, storage_replaced_error,
-                                      unfrozen_by_hand_error, unknown_param_error)
+from moezero.zero.model_guard import (
+    ModelGuard,
+    ParameterSetChanged,
+    storage_replaced_error,
+    unfrozen_by_hand_error,
+    unknown_param_error,
+)
 from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_type
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import FamilyParts, stage_of
@@ -55,13 +61,13 @@ class ZeroSettings:
     bucket_size: int = 2_000_000
     overlap_comm: bool = True
     grad_reduce_dtype: torch.dtype = torch.float32
-    main_grads_dtype: Optional[torch.dtype] = None   # the optimizer's gradients (None: the master dtype)
-    masters_in_optimizer: bool = False               # the inner optimizer keeps the master weights itself
-    min_unit_params: int = 0                         # stage 3: a smaller block is gathered with its parent's unit
-    check_exchanges_with_gathers: bool = True        # stage 3: MoE layers' records also in the gathers' sequence
+    main_grads_dtype: Optional[torch.dtype] = None  # the optimizer's gradients (None: the master dtype)
+    masters_in_optimizer: bool = False  # the inner optimizer keeps the master weights itself
+    min_unit_params: int = 0  # stage 3: a smaller block is gathered with its parent's unit
+    check_exchanges_with_gathers: bool = True  # stage 3: MoE layers' records also in the gathers' sequence
 
     def __post_init__(self):
-        stage_of(self.stage)   # a known stage, or one clear error
+        stage_of(self.stage)  # a known stage, or one clear error
         if self.bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1, got {self.bucket_size}")
 
@@ -79,12 +85,20 @@ class ZeroSettings:
 class ZeroEngine:
     """Args: the model, the params to manage (the model's params in some param group), the groups, settings."""
 
-    def __init__(self, model: nn.Module, named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups,
-                 settings: ZeroSettings):
+    def __init__(
+        self,
+        model: nn.Module,
+        named_params: Sequence[Tuple[str, nn.Parameter]],
+        groups: ParallelGroups,
+        settings: ZeroSettings,
+    ):
         self.model, self.groups, self.settings = model, groups, settings
         self.stage = stage_of(settings.stage)
-        plan = plan_units(model, [p for _, p in named_params], settings.min_unit_params) \
-            if self.stage.shards_params else None
+        plan = (
+            plan_units(model, [p for _, p in named_params], settings.min_unit_params)
+            if self.stage.shards_params
+            else None
+        )
         families = build_families(named_params, groups, settings.bucket_size, plan.unit_of if plan else None)
         self.parts = [FamilyParts(f, self.stage.param_storage(f, groups), self._grad_strategy(f)) for f in families]
         self.records: List[ZeroParam] = [zp for f in families for zp in f.members]
@@ -92,16 +106,21 @@ class ZeroEngine:
         managed = {id(p) for _, p in named_params}
         self._outside = {id(p) for p in model.parameters() if id(p) not in managed}  # in no param group
         self.agreement = RankAgreement(groups.agreement_group(), plan.names if plan else [])
-        if plan is not None:   # units pair their gathers by position: every rank must plan the same ones
+        if plan is not None:  # units pair their gathers by position: every rank must plan the same ones
             self.agreement.check(Activity.UNIT_PLAN, unit_plan_fingerprint(plan.names))
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
         self.gatherer = self._unit_gatherer(plan) if plan else None
-        self.reducer = GradReducer([p.strategy for p in self.parts if p.family.trainable], groups.control,
-                                   settings.overlap_comm, self.agreement, listener=self.gatherer)
+        self.reducer = GradReducer(
+            [p.strategy for p in self.parts if p.family.trainable],
+            groups.control,
+            settings.overlap_comm,
+            self.agreement,
+            listener=self.gatherer,
+        )
         self._collective_sites = self._watch_model_collectives(model)
-        self._guard = ModelGuard(model, self)   # after the gatherer: its root hook runs first
+        self._guard = ModelGuard(model, self)  # after the gatherer: its root hook runs first
         self.step_totals = StepTotals(families, groups)
-        self._flags_unread = False   # see begin_step
+        self._flags_unread = False  # see begin_step
 
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
         settings = self.settings
@@ -120,7 +139,7 @@ class ZeroEngine:
                 count = per_unit.get(zp.unit, 0)
                 per_unit[zp.unit] = None if count is None or not p.family.trainable else count + 1
         gatherer = UnitGatherer(plan, parts, per_unit, self.agreement, take_written=self.master.take_written_values)
-        for zp in self.records:   # reads outside the unit's forward and backward are guarded
+        for zp in self.records:  # reads outside the unit's forward and backward are guarded
             shard_param_type(zp.param, ShardInfo(zp.name, zp.unit, weakref.ref(gatherer)))
         return gatherer
 
@@ -131,10 +150,14 @@ class ZeroEngine:
         gathers' sequence too (see SiteRecords), unless the settings say not to."""
         if self.agreement.group is None:
             return []
-        sites = [(name, m) for name, m in model.named_modules()
-                 if hasattr(m, "exchange_record") and m.runs_collectives()]
-        on_channel = (self.settings.check_exchanges_with_gathers and self.gatherer is not None
-                      and self.gatherer.gathers_in_forward())
+        sites = [
+            (name, m) for name, m in model.named_modules() if hasattr(m, "exchange_record") and m.runs_collectives()
+        ]
+        on_channel = (
+            self.settings.check_exchanges_with_gathers
+            and self.gatherer is not None
+            and self.gatherer.gathers_in_forward()
+        )
         for index, (_, module) in enumerate(sites):
             module.exchange_record = SiteRecords(self.agreement, index, on_channel)
         self.agreement.site_names = [name for name, _ in sites]
@@ -194,7 +217,7 @@ class ZeroEngine:
             self.gatherer.root_post_forward(output)
 
     def _check_model(self, during_forward: bool) -> None:
-        with no_subclass_dispatch():   # a stage-3 param's attribute reads skip its guard (one switch, not per read)
+        with no_subclass_dispatch():  # a stage-3 param's attribute reads skip its guard (one switch, not per read)
             self._check_params(during_forward)
 
     def _check_params(self, during_forward: bool) -> None:
@@ -238,10 +261,16 @@ class ZeroEngine:
             if modifier_rank is not None:
                 replaced = next((zp.name for zp in self.records if not zp.storage_intact()), None)
                 if self.agreement.check(Activity.LEAVE_FULL_PARAMETERS, modifier_rank, flag=int(replaced is not None)):
-                    raise storage_replaced_error(replaced) if replaced else ParameterSetChanged(
-                        "another rank replaced a param's storage (a .data swap, a cast) inside "
-                        f"opt.full_parameters(modifier_rank={modifier_rank}); that rank names it. Make such a change "
-                        "inside `with opt.modify_model():`")
+                    raise (
+                        storage_replaced_error(replaced)
+                        if replaced
+                        else ParameterSetChanged(
+                            "another rank replaced a param's storage (a .data swap, a cast) inside "
+                            f"opt.full_parameters(modifier_rank={modifier_rank}); that rank names it. Make such a "
+                            "change "
+                            "inside `with opt.modify_model():`"
+                        )
+                    )
                 self._broadcast_values(modifier_rank)
             self.master.take_written_values(self.records)
         finally:
@@ -268,8 +297,9 @@ class ZeroEngine:
     def _broadcast_values(self, modifier_rank: int) -> None:
         """Every replica of every param takes the values of its replica on `modifier_rank` (expert params: the
         member of each expert-data-parallel group at modifier_rank's position in its own)."""
-        edp_source = self.groups.layout.edp_group_of(self.groups.rank)[self.groups.layout.edp_group_of(
-            modifier_rank).index(modifier_rank)]
+        edp_source = self.groups.layout.edp_group_of(self.groups.rank)[
+            self.groups.layout.edp_group_of(modifier_rank).index(modifier_rank)
+        ]
         with torch.no_grad():
             for p in self.parts:
                 source = edp_source if p.family.kind == "expert" else modifier_rank
@@ -320,10 +350,12 @@ class ZeroEngine:
         self.recover_aborted_backward()
         self.reducer.apply_user_clears()
         if loss_scaled and self.reducer.unscaled_passes:
-            raise RuntimeError("this fp16 model was trained with a plain loss.backward(): its gradients are not "
-                               "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead.")
+            raise RuntimeError(
+                "this fp16 model was trained with a plain loss.backward(): its gradients are not "
+                "scaled, so the unscaled step would underflow. Call opt.backward(loss) instead."
+            )
         assigned = self.reducer.assigned_grads()
-        if self.reducer.finish_reductions(assigned=bool(assigned)):   # some rank assigned a gradient by hand
+        if self.reducer.finish_reductions(assigned=bool(assigned)):  # some rank assigned a gradient by hand
             reduce_assigned(assigned, self.reducer.buckets, self.step_totals, loss_scale)
             self.reducer.consume_assigned(assigned)
 
@@ -334,19 +366,21 @@ class ZeroEngine:
         StepTotals), or by update(); gathered units are freed (they would be stale after the update; inside
         full_parameters() they stay, and update() gathers them anew); the next backward starts from zero."""
         if self.gatherer is not None:
-            if self.gatherer.holding:   # a step inside full_parameters(): the writes made so far are the step's start
+            if self.gatherer.holding:  # a step inside full_parameters(): the writes made so far are the step's start
                 self.master.take_written_values(self.records)
             else:
-                self.gatherer.free_all()   # they would be stale after the update
-        self._flags_unread = True   # they ride on the norm's all-reduce (StepTotals), or update() reads them
+                self.gatherer.free_all()  # they would be stale after the update
+        self._flags_unread = True  # they ride on the norm's all-reduce (StepTotals), or update() reads them
         reduced = self.reduced_grads()
         self.reducer.mark_consumed()
         return reduced
 
     def reduced_grads(self) -> ReducedGrads:
         """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family)."""
-        return {p.family: [p.strategy.reduced_grad(bucket) if p.family.trainable else None
-                           for bucket in p.strategy.buckets] for p in self.parts}
+        return {
+            p.family: [p.strategy.reduced_grad(bucket) if p.family.trainable else None for bucket in p.strategy.buckets]
+            for p in self.parts
+        }
 
     def _settle_gradient_flags(self) -> None:
         """Which params got a gradient on some rank of their group, unless the norm brought it already."""
@@ -361,8 +395,12 @@ class ZeroEngine:
         by one rank of its edp group (and the ep ranks hold different experts), so every element of
         the model is counted exactly once.
         """
-        owned = [reduced[p.family][b][optimizer_slice(p.family.owned[b], p.strategy.optimizer_range(b))]
-                 for p in self.parts if p.family.trainable for b in range(p.family.num_buckets)]
+        owned = [
+            reduced[p.family][b][optimizer_slice(p.family.owned[b], p.strategy.optimizer_range(b))]
+            for p in self.parts
+            if p.family.trainable
+            for b in range(p.family.num_buckets)
+        ]
         total = self.step_totals.sum(ops.sum_of_squares(owned).to(torch.float64), with_flags=self._flags_unread)
         self._flags_unread = False
         return total
@@ -444,13 +482,19 @@ class ZeroEngine:
 
     def memory_bytes(self, inner_state: Dict) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (params: the storage it manages for the model)."""
+
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
-        state = [v for piece in self.master.pieces for v in inner_state.get(piece.master, {}).values()
-                 if torch.is_tensor(v)]
-        return {"params": sum(p.storage.nbytes() for p in self.parts),
-                "grads": sum(p.strategy.nbytes() for p in self.parts),
-                "master": size(self.master.unaliased()), "optimizer_state": size(state)}
+
+        state = [
+            v for piece in self.master.pieces for v in inner_state.get(piece.master, {}).values() if torch.is_tensor(v)
+        ]
+        return {
+            "params": sum(p.storage.nbytes() for p in self.parts),
+            "grads": sum(p.strategy.nbytes() for p in self.parts),
+            "master": size(self.master.unaliased()),
+            "optimizer_state": size(state),
+        }
 
     def _sum_over_ranks(self, total: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(total, self.groups.control)

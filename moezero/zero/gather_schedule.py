@@ -8,6 +8,7 @@ positions' records, so that a rank about to wait in a gather has always launched
 went elsewhere meets (and both raise); as many as fit in backward, where nothing else states a record between
 them (a peer elsewhere, in step() or another backward, still meets the backward's first message).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
@@ -15,16 +16,24 @@ from typing import Dict, List, Optional, Set, Tuple
 from moezero.parallel.agreement import RECORDS_PER_MESSAGE, Agreement
 from moezero.zero.rank_agreement import Activity, RankAgreement
 
-RECORDS_AHEAD = 2   # a schedule position's agreement record is launched at least this many positions before its gather
-LEAD = -1           # the records' key of the unit gathered at the pass's start, outside the order (the root)
+RECORDS_AHEAD = 2  # a schedule position's agreement record is launched at least this many positions before its gather
+LEAD = -1  # the records' key of the unit gathered at the pass's start, outside the order (the root)
 
 
 class GatherSchedule:
     """One pass (forward or backward) over the units in schedule order: catch-up, prefetch, and the
     agreement record of each position, launched ahead so that checking it costs no wait."""
 
-    def __init__(self, order: List[int], activity: Activity, end: Activity, agreement: RankAgreement,
-                 recorded: Set[int], lead: Optional[int] = None, per_message: int = 1):
+    def __init__(
+        self,
+        order: List[int],
+        activity: Activity,
+        end: Activity,
+        agreement: RankAgreement,
+        recorded: Set[int],
+        lead: Optional[int] = None,
+        per_message: int = 1,
+    ):
         self.order = order
         self.per_message = per_message
         self.position = {u: i for i, u in enumerate(order)}
@@ -45,9 +54,9 @@ class GatherSchedule:
         self.cursor = 0
         self.issued = 0  # schedule positions whose gather was started (visited or prefetched), in order
         self.records: Dict[int, Agreement] = {}
-        self.next_record = 0   # index into record_positions of the first one not launched
+        self.next_record = 0  # index into record_positions of the first one not launched
         if launch_records:
-            self._launch_message([] if self.lead is None else [LEAD])   # last: a report names a block first
+            self._launch_message([] if self.lead is None else [LEAD])  # last: a report names a block first
             self._launch_records(RECORDS_AHEAD)
 
     def settle_lead(self) -> None:
@@ -80,7 +89,7 @@ class GatherSchedule:
     def _launch_message(self, extra: List[int]) -> None:
         """One message: the records of the next `per_message` positions not launched, and those of `extra`."""
         room = min(self.per_message, RECORDS_PER_MESSAGE - len(extra))
-        upcoming = self.record_positions[self.next_record:self.next_record + room]
+        upcoming = self.record_positions[self.next_record : self.next_record + room]
         positions = upcoming + extra
         if not positions:
             return

@@ -19,6 +19,7 @@ tokens reach every expert), and all hand the optimizer a reduced gradient per bu
 Each strategy keeps its per-bucket state in the family's `Bucket` records (`bucket.py`), one per bucket.
 Buffers are reused on the guarantee of reducer.py's NOTE [no accumulation into a reducing bucket].
 """
+
 from __future__ import annotations
 
 import abc
@@ -37,8 +38,8 @@ STAGING_POOL_BUCKETS = 2  # stages 2/3 keep at most this many largest-bucket sta
 class GradStrategy(abc.ABC):
     """Shared state: the family, its buckets, the dtypes and the dp size the average divides by."""
 
-    reduces_under_no_sync = False   # stages 2/3 reduce every backward; no_sync does not defer them
-    holds_local = False             # stages 0/1: a persistent buffer holds what a user's clear may drop
+    reduces_under_no_sync = False  # stages 2/3 reduce every backward; no_sync does not defer them
+    holds_local = False  # stages 0/1: a persistent buffer holds what a user's clear may drop
 
     def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int):
         self.family = family
@@ -77,8 +78,9 @@ class GradStrategy(abc.ABC):
         base, size = target.data_ptr(), target.numel() * target.element_size()
         foreign = [zp for zp in fired if not base <= zp.param.grad.data_ptr() < base + size]
         if foreign:
-            ops.flatten_into(target, [zp.param.grad for zp in foreign], [zp.slot.offset for zp in foreign],
-                             accumulate=True)
+            ops.flatten_into(
+                target, [zp.param.grad for zp in foreign], [zp.slot.offset for zp in foreign], accumulate=True
+            )
 
     @abc.abstractmethod
     def _staging_target(self, bucket: Bucket) -> torch.Tensor:
@@ -111,26 +113,30 @@ class GradStrategy(abc.ABC):
     def _allocate_shards(self) -> None:
         """Stages 1-3: each bucket's reduced slice, summed over the step's synced backwards (cleared: zeros)."""
         for bucket in self.buckets:
-            bucket.shard = torch.zeros(bucket.numel // self.family.group_size, dtype=self.master_dtype,
-                                       device=self.family.device)
+            bucket.shard = torch.zeros(
+                bucket.numel // self.family.group_size, dtype=self.master_dtype, device=self.family.device
+            )
 
     def _clear_shards(self) -> None:
         for bucket in self.buckets:
             bucket.cleared = True
 
-    def _reduce_into_shard(self, bucket: Bucket, source: torch.Tensor, after=None, received=None,
-                           sum_into=None) -> None:
+    def _reduce_into_shard(
+        self, bucket: Bucket, source: torch.Tensor, after=None, received=None, sum_into=None
+    ) -> None:
         """Launch: reduce-scatter `source` (the bucket's gradients, scratch) and add this rank's slice, divided by
         the dp size, to the bucket's shard; `after` runs once the slice was added (it may reuse `source` and
         `received`, the buffer that comm.reduce_scatter_in_place may receive into, and `sum_into`, where it may sum
         a narrower source)."""
-        work, mine = comm.reduce_scatter_in_place(source, self.family.group, async_op=True, received=received,
-                                                  sum_into=sum_into)
+        work, mine = comm.reduce_scatter_in_place(
+            source, self.family.group, async_op=True, received=received, sum_into=sum_into
+        )
 
         def finish():
             bucket.add_to_shard(mine, 1.0 / self.dp_size)
             if after is not None:
                 after()
+
         bucket.launched(work, finish)
 
 
@@ -157,7 +163,7 @@ class _PersistentBuffer(GradStrategy):
         return self.family.bucket_region(self.grad_buffer, bucket.index)
 
     def forget_local(self, zp):
-        self.family.param_view(self.grad_buffer, zp).zero_()   # stage 0: the average it showed; 1: local sums
+        self.family.param_view(self.grad_buffer, zp).zero_()  # stage 0: the average it showed; 1: local sums
         return False
 
     def zero(self):
@@ -201,7 +207,7 @@ class AllReduceGrads(_PersistentBuffer):
     def forget_local(self, zp):
         super().forget_local(zp)
         self.buckets[zp.bucket].cast = None
-        return True   # nothing of it lives elsewhere
+        return True  # nothing of it lives elsewhere
 
     def launch(self, bucket):
         region = self._staging_target(bucket)
@@ -211,6 +217,7 @@ class AllReduceGrads(_PersistentBuffer):
             region.mul_(1.0 / self.dp_size)
             bucket.holds_average = True
             bucket.cast = None
+
         bucket.launched(work, finish)
 
     def reduced_grad(self, bucket):
@@ -252,7 +259,7 @@ class ReduceScatterAtBoundary(_PersistentBuffer):
 
     def forget_local(self, zp):
         super().forget_local(zp)
-        return self.buckets[zp.bucket].cleared   # no synced backward reduced into it this step
+        return self.buckets[zp.bucket].cleared  # no synced backward reduced into it this step
 
     def zero(self):
         super().zero()
@@ -278,20 +285,23 @@ class ReduceScatterEveryBackward(GradStrategy):
         # the buffer's dtype: the params' own where the pieces are summed here in the reduction dtype (see the top)
         narrow = not self.in_place and fam.group_size > 1 and comm.receives_pieces(fam.group)
         self.staging_dtype = fam.dtype if narrow else self.reduce_dtype
-        self._sum: Optional[torch.Tensor] = None   # where a narrow bucket's pieces are summed (one slice, reused)
+        self._sum: Optional[torch.Tensor] = None  # where a narrow bucket's pieces are summed (one slice, reused)
 
     def _staging(self, bucket: Bucket) -> StagingBuffer:
         if bucket.staging is None:
             staging = self._take(bucket.numel)
-            if self.in_place:   # autograd adds into the params' views of it (else stage() fills all of it)
+            if self.in_place:  # autograd adds into the params' views of it (else stage() fills all of it)
                 staging.tensor.zero_()
             bucket.staging = staging
         return bucket.staging
 
     def _take(self, numel: int) -> StagingBuffer:
         pooled = self._pool.get(numel)
-        return pooled.pop() if pooled else StagingBuffer(torch.empty(numel, dtype=self.staging_dtype,
-                                                                     device=self.family.device))
+        return (
+            pooled.pop()
+            if pooled
+            else StagingBuffer(torch.empty(numel, dtype=self.staging_dtype, device=self.family.device))
+        )
 
     def _sum_buffer(self, numel: int) -> Optional[torch.Tensor]:
         """The reduction-dtype slice a narrow bucket is summed into (reductions finish one at a time), or None."""
@@ -300,7 +310,7 @@ class ReduceScatterEveryBackward(GradStrategy):
         if self._sum is None:
             most = max(bucket.numel for bucket in self.buckets) // self.family.group_size
             self._sum = torch.empty(most, dtype=self.reduce_dtype, device=self.family.device)
-        return self._sum[:numel // self.family.group_size]
+        return self._sum[: numel // self.family.group_size]
 
     def accumulation_views(self, bucket):
         return self._staging(bucket).views(bucket) if self.in_place else None
@@ -309,7 +319,7 @@ class ReduceScatterEveryBackward(GradStrategy):
         if self.in_place:
             super().stage(bucket, fired)
             return
-        if self.family.group_size == 1:   # nothing to reduce (experts at ep = dp): add them, cast, to the shard
+        if self.family.group_size == 1:  # nothing to reduce (experts at ep = dp): add them, cast, to the shard
             bucket.add_local(fired, 1.0 / self.dp_size)
             bucket.added_directly = True
             return
@@ -338,8 +348,14 @@ class ReduceScatterEveryBackward(GradStrategy):
             for buffer in (staging, received):
                 if buffer is not None:
                     self._release(buffer)
-        self._reduce_into_shard(bucket, staging.tensor, after=release, received=received and received.tensor,
-                                sum_into=self._sum_buffer(staging.tensor.numel()))
+
+        self._reduce_into_shard(
+            bucket,
+            staging.tensor,
+            after=release,
+            received=received and received.tensor,
+            sum_into=self._sum_buffer(staging.tensor.numel()),
+        )
 
     def _release(self, staging: StagingBuffer) -> None:
         pooled = sum(s.tensor.numel() for buffers in self._pool.values() for s in buffers)
@@ -363,7 +379,7 @@ class ReduceScatterEveryBackward(GradStrategy):
 
     def discard_pass(self):
         for bucket in self.buckets:
-            bucket.added_directly = False   # the shard is cleared next (clear_step)
+            bucket.added_directly = False  # the shard is cleared next (clear_step)
             if bucket.staging is not None:
                 self._release(bucket.staging)
                 bucket.staging = None
@@ -374,8 +390,14 @@ class NoGradients(GradStrategy):
     the optimizer holds their master and state over the same range a trainable family's would
     (the whole bucket at stage 0, the owned slice otherwise), and skips them while they are frozen."""
 
-    def __init__(self, family: ParamFamily, reduce_dtype: torch.dtype, master_dtype: torch.dtype, dp_size: int,
-                 whole_buckets: bool):
+    def __init__(
+        self,
+        family: ParamFamily,
+        reduce_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        dp_size: int,
+        whole_buckets: bool,
+    ):
         super().__init__(family, reduce_dtype, master_dtype, dp_size)
         self.whole_buckets = whole_buckets
 

@@ -5,6 +5,7 @@ model), and both are inert in a copy: `copy.deepcopy(model)` (an EMA, a teacher)
 `torch.save(model)` carry hooks that do nothing and no owner, so a copy never drives, gathers for
 or retires the original's optimizer.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -27,7 +28,7 @@ class WeakHook:
         self._bound = bound
         self._pass_last = pass_last
 
-    @torch.compiler.disable   # a compiled module runs its hooks eagerly: they gather, free and count
+    @torch.compiler.disable  # a compiled module runs its hooks eagerly: they gather, free and count
     def __call__(self, *args) -> None:
         owner = self._ref()
         if owner is not None:

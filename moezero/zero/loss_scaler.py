@@ -1,4 +1,5 @@
 """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, as in Megatron and DeepSpeed)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ class DynamicLossScaler:
     are used up every overflow halves the scale; `growth_interval` clean steps in a row double it and tolerate
     `hysteresis` overflows again."""
 
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     growth_interval: int = 1000
     hysteresis: int = 2
     min_scale: float = 1.0
@@ -25,7 +26,7 @@ class DynamicLossScaler:
         if overflow:
             self._clean_steps = 0
             self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:   # not tolerated again until the scale grows (Megatron's)
+            if self._hysteresis_left <= 0:  # not tolerated again until the scale grows (Megatron's)
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             return
         self._clean_steps += 1

@@ -9,6 +9,7 @@ dtype and fp32. An inner optimizer that keeps master weights of its own (`holds_
 PrecisionAwareAdam) steps the param storage itself and gets its gradients as `decoupled_grad`, whose dtype
 (the main-grads dtype) may differ from the param's.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -19,7 +20,7 @@ from moezero.zero.stages import FamilyParts
 from moezero.torch_internals import no_subclass_dispatch
 from moezero.zero.zero_param import MasterPiece, ParamFamily, Range, ZeroParam
 
-ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]   # per family, per bucket (None: frozen)
+ReducedGrads = Dict[ParamFamily, List[Optional[torch.Tensor]]]  # per family, per bucket (None: frozen)
 
 
 def master_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
@@ -36,8 +37,10 @@ class _FamilyMaster:
         self.aliased = family.dtype == dtype or in_optimizer
         self.grad_attribute = "decoupled_grad" if in_optimizer else "grad"
         self.spans = [strategy.optimizer_range(b) for b in range(family.num_buckets)]
-        self.masters = [storage.values(b, span) if self.aliased else storage.values(b, span).detach().to(dtype)
-                        for b, span in enumerate(self.spans)]
+        self.masters = [
+            storage.values(b, span) if self.aliased else storage.values(b, span).detach().to(dtype)
+            for b, span in enumerate(self.spans)
+        ]
 
     def pieces(self) -> List[MasterPiece]:
         family = self.parts.family
@@ -45,8 +48,15 @@ class _FamilyMaster:
         for b, span in enumerate(self.spans):
             for zp, param_range, offset in family.pieces(b, span):
                 n = param_range[1] - param_range[0]
-                out.append(MasterPiece(zp, param_range, offset, self.masters[b][offset:offset + n],
-                                       _owned_part(zp, param_range, family.owned[b])))
+                out.append(
+                    MasterPiece(
+                        zp,
+                        param_range,
+                        offset,
+                        self.masters[b][offset : offset + n],
+                        _owned_part(zp, param_range, family.owned[b]),
+                    )
+                )
         return out
 
 
@@ -88,8 +98,12 @@ class MasterShards:
     def publish(self, trainable_only: bool = False) -> None:
         """Write the updated masters into the param storage (cast) and let every replica see them
         (`trainable_only`: after a step, which never changes a frozen family)."""
-        works = [work for fm in self.families if fm.parts.family.trainable or not trainable_only
-                 for work in self.start_publish(fm)]
+        works = [
+            work
+            for fm in self.families
+            if fm.parts.family.trainable or not trainable_only
+            for work in self.start_publish(fm)
+        ]
         for work in works:
             work.wait()
 
@@ -115,7 +129,7 @@ class MasterShards:
                     zp = piece.param
                     if id(zp) not in wanted or not zp.storage_intact():
                         continue
-                    new = zp.param.reshape(-1)[piece.param_range[0]:piece.param_range[1]]
+                    new = zp.param.reshape(-1)[piece.param_range[0] : piece.param_range[1]]
                     held = piece.of(storage.values(zp.bucket, fm.spans[zp.bucket]))
                     if not fm.aliased:
                         changed = new != piece.master.to(new.dtype)

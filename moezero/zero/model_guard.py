@@ -9,6 +9,7 @@ optimizer does not stay alive through its model). While the engine is detached (
       unfrozen by hand is an error naming it, before the model runs on it;
   after the forward: a trainable `nn.Parameter` created during forward is an error naming it.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -22,8 +23,10 @@ class ParameterSetChanged(RuntimeError):
 
 class ModelGuard:
     def __init__(self, model: nn.Module, owner):
-        self._handles = [model.register_forward_pre_hook(WeakHook(owner, "before_forward")),
-                         model.register_forward_hook(WeakHook(owner, "after_forward", pass_last=True))]
+        self._handles = [
+            model.register_forward_pre_hook(WeakHook(owner, "before_forward")),
+            model.register_forward_hook(WeakHook(owner, "after_forward", pass_last=True)),
+        ]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -36,23 +39,28 @@ def unknown_param_error(name: str, during_forward: bool) -> ParameterSetChanged:
         return ParameterSetChanged(
             f"parameter '{name}' was created during forward as a trainable nn.Parameter; the optimizer cannot "
             "train a parameter that is made anew in forward. Create it once in __init__, or give it "
-            "requires_grad=False if it is a table rebuilt in forward.")
+            "requires_grad=False if it is a table rebuilt in forward."
+        )
     return ParameterSetChanged(
         f"parameter '{name}' is trainable but the optimizer was not built with it (a module swapped in by hand?); "
-        "make the change inside `with opt.modify_model():`, so the optimizer adopts it")
+        "make the change inside `with opt.modify_model():`, so the optimizer adopts it"
+    )
 
 
 def unfrozen_by_hand_error(name: str) -> ParameterSetChanged:
     return ParameterSetChanged(
         f"parameter '{name}' was frozen when the optimizer adopted it and was unfrozen by hand; its gradient would "
-        "not be reduced. Unfreeze it inside `with opt.modify_model():`, so the optimizer trains it again")
+        "not be reduced. Unfreeze it inside `with opt.modify_model():`, so the optimizer trains it again"
+    )
 
 
 def storage_replaced_message(name: str) -> str:
     """The one wording of it, for the forward check here and the gradient hooks' (reducer.py)."""
-    return (f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced (module.float()"
-            "/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op instead (e.g. x.float() @ "
-            "w.float().t()), or make the change inside `with opt.modify_model():`")
+    return (
+        f"parameter '{name}' no longer lives in the optimizer's buffer: its storage was replaced (module.float()"
+        "/.to() or a .data swap after ZeroOptimizer was built). Cast inside the op instead (e.g. x.float() @ "
+        "w.float().t()), or make the change inside `with opt.modify_model():`"
+    )
 
 
 def storage_replaced_error(name: str) -> ParameterSetChanged:

@@ -17,6 +17,7 @@ over each replica group) and all raise `RanksDisagree` naming the first differen
 every param is consolidated on every rank for the duration (all_gather_object), which is the
 price of a layout that changes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,10 @@ class ModifiedDifferently(RanksDisagree):
     """The ranks adopted different params or values; the optimizer lets go of the model (nothing to adopt)."""
 
     def __init__(self, problem: str):
-        super().__init__(f"opt.modify_model(): the ranks made different changes: {problem}. Every rank must make "
-                         "the same change (seed the random init of a new module the same way on every rank)")
+        super().__init__(
+            f"opt.modify_model(): the ranks made different changes: {problem}. Every rank must make "
+            "the same change (seed the random init of a new module the same way on every rank)"
+        )
         self.problem = problem
 
 
@@ -58,7 +61,7 @@ def modify_model(opt) -> Iterator[None]:
     full = _consolidated_state(opt)
     before = {id(p): (opt.param_name(p), g) for g, group in enumerate(opt.param_groups) for p in group["params"]}
     left_out = {id(p) for p in opt.model.parameters() if opt.engine.left_out(p)}
-    opt.engine.detach()   # no hooks inside: the model runs plain
+    opt.engine.detach()  # no hooks inside: the model runs plain
     try:
         yield
     finally:
@@ -66,7 +69,7 @@ def modify_model(opt) -> Iterator[None]:
             _adopt(opt, full, before, left_out)
         except ModifiedDifferently:
             raise
-        except Exception as error:   # a state that does not load, a param it cannot place: nothing adopted
+        except Exception as error:  # a state that does not load, a param it cannot place: nothing adopted
             raise AdoptionFailed(f"{type(error).__name__}: {error}") from error
 
 
@@ -104,9 +107,13 @@ def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]], left_o
         adopted.append(_Adopted(name, p, g, origin))
     _check_every_rank_adopted_the_same(opt, adopted)
     opt.rebuild(groups)
-    opt.load_state_dict({"pieces": pieces, **{k: full[k] for k in ("loss_scaler", "skipped_steps",
-                                                                      "consecutive_skips")},
-                         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]})
+    opt.load_state_dict(
+        {
+            "pieces": pieces,
+            **{k: full[k] for k in ("loss_scaler", "skipped_steps", "consecutive_skips")},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        }
+    )
 
 
 class _Adopted:
@@ -119,7 +126,7 @@ class _Adopted:
         dtype = str(p.dtype).removeprefix("torch.")
         self.description = f"'{name}' {tuple(shape)} {dtype}{frozen}, group {group}, {origin}"
         shard = expert_shard_of(p)
-        self.ep_rank = -1 if shard is None else shard.ep_rank   # dense params: one replica everywhere
+        self.ep_rank = -1 if shard is None else shard.ep_rank  # dense params: one replica everywhere
         self.name = name
         values = p.detach().contiguous().reshape(-1).cpu()
         self.digest = hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
@@ -154,8 +161,10 @@ def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[
         for name, _, ep_rank, digest in summaries:
             seen = holder.setdefault((name, ep_rank), (rank, digest))
             if seen[1] != digest:
-                return (f"'{name}' holds different values on rank {seen[0]} and rank {rank}, which must hold the same "
-                        "replica")
+                return (
+                    f"'{name}' holds different values on rank {seen[0]} and rank {rank}, which must hold the same "
+                    "replica"
+                )
     return None
 
 
@@ -171,6 +180,8 @@ def _piece(p: nn.Parameter, full: Dict[str, Any], old_name) -> Dict[str, Any]:
     kept = old.reshape(-1)[lo:hi]
     master = torch.where(value == kept.to(value.dtype), kept, value.to(kept.dtype))
     numel = old.numel()
-    state = {k: (v.reshape(-1)[lo:hi] if torch.is_tensor(v) and v.numel() == numel and v.dim() > 0 else v)
-             for k, v in full["state"].get(old_name, {}).items()}
+    state = {
+        k: (v.reshape(-1)[lo:hi] if torch.is_tensor(v) and v.numel() == numel and v.dim() > 0 else v)
+        for k, v in full["state"].get(old_name, {}).items()
+    }
     return {"range": (lo, hi), "master": master, "state": state}

@@ -12,6 +12,7 @@ It is a `torch.optim.Optimizer`: `param_groups` are the user's groups (same coun
 every rank; set "lr" there, or hand the optimizer to a torch lr scheduler), `zero_grad()` and
 `model.zero_grad()` both clear, and the inner optimizer's defaults are torch's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,11 @@ def resolve_groups(groups: Optional[ParallelGroups]) -> ParallelGroups:
     if groups is not None:
         return groups
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"ZeroOptimizer needs groups= in a world of {dist.get_world_size()} processes (without it "
-                         "nothing would be averaged): pass the ParallelGroups the model's MoE layers were built "
-                         "with, e.g. groups=ParallelGroups.build(expert_parallel_size=...)")
+        raise ValueError(
+            f"ZeroOptimizer needs groups= in a world of {dist.get_world_size()} processes (without it "
+            "nothing would be averaged): pass the ParallelGroups the model's MoE layers were built "
+            "with, e.g. groups=ParallelGroups.build(expert_parallel_size=...)"
+        )
     return ParallelGroups.single()
 
 
@@ -88,57 +91,102 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: passed to optimizer_cls (lr, betas, weight_decay, ...); torch's defaults apply.
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups] = None, *,
-                 stage: int = 2, bucket_size: int = 2_000_000, overlap_comm: bool = True,
-                 clip_grad: Optional[float] = None, grad_reduce_dtype: torch.dtype = torch.float32,
-                 main_grads_dtype: Optional[torch.dtype] = None, param_groups: Any = None,
-                 loss_scaler: Optional[DynamicLossScaler] = None,
-                 max_skipped_steps: int = 20, min_unit_params: int = 0, step_per_family: Optional[bool] = None,
-                 check_exchanges_with_gathers: bool = True, **optimizer_kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_cls: type,
+        groups: Optional[ParallelGroups] = None,
+        *,
+        stage: int = 2,
+        bucket_size: int = 2_000_000,
+        overlap_comm: bool = True,
+        clip_grad: Optional[float] = None,
+        grad_reduce_dtype: torch.dtype = torch.float32,
+        main_grads_dtype: Optional[torch.dtype] = None,
+        param_groups: Any = None,
+        loss_scaler: Optional[DynamicLossScaler] = None,
+        max_skipped_steps: int = 20,
+        min_unit_params: int = 0,
+        step_per_family: Optional[bool] = None,
+        check_exchanges_with_gathers: bool = True,
+        **optimizer_kwargs,
+    ):
         check_elementwise(optimizer_cls)
         self.model = model
         self.groups = resolve_groups(groups)
         in_optimizer = bool(getattr(optimizer_cls, "holds_master_weights", False))
         if main_grads_dtype is not None and not in_optimizer:
-            raise ValueError(f"main_grads_dtype={main_grads_dtype} needs an optimizer that keeps its own master "
-                             f"weights (PrecisionAwareAdam); {optimizer_cls.__name__} steps master copies")
-        self.settings = ZeroSettings(stage, bucket_size, overlap_comm, grad_reduce_dtype, main_grads_dtype,
-                                     in_optimizer, min_unit_params, check_exchanges_with_gathers)
+            raise ValueError(
+                f"main_grads_dtype={main_grads_dtype} needs an optimizer that keeps its own master "
+                f"weights (PrecisionAwareAdam); {optimizer_cls.__name__} steps master copies"
+            )
+        self.settings = ZeroSettings(
+            stage,
+            bucket_size,
+            overlap_comm,
+            grad_reduce_dtype,
+            main_grads_dtype,
+            in_optimizer,
+            min_unit_params,
+            check_exchanges_with_gathers,
+        )
         self.clip_grad = clip_grad or None
         self.max_skipped_steps = max_skipped_steps
         self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
         self._building = True
-        self._retired = ""   # why this optimizer no longer manages the model (see _stop())
+        self._retired = ""  # why this optimizer no longer manages the model (see _stop())
         user_groups = normalize_param_groups(model.parameters() if param_groups is None else param_groups)
         _retire_previous_owner(model)
         self.engine, self.inner = self._build_engine(user_groups)
-        self.step_per_family = (steps_per_family_by_default(optimizer_cls) if step_per_family is None
-                                else bool(step_per_family))
+        self.step_per_family = (
+            steps_per_family_by_default(optimizer_cls) if step_per_family is None else bool(step_per_family)
+        )
         super().__init__(user_groups, self.inner.defaults)
         self._building = False
         fp16 = any(p.dtype == torch.float16 for p in self.engine.params())
         self.loss_scaler = loss_scaler if loss_scaler is not None else (DynamicLossScaler() if fp16 else None)
         self.last_grad_norm: Optional[float] = None
-        self.count_zeros_in_grad = False   # True: every step counts them into last_num_zeros_in_grad
+        self.count_zeros_in_grad = False  # True: every step counts them into last_num_zeros_in_grad
         self.last_num_zeros_in_grad: Optional[int] = None
         self.skipped_steps = 0
         self.consecutive_skips = 0
         object.__setattr__(model, _OWNER, OwnerMark(self))
 
     @classmethod
-    def from_config(cls, model: nn.Module, optimizer_cls: type, groups: Optional[ParallelGroups],
-                    config: ZeroConfig, param_groups: Any = None, fp16: bool = False,
-                    **optimizer_kwargs) -> "ZeroOptimizer":
+    def from_config(
+        cls,
+        model: nn.Module,
+        optimizer_cls: type,
+        groups: Optional[ParallelGroups],
+        config: ZeroConfig,
+        param_groups: Any = None,
+        fp16: bool = False,
+        **optimizer_kwargs,
+    ) -> "ZeroOptimizer":
         """Built from the command line's ZeroConfig (the loss scaler only for an fp16 model)."""
-        scaler = DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window, config.hysteresis,
-                                   config.min_loss_scale) if fp16 else None
-        return cls(model, optimizer_cls, groups, stage=config.stage, bucket_size=config.bucket_size,
-                   overlap_comm=config.overlap_comm, clip_grad=config.clip_grad or None,
-                   grad_reduce_dtype=REDUCE_DTYPES[config.grad_reduce_dtype], loss_scaler=scaler,
-                   main_grads_dtype=(REDUCE_DTYPES[config.main_grads_dtype] if config.use_precision_aware_optimizer
-                                     else None),
-                   max_skipped_steps=config.max_skipped_steps, param_groups=param_groups,
-                   min_unit_params=config.min_unit_params, **optimizer_kwargs)
+        scaler = (
+            DynamicLossScaler(
+                config.initial_loss_scale, config.loss_scale_window, config.hysteresis, config.min_loss_scale
+            )
+            if fp16
+            else None
+        )
+        return cls(
+            model,
+            optimizer_cls,
+            groups,
+            stage=config.stage,
+            bucket_size=config.bucket_size,
+            overlap_comm=config.overlap_comm,
+            clip_grad=config.clip_grad or None,
+            grad_reduce_dtype=REDUCE_DTYPES[config.grad_reduce_dtype],
+            loss_scaler=scaler,
+            main_grads_dtype=(REDUCE_DTYPES[config.main_grads_dtype] if config.use_precision_aware_optimizer else None),
+            max_skipped_steps=config.max_skipped_steps,
+            param_groups=param_groups,
+            min_unit_params=config.min_unit_params,
+            **optimizer_kwargs,
+        )
 
     # ---- construction --------------------------------------------------------------------------
     def _build_engine(self, user_groups: List[Dict]):
@@ -162,8 +210,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict) -> None:
         if not getattr(self, "_building", False):
-            raise RuntimeError("ZeroOptimizer shards a fixed set of params: add or swap params inside "
-                               "`with opt.modify_model():` (new params get a group of their own there)")
+            raise RuntimeError(
+                "ZeroOptimizer shards a fixed set of params: add or swap params inside "
+                "`with opt.modify_model():` (new params get a group of their own there)"
+            )
         super().add_param_group(param_group)
 
     # ---- the training-loop API ---------------------------------------------------------------
@@ -210,10 +260,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self.engine
         reduced = engine.begin_step()
         norm = self.last_grad_norm = self._global_norm(reduced)
-        if not math.isfinite(norm):   # the norm is global: every rank skips alike
+        if not math.isfinite(norm):  # the norm is global: every rank skips alike
             self.last_num_zeros_in_grad = None
             return self._skip()
-        if self.count_zeros_in_grad:   # Megatron's --log-num-zeros-in-grad (a collective, as the norm)
+        if self.count_zeros_in_grad:  # Megatron's --log-num-zeros-in-grad (a collective, as the norm)
             self.last_num_zeros_in_grad = engine.owned_zero_count(reduced)
         coefficient = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         if self.clip_grad is not None:
@@ -250,16 +300,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             scaler.update(overflow=True)
         if self.consecutive_skips >= self.max_skipped_steps:
             at_minimum = " at the minimum loss scale (--min-loss-scale)" if scaler is not None else ""
-            raise FloatingPointError(f"the global gradient norm was not finite in {self.consecutive_skips} "
-                                     f"consecutive steps{at_minimum}; stopping (lower --lr, check the data, or "
-                                     "raise --max-consecutive-skipped-steps)")
+            raise FloatingPointError(
+                f"the global gradient norm was not finite in {self.consecutive_skips} "
+                f"consecutive steps{at_minimum}; stopping (lower --lr, check the data, or "
+                "raise --max-consecutive-skipped-steps)"
+            )
         return False
 
     # ---- reading state -------------------------------------------------------------------------
     def params_norm(self) -> float:
         """Collective: the L2 norm of the trainable weights (their fp32 masters; Megatron's params norm)."""
-        return math.sqrt(self.sum_over_model_parts(
-            self.engine.params_sum_of_squares(getattr(self.inner, "master_values", None))))
+        return math.sqrt(
+            self.sum_over_model_parts(self.engine.params_sum_of_squares(getattr(self.inner, "master_values", None)))
+        )
 
     def owned_gradients(self) -> GradientPieces:
         """{name: [(global element range, averaged gradient)]} of the elements this rank owns.
@@ -295,7 +348,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             with modify_model(self):
                 yield
-        except (ModifiedDifferently, AdoptionFailed) as error:   # the engine stays detached: stop loudly
+        except (ModifiedDifferently, AdoptionFailed) as error:  # the engine stays detached: stop loudly
             self._stop(f"this ZeroOptimizer let go of the model when opt.modify_model() failed: {error.problem}")
             raise
 
@@ -321,9 +374,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def scalar_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps besides the pieces: hyperparams per group, loss scale, skip counts."""
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+        return {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+        }
 
     def load_scalar_state(self, state: Dict[str, Any]) -> None:
         saved = state.get("param_groups") or []
@@ -366,7 +422,7 @@ FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 
 def _inner_optimizer(optimizer_cls: type, view_groups: List[Dict], kwargs: Dict) -> torch.optim.Optimizer:
     """The torch optimizer stepping this rank's master views (fused Adam/AdamW unless told otherwise)."""
-    if getattr(optimizer_cls, "holds_master_weights", False):   # its gradients come as decoupled_grad
+    if getattr(optimizer_cls, "holds_master_weights", False):  # its gradients come as decoupled_grad
         return optimizer_cls(view_groups, use_decoupled_grad=True, **kwargs)
     if "fused" not in kwargs and "foreach" not in kwargs and issubclass(optimizer_cls, FUSED_BY_DEFAULT):
         try:

@@ -9,6 +9,7 @@ records (where each sits in the flat layout and in its global tensor), and which
 rank owns. Storage is the param side's business (`param_storage.py`), gradients the grad side's
 (`grad_strategies.py`). This module groups a model's params into families.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -25,8 +26,12 @@ def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype, bool]:
     return ("expert" if expert_shard_of(param) is not None else "dense"), param.dtype, param.requires_grad
 
 
-def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: ParallelGroups, bucket_size: int,
-                   unit_of: Optional[Mapping[int, int]] = None) -> List[ParamFamily]:
+def build_families(
+    named_params: Sequence[Tuple[str, nn.Parameter]],
+    groups: ParallelGroups,
+    bucket_size: int,
+    unit_of: Optional[Mapping[int, int]] = None,
+) -> List[ParamFamily]:
     """Group params into families; each family's layout is reverse registration (~ backward) order.
 
     `unit_of` (stage 3: id(param) -> gather unit) keeps each unit's params contiguous, in
@@ -36,8 +41,9 @@ def build_families(named_params: Sequence[Tuple[str, nn.Parameter]], groups: Par
     for name, p in named_params:
         by_key.setdefault(family_key(p), []).append((name, p))
     families = []
-    for (kind, dtype, trainable), members in sorted(by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]),
-                                                                                      not kv[0][2])):
+    for (kind, dtype, trainable), members in sorted(
+        by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), not kv[0][2])
+    ):
         members = list(reversed(members))
         units = [0] * len(members)
         if unit_of is not None:

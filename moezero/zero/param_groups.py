@@ -1,4 +1,5 @@
 """Param groups in the forms torch accepts, the opt-in no-decay rule, and which optimizers shard."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -12,10 +13,18 @@ from moezero.zero.precision_aware_adam import PrecisionAwareAdam
 # Optimizers whose update of an element depends only on that element's gradient and state:
 # they give the same result on any slice of a param, so they can run on this rank's shard.
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
     torch.optim.Adadelta,
-    PrecisionAwareAdam,   # element-wise but for the per-tensor scale of fp16/fp8 states (per shard, as Megatron's)
+    PrecisionAwareAdam,  # element-wise but for the per-tensor scale of fp16/fp8 states (per shard, as Megatron's)
 )
 
 
@@ -32,17 +41,18 @@ def check_elementwise(optimizer_cls: type) -> None:
         return
     allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
-    raise ValueError(f"ZeroOptimizer cannot run {name}: it updates slices of flat parameter shards, which is "
-                     f"only correct for element-wise optimizers ({allowed}). Optimizers that need whole "
-                     "parameters or a closure (Adafactor, Muon, Shampoo, LBFGS, SparseAdam) are not supported.")
+    raise ValueError(
+        f"ZeroOptimizer cannot run {name}: it updates slices of flat parameter shards, which is "
+        f"only correct for element-wise optimizers ({allowed}). Optimizers that need whole "
+        "parameters or a closure (Adafactor, Muon, Shampoo, LBFGS, SparseAdam) are not supported."
+    )
 
 
 def normalize_param_groups(param_groups: Any) -> List[Dict]:
     """torch's accepted forms (tensors, a generator, dicts whose "params" is a tensor or an iterable)
     as a list of dicts with a list of params each."""
     if isinstance(param_groups, torch.Tensor):
-        raise TypeError("param_groups should be an iterable of Tensors or dicts, but got a Tensor "
-                        "(wrap it in a list)")
+        raise TypeError("param_groups should be an iterable of Tensors or dicts, but got a Tensor (wrap it in a list)")
     groups = list(param_groups)
     if not groups:
         raise ValueError("param_groups is empty: the optimizer got no parameters")
@@ -81,5 +91,11 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if is_no_decay(name, p) else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
-                        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+    return [
+        g
+        for g in (
+            {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+        )
+        if g["params"]
+    ]

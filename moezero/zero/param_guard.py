@@ -22,6 +22,7 @@ passes through `__torch_function__`, which
 
 `copy.deepcopy` of a gathered param or alias gives a plain tensor; pickling one writes a plain tensor.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,26 +35,68 @@ from torch.utils._pytree import tree_flatten
 
 from moezero.torch_internals import in_backward, no_subclass_dispatch, parse_to_arguments, storage_key
 
-_NO_READ_METHODS = frozenset(getattr(torch.Tensor, name) for name in (
-    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
-    "is_floating_point", "is_complex", "is_signed", "untyped_storage", "data_ptr", "requires_grad_", "register_hook",
-    "register_post_accumulate_grad_hook", "retain_grad", "__len__", "get_device", "_is_view", "is_shared",
-    "__hash__", "__sizeof__", "__dir__") if hasattr(torch.Tensor, name)) | frozenset(
-    getattr(torch, name) for name in ("_has_compatible_shallow_copy_type", "is_floating_point", "is_complex",
-                                      "numel") if hasattr(torch, name)) | frozenset(
-    (torch.autograd.grad, torch.autograd.backward))   # they name params as graph inputs, reading nothing
+_NO_READ_METHODS = (
+    frozenset(
+        getattr(torch.Tensor, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "element_size",
+            "stride",
+            "storage_offset",
+            "is_contiguous",
+            "is_floating_point",
+            "is_complex",
+            "is_signed",
+            "untyped_storage",
+            "data_ptr",
+            "requires_grad_",
+            "register_hook",
+            "register_post_accumulate_grad_hook",
+            "retain_grad",
+            "__len__",
+            "get_device",
+            "_is_view",
+            "is_shared",
+            "__hash__",
+            "__sizeof__",
+            "__dir__",
+        )
+        if hasattr(torch.Tensor, name)
+    )
+    | frozenset(
+        getattr(torch, name)
+        for name in ("_has_compatible_shallow_copy_type", "is_floating_point", "is_complex", "numel")
+        if hasattr(torch, name)
+    )
+    | frozenset((torch.autograd.grad, torch.autograd.backward))
+)  # they name params as graph inputs, reading nothing
 _ALIASING_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})  # getters that make views
-_CONVERSIONS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
-                          torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.type})
+_CONVERSIONS = frozenset(
+    {
+        torch.Tensor.to,
+        torch.Tensor.float,
+        torch.Tensor.double,
+        torch.Tensor.half,
+        torch.Tensor.bfloat16,
+        torch.Tensor.cpu,
+        torch.Tensor.cuda,
+        torch.Tensor.type,
+    }
+)
 
 
 class ParamNotGathered(RuntimeError):
     """A stage-3 param (or an alias of it) was read where its values are not on this rank."""
 
 
-COMPILE_REFUSED = ("torch.compile traced a read of a param the stage-3 ZeroOptimizer holds sharded, outside its "
-                   "module's forward and backward: compile the model or its blocks (their gathers run eagerly in "
-                   "their hooks), and read weights outside compiled code, inside `with opt.full_parameters():`")
+COMPILE_REFUSED = (
+    "torch.compile traced a read of a param the stage-3 ZeroOptimizer holds sharded, outside its "
+    "module's forward and backward: compile the model or its blocks (their gathers run eagerly in "
+    "their hooks), and read weights outside compiled code, inside `with opt.full_parameters():`"
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +105,7 @@ class ShardInfo:
 
     name: str
     unit: int
-    gatherer: Callable[[], Any]   # a weakref to the UnitGatherer
+    gatherer: Callable[[], Any]  # a weakref to the UnitGatherer
 
 
 def _reads_nothing(func) -> bool:
@@ -81,14 +124,18 @@ def _no_op_conversion(func, tensor: torch.Tensor, args, kwargs) -> bool:
         return False
     with no_subclass_dispatch():
         if func is torch.Tensor.to:
-            if kwargs.get("copy"):   # torch's parser of .to's arguments takes no `copy`
+            if kwargs.get("copy"):  # torch's parser of .to's arguments takes no `copy`
                 return False
             device, dtype, _, memory_format = parse_to_arguments(*args[1:], **kwargs)
             if memory_format not in (None, torch.preserve_format):
                 return False
             return (device is None or device == tensor.device) and (dtype is None or dtype == tensor.dtype)
-        wanted = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
-                  torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}.get(func)
+        wanted = {
+            torch.Tensor.float: torch.float32,
+            torch.Tensor.double: torch.float64,
+            torch.Tensor.half: torch.float16,
+            torch.Tensor.bfloat16: torch.bfloat16,
+        }.get(func)
         if wanted is not None:
             return wanted == tensor.dtype and not (args[1:] or kwargs)
         if func is torch.Tensor.cpu:
@@ -98,8 +145,9 @@ def _no_op_conversion(func, tensor: torch.Tensor, args, kwargs) -> bool:
 
 def _only_aliases(func) -> bool:
     """`.data` and `.detach()` make an alias without touching the storage (the alias is guarded)."""
-    return func is torch.Tensor.detach or (getattr(func, "__name__", "") == "__get__"
-                                           and getattr(func.__self__, "__name__", "") == "data")
+    return func is torch.Tensor.detach or (
+        getattr(func, "__name__", "") == "__get__" and getattr(func.__self__, "__name__", "") == "data"
+    )
 
 
 def _names_the_type(func, args, kwargs) -> bool:
@@ -110,13 +158,16 @@ def _names_the_type(func, args, kwargs) -> bool:
 def not_gathered_error(info: ShardInfo, alias: bool, why: str = "") -> ParamNotGathered:
     what = f"an alias of parameter '{info.name}'" if alias else f"parameter '{info.name}'"
     if info.gatherer() is None:
-        return ParamNotGathered(f"{what} was sharded by a stage-3 ZeroOptimizer that no longer exists, and its "
-                                "values went with it: keep the optimizer alive while the model is used")
+        return ParamNotGathered(
+            f"{what} was sharded by a stage-3 ZeroOptimizer that no longer exists, and its "
+            "values went with it: keep the optimizer alive while the model is used"
+        )
     return ParamNotGathered(
         f"{what} is sharded by the stage-3 ZeroOptimizer and its values are not on this rank outside its "
         f"module's forward and backward{why}: read it inside `with opt.full_parameters():` "
         "(collective: every rank enters it), or change it (a write, a dtype or device conversion) inside "
-        "`with opt.modify_model():`")
+        "`with opt.modify_model():`"
+    )
 
 
 class _Guarded:
@@ -151,7 +202,7 @@ class _Guarded:
         with no_subclass_dispatch():
             values = self.detach().clone(memory_format=torch.preserve_format)
             plain = nn.Parameter(values, self.requires_grad) if isinstance(self, nn.Parameter) else values
-        for key, value in self.__dict__.items():   # the expert tag, say; not the shard info
+        for key, value in self.__dict__.items():  # the expert tag, say; not the shard info
             if key != "_zero3":
                 setattr(plain, key, copy.deepcopy(value, memo))
         memo[id(self)] = plain
@@ -186,8 +237,9 @@ def shard_param_type(param: nn.Parameter, info: ShardInfo) -> None:
     cls = type(param)
     if cls not in _PARAM_TYPES:
         if cls.__torch_function__ is not nn.Parameter.__torch_function__:
-            raise TypeError(f"stage 3 cannot shard parameter '{info.name}' of type {cls.__name__}: it overrides "
-                            "__torch_function__")
+            raise TypeError(
+                f"stage 3 cannot shard parameter '{info.name}' of type {cls.__name__}: it overrides __torch_function__"
+            )
         _PARAM_TYPES[cls] = type(f"Sharded{cls.__name__}", (_Guarded, cls), {"_plain": cls})
     param.__class__ = _PARAM_TYPES[cls]
     param._zero3 = info
@@ -255,7 +307,5 @@ def _regather_hook(units):
             gatherer = ref()
             if gatherer is not None:
                 gatherer.ensure_before_backward(unit)
+
     return hook
-
-
-

@@ -8,6 +8,7 @@
 Both hand the master weights the model-dtype values of a bucket range (`values`), which the
 master aliases when the dtypes match, and publish updated values (`publish`).
 """
+
 from __future__ import annotations
 
 import abc
@@ -60,11 +61,11 @@ class ReplicatedParams(ParamStorage):
         with torch.no_grad():
             for zp in family.members:
                 view = family.param_view(self.buffer, zp)
-                view.copy_(zp.read(0, zp.param.numel()).view(zp.param.shape))   # a deferred param is read whole
-                zp.adopt_storage(view)   # once, at construction: the param now lives in the flat buffer
+                view.copy_(zp.read(0, zp.param.numel()).view(zp.param.shape))  # a deferred param is read whole
+                zp.adopt_storage(view)  # once, at construction: the param now lives in the flat buffer
 
     def values(self, bucket, span):
-        return self.family.bucket_region(self.buffer, bucket)[span[0]:span[1]]
+        return self.family.bucket_region(self.buffer, bucket)[span[0] : span[1]]
 
     def start_publish(self, spans):
         works = []

@@ -8,6 +8,7 @@ GEMM kernels), and each bucket is padded to a multiple of `group_size * align` e
 splits into equal, aligned shards: rank r owns elements [r * n / g, (r + 1) * n / g) of every
 bucket. The layout depends only on the params' sizes, never on the order hooks fire.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ class ParamSlot:
 @dataclass(frozen=True)
 class BucketLayout:
     index: int
-    start: int            # first element of the bucket in the family's flat buffer
-    numel: int            # padded size, a multiple of group_size * align
+    start: int  # first element of the bucket in the family's flat buffer
+    numel: int  # padded size, a multiple of group_size * align
     params: Tuple[int, ...]  # indices (into the layout's param order) of the params it holds
 
     def shard_range(self, rank: int, group_size: int) -> Tuple[int, int]:
@@ -51,8 +52,9 @@ class FlatLayout:
         return sum(b.numel for b in self.buckets)
 
 
-def plan_buckets(numels: Sequence[int], bucket_size: int, group_size: int, align: int = 16,
-                 breaks: Collection[int] = ()) -> FlatLayout:
+def plan_buckets(
+    numels: Sequence[int], bucket_size: int, group_size: int, align: int = 16, breaks: Collection[int] = ()
+) -> FlatLayout:
     """Assign params (given in layout order) to aligned offsets in padded buckets.
 
     A param whose index is in `breaks` starts a new bucket (stage 3: a bucket never spans two

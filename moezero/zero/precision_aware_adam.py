@@ -15,6 +15,7 @@ Under ZeroOptimizer each param is a piece of the model's own storage (`holds_mas
 copy is made) and its gradient arrives as `decoupled_grad` in the main-grads dtype. A scaled state's scale
 is per piece, so it depends on the sharding (as in Megatron); bf16 moments and remainders do not.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -26,8 +27,8 @@ SCALED_RANGE = {torch.float16: torch.finfo(torch.float16).max / 2, FP8: 448.0}
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
 MASTER_DTYPES = (torch.float32, torch.float16)
 MOMENTS = ("exp_avg", "exp_avg_sq")
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}   # Megatron's
-CHUNK = 1 << 20   # elements unpacked to fp32 at a time (bounds the step's scratch memory)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}  # Megatron's
+CHUNK = 1 << 20  # elements unpacked to fp32 at a time (bounds the step's scratch memory)
 
 
 class PrecisionAwareAdam(torch.optim.Optimizer):
@@ -37,11 +38,21 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
 
     holds_master_weights = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, decoupled_weight_decay: bool = True,
-                 master_weight_dtype: torch.dtype = torch.float32, exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = True,
-                 use_decoupled_grad: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled_weight_decay: bool = True,
+        master_weight_dtype: torch.dtype = torch.float32,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = True,
+        use_decoupled_grad: bool = False,
+    ):
         _check_dtype("master_weight_dtype", master_weight_dtype, MASTER_DTYPES)
         _check_dtype("exp_avg_dtype", exp_avg_dtype, MOMENT_DTYPES)
         _check_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype, MOMENT_DTYPES)
@@ -82,14 +93,27 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     def _kernel(self, master, grad, moments, step, group) -> None:
         kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_
         beta1, beta2 = group["betas"]
-        kernel([master], [grad], [moments[0]], [moments[1]], [], [step], lr=group["lr"], beta1=beta1, beta2=beta2,
-               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+        kernel(
+            [master],
+            [grad],
+            [moments[0]],
+            [moments[1]],
+            [],
+            [step],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
 
     # ---- state -----------------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, state: Dict) -> None:
         if not p.is_contiguous():
             raise ValueError("PrecisionAwareAdam steps contiguous params only")
-        state["step"] = torch.tensor(0.0, device=p.device)   # the fused kernel reads it on its device
+        state["step"] = torch.tensor(0.0, device=p.device)  # the fused kernel reads it on its device
         for k in MOMENTS:
             dtype = self.moment_dtypes[k]
             state[k] = torch.zeros(p.numel(), dtype=dtype, device=p.device)
@@ -151,8 +175,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     def full_precision_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, Dict]:
         """(fp32 master, torch AdamW's state with fp32 moments): what a checkpoint keeps, loadable by either."""
         state = self.state.get(p, {})
-        out = {k: _unpack(state[k], state.get(k + "_scale"), slice(0, p.numel())).clone() for k in MOMENTS
-               if k in state}
+        out = {
+            k: _unpack(state[k], state.get(k + "_scale"), slice(0, p.numel())).clone() for k in MOMENTS if k in state
+        }
         if "step" in state:
             out["step"] = state["step"].clone()
         return self.master_values(p), out

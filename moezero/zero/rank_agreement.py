@@ -13,6 +13,7 @@ backwards, so a rank that ran an extra forward, gathered units in another order 
 that reached no parameter meets its peers at differing records and every rank raises
 `RanksDisagree` (`parallel/agreement.py`) naming what each was doing, instead of hanging.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,19 +39,19 @@ class Activity(enum.IntEnum):
     REDUCE = 6
     MODIFY_MODEL = 7
     RECOVERY = 8
-    LEAVE_FULL_PARAMETERS = 9   # the unit field: modifier_rank (-1: none)
-    MODEL_COLLECTIVE = 10       # the unit field: which of the model's collective sites (an MoE layer)
-    FORWARD_GATHERS_END = 11    # a forward's schedule has no unit left to gather
+    LEAVE_FULL_PARAMETERS = 9  # the unit field: modifier_rank (-1: none)
+    MODEL_COLLECTIVE = 10  # the unit field: which of the model's collective sites (an MoE layer)
+    FORWARD_GATHERS_END = 11  # a forward's schedule has no unit left to gather
     BACKWARD_GATHERS_END = 12
-    UNIT_PLAN = 13              # the unit field: unit_plan_fingerprint()
+    UNIT_PLAN = 13  # the unit field: unit_plan_fingerprint()
 
 
 @dataclass
 class Progress:
     """This rank's counts, as its records state them."""
 
-    forwards: int = 0           # root forwards of a stage-3 model (not recomputes inside backward)
-    backwards: int = 0          # backwards that gathered units (stage 3)
+    forwards: int = 0  # root forwards of a stage-3 model (not recomputes inside backward)
+    backwards: int = 0  # backwards that gathered units (stage 3)
     reducing_backwards: int = 0  # backwards whose gradients were reduced (every stage)
 
 
@@ -65,7 +66,7 @@ class RankAgreement:
     def __init__(self, group: Optional[Any], unit_names: Optional[List[str]] = None):
         self.group = group
         self.unit_names = list(unit_names or [])
-        self.site_names: List[str] = []   # the model's modules with collectives in forward (MODEL_COLLECTIVE)
+        self.site_names: List[str] = []  # the model's modules with collectives in forward (MODEL_COLLECTIVE)
         self.progress = Progress()
         self.launched = 0
         self._pending: Deque[Agreement] = collections.deque()
@@ -94,7 +95,7 @@ class RankAgreement:
 
     def settle(self, agreement: Optional[Agreement] = None) -> None:
         """Check `agreement` and every record launched before it (None: every record launched so far)."""
-        if agreement is not None and agreement.checked:   # a message of several records, settled for another
+        if agreement is not None and agreement.checked:  # a message of several records, settled for another
             return
         while self._pending:
             first = self._pending.popleft()
@@ -128,7 +129,7 @@ class RankAgreement:
 
     def describe(self, record: Sequence[int]) -> str:
         activity, unit, forwards, backwards, reducing, grad = record[:6]
-        if activity == 0:   # an unused slot of a message
+        if activity == 0:  # an unused slot of a message
             return "had no agreement record left in that message (a pass with fewer unit gathers)"
         names = activity <= Activity.ON_DEMAND_GATHER and 0 <= unit < len(self.unit_names)
         where = f"unit '{self.unit_names[unit] or '<root>'}'" if names else ""
@@ -143,10 +144,10 @@ class RankAgreement:
             Activity.RECOVERY: "was cleaning up after a backward that raised",
             Activity.LEAVE_FULL_PARAMETERS: f"was leaving opt.full_parameters(modifier_rank={unit})",
             Activity.MODEL_COLLECTIVE: f"was entering the exchanges of '{self._site(unit)}' in a forward "
-                                       f"({'with' if grad else 'without'} grad)",
+            f"({'with' if grad else 'without'} grad)",
             Activity.UNIT_PLAN: f"built a ZeroOptimizer whose stage-3 plan has {unit >> 32} gather units "
-                                f"(fingerprint {unit & 0xFFFFFFFF:08x}; every rank must pass the same model and "
-                                "min_unit_params / --zero-min-unit-params)",
+            f"(fingerprint {unit & 0xFFFFFFFF:08x}; every rank must pass the same model and "
+            "min_unit_params / --zero-min-unit-params)",
             Activity.FORWARD_GATHERS_END: "was heading for the end of a forward's unit gathers",
             Activity.BACKWARD_GATHERS_END: "was heading for the end of a backward's unit gathers",
         }.get(activity, f"was doing activity {activity}")
@@ -179,7 +180,7 @@ class SiteRecords:
 
     def __call__(self) -> Optional[ExchangeRecord]:
         agreement = self._ref()
-        if agreement is None or in_backward():   # a recompute follows the forward every rank agreed on
+        if agreement is None or in_backward():  # a recompute follows the forward every rank agreed on
             return None
         channel = None
         if self.on_channel:

@@ -19,6 +19,7 @@ Before the end-of-backward wait, and before step() reduces, every rank states an
 (`rank_agreement.py`), so a rank whose backward reached no param (its peers would wait for it forever) makes
 every rank raise.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -80,8 +81,14 @@ class GradReducer:
         listener: told when a backward begins and when each param got its gradient (stage 3's unit gatherer).
     """
 
-    def __init__(self, strategies: Sequence[GradStrategy], control_group: Optional[Any], overlap_comm: bool = True,
-                 agreement: Optional[RankAgreement] = None, listener: Optional[BackwardListener] = None):
+    def __init__(
+        self,
+        strategies: Sequence[GradStrategy],
+        control_group: Optional[Any],
+        overlap_comm: bool = True,
+        agreement: Optional[RankAgreement] = None,
+        listener: Optional[BackwardListener] = None,
+    ):
         self.strategies = list(strategies)
         self.buckets = [bucket for strategy in self.strategies for bucket in strategy.buckets]
         for bucket in self.buckets:
@@ -92,25 +99,26 @@ class GradReducer:
         self.control_group = control_group
         self.overlap_comm = overlap_comm
         self.sync_enabled = True
-        self.scaled_backward = False   # set by ZeroOptimizer.backward around loss.backward()
+        self.scaled_backward = False  # set by ZeroOptimizer.backward around loss.backward()
         self.unscaled_passes = 0
         self.counters = ReducerCounters()
         self._always_reduce = bool(self.strategies) and self.strategies[0].reduces_under_no_sync
         self._pass_task: Optional[int] = None
-        self._grad_only_task: Optional[int] = None   # a torch.autograd.grad(): it accumulates nothing, not a pass
-        self._consumed_assigned: Dict[int, Any] = {}   # id(record) -> the assigned gradient a step consumed
+        self._grad_only_task: Optional[int] = None  # a torch.autograd.grad(): it accumulates nothing, not a pass
+        self._consumed_assigned: Dict[int, Any] = {}  # id(record) -> the assigned gradient a step consumed
         self._pass_synced = False
-        self._end_record = None   # the agreement record of this backward's end (stages 0-2: launched when it begins)
-        self._dirty = False      # stage 0/1: a no_sync backward left local gradients unreduced
-        self._consumed = False   # step() used the gradients: the next backward starts from zero
+        self._end_record = None  # the agreement record of this backward's end (stages 0-2: launched when it begins)
+        self._dirty = False  # stage 0/1: a no_sync backward left local gradients unreduced
+        self._consumed = False  # step() used the gradients: the next backward starts from zero
         self.listener = listener if listener is not None else BackwardListener()
         # the hooks hold the reducer weakly and their param's record by position: a hook that held the record
         # would close a cycle through the param's C++ hook table, which Python's GC cannot see, and a discarded
         # optimizer would stay alive with its buffers and process groups
         ref = weakref.ref(self)
         self.records = [zp for strategy in self.strategies for zp in strategy.family.members]
-        self._bucket_of = [strategy.buckets[zp.bucket] for strategy in self.strategies
-                           for zp in strategy.family.members]   # the Bucket of records[k]
+        self._bucket_of = [
+            strategy.buckets[zp.bucket] for strategy in self.strategies for zp in strategy.family.members
+        ]  # the Bucket of records[k]
         self._handles = []
         for k, zp in enumerate(self.records):
             self._handles.append(zp.param.register_hook(_pre_hook(ref, k)))
@@ -131,13 +139,14 @@ class GradReducer:
             who = f"parameter '{name}' received its gradient" if name else "a gradient arrived"
             raise GradientHookError(
                 f"{who} from a nested backward while another was running (reentrant activation "
-                "checkpointing?). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+                "checkpointing?). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
         if self._consumed:
             self.clear_step()
         self._pass_task = task
-        self.listener.begin_backward()   # stage 3: the backward's gather records come first, on every rank
+        self.listener.begin_backward()  # stage 3: the backward's gather records come first, on every rank
         self._pass_synced = self.sync_enabled or self._always_reduce
-        if self._pass_synced and not self.listener.records_mid_backward:   # settled before the end-of-backward wait
+        if self._pass_synced and not self.listener.records_mid_backward:  # settled before the end-of-backward wait
             self._end_record = self.agreement.launch(Activity.END_OF_BACKWARD)
         if not self.scaled_backward:
             self.unscaled_passes += 1
@@ -167,9 +176,9 @@ class GradReducer:
         views = strategy.accumulation_views(bucket)
         if views is None:
             if strategy.holds_local and zp.got_grad and zp.placeholder_cleared():
-                strategy.forget_local(zp)   # cleared by the user since the last backward
+                strategy.forget_local(zp)  # cleared by the user since the last backward
             if zp.shows_sharded_gradient():
-                zp.param.grad = None   # autograd makes a fresh gradient, which the bucket copies in
+                zp.param.grad = None  # autograd makes a fresh gradient, which the bucket copies in
             return
         param, view = zp.param, views[zp.position]
         if param.grad is None or isinstance(param.grad, ShardedGradient):
@@ -190,7 +199,8 @@ class GradReducer:
             raise GradientHookError(
                 f"parameter '{name}' received a gradient twice in one backward: its gradient was "
                 "accumulated by a nested backward (reentrant activation checkpointing?). Use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
         if not zp.storage_intact():
             raise GradientHookError(storage_replaced_message(name))
         zp.fired = zp.got_grad = True
@@ -218,7 +228,7 @@ class GradReducer:
             if zp.fired:
                 continue
             assigned = self.assigned_grad(bucket, zp)
-            if assigned is not None:   # assigned since the last backward, which did not reach it: it is its gradient
+            if assigned is not None:  # assigned since the last backward, which did not reach it: it is its gradient
                 if views is not None:
                     strategy.adopt_assigned(bucket, views[zp.position], assigned)
                     zp.param.grad = views[zp.position]
@@ -231,7 +241,7 @@ class GradReducer:
             if visible is not None:
                 zp.param.grad = visible[zp.position]
                 zp.exposed = True
-            else:   # no full-size gradient outlives its bucket (stages 1-3): .grad says so when read
+            else:  # no full-size gradient outlives its bucket (stages 1-3): .grad says so when read
                 zp.param.grad = zp.sharded_gradient()
                 zp.exposed = False
         bucket.staged = True
@@ -277,7 +287,7 @@ class GradReducer:
         """Collective: reduce what no_sync backwards left local (on every rank if on any). `assigned`: this rank has
         gradients assigned by hand since its last backward; returns whether some rank has."""
         flags = self.agreement.check(Activity.REDUCE, flag=int(self._dirty) | (2 if assigned else 0))
-        if flags & 1:   # left unreduced on some rank
+        if flags & 1:  # left unreduced on some rank
             for bucket in self.buckets:
                 bucket.strategy.before_accumulate(bucket)
             for queue in self.queues:
@@ -323,11 +333,10 @@ class GradReducer:
         of it is still local (stage 0 shows the whole of it: `p.grad = None` then leaves the param out of the
         step, as torch's optimizers skip it, `zero_()` makes it zero); what stages 1-3 reduced into shards stays."""
         for strategy in self.strategies:
-            if not strategy.holds_local:   # stages 2/3: no per-step walk over the params
+            if not strategy.holds_local:  # stages 2/3: no per-step walk over the params
                 continue
             for zp in strategy.family.members:
-                if zp.got_grad and zp.cleared_after_backward() and strategy.forget_local(zp) \
-                        and zp.param.grad is None:
+                if zp.got_grad and zp.cleared_after_backward() and strategy.forget_local(zp) and zp.param.grad is None:
                     zp.got_grad = False
 
     def recover_aborted_pass(self) -> bool:
@@ -386,6 +395,7 @@ def _pre_hook(ref, k: int):
         reducer = ref()
         if reducer is not None:
             reducer._before_accumulate(k)
+
     return hook
 
 
@@ -394,4 +404,5 @@ def _post_hook(ref, k: int):
         reducer = ref()
         if reducer is not None:
             reducer._on_gradient(k)
+
     return hook

@@ -8,6 +8,7 @@ its module's own ops, whose gradient arrives first; a loss term kept outside the
 The cost is a dictionary lookup and a detach per saved tensor, not per op. Hooks pushed by the caller
 around the forward (`save_on_cpu`, say) still run: they wrap ours.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 @dataclass
 class _Saved:
     packed: Any
-    unit: Optional[int]                      # the unit whose storage it lives in (None: not a param's)
+    unit: Optional[int]  # the unit whose storage it lives in (None: not a param's)
     outer_unpack: Optional[Callable[[Any], torch.Tensor]]
 
 
@@ -28,7 +29,7 @@ class SavedParamHooks:
 
     def __init__(self, regather: Callable[[int], None]):
         self.regather = regather
-        self.unit_of_storage: Dict[int, int] = {}   # data pointer of a gathered unit's storage -> unit
+        self.unit_of_storage: Dict[int, int] = {}  # data pointer of a gathered unit's storage -> unit
         self._outer = None
         self._pushed = False
 
@@ -51,10 +52,10 @@ class SavedParamHooks:
         if self.unit_of_storage:
             try:
                 unit = self.unit_of_storage.get(tensor.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):   # a tensor without storage (a wrapper subclass)
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
                 unit = None
         outer = self._outer
-        if outer is None:   # detached: a saved output kept as itself would hold its own graph in a cycle
+        if outer is None:  # detached: a saved output kept as itself would hold its own graph in a cycle
             return tensor.detach() if unit is None else _Saved(tensor.detach(), unit, None)
         return _Saved(outer[0](tensor), unit, outer[1])
 

@@ -7,13 +7,13 @@ nothing. So `.grad` is a `ShardedGradient`: its metadata (shape, dtype, device) 
 it works (`zero_()`, `model.zero_grad()`, `p.grad = None`), but any read of its values raises
 `GradientIsSharded`, naming the param and the optimizer's own `clip_grad_norm_`.
 """
+
 from __future__ import annotations
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-_CLEARING = frozenset({torch.ops.aten.zero_.default, torch.ops.aten.detach_.default,
-                       torch.ops.aten.detach.default})
+_CLEARING = frozenset({torch.ops.aten.zero_.default, torch.ops.aten.detach_.default, torch.ops.aten.detach.default})
 
 
 class GradientIsSharded(RuntimeError):
@@ -25,7 +25,7 @@ class ShardedGradient(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
     param_name: str
-    zeroed: bool   # zero_() ran on it since it was shown (the optimizer then forgets what it stands for)
+    zeroed: bool  # zero_() ran on it since it was shown (the optimizer then forgets what it stands for)
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str) -> "ShardedGradient":
@@ -46,8 +46,11 @@ class ShardedGradient(torch.Tensor):
             "reduced it into its shards (stages 1-3, or a low-precision param at stage 0), so `p.grad` holds no "
             f"values ({func.__name__} read them). torch.nn.utils.clip_grad_norm_ cannot see them: call "
             "opt.clip_grad_norm_(max_norm) (the global norm over every rank) or pass clip_grad= to the optimizer; "
-            "opt.owned_gradients() reads this rank's part")
+            "opt.owned_gradients() reads this rank's part"
+        )
 
     def __repr__(self, **kwargs) -> str:
-        return (f"ShardedGradient('{self.param_name}', shape={tuple(self.shape)}, dtype={self.dtype}: held as the "
-                "optimizer's shards)")
+        return (
+            f"ShardedGradient('{self.param_name}', shape={tuple(self.shape)}, dtype={self.dtype}: held as the "
+            "optimizer's shards)"
+        )

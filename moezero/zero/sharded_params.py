@@ -11,6 +11,7 @@ A family whose gather group is one rank (routed experts at ep = world size) hold
 its "slice": its units' full tensors are views of the shard, never freed, and gathering them
 moves nothing (`local`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,13 +49,13 @@ class ShardedParams(ParamStorage):
         with torch.no_grad():
             for b in range(family.num_buckets):
                 shard = self.values(b, family.owned[b])
-                for zp, (lo, hi), offset in family.pieces(b, family.owned[b]):   # deferred: read this slice only
-                    shard[offset:offset + hi - lo].copy_(zp.read(lo, hi))
+                for zp, (lo, hi), offset in family.pieces(b, family.owned[b]):  # deferred: read this slice only
+                    shard[offset : offset + hi - lo].copy_(zp.read(lo, hi))
             for unit, buckets in self.unit_buckets.items():
                 numel = sum(family.bucket_numel(b) for b in buckets)
                 if self.local:
                     start = self._shard_start[buckets[0]]
-                    full = self._full[unit] = self.shard[start:start + numel]
+                    full = self._full[unit] = self.shard[start : start + numel]
                 else:
                     full = self._full[unit] = torch.empty(numel, dtype=family.dtype, device=device)
                 for b in buckets:
@@ -67,7 +68,7 @@ class ShardedParams(ParamStorage):
     def _bucket_in_unit(self, unit: int, bucket: int) -> torch.Tensor:
         first = self.family.layout.buckets[self.unit_buckets[unit][0]].start
         b = self.family.layout.buckets[bucket]
-        return self._full[unit][b.start - first:b.start - first + b.numel]
+        return self._full[unit][b.start - first : b.start - first + b.numel]
 
     # ---- gather / free (driven by units.UnitGatherer) ---------------------------------------------
     def gather(self, unit: int) -> List[Any]:
@@ -77,8 +78,14 @@ class ShardedParams(ParamStorage):
         self._full[unit].untyped_storage().resize_(self._nbytes[unit])
         works = []
         for b in self.unit_buckets[unit]:
-            works.append(comm.all_gather(self._bucket_in_unit(unit, b), self.values(b, self.family.owned[b]),
-                                         self.gather_group, async_op=True))
+            works.append(
+                comm.all_gather(
+                    self._bucket_in_unit(unit, b),
+                    self.values(b, self.family.owned[b]),
+                    self.gather_group,
+                    async_op=True,
+                )
+            )
         return [w for w in works if w is not None]
 
     def free(self, unit: int) -> None:
@@ -94,7 +101,7 @@ class ShardedParams(ParamStorage):
         out = []
         for b in self.unit_buckets[unit]:
             owned = self.family.owned[b]
-            if not _same_bytes(self._bucket_in_unit(unit, b)[owned[0]:owned[1]], self.values(b, owned)):
+            if not _same_bytes(self._bucket_in_unit(unit, b)[owned[0] : owned[1]], self.values(b, owned)):
                 out += [zp for zp, _, _ in self.family.pieces(b, owned)]
         return out
 
@@ -118,10 +125,10 @@ class ShardedParams(ParamStorage):
         if (lo, hi) != self.family.owned[bucket]:
             raise ValueError(f"stage 3 holds only its own slice {self.family.owned[bucket]} of bucket {bucket}")
         start = self._shard_start[bucket]
-        return self.shard[start:start + hi - lo]
+        return self.shard[start : start + hi - lo]
 
     def start_publish(self, spans):
-        return []   # units gather the updated shards when they next run
+        return []  # units gather the updated shards when they next run
 
     def nbytes(self):
         gathered = sum(self._nbytes[u] for u in self._full if self.is_gathered(u))

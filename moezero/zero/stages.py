@@ -10,26 +10,31 @@
 Everything that depends on the stage asks its `Stage` (the engine, the optimizer's checks, the tests'
 memory formula); adding a variant (e.g. hierarchical partitioning) is a row here plus its parts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Type
 
-from moezero.zero.grad_strategies import (AllReduceGrads, GradStrategy, ReduceScatterAtBoundary,
-                                          ReduceScatterEveryBackward)
+from moezero.zero.grad_strategies import (
+    AllReduceGrads,
+    GradStrategy,
+    ReduceScatterAtBoundary,
+    ReduceScatterEveryBackward,
+)
 from moezero.zero.param_storage import ParamStorage, ReplicatedParams
 from moezero.zero.sharded_params import ShardedParams
 from moezero.zero.zero_param import ParamFamily
 
-KINDS = ("params", "grads", "optimizer_state")   # what a rank holds (masters count with the optimizer state)
+KINDS = ("params", "grads", "optimizer_state")  # what a rank holds (masters count with the optimizer state)
 
 
 @dataclass(frozen=True)
 class Stage:
     number: int
-    shards: FrozenSet[str]                # which KINDS each rank holds a 1/dp share of
-    param_storage: Type[ParamStorage]     # built as cls(family, groups)
-    grad_strategy: Type[GradStrategy]     # built as cls(family, reduce dtype, master dtype, dp size)
+    shards: FrozenSet[str]  # which KINDS each rank holds a 1/dp share of
+    param_storage: Type[ParamStorage]  # built as cls(family, groups)
+    grad_strategy: Type[GradStrategy]  # built as cls(family, reduce dtype, master dtype, dp size)
 
     @property
     def shards_params(self) -> bool:

@@ -9,6 +9,7 @@ rank, so the shards of all ranks tile every param) and, at stage 0 where each ra
 everything, the rest as `replicas` so one rank's shard reloads on that rank alone. `consolidate`
 is the one merge of shards into full tensors; it checks the coverage.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
@@ -19,7 +20,7 @@ from moezero.parallel import comm
 
 FORMAT = "moezero-zero-shard-v2"
 CONSOLIDATED = FORMAT + "-consolidated"
-Piece = Dict[str, Any]   # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
+Piece = Dict[str, Any]  # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
 
 
 def _is_elementwise(value: Any, n: int) -> bool:
@@ -37,8 +38,10 @@ def _full_precision(inner, leaf: torch.Tensor):
 def _piece(master_piece, part: slice, inner) -> Piece:
     master, inner_state = _full_precision(inner, master_piece.master)
     n = master.numel()
-    state = {k: (v[part].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
-             for k, v in inner_state.items()}
+    state = {
+        k: (v[part].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
+        for k, v in inner_state.items()
+    }
     return {"range": master_piece.global_range(part), "master": master[part].clone(), "state": state}
 
 
@@ -54,9 +57,14 @@ def shard_state(opt) -> Dict[str, Any]:
         for part in _unowned_parts(master_piece.numel, owned):
             replicas.setdefault(name, []).append(_piece(master_piece, part, opt.inner))
     return {
-        "format": FORMAT, "stage": opt.settings.stage, "rank": opt.groups.rank,
-        "world_size": opt.groups.world_size, "ep_size": opt.groups.ep_size,
-        "pieces": pieces, "replicas": replicas, "shapes": engine.global_shapes(),
+        "format": FORMAT,
+        "stage": opt.settings.stage,
+        "rank": opt.groups.rank,
+        "world_size": opt.groups.world_size,
+        "ep_size": opt.groups.ep_size,
+        "pieces": pieces,
+        "replicas": replicas,
+        "shapes": engine.global_shapes(),
         **opt.scalar_state(),
     }
 
@@ -85,8 +93,7 @@ def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         master, merged = gather_range(pieces, name, 0, numel)
         params[name] = master.view(shape)
         state[name] = {k: (v.view(shape) if _is_elementwise(v, numel) else v) for k, v in merged.items()}
-    scalars = {k: first[k] for k in ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips")
-               if k in first}
+    scalars = {k: first[k] for k in ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips") if k in first}
     return {"format": CONSOLIDATED, "params": params, "state": state, **scalars}
 
 
@@ -96,8 +103,10 @@ def check_covered_once(pieces: List[Piece], name: str, numel: int) -> None:
         lo, hi = piece["range"]
         count[lo:hi] += 1
     if numel and not bool((count == 1).all()):
-        raise ValueError(f"the shards cover parameter '{name}' {int(count.min())}..{int(count.max())} times; "
-                         "pass the shards of every rank of one checkpoint")
+        raise ValueError(
+            f"the shards cover parameter '{name}' {int(count.min())}..{int(count.max())} times; "
+            "pass the shards of every rank of one checkpoint"
+        )
 
 
 def load_state(opt, source: Dict[str, Any]) -> None:
@@ -116,8 +125,11 @@ def load_state(opt, source: Dict[str, Any]) -> None:
             problem = _not_loadable(opt, source, error)
             break
     if not comm.all_true(problem is None, opt.groups.control):
-        raise ValueError(problem or "another rank's optimizer state does not fit this optimizer's layout (that rank "
-                         "says which; a shard loads only on the layout that saved it): nothing was loaded")
+        raise ValueError(
+            problem
+            or "another rank's optimizer state does not fit this optimizer's layout (that rank "
+            "says which; a shard loads only on the layout that saved it): nothing was loaded"
+        )
     with torch.no_grad():
         for leaf, n, master, state in loaded:
             if hasattr(opt.inner, "load_full_precision_state"):
@@ -156,11 +168,13 @@ def _not_loadable(opt, source: Dict[str, Any], why: BaseException) -> str:
         return f"the consolidated optimizer state cannot load into this optimizer (at {here}): {why}"
     saved = _layout(source.get("stage"), source.get("world_size"), source.get("ep_size"))
     what = f"rank {source.get('rank')}'s shard of an optimizer at {saved}"
-    return (f"the optimizer state is {what}, which holds that rank's part only: {why}, which this rank needs (this "
-            f"optimizer: {here}). Load "
-            "each rank's own shard on the layout that saved it, or consolidate every rank's shard first "
-            "(moezero.zero.consolidate(shards); tools/consolidate_checkpoint.py for a checkpoint) and load the "
-            "result on any layout")
+    return (
+        f"the optimizer state is {what}, which holds that rank's part only: {why}, which this rank needs (this "
+        f"optimizer: {here}). Load "
+        "each rank's own shard on the layout that saved it, or consolidate every rank's shard first "
+        "(moezero.zero.consolidate(shards); tools/consolidate_checkpoint.py for a checkpoint) and load the "
+        "result on any layout"
+    )
 
 
 def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
@@ -174,8 +188,10 @@ def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
     out = {}
     for name, tensor in source["params"].items():
         flat = tensor.reshape(-1)
-        state = {k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == tensor.shape and v.dim() > 0 else v)
-                 for k, v in source["state"].get(name, {}).items()}
+        state = {
+            k: (v.reshape(-1) if torch.is_tensor(v) and v.shape == tensor.shape and v.dim() > 0 else v)
+            for k, v in source["state"].get(name, {}).items()
+        }
         out[name] = [{"range": (0, flat.numel()), "master": flat, "state": state}]
     return out
 
@@ -192,18 +208,19 @@ def gather_range(pieces: Dict[str, List[Piece]], name: str, lo: int, hi: int):
         a, b = max(lo, p_lo), min(hi, p_hi)
         if a >= b:
             continue
-        master[a - lo:b - lo] = piece["master"][a - p_lo:b - p_lo]
-        filled[a - lo:b - lo] = True
+        master[a - lo : b - lo] = piece["master"][a - p_lo : b - p_lo]
+        filled[a - lo : b - lo] = True
         n = p_hi - p_lo
         for key, value in piece["state"].items():
             if _is_elementwise(value, n):
                 if key not in state:
                     state[key] = torch.empty(hi - lo, dtype=value.dtype)
-                state[key][a - lo:b - lo] = value[a - p_lo:b - p_lo]
+                state[key][a - lo : b - lo] = value[a - p_lo : b - p_lo]
             else:
                 state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
     if not bool(filled.all()):
         missing = int((~filled).nonzero()[0]) + lo
-        raise ValueError(f"it does not cover element {missing} of parameter '{name}' (elements {lo}..{hi} are "
-                         "needed here)")
+        raise ValueError(
+            f"it does not cover element {missing} of parameter '{name}' (elements {lo}..{hi} are needed here)"
+        )
     return master, state

@@ -7,6 +7,7 @@ group the family is reduced over: a dense family has one group (every rank), an 
 expert-parallel rank (the ranks holding the same experts), and a rank writes its flags into its own group's
 block. After the sum, a flag above 0 means some rank of the group got a gradient, the MAX of before.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Set, Tuple
@@ -20,7 +21,7 @@ from moezero.zero.zero_param import ParamFamily
 class StepTotals:
     def __init__(self, families: Sequence[ParamFamily], groups: ParallelGroups):
         self.group = groups.control
-        self._blocks: List[Tuple[ParamFamily, int]] = []   # (family, offset of this rank's block)
+        self._blocks: List[Tuple[ParamFamily, int]] = []  # (family, offset of this rank's block)
         self._frozen = [family for family in families if not family.trainable]
         offset = 1
         for family in families:
@@ -39,13 +40,14 @@ class StepTotals:
             message[0] = sum_of_squares
         if with_flags:
             for family, at in self._blocks:
-                message[at:at + len(family.members)] = torch.tensor([zp.got_grad for zp in family.members],
-                                                                    dtype=torch.float64)
+                message[at : at + len(family.members)] = torch.tensor(
+                    [zp.got_grad for zp in family.members], dtype=torch.float64
+                )
         comm.all_reduce(message, self.group)
         if with_flags:
             summed = message.tolist()
             for family, at in self._blocks:
-                for zp, count in zip(family.members, summed[at:at + len(family.members)]):
+                for zp, count in zip(family.members, summed[at : at + len(family.members)]):
                     zp.got_grad_anywhere = count > 0
             for family in self._frozen:
                 for zp in family.members:
@@ -57,9 +59,14 @@ class StepTotals:
         ZeroParams this rank marks), in the same blocks as the flags above."""
         message = torch.zeros(self._length, dtype=torch.float64)
         for family, at in self._blocks:
-            message[at:at + len(family.members)] = torch.tensor([id(zp) in marked for zp in family.members],
-                                                                dtype=torch.float64)
+            message[at : at + len(family.members)] = torch.tensor(
+                [id(zp) in marked for zp in family.members], dtype=torch.float64
+            )
         comm.all_reduce(message, self.group)
         summed = message.tolist()
-        return {id(zp) for family, at in self._blocks
-                for zp, count in zip(family.members, summed[at:at + len(family.members)]) if count > 0}
+        return {
+            id(zp)
+            for family, at in self._blocks
+            for zp, count in zip(family.members, summed[at : at + len(family.members)])
+            if count > 0
+        }

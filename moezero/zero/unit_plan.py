@@ -13,6 +13,7 @@ A unit is a module (or a run of modules) whose params are full only around its o
 A param registered under two units belongs to the root. Units nest (an expert stack inside a
 block): a unit's params are those of its subtree outside nested units.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,14 +27,14 @@ from moezero.parallel import is_expert_parallel
 
 @dataclass
 class UnitPlan:
-    modules: List[nn.Module]                    # a unit's first module; [0] is the root
+    modules: List[nn.Module]  # a unit's first module; [0] is the root
     names: List[str]
-    unit_of: Dict[int, int]                     # id(param) -> unit
-    forward_order: List[int] = field(default_factory=list)    # units but the root, module pre-order
-    backward_order: List[int] = field(default_factory=list)   # reverse post-order
-    last_modules: List[nn.Module] = field(default_factory=list)   # a unit's last module (its forward ends it)
+    unit_of: Dict[int, int]  # id(param) -> unit
+    forward_order: List[int] = field(default_factory=list)  # units but the root, module pre-order
+    backward_order: List[int] = field(default_factory=list)  # reverse post-order
+    last_modules: List[nn.Module] = field(default_factory=list)  # a unit's last module (its forward ends it)
     members: List[List[nn.Module]] = field(default_factory=list)  # a unit's modules (a run's blocks), in order
-    parent: Dict[int, int] = field(default_factory=dict)          # a nested unit -> the unit it sits in
+    parent: Dict[int, int] = field(default_factory=dict)  # a nested unit -> the unit it sits in
 
 
 def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params: int = 0) -> UnitPlan:
@@ -45,7 +46,7 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
     managed = {id(p) for p in params}
     modules, last_modules, members, names, pre, post = [model], [model], [[model]], [""], [], []
     parent: Dict[int, int] = {}
-    owner: Dict[int, int] = {}   # id(param) -> unit, 0 when registered under two units
+    owner: Dict[int, int] = {}  # id(param) -> unit, 0 when registered under two units
     seen: Set[int] = set()
 
     def new_unit(run: List[nn.Module], name: str, inside: int) -> int:
@@ -66,8 +67,11 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
             if id(child) not in seen:
                 seen.add(id(child))
                 children.append((f"{name}.{child_name}" if name else child_name, child))
-        groups = _block_groups(children, managed, min_unit_params) \
-            if isinstance(module, (nn.ModuleList, nn.Sequential)) else []
+        groups = (
+            _block_groups(children, managed, min_unit_params)
+            if isinstance(module, (nn.ModuleList, nn.Sequential))
+            else []
+        )
         first_of = {id(group[0][1]): group for group in groups}
         group_unit, group_last = unit, None
         for full, child in children:
@@ -86,8 +90,16 @@ def plan_units(model: nn.Module, params: Sequence[torch.Tensor], min_unit_params
 
     walk(model, "", 0)
     used = set(owner.values())  # units left without params of their own (pure containers) are not gathered
-    return UnitPlan(modules, names, owner, [u for u in pre if u in used], [u for u in reversed(post) if u in used],
-                    last_modules, members, parent)
+    return UnitPlan(
+        modules,
+        names,
+        owner,
+        [u for u in pre if u in used],
+        [u for u in reversed(post) if u in used],
+        last_modules,
+        members,
+        parent,
+    )
 
 
 def _owns_experts(module: nn.Module, managed: Set[int]) -> bool:
@@ -99,11 +111,15 @@ def _dense_params(module: nn.Module, managed: Set[int]) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) in managed and not is_expert_parallel(p))
 
 
-def _block_groups(children: List[Tuple[str, nn.Module]], managed: Set[int], min_params: int
-                  ) -> List[List[Tuple[str, nn.Module]]]:
+def _block_groups(
+    children: List[Tuple[str, nn.Module]], managed: Set[int], min_params: int
+) -> List[List[Tuple[str, nn.Module]]]:
     """A container's blocks (children holding managed params) in consecutive groups of >= min_params."""
-    blocks = [(name, child) for name, child in children
-              if any(id(p) in managed for p in child.parameters()) and not _owns_experts(child, managed)]
+    blocks = [
+        (name, child)
+        for name, child in children
+        if any(id(p) in managed for p in child.parameters()) and not _owns_experts(child, managed)
+    ]
     groups: List[List[Tuple[str, nn.Module]]] = []
     current: List[Tuple[str, nn.Module]] = []
     size = 0
@@ -114,7 +130,7 @@ def _block_groups(children: List[Tuple[str, nn.Module]], managed: Set[int], min_
             groups.append(current)
             current, size = [], 0
     if current and groups:
-        groups[-1].extend(current)   # a short tail joins the group before it
+        groups[-1].extend(current)  # a short tail joins the group before it
     return groups
 
 

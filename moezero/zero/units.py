@@ -22,6 +22,7 @@ whose record joins this sequence) has then launched a differing record, and both
 A read of a param whose unit is free (`param_guard.py`) gathers it on demand while the model's
 forward or a backward runs, and raises outside them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,13 +46,14 @@ from moezero.torch_internals import current_backward, in_backward, queue_end_of_
 DOUBLE_BACKWARD_REFUSED = (
     "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True): a gradient penalty, a double "
     "backward) through a model the stage-3 ZeroOptimizer shards: the graph it records reads params whose units are "
-    "freed once it ends. Use stage=2 (params stay whole on every rank; higher-order gradients there are torch's)")
+    "freed once it ends. Use stage=2 (params stay whole on every rank; higher-order gradients there are torch's)"
+)
 
 
 class UnitState(enum.Enum):
-    FREE = "free"           # storage resized to zero
-    INFLIGHT = "inflight"   # all-gather launched, not waited for
-    READY = "ready"         # full values here
+    FREE = "free"  # storage resized to zero
+    INFLIGHT = "inflight"  # all-gather launched, not waited for
+    READY = "ready"  # full values here
 
 
 class UnitGatherer(BackwardListener):
@@ -73,11 +75,16 @@ class UnitGatherer(BackwardListener):
     the shards and the master weights: the gathered copy of this rank's slice is compared with its shard.
     """
 
-    records_mid_backward = True   # a freed unit gathered again in backward states a record of its own
+    records_mid_backward = True  # a freed unit gathered again in backward states a record of its own
 
-    def __init__(self, plan: UnitPlan, parts: Dict[int, List[Tuple[Any, int]]],
-                 params_per_unit: Dict[int, Optional[int]], agreement: RankAgreement,
-                 take_written: Callable[[List[Any]], None]):
+    def __init__(
+        self,
+        plan: UnitPlan,
+        parts: Dict[int, List[Tuple[Any, int]]],
+        params_per_unit: Dict[int, Optional[int]],
+        agreement: RankAgreement,
+        take_written: Callable[[List[Any]], None],
+    ):
         self.plan = plan
         self.parts = parts
         self.params_per_unit = params_per_unit
@@ -86,35 +93,47 @@ class UnitGatherer(BackwardListener):
         self.state = [UnitState.FREE] * n
         self.works: List[List[Any]] = [[] for _ in range(n)]
         self.collective_units = {u for u, held in parts.items() if any(not storage.local for storage, _ in held)}
-        self.forward = GatherSchedule(plan.forward_order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END,
-                                      agreement, self.collective_units, lead=0)
-        self.backward = GatherSchedule(plan.backward_order, Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
-                                       agreement, self.collective_units, per_message=RECORDS_PER_MESSAGE)
-        self.forward_active = False        # between the root's forward pre-hook and its end
-        self._forward_open = False         # a forward began and did not reach its end (root_post_forward) yet
+        self.forward = GatherSchedule(
+            plan.forward_order,
+            Activity.FORWARD_GATHER,
+            Activity.FORWARD_GATHERS_END,
+            agreement,
+            self.collective_units,
+            lead=0,
+        )
+        self.backward = GatherSchedule(
+            plan.backward_order,
+            Activity.BACKWARD_GATHER,
+            Activity.BACKWARD_GATHERS_END,
+            agreement,
+            self.collective_units,
+            per_message=RECORDS_PER_MESSAGE,
+        )
+        self.forward_active = False  # between the root's forward pre-hook and its end
+        self._forward_open = False  # a forward began and did not reach its end (root_post_forward) yet
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
         self._pending: Dict[int, Optional[int]] = {}
-        self._exposed: Set[int] = set()   # units whose params have their own type (no per-op check)
+        self._exposed: Set[int] = set()  # units whose params have their own type (no per-op check)
         # a write to a gathered unit's params, exposed or not (an on-demand gather, the last block kept for
         # backward), made in any way (the param, an alias, `.data`, which has a version counter of its own), reaches
         # the shards when the unit goes: the gathered copy of this rank's slice differs from its shard then
         # (ShardedParams.written). A local unit's params are its shard: only masters of a narrower dtype need
         # telling, by the params' version counters (unit -> (zero param, version when gathered or handed on)).
         self._versions: Dict[int, List[Tuple[Any, int]]] = {}
-        self.hold_depth = 0   # full_parameters() blocks open (nested ones count): units stay gathered until all end
-        self._kept_at_hold: Set[int] = set()      # units the schedule held when the outermost block began
+        self.hold_depth = 0  # full_parameters() blocks open (nested ones count): units stay gathered until all end
+        self._kept_at_hold: Set[int] = set()  # units the schedule held when the outermost block began
         self._released_in_hold: Set[int] = set()  # of those, the ones the schedule let go of meanwhile
         self.take_written = take_written
         ref = weakref.ref(self)
         self.saved = SavedParamHooks(lambda unit: _regather_saved(ref, unit))
         self._handles = [plan.modules[0].register_forward_hook(WeakHook(self, "_root_done"), always_call=True)]
-        for unit in plan.forward_order:   # a run starts at the first of its blocks that runs (a rank may skip some)
+        for unit in plan.forward_order:  # a run starts at the first of its blocks that runs (a rank may skip some)
             for module in plan.members[unit]:
                 self._handles.append(module.register_forward_pre_hook(WeakHook(self, "_pre_forward", unit)))
             last = plan.last_modules[unit]
             self._handles.append(last.register_forward_hook(WeakHook(self, "_post_forward", unit, pass_last=True)))
-        self._forward_held: Set[int] = set()   # units this forward's schedule gathered and has not let go of
+        self._forward_held: Set[int] = set()  # units this forward's schedule gathered and has not let go of
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -138,8 +157,9 @@ class UnitGatherer(BackwardListener):
         self.works[unit] = [w for storage, key in self.parts[unit] for w in storage.gather(key)]
         self.state[unit] = UnitState.INFLIGHT
 
-    def ensure(self, unit: int, activity: Optional[Activity], schedule: Optional[GatherSchedule] = None,
-               exposed: bool = True) -> None:
+    def ensure(
+        self, unit: int, activity: Optional[Activity], schedule: Optional[GatherSchedule] = None, exposed: bool = True
+    ) -> None:
         """The unit's values here (`exposed`: the schedule's gather, its params of their own type)."""
         self.start(unit, activity, schedule)
         if self.state[unit] is UnitState.INFLIGHT:
@@ -149,9 +169,12 @@ class UnitGatherer(BackwardListener):
             try:
                 for work in self.works[unit]:
                     work.wait()
-            except RuntimeError as exc:   # the group's timeout, or a peer that exited
-                self.agreement.waited_in_vain(f"was gathering unit '{self.plan.names[unit] or '<root>'}' for a "
-                                              f"{'backward' if in_backward() else 'forward'}", exc)
+            except RuntimeError as exc:  # the group's timeout, or a peer that exited
+                self.agreement.waited_in_vain(
+                    f"was gathering unit '{self.plan.names[unit] or '<root>'}' for a "
+                    f"{'backward' if in_backward() else 'forward'}",
+                    exc,
+                )
             self.works[unit] = []
             self.state[unit] = UnitState.READY
             self._note_versions(unit)
@@ -177,8 +200,12 @@ class UnitGatherer(BackwardListener):
         return [zp for storage, key in self.parts.get(unit, []) for zp in storage.members(key)]
 
     def _note_versions(self, unit: int) -> None:
-        self._versions[unit] = [(zp, zp.param._version) for storage, key in self.parts.get(unit, [])
-                                if storage.local for zp in storage.members(key)]
+        self._versions[unit] = [
+            (zp, zp.param._version)
+            for storage, key in self.parts.get(unit, [])
+            if storage.local
+            for zp in storage.members(key)
+        ]
 
     def _hand_on_writes(self, unit: int) -> None:
         """Params of the unit written in place since it was gathered (or since the last hand-on) give their
@@ -212,7 +239,7 @@ class UnitGatherer(BackwardListener):
 
     def _visit(self, schedule: GatherSchedule, unit: int) -> None:
         forward = schedule is self.forward
-        if forward:   # a unit whose last module did not run on this rank ends when the schedule passes it
+        if forward:  # a unit whose last module did not run on this rank ends when the schedule passes it
             for held in self._forward_held - self._ancestors(unit):
                 self._let_go_in_forward(held)
         for skipped in schedule.skipped_before(unit):  # keep the collectives paired with ranks that ran it
@@ -246,7 +273,7 @@ class UnitGatherer(BackwardListener):
             self._pre_backward(unit)
             return
         self.ensure(unit, Activity.ON_DEMAND_GATHER, exposed=False)
-        self._on_demand.add(unit)   # freed when the forward ends; backward gathers it again
+        self._on_demand.add(unit)  # freed when the forward ends; backward gathers it again
 
     def ensure_before_backward(self, unit: int) -> None:
         """Autograd is about to run the backward of an op that read a param of `unit`: the unit's
@@ -266,7 +293,7 @@ class UnitGatherer(BackwardListener):
         self._forward_open = True
         self.forward_active = True
         self.saved.push()
-        self.forward.settle_lead()   # the root's record leads the forward's first message
+        self.forward.settle_lead()  # the root's record leads the forward's first message
         self.ensure(0, None)
 
     def _pre_forward(self, unit: int) -> None:
@@ -319,7 +346,7 @@ class UnitGatherer(BackwardListener):
             self.ensure(skipped, None, self.forward, exposed=False)
             self._let_go_in_forward(skipped)
         self.forward.settle_end()
-        if not any(t.requires_grad for t in _tensors(output)):   # no backward follows; otherwise the root stays
+        if not any(t.requires_grad for t in _tensors(output)):  # no backward follows; otherwise the root stays
             self.free(0)
             for unit in self.backward.order[:1]:
                 self.free(unit)
@@ -354,7 +381,7 @@ class UnitGatherer(BackwardListener):
         task = current_backward()
         if self._backward_task == task:
             return
-        if torch.is_grad_enabled():   # inside a backward: it records a graph (create_graph=True)
+        if torch.is_grad_enabled():  # inside a backward: it records a graph (create_graph=True)
             raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
         self._backward_task = task
         self.agreement.progress.backwards += 1
@@ -365,7 +392,7 @@ class UnitGatherer(BackwardListener):
 
     def _pre_backward(self, unit: int) -> None:
         self.begin_backward()
-        if unit in self.backward.visited or unit not in self.backward.position:   # again, or the root
+        if unit in self.backward.visited or unit not in self.backward.position:  # again, or the root
             self.ensure(unit, Activity.BACKWARD_GATHER)
             return
         self._visit(self.backward, unit)
@@ -458,20 +485,19 @@ class UnitGatherer(BackwardListener):
         issued = torch.tensor([self.forward.issued, self.backward.issued], dtype=torch.int64)
         comm.all_reduce(issued, control_group, op=torch.distributed.ReduceOp.MAX)
         for schedule, count in zip((self.forward, self.backward), issued.tolist()):
-            for unit in schedule.order[schedule.issued:count]:
+            for unit in schedule.order[schedule.issued : count]:
                 self.start(unit, None)
-        self.agreement.realign(control_group)   # first: the failed pass's records are dropped, not compared
+        self.agreement.realign(control_group)  # first: the failed pass's records are dropped, not compared
         self.free_all()
         self.forward.reset(launch_records=False)
         self.backward.reset(launch_records=False)
         self._backward_task = None
 
 
-
 def _tensors(output: Any) -> List[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):   # MoEStats, say
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):  # MoEStats, say
         return [t for f in dataclasses.fields(output) for t in _tensors(getattr(output, f.name))]
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in _tensors(item)]
@@ -486,8 +512,10 @@ def _regather_saved(ref, unit: int) -> None:
     if gatherer is None or gatherer.state[unit] is UnitState.READY:
         return
     if not in_backward():
-        raise RuntimeError(f"a tensor saved from unit '{gatherer.plan.names[unit] or '<root>'}' was read outside "
-                           "a backward after the unit was freed")
+        raise RuntimeError(
+            f"a tensor saved from unit '{gatherer.plan.names[unit] or '<root>'}' was read outside "
+            "a backward after the unit was freed"
+        )
     gatherer._pre_backward(unit)
 
 
@@ -496,4 +524,5 @@ def _pre_backward_hook(ref, unit: int):
         gatherer = ref()
         if gatherer is not None:
             gatherer._pre_backward(unit)
+
     return hook

@@ -15,6 +15,7 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
     optimizer   bucket - start of the bucket's optimizer range (`optimizer_slice`; `MasterPiece.offset` is one)
     global      param + the param's offset in its global tensor (`ZeroParam.global_range`)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,10 +52,10 @@ class MasterPiece:
     """The part of one param whose master weights this rank holds: the leaf the inner optimizer steps."""
 
     param: "ZeroParam"
-    param_range: Range        # param coordinates
-    offset: int               # optimizer coordinates: where the piece starts in its bucket's master
+    param_range: Range  # param coordinates
+    offset: int  # optimizer coordinates: where the piece starts in its bucket's master
     master: torch.Tensor
-    owned: slice              # the part of the piece this rank owns (all of it, except at stage 0)
+    owned: slice  # the part of the piece this rank owns (all of it, except at stage 0)
 
     @property
     def numel(self) -> int:
@@ -62,7 +63,7 @@ class MasterPiece:
 
     def of(self, bucket_flat: torch.Tensor) -> torch.Tensor:
         """The piece's slice of a tensor over the bucket's optimizer range (a reduced gradient)."""
-        return bucket_flat[self.offset:self.offset + self.numel]
+        return bucket_flat[self.offset : self.offset + self.numel]
 
     def global_range(self, part: slice) -> Range:
         start = self.param_range[0] + part.start
@@ -74,15 +75,15 @@ class ZeroParam:
     name: str
     param: nn.Parameter
     slot: ParamSlot
-    position: int                              # among its bucket's params
-    unit: int = 0                              # stage-3 gather unit (0: the root; stages 0-2: all 0)
+    position: int  # among its bucket's params
+    unit: int = 0  # stage-3 gather unit (0: the root; stages 0-2: all 0)
     family: Optional["ParamFamily"] = field(default=None, repr=False)
     fired: bool = False
     got_grad: bool = False
     got_grad_anywhere: bool = False
     exposed: bool = False
     _placeholder: Optional[ShardedGradient] = field(default=None, repr=False)
-    _home: Optional[int] = field(default=None, repr=False)   # storage_key of where the optimizer put it
+    _home: Optional[int] = field(default=None, repr=False)  # storage_key of where the optimizer put it
 
     def __post_init__(self):
         self.global_shape, self.global_offset = global_placement(self.param)
@@ -130,7 +131,7 @@ class ZeroParam:
     def adopt_storage(self, home: torch.Tensor) -> None:
         """From now on the param's values live in `home` (a view shaped like it, in the optimizer's buffer)."""
         p = self.param
-        if p.device.type == "meta":   # deferred: it never held its values
+        if p.device.type == "meta":  # deferred: it never held its values
             allocate(p, home.device, empty=True)
         p.data = home
         values_arrived(p)
@@ -145,11 +146,11 @@ class ZeroParam:
 class ParamFamily:
     """Params of one (reduce group, dtype); see param_families.py's docstring."""
 
-    kind: str                         # "dense" or "expert"
+    kind: str  # "dense" or "expert"
     dtype: torch.dtype
-    trainable: bool                   # False: frozen when adopted; no gradient hooks, never reduced
-    group: Optional[Any]              # the reduce group (dp or edp)
-    members: List[ZeroParam]          # in layout order
+    trainable: bool  # False: frozen when adopted; no gradient hooks, never reduced
+    group: Optional[Any]  # the reduce group (dp or edp)
+    members: List[ZeroParam]  # in layout order
     layout: FlatLayout
 
     def __post_init__(self):
@@ -175,7 +176,7 @@ class ParamFamily:
     def bucket_region(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
         """The bucket's slice of a family-sized flat tensor."""
         b = self.layout.buckets[bucket]
-        return flat[b.start:b.start + b.numel]
+        return flat[b.start : b.start + b.numel]
 
     def view_in_bucket(self, bucket_tensor: torch.Tensor, zp: ZeroParam) -> torch.Tensor:
         """The param's slice of a bucket-sized flat tensor, shaped like the param."""

@@ -1,5 +1,6 @@
 """Checksums on two ranks: a shard only one rank reads is damaged; every rank refuses the checkpoint with the
 same line (the check is agreed before DCP's collective read, so no rank loads and none waits)."""
+
 import os
 
 import torch
@@ -15,7 +16,7 @@ def _model_and_optimizer(groups):
     from moezero.models import GPTModel
     from moezero.zero import ZeroOptimizer
 
-    model = GPTModel(GPT, MOE, seed=3)   # ep 1: every rank holds every expert
+    model = GPTModel(GPT, MOE, seed=3)  # ep 1: every rank holds every expert
     return model, ZeroOptimizer(model, torch.optim.AdamW, groups, stage=2, lr=1e-2)
 
 
@@ -54,7 +55,7 @@ def _publishing_fails_on_rank_0(root):
 
     if dist.get_rank() == 0:
         checksums.write_manifest = full
-    try:   # the workers outlive the test: the patch goes with it
+    try:  # the workers outlive the test: the patch goes with it
         checkpoint.save_checkpoint(root, 2, model, opt, configs={}, plugins={})
     except checkpoint.CheckpointError as error:
         return str(error), checkpoint.latest_iteration(root)
@@ -66,6 +67,6 @@ def _publishing_fails_on_rank_0(root):
 
 def test_a_manifest_rank_0_cannot_write_is_one_error_on_every_rank(tmp_path):
     (first, latest0), (second, latest1) = run_distributed(_publishing_fails_on_rank_0, 2, str(tmp_path / "ckpt"))
-    assert "publishing iteration 2 failed (OSError: [Errno 28] No space left" in first   # rank 0's, the one shown
+    assert "publishing iteration 2 failed (OSError: [Errno 28] No space left" in first  # rank 0's, the one shown
     assert "publishing iteration 2 failed (rank 0 could not write" in second
     assert latest0 == latest1 == 1

@@ -57,7 +57,7 @@ def _check_all_to_all(hidden):
     groups = ParallelGroups.build(expert_parallel_size=world)
     x = _rows_from(rank, hidden).requires_grad_(True)
     counts = torch.tensor([SEND_COUNTS[rank]] * world)  # row j goes to rank j: the whole send vector
-    recv_counts = comm.exchange_counts(counts, groups.ep)   # row i: what rank i sends everyone
+    recv_counts = comm.exchange_counts(counts, groups.ep)  # row i: what rank i sends everyone
     output_splits = recv_counts[:, rank].tolist()
     assert output_splits == [SEND_COUNTS[i][rank] for i in range(world)]
     y = comm.all_to_all(x, output_splits, SEND_COUNTS[rank], groups.ep)
@@ -66,7 +66,7 @@ def _check_all_to_all(hidden):
     for i in range(world):
         rows = _rows_from(i, hidden)
         start = sum(SEND_COUNTS[i][:rank])
-        expected.append(rows[start:start + SEND_COUNTS[i][rank]])
+        expected.append(rows[start : start + SEND_COUNTS[i][rank]])
     torch.testing.assert_close(y, torch.cat(expected), rtol=0, atol=0)
     # gradient: d/dx of sum(y * w(rank)) is w(destination) on the rows sent there
     (y * (rank + 1.0)).sum().backward()
@@ -102,8 +102,10 @@ def _check_reduce_scatter():
         size, me = len(ranks), ranks.index(rank)
         for dtype in (torch.float32, torch.bfloat16):
             for async_op in (False, True):
+
                 def inputs(r):
                     return torch.randn(6 * size, generator=torch.Generator().manual_seed(r), dtype=dtype)
+
                 work, mine = comm.reduce_scatter_in_place(inputs(rank), group, async_op=async_op)
                 assert (work is None) != async_op
                 if work is not None:
@@ -111,7 +113,7 @@ def _check_reduce_scatter():
                 expected = inputs(ranks[0])
                 for r in ranks[1:]:
                     expected = expected + inputs(r)
-                torch.testing.assert_close(mine, expected[6 * me:6 * (me + 1)], rtol=0, atol=0)
+                torch.testing.assert_close(mine, expected[6 * me : 6 * (me + 1)], rtol=0, atol=0)
             # bf16 pieces summed in fp32 (stages 2/3 with bf16 params): the bits of the fp32 reduction of the
             # widened inputs, while the pieces travel as bf16
             wide = torch.empty(6, dtype=torch.float64 if dtype == torch.float32 else torch.float32)
@@ -134,19 +136,23 @@ def _check_all_gather():
     for group, ranks in members.items():
         size, me = len(ranks), ranks.index(rank)
         for dtype in (torch.float32, torch.bfloat16):
+
             def inputs(r, n):
                 return torch.randn(n, generator=torch.Generator().manual_seed(1000 * n + r), dtype=dtype)
+
             expected = {n: torch.cat([inputs(r, n) for r in ranks]) for n in (5, 7)}
             apart = torch.zeros(5 * size, dtype=dtype)
             in_place = torch.zeros(7 * size, dtype=dtype)
-            in_place[7 * me:7 * (me + 1)] = inputs(rank, 7)
-            works = [comm.all_gather(apart, inputs(rank, 5), group, async_op=True),
-                     comm.all_gather(in_place, in_place[7 * me:7 * (me + 1)], group, async_op=True)]
+            in_place[7 * me : 7 * (me + 1)] = inputs(rank, 7)
+            works = [
+                comm.all_gather(apart, inputs(rank, 5), group, async_op=True),
+                comm.all_gather(in_place, in_place[7 * me : 7 * (me + 1)], group, async_op=True),
+            ]
             for work in reversed(works):
                 work.wait()
             torch.testing.assert_close(apart, expected[5], rtol=0, atol=0)
             torch.testing.assert_close(in_place, expected[7], rtol=0, atol=0)
-            out = torch.zeros(3 * size, 2, dtype=dtype)   # 2-D: rows of each member, as hf.save gathers experts
+            out = torch.zeros(3 * size, 2, dtype=dtype)  # 2-D: rows of each member, as hf.save gathers experts
             assert comm.all_gather(out, torch.full((3, 2), float(rank), dtype=dtype), group) is None
             torch.testing.assert_close(out, torch.tensor(ranks, dtype=dtype).repeat_interleave(6).view(-1, 2))
     groups.destroy()
@@ -155,7 +161,7 @@ def _check_all_gather():
 def _rank_values(r, dtype):
     """Rank r's values; the last one sums differently in another order (1 + half an ulp, three times)."""
     if not dtype.is_floating_point:
-        return torch.tensor([7, -3, r + 1, r % 3, -r, 2 * r, 5 - r, 10 ** 12 * r], dtype=dtype)
+        return torch.tensor([7, -3, r + 1, r % 3, -r, 2 * r, 5 - r, 10**12 * r], dtype=dtype)
     half_ulp = torch.finfo(dtype).eps / 2
     return torch.tensor([1e3, -3.0, 0.1 * (r + 1), r % 3, -r, 2.5 * r, 5 - r, 1.0 if r == 0 else half_ulp], dtype=dtype)
 
@@ -181,7 +187,7 @@ def _check_small_all_reduce(local_records):
                 ordered = ordered.amax(0) if op == dist.ReduceOp.MAX else ordered.amin(0)
             work = comm.all_reduce(x, groups.control, op=op, async_op=True)
             if rank == 0:
-                try:   # the peers are still behind the barrier: the slice times out, a later wait resumes
+                try:  # the peers are still behind the barrier: the slice times out, a later wait resumes
                     work.wait(datetime.timedelta(milliseconds=1))
                 except RuntimeError:
                     pass
@@ -248,7 +254,7 @@ def _check_transports_chosen_once():
             for group in every:
                 _each_collective(group)
             served = [g for g in every if isinstance(transport_of(g), LocalTransport)]
-            assert (len(served) >= 3) == local_records   # dp, ep, control: pipes (edp's rings: x86 hosts)
+            assert (len(served) >= 3) == local_records  # dp, ep, control: pipes (edp's rings: x86 hosts)
             assert all(chosen.count(g) == (g not in served) for g in every), (local_records, chosen)
             assert type(transport_of(own)) is GlooTransport
             chosen.clear()
@@ -265,13 +271,13 @@ def _check_collectives(hidden):
     for local_records in (True, False):
         _check_count_exchange(local_records)
     sums = [_check_small_all_reduce(local_records) for local_records in (True, False)]
-    assert sums[0] == sums[1]   # the pipes' sums, bit for bit gloo's
+    assert sums[0] == sums[1]  # the pipes' sums, bit for bit gloo's
     return sums[0], _check_all_to_all(hidden)
 
 
 def test_all_to_all_uneven_splits_forward_and_backward_and_reduce_scatter_and_all_gather():
     results = run_distributed(_check_collectives, 4, 3)
-    assert all(sums == results[0][0] for sums, _ in results)   # the same bits on every rank
+    assert all(sums == results[0][0] for sums, _ in results)  # the same bits on every rank
     assert [size for _, size in results] == [sum(SEND_COUNTS[i][j] for i in range(4)) for j in range(4)]
 
 
@@ -295,8 +301,10 @@ def test_a_group_nobody_released_is_not_kept_alive_by_its_transport():
         "transport_of(g)\n"
         "ref = weakref.ref(g)\n"
         "dist.destroy_process_group(g); del g; gc.collect()\n"
-        "print('alive' if ref() is not None else 'freed')\n")
+        "print('alive' if ref() is not None else 'freed')\n"
+    )
     import subprocess
     import sys
+
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "freed", out.stdout + out.stderr

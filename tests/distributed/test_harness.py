@@ -1,5 +1,6 @@
 """The harness itself: results come back in rank order, failures carry the failing rank's
 traceback, hangs are reported by rank, and no process outlives a failure."""
+
 import os
 import time
 

@@ -2,6 +2,7 @@
 3 iterations under ZeRO (stage 2 and 3) train as torch does on one process, and save_pretrained gathers the
 experts into a directory transformers loads to the trained model's logits. Loaded lazily, the other params
 are read by the ZeRO optimizer: at stage 3 each rank reads only the rows of its shard."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,8 +34,9 @@ def _train_on_ranks(hub_dir, out_dir, stage):
     assert moe.experts.w1.shape[0] == moe.config.num_experts // 2, "each ep rank holds half the experts"
     with torch.no_grad():
         first_logits = model(PROBE)[0]
-    opt = ZeroOptimizer(model.train(), torch.optim.AdamW, groups, stage=stage, lr=LR, bucket_size=500,
-                        grad_reduce_dtype=torch.float64)
+    opt = ZeroOptimizer(
+        model.train(), torch.optim.AdamW, groups, stage=stage, lr=LR, bucket_size=500, grad_reduce_dtype=torch.float64
+    )
     for step in range(STEPS):
         _loss(model, BATCHES[step, rank]).backward()
         opt.step()
@@ -44,7 +46,7 @@ def _train_on_ranks(hub_dir, out_dir, stage):
     try:
         hub.save_pretrained(model, out_dir, groups=groups, optimizer=opt if stage == 3 else None)
         refused = None
-    except hub.UnsupportedModel as exc:   # GPT-OSS: a layer's stacked experts, which no ep 2 rank holds whole
+    except hub.UnsupportedModel as exc:  # GPT-OSS: a layer's stacked experts, which no ep 2 rank holds whole
         refused = str(exc)
     groups.destroy()
     return first_logits, trained_logits, refused
@@ -61,9 +63,20 @@ def _torch_reference(hub_dir):
         return model.eval()(PROBE)[0]
 
 
-@pytest.mark.parametrize("family, stage", [("qwen2_moe", 2), ("mixtral", 3), ("qwen3_moe", 3), ("olmoe", 2),
-                                           ("deepseek_v2", 2), ("deepseek_v3", 3), ("kimi_k2", 2),
-                                           ("glm4_moe", 3), ("gpt_oss", 3)])
+@pytest.mark.parametrize(
+    "family, stage",
+    [
+        ("qwen2_moe", 2),
+        ("mixtral", 3),
+        ("qwen3_moe", 3),
+        ("olmoe", 2),
+        ("deepseek_v2", 2),
+        ("deepseek_v3", 3),
+        ("kimi_k2", 2),
+        ("glm4_moe", 3),
+        ("gpt_oss", 3),
+    ],
+)
 def test_import_train_on_two_ranks_and_export(family, stage, tmp_path):
     hub_dir, out_dir = str(tmp_path / "hub"), str(tmp_path / "out")
     original = save_tiny_model(family, hub_dir, seed=2)
@@ -75,7 +88,7 @@ def test_import_train_on_two_ranks_and_export(family, stage, tmp_path):
         torch.testing.assert_close(first, expected_first, rtol=0, atol=1e-8)
         torch.testing.assert_close(after, trained, rtol=0, atol=1e-8)
         assert (refused is not None) == (family == "gpt_oss"), refused
-    if family == "gpt_oss":   # its export is the checkpoint's (tests/integration/test_hf_checkpoint.py)
+    if family == "gpt_oss":  # its export is the checkpoint's (tests/integration/test_hf_checkpoint.py)
         assert "holds all experts of a layer in one tensor" in refused
         return
     exported = load_with_transformers(out_dir)
@@ -137,4 +150,7 @@ def test_a_write_rank_0_cannot_do_is_an_error_on_every_rank(tmp_path):
     hub_dir, blocked = str(tmp_path / "hub"), tmp_path / "a_file"
     save_tiny_model("mixtral", hub_dir)
     blocked.write_text("not a directory")
-    assert run_distributed(_save_into_a_file, WORLD, hub_dir, str(blocked), timeout=60) == ["FileExistsError", "OSError"]
+    assert run_distributed(_save_into_a_file, WORLD, hub_dir, str(blocked), timeout=60) == [
+        "FileExistsError",
+        "OSError",
+    ]

@@ -1,6 +1,7 @@
 """The agreement records' pipes between ranks on one host (`moezero/parallel/local_channel.py`): messages pair by
 index and arrive async, a peer that exits is known at once (also with a forked child alive), one that never
 writes at the group's timeout, and a world that cannot share pipes keeps gloo on every rank."""
+
 import datetime
 import glob
 import os
@@ -32,7 +33,7 @@ def _messages_pair_by_index(out, rank):
     out["channel"] = channel is not None
     out["gloo when asked"] = _pipes(ParallelGroups.build(local_records=False).agreement_group()) is None
     out["no names left"] = _names() <= names
-    if rank == 0:   # three messages ahead of rank 1: none has its pair yet
+    if rank == 0:  # three messages ahead of rank 1: none has its pair yet
         indices = [channel.post(f"zero {i}".encode()) for i in range(3)]
         out["arrived early"] = channel.arrived(indices[0])
         dist.barrier(group)
@@ -48,7 +49,7 @@ def _messages_pair_by_index(out, rank):
 def _timeout_and_exit(out, rank):
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
     group = groups.agreement_group()
-    if rank == 0:   # rank 1 never states this record
+    if rank == 0:  # rank 1 never states this record
         start = time.monotonic()
         try:
             Agreement([[5]], group, lambda record: "was ending a backward").check()
@@ -57,7 +58,7 @@ def _timeout_and_exit(out, rank):
     dist.barrier()
     group = ParallelGroups.build(timeout=datetime.timedelta(seconds=60)).agreement_group()
     channel = _pipes(group)
-    if rank == 1:   # a forked child (a data loader's worker) holds no pipe: closing ours is an exit seen at once
+    if rank == 1:  # a forked child (a data loader's worker) holds no pipe: closing ours is an exit seen at once
         child = os.fork()
         if child == 0:
             os._exit(0 if not channel.readers and not channel.writers else 3)
@@ -78,14 +79,15 @@ def _timeout_and_exit(out, rank):
 
 def _worlds_without_pipes(out, rank, monkeypatch_host):
     names = _names()
-    if monkeypatch_host:   # rank 1 on another machine
+    if monkeypatch_host:  # rank 1 on another machine
         original = local_channel._host_identity
         local_channel._host_identity = lambda: "elsewhere" if rank == 1 else original()
-    else:   # rank 1 cannot make pipes here (another temp directory, a read-only one)
+    else:  # rank 1 cannot make pipes here (another temp directory, a read-only one)
         original = os.mkfifo
 
         def refuse(*args, **kwargs):
             raise PermissionError("read-only")
+
         os.mkfifo = refuse if rank == 1 else original
     try:
         group = ParallelGroups.build().agreement_group()
@@ -95,13 +97,14 @@ def _worlds_without_pipes(out, rank, monkeypatch_host):
         else:
             os.mkfifo = original
     out["channel", monkeypatch_host] = _pipes(group) is not None
-    Agreement([[1, rank % 1]], group, str).check()   # the records travel on gloo instead
+    Agreement([[1, rank % 1]], group, str).check()  # the records travel on gloo instead
     out["no names left", monkeypatch_host] = _names() <= names
 
 
 def _high_descriptors(out, rank):
     """A process with many groups and files: the pipes' descriptors above 1024 (select's limit) still wait."""
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
         out["high"] = "skipped"
@@ -112,7 +115,7 @@ def _high_descriptors(out, rank):
         channel = _pipes(ParallelGroups.build().agreement_group())
         out["high fds"] = min(channel.readers.values()) > 1024
         if rank == 1:
-            time.sleep(0.3)   # rank 0 blocks in the wait meanwhile
+            time.sleep(0.3)  # rank 0 blocks in the wait meanwhile
         out["high"] = channel.wait(channel.post(b"x%d" % rank))
     finally:
         for fd in fillers:
@@ -125,10 +128,12 @@ def _short_all_reduces(out, rank):
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
     out["short piped"] = all(_pipes(g) is not None for g in (groups.dp, groups.control))
     values = {}
-    for name, x, op in (("sum", torch.tensor([0.1 * (rank + 1), 1e16, -rank], dtype=torch.float64), "SUM"),
-                        ("flag", torch.tensor([float(rank)]), "MIN"),
-                        ("max", torch.tensor([[rank, 7 - rank]], dtype=torch.int64), "MAX"),
-                        ("bf16", torch.tensor([1.5 + rank, 3.0], dtype=torch.bfloat16), "SUM")):
+    for name, x, op in (
+        ("sum", torch.tensor([0.1 * (rank + 1), 1e16, -rank], dtype=torch.float64), "SUM"),
+        ("flag", torch.tensor([float(rank)]), "MIN"),
+        ("max", torch.tensor([[rank, 7 - rank]], dtype=torch.int64), "MAX"),
+        ("bf16", torch.tensor([1.5 + rank, 3.0], dtype=torch.bfloat16), "SUM"),
+    ):
         assert comm.small_reduce.reduces_small(x, groups.control, getattr(dist.ReduceOp, op))
         comm.all_reduce(x, groups.control, op=getattr(dist.ReduceOp, op))
         values[name] = x.tolist()
@@ -145,7 +150,7 @@ def _short_all_reduces(out, rank):
         except RuntimeError:
             slices += 1
     out["sliced"] = (x.tolist(), slices)
-    if rank == 0:   # rank 1 never joins this one
+    if rank == 0:  # rank 1 never joins this one
         start = time.monotonic()
         try:
             comm.all_reduce(torch.ones(2), groups.control)
@@ -160,11 +165,10 @@ def _full_pipes_and_deadlines(out, rank):
     never comes ends at the group's timeout from its launch, not later; a closed channel says so."""
     group = ParallelGroups.build(timeout=datetime.timedelta(seconds=10)).agreement_group()
     channel = _pipes(group)
-    indices = [channel.post(bytes([rank, i % 256]) * 512) for i in range(300)]   # 300 KiB each way
-    out["full pipes"] = all(channel.wait(i) == [bytes([0, i % 256]) * 512, bytes([1, i % 256]) * 512]
-                            for i in indices)
+    indices = [channel.post(bytes([rank, i % 256]) * 512) for i in range(300)]  # 300 KiB each way
+    out["full pipes"] = all(channel.wait(i) == [bytes([0, i % 256]) * 512, bytes([1, i % 256]) * 512] for i in indices)
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=2))
-    if rank == 0:   # rank 1 never joins
+    if rank == 0:  # rank 1 never joins
         start = time.monotonic()
         work = comm.all_reduce(torch.ones(2), groups.control, async_op=True)
         try:
@@ -206,10 +210,14 @@ def test_local_channel_pairs_messages_and_reports_missing_peers():
     assert "control group" in message and 1.9 <= waited < 3.5, (message, waited)
     for out in results:
         assert out["short piped"], out
-        assert out["short values"] == {"sum": [0.1 + 0.2, 2e16, -1.0], "flag": [0.0], "max": [[1, 7]],
-                                       "bf16": [4.0, 6.0]}, out["short values"]
+        assert out["short values"] == {
+            "sum": [0.1 + 0.2, 2e16, -1.0],
+            "flag": [0.0],
+            "max": [[1, 7]],
+            "bf16": [4.0, 6.0],
+        }, out["short values"]
         assert out["sliced"][0] == [2.0, 1.0], out["sliced"]
-    assert results[0]["sliced"][1] >= 3   # rank 0 waited ~0.2 s in 20 ms slices, then had its sum
+    assert results[0]["sliced"][1] >= 3  # rank 0 waited ~0.2 s in 20 ms slices, then had its sum
     message, waited = results[0]["short timeout"]
     assert "no message" in message and "control group" in message and 1.9 <= waited < 30, (message, waited)
     for out in results:
@@ -217,7 +225,7 @@ def test_local_channel_pairs_messages_and_reports_missing_peers():
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
     assert "no message 0 from rank 1" in results[0]["timeout"] and "timeout (2 s)" in results[0]["timeout"]
     assert 1.9 <= results[0]["waited"] < 30, results[0]["waited"]
-    assert results[1]["child"] == 0   # the forked child had closed its copies of the pipes
-    assert results[0]["last"] == [b"first", b"last"]   # what a peer sent before it exited still counts
+    assert results[1]["child"] == 0  # the forked child had closed its copies of the pipes
+    assert results[0]["last"] == [b"first", b"last"]  # what a peer sent before it exited still counts
     assert "rank 1 of the agreement group exited" in results[0]["exit"], results[0]["exit"]
-    assert results[0]["exit waited"] < 30, results[0]["exit waited"]   # at once, not at the 60 s timeout
+    assert results[0]["exit waited"] < 30, results[0]["exit waited"]  # at once, not at the 60 s timeout

@@ -4,6 +4,7 @@ the same bytes as gloo's all-to-all for uneven splits (empty ones too), by ring,
 a receive posted late when a ring is full (with the peers busy elsewhere meanwhile: nobody waits for a reader),
 waited in any order; nothing left in /dev/shm; a peer that exits is an error at once; a peer that never waits
 (it raised) leaves no sender waiting for it."""
+
 import glob
 import platform
 import tempfile
@@ -51,7 +52,7 @@ def _exchange_cases(out, rank):
     out["sizes"] = [local_exchange.ring_bytes(n) >> 10 for n in (2, 3, 9, 200)]
     out["no names left"] = _names() <= names
     equal = []
-    for limit in (exchange.limit, 64):   # 64 bytes: most messages by gloo send and receive
+    for limit in (exchange.limit, 64):  # 64 bytes: most messages by gloo send and receive
         exchange.limit = limit
         works = []
         for step, (width, dtype) in enumerate([(7, torch.float32), (5, torch.bfloat16), (3, torch.int64)] * 3):
@@ -60,7 +61,7 @@ def _exchange_cases(out, rank):
             recv = [send[i][rank] for i in range(world)]
             got = torch.empty(sum(recv), width, dtype=dtype)
             works.append((transport_of(piped.ep).all_to_all(got, x, recv, send[rank]), got, x, recv, send[rank]))
-        for work, got, x, recv, sent in reversed(works):   # waited in reverse: rings free out of order
+        for work, got, x, recv, sent in reversed(works):  # waited in reverse: rings free out of order
             work.wait()
             want = torch.empty_like(got)
             dist.all_to_all_single(want, x, recv, sent, group=gloo.ep)
@@ -68,7 +69,7 @@ def _exchange_cases(out, rank):
     out["equal"] = equal
     exchange.limit = local_exchange.ring_bytes(world) // 8
     ring = exchange.outgoing[(exchange.me + 1) % world]
-    full = []   # 20 messages of 600 KB in flight: the ring (8 MB at 3 ranks) fills, the rest go as late gloo receives
+    full = []  # 20 messages of 600 KB in flight: the ring (8 MB at 3 ranks) fills, the rest go as late gloo receives
     for step in range(20):
         x = torch.full((world * 600, 256), float(rank + step), dtype=torch.float32).view(-1, 256)[: world * 600]
         got = torch.empty_like(x)
@@ -78,12 +79,13 @@ def _exchange_cases(out, rank):
     ok = True
     for work, got, step in full:
         work.wait()
-        ok = ok and all(torch.equal(part, torch.full_like(part, float(r + step)))
-                        for r, part in enumerate(got.split(600)))
+        ok = ok and all(
+            torch.equal(part, torch.full_like(part, float(r + step))) for r, part in enumerate(got.split(600))
+        )
     out["full ring"] = ok
-    dist.barrier(gloo.dp)   # the peer frees this rank's spans in its own waits (no wait here waits for it)
+    dist.barrier(gloo.dp)  # the peer frees this rank's spans in its own waits (no wait here waits for it)
     out["ring freed"] = int(ring.freed_word.item()) == ring.head
-    if rank == 1:   # as if it exited: its pipes close, rank 0 knows at its next wait
+    if rank == 1:  # as if it exited: its pipes close, rank 0 knows at its next wait
         _pipes(piped.ep).close()
     else:
         x = torch.ones(world, 4)
@@ -109,18 +111,25 @@ def _bucket_cases(out, rank):
     piped = ParallelGroups.build(expert_parallel_size=world)
     gloo = ParallelGroups.build(expert_parallel_size=world, local_records=False)
     exchange = _rings(piped.dp)
-    out["bucket rings"] = (exchange is not None and exchange.channel is not _pipes(piped.dp)
-                           and _rings(gloo.dp) is None and _rings(piped.edp) is None)
+    out["bucket rings"] = (
+        exchange is not None
+        and exchange.channel is not _pipes(piped.dp)
+        and _rings(gloo.dp) is None
+        and _rings(piped.edp) is None
+    )
     out["bucket ring kB"] = exchange.outgoing[(rank + 1) % world].capacity >> 10
-    wide = ParallelGroups.build(expert_parallel_size=1)   # experts reduced over every rank: their rings too
+    wide = ParallelGroups.build(expert_parallel_size=1)  # experts reduced over every rank: their rings too
     out["edp rings"] = _rings(wide.edp) is not None and _rings(wide.edp) is not exchange
     # stage 3's gather groups (made on first use): rings of their own, none between hosts' settings
     gathers = [_rings(group) for group in wide.gather_groups()]
-    out["gather rings"] = (None not in gathers and len({id(e) for e in gathers + [exchange]}) == 3
-                           and [_rings(group) for group in gloo.gather_groups()] == [None, None])
+    out["gather rings"] = (
+        None not in gathers
+        and len({id(e) for e in gathers + [exchange]}) == 3
+        and [_rings(group) for group in gloo.gather_groups()] == [None, None]
+    )
     wide.destroy()
     equal = []
-    for limit in (exchange.limit, 256):   # 256 bytes: most messages by gloo send and receive
+    for limit in (exchange.limit, 256):  # 256 bytes: most messages by gloo send and receive
         exchange.limit = limit
         for step, (n, dtype) in enumerate([(3 * 4096, torch.float32), (3 * 1000, torch.bfloat16), (3, torch.float64)]):
             g = torch.Generator().manual_seed(step * 10 + rank)
@@ -128,11 +137,14 @@ def _bucket_cases(out, rank):
             got = [None, None]
             for slot, groups in enumerate((piped, gloo)):
                 source = grads.clone()
-                if rank == 1:   # a short all-reduce on the dp group before the launch here, after it elsewhere
+                if rank == 1:  # a short all-reduce on the dp group before the launch here, after it elsewhere
                     comm.all_reduce(torch.ones(2), groups.dp)
-                work, mine = comm.reduce_scatter_in_place(source, groups.dp, async_op=True,
-                                                          sum_into=torch.empty(n // world) if dtype == torch.bfloat16
-                                                          else None)
+                work, mine = comm.reduce_scatter_in_place(
+                    source,
+                    groups.dp,
+                    async_op=True,
+                    sum_into=torch.empty(n // world) if dtype == torch.bfloat16 else None,
+                )
                 if rank != 1:
                     comm.all_reduce(torch.ones(2), groups.dp)
                 work.wait()
@@ -143,15 +155,17 @@ def _bucket_cases(out, rank):
     out["bucket equal"] = equal
     exchange.limit = local_exchange.BUCKETS.ring_bytes(world) // local_exchange.BUCKETS.largest_share
     ring = exchange.outgoing[(rank + 1) % world]
-    in_flight = []   # 12 reduce-scatters of 3 x 1.5 MB: the 16 MB ring fills, the rest go as late gloo receives
+    in_flight = []  # 12 reduce-scatters of 3 x 1.5 MB: the 16 MB ring fills, the rest go as late gloo receives
     for step in range(12):
-        in_flight.append(comm.reduce_scatter_in_place(torch.full((world * 393216,), float(rank + step)), piped.dp,
-                                                      async_op=True))
+        in_flight.append(
+            comm.reduce_scatter_in_place(torch.full((world * 393216,), float(rank + step)), piped.dp, async_op=True)
+        )
     out["bucket ring filled"] = int(ring.freed_word.item()) < ring.head - ring.capacity // 2
     dist.barrier(gloo.dp)
-    out["bucket full ring"] = all(work.wait() and torch.equal(mine, torch.full_like(mine, float(sum(range(world))
-                                                                                                 + world * step)))
-                                  for step, (work, mine) in enumerate(in_flight))
+    out["bucket full ring"] = all(
+        work.wait() and torch.equal(mine, torch.full_like(mine, float(sum(range(world)) + world * step)))
+        for step, (work, mine) in enumerate(in_flight)
+    )
     piped.destroy()
     gloo.destroy()
     out["bucket names left"] = bool(_names() - names)
@@ -173,8 +187,10 @@ def _late_send_cases(out, rank):
     work = transport_of(piped.ep).all_to_all(got, x, [4] * world, [4] * world)
     if rank != 0:
         work.wait()
-        out["late send"] = all(torch.equal(part, torch.full_like(part, float(r))) for r, part in enumerate(got.split(4)))
-    dist.barrier()   # the world is torn down after (rank 1's send to rank 0 never completes)
+        out["late send"] = all(
+            torch.equal(part, torch.full_like(part, float(r))) for r, part in enumerate(got.split(4))
+        )
+    dist.barrier()  # the world is torn down after (rank 1's send to rank 0 never completes)
 
 
 def _cases():
@@ -185,8 +201,10 @@ def _cases():
     return out
 
 
-@pytest.mark.skipif(platform.machine().lower() not in local_exchange._ORDERED_STORES,
-                    reason="shared-memory rings only on x86 hosts (gloo elsewhere)")
+@pytest.mark.skipif(
+    platform.machine().lower() not in local_exchange._ORDERED_STORES,
+    reason="shared-memory rings only on x86 hosts (gloo elsewhere)",
+)
 def test_local_exchange_matches_gloo_and_reports_gone_peers():
     results = run_distributed(_cases, 3, isolated=True, timeout=180)
     for rank, out in enumerate(results):

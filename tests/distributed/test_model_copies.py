@@ -4,6 +4,7 @@ The field failure: `cannot pickle ProcessGroup` (the MoE layer's dispatcher and 
 groups). A copy shares the groups (it talks to the same ranks) and copies everything else; its forward
 is as collective as the original's. The EMA kept over the steps equals single-process torch's EMA.
 """
+
 import copy
 
 import torch
@@ -44,11 +45,12 @@ def _ema_of_an_moe_model():
     for stage in (0, 1, 2, 3):
         groups = ParallelGroups.build(expert_parallel_size=2)
         model = ZeroTestModel(groups).double()
-        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64,
-                            grad_reduce_dtype=torch.float64)
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64, grad_reduce_dtype=torch.float64
+        )
         with opt.full_parameters():
             ema = copy.deepcopy(model)
-        assert ema.moe1.dispatcher.ep_group is model.moe1.dispatcher.ep_group   # shared, not copied
+        assert ema.moe1.dispatcher.ep_group is model.moe1.dispatcher.ep_group  # shared, not copied
         for step in range(STEPS):
             tokens, targets = micro_batch(step, rank)
             model(tokens, targets, step).backward()
@@ -62,7 +64,7 @@ def _ema_of_an_moe_model():
             torch.testing.assert_close(p.detach(), want, rtol=1e-10, atol=1e-13, msg=lambda m: f"{stage} {name}: {m}")
         tokens, targets = micro_batch(9, rank)
         with torch.no_grad():
-            ema(tokens, targets, 9)   # the copy runs its own (collective) forward; the original is untouched
+            ema(tokens, targets, 9)  # the copy runs its own (collective) forward; the original is untouched
         groups.destroy()
     return True
 

@@ -1,6 +1,7 @@
 """--overlap-moe-expert-parallel-comm: micro-batches in pairs, their forwards interleaved phase by phase and their
 backward one; the numbers of the micro-batches one after another (float64, 2 ranks, ep 2, ZeRO stages 0-2), with
 --delay-wgrad-compute too."""
+
 import dataclasses
 import re
 
@@ -21,14 +22,28 @@ from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB = 64, 32, 2
-EVERY_SCHEDULE = ((0, 4, False), (2, 3, True), (1, 2, False))   # (stage, micro-batches, --delay-wgrad-compute)
+EVERY_SCHEDULE = ((0, 4, False), (2, 3, True), (1, 2, False))  # (stage, micro-batches, --delay-wgrad-compute)
 # flags, the schedules they run: the shared expert, global aux loss and MTP interleaved; recomputed MoE layers
 # run whole (phases.module_steps never sees them) beside interleaved dense ones
 CASES = [
     ([], EVERY_SCHEDULE),
-    (["--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "global_aux_loss",
-      "--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1", "--position-embedding-type",
-      "rope"], EVERY_SCHEDULE),
+    (
+        [
+            "--moe-shared-expert-intermediate-size",
+            "16",
+            "--moe-router-load-balancing-type",
+            "global_aux_loss",
+            "--moe-layer-freq",
+            "[0,1,1]",
+            "--num-layers",
+            "3",
+            "--mtp-num-layers",
+            "1",
+            "--position-embedding-type",
+            "rope",
+        ],
+        EVERY_SCHEDULE,
+    ),
     (["--moe-layer-recompute", "--moe-router-load-balancing-type", "global_aux_loss"], ((2, 3, True),)),
 ]
 
@@ -39,24 +54,36 @@ def _micro_batches(step, count):
     batches = []
     for j in range(count):
         first = (step * count + j) * 2 * MB + rank * MB
-        batches.append({"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
-                        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
-                        "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.1).double(),
-                        "sample_index": torch.arange(first, first + MB)})
+        batches.append(
+            {
+                "tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.1).double(),
+                "sample_index": torch.arange(first, first + MB),
+            }
+        )
     return batches
 
 
 def _train(flags, stage, micro_batches, overlap, steps=2):
     cfg = configs(TINY + flags)
     groups = ParallelGroups.build(expert_parallel_size=2)
-    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3,
-                     moe_layer=expert_parallel(groups)).double()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=300, clip_grad=1.0,
-                        grad_reduce_dtype=torch.float64, lr=1e-2)
+    model = GPTModel(
+        dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3, moe_layer=expert_parallel(groups)
+    ).double()
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        bucket_size=300,
+        clip_grad=1.0,
+        grad_reduce_dtype=torch.float64,
+        lr=1e-2,
+    )
     history = []
     for step in range(steps):
-        m = train_step(model, opt, _micro_batches(step, micro_batches), step, 7, groups.dp,
-                       overlap_moe_comm=overlap)
+        m = train_step(model, opt, _micro_batches(step, micro_batches), step, 7, groups.dp, overlap_moe_comm=overlap)
         history.append((m.lm_loss, m.router_losses, m.grad_norm, m.tokens_per_expert))
     with opt.full_parameters():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -66,8 +93,9 @@ def _train(flags, stage, micro_batches, overlap, steps=2):
 
 def _compare_overlap(flags, stage, micro_batches, delay_wgrad=False):
     plain_history, plain = _train(flags, stage, micro_batches, overlap=False)
-    history, params = _train(flags + (["--delay-wgrad-compute"] if delay_wgrad else []), stage, micro_batches,
-                             overlap=True)
+    history, params = _train(
+        flags + (["--delay-wgrad-compute"] if delay_wgrad else []), stage, micro_batches, overlap=True
+    )
     for (lm, router, norm, counts), (lm0, router0, norm0, counts0) in zip(history, plain_history):
         assert lm == pytest.approx(lm0, rel=1e-12) and norm == pytest.approx(norm0, rel=1e-12), (lm, lm0, norm, norm0)
         assert router == pytest.approx(router0, rel=1e-12)
@@ -84,7 +112,6 @@ def _all_cases():
 
 def test_interleaved_micro_batches_give_the_numbers_of_consecutive_ones():
     run_distributed(_all_cases, 2)
-
 
 
 class _InFlight:
@@ -135,10 +162,16 @@ def test_a_pairs_exchanges_travel_while_the_other_micro_batch_computes():
         assert most == {"forward": 1, "backward": 1}, most
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
-    (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
-     "needs --moe-token-dispatcher-type alltoall or flex")])   # Megatron's rules (test_megatron_rules: the others)
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
+        (
+            ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+            "needs --moe-token-dispatcher-type alltoall or flex",
+        ),
+    ],
+)  # Megatron's rules (test_megatron_rules: the others)
 def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
     cfg = configs(TINY + ["--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type", "alltoall"] + flags)
     with pytest.raises(ConfigError, match=re.escape(f"--overlap-moe-expert-parallel-comm: {message}")):
@@ -146,15 +179,24 @@ def test_the_overlap_refuses_what_it_cannot_overlap(flags, message):
 
 
 def test_the_log_says_which_layers_run_whole():
-    flags = TINY + ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
-                    "--moe-token-dispatcher-type", "alltoall"]
+    flags = TINY + [
+        "--overlap-moe-expert-parallel-comm",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ]
     assert not any("overlap" in line for line in resolve_start(configs(flags)).notices)
     notices = resolve_start(configs(flags + ["--moe-layer-recompute"])).notices
     assert any("the layers --moe-layer-recompute recomputes run whole" in line for line in notices), notices
-    notices = resolve_start(configs(flags + ["--recompute-granularity", "full", "--recompute-method", "block",
-                                             "--recompute-num-layers", "1"])).notices
-    assert any("--recompute-granularity full (--recompute-method block) recomputes run whole" in line
-               for line in notices), notices
+    notices = resolve_start(
+        configs(
+            flags + ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+        )
+    ).notices
+    assert any(
+        "--recompute-granularity full (--recompute-method block) recomputes run whole" in line for line in notices
+    ), notices
 
 
 def test_delayed_weight_gradients_need_the_overlap():
@@ -169,8 +211,9 @@ def _live_tensors_per_step(stage, overlap, steps=8):
 
     cfg = configs(TINY)
     groups = ParallelGroups.build(expert_parallel_size=2)
-    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3,
-                     moe_layer=expert_parallel(groups)).double()
+    model = GPTModel(
+        dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3, moe_layer=expert_parallel(groups)
+    ).double()
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=300, lr=1e-2)
     alive = []
     for step in range(steps):
@@ -185,7 +228,7 @@ def _live_tensors_per_step(stage, overlap, steps=8):
 def _storage(tensor):
     try:
         return tensor.untyped_storage().data_ptr()
-    except RuntimeError:   # a tensor without storage of its own (a wrapper subclass): counted
+    except RuntimeError:  # a tensor without storage of its own (a wrapper subclass): counted
         return None
 
 
@@ -193,13 +236,19 @@ def _pooled_storages(opt):
     """The gradient staging buffers stages 2 and 3 keep for reuse (at most two buckets' worth: bounded, tested in
     test_zero_behaviour). Not counted: how many a step leaves pooled, and the params' views each builds for the
     buckets it served, depend on when the ranks' reductions completed against when they were polled."""
-    return {staging.tensor.untyped_storage().data_ptr() for part in opt.engine.parts
-            for buffers in getattr(part.strategy, "_pool", {}).values() for staging in buffers}
+    return {
+        staging.tensor.untyped_storage().data_ptr()
+        for part in opt.engine.parts
+        for buffers in getattr(part.strategy, "_pool", {}).values()
+        for staging in buffers
+    }
 
 
 def _live_tensors_by_run():
-    return {(stage, overlap): _live_tensors_per_step(stage, overlap) for stage, overlap in
-            ((2, False), (2, True), (3, False))}
+    return {
+        (stage, overlap): _live_tensors_per_step(stage, overlap)
+        for stage, overlap in ((2, False), (2, True), (3, False))
+    }
 
 
 def test_training_steps_leave_no_tensors_behind():

@@ -1,4 +1,5 @@
 """ep = 2 and ep = 4 give the outputs and gradients of ep = 1 for the same global model."""
+
 import torch
 import torch.distributed as dist
 
@@ -13,7 +14,7 @@ CASES = [
     (dict(top_k=1, score_function="sigmoid"), torch.float64, 1e-12),
     (dict(capacity_factor=0.75, token_drop_policy="probs", activation="swiglu"), torch.float64, 1e-12),
     (dict(top_k=4, shared_expert_intermediate_size=8, z_loss_coeff=1e-3), torch.float64, 1e-12),
-    (dict(hidden_size=16, ffn_hidden_size=32), torch.float32, 1e-5),   # grouped GEMM path
+    (dict(hidden_size=16, ffn_hidden_size=32), torch.float32, 1e-5),  # grouped GEMM path
 ]
 
 
@@ -49,8 +50,11 @@ def _compare(ep, overrides, dtype, tol):
     for name, m in (("ep", layer), ("ref", reference)):
         xi = x.clone().requires_grad_(True)
         y, stats = m(xi)
-        loss = (y.double() * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum() \
-            + stats.aux_loss + stats.z_loss
+        loss = (
+            (y.double() * torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view(y.shape)).sum()
+            + stats.aux_loss
+            + stats.z_loss
+        )
         loss.backward()
         out[name] = (y, stats, xi.grad)
     (y, stats, gx), (y_ref, stats_ref, gx_ref) = out["ep"], out["ref"]
@@ -86,13 +90,13 @@ def _expert_bias_step():
     config = _config(enable_expert_bias=True, bias_update_rate=0.01)
     layer = MoELayer(config, groups)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
-    ExpertBiasUpdater(layer, groups.dp).attach(optimizer)   # counts in forward, updates after each step
+    ExpertBiasUpdater(layer, groups.dp).attach(optimizer)  # counts in forward, updates after each step
     total = torch.zeros(8, dtype=torch.int64)
     for micro in range(2):
         _, stats = layer(_tokens(dist.get_rank() * 2 + micro, config, torch.float32))
         total += stats.tokens_per_expert
     with torch.no_grad():
-        layer.eval()(_tokens(7, config, torch.float32))   # an evaluation forward counts nothing
+        layer.eval()(_tokens(7, config, torch.float32))  # an evaluation forward counts nothing
     layer.train()
     comm.all_reduce(total, groups.dp)
     optimizer.step()
@@ -115,7 +119,7 @@ def _one_rank_empty():
     out = []
     for balancing in ("aux_loss", "seq_aux_loss", "none"):
         layer = MoELayer(_config(load_balancing_type=balancing, z_loss_coeff=1e-3), groups).double()
-        x = _tokens(rank, layer.config, torch.float64)[:, :0 if rank == 0 else None].requires_grad_(True)
+        x = _tokens(rank, layer.config, torch.float64)[:, : 0 if rank == 0 else None].requires_grad_(True)
         y, stats = layer(x)
         (y.sum() + stats.aux_loss + stats.z_loss).backward()
         out.append(bool(torch.isfinite(stats.aux_loss)) and y.shape == x.shape)

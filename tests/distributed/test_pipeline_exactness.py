@@ -5,6 +5,7 @@ weights to 1e-10 relative, at ZeRO stages 0 and 1, with 1F1B (4 micro-batches) a
 loss and z-loss (the aux losses of stage 0's MoE layer reach the loss only through the pipe), capacity drops, router
 jitter and dropout (keyed), and clipping is engaged (the norm counts both stages). A stage that raises ends as one
 line on both ranks, without either waiting for a timeout."""
+
 import dataclasses
 import datetime
 
@@ -25,10 +26,19 @@ from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB, SEED, KEY_SEED, STEPS, CLIP, TOL = 64, 32, 2, 3, 7, 3, 0.05, 1e-10
-FLAGS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "16",
-         "--untie-embeddings-and-output-weights"]
-OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
-              "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95)))}
+FLAGS = [
+    "--num-layers",
+    "4",
+    "--moe-layer-freq",
+    "[0,1,1,1]",
+    "--moe-shared-expert-intermediate-size",
+    "16",
+    "--untie-embeddings-and-output-weights",
+]
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
+    "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95))),
+}
 
 
 def _model_configs():
@@ -41,11 +51,16 @@ def _micro_batches(step, count):
     batches = []
     for j in range(count):
         mask = torch.ones(MB, SEQ, dtype=torch.float64)
-        mask.view(-1)[: 7 * j] = 0.0   # uneven kept tokens between micro-batches
+        mask.view(-1)[: 7 * j] = 0.0  # uneven kept tokens between micro-batches
         first = (step * count + j) * MB
-        batches.append({"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
-                        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g), "loss_mask": mask,
-                        "sample_index": torch.arange(first, first + MB)})
+        batches.append(
+            {
+                "tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "loss_mask": mask,
+                "sample_index": torch.arange(first, first + MB),
+            }
+        )
     return batches
 
 
@@ -77,11 +92,11 @@ def _build(zero_stage, optimizer, timeout_s=120):
     groups = PipelineGroups.build(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=timeout_s))
     model_cfg, moe_cfg = _model_configs()
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
-    model = StageModel(model_cfg, moe_cfg, SEED, plan, groups.pp_rank,
-                       moe_layer=expert_parallel(groups.stage)).double()
+    model = StageModel(model_cfg, moe_cfg, SEED, plan, groups.pp_rank, moe_layer=expert_parallel(groups.stage)).double()
     cls, kwargs = OPTIMIZERS[optimizer]
-    opt = PipelineZeroOptimizer(model, cls, groups, stage=zero_stage, bucket_size=300, clip_grad=CLIP,
-                                grad_reduce_dtype=torch.float64, **kwargs)
+    opt = PipelineZeroOptimizer(
+        model, cls, groups, stage=zero_stage, bucket_size=300, clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs
+    )
     return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ)
 
 
@@ -100,11 +115,11 @@ def _train(zero_stage, optimizer, count):
 def _assert_matches_one_process(zero_stage, optimizer, count):
     ranks = run_distributed(_train, 2, zero_stage, optimizer, count)
     expected_history, expected_params = _reference(optimizer, count)
-    for history in (history for history, _ in ranks):   # every rank reports the same step metrics
+    for history in (history for history, _ in ranks):  # every rank reports the same step metrics
         for step, (got, expected) in enumerate(zip(history, expected_history)):
             for name, value in expected.items():
                 assert abs(got[name] - value) <= TOL * abs(value), (step, name, got[name], value)
-    assert expected_history[0]["grad_norm"] > CLIP   # clipping engaged
+    assert expected_history[0]["grad_norm"] > CLIP  # clipping engaged
     params = {name: p for _, rank_params in ranks for name, p in rank_params.items()}
     assert sorted(params) == sorted(expected_params)
     assert set(ranks[0][1]).isdisjoint(ranks[1][1])
@@ -140,6 +155,7 @@ def _raise_at_step(failures, step_to_fail):
         def boom(*_):
             if failing["now"]:
                 raise _Boom(f"boom in the {where} of layer {layer}")
+
         if groups.pp_rank == stage:
             target = model.layers[layer]
             (target.register_forward_pre_hook if where == "forward" else target.register_full_backward_hook)(boom)
@@ -164,6 +180,7 @@ def test_a_stage_that_raises_ends_as_one_line_on_every_rank():
     before the pp group's 300 s timeout, which would fail this call's 60 s) with the same line."""
     results = run_distributed(_raise_at_step, 2, FAILURES, 2, timeout=60, isolated=True)
     for k, (stage, layer, where) in enumerate(FAILURES):
-        expected = (f"pipeline stage {stage} (rank {stage}) failed at iteration 2: "
-                    f"_Boom: boom in the {where} of layer {layer}")
+        expected = (
+            f"pipeline stage {stage} (rank {stage}) failed at iteration 2: _Boom: boom in the {where} of layer {layer}"
+        )
         assert [rank[k] for rank in results] == [(2, expected)] * 2, (k, [rank[k] for rank in results])

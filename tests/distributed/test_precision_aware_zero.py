@@ -5,6 +5,7 @@ dtype after each step by hand: fp32 params (their own masters) must match bitwis
 their fp32 masters as param + remainder: the first step's masters match the AdamW run's fp32 copies bitwise. A
 checkpoint taken at one stage resumes at another bit-exactly, and loads into plain AdamW. The optimizer holds
 no fp32 copy: 2 + 2 bytes of moments and 2 of remainder per element it owns."""
+
 import gc
 
 import pytest
@@ -32,8 +33,10 @@ def _round_moments(opt) -> None:
 def _masters(opt):
     """{(name, global range): fp32 master values} this rank holds."""
     values = getattr(opt.inner, "master_values", lambda leaf: leaf.detach())
-    return {(piece.param.name, piece.global_range(slice(0, piece.master.numel()))): values(piece.master).clone()
-            for piece in opt.engine.master_pieces()}
+    return {
+        (piece.param.name, piece.global_range(slice(0, piece.master.numel()))): values(piece.master).clone()
+        for piece in opt.engine.master_pieces()
+    }
 
 
 def _pair(groups, stage, dtype, **narrow):
@@ -81,8 +84,16 @@ def _bf16_masters_match_then_resume_elsewhere(stage):
     full = consolidate([s for s in _all_gather(shard)])
     other = 3 if stage != 3 else 1
     again_model = ZeroTestModel(groups).to(torch.bfloat16)
-    again = ZeroOptimizer(again_model, PrecisionAwareAdam, groups, stage=other, bucket_size=999,
-                          main_grads_dtype=torch.float32, **NARROW, **HYPER)
+    again = ZeroOptimizer(
+        again_model,
+        PrecisionAwareAdam,
+        groups,
+        stage=other,
+        bucket_size=999,
+        main_grads_dtype=torch.float32,
+        **NARROW,
+        **HYPER,
+    )
     again.load_state_dict(full)
     for step in range(1, 3):
         train_step(again_model, again, step, 2, use_no_sync=False)
@@ -118,8 +129,16 @@ def _one_step(stage, grads_dtype):
     before and after (full), and the bytes the gradients hold."""
     groups = ParallelGroups.build(expert_parallel_size=2)
     model = ZeroTestModel(groups).to(torch.bfloat16)
-    opt = ZeroOptimizer(model, PrecisionAwareAdam, groups, stage=stage, grad_reduce_dtype=grads_dtype,
-                        main_grads_dtype=grads_dtype, **NARROW, **HYPER)
+    opt = ZeroOptimizer(
+        model,
+        PrecisionAwareAdam,
+        groups,
+        stage=stage,
+        grad_reduce_dtype=grads_dtype,
+        main_grads_dtype=grads_dtype,
+        **NARROW,
+        **HYPER,
+    )
     with opt.full_parameters():
         before = [p.detach().clone() for p in model.parameters()]
     train_step(model, opt, 0, 2, use_no_sync=False)
@@ -155,7 +174,7 @@ def heap_bytes_per_param(make_optimizer, layers: int = 8, width: int = 512) -> f
     the params, gradients, masters and moments (one rank, so nothing is sharded)."""
     torch.manual_seed(0)
     gc.collect()
-    gc.disable()   # a collection inside the window would free earlier garbage
+    gc.disable()  # a collection inside the window would free earlier garbage
     try:
         before = heap_bytes()
         model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
@@ -174,14 +193,22 @@ def adamw_fp32_state(model):
 
 
 def precision_aware_bf16(model):
-    return ZeroOptimizer(model, PrecisionAwareAdam, ParallelGroups.single(), stage=1, lr=1e-3,
-                         grad_reduce_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16, **NARROW)
+    return ZeroOptimizer(
+        model,
+        PrecisionAwareAdam,
+        ParallelGroups.single(),
+        stage=1,
+        lr=1e-3,
+        grad_reduce_dtype=torch.bfloat16,
+        main_grads_dtype=torch.bfloat16,
+        **NARROW,
+    )
 
 
 def test_bytes_per_param_on_the_heap():
     """bf16 params, stage 1 on one rank (its shard is everything): AdamW holds 2 (param) + 4 + 4 (the fp32 grad
     buffer and reduced shard) + 4 (fp32 master) + 8 (fp32 moments) = 22 bytes a param; bf16 main grads, bf16
     moments and the master as param + remainder: 2 + 2 + 2 + 2 + 4 = 12 (at dp N: 4 + 8 / N, against 6 + 16 / N)."""
-    heap_bytes_per_param(adamw_fp32_state, layers=1)   # warm up one-time allocations
+    heap_bytes_per_param(adamw_fp32_state, layers=1)  # warm up one-time allocations
     assert 21.5 <= heap_bytes_per_param(adamw_fp32_state) <= 22.5
     assert 11.5 <= heap_bytes_per_param(precision_aware_bf16) <= 12.5

@@ -1,5 +1,6 @@
 """QAT across layouts: loss curves on 1 and 2 ranks (ep 1, 2; ZeRO 0, 1, 2), and the exported model on
 1 and 2 ranks against the fake-quant model."""
+
 import torch
 
 from moezero.compression.evaluation import eval_dataset, lm_loss
@@ -51,8 +52,9 @@ def test_stochastic_rounding_is_layout_invariant(tmp_path):
     single = _curve(TINY + ITERS + QAT + extra, str(tmp_path))
     nearest = _curve(TINY + ITERS + QAT, str(tmp_path))
     assert single != nearest
-    ep2 = run_distributed(_curve, 2, TINY + ITERS + QAT + extra + ["--expert-model-parallel-size", "2"],
-                          str(tmp_path), timeout=300)[0]
+    ep2 = run_distributed(
+        _curve, 2, TINY + ITERS + QAT + extra + ["--expert-model-parallel-size", "2"], str(tmp_path), timeout=300
+    )[0]
     assert _worst(ep2, single) < LAYOUT_RTOL
 
 
@@ -83,8 +85,9 @@ def test_exported_model_matches_the_fake_quant_model_on_1_and_2_ranks(tmp_path):
     torch.save(exported, path)
     q1, fake1, loss1 = _logits_and_loss(path, ckpt, 1, str(tmp_path))
     fp = load_checkpoint_weights(source)
-    tokens = load_micro_batch(eval_dataset(configs(TINY + ["--data-cache-path", str(tmp_path)]).data, 32, 7, 12),
-                              [0, 1, 2])["tokens"]
+    tokens = load_micro_batch(
+        eval_dataset(configs(TINY + ["--data-cache-path", str(tmp_path)]).data, 32, 7, 12), [0, 1, 2]
+    )["tokens"]
     with torch.no_grad():
         assert (fp(tokens)[0] - fake1).abs().max() > 1e-3  # quantization shows in the output
     assert torch.equal(q1, fake1)  # one rank: bit-identical
@@ -101,9 +104,25 @@ def test_quantized_export_from_a_stage3_checkpoint(tmp_path):
     exports = []
     for stage in (2, 3):
         ckpt = str(tmp_path / f"ckpt{stage}")
-        run_distributed(train, 2, TINY + QAT + ["--train-iters", "3", "--fp64", "--zero-stage", str(stage),
-                                                "--expert-model-parallel-size", "2", "--save", ckpt],
-                        str(tmp_path), timeout=300)
+        run_distributed(
+            train,
+            2,
+            TINY
+            + QAT
+            + [
+                "--train-iters",
+                "3",
+                "--fp64",
+                "--zero-stage",
+                str(stage),
+                "--expert-model-parallel-size",
+                "2",
+                "--save",
+                ckpt,
+            ],
+            str(tmp_path),
+            timeout=300,
+        )
         source = load_checkpoint_model(ckpt)
         exports.append(export_quantized(source, source.qat))
     stage2, stage3 = exports
@@ -112,7 +131,8 @@ def test_quantized_export_from_a_stage3_checkpoint(tmp_path):
         for key, value in entry.items():
             if torch.is_tensor(value):
                 tol = dict(rtol=0, atol=0) if not value.is_floating_point() else dict(rtol=1e-9, atol=1e-13)
-                torch.testing.assert_close(stage3["quantized"][name][key], value, **tol,
-                                           msg=lambda m: f"{name}.{key}: {m}")
+                torch.testing.assert_close(
+                    stage3["quantized"][name][key], value, **tol, msg=lambda m: f"{name}.{key}: {m}"
+                )
     for name, value in stage2["tensors"].items():
         torch.testing.assert_close(stage3["tensors"][name], value, rtol=1e-9, atol=1e-13)

@@ -4,6 +4,7 @@ abort or a silent divergence.
 Every scenario runs on both ranks of one isolated world (its pending collectives are never joined,
 so the world is killed afterwards) and returns each rank's error message.
 """
+
 import datetime
 
 import pytest
@@ -40,7 +41,7 @@ class _Tower(nn.Module):
 
 
 def _extra_forward(model, opt, rank):
-    if rank == 0:   # an evaluation (or a generation that stops later) on rank 0 alone
+    if rank == 0:  # an evaluation (or a generation that stops later) on rank 0 alone
         with torch.no_grad():
             model(torch.ones(2, 4))
     model(torch.ones(2, 4)).sum().backward()
@@ -58,14 +59,14 @@ def _retried_forward(model, opt, rank):
     try:
         out = model(torch.ones(2, 4))
     except ValueError:
-        out = model(torch.ones(2, 4))   # the loop retries on this rank only
+        out = model(torch.ones(2, 4))  # the loop retries on this rank only
     out.sum().backward()
     opt.step()
 
 
 def _backward_reaching_no_param(model, opt, rank):
     out = model(torch.ones(2, 4))
-    loss = out.sum() if rank == 0 else out.detach().sum().requires_grad_()   # e.g. a rank whose batch was empty
+    loss = out.sum() if rank == 0 else out.detach().sum().requires_grad_()  # e.g. a rank whose batch was empty
     loss.backward()
     opt.step()
 
@@ -73,7 +74,7 @@ def _backward_reaching_no_param(model, opt, rank):
 def _swap_on_one_rank(model, opt, rank):
     with opt.modify_model():
         if rank == 0:
-            model.blocks[1] = nn.Linear(4, 4)   # same shape, on one rank only
+            model.blocks[1] = nn.Linear(4, 4)  # same shape, on one rank only
 
 
 def _different_shapes(model, opt, rank):
@@ -83,7 +84,7 @@ def _different_shapes(model, opt, rank):
 
 def _unseeded_init(model, opt, rank):
     with opt.modify_model():
-        torch.manual_seed(rank)   # each rank draws its own init: the replicas would silently diverge
+        torch.manual_seed(rank)  # each rank draws its own init: the replicas would silently diverge
         model.blocks[1] = nn.Linear(4, 4)
 
 
@@ -111,16 +112,17 @@ def _disagreements():
                 out[name, stage] = "no error"
             except RanksDisagree as exc:
                 out[name, stage] = str(exc)
-    for name in ("extra forward", "block order", "retried forward"):   # the 3 blocks one gather unit, blocks.0..2
-        opt = ZeroOptimizer(model := _Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1,
-                            min_unit_params=21)
+    for name in ("extra forward", "block order", "retried forward"):  # the 3 blocks one gather unit, blocks.0..2
+        opt = ZeroOptimizer(
+            model := _Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1, min_unit_params=21
+        )
         try:
             SCENARIOS[name][0](model, opt, rank)
             out[name, "one unit of blocks"] = "no error"
         except RanksDisagree as exc:
             out[name, "one unit of blocks"] = str(exc)
     out["several records"] = _several_records_in_one_message(rank, [[1, 0], [2, rank], [3, 0]])
-    out["unused slot"] = _several_records_in_one_message(rank, [[1, 0], [2, 0], [3, 0]][:2 + rank])
+    out["unused slot"] = _several_records_in_one_message(rank, [[1, 0], [2, 0], [3, 0]][: 2 + rank])
     out["timeout"] = _peer_never_arrives(rank)
     out["unit plans"] = _different_unit_plans(rank)
     return out
@@ -129,8 +131,9 @@ def _disagreements():
 def _different_unit_plans(rank):
     """Ranks given different min_unit_params (a launch line per rank): told at construction, naming the knob."""
     try:
-        ZeroOptimizer(_Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1,
-                      min_unit_params=0 if rank == 0 else 1000)
+        ZeroOptimizer(
+            _Tower(), torch.optim.SGD, ParallelGroups.build(), stage=3, lr=0.1, min_unit_params=0 if rank == 0 else 1000
+        )
         return "no error"
     except RanksDisagree as exc:
         return str(exc)
@@ -179,7 +182,9 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
             assert "ending a backward" in out["backward reaching no param", stage]
             assert "step()" in out["backward reaching no param", stage]
         for stage in (0, 3):
-            assert "'blocks.1.weight'" in out["swap on one rank", stage] and "replaced" in out["swap on one rank", stage]
+            assert (
+                "'blocks.1.weight'" in out["swap on one rank", stage] and "replaced" in out["swap on one rank", stage]
+            )
             assert "(2, 4)" in out["different shapes", stage] and "(3, 4)" in out["different shapes", stage]
         for stage in (0, 2):
             assert "'blocks.1.weight' holds different values" in out["unseeded init", stage]
@@ -188,7 +193,7 @@ def test_ranks_that_disagree_all_raise_naming_what_each_was_doing():
     assert results[0]["unused slot"].endswith("this rank (0) had no record left there; another rank did 3.0")
     assert results[1]["unused slot"].endswith("this rank (1) did 3.0; another rank had no record left there")
     assert "rank 0 was ending a backward" in results[0]["timeout"] and "not every other rank" in results[0]["timeout"]
-    for rank, out in enumerate(results):   # _Tower: the root and its 3 blocks vs the root alone
+    for rank, out in enumerate(results):  # _Tower: the root and its 3 blocks vs the root alone
         assert "stage-3 plan has 4 gather units" in out["unit plans"], out["unit plans"]
         assert "stage-3 plan has 1 gather units" in out["unit plans"], out["unit plans"]
         assert "min_unit_params" in out["unit plans"]
@@ -198,8 +203,14 @@ class _MoEBlock(nn.Module):
     def __init__(self, groups, layer_number, load_balancing):
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        config = MoEConfig(hidden_size=4, ffn_hidden_size=6, num_experts=2, top_k=1, aux_loss_coeff=0.01,
-                           load_balancing_type=load_balancing)
+        config = MoEConfig(
+            hidden_size=4,
+            ffn_hidden_size=6,
+            num_experts=2,
+            top_k=1,
+            aux_loss_coeff=0.01,
+            load_balancing_type=load_balancing,
+        )
         self.moe = MoELayer(config, groups, layer_number=layer_number)
 
     def forward(self, x):
@@ -216,8 +227,9 @@ class _MoETower(_Tower):
 
 
 def _moe_disagreement(name, ep, load_balancing, stage, local_records=True):
-    groups = ParallelGroups.build(expert_parallel_size=ep, timeout=datetime.timedelta(seconds=20),
-                                  local_records=local_records)
+    groups = ParallelGroups.build(
+        expert_parallel_size=ep, timeout=datetime.timedelta(seconds=20), local_records=local_records
+    )
     model = _MoETower(groups, load_balancing)
     opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
     try:
@@ -233,7 +245,7 @@ def _moe_disagreements():
         for name in ("retried forward", "block order"):
             for stage in (2, 3):
                 out[name, ep, stage] = _moe_disagreement(name, ep, load_balancing, stage)
-    for name in ("retried forward", "block order"):   # records on gloo, as when ranks are on several hosts
+    for name in ("retried forward", "block order"):  # records on gloo, as when ranks are on several hosts
         out[name + " (gloo records)", 2, 3] = _moe_disagreement(name, 2, "aux_loss", 3, local_records=False)
     # ep 1, a local aux loss: the MoE layers make no collective, their experts are units of their own (it hung: the
     # retrying rank had launched its first forward's records ahead, the other waited in an expert unit's gather)
@@ -256,8 +268,14 @@ def test_moe_exchanges_carry_records_so_ranks_in_different_forwards_raise():
             assert message.startswith("the ranks are not doing the same thing"), (rank, name, ep, stage, message)
             if stage == 2:
                 assert "exchanges of 'blocks." in message, (rank, name, ep, message)
-    for name, ep in (("retried forward", 1), ("retried forward", 2), ("block order", 1), ("block order", 2),
-                     ("retried forward (gloo records)", 2), ("block order (gloo records)", 2)):
+    for name, ep in (
+        ("retried forward", 1),
+        ("retried forward", 2),
+        ("block order", 1),
+        ("block order", 2),
+        ("retried forward (gloo records)", 2),
+        ("block order (gloo records)", 2),
+    ):
         assert any("exchanges of 'blocks." in out[name, ep, 3] for out in results), (name, ep, results)
 
 
@@ -280,7 +298,7 @@ def _detached_use_on_one_rank(block):
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=5))
     model = _Tower()
     model.blocks = nn.ModuleList(_DetachedUse() for _ in range(3))
-    model.blocks[block].uses = rank == 0   # its backward gathers the freed unit again: rank 0 alone
+    model.blocks[block].uses = rank == 0  # its backward gathers the freed unit again: rank 0 alone
     opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=3, lr=0.1)
     try:
         model(torch.ones(2, 4)).sum().backward()
@@ -297,6 +315,9 @@ def test_a_unit_gathered_again_in_one_ranks_backward_raises_on_every_rank(block)
     at the latest when the group's timeout ends a wait that no record guards."""
     results = run_distributed(_detached_use_on_one_rank, 2, block, isolated=True, timeout=120)
     for rank, message in enumerate(results):
-        assert (message.startswith(f"the ranks are not doing the same thing") and f"this rank ({rank})" in message
-                or message.startswith(f"rank {rank} was gathering unit") and "not every other rank" in message), \
-            (block, rank, message)
+        assert (
+            message.startswith("the ranks are not doing the same thing")
+            and f"this rank ({rank})" in message
+            or message.startswith(f"rank {rank} was gathering unit")
+            and "not every other rank" in message
+        ), (block, rank, message)

@@ -1,6 +1,7 @@
 """The training loop's step (moezero.training.loop.train_step) on 2 ranks against one process that sees every
 rank's micro-batches: what a rank-count factor or a per-step reset left out would change only with several ranks
 or several steps."""
+
 import copy
 import dataclasses
 
@@ -28,18 +29,27 @@ def _micro_batches(rank, step=0):
         mask = torch.zeros(MB, SEQ, dtype=torch.float64)
         mask.view(-1)[:kept] = 1.0
         first = (step * 2 + rank) * 2 * MB + j * MB
-        batches.append({"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
-                        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g), "loss_mask": mask,
-                        "sample_index": torch.arange(first, first + MB)})
+        batches.append(
+            {
+                "tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "loss_mask": mask,
+                "sample_index": torch.arange(first, first + MB),
+            }
+        )
     return batches
 
 
 def _model_and_sgd(flags, groups):
     cfg = configs(TINY + flags)
-    model = GPTModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3,
-                     moe_layer=expert_parallel(groups)).double().train()
-    opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=2, bucket_size=500, grad_reduce_dtype=torch.float64,
-                        lr=LR)
+    model = (
+        GPTModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, seed=3, moe_layer=expert_parallel(groups))
+        .double()
+        .train()
+    )
+    opt = ZeroOptimizer(
+        model, torch.optim.SGD, groups, stage=2, bucket_size=500, grad_reduce_dtype=torch.float64, lr=LR
+    )
     return model, opt
 
 
@@ -63,8 +73,9 @@ def _per_token_step_is_the_global_token_mean():
     loss.backward()
     with opt.full_parameters():
         for name, p in reference.named_parameters():
-            torch.testing.assert_close(model.get_parameter(name).detach(), before[name] - LR * p.grad,
-                                       rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(
+                model.get_parameter(name).detach(), before[name] - LR * p.grad, rtol=1e-10, atol=1e-12, msg=name
+            )
     assert abs(metrics.lm_loss - token_sum / tokens) <= 1e-10 * abs(token_sum / tokens)
     groups.destroy()
 

@@ -1,4 +1,5 @@
 """ZeRO behaviour beyond exactness: memory, fp16 overflow, bf16, integrity errors."""
+
 import gc
 import math
 
@@ -26,21 +27,20 @@ def _wide_model():
 
 
 GRAD_BYTES = 4 * sum(p.numel() for p in _wide_model().parameters())
-SMALL = GRAD_BYTES // 4 // 16   # 16 buckets
+SMALL = GRAD_BYTES // 4 // 16  # 16 buckets
 
 
 def _memory(stage, bucket_size):
     """Construction and one step: (the optimizer's byte accounting, heap bytes it added)."""
     groups = ParallelGroups.build() if dist.is_initialized() else ParallelGroups.single()
-    groups.gather_groups(), groups.agreement_group()   # process groups made on first use: not the optimizer's
+    groups.gather_groups(), groups.agreement_group()  # process groups made on first use: not the optimizer's
     model = _wide_model()
     x = torch.randn(2, 256)
     gc.collect()
     gc.disable()  # a collection inside the window would free earlier tests' garbage
     try:
         before = heap_bytes()
-        opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, bucket_size=bucket_size, lr=0.1,
-                            momentum=0.9)
+        opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, bucket_size=bucket_size, lr=0.1, momentum=0.9)
         model(x).square().sum().backward()
         assert stage == 0 or all(p.grad is None or isinstance(p.grad, ShardedGradient) for p in model.parameters())
         opt.step()
@@ -65,7 +65,7 @@ def test_memory_accounting_matches_the_heap():
 
 
 def _heap_by_stage():
-    _memory(0, SMALL)   # warm up
+    _memory(0, SMALL)  # warm up
     return [_memory(stage, SMALL) for stage in ZERO_STAGES]
 
 
@@ -82,15 +82,15 @@ def test_sharded_memory_is_what_the_process_heap_grows_by(world):
         for stage, (accounting, grew) in zip(ZERO_STAGES, stages):
             expected = sum(accounting.values()) - GRAD_BYTES
             assert abs(grew - expected) <= 0.01 * abs(expected) + slack, (world, rank, stage, accounting, grew)
-            added[stage] = grew + GRAD_BYTES   # what the rank holds for training (the params' own storage went)
+            added[stage] = grew + GRAD_BYTES  # what the rank holds for training (the params' own storage went)
         pool = 2 * GRAD_BYTES // 16
         assert added[3] <= added[0] / world + pool + slack, (world, rank, added)
-        whole = stages[0][0]   # stage 0 holds everything: the memory formula's totals
+        whole = stages[0][0]  # stage 0 holds everything: the memory formula's totals
         for stage, (accounting, _) in zip(ZERO_STAGES, stages):
-            for kind in ("params", "optimizer_state"):   # the registry's formula, within bucket padding
+            for kind in ("params", "optimizer_state"):  # the registry's formula, within bucket padding
                 held = STAGES[stage].held_bytes(kind, whole[kind], world)
                 assert abs(accounting[kind] - held) <= 0.01 * held + 4096, (world, rank, stage, kind, accounting)
-        assert added[2] + GRAD_BYTES / 4 < added[1], (world, rank, added)   # stage 2 keeps no full gradient
+        assert added[2] + GRAD_BYTES / 4 < added[1], (world, rank, added)  # stage 2 keeps no full gradient
 
 
 def _grad_bytes_by_stage():
@@ -174,8 +174,7 @@ def _bf16_reference():
     model = ZeroTestModel(ParallelGroups.single()).bfloat16()
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
     by_id = {id(p): n for n, p in model.named_parameters()}
-    groups = [{**g, "params": [masters[by_id[id(p)]] for p in g["params"]]}
-              for g in weight_decay_groups(model, 0.1)]
+    groups = [{**g, "params": [masters[by_id[id(p)]] for p in g["params"]]} for g in weight_decay_groups(model, 0.1)]
     opt = torch.optim.AdamW(groups, lr=0.02, weight_decay=0.1)
     losses = []
     for step in range(BF16_STEPS):
@@ -208,9 +207,16 @@ def _bf16_zero(stage, ep=2):
     rank = dist.get_rank()
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups).bfloat16()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, clip_grad=0.5, lr=0.02,
-                        param_groups=weight_decay_groups(model, 0.1),
-                        bucket_size=200)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        clip_grad=0.5,
+        lr=0.02,
+        param_groups=weight_decay_groups(model, 0.1),
+        bucket_size=200,
+    )
     gate_before = model.moe1.router.wg.weight.detach().clone()
     main_grads = _MainGrads(model)
     opt.count_zeros_in_grad = True
@@ -231,9 +237,10 @@ def _bf16_zero(stage, ep=2):
         assert opt.last_num_zeros_in_grad == zeros, ("num zeros", stage, ep, opt.last_num_zeros_in_grad, zeros)
     assert not torch.equal(model.moe1.router.wg.weight, gate_before), "the gate must train"
     assert opt.counters.fires["moe1.router.wg.weight"] == 2 * BF16_STEPS
-    if stage == 2:   # the reduced buckets travel as bf16 and are summed in fp32 (grad_strategies.py)
-        assert {p.strategy.staging_dtype for p in opt.engine.parts
-                if p.family.trainable and p.family.group_size > 1} == {torch.bfloat16}
+    if stage == 2:  # the reduced buckets travel as bf16 and are summed in fp32 (grad_strategies.py)
+        assert {
+            p.strategy.staging_dtype for p in opt.engine.parts if p.family.trainable and p.family.group_size > 1
+        } == {torch.bfloat16}
     assert_replicas_equal(model, groups)
     params = {n: p.detach().float() for n, p in model.named_parameters()}
     groups.destroy()
@@ -257,8 +264,11 @@ class _MainGrads:
         self.sums[name] = self.sums.get(name, 0) + grad.detach().double().reshape(-1)
 
     def zeros(self):
-        mine = {name: (global_placement(p), self.sums.get(name)) for name, p in self.model.named_parameters()
-                if p.requires_grad}
+        mine = {
+            name: (global_placement(p), self.sums.get(name))
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        }
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         self.sums = {}
@@ -267,7 +277,7 @@ class _MainGrads:
             total = torch.zeros(math.prod(shape), dtype=torch.float64)
             for (_, offset), summed in (sums[name] for sums in every):
                 if summed is not None:
-                    total[offset:offset + summed.numel()] += summed
+                    total[offset : offset + summed.numel()] += summed
             count += int((total == 0).sum())
         return count
 
@@ -296,13 +306,13 @@ def test_bf16_tracks_a_single_process_fp32_master_reference():
     for rank, (per_stage, (ref_losses, ref_params)) in enumerate(results):
         stage0_losses = per_stage[0][0]
         for losses, params, ep in per_stage:
-            if ep == 2:   # the same layout as stage 0 (ep 1 sums its expert GEMMs in other shapes)
+            if ep == 2:  # the same layout as stage 0 (ep 1 sums its expert GEMMs in other shapes)
                 assert max(abs(a - b) for a, b in zip(losses, stage0_losses)) < 1e-6
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 5e-3, (losses, ref_losses)
             for name, value in params.items():
                 expected = ref_params[name]
                 if ".experts." in name and ep == 2:
-                    expected = expected[rank * 4:rank * 4 + 4]  # ep 2 on 2 ranks: rank r holds experts 4r..4r+3
+                    expected = expected[rank * 4 : rank * 4 + 4]  # ep 2 on 2 ranks: rank r holds experts 4r..4r+3
                 relative = ((value - expected).norm() / expected.norm()).item()
                 assert relative < 2e-2, (name, relative)
 
@@ -351,6 +361,7 @@ def test_reentrant_checkpointing_is_an_error():
         x = model.embed(tokens)
         x = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=True)
         return model.norm(model.moe1(x)[0] + model.twice(x)).square().sum()
+
     with pytest.raises(GradientHookError, match="use_reentrant=False"):
         forward(tokens).backward()
 
@@ -375,9 +386,10 @@ def test_freezing_after_construction_trains_like_torch():
 
 def test_unfreezing_by_hand_what_was_frozen_at_construction_is_an_error_naming_it():
     model, opt = _model_and_opt()
-    model.frozen.weight.requires_grad_(True)   # its gradient would bypass the buckets: refused, not ignored
-    with pytest.raises(ParameterSetChanged, match="'frozen.weight' was frozen when the optimizer adopted it.*"
-                                                  "modify_model"):
+    model.frozen.weight.requires_grad_(True)  # its gradient would bypass the buckets: refused, not ignored
+    with pytest.raises(
+        ParameterSetChanged, match="'frozen.weight' was frozen when the optimizer adopted it.*modify_model"
+    ):
         model(*micro_batch(0, 0), 0)
 
 
@@ -404,7 +416,7 @@ class _GrowingTable(nn.Module):
     def forward(self, x):
         if x.shape[0] > self.table.shape[0]:
             self.table = nn.Parameter(torch.ones(x.shape[0], 4), requires_grad=self.trainable)
-        return self.proj(x + self.table[:x.shape[0]])
+        return self.proj(x + self.table[: x.shape[0]])
 
 
 def test_a_parameter_made_in_forward():
@@ -423,7 +435,6 @@ def test_only_elementwise_optimizers():
         ZeroOptimizer(nn.Linear(2, 2), torch.optim.LBFGS)
     with pytest.raises(ValueError, match="SparseAdam"):
         ZeroOptimizer(nn.Linear(2, 2), torch.optim.SparseAdam)
-
 
 
 def test_a_discarded_optimizer_and_its_model_are_freed():
@@ -472,7 +483,7 @@ def test_clip_grad_norm_then_step_steps_the_clipped_gradient_whatever_the_reduce
     assert norm > 1e-3
     opt.step()
     moved = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
-    assert abs(float(moved.norm()) - 1e-3) < 1e-5, float(moved.norm())   # SGD lr 1 moves by the clipped grad
+    assert abs(float(moved.norm()) - 1e-3) < 1e-5, float(moved.norm())  # SGD lr 1 moves by the clipped grad
 
 
 class _BranchModel(nn.Module):

@@ -15,6 +15,7 @@ The same reproduction with torch's own collectives serving every group (`paralle
 in place of the pipes, shared-memory rings and point-to-point exchanges: the transport seam is swappable and
 the callers are served through it.
 """
+
 import collections
 import itertools
 
@@ -29,24 +30,33 @@ from tests.zero_model import ZeroTestModel
 from tests.zero_reference import OPTIMIZERS, ZERO_STAGES, assert_params_match, reference_run, train_step
 
 STEPS, CLIP, TOL = 5, 0.05, 1e-10
-VARIANTS = [(True, 16), (False, 150), (True, 10 ** 9), (False, 16), (True, 150), (False, 10 ** 9)]
+VARIANTS = [(True, 16), (False, 150), (True, 10**9), (False, 16), (True, 150), (False, 10**9)]
 
 
-def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references,
-                  transports=None):
+def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references, transports=None):
     groups = ParallelGroups.build(expert_parallel_size=ep, transports=transports)
     model = ZeroTestModel(groups).double()
     frozen_before = model.frozen.weight.detach().clone()
     cls, kwargs = OPTIMIZERS[optimizer]
-    opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=bucket_size, overlap_comm=overlap,
-                        clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs)
+    opt = ZeroOptimizer(
+        model,
+        cls,
+        groups,
+        stage=stage,
+        bucket_size=bucket_size,
+        overlap_comm=overlap,
+        clip_grad=CLIP,
+        grad_reduce_dtype=torch.float64,
+        **kwargs,
+    )
     reference = references[(optimizer, accumulation)]
     opt.count_zeros_in_grad = True
     for step in range(STEPS):
         train_step(model, opt, step, accumulation, use_no_sync)
         if stage >= 1:
-            assert all(p.grad is None or isinstance(p.grad, ShardedGradient) for p in model.parameters()), \
+            assert all(p.grad is None or isinstance(p.grad, ShardedGradient) for p in model.parameters()), (
                 "stages 1-3 hold no full gradients after a sync"
+            )
         opt.reduce_gradients()
         _compare_owned_grads(opt, reference[step]["grads"])
         opt.step()
@@ -57,8 +67,11 @@ def _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, buck
         assert opt.last_num_zeros_in_grad == zeros, ("num zeros", opt.last_num_zeros_in_grad, zeros)
         ref_params_norm = _norm(model, reference[step]["params"])
         params_norm = opt.params_norm()
-        assert abs(params_norm - ref_params_norm) <= TOL * ref_params_norm, ("params norm", params_norm,
-                                                                             ref_params_norm)
+        assert abs(params_norm - ref_params_norm) <= TOL * ref_params_norm, (
+            "params norm",
+            params_norm,
+            ref_params_norm,
+        )
         assert ref_norm > CLIP  # clipping engaged
         with opt.full_parameters():
             assert_params_match(model, reference[step]["params"], rtol=TOL, atol=1e-13)
@@ -81,8 +94,9 @@ def _trainable(model):
 
 def _zeros(model, ref_grads, ref_params):
     """Megatron's num-zeros: exact zeros over every trainable element (no gradient at all: all of them)."""
-    return sum(ref_params[n].numel() if ref_grads[n] is None else int((ref_grads[n] == 0).sum())
-               for n in _trainable(model))
+    return sum(
+        ref_params[n].numel() if ref_grads[n] is None else int((ref_grads[n] == 0).sum()) for n in _trainable(model)
+    )
 
 
 def _norm(model, ref_params):
@@ -110,8 +124,10 @@ def _matrix(eps):
         try:
             _check_config(ep, stage, accumulation, optimizer, use_no_sync, overlap, bucket_size, references)
         except AssertionError as exc:
-            raise AssertionError(f"ep={ep} stage={stage} accumulation={accumulation} {optimizer} "
-                                 f"no_sync={use_no_sync} overlap={overlap} bucket={bucket_size}: {exc}") from None
+            raise AssertionError(
+                f"ep={ep} stage={stage} accumulation={accumulation} {optimizer} "
+                f"no_sync={use_no_sync} overlap={overlap} bucket={bucket_size}: {exc}"
+            ) from None
         done.append((ep, stage, accumulation, optimizer))
     return len(done)
 

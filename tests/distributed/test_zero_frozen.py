@@ -5,6 +5,7 @@ torch's reference: `AdamW(model.parameters())` with the same params frozen and u
 `requires_grad_` at the same steps; a frozen param has no gradient, so torch skips it (and its
 weight decay) and keeps its state.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -21,8 +22,12 @@ STEPS = 6
 def _schedule(step, model):
     """`frozen` (frozen from the start) trains from step 2; block.0 is frozen at step 1 (it had state) and
     trains again from step 4; the MoE experts of layer 2 freeze at step 3."""
-    changes = {2: [(model.frozen, True)], 1: [(model.block[0], False)], 4: [(model.block[0], True)],
-               3: [(model.moe2.experts, False)]}
+    changes = {
+        2: [(model.frozen, True)],
+        1: [(model.block[0], False)],
+        4: [(model.block[0], True)],
+        3: [(model.moe2.experts, False)],
+    }
     for module, trainable in changes.get(step, []):
         module.requires_grad_(trainable)
         for p in module.parameters():
@@ -35,11 +40,18 @@ def _frozen_like_torch(stage, ep, optimizer, default_groups):
     model = ZeroTestModel(groups).double()
     cls, kwargs = OPTIMIZERS[optimizer]
     given = {} if default_groups else {"param_groups": model.parameters()}
-    opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=64, grad_reduce_dtype=torch.float64,
-                        **given, **kwargs)
+    opt = ZeroOptimizer(
+        model, cls, groups, stage=stage, bucket_size=64, grad_reduce_dtype=torch.float64, **given, **kwargs
+    )
     assert any(p is model.frozen.weight for p in opt.param_groups[0]["params"]), "frozen params are in the group"
-    reference = reference_run(optimizer, world, 1, STEPS, make_opt=lambda m: cls(m.parameters(), **kwargs),
-                              each_step=lambda step, m, o: _schedule(step, m))
+    reference = reference_run(
+        optimizer,
+        world,
+        1,
+        STEPS,
+        make_opt=lambda m: cls(m.parameters(), **kwargs),
+        each_step=lambda step, m, o: _schedule(step, m),
+    )
     for step in range(STEPS):
         with opt.modify_model():
             _schedule(step, model)
@@ -74,7 +86,7 @@ def _gradient_bytes(stage, freeze_first):
 
 
 def test_a_frozen_family_is_never_reduced():
-    for stage in (0, 1):   # full-size gradient buffers: only the trainable layer has one
+    for stage in (0, 1):  # full-size gradient buffers: only the trainable layer has one
         frozen, fires = run_distributed(_gradient_bytes, 2, stage, True)[0]
         trainable, _ = run_distributed(_gradient_bytes, 2, stage, False)[0]
         assert frozen <= 0.51 * trainable, (stage, frozen, trainable)

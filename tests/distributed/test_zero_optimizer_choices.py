@@ -1,6 +1,7 @@
 """ZeroOptimizer's explicit choices do what they say and leave the numbers alone: `step_per_family` (the inner
 optimizer stepped once per family or once over all) and `check_exchanges_with_gathers` (stage 3: the MoE layers'
 agreement records also checked in the unit gathers' sequence)."""
+
 import pytest
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ def _stepped_per_family_and_at_once(stage):
     groups = ParallelGroups.build(expert_parallel_size=2)
     out = {}
     for per_family in (True, False):
-        model = ZeroTestModel(groups, mixed_dtypes=True).double()   # dense fp64, dense fp32, experts fp64
+        model = ZeroTestModel(groups, mixed_dtypes=True).double()  # dense fp64, dense fp32, experts fp64
         cls, kwargs = OPTIMIZERS["adamw"]
         opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=64, step_per_family=per_family, **kwargs)
         calls = []
@@ -51,7 +52,7 @@ def test_step_per_family_is_honoured_both_ways_with_the_same_numbers(stage):
 
 
 def test_the_default_steps_per_family_only_for_the_known_classes():
-    class Subclass(torch.optim.AdamW):   # may keep state across params: stepped once unless it says otherwise
+    class Subclass(torch.optim.AdamW):  # may keep state across params: stepped once unless it says otherwise
         pass
 
     def built(cls, **kwargs):

@@ -4,6 +4,7 @@ The field bugs: weights of a module swapped in after init left empty at forward,
 an nn.Parameter that a model rebuilds larger inside forward. Exactness of stage 3 itself is in
 the central matrix (test_zero_exactness.py).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,8 +15,7 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import ParameterSetChanged, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel
-from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes,
-                                  reference_run, train_step)
+from tests.zero_reference import OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes, reference_run, train_step
 
 TOL = 1e-10
 STEPS = 5
@@ -153,8 +153,9 @@ def _trains_like_torch(model, ref, loss, stage, steps=4):
     """`steps` of AdamW under ZeRO at `stage` against torch on every rank's batch, then the weights compared."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = ParallelGroups.build()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=40, lr=0.05,
-                        grad_reduce_dtype=torch.float64)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, groups, stage=stage, bucket_size=40, lr=0.05, grad_reduce_dtype=torch.float64
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     for step in range(steps):
         loss(model, step, rank).backward()
@@ -216,8 +217,16 @@ def _gpt(groups):
     from moezero.models import GPTModel
     from moezero.moe import expert_parallel
 
-    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
-                    moe_layer_freq=1, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=32,
+        moe_layer_freq=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return GPTModel(cfg, MoEConfig(num_experts=4, top_k=2), seed=3, moe_layer=expert_parallel(groups)).double()
 
 
@@ -231,8 +240,16 @@ def _gpt_losses(stage, ep, qat_step, steps=4, min_unit_params=0, units=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = _gpt(groups)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=200, lr=0.01,
-                        grad_reduce_dtype=torch.float64, min_unit_params=min_unit_params)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        bucket_size=200,
+        lr=0.01,
+        grad_reduce_dtype=torch.float64,
+        min_unit_params=min_unit_params,
+    )
     if units is not None:
         units.extend(opt.engine.gatherer.plan.names)
     losses = []
@@ -265,8 +282,10 @@ def _small_blocks_together(_):
     dense = sum(p.numel() for p in _gpt(groups).layers[0].parameters() if not is_expert_parallel(p))
     groups.destroy()
     merged, run = [], []
-    losses = {"root": _gpt_losses(3, 2, qat_step=99, min_unit_params=10 ** 6, units=merged),
-              "run": _gpt_losses(3, 2, qat_step=99, min_unit_params=dense + 1, units=run)}
+    losses = {
+        "root": _gpt_losses(3, 2, qat_step=99, min_unit_params=10**6, units=merged),
+        "run": _gpt_losses(3, 2, qat_step=99, min_unit_params=dense + 1, units=run),
+    }
     return losses, merged, run, _gpt_losses(3, 2, qat_step=99), _gpt_losses(2, 2, qat_step=99)
 
 
@@ -304,13 +323,13 @@ def _dropped_forwards():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     opt = ZeroOptimizer(model, torch.optim.AdamW, ParallelGroups.build(), stage=3, lr=0.05)
     for step in range(4):
-        model(x)   # with grad, output dropped
+        model(x)  # with grad, output dropped
         if step == 1:
             opt.step()
             ref_opt.step()
         for m, o in ((model, opt), (ref, ref_opt)):
             (m(x) ** 2).sum().backward()
-            m(x)   # dropped again, now before the step that changes the params
+            m(x)  # dropped again, now before the step that changes the params
             o.step()
             o.zero_grad()
         with torch.no_grad():
@@ -332,7 +351,7 @@ def _stack(width=128, depth=8):
 def _bytes_and_working_set(stage):
     groups = ParallelGroups.build()
     model = _stack()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=1e-3, bucket_size=10 ** 9)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=1e-3, bucket_size=10**9)
     seen = []
     for block in model:  # what the params hold while each block runs forward
         block.register_forward_hook(lambda m, i, o: seen.append(opt.memory_bytes()["params"]))
@@ -377,7 +396,7 @@ def _full_parameters_memory():
 def test_full_parameters_gathers_for_the_block_and_frees_after():
     for shard, inside, after in run_distributed(_full_parameters_memory, 2):
         assert inside >= shard + 3 * (16 * 16 + 16) * 4 and after == shard
-    model = _stack(16, 3)   # a world of one holds whole buckets: nothing to gather, nothing held twice
+    model = _stack(16, 3)  # a world of one holds whole buckets: nothing to gather, nothing held twice
     opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, lr=0.1)
     shard = opt.memory_bytes()["params"]
     with opt.full_parameters():
@@ -389,7 +408,7 @@ class _BranchyBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.branch = nn.Linear(8, 8)   # inside the block's unit: used only when the data says so
+        self.branch = nn.Linear(8, 8)  # inside the block's unit: used only when the data says so
 
     def forward(self, x, use_branch):
         y = torch.tanh(self.fc(x))

@@ -1,5 +1,6 @@
 """Stage 3's edges of modify_model() and of freeing in backward: a module added under a new name trains as torch's
 add_param_group; a unit is gathered at most once in a backward."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,8 +52,7 @@ def _module_added_under_a_new_name(stage):
         ref_opt.zero_grad()
     with opt.full_parameters():
         for name, p in ref.named_parameters():
-            torch.testing.assert_close(model.get_parameter(name).detach(), p.detach(), rtol=1e-12, atol=1e-13,
-                                       msg=name)
+            torch.testing.assert_close(model.get_parameter(name).detach(), p.detach(), rtol=1e-12, atol=1e-13, msg=name)
     groups.destroy()
 
 

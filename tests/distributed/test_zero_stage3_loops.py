@@ -3,6 +3,7 @@ stage 2 as the control) or raises one line on every rank, never a crash or a han
 
 A segfault or a hang is a test of its own, in a world of its own that is killed afterwards (`isolated=True`).
 """
+
 import datetime
 
 import pytest
@@ -54,13 +55,13 @@ class _Net(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB)
         self.skip = set()
         self.zero_padding_row = False
-        init_keyed_(self, 3, lambda name, p: 0.5)   # the same values for any ep
+        init_keyed_(self, 3, lambda name, p: 0.5)  # the same values for any ep
         self.double()
 
     def forward(self, tokens):
         if self.zero_padding_row:
             self.emb.weight.data[0].zero_()
-        h = self.embedded = self.emb(tokens)   # kept: a gradient penalty differentiates with respect to it
+        h = self.embedded = self.emb(tokens)  # kept: a gradient penalty differentiates with respect to it
         for i, block in enumerate(self.blocks):
             if i not in self.skip:
                 h = block(h)
@@ -77,15 +78,28 @@ def _loss(model, step, rank):
 
 
 def _zero(model, groups, stage, **options):
-    return ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64,
-                         grad_reduce_dtype=torch.float64, **options)
+    return ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        lr=0.02,
+        bucket_size=64,
+        grad_reduce_dtype=torch.float64,
+        **options,
+    )
 
 
 def _assert_like(model, opt, ref, groups, what):
     with opt.full_parameters():
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), local_reference_slice(name, p, q.detach()), rtol=TOL, atol=1e-13,
-                                       msg=lambda m: f"{what}, {name}: {m}")
+            torch.testing.assert_close(
+                p.detach(),
+                local_reference_slice(name, p, q.detach()),
+                rtol=TOL,
+                atol=1e-13,
+                msg=lambda m: f"{what}, {name}: {m}",
+            )
         assert_replicas_equal(model, groups)
 
 
@@ -111,13 +125,14 @@ def _train_like_torch(loop, stage, ep, steps=3, make=_Net, **options):
 
 def _full(opt):
     import contextlib
+
     return opt.full_parameters() if opt is not None else contextlib.nullcontext()
 
 
 # ---- 0: a penalty computed inside full_parameters(), backpropagated after it ---------------------------------
 def _penalty_after_the_forward(model, opt, step, rank, scale):
     loss = _loss(model, step, rank)
-    with _full(opt):   # the root (held for the backward) was exposed: its params' uses were saved unguarded
+    with _full(opt):  # the root (held for the backward) was exposed: its params' uses were saved unguarded
         # (dense params: each rank holds its own experts, whose penalty would count once per holder, not per rank)
         penalty = 1e-3 * sum(p.square().sum() for p in model.parameters() if not is_expert_parallel(p))
     (scale * (loss + penalty)).backward()
@@ -152,7 +167,7 @@ def _nested_and_a_step_inside(stage):
         for step in range(3):
             with opt.full_parameters():
                 assert abs(_dense_norm(opt, model) - _dense_norm(None, ref)) < 1e-12
-                before = model.head.weight.sum().item()   # a read after the nested block ended
+                before = model.head.weight.sum().item()  # a read after the nested block ended
                 _loss(model, step, rank).backward()
                 opt.step()
                 opt.zero_grad()
@@ -160,11 +175,16 @@ def _nested_and_a_step_inside(stage):
                     (_loss(ref, step, r) / world).backward()
                 ref_opt.step()
                 ref_opt.zero_grad()
-                for (name, p), q in zip(model.named_parameters(), ref.parameters()):   # the step's values, here
-                    torch.testing.assert_close(p.detach(), local_reference_slice(name, p, q.detach()), rtol=TOL,
-                                               atol=1e-13, msg=lambda m: f"after the step inside, {name}: {m}")
+                for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # the step's values, here
+                    torch.testing.assert_close(
+                        p.detach(),
+                        local_reference_slice(name, p, q.detach()),
+                        rtol=TOL,
+                        atol=1e-13,
+                        msg=lambda m: f"after the step inside, {name}: {m}",
+                    )
                 assert model.head.weight.sum().item() != before
-                with torch.no_grad():   # a write after the step persists
+                with torch.no_grad():  # a write after the step persists
                     model.head.bias.mul_(0.5)
                     ref.head.bias.mul_(0.5)
         _assert_like(model, opt, ref, groups, f"nested, a step inside, stage {stage}, ep {ep}")
@@ -180,24 +200,25 @@ def test_full_parameters_nests_and_a_step_inside_it_is_torchs(stage):
 
 
 # ---- 3: a block skipped on one rank (LayerDrop, early exit) ----------------------------------------------------
-SKIPS = [(0, 3), (0, 1), (144, 0), (144, 1), (144, 2), (144, 3)]   # (min_unit_params, the block skipped)
+SKIPS = [(0, 3), (0, 1), (144, 0), (144, 1), (144, 2), (144, 3)]  # (min_unit_params, the block skipped)
 
 
 def _layer_drop(blocks):
     def loop(model, opt, step, rank, scale):
-        model.skip = blocks if (rank + step) % 2 else set()   # rank 1 drops them at even steps, rank 0 at odd ones
+        model.skip = blocks if (rank + step) % 2 else set()  # rank 1 drops them at even steps, rank 0 at odd ones
         (scale * _loss(model, step, rank)).backward()
         model.skip = set()
+
     loop.__name__ = f"dropping blocks {sorted(blocks)}"
     return loop
 
 
 def _four_blocks(groups):
-    return _Net(groups, moe=(False, True, False, False))   # block 1's experts: a unit nested in its block's
+    return _Net(groups, moe=(False, True, False, False))  # block 1's experts: a unit nested in its block's
 
 
 def _skipped_blocks(stage):
-    for min_unit_params, block in SKIPS:   # 72 params a block: 144 makes runs blocks.0..1 and blocks.2..3
+    for min_unit_params, block in SKIPS:  # 72 params a block: 144 makes runs blocks.0..1 and blocks.2..3
         _train_like_torch(_layer_drop({block}), stage, 1, make=_four_blocks, min_unit_params=min_unit_params)
     return True
 
@@ -213,9 +234,9 @@ def test_a_block_one_rank_skips_trains_like_torch(stage):
 # ---- 1: writes through .data in forward -----------------------------------------------------------------------
 def _writing_through_data(groups):
     model = _Net(groups)
-    model.zero_padding_row = True   # the root: `emb.weight.data[0].zero_()`
+    model.zero_padding_row = True  # the root: `emb.weight.data[0].zero_()`
     for block in model.blocks:
-        block.clamp_data = True     # a block: `fc.weight.data.clamp_(-0.25, 0.25)`
+        block.clamp_data = True  # a block: `fc.weight.data.clamp_(-0.25, 0.25)`
     return model
 
 
@@ -256,12 +277,11 @@ def _assigned_gradients(stage):
         opt, ref_opt = _zero(model, groups, stage), torch.optim.AdamW(ref.parameters(), lr=0.02)
         for step in range(2):
             _assign_external_gradients(model, list(model.parameters()), lambda r: _loss(model, step, r), [rank])
-            _assign_external_gradients(ref, list(ref.parameters()), lambda r: _loss(ref, step, r) / world,
-                                       range(world))
+            _assign_external_gradients(ref, list(ref.parameters()), lambda r: _loss(ref, step, r) / world, range(world))
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-            _loss(model, step + 5, rank).backward()   # surgery after a backward: one gradient replaced by hand
+            _loss(model, step + 5, rank).backward()  # surgery after a backward: one gradient replaced by hand
             model.head.bias.grad = torch.full(model.head.bias.shape, 0.1, dtype=torch.float64)
             for r in range(world):
                 (_loss(ref, step + 5, r) / world).backward()

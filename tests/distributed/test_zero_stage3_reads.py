@@ -7,6 +7,7 @@ unit's forward and backward a param read raises ParamNotGathered naming the para
 (two backwards over one forward, a loss term computed outside forward, a block param read in the
 root's forward) equal single-process torch in float64.
 """
+
 import contextlib
 import copy
 import io
@@ -37,8 +38,9 @@ def _lm_loss(logits, tokens):
 
 def _stage3(model, lr=0.05):
     groups = ParallelGroups.build()
-    return groups, ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=lr, bucket_size=40,
-                                 grad_reduce_dtype=torch.float64)
+    return groups, ZeroOptimizer(
+        model, torch.optim.AdamW, groups, stage=3, lr=lr, bucket_size=40, grad_reduce_dtype=torch.float64
+    )
 
 
 # ---- reads outside forward and backward: a named error, never a crash ------------------------------------
@@ -116,7 +118,7 @@ def _reads_inside_full_parameters():
         torch.testing.assert_close(e.detach(), p.detach(), rtol=TOL, atol=1e-13)
         torch.testing.assert_close(saved[name], p.detach(), rtol=TOL, atol=1e-13)
     tokens = _tokens(5, 0)
-    torch.testing.assert_close(ema(tokens), ref(tokens), rtol=TOL, atol=1e-12)   # the copy runs alone
+    torch.testing.assert_close(ema(tokens), ref(tokens), rtol=TOL, atol=1e-12)  # the copy runs alone
     try:
         escaped.sum()
         alias = "read"
@@ -150,7 +152,7 @@ def _penalty_outside_forward(model, opt, step, rank, scale):
     loss = _lm_loss(model(_tokens(step, rank)), _tokens(step, rank))
     with opt.full_parameters() if opt is not None else contextlib.nullcontext():
         penalty = 0.01 * sum(p.square().sum() for p in model.parameters())
-        view_penalty = 0.01 * model.blocks[0].weight.t().sum()   # through a view of the param
+        view_penalty = 0.01 * model.blocks[0].weight.t().sum()  # through a view of the param
     (scale * (loss + penalty + view_penalty)).backward()
 
 
@@ -158,10 +160,12 @@ def _root_reads_a_block_param(model, opt, step, rank, scale):
     (scale * _lm_loss(model(_tokens(step, rank)), _tokens(step, rank))).backward()
 
 
-LOOPS = {"two backwards over one forward": (_two_backwards, False),
-         "forward A, forward B, backward A, backward B": (_interleaved, False),
-         "a loss term computed outside forward": (_penalty_outside_forward, False),
-         "a block param read in the root's forward": (_root_reads_a_block_param, True)}
+LOOPS = {
+    "two backwards over one forward": (_two_backwards, False),
+    "forward A, forward B, backward A, backward B": (_interleaved, False),
+    "a loss term computed outside forward": (_penalty_outside_forward, False),
+    "a block param read in the root's forward": (_root_reads_a_block_param, True),
+}
 
 
 def _loops_like_torch(stage):
@@ -169,8 +173,9 @@ def _loops_like_torch(stage):
     for name, (loop, read_block) in LOOPS.items():
         model, ref = Tower(WIDTH, VOCAB, read_block), Tower(WIDTH, VOCAB, read_block)
         groups = ParallelGroups.build()
-        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.05, bucket_size=40,
-                            grad_reduce_dtype=torch.float64)
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, groups, stage=stage, lr=0.05, bucket_size=40, grad_reduce_dtype=torch.float64
+        )
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
         for step in range(3):
             loop(model, opt, step, rank, 1.0)
@@ -201,8 +206,15 @@ def _compiled_gpt_moe_losses(how, ep):
     from moezero.moe import expert_parallel
 
     groups = ParallelGroups.build(expert_parallel_size=ep)
-    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64,
-                       hidden_dropout=0.0, attention_dropout=0.0)
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        seq_length=16,
+        vocab_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     losses = []
     for compiled in (False, True):
         model = GPTModel(config, MoEConfig(num_experts=4, top_k=2), seed=1, moe_layer=expert_parallel(groups))
@@ -225,7 +237,7 @@ def _compiled_gpt_moe_losses(how, ep):
             opt.zero_grad()
             run.append(loss.item())
         losses.append(run)
-    if how == "model after":   # compiled code reading a sharded param outside forward: a named error
+    if how == "model after":  # compiled code reading a sharded param outside forward: a named error
         with pytest.raises(Exception, match="torch.compile traced a read"):
             torch.compile(lambda: model.embedding.weight.sum(), backend="eager")()
     groups.destroy()

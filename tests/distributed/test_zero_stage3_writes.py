@@ -6,6 +6,7 @@ lost; `h * fc.bias.detach()` or `h @ fc.weight.data.t()` before `fc(h)` crashed 
 freed once its params had their gradients). Each case trains against single-process torch in float64
 (the reference runs every rank's batch; routed experts compared per rank's slice).
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,9 +35,9 @@ class _Block(nn.Module):
 
     def forward(self, h):
         with torch.no_grad():
-            self.fc.weight.clamp_(-0.2, 0.2)                       # an in-place write in forward
-        h = h + 0.5 * h * self.fc.bias.detach()                    # read before fc's own op (SIGSEGV before)
-        h = h + 0.1 * h @ self.fc.weight.data.t()                  # through .data (out of bounds before)
+            self.fc.weight.clamp_(-0.2, 0.2)  # an in-place write in forward
+        h = h + 0.5 * h * self.fc.bias.detach()  # read before fc's own op (SIGSEGV before)
+        h = h + 0.1 * h @ self.fc.weight.data.t()  # through .data (out of bounds before)
         h = torch.tanh(self.fc(h))
         if self.moe is not None:
             y, _ = self.moe(h)
@@ -47,7 +48,7 @@ class _Block(nn.Module):
 class _Writer(nn.Module):
     def __init__(self, groups):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH, max_norm=1.0)     # torch renormalises looked-up rows in forward
+        self.embed = nn.Embedding(VOCAB, WIDTH, max_norm=1.0)  # torch renormalises looked-up rows in forward
         self.blocks = nn.ModuleList([_Block(groups, 1, moe=False), _Block(groups, 2, moe=True)])
         self.head = nn.Linear(WIDTH, VOCAB)
         init_keyed_(self, 3, lambda name, p: 0.6)
@@ -86,7 +87,7 @@ def _reference(world):
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     params = []
     for step in range(STEPS):
-        for r in range(world):   # one forward and backward per rank's batch (the writes break a shared graph)
+        for r in range(world):  # one forward and backward per rank's batch (the writes break a shared graph)
             (_loss(model, step, r) / world).backward()
         opt.step()
         opt.zero_grad()
@@ -103,8 +104,9 @@ def _writes_like_torch():
         for ep in (1, 2):
             groups = ParallelGroups.build(expert_parallel_size=ep)
             model = _Writer(groups)
-            opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64,
-                                grad_reduce_dtype=torch.float64)
+            opt = ZeroOptimizer(
+                model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64, grad_reduce_dtype=torch.float64
+            )
             for step in range(STEPS):
                 _loss(model, step, rank).backward()
                 opt.step()
@@ -115,8 +117,9 @@ def _writes_like_torch():
             with opt.full_parameters():
                 for name, p in model.named_parameters():
                     want = local_reference_slice(name, p, reference[-1][name])
-                    torch.testing.assert_close(p.detach(), want, rtol=TOL, atol=1e-13,
-                                               msg=lambda m: f"stage {stage}, ep {ep}, {name}: {m}")
+                    torch.testing.assert_close(
+                        p.detach(), want, rtol=TOL, atol=1e-13, msg=lambda m: f"stage {stage}, ep {ep}, {name}: {m}"
+                    )
                 assert_replicas_equal(model, groups)
             groups.destroy()
     return True
@@ -134,8 +137,9 @@ def _one_rank_writes():
     for stage in (1, 3):
         groups = ParallelGroups.build(expert_parallel_size=2)
         model, fresh = _Writer(groups), _Writer(groups)
-        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64,
-                            grad_reduce_dtype=torch.float64)
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, groups, stage=stage, lr=0.02, bucket_size=64, grad_reduce_dtype=torch.float64
+        )
         with opt.full_parameters(modifier_rank=1):
             if rank == 1:
                 with torch.no_grad():
@@ -162,8 +166,9 @@ def _grads_and_evals_like_torch():
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = ParallelGroups.build(expert_parallel_size=2)
     model, ref = _Writer(groups), _Writer(ParallelGroups.single())
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=0.02, bucket_size=64,
-                        grad_reduce_dtype=torch.float64)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, groups, stage=3, lr=0.02, bucket_size=64, grad_reduce_dtype=torch.float64
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02)
     for step in range(2):
         w, ref_w = model.blocks[0].fc.weight, ref.blocks[0].fc.weight
@@ -183,8 +188,13 @@ def _grads_and_evals_like_torch():
         ref_opt.zero_grad()
     with opt.full_parameters():
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), local_reference_slice(name, p, q.detach()), rtol=TOL, atol=1e-13,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.detach(),
+                local_reference_slice(name, p, q.detach()),
+                rtol=TOL,
+                atol=1e-13,
+                msg=lambda m: f"{name}: {m}",
+            )
     groups.destroy()
     return True
 
@@ -193,20 +203,23 @@ def test_autograd_grad_and_eval_forwards_between_steps_are_torchs():
     assert all(run_distributed(_grads_and_evals_like_torch, 2))
 
 
-WRITES_OUTSIDE_THE_SCHEDULE = ("between forward and backward", "in the root's forward, before the block",
-                               "after a forward whose output was dropped")
+WRITES_OUTSIDE_THE_SCHEDULE = (
+    "between forward and backward",
+    "in the root's forward, before the block",
+    "after a forward whose output was dropped",
+)
 
 
 def _train_with_writes(model, opt, where):
     for step in range(2):
         tokens = _tokens(step)
         forward = lambda: F.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))  # noqa: E731
-        if where == "between forward and backward":   # the last block stays gathered for the backward
+        if where == "between forward and backward":  # the last block stays gathered for the backward
             loss = forward()
             with torch.no_grad():
-                model.blocks[2].bias.add_(0.5)   # torch keeps it: a linear's bias is not saved for backward
+                model.blocks[2].bias.add_(0.5)  # torch keeps it: a linear's bias is not saved for backward
             loss.backward()
-        elif where == "after a forward whose output was dropped":   # an eval that forgot no_grad
+        elif where == "after a forward whose output was dropped":  # an eval that forgot no_grad
             model(_tokens(9))
             with torch.no_grad():
                 nn.init.constant_(model.blocks[2].bias, 0.25)
@@ -226,13 +239,22 @@ def _writes_outside_the_schedule_like_torch():
         _train_with_writes(ref, torch.optim.AdamW(ref.parameters(), lr=0.05), where)
         groups = ParallelGroups.build()
         model = Tower(WIDTH, VOCAB, write_block_in_root=root_writes)
-        opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=3, lr=0.05, bucket_size=64,
-                            grad_reduce_dtype=torch.float64, min_unit_params=0)
+        opt = ZeroOptimizer(
+            model,
+            torch.optim.AdamW,
+            groups,
+            stage=3,
+            lr=0.05,
+            bucket_size=64,
+            grad_reduce_dtype=torch.float64,
+            min_unit_params=0,
+        )
         _train_with_writes(model, opt, where)
         with opt.full_parameters():
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.detach(), q.detach(), rtol=TOL, atol=1e-13,
-                                           msg=lambda m: f"{where}, {name}: {m}")
+                torch.testing.assert_close(
+                    p.detach(), q.detach(), rtol=TOL, atol=1e-13, msg=lambda m: f"{where}, {name}: {m}"
+                )
         groups.destroy()
     return True
 

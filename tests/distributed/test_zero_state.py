@@ -1,5 +1,6 @@
 """Sharded optimizer state: same-layout resume is bit-exact, consolidation round-trips, and a
 consolidated state continues training on another dp/ep layout."""
+
 import os
 
 import torch
@@ -17,8 +18,17 @@ MICRO_BATCHES = 4  # global micro-batches per step, on every layout
 def _build(ep, stage):
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups).double()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, bucket_size=150, clip_grad=0.5,
-                        grad_reduce_dtype=torch.float64, lr=0.05, weight_decay=0.1)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        bucket_size=150,
+        clip_grad=0.5,
+        grad_reduce_dtype=torch.float64,
+        lr=0.05,
+        weight_decay=0.1,
+    )
     return groups, model, opt
 
 
@@ -92,8 +102,9 @@ def test_resume_consolidate_and_reshard(tmp_path):
         assert torch.equal(restored[name], tensor.to(restored[name].dtype)), name
     for name in straight:
         if name in continued and continued[name].dtype.is_floating_point:
-            torch.testing.assert_close(continued[name], straight[name], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                continued[name], straight[name], rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}"
+            )
 
 
 def _another_layouts_shard():

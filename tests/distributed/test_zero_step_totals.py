@@ -1,6 +1,7 @@
 """The step's one small all-reduce (StepTotals): the norm's sum of squares and which params got a gradient on some
 rank of their group, on 4 ranks at ep 2 (dense params over all ranks, expert params over the ranks holding the
 same experts)."""
+
 from types import SimpleNamespace
 
 import torch
@@ -32,15 +33,21 @@ def _totals():
     summed = totals.sum(torch.tensor(float(rank + 1), dtype=torch.float64), with_flags=True)
     flags_only = totals.sum(None, with_flags=True)
     groups.destroy()
-    return (without, untouched, summed, flags_only, [zp.got_grad_anywhere for zp in dense.members],
-            [zp.got_grad_anywhere for zp in expert.members], frozen.members[0].got_grad_anywhere)
+    return (
+        without,
+        untouched,
+        summed,
+        flags_only,
+        [zp.got_grad_anywhere for zp in dense.members],
+        [zp.got_grad_anywhere for zp in expert.members],
+        frozen.members[0].got_grad_anywhere,
+    )
 
 
 def test_the_norm_and_the_gradient_flags_in_one_message():
-    for rank, (without, untouched, summed, flags_only, dense, expert, frozen) in enumerate(
-            run_distributed(_totals, 4)):
+    for rank, (without, untouched, summed, flags_only, dense, expert, frozen) in enumerate(run_distributed(_totals, 4)):
         assert without == summed == 10.0 and flags_only == 0.0
-        assert untouched == [None] * 5   # without flags, nothing is set
-        assert dense == [True, False]    # rank 3's gradient reaches every rank
+        assert untouched == [None] * 5  # without flags, nothing is set
+        assert dense == [True, False]  # rank 3's gradient reaches every rank
         assert expert == ([True, True, False] if rank % 2 == 0 else [False, False, True]), (rank, expert)
         assert frozen is False

@@ -4,6 +4,7 @@ Each test writes the loop a PyTorch user would write, runs it on N gloo ranks, a
 with single-process torch on the same global batch (float64: ~1e-10; the mixed-dtype model has
 fp32 params: float tolerance).
 """
+
 import math
 
 import pytest
@@ -15,8 +16,16 @@ from moezero.parallel import ParallelGroups
 from moezero.zero import DynamicLossScaler, GradientIsSharded, ShardedGradient, ZeroOptimizer
 from tests.dist_utils import assert_replicas_equal, run_distributed
 from tests.zero_model import ZeroTestModel, micro_batch
-from tests.zero_reference import (OPTIMIZERS, ZERO_STAGES, assert_params_match, assert_passes,
-                                  local_reference_slice, rank_micro_batches, reference_run, train_step)
+from tests.zero_reference import (
+    OPTIMIZERS,
+    ZERO_STAGES,
+    assert_params_match,
+    assert_passes,
+    local_reference_slice,
+    rank_micro_batches,
+    reference_run,
+    train_step,
+)
 
 TOL = 1e-10
 STEPS = 4
@@ -40,8 +49,14 @@ def _stage0_accumulation_fp32(ep):
     groups = ParallelGroups.build(expert_parallel_size=ep)
     model = ZeroTestModel(groups)
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=0, lr=0.01, bucket_size=64)
-    reference = reference_run("adamw", dist.get_world_size(), 2, 5, dtype=torch.float32,
-                              make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    reference = reference_run(
+        "adamw",
+        dist.get_world_size(),
+        2,
+        5,
+        dtype=torch.float32,
+        make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+    )
     worst = 0.0
     for step in range(5):
         train_step(model, opt, step, 2, use_no_sync=False)
@@ -64,8 +79,13 @@ def test_stage0_accumulation_without_no_sync_matches_torch_fp32(world, ep):
 def _mixed_dtypes():
     world = dist.get_world_size()
     reference = reference_run("sgd", world, 2, 3, model_kwargs=dict(mixed_dtypes=True))
-    for ep, stage, overlap, bucket_size in [(1, 0, True, 16), (2, 1, True, 16), (2, 2, True, 16),
-                                            (1, 2, False, 150), (2, 0, False, 10 ** 9)]:
+    for ep, stage, overlap, bucket_size in [
+        (1, 0, True, 16),
+        (2, 1, True, 16),
+        (2, 2, True, 16),
+        (1, 2, False, 150),
+        (2, 0, False, 10**9),
+    ]:
         groups = ParallelGroups.build(expert_parallel_size=ep)
         model = ZeroTestModel(groups, mixed_dtypes=True).double()
         assert model.fp32_branch.weight.dtype == torch.float32
@@ -184,7 +204,7 @@ def _user_groups(model):
 
 SCHEDULERS = {
     "manual": None,
-    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.9 ** s, lambda s: 1.0 + s]),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.9**s, lambda s: 1.0 + s]),
     "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=0.001),
     "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.05, 0.02], total_steps=STEPS + 1),
 }
@@ -200,8 +220,16 @@ def _param_groups_and_schedulers(stage, name):
     groups = ParallelGroups.build(expert_parallel_size=2)
     model = ZeroTestModel(groups).double()
     cls, kwargs = OPTIMIZERS["adamw"]
-    opt = ZeroOptimizer(model, cls, groups, stage=stage, bucket_size=16, grad_reduce_dtype=torch.float64,
-                        param_groups=_user_groups(model), **kwargs)
+    opt = ZeroOptimizer(
+        model,
+        cls,
+        groups,
+        stage=stage,
+        bucket_size=16,
+        grad_reduce_dtype=torch.float64,
+        param_groups=_user_groups(model),
+        **kwargs,
+    )
     assert len(opt.param_groups) == 2 and opt.param_groups[1]["params"] == [model.norm.bias]
     make = SCHEDULERS[name]
     scheduler = make(opt) if make else None
@@ -328,9 +356,11 @@ def _raising_backward(stage, clear_name):
         if armed:
             armed.clear()
             raise _Boom("a hook failed half-way through backward")
+
     def arm_on_output(module, inputs, out):
         if out[0].requires_grad:
             out[0].register_hook(boom)
+
     model.moe1.register_forward_hook(arm_on_output)
 
     reference = reference_run("adamw", world, 1, STEPS)
@@ -349,10 +379,13 @@ def _raising_backward(stage, clear_name):
     return True
 
 
-CLEARS = {"opt.zero_grad": lambda model, opt: opt.zero_grad(), "model.zero_grad": lambda model, opt: model.zero_grad(),
-          # the next forward cleans up (a .grad left pointing into a reused staging buffer took another's gradient)
-          "nothing": lambda model, opt: None,
-          "zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False)}
+CLEARS = {
+    "opt.zero_grad": lambda model, opt: opt.zero_grad(),
+    "model.zero_grad": lambda model, opt: model.zero_grad(),
+    # the next forward cleans up (a .grad left pointing into a reused staging buffer took another's gradient)
+    "nothing": lambda model, opt: None,
+    "zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False),
+}
 
 
 @pytest.mark.parametrize("clear", list(CLEARS))
@@ -393,7 +426,7 @@ def _reassigned_between_synced_backwards():
     world = dist.get_world_size()
     groups = ParallelGroups.build(expert_parallel_size=2)
     model = ZeroTestModel(groups).double()
-    opt = _zero(model, groups, 0)
+    _opt = _zero(model, groups, 0)  # the optimizer hooks the model; kept alive for the loop below
     reference = reference_run("adamw", world, 2, 1)
     for tokens, targets, branch in rank_micro_batches(0, 2):
         (model(tokens, targets, 0, branch) / 2).backward()
@@ -403,8 +436,9 @@ def _reassigned_between_synced_backwards():
     for name, p in model.named_parameters():
         ref = reference[0]["grads"][name]
         if ref is not None:
-            torch.testing.assert_close(p.grad, local_reference_slice(name, p, ref), rtol=TOL, atol=1e-13,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.grad, local_reference_slice(name, p, ref), rtol=TOL, atol=1e-13, msg=lambda m: f"{name}: {m}"
+            )
     groups.destroy()
     return True
 
@@ -472,7 +506,7 @@ def _torch_clip_on_sharded_grads(stage):
     assert grad.shape == model.embed.weight.shape and grad.dtype == torch.float64
     if stage > 0:
         assert "held as the optimizer's shards" in repr(grad)
-        model.zero_grad(set_to_none=False)   # what stages 1-3 reduced stays (as documented); nothing raises
+        model.zero_grad(set_to_none=False)  # what stages 1-3 reduced stays (as documented); nothing raises
     assert opt.clip_grad_norm_(0.05) > 0 and opt.step()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
@@ -484,7 +518,7 @@ def _torch_clip_on_sharded_grads(stage):
 def test_torch_clip_grad_norm_on_sharded_gradients_is_a_named_error(stage):
     for message in run_distributed(_torch_clip_on_sharded_grads, 2, stage):
         if stage == 0:
-            assert message == "clipped"   # full gradients: torch's clip sees them (ep 1)
+            assert message == "clipped"  # full gradients: torch's clip sees them (ep 1)
         else:
             assert "'embed.weight'" in message or "the gradient of '" in message, message
             assert "opt.clip_grad_norm_(max_norm)" in message, message
@@ -523,8 +557,7 @@ def _torch_defaults(stage):
     model = ZeroTestModel(groups).double()
     opt = ZeroOptimizer(model, torch.optim.AdamW, groups, stage=stage, grad_reduce_dtype=torch.float64, lr=0.05)
     assert all(g["weight_decay"] == 0.01 for g in opt.param_groups)  # torch's AdamW default
-    reference = reference_run("adamw", world, 1, STEPS,
-                              make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=0.05))
+    reference = reference_run("adamw", world, 1, STEPS, make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=0.05))
     for step in range(STEPS):
         train_step(model, opt, step, 1, False)
         opt.step()
@@ -542,7 +575,7 @@ def test_inner_optimizer_defaults_are_torchs(stage):
 class _TwoDtypes(nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = nn.Linear(4, 4)          # fp32, registered first
+        self.first = nn.Linear(4, 4)  # fp32, registered first
         self.second = nn.Linear(4, 1).double()
 
     def forward(self, x):
@@ -576,6 +609,7 @@ def test_param_groups_in_the_forms_torch_accepts(form):
         if form == "generator":
             return m.parameters()
         return [{"params": m.weight}, {"params": m.bias, "lr": 0.5}]
+
     opt = ZeroOptimizer(model, torch.optim.SGD, param_groups=groups_of(model), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(groups_of(ref), lr=0.1, momentum=0.9)
     x = torch.randn(8, 4, dtype=torch.float64)
@@ -645,7 +679,6 @@ def test_step_consumes_the_gradients():
         ref_opt.zero_grad()
     assert torch.equal(model.weight, ref.weight)
     assert math.isfinite(opt.last_grad_norm)
-
 
 
 class _LateBranch(nn.Module):

@@ -1,4 +1,5 @@
 """Run the pretraining script in-process (inside a test rank, or the test process itself)."""
+
 import os
 
 from moezero.recipe import CONFIG_CLASSES, RecipeConfigs, pretraining
@@ -10,16 +11,68 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(ASSETS, "corpus", "corpus_text_document")
 
 # a tiny model on the committed corpus, with every source of randomness switched on
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
-        "--moe-layer-freq", "1", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-input-jitter-eps", "0.01",
-        "--moe-z-loss-coeff", "1e-3", "--moe-aux-loss-coeff", "1e-2", "--moe-expert-capacity-factor", "1.5",
-        "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--lr-decay-iters", "10", "--log-interval", "1000",
-        "--eval-interval", "0", "--data-path", CORPUS, "--split", "98,2,0", "--seed", "7", "--num-workers", "0"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-layer-freq",
+    "1",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "3",
+    "--hidden-dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--moe-input-jitter-eps",
+    "0.01",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-expert-capacity-factor",
+    "1.5",
+    "--adam-beta2",
+    "0.95",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-decay-iters",
+    "10",
+    "--log-interval",
+    "1000",
+    "--eval-interval",
+    "0",
+    "--data-path",
+    CORPUS,
+    "--split",
+    "98,2,0",
+    "--seed",
+    "7",
+    "--num-workers",
+    "0",
+]
 # TINY counting samples (Megatron refuses the *-iters schedule flags in a --train-samples run)
-TINY_SAMPLES = [a for i, a in enumerate(TINY) if "--lr-decay-iters" not in TINY[max(i - 1, 0):i + 1]
-                and "--lr-warmup-iters" not in TINY[max(i - 1, 0):i + 1]]
+TINY_SAMPLES = [
+    a
+    for i, a in enumerate(TINY)
+    if "--lr-decay-iters" not in TINY[max(i - 1, 0) : i + 1] and "--lr-warmup-iters" not in TINY[max(i - 1, 0) : i + 1]
+]
 
 
 def configs(argv):

@@ -2,6 +2,7 @@
 
 Every run has a timeout and runs in its own session, so a test that fails half-way still kills the
 whole process tree (torchrun and its workers)."""
+
 import contextlib
 import os
 import signal
@@ -32,8 +33,16 @@ def run(cmd: List[str], timeout: float = 180) -> subprocess.CompletedProcess:
 @contextlib.contextmanager
 def started(cmd: List[str], stderr=subprocess.STDOUT) -> Iterator[subprocess.Popen]:
     """A running process (text stdout pipe); on exit from the block its session is killed if still alive."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=ENV, cwd=REPO,
-                            start_new_session=True, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     try:
         yield proc
     finally:
@@ -57,7 +66,7 @@ def script_in_process(argv: List[str], capsys) -> subprocess.CompletedProcess:
     capsys.readouterr()
     try:
         code = main(argv)
-    except SystemExit as stop:   # argparse's exit(2), as in the script
+    except SystemExit as stop:  # argparse's exit(2), as in the script
         code = stop.code
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(["pretrain_gpt_moe.py"] + argv, code, captured.out, captured.err)

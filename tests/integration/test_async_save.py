@@ -1,6 +1,7 @@
 """--async-save: the checkpoint is written in the background while training goes on, published (with its
 checksums) only once every rank finished; a resume from it equals the straight run; a save still in flight
 publishes nothing."""
+
 import concurrent.futures
 import os
 
@@ -23,12 +24,11 @@ def _losses(history):
 def _resume_equals_the_straight_run(cache):
     ckpt = os.path.join(cache, "ckpt")
     straight = train(TINY + FP64, cache)
-    first = train(TINY + FP64 + ["--save", ckpt, "--save-interval", "2", "--async-save", "--exit-interval", "4"],
-                  cache)
+    first = train(TINY + FP64 + ["--save", ckpt, "--save-interval", "2", "--async-save", "--exit-interval", "4"], cache)
     assert checkpoint.saved_iterations(ckpt) == [2, 4] and checkpoint.latest_iteration(ckpt) == 4
     assert not checkpoint.unfinished_saves(ckpt)
     manifest = os.path.join(checkpoint.iteration_dir(ckpt, 4), "checksums.json")
-    assert os.path.exists(manifest)   # the background writer hashed its shards too; the resume verifies them
+    assert os.path.exists(manifest)  # the background writer hashed its shards too; the resume verifies them
     second = train(TINY + FP64 + ["--load", ckpt], cache)
     return _losses(first) + _losses(second) == _losses(straight)
 
@@ -48,7 +48,7 @@ def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_pa
     published = []
     never = concurrent.futures.Future()
     pending = PendingSave(never, checkpoint.iteration_dir(root, 4), lambda: published.append(4), None)
-    assert not pending.done_everywhere()   # the job may stop here: nothing is published
+    assert not pending.done_everywhere()  # the job may stop here: nothing is published
     assert checkpoint.latest_iteration(root) == 2 and published == []
     failed = concurrent.futures.Future()
     failed.set_exception(OSError(28, "No space left on device"))
@@ -58,6 +58,7 @@ def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_pa
     # what DCP's writer raises: a CheckpointException, a BaseException in torch (it escaped as a traceback)
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.utils import _wrap_exception
+
     try:
         raise OSError(28, "No space left on device")
     except OSError as exc:
@@ -70,8 +71,7 @@ def test_a_save_in_flight_publishes_nothing_and_a_failed_one_is_one_error(tmp_pa
     assert checkpoint.latest_iteration(root) == 2 and published == []
 
 
-def test_the_last_checkpoint_is_published_before_the_end_of_run_work_and_a_signal_waits_for_it(tmp_path,
-                                                                                                 monkeypatch):
+def test_the_last_checkpoint_is_published_before_the_end_of_run_work_and_a_signal_waits_for_it(tmp_path, monkeypatch):
     """The end of a run: the last (background) checkpoint published before the test split's evaluation (a job's
     grace goes to it), and the signal handlers still installed while it is written (a SIGTERM then killed it)."""
     import signal
@@ -95,12 +95,29 @@ def test_the_last_checkpoint_is_published_before_the_end_of_run_work_and_a_signa
 
     monkeypatch.setattr(Pretraining, "_evaluate", evaluate_and_look)
     monkeypatch.setattr(Pretraining, "_save", save_and_look)
-    run = pretraining(configs(TINY + ["--train-iters", "3", "--save", root, "--async-save", "--exit-signal-handler",
-                                      "--split", "80,10,10", "--eval-iters", "1", "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--train-iters",
+                "3",
+                "--save",
+                root,
+                "--async-save",
+                "--exit-signal-handler",
+                "--split",
+                "80,10,10",
+                "--eval-iters",
+                "1",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     run.train()
     run.groups.destroy()
     assert seen == {"handler during the save": True, "latest at the test evaluation": 3}
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # given back once it is written
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back once it is written
 
 
 def test_a_full_disk_during_an_async_save_is_one_line_naming_it(tmp_path):
@@ -118,17 +135,35 @@ def test_a_full_disk_during_an_async_save_is_one_line_naming_it(tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         save = str(disk / "ckpt")
-        run = pretraining(configs(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--async-save",
-                                          "--data-cache-path", str(tmp_path)]))
+        run = pretraining(
+            configs(
+                TINY
+                + [
+                    "--train-iters",
+                    "6",
+                    "--save",
+                    save,
+                    "--save-interval",
+                    "2",
+                    "--async-save",
+                    "--data-cache-path",
+                    str(tmp_path),
+                ]
+            )
+        )
         try:
             with pytest.raises(CheckpointError) as failed:
                 run.train()
         finally:
             run.groups.destroy()
         message = str(failed.value)
-        assert message.startswith(f"--async-save: writing {checkpoint.iteration_dir(save, 4)} failed (No space left "
-                                  "on device") and len(message.splitlines()) == 1, message
+        assert (
+            message.startswith(
+                f"--async-save: writing {checkpoint.iteration_dir(save, 4)} failed (No space left on device"
+            )
+            and len(message.splitlines()) == 1
+        ), message
         assert checkpoint.latest_iteration(save) == 2 and not checkpoint.unfinished_saves(save)
-        assert not os.path.exists(os.path.join(save, LOCK))   # a run that fails frees its --save too
+        assert not os.path.exists(os.path.join(save, LOCK))  # a run that fails frees its --save too
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)

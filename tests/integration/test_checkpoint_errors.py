@@ -1,5 +1,6 @@
 """Resume problems end the real script with one line naming the file or the flag (no traceback); the
 checkpoint flags that load less (or from elsewhere) do what they say."""
+
 import os
 import shutil
 import sys
@@ -21,8 +22,11 @@ FP64 = ["--fp64"]
 def saved(tmp_path_factory):
     """A checkpoint of iteration 2 (and of 1), one process."""
     root = tmp_path_factory.mktemp("ckpt")
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "2", "--save", str(root / "ckpt"),
-                                                   "--save-interval", "1", "--data-cache-path", str(root)])
+    proc = run(
+        [sys.executable, PRETRAIN]
+        + RUN
+        + ["--train-iters", "2", "--save", str(root / "ckpt"), "--save-interval", "1", "--data-cache-path", str(root)]
+    )
     assert proc.returncode == 0, proc.stderr
     return root
 
@@ -65,8 +69,10 @@ def _flip_64_bytes(path):
 
 
 def _manifest_of_iteration_1(path):
-    shutil.copyfile(os.path.join(checkpoint.iteration_dir(path, 1), "checksums.json"),
-                    os.path.join(checkpoint.iteration_dir(path, 2), "checksums.json"))
+    shutil.copyfile(
+        os.path.join(checkpoint.iteration_dir(path, 1), "checksums.json"),
+        os.path.join(checkpoint.iteration_dir(path, 2), "checksums.json"),
+    )
 
 
 def _garble_metadata(path):
@@ -83,25 +89,40 @@ def _garble_metadata_of_an_unverified_checkpoint(path):
 CASES = {
     "truncated shard": (_truncate_shard, [], "__0_0.distcp: is truncated (5,000 of"),
     "damaged shard": (_damage_shard, [], "damaged"),
-    "garbled metadata": (_garble_metadata, [], ".metadata: holds 300 bytes, the checkpoint wrote"),   # checked first
-    "garbled metadata, no checksums": (_garble_metadata_of_an_unverified_checkpoint, [],
-                                       ".metadata: unreadable, the file is damaged"),
-    "shard of another iteration": (_shard_of_iteration_1, [], "iter_0000002/__0_0.distcp: its contents differ from "
-                                                              "what the checkpoint wrote (checksum mismatch"),
+    "garbled metadata": (_garble_metadata, [], ".metadata: holds 300 bytes, the checkpoint wrote"),  # checked first
+    "garbled metadata, no checksums": (
+        _garble_metadata_of_an_unverified_checkpoint,
+        [],
+        ".metadata: unreadable, the file is damaged",
+    ),
+    "shard of another iteration": (
+        _shard_of_iteration_1,
+        [],
+        "iter_0000002/__0_0.distcp: its contents differ from what the checkpoint wrote (checksum mismatch",
+    ),
     "64 flipped bytes": (_flip_64_bytes, [], "iter_0000002/__0_0.distcp: its contents differ"),
-    "manifest of another iteration": (_manifest_of_iteration_1, [], "checksums.json: records iteration 1, but the "
-                                                                    "folder is iteration 2"),
-    "another model": (None, ["--hidden-size", "64", "--num-experts", "8"],
-                      "--hidden-size: 32 in the checkpoint, 64 now; --ffn-hidden-size: 128 in the checkpoint, 256 "
-                      "now; --kv-channels: 16 in the checkpoint, 32 now; --num-experts: 4 in the checkpoint, 8 now); "
-                      "give the checkpoint's values or "
-                      "--use-checkpoint-args"),
+    "manifest of another iteration": (
+        _manifest_of_iteration_1,
+        [],
+        "checksums.json: records iteration 1, but the folder is iteration 2",
+    ),
+    "another model": (
+        None,
+        ["--hidden-size", "64", "--num-experts", "8"],
+        "--hidden-size: 32 in the checkpoint, 64 now; --ffn-hidden-size: 128 in the checkpoint, 256 "
+        "now; --kv-channels: 16 in the checkpoint, 32 now; --num-experts: 4 in the checkpoint, 8 now); "
+        "give the checkpoint's values or "
+        "--use-checkpoint-args",
+    ),
     "no such step": (None, ["--ckpt-step", "7"], "--ckpt-step=7: --load="),
     "train-iters below": (None, ["--train-iters", "1"], "--train-iters=1: below the iteration of the checkpoint"),
-    "another lr schedule": (None, ["--lr", "1e-2", "--lr-decay-style", "linear"],
-                            "learning-rate schedule differs (--lr: 0.003 in the checkpoint, 0.01 now; "
-                            "--lr-decay-style: cosine in the checkpoint, linear now); give "
-                            "--override-opt_param-scheduler"),
+    "another lr schedule": (
+        None,
+        ["--lr", "1e-2", "--lr-decay-style", "linear"],
+        "learning-rate schedule differs (--lr: 0.003 in the checkpoint, 0.01 now; "
+        "--lr-decay-style: cosine in the checkpoint, linear now); give "
+        "--override-opt_param-scheduler",
+    ),
     # Megatron's scheduler refuses another start/end weight decay the same way (the optimizer's state would
     # otherwise bring the checkpoint's back silently)
     "another weight decay": (None, ["--weight-decay", "0.5"], "(--weight-decay: 0.01 in the checkpoint, 0.5 now)"),
@@ -137,10 +158,16 @@ def test_a_bad_resume_exits_with_one_line(case, saved, tmp_path, capsys):
 def test_load_must_exist_unless_it_is_also_save(saved, tmp_path):
     missing = str(tmp_path / "typo")
     proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", missing])
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        f"[rank 0] error: --load={missing}: does not exist (for a first run, give the same path to --save)"
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", missing, "--save", missing,
-                                            "--data-cache-path", str(saved)])
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip()
+        == f"[rank 0] error: --load={missing}: does not exist (for a first run, give the same path to --save)"
+    )
+    proc = run(
+        [sys.executable, PRETRAIN]
+        + RUN
+        + ["--train-iters", "1", "--load", missing, "--save", missing, "--data-cache-path", str(saved)]
+    )
     assert proc.returncode == 0 and f"no checkpoint in --load={missing} yet (it is also --save)" in proc.stdout
     assert checkpoint.latest_iteration(missing) == 1
 
@@ -154,11 +181,15 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
 
     path = _copy(saved, tmp_path)
     os.remove(os.path.join(path, checkpoint.POINTER))
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "4", "--load", path, "--save", path,
-                                                   "--data-cache-path", str(saved)])
+    proc = run(
+        [sys.executable, PRETRAIN]
+        + RUN
+        + ["--train-iters", "4", "--load", path, "--save", path, "--data-cache-path", str(saved)]
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"[rank 0] error: --load={path}: holds iter folders [1, 2] but no {checkpoint.POINTER} naming one: resume "
-        "one with --ckpt-step N, or move them away to start a new run there"), proc.stderr
+        "one with --ckpt-step N, or move them away to start a new run there"
+    ), proc.stderr
     assert checkpoint.saved_iterations(path) == [1, 2] and checkpoint.latest_iteration(path) is None
     with pytest.raises(CheckpointError, match=f"--save={path}: holds iter folders \\[1, 2\\] but no"):
         _built(["--train-iters", "3", "--load", _copy(saved, tmp_path / "other"), "--save", path], str(saved))
@@ -181,9 +212,11 @@ def test_another_runs_checkpoints_in_save_are_not_written_over(saved, tmp_path):
     for load in ([], ["--load", _copy(saved, tmp_path / "other")]):
         with pytest.raises(CheckpointError) as refused:
             _built(["--train-iters", "3", "--save", path] + load, str(saved))
-        assert str(refused.value) == (f"--save={path}: holds another run's checkpoints (iterations [1, 2]), which "
-                                      f"this run would write over: resume that run (--load {path}), or save "
-                                      "elsewhere")
+        assert str(refused.value) == (
+            f"--save={path}: holds another run's checkpoints (iterations [1, 2]), which "
+            f"this run would write over: resume that run (--load {path}), or save "
+            "elsewhere"
+        )
     assert {name: os.path.getmtime(os.path.join(path, name)) for name in os.listdir(path)} == before
 
 
@@ -192,9 +225,25 @@ def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, ca
     run as Megatron's relaunch does: the validation after training, the test split, the --save-hf folder (which
     the killed job never wrote)."""
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights", "--train-iters", "1", "--eval-iters", "1", "--eval-interval",
-             "10", "--split", "90,5,5", "--data-cache-path", str(tmp_path)]
+    llama = [
+        "--swiglu",
+        "--disable-bias-linear",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+        "--train-iters",
+        "1",
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "10",
+        "--split",
+        "90,5,5",
+        "--data-cache-path",
+        str(tmp_path),
+    ]
     first = _built(llama + ["--save", ckpt], str(tmp_path))
     first.train()
     first.groups.destroy()
@@ -211,8 +260,10 @@ def test_a_finished_run_relaunched_says_so_and_does_the_end_it_owes(tmp_path, ca
 def test_the_tools_report_a_damaged_checkpoint_in_one_line(saved, tmp_path):
     path = _copy(saved, tmp_path)
     _truncate_shard(path)
-    for cmd in ([sys.executable, tool("consolidate_checkpoint"), "--load", path, "--output", str(tmp_path / "m.pt")],
-                [sys.executable, tool("generate"), "--load", path, "--prompt", "x"]):
+    for cmd in (
+        [sys.executable, tool("consolidate_checkpoint"), "--load", path, "--output", str(tmp_path / "m.pt")],
+        [sys.executable, tool("generate"), "--load", path, "--prompt", "x"],
+    ):
         proc = run(cmd)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and "is truncated" in lines[0], proc.stderr
@@ -250,11 +301,17 @@ def test_what_resume_finetune_no_load_optim_and_no_load_rng_load(saved, tmp_path
     saved_weights = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(ckpt, 2))
     saved_rng = _saved_torch_rng(checkpoint.iteration_dir(ckpt, 2))
     runs = {}
-    for name, flags in (("resume", []), ("finetune", ["--finetune"]), ("fresh optimizer", ["--no-load-optim"]),
-                        ("fresh rng", ["--no-load-rng"]), ("from scratch", None)):
-        torch.manual_seed(99)   # what the process's RNG holds before: a flag that loads no RNG leaves it
-        run_ = runs[name] = _built(FP64 + ["--train-iters", "3"] + (["--load", ckpt] + flags if flags is not None
-                                                                      else []), cache)
+    for name, flags in (
+        ("resume", []),
+        ("finetune", ["--finetune"]),
+        ("fresh optimizer", ["--no-load-optim"]),
+        ("fresh rng", ["--no-load-rng"]),
+        ("from scratch", None),
+    ):
+        torch.manual_seed(99)  # what the process's RNG holds before: a flag that loads no RNG leaves it
+        run_ = runs[name] = _built(
+            FP64 + ["--train-iters", "3"] + (["--load", ckpt] + flags if flags is not None else []), cache
+        )
         weights = _weights(run_)
         loaded = all(torch.equal(weights[n], saved_weights[n]) for n in weights)
         assert loaded == (flags is not None), (name, "weights")
@@ -263,7 +320,7 @@ def test_what_resume_finetune_no_load_optim_and_no_load_rng_load(saved, tmp_path
     assert (runs["finetune"].iteration, runs["resume"].iteration, runs["fresh optimizer"].iteration) == (0, 2, 2)
     # the lr schedule is loaded with the optimizer (Megatron's): 2 steps of 8 samples, or from its start
     assert [runs[n].lr_schedule_steps for n in ("resume", "fresh rng", "fresh optimizer", "finetune")] == [16, 16, 0, 0]
-    straight = _built(FP64 + ["--train-iters", "3"], cache)   # three iterations in one go: what a resume must equal
+    straight = _built(FP64 + ["--train-iters", "3"], cache)  # three iterations in one go: what a resume must equal
     for run_ in (straight, runs["resume"], runs["fresh optimizer"]):
         run_.train()
     resumed, fresh_state, expected = (_weights(r) for r in (runs["resume"], runs["fresh optimizer"], straight))
@@ -279,13 +336,14 @@ def test_ckpt_step_and_checkpoint_args(saved):
     from_step_1 = train(RUN + ["--train-iters", "3", "--load", ckpt, "--ckpt-step", "1"], cache)
     assert [h["iteration"] for h in from_step_1] == [2, 3]
     args = train(RUN + ["--train-iters", "3", "--load", ckpt, "--hidden-size", "64", "--use-checkpoint-args"], cache)
-    assert args == resumed                                               # the checkpoint's 32 wide model
+    assert args == resumed  # the checkpoint's 32 wide model
 
 
 def test_keep_last_checkpoints(saved):
     save = str(saved / "kept")
-    train(RUN + ["--train-iters", "5", "--save", save, "--save-interval", "1", "--keep-last-checkpoints", "2"],
-          str(saved))
+    train(
+        RUN + ["--train-iters", "5", "--save", save, "--save-interval", "1", "--keep-last-checkpoints", "2"], str(saved)
+    )
     assert checkpoint.saved_iterations(save) == [4, 5] and checkpoint.latest_iteration(save) == 5
 
 
@@ -293,10 +351,11 @@ def test_an_unwritable_save_is_one_line_at_start(tmp_path, capsys):
     """Found before training (write and remove a probe), not as a traceback at the first save."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    for save in (str(blocker / "ckpt"), "/proc/moezero-ckpt"):   # under a file; a read-only filesystem
+    for save in (str(blocker / "ckpt"), "/proc/moezero-ckpt"):  # under a file; a read-only filesystem
         argv = RUN + ["--train-iters", "2", "--save", save]
-        proc = run([sys.executable, PRETRAIN] + argv) if save != "/proc/moezero-ckpt" else \
-            script_in_process(argv, capsys)
+        proc = (
+            run([sys.executable, PRETRAIN] + argv) if save != "/proc/moezero-ckpt" else script_in_process(argv, capsys)
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert f"error: --save={save}: cannot write there (" in lines[0] and "iteration" not in proc.stdout
@@ -314,8 +373,9 @@ def test_a_weight_decay_changed_on_resume_is_the_command_lines_with_override(sav
         resumed.groups.destroy()
 
 
-def test_a_disk_that_fills_while_publishing_is_one_error_and_the_previous_checkpoint_stays(saved, tmp_path,
-                                                                                           monkeypatch):
+def test_a_disk_that_fills_while_publishing_is_one_error_and_the_previous_checkpoint_stays(
+    saved, tmp_path, monkeypatch
+):
     """The shards written, rank 0's manifest (or pointer) write fails: a CheckpointError (one line), not rank 0's
     OSError traceback while the others report a dead peer; `latest` still names the previous checkpoint."""
     from moezero.checkpoint import CheckpointError, checksums
@@ -339,16 +399,34 @@ def test_a_resume_on_another_sample_stream_says_so(saved, tmp_path, capsys):
     the same and names each change. An unchanged stream says nothing."""
     path, cache = _copy(saved, tmp_path), str(saved)
     data = RUN[RUN.index("--data-path") + 1]
-    for spelled in ([], ["--data-path", os.path.relpath(data), "--split", "49,1"]):   # the same stream
+    for spelled in ([], ["--data-path", os.path.relpath(data), "--split", "49,1"]):  # the same stream
         same = _built(["--train-iters", "3", "--load", path] + spelled, cache)
         assert "sample stream" not in capsys.readouterr().out, spelled
         same.groups.destroy()
-    changed = _built(["--train-iters", "3", "--load", path, "--data-path", "30", data, "70", data,
-                      "--split", "90,10,0", "--seed", "8"], cache)
+    changed = _built(
+        [
+            "--train-iters",
+            "3",
+            "--load",
+            path,
+            "--data-path",
+            "30",
+            data,
+            "70",
+            data,
+            "--split",
+            "90,10,0",
+            "--seed",
+            "8",
+        ],
+        cache,
+    )
     line = [line for line in capsys.readouterr().out.splitlines() if "sample stream" in line]
-    assert line == [f" the sample stream is not the checkpoint's (--data-path: {data} in the checkpoint, 30 {data} "
-                    f"70 {data} now; --split: 98,2,0 in the checkpoint, 90,10,0 now; --seed: 7 in the checkpoint, 8 "
-                    "now): training goes on at sample 16 of the new one, as Megatron's resume does"], line
+    assert line == [
+        f" the sample stream is not the checkpoint's (--data-path: {data} in the checkpoint, 30 {data} "
+        f"70 {data} now; --split: 98,2,0 in the checkpoint, 90,10,0 now; --seed: 7 in the checkpoint, 8 "
+        "now): training goes on at sample 16 of the new one, as Megatron's resume does"
+    ], line
     changed.groups.destroy()
 
 
@@ -372,7 +450,7 @@ def _plant_metadata(path, marker, update_digest):
     folder = checkpoint.iteration_dir(path, 2)
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(_Planted(marker), f)
-    if update_digest:   # a checksums.json that matches the planted file: only the unpickler stands in the way
+    if update_digest:  # a checksums.json that matches the planted file: only the unpickler stands in the way
         manifest_file = os.path.join(folder, checksums.MANIFEST)
         with open(manifest_file) as f:
             manifest = json.load(f)
@@ -393,11 +471,15 @@ def test_a_planted_pickle_in_metadata_is_refused_and_never_runs(update_digest, s
     spec.loader.exec_module(consolidate)
     path, marker = _copy(saved, tmp_path), str(tmp_path / "marker")
     _plant_metadata(path, marker, update_digest)
-    expected = (".metadata: holds 1" if not update_digest else
-                ".metadata: refused, it names builtins.exec, which a checkpoint never holds")
+    expected = (
+        ".metadata: holds 1"
+        if not update_digest
+        else ".metadata: refused, it names builtins.exec, which a checkpoint never holds"
+    )
     for extra in ([], ["--finetune"]):
-        proc = script_in_process(RUN + ["--train-iters", "4", "--load", path, "--data-cache-path", str(saved)] + extra,
-                                 capsys)
+        proc = script_in_process(
+            RUN + ["--train-iters", "4", "--load", path, "--data-cache-path", str(saved)] + extra, capsys
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], (extra, proc.stderr)
     with pytest.raises(SystemExit):

@@ -1,4 +1,5 @@
 """Damaged training data found as it is read: one line naming the file and the document, never an IndexError."""
+
 import re
 import sys
 
@@ -29,5 +30,8 @@ def test_a_token_id_outside_the_vocabulary_is_one_line_naming_the_file_and_docum
     proc = run([sys.executable, PRETRAIN] + args + ["--train-iters", "2", "--data-cache-path", str(tmp_path)])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert re.search(r"corpus_text_document\.bin: token id 60000 in document \d+(, \d+)* \(train sample \d+\) is "
-                     r"outside the model's vocabulary \(0\.\.383\)", lines[0]), lines[0]
+    assert re.search(
+        r"corpus_text_document\.bin: token id 60000 in document \d+(, \d+)* \(train sample \d+\) is "
+        r"outside the model's vocabulary \(0\.\.383\)",
+        lines[0],
+    ), lines[0]

@@ -1,5 +1,6 @@
 """The data position is the samples a run consumed (Megatron's consumed samples): a resume with another
 --global-batch-size, a batch-size ramp and the validation windows all read on from where the run stood."""
+
 import pytest
 
 from moezero import checkpoint
@@ -41,13 +42,13 @@ def test_a_resume_with_another_batch_size_reads_on_from_the_consumed_samples(tmp
     evals = ["--eval-interval", "2", "--eval-iters", "1"]
     first = _run(TINY + evals + ["--train-iters", "10", "--exit-interval", "5", "--save", ckpt], cache)
     assert first.data.train.read == list(range(40))
-    assert first.data.valid.read == list(range(16))   # evaluations at 2 and 4: windows 0..7 and 8..15
+    assert first.data.valid.read == list(range(16))  # evaluations at 2 and 4: windows 0..7 and 8..15
     assert _saved_progress(ckpt)["consumed_train_samples"] == 40
     resume = TINY + evals + ["--train-iters", "10", "--global-batch-size", "16", "--load", ckpt, "--save", ckpt]
-    with pytest.raises(ConfigError, match="learning-rate schedule differs"):   # in samples, as Megatron's
+    with pytest.raises(ConfigError, match="learning-rate schedule differs"):  # in samples, as Megatron's
         _run(resume, cache)
     second = _run(resume + ["--override-opt_param-scheduler"], cache)
-    assert second.data.train.read[:16] == list(range(40, 56))   # not 80..95 (iteration 5 x 16)
+    assert second.data.train.read[:16] == list(range(40, 56))  # not 80..95 (iteration 5 x 16)
     assert second.data.train.read == list(range(40, 120))
     # at 6, 8 and 10 (batches of 16 now), then once after the final save (Megatron's): not in the checkpoint
     assert second.data.valid.read == list(range(16, 16 + 4 * 16))
@@ -58,10 +59,20 @@ def test_a_resume_with_another_batch_size_reads_on_from_the_consumed_samples(tmp
 
 def test_a_ramp_grows_the_batch_by_consumed_samples_and_resumes_on_it(tmp_path):
     cache, ckpt = str(tmp_path), str(tmp_path / "ckpt")
-    ramp = TINY_SAMPLES + ["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16", "--train-samples",
-                           "80", "--lr-warmup-samples", "8"]
+    ramp = TINY_SAMPLES + [
+        "--rampup-batch-size",
+        "4",
+        "4",
+        "24",
+        "--global-batch-size",
+        "16",
+        "--train-samples",
+        "80",
+        "--lr-warmup-samples",
+        "8",
+    ]
     straight = _run(ramp, cache)
-    sizes = [4, 4, 8, 12, 16, 16, 16]   # Megatron 0.16.1's count: the partial last batch is dropped
+    sizes = [4, 4, 8, 12, 16, 16, 16]  # Megatron 0.16.1's count: the partial last batch is dropped
     assert len(straight.history) == len(sizes) and straight.data.train.read == list(range(sum(sizes)))
     # 2 worker processes read ahead (nothing recorded here then): they only read, the numbers stay
     first = _run(ramp + ["--exit-interval", "3", "--save", ckpt, "--num-workers", "2"], cache)
@@ -82,10 +93,12 @@ def test_validation_runs_at_each_interval_then_after_the_final_save(tmp_path, ca
     evals = ["--eval-interval", "2", "--eval-iters", "1"]
     first = _run(TINY + evals + ["--train-iters", "5", "--save", ckpt], cache)
     out = capsys.readouterr().out
-    assert first.data.valid.read == list(range(24))   # at 2 and 4, then after training
+    assert first.data.valid.read == list(range(24))  # at 2 and 4, then after training
     assert [line.split("|")[0].strip() for line in out.splitlines() if "validation loss at" in line] == [
-        "validation loss at iteration 2", "validation loss at iteration 4",
-        "validation loss at iteration 5 on validation set"]
+        "validation loss at iteration 2",
+        "validation loss at iteration 4",
+        "validation loss at iteration 5 on validation set",
+    ]
     assert _saved_progress(ckpt)["consumed_valid_samples"] == 16
     longer = _run(TINY + evals + ["--train-iters", "6", "--load", ckpt, "--save", ckpt], cache)
-    assert longer.data.valid.read == list(range(16, 32))   # at 6 the window after-training read, then the next
+    assert longer.data.valid.read == list(range(16, 32))  # at 6 the window after-training read, then the next

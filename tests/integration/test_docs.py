@@ -10,6 +10,7 @@
   trained quantized model have their flags parsed by their own parser; a make target is dry-run.
 A command no rule covers fails the test, so a new command gets a rule when it is written.
 """
+
 import argparse
 import contextlib
 import glob
@@ -32,8 +33,13 @@ from tests.integration.scripts import ENV, REPO, run
 
 PAGES = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
 PRETRAIN = "examples_moe/pretrain_gpt_moe.py"
-RUN_FOR_REAL = {"tools/preprocess_data.py", "tools/hf_checkpoint.py", "tools/generate.py",
-                "tools/export_quantized.py", "tools/consolidate_checkpoint.py"}
+RUN_FOR_REAL = {
+    "tools/preprocess_data.py",
+    "tools/hf_checkpoint.py",
+    "tools/generate.py",
+    "tools/export_quantized.py",
+    "tools/consolidate_checkpoint.py",
+}
 
 
 def _blocks(path: str, language: str) -> Iterator[str]:
@@ -57,10 +63,16 @@ def doc_commands() -> List[Tuple[str, List[str]]]:
 
 # ---- the site and the README ----------------------------------------------------------------------------
 
+
 def test_the_site_builds_in_strict_mode(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=dict(ENV, NO_MKDOCS_2_WARNING="1"))
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(ENV, NO_MKDOCS_2_WARNING="1"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert os.path.exists(tmp_path / "stage3" / "index.html")
 
@@ -95,8 +107,9 @@ def test_the_life_of_a_gradient_names_classes_of_the_files_it_links():
         assert cls in classes, f"row {number}: {file_name} defines no class {cls}"
     gradient = LIFE_ROW.findall(page.split("## The life of a stage-3 unit")[0])
     files, classes = {row[2] for row in gradient}, {row[3] for row in gradient}
-    assert len(files) <= 8 and len(classes) <= 10, (f"a stage-2 gradient crosses {len(classes)} classes in "
-                                                    f"{len(files)} files (issue 74 asks <= 10 in <= 8)")
+    assert len(files) <= 8 and len(classes) <= 10, (
+        f"a stage-2 gradient crosses {len(classes)} classes in {len(files)} files (issue 74 asks <= 10 in <= 8)"
+    )
 
 
 def _layout_entries() -> Iterator[Tuple[str, str]]:
@@ -123,8 +136,11 @@ def test_the_layout_page_names_every_module_and_only_existing_ones():
             found = glob.glob(os.path.join(REPO, folder, name))
             assert found, f"docs/layout.md names {folder}{name}, which does not exist"
             named.update(os.path.relpath(f, REPO) for f in found)
-    modules = {os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "moezero", "**", "*.py"), recursive=True)
-               if not os.path.basename(p).startswith("_")}
+    modules = {
+        os.path.relpath(p, REPO)
+        for p in glob.glob(os.path.join(REPO, "moezero", "**", "*.py"), recursive=True)
+        if not os.path.basename(p).startswith("_")
+    }
     assert not sorted(modules - named), f"say in docs/layout.md what these hold: {sorted(modules - named)}"
 
 
@@ -141,12 +157,14 @@ def test_the_readme_python_example_runs(tmp_path):
     assert blocks
     for block in blocks:
         (tmp_path / "example.py").write_text(block)
-        result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=ENV, capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "example.py"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, result.stderr
 
 
 # ---- the commands -----------------------------------------------------------------------------------------
+
 
 class _Parsed(Exception):
     """Raised where a script's own parser finished: its flags were accepted; nothing else ran."""
@@ -165,7 +183,7 @@ def _stop_after_parsing() -> Iterator[None]:
             depth[0] -= 1
         raise _Parsed(namespace)
 
-    def parse_known_args_then_stop(self, args=None, namespace=None):   # a tool calling it directly
+    def parse_known_args_then_stop(self, args=None, namespace=None):  # a tool calling it directly
         depth[0] += 1
         try:
             result = parse_known_args(self, args, namespace)
@@ -175,13 +193,16 @@ def _stop_after_parsing() -> Iterator[None]:
             raise _Parsed(result[0])
         return result
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args_then_stop), \
-            mock.patch.object(argparse.ArgumentParser, "parse_known_args", parse_known_args_then_stop):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args_then_stop),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", parse_known_args_then_stop),
+    ):
         yield
 
 
 def _parse_only(script: str, argv: List[str], timeout: float = 60) -> None:
     """Run `script` until its parser finished; a script that gets past it without one fails, not runs for hours."""
+
     def too_long(*_):
         raise TimeoutError(f"{script} ran {timeout} s without reaching an argparse parser")
 
@@ -209,7 +230,7 @@ def _launch(words: List[str]) -> Tuple[int, str, List[str]]:
         if flag == "--nproc_per_node":
             nproc = int(value)
         i += 1
-    return nproc, words[i], words[i + 1:]
+    return nproc, words[i], words[i + 1 :]
 
 
 def _check_launch_line(argv: List[str], world: int) -> None:
@@ -222,12 +243,14 @@ def _check_launch_line(argv: List[str], world: int) -> None:
 
     from moezero.training.configs import validate
     from moezero.training.run_start import resolve_start
+
     cfg = configs(argv)
     load = cfg.checkpoint.load if cfg.checkpoint.use_checkpoint_args else None
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load, save=None))
     start = resolve_start(cfg)
-    assert start.point is not None or not cfg.checkpoint.use_checkpoint_args, \
+    assert start.point is not None or not cfg.checkpoint.use_checkpoint_args, (
         f"--load {cfg.checkpoint.load}: the docs' earlier command should have made it"
+    )
     validate(start.cfg, world)
 
 
@@ -236,17 +259,16 @@ def workdir(tmp_path_factory):
     """A folder holding what the docs' commands name: the Hub folders, a corpus, a trained checkpoint."""
     hf_oracle = pytest.importorskip("tests.hf_oracle")
     path = tmp_path_factory.mktemp("docs_commands")
-    long = dict(max_position_embeddings=4096)   # the launch lines keep the script's sequence length
+    long = dict(max_position_embeddings=4096)  # the launch lines keep the script's sequence length
     hf_oracle.tiny_model("qwen3_moe", num_experts=8, **long).save_pretrained(path / "Qwen3-30B-A3B")
     hf_oracle.tiny_model("deepseek_v3", **long).save_pretrained(path / "DeepSeek-V3")
     with open(path / "docs.jsonl", "w") as f:
         for i in range(20):
             f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n")
     (path / "ckpt").mkdir()
-    os.symlink(path / "ckpt" / "qwen3", path / "ckpt" / "tuned")   # the fine-tuned run's checkpoint, as exported
-    train(TINY + ["--train-iters", "2", "--save", str(path / "ckpt"), "--qat-weight-bits", "8"],
-          str(path / "cache"))
-    for suffix in (".bin", ".idx"):   # my_corpus_text_document until the docs' preprocess_data writes it
+    os.symlink(path / "ckpt" / "qwen3", path / "ckpt" / "tuned")  # the fine-tuned run's checkpoint, as exported
+    train(TINY + ["--train-iters", "2", "--save", str(path / "ckpt"), "--qat-weight-bits", "8"], str(path / "cache"))
+    for suffix in (".bin", ".idx"):  # my_corpus_text_document until the docs' preprocess_data writes it
         shutil.copy(CORPUS + suffix, path / f"my_corpus_text_document{suffix}")
     return path
 
@@ -260,28 +282,35 @@ def _check(words: List[str], cwd) -> None:
         assert result.returncode == 0, result.stderr
     elif words[0].endswith("python") and words[1:3] == ["-m", "pytest"]:
         result = run([sys.executable, "-m", "pytest", *words[3:], "--collect-only", "-q"], timeout=300)
-        assert result.returncode == 0 and re.search(r"\d+/\d+ tests collected|\d+ tests collected",
-                                                    result.stdout), result.stdout[-2000:]
+        assert result.returncode == 0 and re.search(r"\d+/\d+ tests collected|\d+ tests collected", result.stdout), (
+            result.stdout[-2000:]
+        )
     else:
         world, script, argv = _launch(words)
         if script == PRETRAIN:
             _check_launch_line(argv, world)
         elif script in RUN_FOR_REAL and world == 1:
-            result = subprocess.run([sys.executable, os.path.join(REPO, script), *argv], cwd=cwd, env=ENV,
-                                    capture_output=True, text=True, timeout=300)
+            result = subprocess.run(
+                [sys.executable, os.path.join(REPO, script), *argv],
+                cwd=cwd,
+                env=ENV,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         else:
             _parse_only(script, argv)
 
 
 def test_every_command_in_the_docs_runs(workdir, monkeypatch):
-    monkeypatch.chdir(workdir)   # relative paths in the commands are the workdir's
+    monkeypatch.chdir(workdir)  # relative paths in the commands are the workdir's
     commands = doc_commands()
     assert len(commands) > 20
     failures = []
     for page, words in commands:
         try:
             _check(words, workdir)
-        except BaseException as exc:   # SystemExit from a parser's error included
+        except BaseException as exc:  # SystemExit from a parser's error included
             failures.append(f"{page}: {shlex.join(words)}\n    {type(exc).__name__}: {exc}")
     assert not failures, "\n".join(failures)

@@ -1,4 +1,5 @@
 """A rank killed mid-run ends the job with a clear message in bounded time; the last checkpoint loads."""
+
 import os
 import re
 import signal
@@ -48,13 +49,37 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 
 def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     save = str(tmp_path / "ckpt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
-        "--train-iters", "100000", "--expert-model-parallel-size", "2", "--save", save, "--save-interval", "2",
-        "--log-interval", "1", "--data-cache-path", str(tmp_path), "--distributed-timeout-minutes", "0.5"]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
+        ]
+        + TINY
+        + [
+            "--train-iters",
+            "100000",
+            "--expert-model-parallel-size",
+            "2",
+            "--save",
+            save,
+            "--save-interval",
+            "2",
+            "--log-interval",
+            "1",
+            "--data-cache-path",
+            str(tmp_path),
+            "--distributed-timeout-minutes",
+            "0.5",
+        ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     output = []
     try:
         for line in proc.stdout:
@@ -88,13 +113,33 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
 def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path):
     """SIGSTOP one rank past --distributed-timeout-minutes (0.1 = 6 s): the other rank's next collective, on any
     of moezero's groups, fails at that timeout (not torch's 30-minute default for new groups) with one line."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
-        "--train-iters", "100000", "--expert-model-parallel-size", "2", "--log-interval", "1",
-        "--data-cache-path", str(tmp_path), "--distributed-timeout-minutes", "0.1"]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
+        ]
+        + TINY
+        + [
+            "--train-iters",
+            "100000",
+            "--expert-model-parallel-size",
+            "2",
+            "--log-interval",
+            "1",
+            "--data-cache-path",
+            str(tmp_path),
+            "--distributed-timeout-minutes",
+            "0.1",
+        ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     output, stalled = [], None
     try:
         for line in proc.stdout:
@@ -109,7 +154,7 @@ def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path)
         reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
         reader.start()
         while time.monotonic() - stopped_at < 90 and "a collective failed" not in "".join(output):
-            time.sleep(0.5)   # bounded: without the timeout on every group this would wait 30 minutes
+            time.sleep(0.5)  # bounded: without the timeout on every group this would wait 30 minutes
         elapsed = time.monotonic() - stopped_at
     finally:
         if stalled is not None:
@@ -133,24 +178,51 @@ def test_three_elastic_restarts_resume_into_the_uninterrupted_run(tmp_path):
     from tests.dist_utils import run_distributed
 
     save, iterations = str(tmp_path / "ckpt"), 16
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts",
-           "3", os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
-        "--train-iters", str(iterations), "--expert-model-parallel-size", "2", "--load", save, "--save", save,
-        "--save-interval", "2", "--log-interval", "1", "--data-cache-path", str(tmp_path),
-        "--distributed-timeout-minutes", "0.5"]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max-restarts",
+            "3",
+            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
+        ]
+        + TINY
+        + [
+            "--train-iters",
+            str(iterations),
+            "--expert-model-parallel-size",
+            "2",
+            "--load",
+            save,
+            "--save",
+            save,
+            "--save-interval",
+            "2",
+            "--log-interval",
+            "1",
+            "--data-cache-path",
+            str(tmp_path),
+            "--distributed-timeout-minutes",
+            "0.5",
+        ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     output, kill_at, losses = [], [5, 9, 13], {}
     try:
         for line in proc.stdout:
             output.append(line)
             found = re.search(r"\] iteration +(\d+)/ +\d+ \|.*lm loss: (\S+) \|", line)
             if found:
-                losses[int(found.group(1))] = found.group(2)   # a repeated iteration: the last attempt's
+                losses[int(found.group(1))] = found.group(2)  # a repeated iteration: the last attempt's
                 if kill_at and int(found.group(1)) == kill_at[0]:
                     kill_at.pop(0)
-                    time.sleep(0.3)   # into the next iteration
+                    time.sleep(0.3)  # into the next iteration
                     os.kill(_worker_pid(proc.pid, 1), signal.SIGKILL)
         proc.wait(timeout=300)
     finally:
@@ -171,11 +243,24 @@ def test_a_process_group_that_cannot_form_is_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.getsockname()[1]))
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY +
-                              ["--train-iters", "1", "--distributed-timeout-minutes", "0.1"], env=env,
-                              capture_output=True, text=True, timeout=120)
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(taken.getsockname()[1]),
+        )
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")]
+            + TINY
+            + ["--train-iters", "1", "--distributed-timeout-minutes", "0.1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert "[rank 0] error: joining the process group failed (" in lines[0] and "Traceback" not in proc.stderr
@@ -190,15 +275,28 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         save = str(disk / "ckpt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")] + TINY + [
-            "--train-iters", "6", "--save", save, "--save-interval", "2", "--data-cache-path", str(tmp_path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
+            ]
+            + TINY
+            + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--data-cache-path", str(tmp_path)]
+        )
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
         failures = [line for line in proc.stderr.splitlines() if "] error: --save=" in line]
         assert proc.returncode != 0 and len(failures) == 1, proc.stderr[-3000:]
-        assert "saving iteration 4 failed (" in failures[0] and "No space left on device" in failures[0] and \
-            "previous checkpoint stays latest" in failures[0], failures
+        assert (
+            "saving iteration 4 failed (" in failures[0]
+            and "No space left on device" in failures[0]
+            and "previous checkpoint stays latest" in failures[0]
+        ), failures
         assert checkpoint.latest_iteration(save) == 2 and not checkpoint.unfinished_saves(save)
         assert "Traceback" not in "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
     finally:
@@ -211,14 +309,52 @@ def test_a_diverged_run_on_two_ranks_stops_every_rank_in_one_line(tmp_path):
     from tests.integration.scripts import PRETRAIN, run, torchrun
 
     save = str(tmp_path / "ckpt")
-    proc = run(torchrun(2, PRETRAIN) + [
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--micro-batch-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--train-iters", "20", "--lr", "1e9",
-        "--clip-grad", "0", "--num-workers", "0", "--eval-interval", "100", "--eval-iters", "1", "--log-interval", "1",
-        "--save", save, "--save-interval", "1"], timeout=180)
+    proc = run(
+        torchrun(2, PRETRAIN)
+        + [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "2",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--num-experts",
+            "4",
+            "--expert-model-parallel-size",
+            "2",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "96",
+            "--train-iters",
+            "20",
+            "--lr",
+            "1e9",
+            "--clip-grad",
+            "0",
+            "--num-workers",
+            "0",
+            "--eval-interval",
+            "100",
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "1",
+            "--save",
+            save,
+            "--save-interval",
+            "1",
+        ],
+        timeout=180,
+    )
     errors = re.findall(r"error: iteration (\d+): the loss or the gradient is not finite", proc.stdout + proc.stderr)
-    assert proc.returncode == 1 and len(errors) == 1 and "Traceback (most recent call last)" not in proc.stdout, \
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback (most recent call last)" not in proc.stdout, (
         proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
     stopped_at = int(errors[0])
     assert stopped_at > 1 and checkpoint.latest_iteration(save) == stopped_at - 1

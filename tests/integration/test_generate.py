@@ -1,5 +1,6 @@
 """tools/generate.py continues a prompt from a 2-rank ep-2 checkpoint of stage 2 and of stage 3, and from
 its consolidated file, exactly as the live stage-3 model (both ranks) does with the same seed."""
+
 import sys
 
 import torch
@@ -19,15 +20,34 @@ def _train_two_stages_and_generate_live(cache, root):
     """Rank-local result: the live stage-3 model's continuation (every rank must get the same)."""
     tok = ByteLevelTokenizer()
     for stage in (2, 3):
-        argv = TINY + ["--train-iters", "6", "--fp64", "--expert-model-parallel-size", "2", "--zero-stage", str(stage),
-                       "--save", f"{root}/stage{stage}", "--data-cache-path", cache]
+        argv = TINY + [
+            "--train-iters",
+            "6",
+            "--fp64",
+            "--expert-model-parallel-size",
+            "2",
+            "--zero-stage",
+            str(stage),
+            "--save",
+            f"{root}/stage{stage}",
+            "--data-cache-path",
+            cache,
+        ]
         run_ = pretraining(configs(argv))
         run_.train()
         if stage == 3:  # the forward gathers the sharded params itself; both ranks run every forward
             s = SAMPLING
-            live = generate(run_.model, tok.tokenize(PROMPT), s["max_new_tokens"], s["temperature"], s["top_k"],
-                            s["top_p"], torch.Generator().manual_seed(s["seed"]), vocab_size=tok.vocab_size,
-                            stop_token=tok.eod)
+            live = generate(
+                run_.model,
+                tok.tokenize(PROMPT),
+                s["max_new_tokens"],
+                s["temperature"],
+                s["top_k"],
+                s["top_p"],
+                torch.Generator().manual_seed(s["seed"]),
+                vocab_size=tok.vocab_size,
+                stop_token=tok.eod,
+            )
         run_.groups.destroy()
     return PROMPT + tok.detokenize(live)
 
@@ -57,17 +77,26 @@ def test_the_tokenizer_is_rebuilt_from_every_field_the_run_stored():
     sys.path.insert(0, tool("generate").rsplit("/", 1)[0])
     import generate as generate_tool
 
-    stored = {"data": {"tokenizer_type": "TikTokenizer", "tokenizer_model": "vocab.json", "vocab_size": None,
-                       "tiktoken_pattern": "v1", "tiktoken_num_special_tokens": 100, "data_path": ["ignored"]}}
+    stored = {
+        "data": {
+            "tokenizer_type": "TikTokenizer",
+            "tokenizer_model": "vocab.json",
+            "vocab_size": None,
+            "tiktoken_pattern": "v1",
+            "tiktoken_num_special_tokens": 100,
+            "data_path": ["ignored"],
+        }
+    }
     args = generate_tool.build_parser().parse_args(["--load", "x", "--prompt", "p"])
     rebuilt = generate_tool.tokenizer_config(stored, args)
     assert (rebuilt.tiktoken_pattern, rebuilt.tiktoken_num_special_tokens) == ("v1", 100)
     null = {"data": {"tokenizer_type": "NullTokenizer", "vocab_size": 300}}
     assert generate_tool.tokenizer_config(null, args).vocab_size == 300
-    typed = generate_tool.build_parser().parse_args(["--load", "x", "--prompt", "p", "--tokenizer-type",
-                                                     "HuggingFaceTokenizer", "--tokenizer-model", "here"])
+    typed = generate_tool.build_parser().parse_args(
+        ["--load", "x", "--prompt", "p", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "here"]
+    )
     gpt2 = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "v.json", "merge_file": "m.txt"}
-    rebuilt = generate_tool.tokenizer_config({"data": gpt2}, typed)   # the run's files are not the new type's
+    rebuilt = generate_tool.tokenizer_config({"data": gpt2}, typed)  # the run's files are not the new type's
     assert rebuilt.tokenizer_type == "HuggingFaceTokenizer" and rebuilt.tokenizer_model.endswith("here")
 
 
@@ -78,15 +107,19 @@ def test_eval_quantized_tokenizes_as_the_run_did_unless_told(monkeypatch):
     import eval_quantized
     from moezero.config import DataConfig
 
-    stored = {"tokenizer_type": "TikTokenizer", "tokenizer_model": "v.json", "tiktoken_num_special_tokens": 100,
-              "split": "1,1,1"}
+    stored = {
+        "tokenizer_type": "TikTokenizer",
+        "tokenizer_model": "v.json",
+        "tiktoken_num_special_tokens": 100,
+        "split": "1,1,1",
+    }
     monkeypatch.setattr(eval_quantized, "_stored_configs", lambda path: {"data": stored})
     taken = eval_quantized.run_tokenizer(DataConfig(), "ckpt", set())
     assert (taken.tokenizer_type, taken.tiktoken_num_special_tokens, taken.split) == ("TikTokenizer", 100, "969,30,1")
     moved = eval_quantized.run_tokenizer(DataConfig(tokenizer_model="new.json"), "ckpt", {"data.tokenizer_model"})
     assert moved.tokenizer_model.endswith("new.json") and moved.tiktoken_num_special_tokens == 100
     other = eval_quantized.run_tokenizer(DataConfig(), "ckpt", {"data.tokenizer_type"})
-    assert other == DataConfig()   # another tokenizer takes none of the run's
+    assert other == DataConfig()  # another tokenizer takes none of the run's
     assert eval_quantized.run_tokenizer(DataConfig(), None, set()) == DataConfig()
 
 

@@ -4,6 +4,7 @@ against the same runs in this process on the CPU. Runs only on a GPU machine (to
 The initial weights are keyed and drawn on the CPU (moezero/keyed_random.py); dropout and jitter, drawn on the
 GPU, are off in the runs compared with the CPU, so their curves differ only by the devices' summation orders:
 float64 to 1e-10 as between layouts, fp32 to test_pretrain's FP32_BOUND. With them on, GPU layouts agree."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,13 @@ def gpu(tmp_path_factory):
     """The GPU runs' curves (one subprocess, so this process's CPU runs never see a process group)."""
     tmp = tmp_path_factory.mktemp("gpu")
     out = tmp / "runs.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.gpu_runs", str(tmp / "cache"),
-                           str(tmp / "ckpt"), str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.gpu_runs", str(tmp / "cache"), str(tmp / "ckpt"), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out) as f:
         runs = json.load(f)
@@ -63,8 +69,11 @@ def test_gpu_drawn_dropout_and_jitter_agree_across_layouts(gpu):
 
 
 def test_fp32_and_bf16_curves_follow_the_cpu(gpu):
-    for name, extra, bound in (("fp32", [], FP32_BOUND), ("bf16", ["--bf16"], 3e-2),
-                               ("precision-aware", PRECISION_AWARE, 3e-2)):
+    for name, extra, bound in (
+        ("fp32", [], FP32_BOUND),
+        ("bf16", ["--bf16"], 3e-2),
+        ("precision-aware", PRECISION_AWARE, 3e-2),
+    ):
         cpu = losses({"history": train(PLAIN_TINY + ITERS + extra, gpu["cache"])})
         gpu_curve = losses(gpu["runs"][name])
         print(f"{name}: worst relative difference {worst(gpu_curve, cpu):.2e}")

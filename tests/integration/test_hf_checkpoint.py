@@ -1,7 +1,9 @@
 """tools/hf_checkpoint.py: a Hugging Face directory imported as a moezero checkpoint exports back bitwise; the
 import continues with `--load --use-checkpoint-args --finetune` on 2 ranks (ep 2, ZeRO stage 3) with no model
-flag typed (DeepSeek-V3's MTP layer included), and that run's checkpoint exports to a directory transformers loads to moezero's logits. An
+flag typed (DeepSeek-V3's MTP layer included), and that run's checkpoint exports to a directory transformers loads to
+moezero's logits. An
 imported dense model (Qwen3) is upcycled with --moe-use-upcycling."""
+
 import json
 import os
 import re
@@ -16,9 +18,32 @@ from tests.bpe_files import CORPUS_JSONL, write_bpe_files
 from tests.hf_oracle import add_mtp_layer, hf_logits, hub_tensors, load_with_transformers, tiny_model
 from tests.integration.scripts import PRETRAIN, run, tool, torchrun
 
-RUN = ["--use-checkpoint-args", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
-       "--train-iters", "3", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr",
-       "1e-3", "--num-workers", "0", "--eval-iters", "1", "--eval-interval", "100", "--log-interval", "1"]
+RUN = [
+    "--use-checkpoint-args",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "96",
+    "--train-iters",
+    "3",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--num-workers",
+    "0",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "100",
+    "--log-interval",
+    "1",
+]
 FINETUNE = RUN + ["--finetune", "--expert-model-parallel-size", "2", "--zero-stage", "3"]
 PROBE = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(0))
 
@@ -48,8 +73,8 @@ def _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt):
 
 def test_import_finetune_on_two_ranks_and_export(tmp_path):
     hub, ckpt, back = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "back")
-    tiny_model("deepseek_v3", seed=4).float().save_pretrained(hub)   # fp32 weights: the masters hold them exactly
-    add_mtp_layer(hub)   # DeepSeek's multi-token-prediction layer: trained as Megatron's MTP depth, written back
+    tiny_model("deepseek_v3", seed=4).float().save_pretrained(hub)  # fp32 weights: the masters hold them exactly
+    add_mtp_layer(hub)  # DeepSeek's multi-token-prediction layer: trained as Megatron's MTP depth, written back
     _tool("import", hub, ckpt)
     _tool("export", ckpt, back)
     original, exported = hub_tensors(hub), hub_tensors(back)
@@ -63,11 +88,14 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     # the same run straight from the Hub folder, saving Hub folders itself (each rank writes its share),
     # stopped after 2 iterations and requeued: the run's own checkpoint wins over the Hub folder
     direct, own = str(tmp_path / "direct"), str(tmp_path / "own")
-    command = torchrun(2, PRETRAIN) + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")] + [
-        "--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2", "--save", own, "--load", own]
+    command = (
+        torchrun(2, PRETRAIN)
+        + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")]
+        + ["--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2", "--save", own, "--load", own]
+    )
     first = run(command + ["--exit-interval", "2"], timeout=240)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    assert "--num-layers 3 (command line" not in first.stdout   # the Hub folder's; --num-layers was not typed
+    assert "--num-layers 3 (command line" not in first.stdout  # the Hub folder's; --num-layers was not typed
     requeued = run(command, timeout=240)
     assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-3000:]
     assert "resuming from the run's own checkpoint" in requeued.stdout
@@ -131,9 +159,22 @@ def test_upcycling_an_imported_qwen3_dense_model(tmp_path):
     common = ["--load", dense] + RUN + ["--hidden-dropout", "0", "--attention-dropout", "0"]
     base = run(torchrun(2, PRETRAIN) + common + ["--finetune"], timeout=240)
     assert base.returncode == 0, base.stderr[-3000:]
-    upcycled = run(torchrun(2, PRETRAIN) + common + ["--moe-use-upcycling", "--num-experts", "4", "--moe-router-topk",
-                                                     "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"],
-                   timeout=240)
+    upcycled = run(
+        torchrun(2, PRETRAIN)
+        + common
+        + [
+            "--moe-use-upcycling",
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--zero-stage",
+            "3",
+        ],
+        timeout=240,
+    )
     assert upcycled.returncode == 0, upcycled.stderr[-3000:]
     assert "--moe-use-upcycling: the experts start as the dense MLPs of" in upcycled.stdout
     assert "world 2, ep 2, ZeRO stage 3" in upcycled.stdout
@@ -153,14 +194,56 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
     tiny_model("qwen3_moe", seed=6, vocab_size=512).float().save_pretrained(hub)
     write_bpe_files(hub, vocab_size=400)
     prefix = str(tmp_path / "corpus")
-    prep = run([sys.executable, tool("preprocess_data"), "--input", CORPUS_JSONL, "--output-prefix", prefix,
-                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hub, "--append-eod"])
+    prep = run(
+        [
+            sys.executable,
+            tool("preprocess_data"),
+            "--input",
+            CORPUS_JSONL,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            hub,
+            "--append-eod",
+        ]
+    )
     assert prep.returncode == 0, prep.stderr
     _tool("import", hub, ckpt)
-    proc = run([sys.executable, PRETRAIN, "--load", ckpt, "--use-checkpoint-args", "--finetune", "--data-path",
-                prefix + "_text_document", "--split", "90,5,5", "--train-iters", "2", "--seq-length", "16",
-                "--micro-batch-size", "2", "--global-batch-size", "2", "--num-workers", "0", "--eval-iters", "1",
-                "--log-interval", "1", "--save", tuned, "--data-cache-path", str(tmp_path)], timeout=180)
+    proc = run(
+        [
+            sys.executable,
+            PRETRAIN,
+            "--load",
+            ckpt,
+            "--use-checkpoint-args",
+            "--finetune",
+            "--data-path",
+            prefix + "_text_document",
+            "--split",
+            "90,5,5",
+            "--train-iters",
+            "2",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "2",
+            "--num-workers",
+            "0",
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "1",
+            "--save",
+            tuned,
+            "--data-cache-path",
+            str(tmp_path),
+        ],
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the data's tokenizer record names the folder's tokenizer: a run with another would have been refused
     assert "tokenizer record" not in proc.stdout
@@ -185,25 +268,37 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     hub, ckpt, used = str(tmp_path / "hub"), str(tmp_path / "ckpt"), str(tmp_path / "used")
     tiny_model("qwen3_moe", seed=7).float().save_pretrained(hub)
     _tool("import", hub, ckpt)
-    tiny_model("qwen3_moe", seed=8).float().save_pretrained(used, max_shard_size="1GB")   # model.safetensors
+    tiny_model("qwen3_moe", seed=8).float().save_pretrained(used, max_shard_size="1GB")  # model.safetensors
     shutil.copyfile(os.path.join(used, "model.safetensors"), os.path.join(used, "model-00009-of-00009.safetensors"))
-    for kept in ("tokenizer.json", "model.pt", "training_args.bin"):   # files transformers never loads weights from
+    for kept in ("tokenizer.json", "model.pt", "training_args.bin"):  # files transformers never loads weights from
         with open(os.path.join(used, kept), "w") as f:
             f.write("{}")
-    with open(os.path.join(used, "adapter_config.json"), "w") as f:   # a PEFT adapter's: its base model would load
+    with open(os.path.join(used, "adapter_config.json"), "w") as f:  # a PEFT adapter's: its base model would load
         f.write("{}")
     before = sorted(os.listdir(used))
     refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, used])
     lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and "holds weights already (model-00009-of-00009.safetensors, model.safetensors" \
-        in lines[-1] and "Traceback" not in refused.stderr and sorted(os.listdir(used)) == before
+    assert (
+        refused.returncode == 2
+        and "holds weights already (model-00009-of-00009.safetensors, model.safetensors" in lines[-1]
+        and "Traceback" not in refused.stderr
+        and sorted(os.listdir(used)) == before
+    )
     _tool("export", ckpt, used, "--overwrite")
-    assert sorted(os.listdir(used)) == ["config.json", "generation_config.json", "model-00001-of-00001.safetensors",
-                                        "model.pt", "model.safetensors.index.json", "tokenizer.json",
-                                        "training_args.bin"]
-    with open(os.path.join(used, "generation_config.json")) as f, \
-            open(os.path.join(hub, "generation_config.json")) as g:
-        assert json.load(f) == json.load(g)   # the import's, carried through the checkpoint
+    assert sorted(os.listdir(used)) == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.pt",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "training_args.bin",
+    ]
+    with (
+        open(os.path.join(used, "generation_config.json")) as f,
+        open(os.path.join(hub, "generation_config.json")) as g,
+    ):
+        assert json.load(f) == json.load(g)  # the import's, carried through the checkpoint
     theirs = hf_logits(load_with_transformers(used), PROBE)
     torch.testing.assert_close(theirs, hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=1e-10)
 
@@ -242,16 +337,28 @@ def test_use_checkpoint_args_takes_an_imported_models_training_values(tmp_path):
     hub, ckpt = str(tmp_path / "hub"), str(tmp_path / "ckpt")
     tiny_model("qwen3_moe", seed=3, attention_dropout=0.0, router_aux_loss_coef=0.02).float().save_pretrained(hub)
     _tool("import", hub, ckpt)
-    base = ["--load", ckpt, "--use-checkpoint-args", "--finetune", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "96", "--seq-length", "16"]
+    base = [
+        "--load",
+        ckpt,
+        "--use-checkpoint-args",
+        "--finetune",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "96",
+        "--seq-length",
+        "16",
+    ]
     cfg = configs(base)
     report = []
     taken = apply_checkpoint_args(cfg, find_resume_point(cfg.checkpoint), report.append)
     assert (taken.model.hidden_dropout, taken.model.attention_dropout, taken.moe.aux_loss_coeff) == (0.0, 0.0, 0.02)
-    assert report == []   # taken where nothing was typed: no "command line" value to name (issue 71)
+    assert report == []  # taken where nothing was typed: no "command line" value to name (issue 71)
     cfg = configs(base + ["--attention-dropout", "0.1", "--moe-aux-loss-coeff", "0"])
     typed = apply_checkpoint_args(cfg, find_resume_point(cfg.checkpoint), report.append)
     assert (typed.model.hidden_dropout, typed.model.attention_dropout, typed.moe.aux_loss_coeff) == (0.0, 0.1, 0.0)
+
 
 def test_import_and_export_a_piece_at_a_time(tmp_path):
     """Import in pieces of a few rows (an expert stack in whole experts), export in files of 40 KB: the Hub
@@ -273,8 +380,9 @@ def test_import_and_export_a_piece_at_a_time(tmp_path):
     assert len(files) > 3 and all(os.path.getsize(os.path.join(back, n)) < 60_000 for n in files)
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
-    torch.testing.assert_close(hf_logits(load_with_transformers(back), PROBE),
-                               hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0)
+    torch.testing.assert_close(
+        hf_logits(load_with_transformers(back), PROBE), hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0
+    )
 
 
 def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
@@ -287,8 +395,15 @@ def test_save_hf_refuses_at_start_what_it_could_not_write(tmp_path):
     common = TINY + ["--save-hf", str(tmp_path / "hf"), "--data-cache-path", str(tmp_path / "cache")]
     with pytest.raises(ConfigError, match="--save-hf=.*no Hugging Face family holds this model"):
         pretraining(configs(common))
-    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights"]
+    llama = [
+        "--swiglu",
+        "--disable-bias-linear",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+    ]
     with pytest.raises(ConfigError, match="--save-hf=.*QAT"):
         pretraining(configs(common + llama + ["--qat-weight-bits", "4", "--qat-groups", "16"]))
     # only a finished run writes its last folder: a stopped one's time goes to --save's checkpoint
@@ -308,11 +423,34 @@ def test_a_qat_checkpoint_exports_its_fp32_masters_only_when_asked(tmp_path):
     from moezero.recipe import pretraining
     from tests.integration.pretrain_utils import TINY, configs
 
-    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights"]
+    llama = [
+        "--swiglu",
+        "--disable-bias-linear",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+    ]
     ckpt = str(tmp_path / "ckpt")
-    run_ = pretraining(configs(TINY + llama + ["--qat-weight-bits", "4", "--qat-groups", "16", "--train-iters", "1",
-                                               "--save", ckpt, "--data-cache-path", str(tmp_path / "cache")]))
+    run_ = pretraining(
+        configs(
+            TINY
+            + llama
+            + [
+                "--qat-weight-bits",
+                "4",
+                "--qat-groups",
+                "16",
+                "--train-iters",
+                "1",
+                "--save",
+                ckpt,
+                "--data-cache-path",
+                str(tmp_path / "cache"),
+            ]
+        )
+    )
     run_.train()
     run_.groups.destroy()
     refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "hf")], timeout=120)
@@ -331,15 +469,36 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
     from moezero.recipe import pretraining
     from tests.integration.pretrain_utils import TINY, configs
 
-    llama = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights"]
+    llama = [
+        "--swiglu",
+        "--disable-bias-linear",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+    ]
     ckpt, out, saved_hf = str(tmp_path / "ckpt"), str(tmp_path / "out"), str(tmp_path / "hf")
-    run_ = pretraining(configs(TINY + llama + ["--train-iters", "1", "--save", ckpt, "--save-hf", saved_hf,
-                                               "--data-cache-path", str(tmp_path / "cache")]))
+    run_ = pretraining(
+        configs(
+            TINY
+            + llama
+            + [
+                "--train-iters",
+                "1",
+                "--save",
+                ckpt,
+                "--save-hf",
+                saved_hf,
+                "--data-cache-path",
+                str(tmp_path / "cache"),
+            ]
+        )
+    )
     run_.train()
     run_.groups.destroy()
     exported = _tool("export", ckpt, out)
-    assert "capacity factor (1.5" in exported.stderr and "routes every token" in exported.stderr   # TINY's
+    assert "capacity factor (1.5" in exported.stderr and "routes every token" in exported.stderr  # TINY's
     eod = ByteLevelTokenizer.eod
     for folder in (out, os.path.join(saved_hf, "iter_0000001")):
         with open(os.path.join(folder, "config.json")) as f:
@@ -351,16 +510,34 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
     base = dict(config, mlp_bias=True)
     with open(tmp_path / "base.json", "w") as f:
         json.dump(base, f)
-    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--hf-config",
-                   str(tmp_path / "base.json")], timeout=120)
+    refused = run(
+        [
+            sys.executable,
+            tool("hf_checkpoint"),
+            "export",
+            ckpt,
+            str(tmp_path / "other"),
+            "--hf-config",
+            str(tmp_path / "base.json"),
+        ],
+        timeout=120,
+    )
     lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and "describes another model than this one" in lines[-1] and \
-        "mlp_bias" in lines[-1] and "Traceback" not in refused.stderr, refused.stderr
+    assert (
+        refused.returncode == 2
+        and "describes another model than this one" in lines[-1]
+        and "mlp_bias" in lines[-1]
+        and "Traceback" not in refused.stderr
+    ), refused.stderr
     assert not (tmp_path / "other").exists()
-    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--family",
-                   "mixtrall"], timeout=120)
-    assert refused.returncode == 2 and "family 'mixtrall': no such Hugging Face family (one of mixtral," in \
-        refused.stderr.strip().splitlines()[-1], refused.stderr
+    refused = run(
+        [sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--family", "mixtrall"],
+        timeout=120,
+    )
+    assert (
+        refused.returncode == 2
+        and "family 'mixtrall': no such Hugging Face family (one of mixtral," in refused.stderr.strip().splitlines()[-1]
+    ), refused.stderr
 
 
 def test_an_import_resumes_without_finetune_as_a_requeued_job_does(tmp_path):
@@ -415,10 +592,11 @@ def test_a_kept_field_by_its_other_name_gives_way_to_the_written_one(tmp_path):
     model = from_pretrained(hub)
     experts = model.moe_config.num_experts
     source = {k: v for k, v in model.hub_config.items() if k != "num_experts"}
-    model.hub_config = dict(source, num_local_experts=2 * experts)   # another model's count, by the other name
+    model.hub_config = dict(source, num_local_experts=2 * experts)  # another model's count, by the other name
     save_pretrained(model, out)
     with open(os.path.join(out, "config.json")) as f:
         written = json.load(f)
     assert written["num_experts"] == experts and "num_local_experts" not in written
-    torch.testing.assert_close(hf_logits(load_with_transformers(out), PROBE),
-                               hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0)
+    torch.testing.assert_close(
+        hf_logits(load_with_transformers(out), PROBE), hf_logits(load_with_transformers(hub), PROBE), rtol=0, atol=0
+    )

@@ -1,5 +1,6 @@
 """A Megatron-style launch line runs unchanged: its flags from an @file, GPT-2 BPE data that
 tools/preprocess_data.py wrote, a sample-based schedule, the distributed optimizer, 2 ranks with ep 2."""
+
 import re
 import sys
 
@@ -35,19 +36,36 @@ def run_lrs(out):
 def test_a_megatron_launch_line_runs_unchanged(tmp_path):
     files = write_bpe_files(str(tmp_path / "bpe"))
     prefix = str(tmp_path / "corpus")
-    prep = run([sys.executable, tool("preprocess_data"), "--input", CORPUS_JSONL, "--output-prefix", prefix,
-                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file",
-                files["merges"], "--append-eod"])
+    prep = run(
+        [
+            sys.executable,
+            tool("preprocess_data"),
+            "--input",
+            CORPUS_JSONL,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            files["vocab"],
+            "--merge-file",
+            files["merges"],
+            "--append-eod",
+        ]
+    )
     assert prep.returncode == 0, prep.stderr
     args = tmp_path / "megatron_args.txt"
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
-    args.write_text(MEGATRON_FLAGS.format(vocab=files["vocab"], merges=files["merges"], data=prefix + "_text_document",
-                                          tb=tb, ckpt=ckpt))
+    args.write_text(
+        MEGATRON_FLAGS.format(
+            vocab=files["vocab"], merges=files["merges"], data=prefix + "_text_document", tb=tb, ckpt=ckpt
+        )
+    )
     proc = run(torchrun(2, PRETRAIN) + [f"@{args}", "--data-cache-path", str(tmp_path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert f"no checkpoint in --load={ckpt} yet (it is also --save)" in out
-    assert "world 2, ep 2, ZeRO stage 1" in out                      # --use-distributed-optimizer
+    assert "world 2, ep 2, ZeRO stage 1" in out  # --use-distributed-optimizer
     assert re.search(r"iteration +6/ +6 \| consumed samples: +48 ", out)  # 48 samples / 8 per iteration
     # warmup 4.8 samples < one iteration: the first step runs at --lr-warmup-init (Megatron's scheduler at
     # num_steps 0), the second past the warmup, 8 samples into the cosine decay. Each line logs the lr the
@@ -55,7 +73,7 @@ def test_a_megatron_launch_line_runs_unchanged(tmp_path):
     assert run_lrs(out)[:2] == [pytest.approx(2.963611e-03, rel=1e-6), pytest.approx(2.576426e-03, rel=1e-6)]
     for label in ("max rss (MB)", "zero held (MB)", "moe max/mean load"):
         assert label in out
-    assert "validation loss at iteration 6 on test set" in out      # the final test-split evaluation
+    assert "validation loss at iteration 6 on test set" in out  # the final test-split evaluation
     assert checkpoint.saved_iterations(ckpt) == [3, 6]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -70,7 +88,7 @@ def test_a_megatron_launch_line_runs_unchanged(tmp_path):
 
     again = run(torchrun(2, PRETRAIN) + [f"@{args}", "--data-cache-path", str(tmp_path)], timeout=240)
     assert again.returncode == 0 and "is at iteration 6 = --train-iters: nothing to train" in again.stdout
-    assert "validation loss at iteration 6 on test set" in again.stdout   # Megatron's relaunch evaluates again
+    assert "validation loss at iteration 6 on test set" in again.stdout  # Megatron's relaunch evaluates again
 
 
 # Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, sizes scaled down (and pp 4 -> 1, ep 8 -> 2),
@@ -96,31 +114,45 @@ MIXTRAL_AND_GPT3 = """
 
 
 def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path):
-    pytest.importorskip("sentencepiece")   # Llama2Tokenizer's (the dev extra has it)
+    pytest.importorskip("sentencepiece")  # Llama2Tokenizer's (the dev extra has it)
     tokenizer = write_sentencepiece_model(str(tmp_path / "spm"))
     prefix = str(tmp_path / "corpus")
-    prep = run([sys.executable, tool("preprocess_data"), "--input", CORPUS_JSONL, "--output-prefix", prefix,
-                "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer, "--append-eod"])
+    prep = run(
+        [
+            sys.executable,
+            tool("preprocess_data"),
+            "--input",
+            CORPUS_JSONL,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "Llama2Tokenizer",
+            "--tokenizer-model",
+            tokenizer,
+            "--append-eod",
+        ]
+    )
     assert prep.returncode == 0, prep.stderr
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     args = tmp_path / "args.txt"
     args.write_text(MIXTRAL_AND_GPT3.format(tokenizer=tokenizer, data=prefix + "_text_document", ckpt=ckpt, tb=tb))
     launch = torchrun(2, PRETRAIN) + [f"@{args}", "--data-cache-path", str(tmp_path)]
-    proc = run(launch, timeout=240)   # Megatron's --num-workers 2: each rank reads ahead in 2 processes
+    proc = run(launch, timeout=240)  # Megatron's --num-workers 2: each rank reads ahead in 2 processes
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "world 2, ep 2, ZeRO stage 1" in out
     # 256 tokens = 4 samples of 64 at batch 4, then batch 8: consumed 4, 12, 20, ...
     assert re.search(r"iteration +1/ +6 \| consumed samples: +4 .*global batch size: +4 ", out)
     assert re.search(r"iteration +6/ +6 \| consumed samples: +44 .*global batch size: +8 ", out)
-    assert checkpoint.saved_iterations(ckpt) == [1, 3, 6]   # 1: Megatron's save when the micro-batches change
-    again = run(launch + ["--train-iters", "7"], timeout=240)   # resumes weights only (--no-load-optim/rng)
+    assert checkpoint.saved_iterations(ckpt) == [1, 3, 6]  # 1: Megatron's save when the micro-batches change
+    again = run(launch + ["--train-iters", "7"], timeout=240)  # resumes weights only (--no-load-optim/rng)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "44 samples consumed (fresh optimizer state and RNG states)" \
-        in again.stdout
+    assert (
+        "resumed from" in again.stdout and "44 samples consumed (fresh optimizer state and RNG states)" in again.stdout
+    )
     assert re.search(r"iteration +7/ +7 \| consumed samples: +52 ", again.stdout)
     fp8 = run([sys.executable, PRETRAIN, f"@{args}", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"])
-    lines = fp8.stderr.strip().splitlines()   # one line per flag moezero lacks, all in one launch
+    lines = fp8.stderr.strip().splitlines()  # one line per flag moezero lacks, all in one launch
     assert fp8.returncode == 2 and len(lines) == 2, fp8.stderr
     assert "--fp8-format: not supported by moezero" in lines[0]
     assert "--fp8-amax-history-len: not supported by moezero" in lines[1]

@@ -3,6 +3,7 @@ rank) against the same command at pp 1 in one process: a GPT-MoE with a dense fi
 z losses, capacity drops, router jitter and dropout, all keyed), float64, the lm loss, gradient norm and
 validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums). Megatron's console
 line and TensorBoard come from the last rank (the last stage, which holds the loss)."""
+
 import contextlib
 import io
 
@@ -12,9 +13,24 @@ from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
-PIPELINE_TINY = TINY + ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--untie-embeddings-and-output-weights",
-                        "--zero-stage", "1", "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
-                        "--fp64", "--log-interval", "1"]
+PIPELINE_TINY = TINY + [
+    "--num-layers",
+    "4",
+    "--moe-layer-freq",
+    "[0,1,1,1]",
+    "--untie-embeddings-and-output-weights",
+    "--zero-stage",
+    "1",
+    "--train-iters",
+    "4",
+    "--eval-interval",
+    "2",
+    "--eval-iters",
+    "1",
+    "--fp64",
+    "--log-interval",
+    "1",
+]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TOL = 1e-10
 
@@ -40,8 +56,8 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     single, _ = _run(argv)
     expected = _values(single)
     assert [h["iteration"] for h in single] == [1, 2, 3, 4]
-    assert [v is not None for _, _, v in expected] == [False, True, False, True]   # validations at 2 and 4
-    for history, _ in ranks:   # every rank reports the step's metrics of the whole pipeline
+    assert [v is not None for _, _, v in expected] == [False, True, False, True]  # validations at 2 and 4
+    for history, _ in ranks:  # every rank reports the step's metrics of the whole pipeline
         got = _values(history)
         assert len(got) == len(expected)
         for step, (a, b) in enumerate(zip(got, expected)):
@@ -49,13 +65,14 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
     first, last = (output for _, output in ranks)
     assert "iteration        4/       4 |" in last and "validation loss at iteration 4" in last
-    assert "pp 2 (1F1B)" in last and "iteration" not in first   # Megatron's: the last rank logs
+    assert "pp 2 (1F1B)" in last and "iteration" not in first  # Megatron's: the last rank logs
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(board)
     events.Reload()
-    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx([h["lm_loss"] for h in ranks[1][0]],
-                                                                         rel=1e-6)   # stored in float32
+    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx(
+        [h["lm_loss"] for h in ranks[1][0]], rel=1e-6
+    )  # stored in float32
 
 
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
@@ -75,8 +92,11 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(
     first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
     first, same_layout, from_pp1 = run_distributed(_resumes_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
     from_pp2, _ = _run(argv + ["--load", at_pp2])
-    curves = {"pp 2 -> pp 2": first + same_layout, "pp 1 -> pp 2": first_pp1 + from_pp1,
-              "pp 2 -> pp 1": first + from_pp2}
+    curves = {
+        "pp 2 -> pp 2": first + same_layout,
+        "pp 1 -> pp 2": first_pp1 + from_pp1,
+        "pp 2 -> pp 1": first + from_pp2,
+    }
     for name, curve in curves.items():
         assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
         for step, (a, b) in enumerate(zip(_values(curve), straight)):

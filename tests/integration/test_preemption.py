@@ -1,5 +1,6 @@
 """SIGTERM to torchrun with --exit-signal-handler: the workers finish the iteration, save it and exit;
 resuming gives exactly the weights of a run that was never stopped."""
+
 import os
 import re
 import signal
@@ -15,8 +16,16 @@ from tests.integration.scripts import PRETRAIN, run, started, torchrun
 
 # 1000 planned iterations with a fixed decay length: the schedule and the data order do not depend on
 # where a run stops, so runs stopped at different points are comparable
-PLAN = TINY + ["--train-iters", "1000", "--lr-decay-iters", "40", "--expert-model-parallel-size", "2",
-               "--log-interval", "1"]
+PLAN = TINY + [
+    "--train-iters",
+    "1000",
+    "--lr-decay-iters",
+    "40",
+    "--expert-model-parallel-size",
+    "2",
+    "--log-interval",
+    "1",
+]
 
 
 def _launch(extra, cache):
@@ -61,7 +70,7 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
         for line in proc.stdout:
             output.append(line)
             if re.search(r"\] iteration +3/", line):
-                if to_the_process_tree:   # torchrun, the ranks and their data workers, each once (Slurm's)
+                if to_the_process_tree:  # torchrun, the ranks and their data workers, each once (Slurm's)
                     _signal_every_process(proc.pid, signal.SIGTERM)
                 else:
                     proc.send_signal(signal.SIGTERM)
@@ -70,12 +79,13 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     text = "".join(output)
     stopped = checkpoint.latest_iteration(ckpt)
     assert stopped is not None and stopped >= 3, text[-3000:]
-    assert f"stopped after iteration {stopped} (received SIGTERM); saved {checkpoint.iteration_dir(ckpt, stopped)}" \
-        in text, text[-3000:]
+    assert (
+        f"stopped after iteration {stopped} (received SIGTERM); saved {checkpoint.iteration_dir(ckpt, stopped)}" in text
+    ), text[-3000:]
     assert not checkpoint.unfinished_saves(ckpt)
-    assert not os.path.exists(os.path.join(ckpt, LOCK))   # released on the signal-driven exit
+    assert not os.path.exists(os.path.join(ckpt, LOCK))  # released on the signal-driven exit
 
-    end = str(stopped + 2)   # --exit-interval: both runs stop (and save) at the first multiple after `stopped`
+    end = str(stopped + 2)  # --exit-interval: both runs stop (and save) at the first multiple after `stopped`
     resumed = run(_launch(["--load", ckpt, "--save", ckpt, "--exit-interval", end], cache), timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint.iteration_dir(ckpt, stopped)} at iteration {stopped}" in resumed.stdout
@@ -86,7 +96,7 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     b = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(straight, int(end)))
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), name   # bitwise: masters after the same steps
+        assert torch.equal(a[name], b[name]), name  # bitwise: masters after the same steps
     losses, reference_losses = {**_losses(text), **_losses(resumed.stdout)}, _losses(reference.stdout)
     steps = [str(i) for i in range(1, int(end) + 1)]
     assert [losses[i] for i in steps] == [reference_losses[i] for i in steps]
@@ -96,8 +106,22 @@ def test_ctrl_c_without_the_handler_stops_at_once_with_exit_code_130(tmp_path):
     """One process, no --exit-signal-handler: SIGINT interrupts the iteration, the run says what is on disk and
     exits 130 (the shell's code for Ctrl-C)."""
     ckpt = str(tmp_path / "ckpt")
-    cmd = [sys.executable, PRETRAIN] + TINY + ["--train-iters", "1000", "--log-interval", "1", "--save", ckpt,
-                                               "--save-interval", "2", "--data-cache-path", str(tmp_path)]
+    cmd = (
+        [sys.executable, PRETRAIN]
+        + TINY
+        + [
+            "--train-iters",
+            "1000",
+            "--log-interval",
+            "1",
+            "--save",
+            ckpt,
+            "--save-interval",
+            "2",
+            "--data-cache-path",
+            str(tmp_path),
+        ]
+    )
     with started(cmd) as proc:
         output = []
         for line in proc.stdout:
@@ -110,4 +134,4 @@ def test_ctrl_c_without_the_handler_stops_at_once_with_exit_code_130(tmp_path):
     assert proc.returncode == 130, text[-2000:]
     assert f"interrupted; the last complete checkpoint is {checkpoint.iteration_dir(ckpt, 2)}" in text, text[-2000:]
     assert "Traceback" not in text
-    assert not os.path.exists(os.path.join(ckpt, LOCK))   # the --save folder is free for the next job
+    assert not os.path.exists(os.path.join(ckpt, LOCK))  # the --save folder is free for the next job

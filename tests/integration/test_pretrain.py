@@ -1,4 +1,5 @@
 """End-to-end pretraining: layout invariance, exact resume, TensorBoard, bad flags, golden losses."""
+
 import json
 import math
 import os
@@ -19,9 +20,9 @@ FP64 = ["--fp64"]  # exactness claims run in float64: a capacity or rounding dec
 
 
 # ---- layout invariance ---------------------------------------------------------------------------
-FP32_BOUND = 1e-3   # fp32 curves only reassociate sums too, but rounding grows over 20 AdamW steps and depends on
-                    # the CPU's kernels: 2.7e-8 measured on an AMD EPYC (AVX-512), 3.2e-5 reported on another
-                    # AVX-512 CPU; the bound leaves a 30x margin over the worst seen
+FP32_BOUND = 1e-3  # fp32 curves only reassociate sums too, but rounding grows over 20 AdamW steps and depends on
+# the CPU's kernels: 2.7e-8 measured on an AMD EPYC (AVX-512), 3.2e-5 reported on another
+# AVX-512 CPU; the bound leaves a 30x margin over the worst seen
 
 
 def _two_rank_layouts(cache_dir, save_dir):
@@ -34,23 +35,51 @@ def _two_rank_layouts(cache_dir, save_dir):
             runs[f"2 ranks ep{ep} stage{stage}"] = [h["lm_loss"] for h in train(argv, cache_dir)]
     ep2 = ["--expert-model-parallel-size", "2"]
     # recompute redraws the same dropout masks and jitter, so the curve does not move
-    runs["2 ranks ep2 stage2 recompute"] = [h["lm_loss"] for h in train(
-        TINY + ITERS + FP64 + ep2 + ["--recompute-activations"], cache_dir)]
+    runs["2 ranks ep2 stage2 recompute"] = [
+        h["lm_loss"] for h in train(TINY + ITERS + FP64 + ep2 + ["--recompute-activations"], cache_dir)
+    ]
     # both layers one stage-3 unit (a run of layers), each layer recomputed whole in backward
-    runs["2 ranks ep2 stage3, layers.0..1 one unit, full recompute"] = [h["lm_loss"] for h in train(
-        TINY + ITERS + FP64 + ep2 + ["--zero-stage", "3", "--zero-min-unit-params", "5000", "--recompute-granularity",
-                                     "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], cache_dir)]
+    runs["2 ranks ep2 stage3, layers.0..1 one unit, full recompute"] = [
+        h["lm_loss"]
+        for h in train(
+            TINY
+            + ITERS
+            + FP64
+            + ep2
+            + [
+                "--zero-stage",
+                "3",
+                "--zero-min-unit-params",
+                "5000",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+            cache_dir,
+        )
+    ]
     # the first half, saved to resume on one process (another dp and ep)
-    runs["2 ranks ep2, first half"] = [h["lm_loss"] for h in train(
-        TINY + ITERS + FP64 + ep2 + ["--exit-interval", "10", "--save", save_dir], cache_dir)]
+    runs["2 ranks ep2, first half"] = [
+        h["lm_loss"]
+        for h in train(TINY + ITERS + FP64 + ep2 + ["--exit-interval", "10", "--save", save_dir], cache_dir)
+    ]
     runs["fp32 2 ranks ep2"] = [h["lm_loss"] for h in train(TINY + ITERS + ep2, cache_dir)]
     return runs
 
 
 def _four_rank_layouts(cache_dir):
-    return {f"4 ranks ep{ep} stage{stage}": [h["lm_loss"] for h in train(
-        TINY + ITERS + FP64 + ["--expert-model-parallel-size", str(ep), "--zero-stage", str(stage)], cache_dir)]
-        for ep, stage in ((2, 3), (4, 2))}
+    return {
+        f"4 ranks ep{ep} stage{stage}": [
+            h["lm_loss"]
+            for h in train(
+                TINY + ITERS + FP64 + ["--expert-model-parallel-size", str(ep), "--zero-stage", str(stage)], cache_dir
+            )
+        ]
+        for ep, stage in ((2, 3), (4, 2))
+    }
 
 
 def _worst(curve, reference):
@@ -67,8 +96,9 @@ def test_loss_curve_is_layout_invariant(tmp_path):
     curves.update(run_distributed(_four_rank_layouts, 4, cache, timeout=400)[0])
     first_half = curves.pop("2 ranks ep2, first half")
     assert len(first_half) == 10
-    curves["2 ranks ep2, resumed on 1 process"] = first_half + [h["lm_loss"] for h in train(
-        TINY + ITERS + FP64 + ["--load", save], cache)]
+    curves["2 ranks ep2, resumed on 1 process"] = first_half + [
+        h["lm_loss"] for h in train(TINY + ITERS + FP64 + ["--load", save], cache)
+    ]
     fp32 = curves.pop("fp32 2 ranks ep2")
     assert single[-1] < single[0] - 0.2, "the loss must fall"
     for name, curve in curves.items():
@@ -80,15 +110,17 @@ def test_loss_curve_is_layout_invariant(tmp_path):
 # ---- exact resume ---------------------------------------------------------------------------------
 def _straight_and_resumed(cache_dir, save_dir):
     straight = train(TINY + ITERS + ["--expert-model-parallel-size", "2"], cache_dir)
-    first = train(TINY + ITERS + ["--expert-model-parallel-size", "2", "--exit-interval", "10",
-                                  "--save", save_dir], cache_dir)
+    first = train(
+        TINY + ITERS + ["--expert-model-parallel-size", "2", "--exit-interval", "10", "--save", save_dir], cache_dir
+    )
     second = train(TINY + ITERS + ["--expert-model-parallel-size", "2", "--load", save_dir], cache_dir)
     return straight, first, second
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
-    straight, first, second = run_distributed(_straight_and_resumed, 2, str(tmp_path),
-                                              str(tmp_path / "ckpt"), timeout=400)[0]
+    straight, first, second = run_distributed(
+        _straight_and_resumed, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400
+    )[0]
     assert [h["iteration"] for h in second] == list(range(11, 21))
     resumed = first + second
     assert [h["lm_loss"] for h in resumed] == [h["lm_loss"] for h in straight]
@@ -101,16 +133,17 @@ def _resume_across_stages(cache_dir, save_dir):
     curves = {}
     for first_stage, second_stage in ((2, 3), (3, 2)):
         path = f"{save_dir}/{first_stage}to{second_stage}"
-        first = train(TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(first_stage), "--exit-interval", "10",
-                                                   "--save", path], cache_dir)
+        first = train(
+            TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(first_stage), "--exit-interval", "10", "--save", path],
+            cache_dir,
+        )
         second = train(TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(second_stage), "--load", path], cache_dir)
         curves[(first_stage, second_stage)] = [h["lm_loss"] for h in first + second]
     return [h["lm_loss"] for h in straight], curves
 
 
 def test_a_stage2_checkpoint_resumes_at_stage3_and_back(tmp_path):
-    straight, curves = run_distributed(_resume_across_stages, 2, str(tmp_path), str(tmp_path / "ckpt"),
-                                       timeout=400)[0]
+    straight, curves = run_distributed(_resume_across_stages, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400)[0]
     for name, curve in curves.items():
         assert len(curve) == len(straight)
         assert max(abs(a - b) / b for a, b in zip(curve, straight)) < 1e-10, (name, curve, straight)
@@ -121,10 +154,29 @@ def test_tensorboard_scalars_are_written(tmp_path):
     """Megatron's tags for what both log (and their 'vs samples' series over consumed samples), then
     moezero's own; the params norm is the trained weights' norm."""
     tb = str(tmp_path / "tb")
-    run = pretraining(configs(TINY + [
-        "--train-iters", "3", "--log-interval", "2", "--eval-interval", "3", "--eval-iters", "1",
-        "--tensorboard-dir", tb, "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad",
-        "--moe-per-layer-logging", "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--train-iters",
+                "3",
+                "--log-interval",
+                "2",
+                "--eval-interval",
+                "3",
+                "--eval-iters",
+                "1",
+                "--tensorboard-dir",
+                tb,
+                "--log-throughput",
+                "--log-params-norm",
+                "--log-num-zeros-in-grad",
+                "--moe-per-layer-logging",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     run.train()
     params_norm = sum(float((p.detach().double() ** 2).sum()) for p in run.model.parameters() if p.requires_grad) ** 0.5
     run.groups.destroy()
@@ -133,20 +185,53 @@ def test_tensorboard_scalars_are_written(tmp_path):
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    megatron = ["lm loss", "learning-rate", "batch-size", "grad-norm", "iteration-time", "throughput", "loss-scale",
-                "params-norm", "num-zeros", "lm loss validation", "lm loss validation ppl", "load_balancing_loss",
-                "z_loss", "moe/load_balancing_loss_layer_0", "moe/z_loss_layer_1"]
-    series = [f"{t} vs samples" for t in ("lm loss", "learning-rate", "batch-size", "grad-norm", "params-norm",
-                                           "loss-scale", "num-zeros", "lm loss validation", "lm loss validation ppl")]
-    own = ["aux loss", "z loss", "tokens-per-sec", "memory/max-rss-mb", "moe/layer0/max-mean-load-ratio",
-           "moe/layer1/dropped-fraction", "moe/layer0/tokens-per-expert/3"]
+    megatron = [
+        "lm loss",
+        "learning-rate",
+        "batch-size",
+        "grad-norm",
+        "iteration-time",
+        "throughput",
+        "loss-scale",
+        "params-norm",
+        "num-zeros",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "load_balancing_loss",
+        "z_loss",
+        "moe/load_balancing_loss_layer_0",
+        "moe/z_loss_layer_1",
+    ]
+    series = [
+        f"{t} vs samples"
+        for t in (
+            "lm loss",
+            "learning-rate",
+            "batch-size",
+            "grad-norm",
+            "params-norm",
+            "loss-scale",
+            "num-zeros",
+            "lm loss validation",
+            "lm loss validation ppl",
+        )
+    ]
+    own = [
+        "aux loss",
+        "z loss",
+        "tokens-per-sec",
+        "memory/max-rss-mb",
+        "moe/layer0/max-mean-load-ratio",
+        "moe/layer1/dropped-fraction",
+        "moe/layer0/tokens-per-expert/3",
+    ]
     for tag in megatron + series + own:
         assert tag in tags, tag
-    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]   # --tensorboard-log-interval 1
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]  # --tensorboard-log-interval 1
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24]
     # with the console line: the first iteration (Megatron's), every --log-interval, the last
     assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [1, 2, 3]
-    assert [e.value for e in events.Scalars("loss-scale")] == [1.0, 1.0, 1.0]   # Megatron's, without fp16
+    assert [e.value for e in events.Scalars("loss-scale")] == [1.0, 1.0, 1.0]  # Megatron's, without fp16
     assert events.Scalars("params-norm")[-1].value == pytest.approx(params_norm, rel=1e-6)
     assert all(0 < e.value for e in events.Scalars("throughput") + events.Scalars("load_balancing_loss"))
 
@@ -159,11 +244,34 @@ def test_megatrons_tensorboard_switches(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = str(tmp_path / "tb")
-    run = pretraining(configs(TINY + [
-        "--train-iters", "2", "--tensorboard-dir", tb, "--no-log-loss-scale-to-tensorboard",
-        "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5", "--timing-log-option", "max",
-        "--log-memory-interval", "2", "--tensorboard-log-interval", "2", "--moe-per-layer-logging",
-        "--position-embedding-type", "rope", "--mtp-num-layers", "1", "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--train-iters",
+                "2",
+                "--tensorboard-dir",
+                tb,
+                "--no-log-loss-scale-to-tensorboard",
+                "--log-world-size-to-tensorboard",
+                "--tensorboard-queue-size",
+                "5",
+                "--timing-log-option",
+                "max",
+                "--log-memory-interval",
+                "2",
+                "--tensorboard-log-interval",
+                "2",
+                "--moe-per-layer-logging",
+                "--position-embedding-type",
+                "rope",
+                "--mtp-num-layers",
+                "1",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     run.train()
     run.groups.destroy()
     events = EventAccumulator(tb)
@@ -197,12 +305,13 @@ def test_skip_train_evaluates_the_loaded_weights_and_saves_nothing(tmp_path, cap
     assert evaluated.history == [] and checkpoint.saved_iterations(ckpt) == [2]
     line = next(line for line in out.splitlines() if "validation loss at iteration 2 on validation set" in line)
     assert float(line.split("lm loss value:")[1].split("|")[0]) == pytest.approx(
-        trained.history[-1]["validation_loss"], rel=1e-6)
+        trained.history[-1]["validation_loss"], rel=1e-6
+    )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(tb)
     events.Reload()
-    assert "lm loss validation" not in events.Tags()["scalars"]   # Megatron's write_to_tensorboard=not skip_train
+    assert "lm loss validation" not in events.Tags()["scalars"]  # Megatron's write_to_tensorboard=not skip_train
 
 
 def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
@@ -212,8 +321,20 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, ckpt = str(tmp_path / "tb"), str(tmp_path / "ckpt")
-    argv = TINY + ["--train-iters", "6", "--tensorboard-dir", tb, "--save", ckpt, "--save-interval", "3",
-                   "--log-interval", "5", "--data-cache-path", str(tmp_path)]
+    argv = TINY + [
+        "--train-iters",
+        "6",
+        "--tensorboard-dir",
+        tb,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "3",
+        "--log-interval",
+        "5",
+        "--data-cache-path",
+        str(tmp_path),
+    ]
     for extra in ([], ["--load", ckpt, "--ckpt-step", "3", "--lr", "9e-3", "--override-opt_param-scheduler"]):
         run = pretraining(configs(argv + extra))
         run.train()
@@ -228,17 +349,24 @@ def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
     # resume's first
     assert [e.step for e in events.Scalars("moe/layer0/max-mean-load-ratio")] == [1, 5, 6]
     assert [e.value for e in events.Scalars("lm loss")][3:] == pytest.approx(resumed, rel=1e-6)
-    assert "arguments/text_summary" in events.Tags()["tensors"]   # the first run's, kept
+    assert "arguments/text_summary" in events.Tags()["tensors"]  # the first run's, kept
 
 
 # ---- bad configurations -----------------------------------------------------------------------------
-@pytest.mark.parametrize("extra,world,needle", [
-    (["--num-experts", "3", "--expert-model-parallel-size", "1"], 2, None),
-    (["--expert-model-parallel-size", "3"], 2, "--expert-model-parallel-size=3: must divide the number of processes"),
-    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--num-experts=6: must be divisible"),
-    (["--global-batch-size", "10"], 2, "--global-batch-size (10) must be divisible"),
-    (["--split", "100,0,0", "--eval-interval", "5"], 1, "--eval-interval=5: needs a validation split"),
-])
+@pytest.mark.parametrize(
+    "extra,world,needle",
+    [
+        (["--num-experts", "3", "--expert-model-parallel-size", "1"], 2, None),
+        (
+            ["--expert-model-parallel-size", "3"],
+            2,
+            "--expert-model-parallel-size=3: must divide the number of processes",
+        ),
+        (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, "--num-experts=6: must be divisible"),
+        (["--global-batch-size", "10"], 2, "--global-batch-size (10) must be divisible"),
+        (["--split", "100,0,0", "--eval-interval", "5"], 1, "--eval-interval=5: needs a validation split"),
+    ],
+)
 def test_flag_combinations_fail_with_one_clear_message(extra, world, needle):
     cfg = configs(TINY + extra)
     if needle is None:
@@ -255,9 +383,11 @@ def test_bad_values_and_missing_data_exit_with_one_line(tmp_path, capsys):
     from tests.integration.scripts import script_in_process
 
     script = os.path.join(os.path.dirname(ASSETS), "..", "examples_moe", "pretrain_gpt_moe.py")
-    cases = [(["--moe-router-topk", "9"], "--moe-router-topk=9: must be between 1 and --num-experts (4)"),
-             (["--zero-stage", "4"], "--zero-stage"),
-             (["--data-path", str(tmp_path / "missing")], "--data-path")]
+    cases = [
+        (["--moe-router-topk", "9"], "--moe-router-topk=9: must be between 1 and --num-experts (4)"),
+        (["--zero-stage", "4"], "--zero-stage"),
+        (["--data-path", str(tmp_path / "missing")], "--data-path"),
+    ]
     for number, (extra, needle) in enumerate(cases):
         argv = TINY + extra + ["--data-cache-path", str(tmp_path)]
         if number == 0:
@@ -315,4 +445,3 @@ if __name__ == "__main__":
     with open(GOLDEN, "w") as f:
         json.dump({"args": _recorded_args(), "lm_loss": values}, f, indent=1)
     print(f"wrote {GOLDEN}: {values}")
-

@@ -1,5 +1,6 @@
 """QAT in the pretraining script: schedule through a checkpoint resume, TensorBoard scalars, the export
 and evaluation tools, and one-line errors for bad QAT flags."""
+
 import importlib.util
 import os
 import subprocess
@@ -55,8 +56,13 @@ def test_bit_schedule_survives_a_checkpoint_resume_and_is_logged(tmp_path):
     events.Reload()
     assert {"qat/bits/attention", "qat/bits/experts", "qat/quant-error/experts"} <= set(events.Tags()["scalars"])
     # with each console line: iteration 1 (Megatron's first line), then every 2
-    assert [(e.step, e.value) for e in events.Scalars("qat/bits/experts")] == [(1, 6.0), (2, 6.0), (4, 5.0),
-                                                                                (6, 4.0), (8, 4.0)]
+    assert [(e.step, e.value) for e in events.Scalars("qat/bits/experts")] == [
+        (1, 6.0),
+        (2, 6.0),
+        (4, 5.0),
+        (6, 4.0),
+        (8, 4.0),
+    ]
     errors = [e.value for e in events.Scalars("qat/quant-error/experts")]
     assert 0 < errors[0] < errors[-1] < 0.5  # fewer bits, larger error
 
@@ -85,18 +91,35 @@ def test_export_and_eval_tools(tmp_path, capsys):
     blob = torch.load(out, weights_only=True)
     w1 = blob["quantized"]["layers.0.mlp.experts.w1"]
     assert w1["codes"].dtype == torch.uint8 and w1["codes"].numel() * 2 == w1["units"] * 32 * 128
-    assert export.main(["--load", plain, "--output", str(tmp_path / "ptq.mzq"), "--weight-bits", "8",
-                        "--no-symmetric", "--modules", "attention,experts,router,embedding"]) == 0
+    assert (
+        export.main(
+            [
+                "--load",
+                plain,
+                "--output",
+                str(tmp_path / "ptq.mzq"),
+                "--weight-bits",
+                "8",
+                "--no-symmetric",
+                "--modules",
+                "attention,experts,router,embedding",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(SystemExit):
         export.main(["--load", plain, "--output", str(tmp_path / "x.mzq")])  # no QAT, no --weight-bits
     assert "--weight-bits" in capsys.readouterr().err
     data = ["--data-path", CORPUS, "--split", "98,2,0", "--data-cache-path", cache, "--eval-samples", "8"]
     assert evaluate.main(["--quantized", out, "--load", ckpt] + data) == 0
     report = capsys.readouterr().out
-    losses = {line.split("|")[0].split("(")[0].strip(): float(line.split("lm loss:")[1].split("|")[0])
-              for line in report.splitlines() if "lm loss:" in line}
+    losses = {
+        line.split("|")[0].split("(")[0].strip(): float(line.split("lm loss:")[1].split("|")[0])
+        for line in report.splitlines()
+        if "lm loss:" in line
+    }
     assert set(losses) == {"fp model", "fake-quant model", "exported model"}
-    assert f"samples of the validation split of --data-path {CORPUS}, world 1" in report   # says what it read
+    assert f"samples of the validation split of --data-path {CORPUS}, world 1" in report  # says what it read
     assert losses["fake-quant model"] == pytest.approx(losses["exported model"], rel=1e-6)
     assert losses["fp model"] != losses["exported model"]
 
@@ -105,13 +128,19 @@ def test_bad_qat_flags_fail_with_one_clear_message(tmp_path):
     with pytest.raises(ConfigError, match="--qat-weight-bits=17: must be between 2 and 16"):
         configs(TINY + ["--qat-weight-bits", "17"])
     script = os.path.join(ROOT, "examples_moe", "pretrain_gpt_moe.py")
-    proc = subprocess.run([sys.executable, script] + TINY + ["--qat-weight-bits", "4", "--qat-groups", "5",
-                                                             "--data-cache-path", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, script]
+        + TINY
+        + ["--qat-weight-bits", "4", "--qat-groups", "5", "--data-cache-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and "--qat-groups=5: does not divide layers.0.attention.qkv.weight" in errors[0], \
+    assert len(errors) == 1 and "--qat-groups=5: does not divide layers.0.attention.qkv.weight" in errors[0], (
         proc.stderr
+    )
 
 
 def test_qat_fine_tunes_a_plain_checkpoint_and_a_plain_run_resumes_a_qat_one(tmp_path):
@@ -121,14 +150,16 @@ def test_qat_fine_tunes_a_plain_checkpoint_and_a_plain_run_resumes_a_qat_one(tmp
     cache, plain, quantized = str(tmp_path), str(tmp_path / "plain"), str(tmp_path / "qat")
     _run(TINY + ["--train-iters", "2", "--save", plain], cache)
     tuned = _run(TINY + QAT + ["--train-iters", "2", "--load", plain, "--finetune", "--save", quantized], cache)
-    resumed = _run(TINY + QAT + ["--train-iters", "3", "--load", plain], cache)   # optimizer state too
+    resumed = _run(TINY + QAT + ["--train-iters", "3", "--load", plain], cache)  # optimizer state too
     assert tuned.iteration == 2 and resumed.iteration == 3
-    saved = {plain_param_name(k): v for k, v in checkpoint.consolidate_checkpoint(
-        checkpoint.iteration_dir(quantized, 2)).items()}
+    saved = {
+        plain_param_name(k): v
+        for k, v in checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(quantized, 2)).items()
+    }
     back = pretraining(configs(TINY + ["--train-iters", "3", "--load", quantized, "--data-cache-path", cache]))
     with back.opt.full_parameters():
         for name, p in back.model.named_parameters():
-            assert torch.equal(p.detach(), saved[name].to(p.dtype)), name   # the QAT run's fp32 masters
+            assert torch.equal(p.detach(), saved[name].to(p.dtype)), name  # the QAT run's fp32 masters
     back.train()
     back.groups.destroy()
     assert back.iteration == 3

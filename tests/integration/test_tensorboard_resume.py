@@ -1,6 +1,7 @@
 """A resume rewrites only its own run's TensorBoard event files (their names are recorded in each checkpoint), says
 what it dropped, and never touches another run's file in the same folder (`make train` and the example script
 both log to runs/gpt_moe_small)."""
+
 import glob
 import hashlib
 import os
@@ -30,20 +31,24 @@ def _digest(path):
 def _steps(path, tag="lm loss"):
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    return [e.step for e in EventFileLoader(path).Load()
-            if e.HasField("summary") and e.summary.value and e.summary.value[0].tag == tag]
+    return [
+        e.step
+        for e in EventFileLoader(path).Load()
+        if e.HasField("summary") and e.summary.value and e.summary.value[0].tag == tag
+    ]
 
 
 def test_a_resume_rewrites_only_its_own_runs_event_files_and_says_so(tmp_path, capsys):
     tb, ckpt, cache = str(tmp_path / "tb"), str(tmp_path / "ckpt"), str(tmp_path)
     common = ["--train-iters", "4", "--tensorboard-dir", tb, "--log-interval", "1"]
-    _run(common, cache)                                              # another run in the same folder
+    _run(common, cache)  # another run in the same folder
     (other,) = _files(tb)
     other_digest = _digest(other)
     _run(common + ["--save", ckpt, "--save-interval", "2", "--seed", "8"], cache)
     (first,) = _files(tb) - {other}
-    assert checkpoint.read_train_state(checkpoint.iteration_dir(ckpt, 2))["tensorboard_files"] == \
-        [os.path.basename(first)]
+    assert checkpoint.read_train_state(checkpoint.iteration_dir(ckpt, 2))["tensorboard_files"] == [
+        os.path.basename(first)
+    ]
     out = capsys.readouterr().out
     assert f" TensorBoard: events to {first} (view: tensorboard --logdir {tb})" in out
     _run(common + ["--load", ckpt, "--ckpt-step", "2", "--save", ckpt, "--save-interval", "2", "--seed", "8"], cache)
@@ -51,11 +56,12 @@ def test_a_resume_rewrites_only_its_own_runs_event_files_and_says_so(tmp_path, c
     dropped = [line for line in out.splitlines() if "TensorBoard: dropped" in line]
     assert len(dropped) == 1 and f"logged after iteration 2 (steps 3-4) from {first}" in dropped[0], out
     (resumed,) = _files(tb) - {other, first}
-    assert _digest(other) == other_digest and _steps(other) == [1, 2, 3, 4]   # never rewritten
+    assert _digest(other) == other_digest and _steps(other) == [1, 2, 3, 4]  # never rewritten
     assert _steps(first) == [1, 2] and _steps(resumed) == [3, 4]
     # the lineage: the resumed run's checkpoints name both of its files, so a later resume trims both
-    assert sorted(checkpoint.read_train_state(checkpoint.iteration_dir(ckpt, 4))["tensorboard_files"]) == \
-        sorted(os.path.basename(f) for f in (first, resumed))
+    assert sorted(checkpoint.read_train_state(checkpoint.iteration_dir(ckpt, 4))["tensorboard_files"]) == sorted(
+        os.path.basename(f) for f in (first, resumed)
+    )
 
 
 def test_a_checkpoint_that_records_no_event_files_rewrites_none(tmp_path):
@@ -66,7 +72,7 @@ def test_a_checkpoint_that_records_no_event_files_rewrites_none(tmp_path):
     before = _digest(only)
     lines = trim_after(tb, 1, 8, None)
     assert len(lines) == 1 and "does not record which event files" in lines[0] and _digest(only) == before
-    assert trim_after(tb, 1, 8, []) == [] and _digest(only) == before   # a lineage that logged nothing here
+    assert trim_after(tb, 1, 8, []) == [] and _digest(only) == before  # a lineage that logged nothing here
 
 
 def _two_rank_run(tmp):

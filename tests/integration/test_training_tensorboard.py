@@ -2,6 +2,7 @@
 coefficients (megatron-core's router tracks a z loss only with --moe-z-loss-coeff, an aux loss only with a
 coefficient above 0), and one 'lm loss validation' point at the last iteration where the interval's validation
 falls on it (Megatron writes the validation after training there too: a second point at the same step)."""
+
 from tests.integration.pretrain_utils import TINY, configs
 
 
@@ -9,7 +10,7 @@ def _without(argv, *flags):
     out = list(argv)
     for flag in flags:
         at = out.index(flag)
-        del out[at:at + 2]
+        del out[at : at + 2]
     return out
 
 
@@ -20,8 +21,17 @@ def test_only_the_runs_losses_and_one_validation_point_per_step(tmp_path, capsys
 
     tb = str(tmp_path / "tb")
     argv = _without(TINY, "--moe-z-loss-coeff", "--moe-aux-loss-coeff") + [
-        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--tensorboard-dir", tb,
-        "--data-cache-path", str(tmp_path)]
+        "--train-iters",
+        "4",
+        "--eval-interval",
+        "2",
+        "--eval-iters",
+        "1",
+        "--tensorboard-dir",
+        tb,
+        "--data-cache-path",
+        str(tmp_path),
+    ]
     run = pretraining(configs(argv))
     run.train()
     run.groups.destroy()
@@ -34,5 +44,7 @@ def test_only_the_runs_losses_and_one_validation_point_per_step(tmp_path, capsys
     assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
     assert [e.step for e in events.Scalars("lm loss validation vs samples")] == [16, 32]
     # the console keeps Megatron's two lines at the last iteration: the interval's and the one after training
-    assert out.count("validation loss at iteration 4 |") == 1 and \
-        out.count("validation loss at iteration 4 on validation set |") == 1, out
+    assert (
+        out.count("validation loss at iteration 4 |") == 1
+        and out.count("validation loss at iteration 4 on validation set |") == 1
+    ), out

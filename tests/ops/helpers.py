@@ -4,6 +4,7 @@ Every compiled kernel module (`moezero._C`, `moezero._C_cuda`) has the same func
 `moezero.ops.reference`; `check_*` runs one case through a module and the reference and
 compares. Shape letters as in the reference: T tokens, K top-k, E experts, D hidden.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 @dataclass(frozen=True)
 class Case:
     """One routing pattern; `layout` is random | skip_expert | one_expert | all_dropped."""
+
     T: int
     K: int
     E: int
@@ -146,6 +148,7 @@ def assert_each_case_raises(cases_source: str) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", cases_source + _RAISE_EACH], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", cases_source + _RAISE_EACH], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -9,7 +9,7 @@ from moezero.ops import bias_add, reference
 from tests.ops.helpers import assert_each_case_raises
 
 COUNTS = ([7, 0, 12, 1], [20], [0, 0], [3, 0, 0, 17, 5])
-WIDTH = 300   # not a multiple of a vector
+WIDTH = 300  # not a multiple of a vector
 
 
 def _inputs(counts, dtype, seed=0):
@@ -38,8 +38,8 @@ def test_the_bias_gradient_is_each_experts_column_sums(cpu_ext, num_threads, cou
     assert sums.dtype == torch.float32 and sums.shape == (len(counts), WIDTH)
     exact = torch.stack([block.double().sum(0) for block in grad.split(counts)])
     torch.testing.assert_close(sums.double(), exact, rtol=1e-6, atol=1e-5)
-    assert torch.equal(sums, reference.grouped_bias_grad(grad, counts))   # the same order: the same bits
-    torch.set_num_threads(1)   # threads split the columns: the same bits whatever their number
+    assert torch.equal(sums, reference.grouped_bias_grad(grad, counts))  # the same order: the same bits
+    torch.set_num_threads(1)  # threads split the columns: the same bits whatever their number
     assert torch.equal(sums, cpu_ext.grouped_bias_grad(grad, counts))
 
 
@@ -65,9 +65,16 @@ class _OneOpPerExpert(torch.autograd.Function):
         return grad, sums, None
 
 
-@pytest.mark.parametrize("dtype, bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.bfloat16, torch.float32), (torch.float64, torch.float64)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "dtype, bias_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+    ids=str,
+)
 def test_autograd_of_the_kernel_and_of_the_ops_gives_the_same_bits(cpu_ext, dtype, bias_dtype):
     counts = [9, 0, 30, 4]
     y, bias = _inputs(counts, dtype, seed=2)
@@ -75,15 +82,18 @@ def test_autograd_of_the_kernel_and_of_the_ops_gives_the_same_bits(cpu_ext, dtyp
     grad = _inputs(counts, dtype, seed=3)[0]
     ops = _forward_and_grads(bias_add._ExpertBiasOps.apply, y, bias, grad, counts)
     assert ops[2].dtype == bias_dtype
-    if dtype != torch.float64:   # the kernel takes fp32 and bf16 rows
+    if dtype != torch.float64:  # the kernel takes fp32 and bf16 rows
         kernel = _forward_and_grads(bias_add._FusedExpertBias.apply, y, bias, grad, counts)
         assert all(torch.equal(a, b) for a, b in zip(kernel, ops))
     # against one op per expert: the same add; the same sums in another order (torch's cascade), rounded to the
     # bias's dtype
     out, grad_y, grad_b = _forward_and_grads(_OneOpPerExpert.apply, y, bias, grad, counts)
     assert torch.equal(ops[0], out) and torch.equal(ops[1], grad_y)
-    tolerance = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2),
-                 torch.float64: dict(rtol=1e-13, atol=1e-13)}[bias_dtype]
+    tolerance = {
+        torch.float32: dict(rtol=1e-5, atol=1e-4),
+        torch.bfloat16: dict(rtol=2**-7, atol=1e-2),
+        torch.float64: dict(rtol=1e-13, atol=1e-13),
+    }[bias_dtype]
     torch.testing.assert_close(ops[2], grad_b, **tolerance)
 
 
@@ -105,7 +115,7 @@ def test_the_experts_take_the_kernel_where_it_applies(cpu_ext, monkeypatch):
     y, bias = _inputs([2, 3], torch.float32)
     bias_add.add_expert_bias(y, bias, [2, 3])
     assert len(calls) == 1
-    assert not bias_add.fused_bias_add_applies(y.double())   # float64 (the HF oracles): the torch ops
+    assert not bias_add.fused_bias_add_applies(y.double())  # float64 (the HF oracles): the torch ops
     bias_add.add_expert_bias(y.double(), bias.double(), [2, 3])
     assert len(calls) == 1
 
@@ -132,11 +142,13 @@ def test_the_gpu_path_sums_in_row_order_and_launches_no_op_per_expert(dtype):
     """On CUDA (tools/gpu_check.sh): the torch ops give the CPU reference's bits (segment_reduce sums each column of
     each expert in row order, no atomics: the same bits run after run), with a launch count that does not grow
     with the experts."""
-    counts = [40, 0, 300, 17] * 32   # 128 experts, GPT-OSS-120B's
+    counts = [40, 0, 300, 17] * 32  # 128 experts, GPT-OSS-120B's
     y, bias = _inputs(counts, dtype, seed=6)
     grad = _inputs(counts, dtype, seed=7)[0]
-    runs = [_forward_and_grads(bias_add._ExpertBiasOps.apply, *(t.cuda() for t in (y, bias, grad)), counts)
-            for _ in range(2)]
+    runs = [
+        _forward_and_grads(bias_add._ExpertBiasOps.apply, *(t.cuda() for t in (y, bias, grad)), counts)
+        for _ in range(2)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     cpu = _forward_and_grads(bias_add._ExpertBiasOps.apply, y, bias, grad, counts)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(runs[0], cpu))

@@ -1,9 +1,18 @@
 """The compiled CPU kernels (moezero._C) against their references, case by case."""
+
 import pytest
 import torch
 
-from tests.ops.helpers import (CASES, DTYPES, bucket_tensors, check_combine, check_flatten, check_permute,
-                               check_sum_of_squares, rand)
+from tests.ops.helpers import (
+    CASES,
+    DTYPES,
+    bucket_tensors,
+    check_combine,
+    check_flatten,
+    check_permute,
+    check_sum_of_squares,
+    rand,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -75,13 +84,16 @@ def test_flatten_into_rejects_overflow(cpu_ext):
         cpu_ext.flatten_into(torch.zeros(4), [torch.ones(3)], [2], 1.0, False)
 
 
-@pytest.mark.parametrize("name,tensors", [
-    ("mixed", bucket_tensors()),
-    ("fp32_only", [t.float() for t in bucket_tensors()]),
-    ("bf16_only", [t.bfloat16() for t in bucket_tensors()]),
-    ("all_empty", [torch.zeros(0), torch.zeros(3, 0)]),
-    ("scalar", [torch.tensor(3.0)]),
-])
+@pytest.mark.parametrize(
+    "name,tensors",
+    [
+        ("mixed", bucket_tensors()),
+        ("fp32_only", [t.float() for t in bucket_tensors()]),
+        ("bf16_only", [t.bfloat16() for t in bucket_tensors()]),
+        ("all_empty", [torch.zeros(0), torch.zeros(3, 0)]),
+        ("scalar", [torch.tensor(3.0)]),
+    ],
+)
 def test_sum_of_squares(cpu_ext, name, tensors):
     check_sum_of_squares(cpu_ext, tensors)
 

@@ -1,6 +1,7 @@
 """The fused token cross-entropy (--cross-entropy-loss-fusion) against torch's F.cross_entropy on fp32-widened
 logits and against its pure-PyTorch reference: losses and logits' gradients, fp32 and bf16, an ignored row,
 non-finite rows, a vocabulary that is not a multiple of the kernel's lanes or blocks; and the flag in training."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,10 @@ def test_fused_cross_entropy_matches_torch_and_the_reference(dtype, vocab):
     losses, grad = _loss_and_grad(logits, labels, weights, fused=True)
     torch_losses, torch_grad = _loss_and_grad(logits, labels, weights, fused=False)
     assert losses.dtype == torch.float32 and grad.dtype == dtype
-    assert losses[1] == 0 and not grad[1].any()   # the ignored row
+    assert losses[1] == 0 and not grad[1].any()  # the ignored row
     torch.testing.assert_close(losses, torch_losses, rtol=2e-6, atol=1e-6)
     # bf16: one rounding of the gradient apart; fp32: p = exp(x - lse) carries lse's few-ulp difference
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 4e-6
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 4e-6
     torch.testing.assert_close(grad.float(), torch_grad.float(), rtol=ulp, atol=ulp * torch_grad.abs().max().item())
     ref_losses, lse = reference.cross_entropy(logits, labels, IGNORE_INDEX)
     ref_grad = reference.cross_entropy_backward(weights, logits, labels, lse, IGNORE_INDEX)
@@ -61,8 +62,10 @@ def test_fused_cross_entropy_keeps_what_is_not_finite():
 
 def test_labels_torch_takes_the_kernel_does_not_go_to_torch():
     logits, labels = torch.randn(4, 10), torch.tensor([1, 2, 3, 9])
-    torch.testing.assert_close(token_cross_entropy(logits, labels.to(torch.uint8), fused=True),
-                               token_cross_entropy(logits, labels, fused=False))
+    torch.testing.assert_close(
+        token_cross_entropy(logits, labels.to(torch.uint8), fused=True),
+        token_cross_entropy(logits, labels, fused=False),
+    )
 
 
 @needs_kernel
@@ -71,15 +74,17 @@ def test_fused_cross_entropy_names_a_label_outside_the_vocabulary():
     labels[2] = 10
     with pytest.raises(RuntimeError, match="label 10 of row 2 is outside the vocabulary"):
         token_cross_entropy(logits, labels, fused=True)
-    from moezero.ops import _library   # the backward kernel checks too: it would write outside the gradient
+    from moezero.ops import _library  # the backward kernel checks too: it would write outside the gradient
+
     with pytest.raises(RuntimeError, match="label 10 of row 2 is outside the vocabulary"):
-        _library.kernel("cross_entropy_backward", logits.device)(torch.ones(4), logits, labels, torch.zeros(4, 2),
-                                                                   IGNORE_INDEX)
+        _library.kernel("cross_entropy_backward", logits.device)(
+            torch.ones(4), logits, labels, torch.zeros(4, 2), IGNORE_INDEX
+        )
 
 
 def test_unfused_and_float64_are_torchs_own():
     logits, labels, weights = _case(torch.float64, 5, 11)
-    for fused in (False, True):   # fp64 logits never take the kernel
+    for fused in (False, True):  # fp64 logits never take the kernel
         losses, _ = _loss_and_grad(logits, labels, weights, fused)
         assert torch.equal(losses, F.cross_entropy(logits, labels, reduction="none"))
 
@@ -100,8 +105,12 @@ def _train_losses(argv, steps=3):
     losses = []
     for step in range(steps):
         tokens, labels = (torch.randint(0, 64, (2, 32), generator=g) for _ in range(2))
-        batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(2, 32),
-                 "sample_index": torch.arange(2 * step, 2 * step + 2)}
+        batch = {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": torch.ones(2, 32),
+            "sample_index": torch.arange(2 * step, 2 * step + 2),
+        }
         losses.append(train_step(model, opt, [batch], step, 7, None).lm_loss)
     return losses
 
@@ -136,7 +145,7 @@ def test_fused_cross_entropy_stays_accurate_at_large_logits(dtype, offset):
     losses, grad = _loss_and_grad(logits, labels, weights, fused=True)
     exact, exact_grad = _loss_and_grad(logits.double(), labels, weights.double(), fused=False)
     torch.testing.assert_close(losses.double(), exact, rtol=2e-6, atol=2e-6)
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 4e-6
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 4e-6
     torch.testing.assert_close(grad.double(), exact_grad, rtol=ulp, atol=ulp * exact_grad.abs().max().item())
     ref_losses, stats = reference.cross_entropy(logits, labels, IGNORE_INDEX)
     torch.testing.assert_close(ref_losses.double(), exact, rtol=2e-6, atol=2e-6)

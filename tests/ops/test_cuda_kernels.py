@@ -3,12 +3,20 @@
 The kernels wired into the public ops on CUDA (moezero/ops/_library.py WIRED["cuda"]) passed these on an
 H200; tools/gpu_check.sh runs this file.
 """
+
 import pytest
 import torch
 
 from moezero.ops import _loader
-from tests.ops.helpers import (CASES, DTYPES, bucket_tensors, check_combine, check_flatten, check_permute,
-                               check_sum_of_squares)
+from tests.ops.helpers import (
+    CASES,
+    DTYPES,
+    bucket_tensors,
+    check_combine,
+    check_flatten,
+    check_permute,
+    check_sum_of_squares,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -47,6 +55,7 @@ def test_sum_of_squares(cuda_ext):
 def test_permute_large(cuda_ext):
     # many tiles and experts: exercises the cross-tile scan and the per-warp ranks
     from tests.ops.helpers import Case
+
     check_permute(cuda_ext, Case(16384, 2, 64, 256, drop=0.1), torch.bfloat16, device="cuda")
 
 

@@ -1,6 +1,7 @@
 """The fused bias + GELU kernel (csrc/gelu.cpp), exact and tanh-approximated, against its float64 reference, and
 its autograd against torch's GELU on the biased input, in fp32 and bf16, with experts that got no rows and with 1
 and 2 threads."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ from moezero.ops import gelu, reference
 from tests.ops.helpers import assert_each_case_raises
 
 COUNTS = ([7, 0, 12, 1], [20], [0, 0], [3, 0, 0, 17, 5])
-WIDTH = 300   # not a multiple of the bf16 block (256) nor of a vector
+WIDTH = 300  # not a multiple of the bf16 block (256) nor of a vector
 
 
 def _inputs(counts, dtype, seed=0):
@@ -20,7 +21,7 @@ def _inputs(counts, dtype, seed=0):
 
 
 def _ulps(dtype):
-    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    return 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
 
 
 def _assert_close_in_ulps(got, want, dtype, ulps=1, atol=0.0):
@@ -39,8 +40,8 @@ def test_forward_matches_the_reference(cpu_ext, num_threads, counts, dtype, with
     a, h = cpu_ext.bias_gelu(y, bias, counts, tanh)
     a_ref, h_ref = reference.bias_gelu(y, bias, counts, tanh)
     assert a.dtype == h.dtype == dtype and a.shape == h.shape == y.shape
-    assert torch.equal(h, h_ref)   # GELU's input, one rounded add: the bits of y + bias
-    assert bias is not None or h.data_ptr() == y.data_ptr()   # no bias: y itself, no copy
+    assert torch.equal(h, h_ref)  # GELU's input, one rounded add: the bits of y + bias
+    assert bias is not None or h.data_ptr() == y.data_ptr()  # no bias: y itself, no copy
     # erf's Abramowitz-Stegun form (as torch's own CPU GELU) is good to 1.5e-7 absolute, so h * cdf to |h| times
     # that, on top of the rounding; tanh's s = sigmoid(2u) inherits u's fp32 rounding times 2|u| in the tail
     _assert_close_in_ulps(a, a_ref, dtype, ulps=1, atol=2e-7 * (1 + h.double().abs()))
@@ -57,7 +58,7 @@ def test_backward_matches_the_reference(cpu_ext, num_threads, counts, dtype, tan
     # gelu'(h) in fp32 to the erf form's 4e-7 (the tanh form's u rounding), then one rounding of the product
     _assert_close_in_ulps(grad_h, ref_h, dtype, ulps=1, atol=4e-7 * g_a.double().abs())
     assert grad_b.dtype == torch.float32 and grad_b.shape == (len(counts), WIDTH)
-    torch.testing.assert_close(grad_b, reference.grouped_bias_grad(grad_h, counts), rtol=0, atol=0)   # row order
+    torch.testing.assert_close(grad_b, reference.grouped_bias_grad(grad_h, counts), rtol=0, atol=0)  # row order
     torch.testing.assert_close(grad_b, ref_b, rtol=1e-5, atol=1e-4 if dtype == torch.float32 else 5e-2)
     assert torch.equal(cpu_ext.bias_gelu_backward(g_a, h, counts, False, tanh)[0], grad_h)
     assert cpu_ext.bias_gelu_backward(g_a, h, counts, False, tanh)[1] is None
@@ -88,10 +89,10 @@ def test_non_finite_and_tail_values(cpu_ext):
     a, d = cpu_ext.bias_gelu(y, None, [1])[0], _slope(cpu_ext, y)
     assert torch.isnan(a[0, 0]) and torch.isnan(d[0, 0])
     assert a[0, 1] == float("inf")
-    assert a[0, 2].item() == 0.0 and d[0, 2].item() == 0.0   # exp(-800) is 0, as torch's
+    assert a[0, 2].item() == 0.0 and d[0, 2].item() == 0.0  # exp(-800) is 0, as torch's
     assert a[0, 3].item() == 40.0 and d[0, 3].item() == 1.0
     assert a[0, 4].item() == 0.0 and d[0, 4].item() == 0.5
-    assert abs(a[0, 5].item() - (-5 * 2.866515718791939e-07)) < 5e-7   # the absolute bound of the erf form
+    assert abs(a[0, 5].item() - (-5 * 2.866515718791939e-07)) < 5e-7  # the absolute bound of the erf form
     ab, _ = cpu_ext.bias_gelu(y.bfloat16(), None, [1])
     assert torch.isnan(ab[0, 0]) and ab[0, 1] == float("inf")
 
@@ -102,12 +103,12 @@ def test_non_finite_and_tail_values_of_the_tanh_form(cpu_ext):
     want = F.gelu(y.double(), approximate="tanh")
     assert torch.isnan(a[0, 0]) and torch.isnan(d[0, 0]) and torch.isnan(a[0, 7]) == torch.isnan(want[0, 7])
     assert a[0, 1] == float("inf")
-    assert a[0, 2].item() == 0.0 and d[0, 2].item() == 0.0   # exp(-2|u|) is 0 past 87: the tail is exactly 0
+    assert a[0, 2].item() == 0.0 and d[0, 2].item() == 0.0  # exp(-2|u|) is 0 past 87: the tail is exactly 0
     assert a[0, 3].item() == 40.0 and d[0, 3].item() == 1.0
     assert a[0, 4].item() == 0.0 and d[0, 4].item() == 0.5
-    assert abs(a[0, 5].item() / want[0, 5].item() - 1) < 1e-6 and a[0, 6] == y[0, 6] / 2   # s(0) = 1/2 exactly
+    assert abs(a[0, 5].item() / want[0, 5].item() - 1) < 1e-6 and a[0, 6] == y[0, 6] / 2  # s(0) = 1/2 exactly
     big = torch.tensor([[1e20, -1e20]])
-    huge, d_huge = cpu_ext.bias_gelu(big, None, [1], True)[0], _slope(cpu_ext, big, True)   # h^2 overflows: no 0 * inf
+    huge, d_huge = cpu_ext.bias_gelu(big, None, [1], True)[0], _slope(cpu_ext, big, True)  # h^2 overflows: no 0 * inf
     assert huge[0, 0] == big[0, 0] and huge[0, 1] == 0 and d_huge.tolist() == [[1.0, 0.0]]
 
 
@@ -129,18 +130,19 @@ def test_autograd_matches_torch_gelu_of_the_biased_input(cpu_ext, dtype, approxi
         return out, y_.grad, b_.grad
 
     (out, gy, gb), (out_t, gy_t, gb_t) = run(True), run(False)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
     torch.testing.assert_close(out, out_t, **tol)
     torch.testing.assert_close(gy, gy_t, **tol)
-    torch.testing.assert_close(gb.float(), gb_t.float(), **(tol if dtype == torch.float32 else
-                                                            dict(rtol=2 ** -6, atol=6e-2)))
+    torch.testing.assert_close(
+        gb.float(), gb_t.float(), **(tol if dtype == torch.float32 else dict(rtol=2**-6, atol=6e-2))
+    )
     assert gb.dtype == dtype
 
 
 def test_falls_back_where_the_kernel_does_not_apply(cpu_ext):
     y = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
-    assert not gelu.fused_gelu_applies(y)                          # float64: torch's GELU (the HF oracles')
-    assert not gelu.fused_gelu_applies(torch.randn(4, 8))          # no gradient needed: no derivative to save
+    assert not gelu.fused_gelu_applies(y)  # float64: torch's GELU (the HF oracles')
+    assert not gelu.fused_gelu_applies(torch.randn(4, 8))  # no gradient needed: no derivative to save
     with torch.no_grad():
         assert not gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
     assert gelu.fused_gelu_applies(torch.randn(4, 8, requires_grad=True))
@@ -167,7 +169,6 @@ def test_bad_inputs_raise_one_clear_error_in_a_subprocess(cpu_ext):
     """Wrong counts, shapes or dtypes are a RuntimeError naming the problem, never a crash (run in a child: a
     segfault there fails this test instead of the whole run)."""
     assert_each_case_raises(BAD_INPUTS)
-
 
 
 def test_an_unknown_approximation_is_one_clear_error(cpu_ext):

@@ -9,9 +9,9 @@ import torch
 
 from moezero.ops import reference
 
-ROWS, WIDTH = 160, 1024        # 163,840 elements: split in 2 at 2 threads (torch.set_num_threads sets the kernels'
-assert ROWS * WIDTH >= 2 * 2 ** 15   # OpenMP too: one libgomp), in 5 on a machine with more cores
-COUNTS = [40, 0, 100, 20]      # experts' rows, one of them empty
+ROWS, WIDTH = 160, 1024  # 163,840 elements: split in 2 at 2 threads (torch.set_num_threads sets the kernels'
+assert ROWS * WIDTH >= 2 * 2**15  # OpenMP too: one libgomp), in 5 on a machine with more cores
+COUNTS = [40, 0, 100, 20]  # experts' rows, one of them empty
 
 
 def _rows(dtype, seed, rows=ROWS, width=WIDTH):
@@ -44,8 +44,10 @@ def _cases(ext, dtype):
         "bias_add": lambda: (ext.grouped_bias_add(y, bias, COUNTS), ext.grouped_bias_grad(grad, COUNTS)),
         "rms_norm": rms_norm,
         "swiglu": lambda: (ext.swiglu(gated), ext.swiglu_backward(gated_grad, gated)),
-        "quick_geglu": lambda: (ext.quick_geglu(gated, 1.702, 1.0, 7.0),
-                                ext.quick_geglu_backward(gated_grad, gated, 1.702, 1.0, 7.0)),
+        "quick_geglu": lambda: (
+            ext.quick_geglu(gated, 1.702, 1.0, 7.0),
+            ext.quick_geglu_backward(gated_grad, gated, 1.702, 1.0, 7.0),
+        ),
         "cross_entropy": cross_entropy,
     }
 

@@ -3,6 +3,7 @@
 Each test runs on the reference path and, when moezero._C is built, with every compiled CPU
 kernel forced in (whether or not tools/bench_ops.py found it faster).
 """
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -81,7 +82,7 @@ def test_eager_path_and_custom_ops_give_the_same_bits(backend, monkeypatch):
         version = flat._version
         ops.flatten_into(flat, tensors, offsets, scale=0.5)
         ops.flatten_into(flat, tensors, offsets, scale=3.0, accumulate=True)
-        assert flat._version > version   # a mutation autograd can see, on both paths
+        assert flat._version > version  # a mutation autograd can see, on both paths
         results.append((out.detach(), x.grad, w.grad, flat, ops.sum_of_squares([flat, *tensors])))
     for got, want in zip(*results):
         assert torch.equal(got, want)
@@ -111,7 +112,10 @@ def test_opcheck(backend):
         (torch.ops.moezero.permute.default, (x, ids, case.E)),
         (torch.ops.moezero.unpermute_combine.default, (y.requires_grad_(), row_map, w)),
         (torch.ops.moezero.unpermute_combine.default, (y, row_map, None)),
-        (torch.ops.moezero.unpermute_combine_backward.default, (torch.randn(case.T, case.D), y.detach(), row_map, w.detach())),
+        (
+            torch.ops.moezero.unpermute_combine_backward.default,
+            (torch.randn(case.T, case.D), y.detach(), row_map, w.detach()),
+        ),
         (torch.ops.moezero.flatten_into.default, (torch.zeros(size), tensors, offsets, 0.5, True)),
         (torch.ops.moezero.sum_of_squares.default, ([t for t in tensors if t.numel()],)),
     ]
@@ -191,15 +195,18 @@ def test_the_direct_kernels_step_aside_under_torch_func(cpu_ext):
     seen = []
     torch.func.vmap(lambda r: seen.append(_library.direct_kernels_apply(r)) or r)(x)
     assert seen == [False]
-    torch.testing.assert_close(torch.func.vmap(lambda r: rms_norm.rms_norm(r, [16], w, 1e-5))(x),
-                               F.rms_norm(x, [16], w, 1e-5))
+    torch.testing.assert_close(
+        torch.func.vmap(lambda r: rms_norm.rms_norm(r, [16], w, 1e-5))(x), F.rms_norm(x, [16], w, 1e-5)
+    )
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(torch.func.vmap(lambda r: activation(r, "swiglu"))(x), F.silu(gate) * up)
     clamped = gate.clamp(max=7.0) * torch.sigmoid(1.702 * gate.clamp(max=7.0)) * (up.clamp(-7.0, 7.0) + 1.0)
     torch.testing.assert_close(torch.func.vmap(lambda r: activation(r, "quick_geglu", 1.0, 7.0))(x), clamped)
     bias = torch.randn(2, 16)
-    torch.testing.assert_close(torch.func.vmap(lambda r: bias_add.add_expert_bias(r, bias, [1, 3]))(x),
-                               x + torch.cat([bias[:1], bias[1:].expand(3, 16)]))
+    torch.testing.assert_close(
+        torch.func.vmap(lambda r: bias_add.add_expert_bias(r, bias, [1, 3]))(x),
+        x + torch.cat([bias[:1], bias[1:].expand(3, 16)]),
+    )
     grad = torch.func.grad(lambda r: rms_norm.rms_norm(r, [16], w, 1e-5).square().sum())(x)
     x_ = x.clone().requires_grad_(True)
     F.rms_norm(x_, [16], w, 1e-5).square().sum().backward()

@@ -1,4 +1,5 @@
 """Extension loading: one warning on fallback, the env overrides, and no silent fallback in CI."""
+
 import logging
 import os
 import shutil

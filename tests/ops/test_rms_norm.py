@@ -1,6 +1,7 @@
 """The RMSNorm kernel (csrc/rms_norm.cpp) against its float64 reference and against torch's own RMSNorm (the oracle
 for what a model computes), forward and backward, fp32 and bf16, with and without a weight, widths off the vector
 length, 1 and 2 threads."""
+
 import warnings
 
 import pytest
@@ -21,7 +22,7 @@ def _inputs(rows, width, dtype, seed=0):
 
 
 def _ulp(dtype):
-    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    return 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
 
 
 def _assert_within_ulps(got, want, dtype, ulps, floor):
@@ -32,7 +33,7 @@ def _assert_within_ulps(got, want, dtype, ulps, floor):
 
 def _sum_bound(width):
     """Relative error bound of the kernel's fp32 row sums: width / 8 terms a lane, 3 pairwise combinations."""
-    return (width // 8 + 4) * 2.0 ** -24
+    return (width // 8 + 4) * 2.0**-24
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -50,7 +51,7 @@ def test_forward_matches_the_reference(cpu_ext, num_threads, width, dtype, with_
     exact = x.double() * rstd.double()[:, None]
     exact = (exact if weight is None else exact * weight.double()).to(dtype)
     _assert_within_ulps(y, exact, dtype, 1 if dtype == torch.bfloat16 else 2, 0)
-    torch.set_num_threads(1)   # each row is summed by one thread: the same bits whatever their number
+    torch.set_num_threads(1)  # each row is summed by one thread: the same bits whatever their number
     assert torch.equal(y, cpu_ext.rms_norm(x, weight, 1e-5)[0])
 
 
@@ -65,12 +66,12 @@ def test_backward_matches_the_reference(cpu_ext, num_threads, width, dtype, with
     ref_x, ref_w = reference.rms_norm_backward(grad, x, rstd, weight, with_weight)
     assert grad_x.dtype == dtype
     # the row's fp32 dot mean(gw * x) can cancel: its error bound, times the largest value, on top of an ulp
-    floor = max(64 * 2.0 ** -23, 2 * _sum_bound(width)) * ref_x.double().abs().max()
+    floor = max(64 * 2.0**-23, 2 * _sum_bound(width)) * ref_x.double().abs().max()
     _assert_within_ulps(grad_x, ref_x, dtype, 1, floor)
     if with_weight:
         assert grad_w.dtype == torch.float32 and grad_w.shape == (width,)
         torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-4)
-        torch.set_num_threads(1)   # threads split the columns, each summing its rows in order
+        torch.set_num_threads(1)  # threads split the columns, each summing its rows in order
         assert torch.equal(grad_w, cpu_ext.rms_norm_backward(grad, x, rstd, weight, True)[1])
     else:
         assert grad_w is None
@@ -91,7 +92,7 @@ def test_autograd_agrees_with_torchs_rms_norm(cpu_ext, dtype, shape):
         out = norm(x_, [shape[-1]], w_, 1e-6)
         out.backward(grad)
         results.append((out, x_.grad, w_.grad))
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
     for ours, theirs in zip(*results):
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
         torch.testing.assert_close(ours, theirs, **tolerance)
@@ -109,15 +110,15 @@ def test_the_models_rms_norms_take_the_kernel_and_fall_back_elsewhere(cpu_ext, m
     norm(torch.randn(3, 16))
     RMSNorm1p(16, eps=1e-6)(torch.randn(3, 16))
     assert calls == [1e-5, 1e-6]
-    norm.double()(torch.randn(3, 16, dtype=torch.float64))                    # float64 (the HF oracles): torch's
-    with warnings.catch_warnings():   # torch warns that it cannot fuse either
+    norm.double()(torch.randn(3, 16, dtype=torch.float64))  # float64 (the HF oracles): torch's
+    with warnings.catch_warnings():  # torch warns that it cannot fuse either
         warnings.simplefilter("ignore")
-        rms_norm.rms_norm(torch.randn(3, 16), [16], torch.ones(16).bfloat16(), 1e-5)   # a weight of another dtype
-    rms_norm.rms_norm(torch.randn(0, 16), [16], torch.ones(16), 1e-5)        # no rows
+        rms_norm.rms_norm(torch.randn(3, 16), [16], torch.ones(16).bfloat16(), 1e-5)  # a weight of another dtype
+    rms_norm.rms_norm(torch.randn(0, 16), [16], torch.ones(16), 1e-5)  # no rows
     assert len(calls) == 2
-    with pytest.raises(RuntimeError):   # a shape torch refuses is torch's error
+    with pytest.raises(RuntimeError):  # a shape torch refuses is torch's error
         rms_norm.rms_norm(torch.randn(3, 16), [8], None, 1e-5)
-    with pytest.raises(RuntimeError, match="same shape"):   # a weight of the right size, the wrong shape too
+    with pytest.raises(RuntimeError, match="same shape"):  # a weight of the right size, the wrong shape too
         rms_norm.rms_norm(torch.randn(3, 2, 4), [2, 4], torch.ones(8), 1e-5)
     assert len(calls) == 2
 
@@ -128,11 +129,16 @@ def test_no_eps_is_torchs_default_eps(cpu_ext, dtype):
     would be 2^-7); on rows small enough for eps to matter the kernel's values are torch's (fp32: the rstd's
     bound, width/8 + 4 ulps, and y's 2, on any CPU; the wrong eps was off by up to 99%)."""
     x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(4)) * 1e-3).to(dtype)
-    torch.testing.assert_close(rms_norm.rms_norm(x, [64], None, None), F.rms_norm(x, [64], None, None),
-                               rtol=2 ** -7 if dtype == torch.bfloat16 else 4e-6, atol=0)
+    torch.testing.assert_close(
+        rms_norm.rms_norm(x, [64], None, None),
+        F.rms_norm(x, [64], None, None),
+        rtol=2**-7 if dtype == torch.bfloat16 else 4e-6,
+        atol=0,
+    )
     from moezero.models.attention import RMSNorm
+
     ours, theirs = RMSNorm(64).to(dtype), torch.nn.RMSNorm(64).to(dtype)
-    torch.testing.assert_close(ours(x), theirs(x), rtol=2 ** -7 if dtype == torch.bfloat16 else 4e-6, atol=0)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=2**-7 if dtype == torch.bfloat16 else 4e-6, atol=0)
 
 
 def test_double_backward_raises_instead_of_dropping_the_second_derivative(cpu_ext):

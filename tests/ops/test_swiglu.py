@@ -10,7 +10,7 @@ from moezero.moe.experts import activation
 from moezero.ops import reference, swiglu
 from tests.ops.helpers import assert_each_case_raises
 
-WIDTHS = (300, 7, 1024)   # F: the rows are [gate | up] of 2F
+WIDTHS = (300, 7, 1024)  # F: the rows are [gate | up] of 2F
 
 
 def _inputs(rows, width, dtype, seed=0):
@@ -20,7 +20,7 @@ def _inputs(rows, width, dtype, seed=0):
 
 
 def _ulp(dtype):
-    return 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    return 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
 
 
 def _close_in_ulps(got, want, dtype, ulps, atol):
@@ -39,10 +39,10 @@ def test_forward_and_backward_match_the_reference(cpu_ext, num_threads, width, d
     # torch's own formula): a few ulps of the largest value at most; in bf16 that flips a rounding of silu's
     # output now and then (an ulp)
     for got, want in ((y, reference.swiglu(h)), (grad_h, reference.swiglu_backward(grad, h))):
-        floor = 8 * 2.0 ** -23 * want.double().abs().max().item()
+        floor = 8 * 2.0**-23 * want.double().abs().max().item()
         within, worst = _close_in_ulps(got, want, dtype, 1, floor)
         assert within > 0.99 and _close_in_ulps(got, want, dtype, 3, floor)[0] == 1.0, (within, worst)
-    torch.set_num_threads(1)   # rows are independent: the same bits whatever the threads
+    torch.set_num_threads(1)  # rows are independent: the same bits whatever the threads
     assert torch.equal(y, cpu_ext.swiglu(h)) and torch.equal(grad_h, cpu_ext.swiglu_backward(grad, h))
 
 
@@ -64,11 +64,11 @@ def test_autograd_agrees_with_torchs_silu_times_up(cpu_ext, dtype):
         results.append((out, h_.grad))
     for ours, theirs in zip(*results):
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
-        if dtype == torch.bfloat16:   # most bit for bit; the rest an ulp of silu's rounding
+        if dtype == torch.bfloat16:  # most bit for bit; the rest an ulp of silu's rounding
             assert (ours == theirs).double().mean() > 0.98
-            torch.testing.assert_close(ours, theirs, rtol=2 ** -6, atol=2 ** -6)
-        else:   # two sigmoids (torch's exp and ours) an ulp or two apart, 1 - sigmoid cancelling for large gates
-            torch.testing.assert_close(ours, theirs, rtol=4e-7, atol=8 * 2.0 ** -23 * theirs.abs().max().item())
+            torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=2**-6)
+        else:  # two sigmoids (torch's exp and ours) an ulp or two apart, 1 - sigmoid cancelling for large gates
+            torch.testing.assert_close(ours, theirs, rtol=4e-7, atol=8 * 2.0**-23 * theirs.abs().max().item())
 
 
 def test_the_activation_takes_the_kernels_for_plain_swiglu_and_any_quick_geglu(cpu_ext, monkeypatch):
@@ -78,11 +78,11 @@ def test_the_activation_takes_the_kernels_for_plain_swiglu_and_any_quick_geglu(c
     monkeypatch.setattr(swiglu._QuickGEGLU, "apply", lambda h, *p: calls.append(("quick_geglu",) + p) or half(h))
     h = torch.randn(3, 8)
     activation(h, "swiglu")
-    activation(h, "swiglu", offset=1.0)         # Megatron's --glu-linear-offset: torch's ops
-    activation(h, "swiglu", clamp=7.0)          # a clamped SwiGLU: torch's ops
-    activation(h, "quick_geglu", 1.0, 7.0)      # GPT-OSS's: its own kernel, with any offset and clamp
+    activation(h, "swiglu", offset=1.0)  # Megatron's --glu-linear-offset: torch's ops
+    activation(h, "swiglu", clamp=7.0)  # a clamped SwiGLU: torch's ops
+    activation(h, "quick_geglu", 1.0, 7.0)  # GPT-OSS's: its own kernel, with any offset and clamp
     activation(h, "quick_geglu")
-    activation(h.double(), "swiglu")            # float64 (the HF oracles): torch's ops
+    activation(h.double(), "swiglu")  # float64 (the HF oracles): torch's ops
     activation(h.double(), "quick_geglu", 1.0, 7.0)
     assert calls == ["swiglu", ("quick_geglu", 1.702, 1.0, 7.0), ("quick_geglu", 1.702, 0.0, None)]
 
@@ -155,10 +155,10 @@ def test_quick_geglu_matches_the_reference(cpu_ext, num_threads, width, dtype, o
     # as SwiGLU's: the sigmoid within an ulp or two, 1 - s cancelling for large gates (a floor of a few ulps of the
     # largest value); the reference rounds a product of three once where torch rounds twice (fp32: an ulp more)
     for got, want in ((y, want_y), (grad_h, want_grad)):
-        floor = 8 * 2.0 ** -23 * want.double().abs().max().item()
+        floor = 8 * 2.0**-23 * want.double().abs().max().item()
         within, worst = _close_in_ulps(got, want, dtype, 1, floor)
         assert within > 0.99 and _close_in_ulps(got, want, dtype, 4, floor)[0] == 1.0, (within, worst)
-    if clamp is not None:   # what a clamp held gets no gradient, exactly
+    if clamp is not None:  # what a clamp held gets no gradient, exactly
         gate, up, bound = *h.chunk(2, dim=-1), _as_rows(clamp, dtype)
         assert (grad_h[:, :width][gate > bound] == 0).all() and (grad_h[:, width:][up.abs() > bound] == 0).all()
         assert (gate > bound).any() and (up.abs() > bound).any()
@@ -180,11 +180,11 @@ def test_quick_geglu_autograd_agrees_with_torchs_chain(cpu_ext, dtype, offset, c
         results.append((out, h_.grad))
     for ours, theirs in zip(*results):
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
-        if dtype == torch.bfloat16:   # rounded where torch rounds: bit for bit but where a sigmoid's bit moves one
+        if dtype == torch.bfloat16:  # rounded where torch rounds: bit for bit but where a sigmoid's bit moves one
             assert (ours == theirs).double().mean() > 0.99
-            torch.testing.assert_close(ours, theirs, rtol=2 ** -6, atol=2 ** -6)
+            torch.testing.assert_close(ours, theirs, rtol=2**-6, atol=2**-6)
         else:
-            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=8 * 2.0 ** -23 * theirs.abs().max().item())
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=8 * 2.0**-23 * theirs.abs().max().item())
 
 
 @pytest.mark.parametrize("offset,clamp", GEGLU_CASES, ids=str)
@@ -194,10 +194,12 @@ def test_quick_geglus_reference_is_torchs_chain(offset, clamp):
     h_ = h.clone().requires_grad_(True)
     out = _torch_quick_geglu(h_, offset, clamp)
     out.backward(grad)
-    for ours, theirs in ((reference.quick_geglu(h, 1.702, offset, clamp), out.detach()),
-                         (reference.quick_geglu_backward(grad, h, 1.702, offset, clamp), h_.grad)):
+    for ours, theirs in (
+        (reference.quick_geglu(h, 1.702, offset, clamp), out.detach()),
+        (reference.quick_geglu_backward(grad, h, 1.702, offset, clamp), h_.grad),
+    ):
         assert (ours == theirs).double().mean() > 0.99
-        assert _close_in_ulps(ours, theirs, torch.bfloat16, 1, 0.0)[0] == 1.0   # the rest: a rounding apart
+        assert _close_in_ulps(ours, theirs, torch.bfloat16, 1, 0.0)[0] == 1.0  # the rest: a rounding apart
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -223,7 +225,7 @@ def test_quick_geglu_at_the_clamps_bounds_follows_torch(cpu_ext, offset, clamp):
     bf16 ulp (torch's sigmoid changes its last fp32 bit with the CPU's SIMD width, which may move a rounding; a
     bound that is not torch's moves values by several ulps, as 7.02 did)."""
     bound = _as_rows(clamp, torch.bfloat16)
-    step = 2.0 ** -5 * max(bound, 1.0)
+    step = 2.0**-5 * max(bound, 1.0)
     edges = [bound, bound - step, bound + step, -bound, -bound + step, -bound - step, 0.0, -0.0, 1.0, -1.0]
     gate = torch.tensor(edges).repeat(len(edges))
     up = torch.tensor(edges).repeat_interleave(len(edges))
@@ -232,8 +234,10 @@ def test_quick_geglu_at_the_clamps_bounds_follows_torch(cpu_ext, offset, clamp):
     h_ = h.clone().requires_grad_(True)
     want = _torch_quick_geglu(h_, offset, clamp)
     want.backward(grad)
-    for ours, theirs in ((cpu_ext.quick_geglu(h, 1.702, offset, clamp), want.detach()),
-                         (cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp), h_.grad)):
+    for ours, theirs in (
+        (cpu_ext.quick_geglu(h, 1.702, offset, clamp), want.detach()),
+        (cpu_ext.quick_geglu_backward(grad, h, 1.702, offset, clamp), h_.grad),
+    ):
         assert torch.equal(ours == 0, theirs == 0)
         zeros = theirs == 0
         assert torch.equal(ours[zeros].signbit(), theirs[zeros].signbit())

@@ -1,5 +1,6 @@
 """The package graph, read from the source with ast: no import cycle between moezero's packages, the
 layering the design promises, and only the public API of zero/ used outside it."""
+
 import ast
 import dataclasses
 import importlib
@@ -7,11 +8,13 @@ import os
 from typing import Dict, Iterator, Set, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ZERO_INTERNALS = {"engine", "inner", "master", "families"}   # attributes only zero/ may touch
-FORBIDDEN = {("moezero.training", "moezero.compression"),   # QAT plugs into training from above
-             ("moezero.compression", "moezero.training"),
-             ("moezero.models", "moezero.parallel"),         # the model knows no parallel layout
-             ("moezero.checkpoint", "moezero.training")}
+ZERO_INTERNALS = {"engine", "inner", "master", "families"}  # attributes only zero/ may touch
+FORBIDDEN = {
+    ("moezero.training", "moezero.compression"),  # QAT plugs into training from above
+    ("moezero.compression", "moezero.training"),
+    ("moezero.models", "moezero.parallel"),  # the model knows no parallel layout
+    ("moezero.checkpoint", "moezero.training"),
+}
 
 
 def _sources(*folders) -> Iterator[Tuple[str, ast.Module]]:
@@ -57,7 +60,7 @@ def _graph() -> Dict[str, Set[str]]:
 
 def _cycle(graph: Dict[str, Set[str]]):
     """One cycle as a list of nodes, or None."""
-    state: Dict[str, int] = {}   # 1: on the stack, 2: done
+    state: Dict[str, int] = {}  # 1: on the stack, 2: done
     stack = []
 
     def visit(node):
@@ -65,7 +68,7 @@ def _cycle(graph: Dict[str, Set[str]]):
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -121,8 +124,10 @@ def _module_graph() -> Dict[str, Set[str]]:
                 targets = [a.name for a in node.names]
             else:
                 assert not node.level, f"{module}:{node.lineno} imports relatively (moezero's imports are absolute)"
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in sources else node.module
-                           for a in node.names]
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in sources else node.module
+                    for a in node.names
+                ]
             graph.setdefault(module, set()).update(t for t in targets if t in sources and t != module)
     return graph
 
@@ -132,7 +137,7 @@ def test_no_import_cycle_between_modules():
     modules is one concept spread over files: each needs the others to be read). Break one by moving what both
     need below both, or by passing an object in."""
     graph = _module_graph()
-    assert "moezero.zero.engine" in graph["moezero.zero.optimizer"]   # the graph itself
+    assert "moezero.zero.engine" in graph["moezero.zero.optimizer"]  # the graph itself
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -154,15 +159,25 @@ def test_only_the_public_api_of_zero_is_used_outside_it():
                 raise AssertionError(f"{path}:{node.lineno} reads .{node.attr} (the optimizer's internals)")
 
 
-PRIVATE_TORCH = {"_current_graph_task_id", "_execution_engine", "_cdata", "_parse_to", "DisableTorchFunctionSubclass",
-                 "_dynamo"}
+PRIVATE_TORCH = {
+    "_current_graph_task_id",
+    "_execution_engine",
+    "_cdata",
+    "_parse_to",
+    "DisableTorchFunctionSubclass",
+    "_dynamo",
+}
 
 
 def test_private_torch_apis_live_in_one_module():
     """torch_internals.py states the torch versions they are tested with; nothing else reaches them."""
-    found = [f"{path}:{node.lineno} .{node.attr}" for path, tree in _sources("moezero")
-             if not path.endswith("torch_internals.py")
-             for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH]
+    found = [
+        f"{path}:{node.lineno} .{node.attr}"
+        for path, tree in _sources("moezero")
+        if not path.endswith("torch_internals.py")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH
+    ]
     assert not found, found
     assert any(path.endswith("torch_internals.py") for path, _ in _sources("moezero"))
 
@@ -176,8 +191,19 @@ def test_the_stage_flag_offers_the_registrys_stages():
     assert tuple(choices) == tuple(STAGES)
 
 
-ENGINE_PARTS = {"parts", "records", "reducer", "master", "gatherer", "agreement", "stage", "families", "storages",
-                "strategies", "inner_state"}
+ENGINE_PARTS = {
+    "parts",
+    "records",
+    "reducer",
+    "master",
+    "gatherer",
+    "agreement",
+    "stage",
+    "families",
+    "storages",
+    "strategies",
+    "inner_state",
+}
 
 
 def test_the_engine_is_a_facade():
@@ -193,15 +219,22 @@ def test_the_engine_is_a_facade():
                 continue
             if node.value.attr == "engine" and (node.attr in ENGINE_PARTS or node.attr.startswith("_")):
                 found.append(f"{path}:{node.lineno} engine.{node.attr}")
-        for node in ast.walk(tree) if not path.endswith("optimizer.py") else ():   # its own class's module
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                    and isinstance(node.value, ast.Name) and node.value.id == "opt":
+        for node in ast.walk(tree) if not path.endswith("optimizer.py") else ():  # its own class's module
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "opt"
+            ):
                 found.append(f"{path}:{node.lineno} opt.{node.attr}")
     assert not found, found
 
 
-NOT_WORKS = {"LocalChannel": "a channel: its wait takes a message index",
-             "Agreement": "records compared (agreement.py), waited through check()"}
+NOT_WORKS = {
+    "LocalChannel": "a channel: its wait takes a message index",
+    "Agreement": "records compared (agreement.py), waited through check()",
+}
 
 
 def test_every_work_in_parallel_answers_the_work_protocol():
@@ -231,11 +264,21 @@ def test_one_place_maps_a_group_to_its_transport():
     parts = {"local_channel", "local_exchange", "peer_exchange", "local_transport"}
     for path, tree in _sources(os.path.join("moezero", "parallel")):
         if path.endswith("comm.py"):
-            imported = {alias.name.split(".")[-1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                        for alias in node.names} | {node.module.split(".")[-1] for node in ast.walk(tree)
-                                                    if isinstance(node, ast.ImportFrom) and node.module}
+            imported = {
+                alias.name.split(".")[-1]
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom)
+                for alias in node.names
+            } | {
+                node.module.split(".")[-1]
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module
+            }
             assert not imported & parts, f"comm.py imports {sorted(imported & parts)}: ask transport.transport_of"
         if not path.endswith("transport.py") or path.endswith("local_transport.py"):
-            registries = [node.lineno for node in ast.walk(tree)
-                          if isinstance(node, ast.Attribute) and node.attr == "WeakKeyDictionary"]
+            registries = [
+                node.lineno
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and node.attr == "WeakKeyDictionary"
+            ]
             assert not registries, f"{path}:{registries[0]} keeps a registry by group: transport.py maps groups"

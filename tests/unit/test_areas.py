@@ -1,4 +1,5 @@
 """Every test file belongs to at least one area marker (tests/areas.py), so `pytest -m <area>` misses none."""
+
 from pathlib import Path
 
 from tests.areas import AREAS, areas_of

@@ -1,6 +1,7 @@
 """The attention variants of the open MoE families beyond what the transformers parity covers: partial RoPE
 (--rotary-percent) against megatron-core's own RoPE, and the explicit path keyed dropout takes against SDPA's
 for grouped-query and multi-latent attention."""
+
 import math
 
 import pytest
@@ -14,16 +15,24 @@ from moezero.models.rope import Rotary
 
 
 def test_partial_rope_is_megatrons(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")   # its table moves to the GPU once
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # its table moves to the GPU once
     embeddings = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
     rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
     head_dim, percent, base, S = 24, 0.5, 5000.0, 10
-    theirs_rope = embeddings.RotaryEmbedding(kv_channels=head_dim, rotary_percent=percent, rotary_base=base,
-                                             use_cpu_initialization=True)
+    theirs_rope = embeddings.RotaryEmbedding(
+        kv_channels=head_dim, rotary_percent=percent, rotary_base=base, use_cpu_initialization=True
+    )
     x_SBHh = torch.randn(S, 2, 3, head_dim, generator=torch.Generator().manual_seed(0))
     theirs = rope_utils._apply_rotary_pos_emb_bshd(x_SBHh, theirs_rope.get_emb(S))
-    config = GPTConfig(hidden_size=48, num_attention_heads=2, position_embedding_type="rope", rotary_percent=percent,
-                       rotary_base=base, seq_length=S, vocab_size=11)
+    config = GPTConfig(
+        hidden_size=48,
+        num_attention_heads=2,
+        position_embedding_type="rope",
+        rotary_percent=percent,
+        rotary_base=base,
+        seq_length=S,
+        vocab_size=11,
+    )
     ours = Rotary(config.rotary_dim, base)(x_SBHh.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
     # the same fp32 formulas; cos/sin of tables laid out differently may round apart by an ulp on other SIMD
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
@@ -31,15 +40,25 @@ def test_partial_rope_is_megatrons(monkeypatch):
 
 
 def test_grouped_query_attention_explicit_path_is_sdpas(monkeypatch):
-    config = GPTConfig(hidden_size=48, num_attention_heads=6, group_query_attention=True, num_query_groups=2,
-                       kv_channels=10, attention_dropout=0.1, position_embedding_type="rope", seq_length=12,
-                       vocab_size=11, qk_layernorm=True, normalization="RMSNorm")
+    config = GPTConfig(
+        hidden_size=48,
+        num_attention_heads=6,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=10,
+        attention_dropout=0.1,
+        position_embedding_type="rope",
+        seq_length=12,
+        vocab_size=11,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+    )
     attention = CausalSelfAttention(config, site="a").double()
     assert attention.qkv.weight.shape == ((6 + 2 * 2) * 10, 48)
     x = torch.randn(2, 12, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     q, k, v = attention._heads(attention.qkv(x))
     assert (q.shape[1], k.shape[1], v.shape[1]) == (6, 2, 2)
-    monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)   # the dropout itself aside
+    monkeypatch.setattr(attention_module, "keyed_dropout", lambda probs, *args: probs)  # the dropout itself aside
     explicit = _explicit_attention(q, k, v, 0.1, None, "a", None)
     attention.eval()
     torch.testing.assert_close(explicit, attention._core(q, k, v, keys=None), rtol=0, atol=1e-13)
@@ -50,12 +69,26 @@ def test_grouped_query_attention_explicit_path_is_sdpas(monkeypatch):
 
 def test_multi_latent_attention_explicit_path_is_sdpas(monkeypatch):
     """MLA's softmax scale (1/sqrt(qk + pos) times YaRN's mscale^2) reaches both paths; values are narrower."""
-    config = GPTConfig(hidden_size=32, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=24,
-                       kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, qk_layernorm=True,
-                       rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0, seq_length=12,
-                       vocab_size=11, position_embedding_type="rope", normalization="RMSNorm")
+    config = GPTConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        qk_layernorm=True,
+        rope_type="yarn",
+        rotary_scaling_factor=4.0,
+        mscale_all_dim=1.0,
+        seq_length=12,
+        vocab_size=11,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+    )
     attention = MultiLatentAttention(config, site="a").double()
-    assert attention.scale == pytest.approx(12 ** -0.5 * (0.1 * math.log(4.0) + 1) ** 2)
+    assert attention.scale == pytest.approx(12**-0.5 * (0.1 * math.log(4.0) + 1) ** 2)
     x = torch.randn(2, 12, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     q, k, v = attention._heads(x)
     assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (12, 12, 6)

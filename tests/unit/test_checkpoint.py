@@ -1,5 +1,6 @@
 """The checkpoint format on one process: save, offline reads (train state, consolidation with its
 coverage check) and a resume into a fresh model and optimizer."""
+
 import os
 import re
 
@@ -12,8 +13,15 @@ from moezero.config import GPTConfig, MoEConfig
 from moezero.models import GPTModel, language_model_loss
 from moezero.zero import ZeroOptimizer
 
-GPT = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32,
-                moe_layer_freq=1, untie_embeddings_and_output_weights=True)
+GPT = GPTConfig(
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=2,
+    seq_length=8,
+    vocab_size=32,
+    moe_layer_freq=1,
+    untie_embeddings_and_output_weights=True,
+)
 MOE = MoEConfig(num_experts=4, top_k=2, enable_expert_bias=True)
 
 
@@ -36,8 +44,12 @@ def test_save_consolidate_and_resume(tmp_path):
     path = checkpoint.save_checkpoint(root, 2, model, opt, configs={"model": {"seed": 3}}, plugins={"p": {"n": 1}})
     assert checkpoint.latest_iteration(root) == 2 and checkpoint.resolve_checkpoint(root) == path
     state = checkpoint.read_train_state(path)
-    assert (state["iteration"], state["world_size"], state["configs"], state["plugins"]) == \
-        (2, 1, {"model": {"seed": 3}}, {"p": {"n": 1}})
+    assert (state["iteration"], state["world_size"], state["configs"], state["plugins"]) == (
+        2,
+        1,
+        {"model": {"seed": 3}},
+        {"p": {"n": 1}},
+    )
     full = checkpoint.consolidate_checkpoint(path)
     for name, tensor in model.state_dict().items():
         assert torch.equal(full[name], tensor), name
@@ -77,11 +89,24 @@ def test_consolidation_checks_coverage(tmp_path):
 def test_train_state_of_older_checkpoints_reads_in_sections():
     from moezero.checkpoint.keys import train_state_sections
 
-    old = {"iteration": 4, "world_size": 2, "param_shapes": {}, "configs": {}, "qat": {"step": 4, "bits": 5},
-           "param_groups": [{"lr": 0.1}], "loss_scaler": None, "skipped_steps": 1, "consecutive_skips": 0}
+    old = {
+        "iteration": 4,
+        "world_size": 2,
+        "param_shapes": {},
+        "configs": {},
+        "qat": {"step": 4, "bits": 5},
+        "param_groups": [{"lr": 0.1}],
+        "loss_scaler": None,
+        "skipped_steps": 1,
+        "consecutive_skips": 0,
+    }
     state = train_state_sections(old)
-    assert state["optimizer"] == {"param_groups": [{"lr": 0.1}], "loss_scaler": None, "skipped_steps": 1,
-                                  "consecutive_skips": 0}
+    assert state["optimizer"] == {
+        "param_groups": [{"lr": 0.1}],
+        "loss_scaler": None,
+        "skipped_steps": 1,
+        "consecutive_skips": 0,
+    }
     assert state["plugins"] == {"qat": {"step": 4, "bits": 5}}
     assert train_state_sections(state) is state
 
@@ -100,7 +125,7 @@ def _with_frozen(stage, hold_frozen, steps):
         language_model_loss(logits, tokens[:, 1:], torch.ones(2, 8)).backward()
         opt.step()
         opt.zero_grad()
-    if steps == 0:   # a fresh model: the frozen values must come from the checkpoint
+    if steps == 0:  # a fresh model: the frozen values must come from the checkpoint
         with opt.modify_model(), torch.no_grad():
             for p in frozen:
                 p.zero_()
@@ -113,12 +138,12 @@ def _full_state(model, opt):
 
 
 def test_frozen_params_held_by_a_stage3_optimizer_save_and_resume(tmp_path):
-    for saved_held in (True, False):   # False: frozen params kept beside the optimizer (older checkpoints)
+    for saved_held in (True, False):  # False: frozen params kept beside the optimizer (older checkpoints)
         model, opt = _with_frozen(3, saved_held, 2)
         path = checkpoint.save_checkpoint(str(tmp_path / str(saved_held)), 2, model, opt, configs={}, plugins={})
         expected = _full_state(model, opt)
         full = checkpoint.consolidate_checkpoint(path)
-        for name, tensor in expected.items():   # a param beside the optimizer keeps its expert suffix there
+        for name, tensor in expected.items():  # a param beside the optimizer keeps its expert suffix there
             assert torch.equal(full.get(name, full.get(f"{name}@experts0")), tensor), name
         fresh, fresh_opt = _with_frozen(3, True, 0)
         checkpoint.load_checkpoint(path, fresh, fresh_opt)
@@ -130,7 +155,7 @@ def test_an_unfinished_save_is_ignored_by_a_load_and_removed_by_the_next_save(tm
     model, opt = _trained(1)
     root = str(tmp_path / "ckpt")
     checkpoint.save_checkpoint(root, 2, model, opt, configs={}, plugins={})
-    os.makedirs(os.path.join(root, "iter_0000005.tmp"))   # a save interrupted before its rename
+    os.makedirs(os.path.join(root, "iter_0000005.tmp"))  # a save interrupted before its rename
     with open(os.path.join(root, "iter_0000005.tmp", "__0_0.distcp"), "wb") as f:
         f.write(b"partial")
     assert checkpoint.latest_iteration(root) == 2 and checkpoint.saved_iterations(root) == [2]
@@ -141,15 +166,23 @@ def test_an_unfinished_save_is_ignored_by_a_load_and_removed_by_the_next_save(tm
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", checkpoint.POINTER]
 
 
-@pytest.mark.parametrize("remove,needle", [(".metadata", "has no .metadata (not a checkpoint folder)"),
-                                           ("__0_0.distcp", "__0_0.distcp: is missing; the checkpoint is incomplete")])
+@pytest.mark.parametrize(
+    "remove,needle",
+    [
+        (".metadata", "has no .metadata (not a checkpoint folder)"),
+        ("__0_0.distcp", "__0_0.distcp: is missing; the checkpoint is incomplete"),
+    ],
+)
 def test_a_missing_index_or_shard_file_is_a_checkpoint_error_naming_it(tmp_path, remove, needle):
     model, opt = _trained(1)
     path = checkpoint.save_checkpoint(str(tmp_path), 1, model, opt, configs={}, plugins={})
     os.remove(os.path.join(path, remove))
     fresh, fresh_opt = _trained(0)
-    for read in (lambda: checkpoint.read_train_state(path), lambda: checkpoint.consolidate_checkpoint(path),
-                 lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
+    for read in (
+        lambda: checkpoint.read_train_state(path),
+        lambda: checkpoint.consolidate_checkpoint(path),
+        lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt),
+    ):
         with pytest.raises(checkpoint.CheckpointError, match=re.escape(needle)):
             read()
 
@@ -183,14 +216,17 @@ def test_every_reader_refuses_a_changed_file(tmp_path):
     model, opt = _trained(1)
     path = checkpoint.save_checkpoint(str(tmp_path), 1, model, opt, configs={}, plugins={})
     shard = os.path.join(path, "__0_0.distcp")
-    with open(shard, "r+b") as f:   # one bit of the last entry (a tensor, not the train state read first)
+    with open(shard, "r+b") as f:  # one bit of the last entry (a tensor, not the train state read first)
         f.seek(os.path.getsize(shard) - 100)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))
     fresh, fresh_opt = _trained(0)
-    for read in (lambda: checkpoint.read_train_state(path), lambda: checkpoint.consolidate_checkpoint(path),
-                 lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt)):
+    for read in (
+        lambda: checkpoint.read_train_state(path),
+        lambda: checkpoint.consolidate_checkpoint(path),
+        lambda: checkpoint.load_checkpoint(path, fresh, fresh_opt),
+    ):
         with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"{shard}: its contents differ")):
             read()
 
@@ -207,7 +243,7 @@ def test_pruning_after_a_rollback_keeps_the_checkpoint_resumed_from(tmp_path):
     _fake_checkpoints(tmp_path, [10, 15, 20, 30], pointer=15)
     assert layout.prune(str(tmp_path), 2) == []
     assert checkpoint.saved_iterations(str(tmp_path)) == [10, 15, 20, 30]
-    assert layout.prune(str(tmp_path), 1) == [10]   # the abandoned run's 20 and 30 are not this run's history
+    assert layout.prune(str(tmp_path), 1) == [10]  # the abandoned run's 20 and 30 are not this run's history
     assert checkpoint.saved_iterations(str(tmp_path)) == [15, 20, 30]
 
 
@@ -219,11 +255,12 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkey
 
     def killed(path, ignore_errors=False):
         if os.path.exists(path):
-            raise KeyboardInterrupt   # the signal lands inside the deletion
+            raise KeyboardInterrupt  # the signal lands inside the deletion
+
     monkeypatch.setattr(layout.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         layout.prune(str(tmp_path), 2)
-    assert checkpoint.saved_iterations(str(tmp_path)) == [2, 3]   # 1 is gone from the checkpoints at once
+    assert checkpoint.saved_iterations(str(tmp_path)) == [2, 3]  # 1 is gone from the checkpoints at once
     monkeypatch.setattr(layout.shutil, "rmtree", real_rmtree)
-    layout.remove_stale(str(tmp_path))   # the next save clears what the kill left
+    layout.remove_stale(str(tmp_path))  # the next save clears what the kill left
     assert sorted(os.listdir(str(tmp_path))) == ["iter_0000002", "iter_0000003", checkpoint.POINTER]

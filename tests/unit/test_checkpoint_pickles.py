@@ -1,6 +1,7 @@
 """A checkpoint's pickles are read by unpicklers that run no code: its .metadata (DCP's index), the byte entries DCP
 stores with torch.save, and moezero's train state and RNG states inside them. A planted pickle in any of them is a
 CheckpointError, and never runs; what moezero writes reads back."""
+
 import os
 import pickle
 import random
@@ -48,8 +49,9 @@ def test_what_a_checkpoint_holds_reads_back(tmp_path):
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     back = decode_blob(keys.encode(rng))
     assert back["python"] == rng["python"] and torch.equal(back["torch"], rng["torch"])
-    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-               for a, b in zip(back["numpy"], rng["numpy"]))
+    assert all(
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(back["numpy"], rng["numpy"])
+    )
     state = {"iteration": 3, "configs": {"model": {"num_layers": 2, "betas": (0.9, 0.95), "none": None}}}
     path = _dcp_checkpoint(tmp_path / "ckpt", keys.encode(state))
     assert read_train_state(path)["configs"]["model"]["betas"] == (0.9, 0.95)
@@ -62,5 +64,6 @@ def test_the_metadata_reader_admits_dcp_classes_only():
     with pytest.raises(UnsafePickle, match="it names posix.system, which a checkpoint never holds"):
         decode_blob(b"cposix\nsystem\n(S'true'\ntR.")
     import io
+
     with pytest.raises(UnsafePickle, match="it holds a dict, not DCP's Metadata"):
         read_dcp_metadata(io.BytesIO(pickle.dumps({"a": 1})))

@@ -1,7 +1,16 @@
 import pytest
 
-from moezero.config import (ConfigError, DataConfig, GPTConfig, MoEConfig, ZeroConfig, check_experts_divide,
-                            expert_ffn_size, flag_of, moe_layer_config)
+from moezero.config import (
+    ConfigError,
+    DataConfig,
+    GPTConfig,
+    MoEConfig,
+    ZeroConfig,
+    check_experts_divide,
+    expert_ffn_size,
+    flag_of,
+    moe_layer_config,
+)
 from moezero.training.configs import TrainConfig
 
 
@@ -11,15 +20,18 @@ def test_flags_come_from_field_metadata():
     assert flag_of(ZeroConfig, "stage") == "--zero-stage"
 
 
-@pytest.mark.parametrize("cls,kwargs,needle", [
-    (MoEConfig, dict(num_experts=4, top_k=5), "--moe-router-topk=5"),
-    (MoEConfig, dict(capacity_factor=0.0), "--moe-expert-capacity-factor=0.0"),
-    (MoEConfig, dict(score_function="relu"), "softmax, sigmoid"),
-    (GPTConfig, dict(hidden_size=30, num_attention_heads=4), "--hidden-size=30"),
-    (ZeroConfig, dict(stage=4), "--zero-stage=4: must be one of 0, 1, 2, 3"),
-    (TrainConfig, dict(bf16=True, fp16=True), "--fp16"),
-    (TrainConfig, dict(lr_decay_style="step"), "constant, linear, cosine"),
-])
+@pytest.mark.parametrize(
+    "cls,kwargs,needle",
+    [
+        (MoEConfig, dict(num_experts=4, top_k=5), "--moe-router-topk=5"),
+        (MoEConfig, dict(capacity_factor=0.0), "--moe-expert-capacity-factor=0.0"),
+        (MoEConfig, dict(score_function="relu"), "softmax, sigmoid"),
+        (GPTConfig, dict(hidden_size=30, num_attention_heads=4), "--hidden-size=30"),
+        (ZeroConfig, dict(stage=4), "--zero-stage=4: must be one of 0, 1, 2, 3"),
+        (TrainConfig, dict(bf16=True, fp16=True), "--fp16"),
+        (TrainConfig, dict(lr_decay_style="step"), "constant, linear, cosine"),
+    ],
+)
 def test_bad_values_name_the_flag(cls, kwargs, needle):
     with pytest.raises(ConfigError) as info:
         cls(**kwargs)
@@ -36,8 +48,10 @@ def test_defaults_fill_derived_sizes():
     assert gpt.max_position_embeddings == 96 and gpt.ffn_hidden_size == 4 * gpt.hidden_size
 
 
-@pytest.mark.parametrize("split,weights", [("969,30,1", (969.0, 30.0, 1.0)), ("98/2/0", (98.0, 2.0, 0.0)),
-                                          ("6, 2", (6.0, 2.0, 0.0)), ("1", (1.0, 0.0, 0.0))])
+@pytest.mark.parametrize(
+    "split,weights",
+    [("969,30,1", (969.0, 30.0, 1.0)), ("98/2/0", (98.0, 2.0, 0.0)), ("6, 2", (6.0, 2.0, 0.0)), ("1", (1.0, 0.0, 0.0))],
+)
 def test_split_has_one_parser_for_both_separators(split, weights):
     cfg = DataConfig(split=split)
     assert cfg.split_weights == weights and "/" not in cfg.split

@@ -1,4 +1,5 @@
 """Data layer: tokenizers, indexed files and their errors, the layout-invariant batch order."""
+
 import os
 import sys
 
@@ -7,9 +8,21 @@ import pytest
 import torch
 
 from moezero.config import ConfigError, DataConfig
-from moezero.data import (ByteLevelTokenizer, DataError, build_tokenizer, check_indexed_dataset, collate,
-                          eval_micro_batches, load_micro_batch, micro_batch_indices, num_micro_steps,
-                          open_indexed_dataset, parse_data_path, train_micro_batches, write_indexed_dataset)
+from moezero.data import (
+    ByteLevelTokenizer,
+    DataError,
+    build_tokenizer,
+    check_indexed_dataset,
+    collate,
+    eval_micro_batches,
+    load_micro_batch,
+    micro_batch_indices,
+    num_micro_steps,
+    open_indexed_dataset,
+    parse_data_path,
+    train_micro_batches,
+    write_indexed_dataset,
+)
 from tests.bpe_files import write_bpe_files
 
 
@@ -19,6 +32,7 @@ def random_docs(n, seed=0, max_len=300, eod=256):
 
 
 # ---- tokenizers -----------------------------------------------------------------------------
+
 
 def test_byte_level_round_trip():
     tok = ByteLevelTokenizer()
@@ -35,7 +49,7 @@ def test_huggingface_tokenizer_needs_a_local_path_and_the_package(tmp_path, monk
     with pytest.raises(DataError, match="--tokenizer-model=.*no such file"):
         build_tokenizer(cfg)
     (tmp_path / "tokenizer.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "tokenizers", None)     # makes `import tokenizers` fail
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(DataError, match="pip install tokenizers"):
         build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
@@ -44,13 +58,14 @@ def test_huggingface_tokenizer_needs_a_local_path_and_the_package(tmp_path, monk
 def test_gpt2_bpe_and_huggingface_tokenizers_read_files_a_trained_tokenizer_wrote(tmp_path):
     files = write_bpe_files(str(tmp_path))
     text = "def f(x):\n    return x  # café, 数据\n"
-    bpe = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=files["vocab"],
-                                     merge_file=files["merges"]))
+    bpe = build_tokenizer(
+        DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=files["vocab"], merge_file=files["merges"])
+    )
     hf = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=files["tokenizer_json"]))
     ids = bpe.tokenize(text)
     assert len(ids) < len(text.encode()) and hf.tokenize(text) == ids  # merges applied, the same BPE
     assert bpe.detokenize(ids) == text == hf.detokenize(ids)
-    assert (bpe.vocab_size, bpe.eod) == (400, 0) and hf.eod == 0       # <|endoftext|>, the first special token
+    assert (bpe.vocab_size, bpe.eod) == (400, 0) and hf.eod == 0  # <|endoftext|>, the first special token
 
 
 def test_a_huggingface_tokenizers_eod_is_the_eos_token_it_declares(tmp_path):
@@ -68,7 +83,7 @@ def test_a_huggingface_tokenizers_eod_is_the_eos_token_it_declares(tmp_path):
     for config in ({"eos_token": declared}, {"eos_token": {"content": declared, "special": True}}):
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         assert build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))).eod == 7
-    (folder / "tokenizer_config.json").write_text("{}")   # none declared: the usual names
+    (folder / "tokenizer_config.json").write_text("{}")  # none declared: the usual names
     assert build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))).eod == 0
 
 
@@ -78,11 +93,17 @@ def test_gpt2_bpe_flags_go_together(tmp_path):
     with pytest.raises(ConfigError, match="--vocab-file=.*only --tokenizer-type GPT2BPETokenizer reads it"):
         DataConfig(vocab_file="v.json")
     with pytest.raises(DataError, match="--vocab-file=.*no such file"):
-        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "v.json"),
-                                   merge_file=str(tmp_path / "m.txt")))
+        build_tokenizer(
+            DataConfig(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=str(tmp_path / "v.json"),
+                merge_file=str(tmp_path / "m.txt"),
+            )
+        )
 
 
 # ---- indexed files --------------------------------------------------------------------------
+
 
 def test_indexed_dataset_round_trip(tmp_path):
     docs = random_docs(20)
@@ -94,7 +115,7 @@ def test_indexed_dataset_round_trip(tmp_path):
     for i, doc in enumerate(docs):
         np.testing.assert_array_equal(ds[i], doc)
     np.testing.assert_array_equal(ds.get(3, offset=1, length=2), docs[3][1:3])
-    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]     # temporaries renamed away
+    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]  # temporaries renamed away
 
 
 KILLED_WRITE = """
@@ -123,7 +144,9 @@ def test_a_killed_writes_temporary_files_go_with_the_next_write(tmp_path):
 
     prefix, marker = str(tmp_path / "d"), str(tmp_path / "marker")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.Popen([sys.executable, "-c", KILLED_WRITE, prefix, marker], env=dict(os.environ, PYTHONPATH=repo))
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITE, prefix, marker], env=dict(os.environ, PYTHONPATH=repo)
+    )
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(marker):
@@ -133,7 +156,7 @@ def test_a_killed_writes_temporary_files_go_with_the_next_write(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     killed = f"d.tmp-{socket.gethostname()}-{child.pid}.bin"
-    running = f"d.tmp-{socket.gethostname()}-{os.getppid()}.idx"   # this process's parent: still running
+    running = f"d.tmp-{socket.gethostname()}-{os.getppid()}.idx"  # this process's parent: still running
     (tmp_path / running).write_bytes(b"")
     assert killed in os.listdir(tmp_path)
     with pytest.warns(UserWarning, match=f"removed {killed}, left by a write of it that was killed"):
@@ -176,12 +199,15 @@ def test_missing_files_name_the_path_and_flag(tmp_path):
         open_indexed_dataset(prefix)
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda p: open(p + ".idx", "r+b").write(b"GARBAGE!!"), "bad header"),
-    (lambda p: os.truncate(p + ".idx", os.path.getsize(p + ".idx") - 8), "truncated"),
-    (lambda p: os.truncate(p + ".idx", 5), "only 5 bytes"),
-    (lambda p: os.truncate(p + ".bin", os.path.getsize(p + ".bin") - 2), "truncated, or .bin and .idx"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda p: open(p + ".idx", "r+b").write(b"GARBAGE!!"), "bad header"),
+        (lambda p: os.truncate(p + ".idx", os.path.getsize(p + ".idx") - 8), "truncated"),
+        (lambda p: os.truncate(p + ".idx", 5), "only 5 bytes"),
+        (lambda p: os.truncate(p + ".bin", os.path.getsize(p + ".bin") - 2), "truncated, or .bin and .idx"),
+    ],
+)
 def test_corrupt_files_give_one_clear_error(tmp_path, damage, needle):
     prefix = str(tmp_path / "d")
     write_indexed_dataset(prefix, random_docs(5), vocab_size=257)
@@ -201,6 +227,7 @@ def test_parse_data_path():
 
 
 # ---- batch order ----------------------------------------------------------------------------
+
 
 def micro_batches_of_step(step, gbs, mbs, world):
     """{micro-batch number m: indices} over all ranks, from each rank's own schedule."""
@@ -240,8 +267,10 @@ def test_batch_sizes_must_divide():
 
 
 def test_collate_returns_global_indices():
-    samples = {i: {"tokens": torch.full((4,), i), "labels": torch.full((4,), i + 1), "loss_mask": torch.ones(4)}
-               for i in range(10)}
+    samples = {
+        i: {"tokens": torch.full((4,), i), "labels": torch.full((4,), i + 1), "loss_mask": torch.ones(4)}
+        for i in range(10)
+    }
     batch = load_micro_batch(samples, [7, 3])
     assert batch["tokens"].shape == (2, 4) and batch["tokens"].dtype == torch.long
     assert batch["loss_mask"].dtype == torch.float32
@@ -259,6 +288,9 @@ def test_a_valid_split_shorter_than_a_sample_is_refused_whatever_follows_it(tmp_
     docs = random_docs(18, seed=3) + [np.append(np.arange(9), 256), np.append(np.arange(99) % 256, 256)]
     write_indexed_dataset(prefix, docs, vocab_size=257)
     cfg = DataConfig(data_path=prefix, split="90,5,5", data_cache_path=str(tmp_path / "cache"))
-    with pytest.raises(DataError, match=r"--split=90,5,5: the valid split .* gets documents \[18, 19\) of 20 "
-                                        r"\(10 tokens\)"):
+    with pytest.raises(
+        DataError,
+        match=r"--split=90,5,5: the valid split .* gets documents \[18, 19\) of 20 "
+        r"\(10 tokens\)",
+    ):
         build_datasets(cfg, 32, seed=1, num_samples=(10, 10, 0))

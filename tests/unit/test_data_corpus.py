@@ -1,4 +1,5 @@
 """The default stdlib corpus, tools/preprocess_data.py and the committed test corpus."""
+
 import filecmp
 import importlib.util
 import json
@@ -20,7 +21,7 @@ ASSETS = REPO / "tests" / "assets" / "corpus"
 def preprocess_main(argv):
     spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = module     # so worker processes can unpickle its functions
+    sys.modules["preprocess_data"] = module  # so worker processes can unpickle its functions
     spec.loader.exec_module(module)
     return module.main(argv)
 
@@ -44,7 +45,7 @@ def test_default_corpus_is_built_once_and_deterministic(tmp_path):
     assert len(ds) == 6 and ds[0][-1] == tok.eod
     assert tok.detokenize(ds[0]) == (Path(__import__("sysconfig").get_paths()["stdlib"]) / files[0]).read_text()
     assert not [p for p in os.listdir(Path(a).parent.parent) if ".tmp" in p]
-    os.truncate(a + ".bin", 10)                              # a damaged cache is rebuilt, not trusted
+    os.truncate(a + ".bin", 10)  # a damaged cache is rebuilt, not trusted
     assert build_default_corpus(str(tmp_path / "a"), 6, tok) == a and filecmp.cmp(a + ".bin", b + ".bin", False)
 
 
@@ -63,7 +64,7 @@ def test_concurrent_builders_share_one_corpus(tmp_path):
         p.join(timeout=60)
     assert len(prefixes) == 1 and all(p.exitcode == 0 for p in procs)
     name = Path(prefixes.pop()).parent.name
-    assert sorted(os.listdir(tmp_path / "corpus")) == [name, name + ".lock"]     # no leftover temporaries
+    assert sorted(os.listdir(tmp_path / "corpus")) == [name, name + ".lock"]  # no leftover temporaries
 
 
 def test_build_datasets_defaults_to_the_stdlib_corpus(tmp_path):
@@ -80,12 +81,29 @@ def test_preprocess_jsonl_and_text_with_workers(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("plain text file\n")
     for workers in (1, 2):
-        assert preprocess_main(["--input", str(jsonl), str(text), "--output-prefix", str(tmp_path / f"w{workers}"),
-                                "--json-keys", "text", "title", "--append-eod", "--workers", str(workers)]) == 0
+        assert (
+            preprocess_main(
+                [
+                    "--input",
+                    str(jsonl),
+                    str(text),
+                    "--output-prefix",
+                    str(tmp_path / f"w{workers}"),
+                    "--json-keys",
+                    "text",
+                    "title",
+                    "--append-eod",
+                    "--workers",
+                    str(workers),
+                ]
+            )
+            == 0
+        )
     for name in ("text", "title"):
         for ext in (".bin", ".idx"):
-            assert filecmp.cmp(tmp_path / f"w1_{name}_document{ext}", tmp_path / f"w2_{name}_document{ext}",
-                               shallow=False)
+            assert filecmp.cmp(
+                tmp_path / f"w1_{name}_document{ext}", tmp_path / f"w2_{name}_document{ext}", shallow=False
+            )
     tok = ByteLevelTokenizer()
     ds = open_indexed_dataset(str(tmp_path / "w1_text_document"))
     assert len(ds) == 31
@@ -102,15 +120,26 @@ def test_preprocess_reports_bad_input(tmp_path, capsys):
 
 
 def test_committed_corpus_matches_its_jsonl(tmp_path):
-    assert preprocess_main(["--input", str(ASSETS / "corpus.jsonl"), "--output-prefix", str(tmp_path / "corpus"),
-                            "--json-keys", "text", "--append-eod"]) == 0
+    assert (
+        preprocess_main(
+            [
+                "--input",
+                str(ASSETS / "corpus.jsonl"),
+                "--output-prefix",
+                str(tmp_path / "corpus"),
+                "--json-keys",
+                "text",
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     for ext in (".bin", ".idx", ".tokenizer-record.json"):
-        assert filecmp.cmp(tmp_path / f"corpus_text_document{ext}", ASSETS / f"corpus_text_document{ext}",
-                           shallow=False)
+        assert filecmp.cmp(
+            tmp_path / f"corpus_text_document{ext}", ASSETS / f"corpus_text_document{ext}", shallow=False
+        )
     ds = open_indexed_dataset(str(ASSETS / "corpus_text_document"))
     assert len(ds) == 65 and int(np.sum(ds.sequence_lengths)) < 100_000
-
-
 
 
 def test_a_tokenizer_rewritten_at_the_same_path_builds_its_own_corpus(tmp_path):
@@ -132,7 +161,7 @@ def test_a_tokenizer_rewritten_at_the_same_path_builds_its_own_corpus(tmp_path):
     second = build_default_corpus(str(tmp_path / "cache"), 3, tokenizer)
     assert second != first
     source = (Path(__import__("sysconfig").get_paths()["stdlib"]) / stdlib_source_files(3)[0]).read_text()
-    old, new = open_indexed_dataset(first), open_indexed_dataset(second)   # (a view outlives no dataset)
+    old, new = open_indexed_dataset(first), open_indexed_dataset(second)  # (a view outlives no dataset)
     assert list(new[0][:-1]) == tokenizer.tokenize(source) != list(old[0][:-1])
 
 
@@ -148,8 +177,9 @@ def test_a_damaged_index_cache_is_one_error_naming_the_file(tmp_path):
     build_datasets(data, 32, 1, num_samples=(8, 0, 0))
     index = sorted(p for p in (tmp_path / "indices").rglob("*shuffle_index.npy"))[0]
     os.truncate(index, 200)
-    with pytest.raises(DataError, match=f"--data-cache-path: the dataset index file {index} cannot be read .*delete "
-                                        "the file"):
+    with pytest.raises(
+        DataError, match=f"--data-cache-path: the dataset index file {index} cannot be read .*delete the file"
+    ):
         build_datasets(data, 32, 1, num_samples=(8, 0, 0))
-    os.remove(index)   # as the message says: rebuilt
+    os.remove(index)  # as the message says: rebuilt
     assert len(build_datasets(data, 32, 1, num_samples=(8, 0, 0)).train) >= 8

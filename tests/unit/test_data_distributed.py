@@ -1,5 +1,6 @@
 """build_datasets on 2 gloo ranks: the default corpus and the index caches are built once (rank 0
 first, the other rank waits), and both ranks read identical samples for the same global index."""
+
 import os
 
 import pytest

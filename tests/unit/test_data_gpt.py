@@ -1,4 +1,5 @@
 """Train/valid/test samples built by megatron-core's GPT dataset, against a direct reference."""
+
 import re
 
 import numpy as np
@@ -32,7 +33,7 @@ def reference_samples(docs, split_docs, seed, seq_length):
     rng.shuffle(order)
     stream = np.concatenate([docs[d] for d in order])
     n = (len(stream) - 1) // seq_length
-    windows = [stream[k * seq_length: k * seq_length + seq_length + 1] for k in range(n)]
+    windows = [stream[k * seq_length : k * seq_length + seq_length + 1] for k in range(n)]
     shuffle = np.arange(n, dtype=np.uint32)
     rng.shuffle(shuffle)
     return [windows[k] for k in shuffle]
@@ -41,7 +42,7 @@ def reference_samples(docs, split_docs, seed, seq_length):
 def test_samples_equal_the_reference_windows(tmp_path, corpus):
     prefix, docs = corpus
     ds = build_datasets(config(tmp_path, prefix), S, seed=7)
-    splits = {"train": range(0, 32), "valid": range(32, 36), "test": range(36, 40)}   # 80,10,10 of 40 docs
+    splits = {"train": range(0, 32), "valid": range(32, 36), "test": range(36, 40)}  # 80,10,10 of 40 docs
     for name, doc_ids in splits.items():
         samples = getattr(ds, name)
         ref = reference_samples(docs, doc_ids, 7, S)
@@ -61,7 +62,7 @@ def test_split_and_shuffle_are_deterministic_for_a_seed(tmp_path, corpus):
     a = build_datasets(config(tmp_path, prefix, cache="c1"), S, seed=3, num_samples=(500, 20, 0))
     b = build_datasets(config(tmp_path, prefix, cache="c2"), S, seed=3, num_samples=(500, 20, 0))
     c = build_datasets(config(tmp_path, prefix, cache="c1"), S, seed=4, num_samples=(500, 20, 0))
-    assert a.test is None and len(a.train) >= 500          # 500 samples need several epochs
+    assert a.test is None and len(a.train) >= 500  # 500 samples need several epochs
     for i in (0, 17, 499):
         assert torch.equal(a.train[i]["tokens"], b.train[i]["tokens"])
     assert torch.equal(a.valid[5]["tokens"], b.valid[5]["tokens"])
@@ -75,7 +76,7 @@ def test_weighted_blend(tmp_path, corpus):
     ds = build_datasets(config(tmp_path, f"1 {prefix} 3 {other}"), S, seed=1, num_samples=(400, 40, 40))
     assert len(ds.train) == 400
     from_other = sum(bool((ds.train[i]["tokens"] == 7).all()) for i in range(400))
-    assert 250 < from_other < 330       # about 3/4 of the samples (windows may span documents)
+    assert 250 < from_other < 330  # about 3/4 of the samples (windows may span documents)
 
 
 def test_too_small_and_bad_split_errors(tmp_path, corpus):
@@ -84,7 +85,7 @@ def test_too_small_and_bad_split_errors(tmp_path, corpus):
         build_datasets(config(tmp_path, prefix), 100000, seed=1)
     with pytest.raises(DataError, match="--split=0,1,1: the train weight"):
         build_datasets(config(tmp_path, prefix, split="0,1,1"), S, seed=1)
-    with pytest.raises(DataError, match="--split=99,1,0: the valid split"):   # 0 of 40 docs
+    with pytest.raises(DataError, match="--split=99,1,0: the valid split"):  # 0 of 40 docs
         build_datasets(config(tmp_path, prefix, split="99,1,0"), S, seed=1, num_samples=(10, 10, 0))
     ok = build_datasets(config(tmp_path, prefix, split="99,1,0"), S, seed=1, num_samples=(10, 0, 0))
     assert ok.valid is None and ok.test is None

@@ -2,6 +2,7 @@
 oracle), a SentencePiece tokenizer.model alone (megatron-core's SentencePiece tokenizer is), Kimi-K2's tiktoken.model
 (ids worked out by hand from a vocabulary written here); a folder with none, or a file that is not what its name
 says, is one line naming the file."""
+
 import base64
 import json
 import shutil
@@ -24,8 +25,9 @@ def test_a_tokenizer_json_folder_gives_transformers_ids_and_tokens(tmp_path):
 
     folder = tmp_path / "hub"
     write_bpe_files(str(folder))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                          "eos_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
+    )
     ours, theirs = _hf(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
     for text in TEXTS:
         assert ours.tokenize(text) == theirs.encode(text, add_special_tokens=False)
@@ -55,9 +57,13 @@ def _kimi_folder(folder, ranks, added):
     folder.mkdir()
     with open(folder / "tiktoken.model", "wb") as f:
         f.writelines(base64.b64encode(token) + b" " + str(rank).encode() + b"\n" for token, rank in ranks.items())
-    config = {"tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
-              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-              "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in added.items()}}
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in added.items()},
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "tokenization_kimi.py").write_text("raise SystemExit('moezero ran the folder code')\n")
 
@@ -72,7 +78,7 @@ def test_kimis_tiktoken_model_is_read_as_kimis_code_builds_it(tmp_path):
     tok = _hf(folder)
     # " then" is one piece of the pattern: the lowest-ranked pair first ("th"), then "the"; " the" is no token
     assert tok.tokenize("the then") == [257, 32, 257, ord("n")]
-    assert tok.tokenize("你好") == list("你好".encode())     # a Han run with no merges: its bytes
+    assert tok.tokenize("你好") == list("你好".encode())  # a Han run with no merges: its bytes
     assert tok.tokenize("x<|im_end|>[EOS]") == [ord("x"), 262, 260]
     assert (tok.bos, tok.eod, tok.vocab_size) == (259, 260, 259 + 256)
     assert tok.detokenize(tok.tokenize("the then 你好")) == "the then 你好"
@@ -84,8 +90,10 @@ def test_a_folder_or_file_that_holds_no_readable_tokenizer_is_one_line(tmp_path)
     empty.mkdir()
     (empty / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     cases.append((empty, "the folder holds no tokenizer (tokenizer.json, tokenizer.model, tiktoken.model"))
-    for name, needle in (("tokenizer.json", "is not a Hugging Face tokenizer.json"),
-                         ("tokenizer.model", "is not a SentencePiece model")):
+    for name, needle in (
+        ("tokenizer.json", "is not a Hugging Face tokenizer.json"),
+        ("tokenizer.model", "is not a SentencePiece model"),
+    ):
         folder = tmp_path / name.replace(".", "_")
         folder.mkdir()
         (folder / name).write_bytes(b"\x00garbage{")

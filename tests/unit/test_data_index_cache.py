@@ -1,5 +1,6 @@
 """The dataset index cache (--data-cache-path) is read as plain arrays: a pickle planted under the name of one of
 megatron-core's index files is refused in one error naming it, on every rank, and never runs."""
+
 import os
 import pickle
 import time
@@ -47,7 +48,7 @@ def test_a_pickle_in_the_index_cache_is_refused_and_never_runs(tmp_path, which, 
     message = str(refused.value)
     assert message.startswith(f"--data-cache-path: the dataset index file {index} holds pickled Python objects")
     assert "\n" not in message and not marker.exists()
-    os.remove(index)   # as the message says: rebuilt
+    os.remove(index)  # as the message says: rebuilt
     assert len(build_datasets(_data(cache), 32, 1, num_samples=(8, 0, 0)).train) >= 8 and not marker.exists()
 
 

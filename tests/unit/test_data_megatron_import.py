@@ -1,5 +1,6 @@
 """The data layer imports megatron-core's dataset modules without its package `__init__` (its models, optimizers
 and compiled fusions: seconds of every run's start), and the rest of megatron-core still works in that process."""
+
 import subprocess
 import sys
 
@@ -38,9 +39,10 @@ def test_datasets_import_without_megatron_cores_init_and_the_package_stays_whole
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    assert lines["deferred"] == "True True True"       # models, optimizers, torch.compile'd fusions not imported
-    assert lines["submodule"] == "True"                 # `from megatron.core import <submodule>` imports just it
-    assert lines["threads"] == "True"                   # threads reading it at once wait for one __init__
+    assert lines["deferred"] == "True True True"  # models, optimizers, torch.compile'd fusions not imported
+    assert lines["submodule"] == "True"  # `from megatron.core import <submodule>` imports just it
+    assert lines["threads"] == "True"  # threads reading it at once wait for one __init__
     import megatron.core.package_info as info
-    assert lines["version"] == info.__version__           # the first other attribute ran megatron.core's __init__
+
+    assert lines["version"] == info.__version__  # the first other attribute ran megatron.core's __init__
     assert lines["whole"] == "True True True" and lines["config"] == "256"

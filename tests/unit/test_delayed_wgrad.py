@@ -3,6 +3,7 @@ makes it (after launching the rows' all-to-all), and autograd reaches it after t
 gradients are the GEMMs autograd runs itself: equal bit for bit, on the grouped GEMM (fp32, bf16) and the
 per-expert loop (float64, and every dtype with --moe-grouped-gemm off), padded rows or not, an expert without
 rows included."""
+
 import pytest
 import torch
 
@@ -32,10 +33,17 @@ def _grads(delay, dtype, **kw):
     return [x.grad] + [p.grad for p in experts.parameters()]
 
 
-@pytest.mark.parametrize("dtype,kw", [(torch.float32, {}), (torch.bfloat16, {}), (torch.float64, {}),
-                                      (torch.float32, {"grouped_gemm": False}),
-                                      (torch.float32, {"pad_expert_rows": False}),
-                                      (torch.float32, {"activation": "swiglu"})])
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [
+        (torch.float32, {}),
+        (torch.bfloat16, {}),
+        (torch.float64, {}),
+        (torch.float32, {"grouped_gemm": False}),
+        (torch.float32, {"pad_expert_rows": False}),
+        (torch.float32, {"activation": "swiglu"}),
+    ],
+)
 def test_delayed_weight_gradients_equal_autograds_own(dtype, kw):
     for delayed, plain in zip(_grads(True, dtype, **kw), _grads(False, dtype, **kw)):
         assert delayed is not None and torch.equal(delayed, plain)
@@ -54,8 +62,14 @@ def test_the_weight_gradients_wait_for_the_node_made_after_the_launch():
 
 
 def test_an_moe_layer_with_the_flag_trains_as_without_it():
-    layers = [MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, init_seed=5,
-                                 delay_wgrad_compute=delay)).double() for delay in (True, False)]
+    layers = [
+        MoELayer(
+            MoEConfig(
+                hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, init_seed=5, delay_wgrad_compute=delay
+            )
+        ).double()
+        for delay in (True, False)
+    ]
     x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer in layers:
         y, stats = layer(x)
@@ -75,12 +89,13 @@ def test_quantization_aware_experts_with_the_flag_train_as_without_it(rounding):
 
     grads = []
     for delay in (True, False):
-        cfg = configs(TINY + ["--qat-weight-bits", "8", "--qat-rounding", rounding]
-                      + (["--delay-wgrad-compute"] if delay else []))
+        cfg = configs(
+            TINY + ["--qat-weight-bits", "8", "--qat-rounding", rounding] + (["--delay-wgrad-compute"] if delay else [])
+        )
         model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe, seed=3).double()
         apply_qat(model, cfg.qat, None, 7)
         model.train()
-        torch.manual_seed(0)   # the same dropout draws
+        torch.manual_seed(0)  # the same dropout draws
         logits, stats = model(torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4)))
         (logits.square().mean() + sum(s.aux_loss for s in stats)).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})

@@ -4,6 +4,7 @@ and the outputs and gradients are the unpadded ones.
 The shapes are the GEMMs that really ran (aten::mm, addmm and bmm as the dispatcher sees them, which is also
 what torch._grouped_mm runs per group on CPUs), in forward and backward.
 """
+
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from moezero.moe.experts import GroupedExperts, row_size_class
 from moezero.parallel.expert_marker import ExpertShard
 
 GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
-GEMMS_PER_EXPERT = 6   # forward: x @ w1, h @ w2; backward: the data and weight gradient of each
+GEMMS_PER_EXPERT = 6  # forward: x @ w1, h @ w2; backward: the data and weight gradient of each
 
 
 def _experts(dtype, num_experts=4, **kw):
@@ -23,7 +24,7 @@ def _experts(dtype, num_experts=4, **kw):
     experts = GroupedExperts(cfg, ExpertShard(num_experts, 0, 1)).to(dtype)
     with torch.no_grad():
         for p in experts.parameters():
-            p.normal_(0, 0.3)   # biases too: a padded row's hidden activation is then not zero
+            p.normal_(0, 0.3)  # biases too: a padded row's hidden activation is then not zero
     return experts
 
 
@@ -46,8 +47,9 @@ def _skewed_counts(gen, num_experts):
     """A step's rows per expert: 32-700 tokens (x top-2), spread by a skewed, per-step random popularity."""
     tokens = int(torch.randint(32, 700, (), generator=gen)) * 2
     popularity = torch.distributions.Dirichlet(torch.full((num_experts,), 0.3)).sample()
-    return torch.multinomial(popularity, tokens, replacement=True, generator=gen).bincount(
-        minlength=num_experts).tolist()
+    return (
+        torch.multinomial(popularity, tokens, replacement=True, generator=gen).bincount(minlength=num_experts).tolist()
+    )
 
 
 def _gemm_shapes_of_run(pad: bool, grouped: bool, steps: int = 100):
@@ -95,14 +97,14 @@ def _group_shapes(a, b, offs):
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_gemm_shapes_stay_within_the_size_classes_over_100_skewed_steps(grouped):
-    bound_of = lambda rows: GEMMS_PER_EXPERT * _classes_up_to(rows)   # noqa: E731
+    bound_of = lambda rows: GEMMS_PER_EXPERT * _classes_up_to(rows)  # noqa: E731
     padded, max_rows = _gemm_shapes_of_run(pad=True, grouped=grouped)
     assert padded and len(padded) <= bound_of(max_rows), (len(padded), max_rows)
     unpadded, max_rows = _gemm_shapes_of_run(pad=False, grouped=grouped)
-    assert len(unpadded) > 3 * bound_of(max_rows), (len(unpadded), max_rows)   # the bound is not vacuous
+    assert len(unpadded) > 3 * bound_of(max_rows), (len(unpadded), max_rows)  # the bound is not vacuous
 
 
-COUNTS = [5, 0, 17, 33, 8, 40]   # the class of 1-8, an expert with no rows, padded ones, exact classes
+COUNTS = [5, 0, 17, 33, 8, 40]  # the class of 1-8, an expert with no rows, padded ones, exact classes
 
 
 def _outputs_and_grads(experts, x, pad):
@@ -110,8 +112,9 @@ def _outputs_and_grads(experts, x, pad):
     x = x.detach().clone().requires_grad_(True)
     y = experts(x, COUNTS)
     params = [p for p in (experts.w1, experts.w2, experts.b1, experts.b2) if p is not None]
-    grads = torch.autograd.grad(y, [x] + params, torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
-                                                              dtype=y.dtype))
+    grads = torch.autograd.grad(
+        y, [x] + params, torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    )
     return [y] + list(grads)
 
 
@@ -127,4 +130,4 @@ def test_padded_outputs_and_gradients_equal_unpadded(dtype, tol, activation, bia
     names = ["y", "x", "w1", "w2", "b1", "b2"] if bias else ["y", "x", "w1", "w2"]
     for name, a, b in zip(names, padded, unpadded):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
-    assert padded[2][1].abs().max() == 0   # the expert with no rows gets an exactly zero w1 gradient
+    assert padded[2][1].abs().max() == 0  # the expert with no rows gets an exactly zero w1 gradient

@@ -1,6 +1,7 @@
 """A config.json means what transformers makes of it: for every family and every field its config class declares
 a default for, a config that omits the field reads in moezero as transformers' own completion of it does
 (transformers' config class fills it in; the oracle). The defaults table moezero reads is transformers'."""
+
 import json
 import os
 import sys

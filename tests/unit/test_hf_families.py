@@ -1,8 +1,10 @@
 """Hugging Face checkpoints of the MoE families, against transformers (tests/hf_oracle.py): a tiny random model
-of each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, Kimi-K2, GLM-4.5) that transformers saves
+of each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2, DeepSeek-V3, Kimi-K2, GLM-4.5) that transformers
+saves
 loads into moezero with the same logits (float64, <= 1e-8), and moezero's save_pretrained writes the keys and
 tensors transformers itself writes, which it loads back. DeepSeek-V3's FP8 weights and its multi-token
 prediction layer are read as its published checkpoints store them."""
+
 import json
 import os
 import re
@@ -16,8 +18,16 @@ from moezero.hf import CheckpointMismatch, UnsupportedModel
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
 from moezero.zero import ZeroOptimizer
-from tests.hf_oracle import (CONFIGS, add_mtp_layer, hf_logits, hub_tensors, load_with_transformers, mtp_layer,
-                             save_tiny_model, tiny_model)
+from tests.hf_oracle import (
+    CONFIGS,
+    add_mtp_layer,
+    hf_logits,
+    hub_tensors,
+    load_with_transformers,
+    mtp_layer,
+    save_tiny_model,
+    tiny_model,
+)
 from tests.integration.pretrain_utils import configs
 
 FAMILIES = sorted(CONFIGS)
@@ -103,11 +113,41 @@ def test_the_mtp_layer_after_the_last_is_the_models_mtp_depth_both_ways(family, 
 
 def test_a_model_from_megatron_flags_exports_as_the_family_that_holds_it(tmp_path):
     """GQA, wide heads and per-head q/k norms without a shared expert are Qwen3-MoE."""
-    cfg = configs(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                   "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12", "--qk-layernorm",
-                   "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--norm-epsilon", "1e-6",
-                   "--position-embedding-type", "rope", "--rotary-base", "500000", "--num-experts", "4",
-                   "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--untie-embeddings-and-output-weights"])
+    cfg = configs(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--kv-channels",
+            "12",
+            "--qk-layernorm",
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--disable-bias-linear",
+            "--norm-epsilon",
+            "1e-6",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "500000",
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--moe-ffn-hidden-size",
+            "24",
+            "--untie-embeddings-and-output-weights",
+        ]
+    )
     cfg.model.vocab_size = 97
     model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
     hub.save_pretrained(model, str(tmp_path))
@@ -121,15 +161,33 @@ def test_a_model_from_megatron_flags_exports_as_the_family_that_holds_it(tmp_pat
 def test_megatron_flags_of_a_glm_model_export_as_glm4_moe(tmp_path):
     """RoPE on half of each head, q/k/v biases, DeepSeek-V3's router, a shared expert and a dense first layer
     (Megatron-Bridge's GLM-4.5 flags, shrunk) are GLM-4.5: transformers loads the export to moezero's logits."""
-    cfg = configs(QWEN3_MOE_FLAGS + ["--rotary-percent", "0.5", "--add-qkv-bias", "--rotary-base", "1000000",
-                                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                                     "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
-                                     "--moe-router-group-topk", "1", "--moe-shared-expert-intermediate-size", "24",
-                                     "--moe-layer-freq", "[0,1]"])
+    cfg = configs(
+        QWEN3_MOE_FLAGS
+        + [
+            "--rotary-percent",
+            "0.5",
+            "--add-qkv-bias",
+            "--rotary-base",
+            "1000000",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-topk-scaling-factor",
+            "2.5",
+            "--moe-router-num-groups",
+            "2",
+            "--moe-router-group-topk",
+            "1",
+            "--moe-shared-expert-intermediate-size",
+            "24",
+            "--moe-layer-freq",
+            "[0,1]",
+        ]
+    )
     cfg.model.vocab_size = 97
     model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
     with torch.no_grad():
-        model.layers[1].mlp.router.expert_bias.uniform_(-0.1, 0.1)   # the choice's correction bias, nonzero
+        model.layers[1].mlp.router.expert_bias.uniform_(-0.1, 0.1)  # the choice's correction bias, nonzero
     hub.save_pretrained(model, str(tmp_path))
     exported = load_with_transformers(str(tmp_path))
     assert type(exported).__name__ == "Glm4MoeForCausalLM"
@@ -138,11 +196,37 @@ def test_megatron_flags_of_a_glm_model_export_as_glm4_moe(tmp_path):
     torch.testing.assert_close(hf_logits(exported, TOKENS), ours, rtol=0, atol=1e-8)
 
 
-QWEN3_MOE_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                   "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12", "--qk-layernorm",
-                   "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--norm-epsilon", "1e-6",
-                   "--position-embedding-type", "rope", "--num-experts", "4", "--moe-router-topk", "2",
-                   "--moe-ffn-hidden-size", "24", "--untie-embeddings-and-output-weights"]
+QWEN3_MOE_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "12",
+    "--qk-layernorm",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--norm-epsilon",
+    "1e-6",
+    "--position-embedding-type",
+    "rope",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "24",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def _set_config_field(folder, name, value):
@@ -162,8 +246,9 @@ def test_partial_rotary_factor_means_what_transformers_makes_of_it(tmp_path):
         _set_config_field(tmp_path / family, "partial_rotary_factor", 0.5)
         ours = hub.from_pretrained(str(tmp_path / family), dtype=torch.float64)
         with torch.no_grad():
-            torch.testing.assert_close(ours(TOKENS)[0], hf_logits(load_with_transformers(str(tmp_path / family)),
-                                                                  TOKENS), rtol=0, atol=1e-8)
+            torch.testing.assert_close(
+                ours(TOKENS)[0], hf_logits(load_with_transformers(str(tmp_path / family)), TOKENS), rtol=0, atol=1e-8
+            )
     cfg = configs(QWEN3_MOE_FLAGS + ["--rotary-percent", "0.5"])
     cfg.model.vocab_size = 97
     with pytest.raises(UnsupportedModel, match="--rotary-percent 0.5"):
@@ -174,8 +259,14 @@ def test_partial_rotary_factor_means_what_transformers_makes_of_it(tmp_path):
         hub.from_pretrained(str(tmp_path / "v3"))
 
 
-@pytest.mark.parametrize("omitted", [("partial_rotary_factor",), ("use_qk_norm", "n_group", "topk_group"),
-                                     ("routed_scaling_factor", "first_k_dense_replace")])
+@pytest.mark.parametrize(
+    "omitted",
+    [
+        ("partial_rotary_factor",),
+        ("use_qk_norm", "n_group", "topk_group"),
+        ("routed_scaling_factor", "first_k_dense_replace"),
+    ],
+)
 def test_a_glm4_moe_config_that_omits_fields_means_what_transformers_makes_of_it(omitted, tmp_path):
     """GLM-4.5 without partial_rotary_factor rotates half of each head (its config class sets 0.5); without
     use_qk_norm, n_group, routed_scaling_factor or first_k_dense_replace, their declared defaults hold."""
@@ -190,8 +281,12 @@ def test_a_glm4_moe_config_that_omits_fields_means_what_transformers_makes_of_it
     theirs = load_with_transformers(str(tmp_path))
     assert theirs.config.rope_parameters["partial_rotary_factor"] == 0.5
     with torch.no_grad():
-        torch.testing.assert_close(hub.from_pretrained(str(tmp_path), dtype=torch.float64)(TOKENS)[0],
-                                   hf_logits(theirs, TOKENS), rtol=0, atol=1e-8)
+        torch.testing.assert_close(
+            hub.from_pretrained(str(tmp_path), dtype=torch.float64)(TOKENS)[0],
+            hf_logits(theirs, TOKENS),
+            rtol=0,
+            atol=1e-8,
+        )
 
 
 def test_a_tied_config_whose_files_hold_another_head_is_untied_as_transformers_does(tmp_path):
@@ -213,20 +308,35 @@ def test_a_tied_config_whose_files_hold_another_head_is_untied_as_transformers_d
 
 
 def test_what_a_family_cannot_hold_is_one_clear_error(tmp_path):
-    cfg = configs(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-                   "--num-experts", "4"])
+    cfg = configs(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--num-experts",
+            "4",
+        ]
+    )
     cfg.model.vocab_size = 97
     with pytest.raises(UnsupportedModel, match="no Hugging Face family holds this model.*learned_absolute"):
         hub.save_pretrained(GPTModel(cfg.model, cfg.moe), str(tmp_path))
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
-    ({"model_type": "jamba"}, "model_type 'jamba' is not supported by moezero"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
+        ({"model_type": "jamba"}, "model_type 'jamba' is not supported by moezero"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ],
+)
 def test_a_config_moezero_cannot_reproduce_is_refused(change, message, tmp_path):
     tiny_model("olmoe").save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
@@ -296,10 +406,24 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
         quantized, scale_inv, dequantized[key] = _fp8_blocks(stored[key], 16)
         stored[key], stored[key + "_scale_inv"] = quantized, scale_inv
     assert len(dequantized) > 40
-    _write_directory(str(tmp_path / "dequantized"), config, {**hub_tensors(str(tmp_path / "plain")), **{
-        k: v for k, v in dequantized.items() if not k.startswith("model.layers.3.")}})
-    fp8 = dict(config, num_nextn_predict_layers=1, quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
+    _write_directory(
+        str(tmp_path / "dequantized"),
+        config,
+        {
+            **hub_tensors(str(tmp_path / "plain")),
+            **{k: v for k, v in dequantized.items() if not k.startswith("model.layers.3.")},
+        },
+    )
+    fp8 = dict(
+        config,
+        num_nextn_predict_layers=1,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [16, 16],
+        },
+    )
     _write_directory(str(tmp_path / "fp8"), fp8, stored)
     model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
     assert torch.equal(model.mtp[0].eh_proj.weight, dequantized["model.layers.3.eh_proj.weight"])
@@ -310,7 +434,7 @@ def test_deepseek_v3_fp8_weights_and_its_mtp_layer_load_as_published(tmp_path):
     torch.testing.assert_close(ours, hf_logits(reference, TOKENS), rtol=0, atol=1e-8)
     # read lazily by rows (ZeRO-3's way): each row range meets its blocks' scales
     lazy = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64, lazy=True)
-    with pytest.raises(hub.ParamsNotRead, match="build it first"):   # a named error, not torch's device one
+    with pytest.raises(hub.ParamsNotRead, match="build it first"):  # a named error, not torch's device one
         lazy(TOKENS)
     opt = ZeroOptimizer(lazy, torch.optim.SGD, ParallelGroups.single(), stage=3, bucket_size=100, lr=0.1)
     with torch.no_grad(), opt.full_parameters():
@@ -323,7 +447,7 @@ def test_gpt_oss_mxfp4_experts_load_as_published_and_export_dense(tmp_path):
     expert rows); the export is dense and drops quantization_config."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tiny_model("gpt_oss", intermediate_size=32).save_pretrained(tmp_path / "plain")   # widths of 32-blocks
+    tiny_model("gpt_oss", intermediate_size=32).save_pretrained(tmp_path / "plain")  # widths of 32-blocks
     with open(tmp_path / "plain" / "config.json") as f:
         config = json.load(f)
     stored, dequantized, g = hub_tensors(str(tmp_path / "plain")), {}, torch.Generator().manual_seed(3)
@@ -350,10 +474,15 @@ def test_gpt_oss_mxfp4_experts_load_as_published_and_export_dense(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in dequantized.items())
 
 
-GPT_OSS_WINDOWS = {"every other layer": (["--window-size", "4,0", "--window-attn-skip-freq", "2"], 5,
-                                          ["sliding_attention", "full_attention", "sliding_attention"]),
-                   # transformers' model needs a sliding_window even where no layer has one
-                   "none": ([], 128, ["full_attention"] * 3)}
+GPT_OSS_WINDOWS = {
+    "every other layer": (
+        ["--window-size", "4,0", "--window-attn-skip-freq", "2"],
+        5,
+        ["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    # transformers' model needs a sliding_window even where no layer has one
+    "none": ([], 128, ["full_attention"] * 3),
+}
 
 
 @pytest.mark.parametrize("windows", list(GPT_OSS_WINDOWS))
@@ -361,15 +490,47 @@ def test_megatron_flags_of_a_gpt_oss_model_export_as_gpt_oss(windows, tmp_path):
     """Megatron's GPT-OSS flags (sinks, a window on every other layer or none, clamped quick GEGLU) with biases
     are GPT-OSS: transformers loads the export (sliding_window = the window + 1) to moezero's logits."""
     window_flags, sliding_window, layer_types = GPT_OSS_WINDOWS[windows]
-    cfg = configs(["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-                   "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12",
-                   "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
-                   "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
-                   "--moe-ffn-hidden-size", "24", "--quick-geglu", "--glu-linear-offset", "1",
-                   "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable"] + window_flags)
+    cfg = configs(
+        [
+            "--num-layers",
+            "3",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--kv-channels",
+            "12",
+            "--normalization",
+            "RMSNorm",
+            "--norm-epsilon",
+            "1e-6",
+            "--position-embedding-type",
+            "rope",
+            "--untie-embeddings-and-output-weights",
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--moe-ffn-hidden-size",
+            "24",
+            "--quick-geglu",
+            "--glu-linear-offset",
+            "1",
+            "--activation-func-clamp-value",
+            "0.5",
+            "--softmax-type",
+            "learnable",
+        ]
+        + window_flags
+    )
     cfg.model.vocab_size = 97
     model = GPTModel(cfg.model, cfg.moe, seed=3).double().eval()
-    with torch.no_grad():   # biases and sinks away from their zero init
+    with torch.no_grad():  # biases and sinks away from their zero init
         for name, p in model.named_parameters():
             if p.ndim == 1 or name.endswith(("b1", "b2")):
                 p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(len(name))))
@@ -408,8 +569,9 @@ def test_greedy_generation_is_transformers(family, tmp_path):
     prompt = [5, 17, 33, 2, 60]
     ours = generate(model, prompt, 8, temperature=0.0)
     with torch.no_grad(), Float64Throughout():
-        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(prompt):].tolist()
+        theirs = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert ours == theirs
 
 
@@ -421,11 +583,13 @@ def test_the_tensors_transformers_keeps_in_fp32_stay_fp32_both_ways(tmp_path):
 
     for family in hub.FAMILIES.values():
         architecture = getattr(transformers, family.architecture)
-        assert tuple(sorted(getattr(architecture, "_keep_in_fp32_modules_strict", None) or ())) == \
-            tuple(sorted(family.fp32_modules)), family.model_type
+        assert tuple(sorted(getattr(architecture, "_keep_in_fp32_modules_strict", None) or ())) == tuple(
+            sorted(family.fp32_modules)
+        ), family.model_type
     tiny_model("deepseek_v3").float().save_pretrained(tmp_path / "fp32")
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(
-        tmp_path / "source")   # as a published bf16 checkpoint: the kept tensors fp32
+        tmp_path / "source"
+    )  # as a published bf16 checkpoint: the kept tensors fp32
     source = hub_tensors(str(tmp_path / "source"))
     kept = [k for k in source if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
     assert kept and all(source[k].dtype == torch.float32 for k in kept)
@@ -448,19 +612,24 @@ def test_an_fp8_checkpoint_exports_dense_and_a_scale_grid_that_does_not_fit_is_r
     for key in [k for k in stored if re.search(r"proj(_with_mqa)?\.weight$", k)]:
         stored[key], stored[key + "_scale_inv"], _ = _fp8_blocks(stored[key], 16)
     quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    _write_directory(str(tmp_path / "fp8"), dict(config, quantization_config=dict(
-        quantization, weight_block_size=[16, 16])), stored)
+    _write_directory(
+        str(tmp_path / "fp8"), dict(config, quantization_config=dict(quantization, weight_block_size=[16, 16])), stored
+    )
     model = hub.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float64)
     hub.save_pretrained(model, str(tmp_path / "dense"))
     with open(tmp_path / "dense" / "config.json") as f:
         assert "quantization_config" not in json.load(f)
     with torch.no_grad():
         ours = model(TOKENS)[0]
-    torch.testing.assert_close(hf_logits(load_with_transformers(str(tmp_path / "dense")), TOKENS), ours,
-                               rtol=0, atol=1e-8)
+    torch.testing.assert_close(
+        hf_logits(load_with_transformers(str(tmp_path / "dense")), TOKENS), ours, rtol=0, atol=1e-8
+    )
     _write_directory(str(tmp_path / "no_block_size"), dict(config, quantization_config=quantization), stored)
-    with pytest.raises(CheckpointMismatch, match=r"model\.safetensors: model\.layers\.0\.self_attn\.\S+ is an FP8 "
-                                                 r".* scales are a .* grid, not the 1 x 1 its 128 x 128 blocks need"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"model\.safetensors: model\.layers\.0\.self_attn\.\S+ is an FP8 "
+        r".* scales are a .* grid, not the 1 x 1 its 128 x 128 blocks need",
+    ):
         hub.from_pretrained(str(tmp_path / "no_block_size"), dtype=torch.float64)
 
 
@@ -493,11 +662,16 @@ def test_damaged_files_are_one_error_naming_file_and_key(tmp_path):
         kept[key] = kept[key][:, :-1].contiguous()
         save_file(kept, str(folder / shard))
 
-    cases = [(truncate, f"{shard}: not a readable safetensors file"),
-             (missing_key, f"{shard}: cannot read {key}"),
-             (wrong_shape, f"{shard}: layers.1.attention.proj.weight is (32, 48) in the model its config describes, "
-                           f"(32, 47) from {key}"),
-             (lambda folder: (folder / "config.json").write_text("{not json"), "config.json: not JSON")]
+    cases = [
+        (truncate, f"{shard}: not a readable safetensors file"),
+        (missing_key, f"{shard}: cannot read {key}"),
+        (
+            wrong_shape,
+            f"{shard}: layers.1.attention.proj.weight is (32, 48) in the model its config describes, "
+            f"(32, 47) from {key}",
+        ),
+        (lambda folder: (folder / "config.json").write_text("{not json"), "config.json: not JSON"),
+    ]
     for i, (damage, needle) in enumerate(cases):
         with pytest.raises(CheckpointMismatch) as info:
             hub.from_pretrained(damaged(f"case{i}", damage), dtype=torch.float64)
@@ -525,8 +699,11 @@ def _rope_scaling_beside(config):
     config["rope_scaling"] = dict(config["rope_parameters"], factor=8.0)
 
 
-@pytest.mark.parametrize("edit", [_no_original_length, _top_level_original_length, _rope_scaling_beside],
-                         ids=lambda edit: edit.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "edit",
+    [_no_original_length, _top_level_original_length, _rope_scaling_beside],
+    ids=lambda edit: edit.__name__.strip("_"),
+)
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_yarn_fields_mean_what_transformers_makes_of_them(family, edit, tmp_path):
     """A Hub config's YaRN as transformers reads it: without original_max_position_embeddings, the config's
@@ -537,8 +714,10 @@ def test_yarn_fields_mean_what_transformers_makes_of_them(family, edit, tmp_path
     model = hub.from_pretrained(str(tmp_path / "source"), dtype=torch.float64)
     with torch.no_grad():
         ours = model(TOKENS)[0]
-    torch.testing.assert_close(ours, hf_logits(load_with_transformers(str(tmp_path / "source")), TOKENS),
-                               rtol=0, atol=1e-8)
+    torch.testing.assert_close(
+        ours, hf_logits(load_with_transformers(str(tmp_path / "source")), TOKENS), rtol=0, atol=1e-8
+    )
     hub.save_pretrained(model, str(tmp_path / "exported"))
-    torch.testing.assert_close(hf_logits(load_with_transformers(str(tmp_path / "exported")), TOKENS), ours,
-                               rtol=0, atol=1e-8)
+    torch.testing.assert_close(
+        hf_logits(load_with_transformers(str(tmp_path / "exported")), TOKENS), ours, rtol=0, atol=1e-8
+    )

@@ -3,6 +3,7 @@ moezero.hf.from_pretrained): files that do not hold the config's model (refused 
 allocated), an index naming a missing shard, a tokenizer that cannot be read or is missing, a dtype no folder is
 written in; and the tokenizer a run takes from a folder: the data's record decides, and --save-hf writes the run's
 tokenizer and token ids."""
+
 import json
 import os
 import subprocess
@@ -22,9 +23,28 @@ from tests.integration.pretrain_utils import CORPUS, configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a run of a tiny Qwen3-MoE folder (512 ids: room for the byte-level corpus) on the committed byte-level corpus
-RUN = ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
-       "--lr", "1e-3", "--num-workers", "0", "--eval-iters", "1", "--eval-interval", "100", "--data-path", CORPUS,
-       "--split", "98,2,0"]
+RUN = [
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-3",
+    "--num-workers",
+    "0",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "100",
+    "--data-path",
+    CORPUS,
+    "--split",
+    "98,2,0",
+]
 
 _ALLOCATE_UNDER_A_LIMIT = """
 import resource, sys
@@ -45,10 +65,18 @@ def test_files_that_do_not_hold_the_configs_model_are_refused_before_allocating_
     hub.mkdir()
     (hub / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     save_file({"unrelated.weight": torch.zeros(2, 2)}, str(hub / "model.safetensors"))
-    proc = subprocess.run([sys.executable, "-c", _ALLOCATE_UNDER_A_LIMIT, str(hub)], capture_output=True, text=True,
-                          cwd=REPO, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.stdout.startswith(f"CheckpointMismatch {hub}: tensors missing for the config's model: "
-                                  "['lm_head.weight', 'model.embed_tokens.weight'"), proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-c", _ALLOCATE_UNDER_A_LIMIT, str(hub)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.stdout.startswith(
+        f"CheckpointMismatch {hub}: tensors missing for the config's model: "
+        "['lm_head.weight', 'model.embed_tokens.weight'"
+    ), proc.stdout + proc.stderr[-2000:]
     assert "tensors the model has no place for: ['unrelated.weight']" in proc.stdout
     for read in (run_configs, lambda path: import_hub(path, str(tmp_path / "ckpt"))):
         with pytest.raises(CheckpointMismatch, match="tensors missing for the config's model"):
@@ -73,9 +101,11 @@ def test_an_index_naming_a_missing_shard_is_one_line_and_leaves_nothing(tmp_path
     save = tmp_path / "save"
     with pytest.raises(ConfigError) as refused:
         pretraining(configs(RUN + ["--load-hf", str(hub), "--save", str(save)]))
-    assert str(refused.value) == (f"--load-hf={hub}: {hub}/model.safetensors.index.json: names {shard}, which the "
-                                  "folder does not hold (a download or copy cut short?)")
-    assert not save.exists()   # the folder the save lock made is gone with the lock
+    assert str(refused.value) == (
+        f"--load-hf={hub}: {hub}/model.safetensors.index.json: names {shard}, which the "
+        "folder does not hold (a download or copy cut short?)"
+    )
+    assert not save.exists()  # the folder the save lock made is gone with the lock
     with pytest.raises(CheckpointMismatch, match=f"names {shard}, which the folder does not hold"):
         import_hub(str(hub), str(tmp_path / "ckpt"))
 
@@ -86,18 +116,30 @@ def test_a_tokenizer_that_cannot_be_read_or_is_missing_is_refused_naming_the_fil
     from moezero.recipe import pretraining
 
     (hub / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
-    with pytest.raises(ConfigError, match=f"--load-hf={hub}: {hub}: holds tokenizer_config.json but no tokenizer "
-                                          r"file \(tokenizer.json, tokenizer.model, tiktoken.model\)"):
+    with pytest.raises(
+        ConfigError,
+        match=f"--load-hf={hub}: {hub}: holds tokenizer_config.json but no tokenizer "
+        r"file \(tokenizer.json, tokenizer.model, tiktoken.model\)",
+    ):
         pretraining(configs(RUN + ["--load-hf", str(hub)]))
     (hub / "tokenizer.json").write_text("{ not json")
-    with pytest.raises(ConfigError, match=f"--load-hf={hub}: {hub}/tokenizer.json is not a Hugging Face "
-                                          "tokenizer.json"):
+    with pytest.raises(
+        ConfigError, match=f"--load-hf={hub}: {hub}/tokenizer.json is not a Hugging Face tokenizer.json"
+    ):
         pretraining(configs(RUN + ["--load-hf", str(hub)]))
-    refused = subprocess.run([sys.executable, os.path.join(REPO, "tools", "hf_checkpoint.py"), "import", str(hub),
-                              str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "hf_checkpoint.py"), "import", str(hub), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and "tokenizer.json is not a Hugging Face tokenizer.json" in lines[-1] and \
-        "Traceback" not in refused.stderr, refused.stderr
+    assert (
+        refused.returncode == 2
+        and "tokenizer.json is not a Hugging Face tokenizer.json" in lines[-1]
+        and "Traceback" not in refused.stderr
+    ), refused.stderr
 
 
 def test_every_tokenizer_form_of_a_folder_becomes_the_runs(tmp_path, hub):
@@ -114,8 +156,11 @@ def test_load_hf_does_not_switch_the_data_to_another_tokenizer(tmp_path, hub):
     from moezero.recipe import pretraining
 
     write_bpe_files(str(hub))
-    with pytest.raises(DataError, match=f"--data-path: {CORPUS} was tokenized with ByteLevelTokenizer .* the run's "
-                                        f"tokenizer is HuggingFaceTokenizer {hub} "):
+    with pytest.raises(
+        DataError,
+        match=f"--data-path: {CORPUS} was tokenized with ByteLevelTokenizer .* the run's "
+        f"tokenizer is HuggingFaceTokenizer {hub} ",
+    ):
         pretraining(configs(RUN + ["--load-hf", str(hub), "--data-cache-path", str(tmp_path / "cache")]))
 
 
@@ -128,8 +173,9 @@ def test_save_hf_writes_the_runs_tokenizer_and_token_ids(tmp_path, hub):
     from moezero.recipe import pretraining
 
     out = tmp_path / "hf"
-    run = pretraining(configs(RUN + ["--load-hf", str(hub), "--save-hf", str(out), "--data-cache-path",
-                                     str(tmp_path / "cache")]))
+    run = pretraining(
+        configs(RUN + ["--load-hf", str(hub), "--save-hf", str(out), "--data-cache-path", str(tmp_path / "cache")])
+    )
     run.train()
     run.groups.destroy()
     folder = out / "iter_0000001"
@@ -144,15 +190,18 @@ def test_save_hf_writes_the_runs_tokenizer_and_token_ids(tmp_path, hub):
 
 
 def test_a_dtype_no_folder_is_written_in_is_refused_at_start(tmp_path, hub):
-    """"torch_dtype": "bf16" (transformers writes "bfloat16"): --save-hf refuses it when the run is built (it
+    """ "torch_dtype": "bf16" (transformers writes "bfloat16"): --save-hf refuses it when the run is built (it
     trained, then died in a traceback writing nothing), and so does the import."""
     from moezero.recipe import pretraining
 
     config = json.loads((hub / "config.json").read_text())
     config.pop("dtype", None)
     (hub / "config.json").write_text(json.dumps(dict(config, torch_dtype="bf16")))
-    with pytest.raises(ConfigError, match=f"--save-hf={tmp_path / 'hf'}: the source's config.json torch_dtype 'bf16' "
-                                          r"is not a dtype Hub weights are written in \(one of float32, bfloat16"):
+    with pytest.raises(
+        ConfigError,
+        match=f"--save-hf={tmp_path / 'hf'}: the source's config.json torch_dtype 'bf16' "
+        r"is not a dtype Hub weights are written in \(one of float32, bfloat16",
+    ):
         pretraining(configs(RUN + ["--load-hf", str(hub), "--save-hf", str(tmp_path / "hf")]))
     with pytest.raises(CheckpointMismatch, match="torch_dtype 'bf16' is not a dtype"):
         import_hub(str(hub), str(tmp_path / "ckpt"))

@@ -1,5 +1,6 @@
 """An export killed mid-write (SIGKILL: no `finally` runs) leaves its staging folder beside the target; the next
 export into the same target removes it, names it, and writes a model transformers loads."""
+
 import glob
 import os
 import signal
@@ -34,8 +35,13 @@ hub.save_pretrained(hub.from_pretrained(source), target)
 
 
 def _export_killed_after_its_first_shard(source, target, marker):
-    child = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, source, target, marker], cwd=REPO,
-                             env=dict(os.environ, PYTHONPATH=REPO), stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_EXPORT, source, target, marker],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(marker):
@@ -52,7 +58,7 @@ def test_the_next_export_removes_a_killed_exports_staging_folder(tmp_path):
     tiny_model("qwen3_moe", seed=4).float().save_pretrained(source)
     _export_killed_after_its_first_shard(source, target, str(tmp_path / "marker"))
     _export_killed_after_its_first_shard(source, other, str(tmp_path / "marker2"))
-    left = glob.glob(os.path.join(str(tmp_path), ".moezero-export-out.????????"))   # mkdtemp: 8 characters
+    left = glob.glob(os.path.join(str(tmp_path), ".moezero-export-out.????????"))  # mkdtemp: 8 characters
     assert len(left) == 1 and glob.glob(os.path.join(left[0], "*.safetensors")), left
     assert not os.path.exists(os.path.join(target, "model.safetensors.index.json"))
 
@@ -63,8 +69,12 @@ def test_the_next_export_removes_a_killed_exports_staging_folder(tmp_path):
     # another target's staging folder (out.v2's, whose name starts like out's) is not this export's to remove
     assert len(glob.glob(os.path.join(str(tmp_path), ".moezero-export-out.v2.*"))) == 1
     probe = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(hf_logits(load_with_transformers(target), probe),
-                               hf_logits(load_with_transformers(source), probe), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(load_with_transformers(target), probe),
+        hf_logits(load_with_transformers(source), probe),
+        rtol=0,
+        atol=1e-5,
+    )
 
 
 def test_an_exported_tokenizer_brings_its_folders_files_and_replaces_another_ones(tmp_path):
@@ -77,8 +87,9 @@ def test_an_exported_tokenizer_brings_its_folders_files_and_replaces_another_one
     source.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "unrelated.txt"):
         (source / name).write_text("{}")
-    files = run_tokenizer_files({"tokenizer_type": "HuggingFaceTokenizer",
-                                 "tokenizer_model": str(source / "tokenizer.json")})
+    files = run_tokenizer_files(
+        {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(source / "tokenizer.json")}
+    )
     assert sorted(files) == ["tokenizer.json", "tokenizer_config.json"]
     model, out = hub.from_pretrained(_tiny_source(tmp_path)), str(tmp_path / "out")
     os.makedirs(out)
@@ -88,8 +99,14 @@ def test_an_exported_tokenizer_brings_its_folders_files_and_replaces_another_one
     with open(os.path.join(out, "model.safetensors"), "w") as f:
         f.write("old weights")
     hub.save_pretrained(model, out, overwrite=True, tokenizer_files=files)
-    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model-00001-of-00001.safetensors",
-                                       "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == [
+        "README.md",
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def _tiny_source(tmp_path):

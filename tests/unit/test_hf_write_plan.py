@@ -1,12 +1,14 @@
 """The plan of a Hub export written by every rank: each tensor once, by a rank that holds it, shares balanced,
 files within the size and numbered alike on every rank."""
+
 from moezero.hf.write_plan import Piece, plan_writes
 
 
 def _pieces():
     dense = [Piece(f"dense{i}", (0, 1, 2, 3), ((f"d{i}.a", 100 + i), (f"d{i}.b", 50))) for i in range(6)]
-    experts = [Piece(f"w1@experts{j * 2}", (j, j + 2), tuple((f"e{j * 2 + e}", 300) for e in range(2)))
-               for j in range(2)]   # ep 2 on 4 ranks: ep rank j's experts live on ranks j and j + 2
+    experts = [
+        Piece(f"w1@experts{j * 2}", (j, j + 2), tuple((f"e{j * 2 + e}", 300) for e in range(2))) for j in range(2)
+    ]  # ep 2 on 4 ranks: ep rank j's experts live on ranks j and j + 2
     return dense + experts
 
 
@@ -29,15 +31,15 @@ def test_every_key_once_by_a_holder_in_files_within_the_size():
 
 
 def test_the_shares_are_balanced_and_the_plan_is_the_same_everywhere():
-    plan = plan_writes(_pieces(), world_size=4, max_shard_bytes=10 ** 9)
+    plan = plan_writes(_pieces(), world_size=4, max_shard_bytes=10**9)
     load = [0] * 4
     for piece in _pieces():
         load[plan.writer[piece.name]] += piece.nbytes
-    assert max(load) - min(load) <= 600, load   # no more apart than the largest piece
-    assert plan == plan_writes(_pieces(), world_size=4, max_shard_bytes=10 ** 9)
+    assert max(load) - min(load) <= 600, load  # no more apart than the largest piece
+    assert plan == plan_writes(_pieces(), world_size=4, max_shard_bytes=10**9)
 
 
 def test_one_process_writes_everything():
     alone = [Piece(p.name, (0,), p.keys) for p in _pieces()]
-    plan = plan_writes(alone, world_size=1, max_shard_bytes=10 ** 9)
+    plan = plan_writes(alone, world_size=1, max_shard_bytes=10**9)
     assert set(plan.writer.values()) == {0} and plan.names == ["model-00001-of-00001.safetensors"]

@@ -1,4 +1,5 @@
 """RSS does not creep over a long MoE run with the host heap policy (moezero/training/host_memory.py) applied."""
+
 import os
 import subprocess
 import sys
@@ -37,15 +38,16 @@ print(max(rss[:3]), max(rss[3:]), heap.trims)
 def _rss(env_extra, gelu="torch_gelu"):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", LOOP, gelu], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LOOP, gelu], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=True
+    )
     return tuple(map(int, out.stdout.split()))
 
 
 def test_resident_set_stays_under_the_warmed_up_ceiling_plus_the_slack():
     """The ceiling is the largest step-end RSS of the first 3 steps; a step may grow it by at most one
     step's fragmentation (under 48 MB for this layer) before the trim at its end."""
-    bound = 64 * 2 ** 20 + 48 * 2 ** 20
+    bound = 64 * 2**20 + 48 * 2**20
     ceiling, peak, trims = _rss({})
     assert peak - ceiling < bound and trims > 0, (ceiling, peak, trims)
     # glibc alone lets it creep past that bound (the allocator keeps the holes; how far varies: 139 MB in one
@@ -60,7 +62,7 @@ def test_the_fused_gelu_leaves_no_creep_to_trim():
     if _loader.load("cpu") is None:
         pytest.skip("moezero._C is not built (or MOEZERO_DISABLE_EXT=1): the GELU is torch's")
     ceiling, peak, trims = _rss({"MOEZERO_KEEP_MALLOC": "1"}, gelu="fused")
-    assert trims == 0 and peak - ceiling < 64 * 2 ** 20 + 48 * 2 ** 20, (ceiling, peak)
+    assert trims == 0 and peak - ceiling < 64 * 2**20 + 48 * 2**20, (ceiling, peak)
 
 
 KEEP = r"""
@@ -77,8 +79,7 @@ print(resident_bytes() - before)
 def _kept_after_free(env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.update(OMP_NUM_THREADS="1", **env_extra)
-    out = subprocess.run([sys.executable, "-c", KEEP], env=env, capture_output=True, text=True, timeout=120,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", KEEP], env=env, capture_output=True, text=True, timeout=120, check=True)
     return int(out.stdout.split()[-1])
 
 
@@ -87,9 +88,9 @@ def test_freed_tensors_stay_in_the_heap_unless_the_user_tunes_malloc():
     """With the trimmer's thresholds a freed 20 MB tensor stays resident for the next step's reuse (glibc's
     defaults map it on its own and unmap it at free); a MALLOC_* variable or MOEZERO_KEEP_MALLOC=1 keeps
     glibc's behaviour."""
-    assert _kept_after_free({}) > 16 * 2 ** 20
-    assert _kept_after_free({"MALLOC_ARENA_MAX": "8"}) < 4 * 2 ** 20
-    assert _kept_after_free({"MOEZERO_KEEP_MALLOC": "1"}) < 4 * 2 ** 20
+    assert _kept_after_free({}) > 16 * 2**20
+    assert _kept_after_free({"MALLOC_ARENA_MAX": "8"}) < 4 * 2**20
+    assert _kept_after_free({"MOEZERO_KEEP_MALLOC": "1"}) < 4 * 2**20
 
 
 def _pretraining_heap_steps(cache_dir):
@@ -100,8 +101,10 @@ def _pretraining_heap_steps(cache_dir):
     for extra in ([], ["--no-host-heap-policy"]):
         run = pretraining(configs(TINY + ["--train-iters", "3", "--data-cache-path", cache_dir] + extra))
         run.train()
-        out[" ".join(extra) or "default"] = (None if run.heap is None else run.heap.steps,
-                                             [h["lm_loss"] for h in run.history])
+        out[" ".join(extra) or "default"] = (
+            None if run.heap is None else run.heap.steps,
+            [h["lm_loss"] for h in run.history],
+        )
         run.groups.destroy()
     return out
 

@@ -1,4 +1,5 @@
 """init_distributed's arguments to torch (moezero/training/job.py), checked without starting a process group."""
+
 import datetime
 
 import pytest
@@ -29,7 +30,7 @@ def test_nccl_binds_each_process_to_its_gpu(calls, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     job.init_distributed("nccl", 7)
-    (backend, kw), = calls["init"]
+    ((backend, kw),) = calls["init"]
     assert backend == "nccl" and kw["device_id"] == torch.device("cuda", 1)
     assert kw["timeout"] == datetime.timedelta(minutes=7)
     assert calls["set_device"] == [torch.device("cuda", 1)]
@@ -37,7 +38,7 @@ def test_nccl_binds_each_process_to_its_gpu(calls, monkeypatch):
 
 def test_one_gpu_process_joins_a_world_of_one_bound_to_gpu_0(calls):
     job.init_distributed("nccl", 5)
-    (backend, kw), = calls["init"]
+    ((backend, kw),) = calls["init"]
     assert backend == "nccl" and kw["world_size"] == 1 and kw["device_id"] == torch.device("cuda", 0)
 
 
@@ -45,5 +46,5 @@ def test_gloo_names_no_device(calls, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     job.init_distributed("gloo", 5)
-    (backend, kw), = calls["init"]
+    ((backend, kw),) = calls["init"]
     assert backend == "gloo" and "device_id" not in kw and calls["set_device"] == []

@@ -1,4 +1,5 @@
 """Per-sample keyed draws (moezero/keyed_random.py): one stream per sample, made on the device they are used on."""
+
 import pytest
 import torch
 
@@ -21,9 +22,11 @@ def test_a_sample_draws_the_same_numbers_in_any_batch(device):
     normal = both.normal("force", (3, 5), device)
     assert torch.equal(normal, torch.cat([k.normal("force", (3, 5), device) for k in alone]))
     # another site, iteration or seed: other numbers
-    for other in (both.dropout_mask("mlp", (4, 33), 0.25, device),
-                  SampleKeys(7, 4, (5, 9)).dropout_mask("attn", (4, 33), 0.25, device),
-                  SampleKeys(8, 3, (5, 9)).dropout_mask("attn", (4, 33), 0.25, device)):
+    for other in (
+        both.dropout_mask("mlp", (4, 33), 0.25, device),
+        SampleKeys(7, 4, (5, 9)).dropout_mask("attn", (4, 33), 0.25, device),
+        SampleKeys(8, 3, (5, 9)).dropout_mask("attn", (4, 33), 0.25, device),
+    ):
         assert not torch.equal(other, mask)
 
 
@@ -49,6 +52,7 @@ def test_keyed_dropout_draws_where_its_input_lives(monkeypatch):
     def recording(*keys, device="cpu"):
         seen.append(torch.device(device).type)
         return real(*keys, device=device)
+
     monkeypatch.setattr(keyed_random, "keyed_generator", recording)
     for device in DEVICES:
         seen.clear()
@@ -81,8 +85,17 @@ def test_each_dropout_of_a_forward_draws_from_its_own_site(monkeypatch):
         return per_sample(self, site, *args)
 
     monkeypatch.setattr(SampleKeys, "_per_sample", spy)
-    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8,
-                       vocab_size=50, hidden_dropout=0.1, attention_dropout=0.1, moe_layer_freq=2)
+    config = GPTConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        seq_length=8,
+        vocab_size=50,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        moe_layer_freq=2,
+    )
     model = GPTModel(config, MoEConfig(num_experts=4, top_k=2, input_jitter_eps=0.1), seed=1).train()
     model(torch.randint(0, 50, (2, 8)), SampleKeys(0, 1, (0, 1)))
     assert len(sites) >= 2 * 3 + 1 and set(sites.values()) == {1}, sites

@@ -1,5 +1,6 @@
 """The dynamic loss scaler against megatron-core's DynamicGradScaler: the same scale after every step of random
 overflow patterns (several hysteresis and growth intervals), and the same after a state round trip."""
+
 import copy
 import random
 
@@ -24,15 +25,14 @@ def _megatrons(monkeypatch, scale, growth_interval, hysteresis, min_scale):
 def test_the_scale_follows_megatrons_over_random_overflows(monkeypatch, hysteresis, growth_interval):
     rng = random.Random(hysteresis * 10 + growth_interval)
     for _ in range(40):
-        theirs = _megatrons(monkeypatch, 2.0 ** 20, growth_interval, hysteresis, 4.0)
-        ours = DynamicLossScaler(scale=2.0 ** 20, growth_interval=growth_interval, hysteresis=hysteresis,
-                                 min_scale=4.0)
+        theirs = _megatrons(monkeypatch, 2.0**20, growth_interval, hysteresis, 4.0)
+        ours = DynamicLossScaler(scale=2.0**20, growth_interval=growth_interval, hysteresis=hysteresis, min_scale=4.0)
         for step in range(80):
             overflow = rng.random() < 0.4
             theirs.update(overflow)
             ours.update(overflow=overflow)
             assert ours.scale == theirs.scale.item(), (step, overflow)
-            if step == 40:   # a checkpoint's round trip in the middle
+            if step == 40:  # a checkpoint's round trip in the middle
                 state = ours.state_dict()
                 ours = DynamicLossScaler(growth_interval=growth_interval, hysteresis=hysteresis, min_scale=4.0)
                 ours.load_state_dict(state)
@@ -41,12 +41,12 @@ def test_the_scale_follows_megatrons_over_random_overflows(monkeypatch, hysteres
 def test_once_the_tolerated_overflows_are_used_every_overflow_halves_the_scale():
     """Hysteresis 2: the first overflow is tolerated, the next ones each halve (Megatron's; the scale an fp16
     run starts at, 2^32, must come down fast)."""
-    scaler = DynamicLossScaler(scale=2.0 ** 16, hysteresis=2)
+    scaler = DynamicLossScaler(scale=2.0**16, hysteresis=2)
     scales = []
     for _ in range(4):
         scaler.update(overflow=True)
         scales.append(scaler.scale)
-    assert scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14, 2.0 ** 13]
+    assert scales == [2.0**16, 2.0**15, 2.0**14, 2.0**13]
 
 
 def test_a_skipped_step_reports_no_gradient_norm_or_zero_count():
@@ -76,13 +76,13 @@ def test_fp16_overflows_while_the_scale_backs_off_never_stop_the_run():
     from moezero.zero import ZeroOptimizer
 
     model = nn.Linear(4, 1)
-    scaler = DynamicLossScaler(scale=2.0 ** 32, hysteresis=2, min_scale=4.0)
+    scaler = DynamicLossScaler(scale=2.0**32, hysteresis=2, min_scale=4.0)
     opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, loss_scaler=scaler, max_skipped_steps=3)
     overflowing = torch.full((1, 4), float("inf"))
-    for _ in range(33):   # 2^32 -> 4 in 31 overflows (one tolerated, then one halving each), then 2 at 4
+    for _ in range(33):  # 2^32 -> 4 in 31 overflows (one tolerated, then one halving each), then 2 at 4
         opt.backward(model(overflowing).sum())
         assert opt.step() is False
-    assert scaler.scale == 4.0 and opt.consecutive_skips == 2   # the two at 4.0 count
+    assert scaler.scale == 4.0 and opt.consecutive_skips == 2  # the two at 4.0 count
     opt.backward(model(overflowing).sum())
     with pytest.raises(FloatingPointError, match="3 consecutive steps at the minimum loss scale"):
         opt.step()
@@ -99,8 +99,15 @@ def test_a_loss_scaled_step_clips_as_torch_does_on_the_unscaled_gradient():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     reference = copy.deepcopy(model)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=0.1, clip_grad=0.05,
-                        grad_reduce_dtype=torch.float64, loss_scaler=DynamicLossScaler(scale=2.0 ** 10))
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=2,
+        lr=0.1,
+        clip_grad=0.05,
+        grad_reduce_dtype=torch.float64,
+        loss_scaler=DynamicLossScaler(scale=2.0**10),
+    )
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
     for step in range(3):
         x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))

@@ -1,6 +1,7 @@
 """The learning-rate schedule against megatron-core's own OptimizerParamScheduler, driven as Megatron's training
 loop drives it (built at num_steps 0, stepped by each successful step's samples), over warmup, decay and the
 tail of every decay style; and what a resume does with a changed schedule (Megatron's _check_and_set)."""
+
 import logging
 import types
 
@@ -21,27 +22,41 @@ def megatron_scheduler(t: TrainConfig, **kwargs):
     decay = (t.lr_decay_iters or t.train_iters) * gbs
     warmup = t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None else t.lr_warmup_iters * gbs
     wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters is not None else None
-    kwargs = {"use_checkpoint_opt_param_scheduler": False, **kwargs}   # the parser's default, not the class's
+    kwargs = {"use_checkpoint_opt_param_scheduler": False, **kwargs}  # the parser's default, not the class's
     return optimizer_param_scheduler.OptimizerParamScheduler(
-        optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, start_wd=_or(t.start_weight_decay, t.weight_decay),
-        end_wd=_or(t.end_weight_decay, t.weight_decay), wd_incr_steps=t.train_iters * gbs,
-        wd_incr_style=t.weight_decay_incr_style, wsd_decay_steps=wsd,
-        lr_wsd_decay_style=t.lr_wsd_decay_style, **kwargs), optimizer
+        optimizer,
+        init_lr=t.lr_warmup_init,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=_or(t.start_weight_decay, t.weight_decay),
+        end_wd=_or(t.end_weight_decay, t.weight_decay),
+        wd_incr_steps=t.train_iters * gbs,
+        wd_incr_style=t.weight_decay_incr_style,
+        wsd_decay_steps=wsd,
+        lr_wsd_decay_style=t.lr_wsd_decay_style,
+        **kwargs,
+    ), optimizer
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-STYLES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "inverse-square-root")] + \
-         [dict(lr_decay_style="WSD", lr_wsd_decay_style=w, lr_wsd_decay_iters=6)
-          for w in ("exponential", "linear", "cosine", "minus_sqrt")]
+STYLES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "inverse-square-root")] + [
+    dict(lr_decay_style="WSD", lr_wsd_decay_style=w, lr_wsd_decay_iters=6)
+    for w in ("exponential", "linear", "cosine", "minus_sqrt")
+]
 
 
 @pytest.mark.parametrize("style", STYLES, ids=lambda s: s.get("lr_wsd_decay_style", s["lr_decay_style"]))
-@pytest.mark.parametrize("warmup", [dict(lr_warmup_iters=5, lr_warmup_init=1e-4), dict(lr_warmup_fraction=0.25),
-                                    dict()], ids=["iters+init", "fraction", "none"])
+@pytest.mark.parametrize(
+    "warmup",
+    [dict(lr_warmup_iters=5, lr_warmup_init=1e-4), dict(lr_warmup_fraction=0.25), dict()],
+    ids=["iters+init", "fraction", "none"],
+)
 def test_every_step_runs_megatrons_lr(style, warmup):
     """30 steps of a 24-step decay (the tail at min_lr), one skipped step (no advance, as Megatron)."""
     t = TrainConfig(lr=3e-3, min_lr=3e-4, train_iters=30, lr_decay_iters=24, global_batch_size=8, **style, **warmup)
@@ -49,7 +64,7 @@ def test_every_step_runs_megatrons_lr(style, warmup):
     ours, num_steps = LearningRateSchedule.from_config(t), 0
     for step in range(t.train_iters):
         assert ours.lr(num_steps) == optimizer.param_groups[0]["lr"], (step, num_steps)
-        if step != 7:   # a skipped step advances neither
+        if step != 7:  # a skipped step advances neither
             theirs.step(increment=t.global_batch_size)
             num_steps += t.global_batch_size
 
@@ -63,18 +78,22 @@ def test_every_step_runs_megatrons_weight_decay(style):
     theirs, optimizer = megatron_scheduler(t)
     ours, num_steps = LearningRateSchedule.from_config(t), 0
     for step in range(t.train_iters):
-        assert ours.weight_decay_at(num_steps) == pytest.approx(optimizer.param_groups[0]["weight_decay"],
-                                                                rel=1e-12, abs=1e-15), (step, num_steps)
+        assert ours.weight_decay_at(num_steps) == pytest.approx(
+            optimizer.param_groups[0]["weight_decay"], rel=1e-12, abs=1e-15
+        ), (step, num_steps)
         if step != 5:
             theirs.step(increment=t.global_batch_size)
             num_steps += t.global_batch_size
     assert ours.weight_decay_at(t.train_iters * 8 + 1) == pytest.approx(0.1 if style != "constant" else 0.05)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(start_weight_decay=0.0), "--start-weight-decay=0.0: only with --weight-decay-incr-style linear"),
-    (dict(weight_decay_incr_style="linear", start_weight_decay=0.0), "--end-weight-decay=None: a value >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(start_weight_decay=0.0), "--start-weight-decay=0.0: only with --weight-decay-incr-style linear"),
+        (dict(weight_decay_incr_style="linear", start_weight_decay=0.0), "--end-weight-decay=None: a value >= 0"),
+    ],
+)
 def test_a_weight_decay_increment_takes_megatrons_flags(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         TrainConfig(global_batch_size=8, **kwargs)
@@ -86,9 +105,23 @@ def test_a_run_applies_the_weight_decay_increment_to_its_decayed_params(tmp_path
     from moezero.recipe import pretraining
     from tests.integration.pretrain_utils import TINY, configs
 
-    run = pretraining(configs(TINY + ["--train-iters", "2", "--weight-decay-incr-style", "linear",
-                                      "--start-weight-decay", "0", "--end-weight-decay", "0.1",
-                                      "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--train-iters",
+                "2",
+                "--weight-decay-incr-style",
+                "linear",
+                "--start-weight-decay",
+                "0",
+                "--end-weight-decay",
+                "0.1",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     run.train()
     run.groups.destroy()
     assert sorted(g["weight_decay"] for g in run.opt.param_groups) == pytest.approx([0.0, 0.05])
@@ -96,42 +129,68 @@ def test_a_run_applies_the_weight_decay_increment_to_its_decayed_params(tmp_path
 
 def test_a_resume_compares_the_weight_decay_increment_as_megatron_does():
     """Megatron's scheduler checks start/end weight decay, the increment's style and length on load."""
-    base = dict(lr=3e-3, train_iters=30, global_batch_size=8, weight_decay_incr_style="linear",
-                start_weight_decay=0.0, end_weight_decay=0.1)
-    for change in (dict(end_weight_decay=0.2), dict(weight_decay_incr_style="cosine"), dict(train_iters=40,
-                                                                                           lr_decay_iters=30)):
+    base = dict(
+        lr=3e-3,
+        train_iters=30,
+        global_batch_size=8,
+        weight_decay_incr_style="linear",
+        start_weight_decay=0.0,
+        end_weight_decay=0.1,
+    )
+    for change in (
+        dict(end_weight_decay=0.2),
+        dict(weight_decay_incr_style="cosine"),
+        dict(train_iters=40, lr_decay_iters=30),
+    ):
         assert _resume(TrainConfig(**base), TrainConfig(**{**base, **change})) == ("refused", "refused"), change
     ours, megatron = _resume(TrainConfig(**base), TrainConfig(**base))
     assert ours == megatron != "refused"
     saved = LearningRateSchedule.from_config(TrainConfig(**base))
     with pytest.raises(ConfigError, match="--start-weight-decay: 0 in the checkpoint, 0.05 now"):
-        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(**{**base, "start_weight_decay": 0.05})),
-                         saved.state(80), False, False)
+        resumed_schedule(
+            LearningRateSchedule.from_config(TrainConfig(**{**base, "start_weight_decay": 0.05})),
+            saved.state(80),
+            False,
+            False,
+        )
     with pytest.raises(ConfigError, match="--end-weight-decay=0.1: must be >= --start-weight-decay"):
         TrainConfig(**{**base, "start_weight_decay": 0.2})
 
 
 def test_the_first_step_runs_at_the_warmup_init_and_the_warmup_ends_at_lr():
-    schedule = LearningRateSchedule.from_config(TrainConfig(lr=1.0, lr_warmup_iters=4, global_batch_size=2,
-                                                            lr_warmup_init=0.2, lr_decay_style="constant"))
+    schedule = LearningRateSchedule.from_config(
+        TrainConfig(lr=1.0, lr_warmup_iters=4, global_batch_size=2, lr_warmup_init=0.2, lr_decay_style="constant")
+    )
     assert [schedule.lr(2 * i) for i in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
 
 
 def test_sample_based_lengths_are_megatrons():
-    t = TrainConfig(train_samples=800, global_batch_size=8, lr_warmup_samples=80, lr_decay_samples=640,
-                    lr_decay_style="WSD", lr_wsd_decay_samples=100)
-    assert LearningRateSchedule.from_config(t) == LearningRateSchedule(0.0, t.lr, 0.0, 80, 640, "WSD", 100,
-                                                                       "exponential", t.weight_decay)
+    t = TrainConfig(
+        train_samples=800,
+        global_batch_size=8,
+        lr_warmup_samples=80,
+        lr_decay_samples=640,
+        lr_decay_style="WSD",
+        lr_wsd_decay_samples=100,
+    )
+    assert LearningRateSchedule.from_config(t) == LearningRateSchedule(
+        0.0, t.lr, 0.0, 80, 640, "WSD", 100, "exponential", t.weight_decay
+    )
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(lr_warmup_iters=200), "--lr-warmup-iters=200: the warmup (3200 samples) must end before"),
-    (dict(lr_warmup_fraction=1.0), "--lr-warmup-fraction=1.0: the warmup (3200 samples) must end before"),
-    (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters=None: --lr-decay-style WSD needs"),
-    (dict(lr_warmup_init=1.0, lr=0.1), "--lr-warmup-init=1.0: must be <= --lr"),
-    (dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
-     "--override-opt_param-scheduler=True: give it or --use-checkpoint-opt_param-scheduler"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(lr_warmup_iters=200), "--lr-warmup-iters=200: the warmup (3200 samples) must end before"),
+        (dict(lr_warmup_fraction=1.0), "--lr-warmup-fraction=1.0: the warmup (3200 samples) must end before"),
+        (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters=None: --lr-decay-style WSD needs"),
+        (dict(lr_warmup_init=1.0, lr=0.1), "--lr-warmup-init=1.0: must be <= --lr"),
+        (
+            dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+            "--override-opt_param-scheduler=True: give it or --use-checkpoint-opt_param-scheduler",
+        ),
+    ],
+)
 def test_what_megatrons_scheduler_asserts_is_one_line(kwargs, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(global_batch_size=16, **kwargs)
@@ -149,9 +208,12 @@ def _resume(saved_config, new_config, **flags):
     except AssertionError:
         megatron = "refused"
     try:
-        schedule = resumed_schedule(new, saved.state(10 * saved_config.global_batch_size),
-                                    flags.get("override_opt_param_scheduler", False),
-                                    flags.get("use_checkpoint_opt_param_scheduler", False))
+        schedule = resumed_schedule(
+            new,
+            saved.state(10 * saved_config.global_batch_size),
+            flags.get("override_opt_param_scheduler", False),
+            flags.get("use_checkpoint_opt_param_scheduler", False),
+        )
         ours = schedule.lr(10 * saved_config.global_batch_size)
     except ConfigError as exc:
         ours = "refused"
@@ -159,10 +221,22 @@ def _resume(saved_config, new_config, **flags):
     return ours, megatron
 
 
-@pytest.mark.parametrize("change", [dict(lr=1e-3), dict(min_lr=1e-5), dict(lr_warmup_iters=2),
-                                    dict(train_iters=40), dict(lr_decay_style="cosine"), dict()])
-@pytest.mark.parametrize("flags", [dict(), dict(override_opt_param_scheduler=True),
-                                   dict(use_checkpoint_opt_param_scheduler=True)], ids=["none", "override", "ckpt"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(lr=1e-3),
+        dict(min_lr=1e-5),
+        dict(lr_warmup_iters=2),
+        dict(train_iters=40),
+        dict(lr_decay_style="cosine"),
+        dict(),
+    ],
+)
+@pytest.mark.parametrize(
+    "flags",
+    [dict(), dict(override_opt_param_scheduler=True), dict(use_checkpoint_opt_param_scheduler=True)],
+    ids=["none", "override", "ckpt"],
+)
 def test_a_changed_schedule_on_resume_is_decided_as_megatron_does(change, flags):
     base = dict(lr=3e-3, min_lr=1e-4, train_iters=30, global_batch_size=8, lr_warmup_iters=4)
     ours, megatron = _resume(TrainConfig(**base), TrainConfig(**{**base, **change}), **flags)
@@ -173,11 +247,16 @@ def test_a_changed_schedule_on_resume_is_decided_as_megatron_does(change, flags)
 def test_a_refusal_names_every_difference():
     saved = LearningRateSchedule.from_config(TrainConfig(lr=3e-3, train_iters=30, global_batch_size=16))
     with pytest.raises(ConfigError) as exc:
-        resumed_schedule(LearningRateSchedule.from_config(TrainConfig(lr=1e-3, train_iters=40, global_batch_size=16)), saved.state(80),
-                         False, False)
+        resumed_schedule(
+            LearningRateSchedule.from_config(TrainConfig(lr=1e-3, train_iters=40, global_batch_size=16)),
+            saved.state(80),
+            False,
+            False,
+        )
     assert "--lr: 0.003 in the checkpoint, 0.001 now" in str(exc.value)
-    assert "the decay length (--lr-decay-*, --train-iters / --train-samples): 480 in the checkpoint, 640 now" \
-        in str(exc.value)
+    assert "the decay length (--lr-decay-*, --train-iters / --train-samples): 480 in the checkpoint, 640 now" in str(
+        exc.value
+    )
 
 
 def test_param_groups_are_megatrons_weight_decay_and_decoupled_lr(tmp_path):
@@ -190,11 +269,24 @@ def test_param_groups_are_megatrons_weight_decay_and_decoupled_lr(tmp_path):
     from moezero.recipe import pretraining
     from tests.integration.pretrain_utils import TINY, configs
 
-    run = pretraining(configs(TINY + ["--untie-embeddings-and-output-weights", "--weight-decay", "0.1",
-                                      "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-4",
-                                      "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--untie-embeddings-and-output-weights",
+                "--weight-decay",
+                "0.1",
+                "--decoupled-lr",
+                "1e-2",
+                "--decoupled-min-lr",
+                "1e-4",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     model = run.model
-    model.embedding.weight.is_embedding_or_output_parameter = True   # as megatron-core's LanguageModule marks them
+    model.embedding.weight.is_embedding_or_output_parameter = True  # as megatron-core's LanguageModule marks them
     model.output.weight.is_embedding_or_output_parameter = True
     overrides = get_standard_config_overrides(OptimizerConfig(lr=3e-3, decoupled_lr=1e-2, decoupled_min_lr=1e-4))
     group_of = {id(p): g for g in run.opt.param_groups for p in g["params"]}
@@ -230,16 +322,16 @@ def test_a_changed_decoupled_lr_on_resume_is_compared_like_lr():
     with pytest.raises(ConfigError) as exc:
         resumed_schedule(new, saved.state(80), False, False)
     assert "--decoupled-lr: 0.001 in the checkpoint, 0.005 now" in str(exc.value)
-    assert "--decoupled-min-lr: 0.0001 in the checkpoint, 0.0002 now" in str(exc.value)   # --min-lr's, then
+    assert "--decoupled-min-lr: 0.0001 in the checkpoint, 0.0002 now" in str(exc.value)  # --min-lr's, then
     same = LearningRateSchedule.from_config(TrainConfig(**base, decoupled_lr=1e-3, decoupled_min_lr=1e-4))
-    assert resumed_schedule(same, saved.state(80), False, False) == same   # the same final lr, said or not
-    loaded = {"max_lr": 1e-3, "min_lr": None, "wd_mult": 1.0}   # a decoupled group as the checkpoint restored it
+    assert resumed_schedule(same, saved.state(80), False, False) == same  # the same final lr, said or not
+    loaded = {"max_lr": 1e-3, "min_lr": None, "wd_mult": 1.0}  # a decoupled group as the checkpoint restored it
     for flags, (peak, final) in (((True, False), (5e-3, 2e-4)), ((False, True), (1e-3, 1e-4))):
         schedule, group = resumed_schedule(new, saved.state(80), *flags), dict(loaded)
-        assert schedule.group_lr(8 * 4, group) == pytest.approx(peak)        # the warmup's end: the peak
-        assert schedule.group_lr(8 * 30, group) == pytest.approx(final)      # past the decay: the final lr
+        assert schedule.group_lr(8 * 4, group) == pytest.approx(peak)  # the warmup's end: the peak
+        assert schedule.group_lr(8 * 30, group) == pytest.approx(final)  # past the decay: the final lr
         assert group["max_lr"] == peak
-        assert schedule.group_lr(8 * 4, {"wd_mult": 1.0}) == pytest.approx(3e-3)   # the other groups: --lr
+        assert schedule.group_lr(8 * 4, {"wd_mult": 1.0}) == pytest.approx(3e-3)  # the other groups: --lr
 
 
 def test_resuming_an_import_starts_the_command_lines_schedule():
@@ -269,8 +361,9 @@ def test_the_loop_steps_at_megatrons_lr(tmp_path, monkeypatch):
 
     train_step = pretrain.train_step
     monkeypatch.setattr(pretrain, "train_step", recording)
-    run = pretraining(configs(TINY + ["--train-iters", "6", "--lr-warmup-init", "1e-4",
-                                      "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(TINY + ["--train-iters", "6", "--lr-warmup-init", "1e-4", "--data-cache-path", str(tmp_path)])
+    )
     run.train()
     run.groups.destroy()
     theirs, optimizer = megatron_scheduler(run.cfg.train)

@@ -1,6 +1,7 @@
 """Megatron's --apply-layernorm-1p (zero-centred norm weights), --eod-mask-loss and --calculate-per-token-loss,
 each checked by its effect: the norm computes (1 + w) with w starting at 0; the dataset masks the EOD tokens'
 loss; a step's gradient is that of the global batch's token-mean loss."""
+
 import copy
 import dataclasses
 
@@ -31,10 +32,10 @@ def test_zero_centred_norms_scale_by_one_plus_their_weight(normalization):
         plain.load_state_dict(state)
     model.eval(), plain.eval()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    keys = SampleKeys(0, 0, (0, 1))   # the router's jitter draws the same noise for both (evaluation too)
+    keys = SampleKeys(0, 0, (0, 1))  # the router's jitter draws the same noise for both (evaluation too)
     torch.testing.assert_close(model(tokens, keys)[0], plain(tokens, keys)[0], rtol=0, atol=1e-12)
     with pytest.raises(Exception, match="--apply-layernorm-1p"):
-        family_for(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)   # no HF family stores gamma - 1
+        family_for(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)  # no HF family stores gamma - 1
 
 
 def test_eod_mask_loss_masks_the_end_of_document_tokens(tmp_path):
@@ -53,9 +54,14 @@ def _uneven_batches():
     for kept, first in ((10, 0), (64, 2)):
         mask = torch.zeros(2, 32)
         mask.view(-1)[:kept] = 1.0
-        batches.append({"tokens": torch.randint(0, 256, (2, 32), generator=g),
-                        "labels": torch.randint(0, 256, (2, 32), generator=g), "loss_mask": mask,
-                        "sample_index": torch.tensor([first, first + 1])})
+        batches.append(
+            {
+                "tokens": torch.randint(0, 256, (2, 32), generator=g),
+                "labels": torch.randint(0, 256, (2, 32), generator=g),
+                "loss_mask": mask,
+                "sample_index": torch.tensor([first, first + 1]),
+            }
+        )
     return batches
 
 
@@ -68,17 +74,27 @@ def test_the_logged_and_validation_lm_loss_is_the_token_mean(tmp_path):
 
     def token_mean(training: bool) -> float:
         run.model.train(training)
-        with torch.no_grad():   # the router jitters in evaluation too (Megatron's), keyed as evaluate() keys it
-            means = [float(_micro_batch_losses(run.model, b, evaluation_keys(7, "valid", 3, b) if not training else
-                                               SampleKeys(7, 0, tuple(b["sample_index"].tolist())))[0])
-                     for b in batches]
-        assert abs((means[0] * 10 + means[1] * 64) / 74 - sum(means) / 2) > 1e-3   # the two rules differ here
+        with torch.no_grad():  # the router jitters in evaluation too (Megatron's), keyed as evaluate() keys it
+            means = [
+                float(
+                    _micro_batch_losses(
+                        run.model,
+                        b,
+                        evaluation_keys(7, "valid", 3, b)
+                        if not training
+                        else SampleKeys(7, 0, tuple(b["sample_index"].tolist())),
+                    )[0]
+                )
+                for b in batches
+            ]
+        assert abs((means[0] * 10 + means[1] * 64) / 74 - sum(means) / 2) > 1e-3  # the two rules differ here
         return (means[0] * 10 + means[1] * 64) / 74
+
     validation = token_mean(training=False)
-    run.model.train()   # as the training loop leaves it: evaluate() turns dropout off itself
+    run.model.train()  # as the training loop leaves it: evaluate() turns dropout off itself
     assert evaluate(run.model, batches, None, 7, 3, "valid") == pytest.approx(validation, rel=1e-9)
     assert run.model.training
-    training = token_mean(training=True)   # dropout and jitter keyed by the samples: train_step's own draws
+    training = token_mean(training=True)  # dropout and jitter keyed by the samples: train_step's own draws
     assert train_step(run.model, run.opt, batches, 0, 7, None).lm_loss == pytest.approx(training, rel=1e-6)
     run.groups.destroy()
 
@@ -88,8 +104,23 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
     Megatron's, (the sum of token losses + each router loss times the micro-batch's tokens, as megatron-core's
     router attaches it) / 74, not the mean of the two micro-batch means with the router losses averaged; the
     logged loss is that token mean."""
-    run = pretraining(configs(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0", "--clip-grad", "0",
-                                      "--weight-decay", "0", "--data-cache-path", str(tmp_path)]))
+    run = pretraining(
+        configs(
+            TINY
+            + [
+                "--optimizer",
+                "sgd",
+                "--sgd-momentum",
+                "0",
+                "--clip-grad",
+                "0",
+                "--weight-decay",
+                "0",
+                "--data-cache-path",
+                str(tmp_path),
+            ]
+        )
+    )
     for group in run.opt.param_groups:
         group["lr"] = 0.5
     run.model.train()
@@ -99,16 +130,18 @@ def test_the_per_token_loss_step_is_the_global_batch_token_mean(tmp_path):
     metrics = train_step(run.model, run.opt, batches, 0, 7, None, per_token_loss=True)
     loss, token_sum = 0.0, 0.0
     for batch in batches:
-        lm, router, stats, _ = _micro_batch_losses(reference, batch,
-                                                   SampleKeys(7, 0, tuple(batch["sample_index"].tolist())))
-        routers = sum(s.aux_loss * 64 + s.z_loss * 64 for s in stats)   # aux_loss: each micro-batch's 64 tokens
+        lm, router, stats, _ = _micro_batch_losses(
+            reference, batch, SampleKeys(7, 0, tuple(batch["sample_index"].tolist()))
+        )
+        routers = sum(s.aux_loss * 64 + s.z_loss * 64 for s in stats)  # aux_loss: each micro-batch's 64 tokens
         assert torch.allclose(routers, sum(sum(s.token_weighted.values()) for s in stats), rtol=1e-12)
         loss = loss + (lm * batch["loss_mask"].sum() + routers) / 74
         token_sum += float(lm * batch["loss_mask"].sum())
     loss.backward()
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(run.model.get_parameter(name).detach(), before[name] - 0.5 * p.grad,
-                                   rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            run.model.get_parameter(name).detach(), before[name] - 0.5 * p.grad, rtol=1e-5, atol=1e-7, msg=name
+        )
     assert metrics.lm_loss == pytest.approx(token_sum / 74, rel=1e-6)
     run.groups.destroy()
 
@@ -117,6 +150,7 @@ def test_a_non_finite_step_stops_the_run_unless_told_to_skip_it(tmp_path):
     """Megatron's --check-for-nan-in-loss-and-grad (the default outside fp16): a NaN loss and gradient stop the
     run at that step, not taken; with --no-check-for-nan-in-loss-and-grad the steps are skipped (moezero's, up to
     --max-consecutive-skipped-steps in a row)."""
+
     def poisoned(extra):
         run = pretraining(configs(TINY + ["--train-iters", "3", "--data-cache-path", str(tmp_path)] + extra))
         with torch.no_grad():
@@ -125,8 +159,10 @@ def test_a_non_finite_step_stops_the_run_unless_told_to_skip_it(tmp_path):
 
     run = poisoned([])
     before = run.opt.skipped_steps
-    with pytest.raises(FloatingPointError, match="iteration 1: the loss or the gradient is not finite .*the step "
-                                                 "was not taken and the run stops"):
+    with pytest.raises(
+        FloatingPointError,
+        match="iteration 1: the loss or the gradient is not finite .*the step was not taken and the run stops",
+    ):
         run.train()
     assert run.opt.skipped_steps == before + 1 and run.iteration == 0
     run.groups.destroy()

@@ -2,6 +2,7 @@
 gate): the router losses' weights under --calculate-per-token-loss (what its MoEAuxLossAutoScaler attaches), the
 input jitter in evaluation, and which assignments a capacity factor keeps (torch.topk's picks over its
 sequence-major tokens)."""
+
 import dataclasses
 
 import pytest
@@ -18,8 +19,7 @@ B, S, D, E, K = 2, 16, 16, 4, 2
 
 
 def _ours(**kwargs) -> TopKRouter:
-    router = TopKRouter(MoEConfig(**{"hidden_size": D, "num_experts": E, "top_k": K, "router_dtype": "fp64",
-                                     **kwargs}))
+    router = TopKRouter(MoEConfig(**{"hidden_size": D, "num_experts": E, "top_k": K, "router_dtype": "fp64", **kwargs}))
     with torch.no_grad():
         router.wg.weight.copy_(torch.randn(E, D, generator=torch.Generator().manual_seed(3)))
     return router
@@ -33,12 +33,23 @@ def _theirs(ours: TopKRouter, per_token: bool = False):
 
     cfg = ours.config
     config = TransformerConfig(
-        num_layers=1, hidden_size=D, num_attention_heads=2, num_moe_experts=E, moe_router_topk=cfg.top_k,
+        num_layers=1,
+        hidden_size=D,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=cfg.top_k,
         moe_router_pre_softmax=cfg.pre_softmax,
-        moe_router_load_balancing_type=cfg.load_balancing_type, moe_aux_loss_coeff=cfg.aux_loss_coeff,
-        moe_z_loss_coeff=cfg.z_loss_coeff, moe_expert_capacity_factor=cfg.capacity_factor,
-        moe_token_drop_policy=cfg.token_drop_policy, moe_input_jitter_eps=cfg.input_jitter_eps,
-        calculate_per_token_loss=per_token, add_bias_linear=False, moe_router_dtype="fp64", **CPU_BUILD)
+        moe_router_load_balancing_type=cfg.load_balancing_type,
+        moe_aux_loss_coeff=cfg.aux_loss_coeff,
+        moe_z_loss_coeff=cfg.z_loss_coeff,
+        moe_expert_capacity_factor=cfg.capacity_factor,
+        moe_token_drop_policy=cfg.token_drop_policy,
+        moe_input_jitter_eps=cfg.input_jitter_eps,
+        calculate_per_token_loss=per_token,
+        add_bias_linear=False,
+        moe_router_dtype="fp64",
+        **CPU_BUILD,
+    )
     theirs = MegatronRouter(config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     theirs.set_layer_number(1)
     with torch.no_grad():
@@ -68,7 +79,7 @@ def _per_token_gradients(load_balancing_type: str):
         theirs = _theirs(ours, per_token=True)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
         probs, _ = theirs(_sequence_major(x))
-        (probs * 0).sum().backward()   # only the attached losses reach the gate
+        (probs * 0).sum().backward()  # only the attached losses reach the gate
     return ours.wg.weight.grad, theirs.weight.grad
 
 
@@ -97,7 +108,7 @@ def _jittered_evaluation():
     with megatron_on_cpu():
         theirs, their_plain = _theirs(ours).eval(), _theirs(unjittered).eval()
         moved = (theirs(_sequence_major(x))[0] - their_plain(_sequence_major(x))[0]).abs().max()
-        theirs.input_jitter = lambda shape: _sequence_major(noise_BSD)   # moezero's noise, to compare the routing
+        theirs.input_jitter = lambda shape: _sequence_major(noise_BSD)  # moezero's noise, to compare the routing
         probs, routing_map = theirs(_sequence_major(x))
     return routing, still, probs, routing_map, moved
 
@@ -106,14 +117,15 @@ def test_the_input_jitter_applies_in_evaluation_as_megatron_cores():
     """megatron-core's router multiplies its input by uniform noise in every forward, evaluation included; moezero's
     did only in training. With moezero's keyed noise in its place, Megatron's evaluation routes as moezero's."""
     routing, still, probs, routing_map, moved = run_distributed(_jittered_evaluation, 1, timeout=300)[0]
-    assert moved > 1e-3                                                      # Megatron's evaluation jitters
-    assert (routing.topk_weights_TK - still.topk_weights_TK).abs().max() > 1e-3   # and so does moezero's
+    assert moved > 1e-3  # Megatron's evaluation jitters
+    assert (routing.topk_weights_TK - still.topk_weights_TK).abs().max() > 1e-3  # and so does moezero's
     their_map = routing_map.view(S, B, E).transpose(0, 1).reshape(B * S, E)
     their_probs = probs.view(S, B, E).transpose(0, 1).reshape(B * S, E)
     ours_map = torch.zeros(B * S, E, dtype=torch.bool).scatter_(1, routing.topk_ids_TK, True)
     assert torch.equal(ours_map, their_map)
-    torch.testing.assert_close(their_probs.gather(1, routing.topk_ids_TK), routing.topk_weights_TK, rtol=1e-5,
-                               atol=0)   # its top-k softmax is fp32
+    torch.testing.assert_close(
+        their_probs.gather(1, routing.topk_ids_TK), routing.topk_weights_TK, rtol=1e-5, atol=0
+    )  # its top-k softmax is fp32
 
 
 @torch.no_grad()
@@ -131,8 +143,13 @@ def test_a_bare_eval_call_draws_no_jitter_and_training_does():
 
 @torch.no_grad()
 def _capacity_picks(policy: str, capacity_factor: float, top_k: int):
-    ours = _ours(capacity_factor=capacity_factor, token_drop_policy=policy, load_balancing_type="none", top_k=top_k,
-                 pre_softmax=top_k == 1)
+    ours = _ours(
+        capacity_factor=capacity_factor,
+        token_drop_policy=policy,
+        load_balancing_type="none",
+        top_k=top_k,
+        pre_softmax=top_k == 1,
+    )
     x = _tokens(4)
     routing = ours(x.reshape(B * S, D), num_sequences=B)
     with megatron_on_cpu():
@@ -143,19 +160,19 @@ def _capacity_picks(policy: str, capacity_factor: float, top_k: int):
     return routing, wanted(x.reshape(B * S, D)).topk_ids_TK, routing_map.view(S, B, E).transpose(0, 1).reshape(-1, E)
 
 
-@pytest.mark.parametrize("policy, capacity_factor, top_k", [("position", 1.0, 2), ("position", 0.5, 1),
-                                                            ("probs", 0.75, 2)])
+@pytest.mark.parametrize(
+    "policy, capacity_factor, top_k", [("position", 1.0, 2), ("position", 0.5, 1), ("probs", 0.75, 2)]
+)
 def test_capacity_keeps_what_megatron_cores_router_keeps(policy, capacity_factor, top_k):
     """megatron-core keeps, per expert, what torch.topk picks along its tokens in sequence-major order (for
     "position", among the routing map's equal ones: on the CPU mostly the later positions of every sequence);
     moezero kept each expert's first assignments in batch-major order (all of sequence 0 first)."""
-    routing, wanted_TK, their_map = run_distributed(_capacity_picks, 1, policy, capacity_factor, top_k,
-                                                    timeout=300)[0]
+    routing, wanted_TK, their_map = run_distributed(_capacity_picks, 1, policy, capacity_factor, top_k, timeout=300)[0]
     kept = routing.topk_ids_TK >= 0
     ours_map = torch.zeros(B * S, E, dtype=torch.bool).scatter_(1, wanted_TK, kept)
     assert torch.equal(ours_map, their_map)
     assert 0 < routing.dropped_fraction < 1
-    if policy == "position":   # the batch-major first-come rule keeps other assignments
+    if policy == "position":  # the batch-major first-come rule keeps other assignments
         capacity = (their_map.sum(0)).max()
         wanted_TE = torch.zeros(B * S, E, dtype=torch.long).scatter_(1, wanted_TK, 1)
         first_come = (wanted_TE.cumsum(0) <= capacity) & wanted_TE.bool()
@@ -169,13 +186,25 @@ def test_evaluation_jitter_is_keyed_by_sample_so_any_layout_draws_the_same():
     from moezero.models import GPTModel
     from moezero.training.loop import evaluate
 
-    config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8,
-                       vocab_size=50, hidden_dropout=0.0, attention_dropout=0.0)
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        seq_length=8,
+        vocab_size=50,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     model = GPTModel(config, MoEConfig(num_experts=4, top_k=2, input_jitter_eps=0.5), seed=1).double()
     g = torch.Generator().manual_seed(0)
-    batch = {"tokens": torch.randint(0, 50, (2, 8), generator=g), "labels": torch.randint(0, 50, (2, 8), generator=g),
-             "loss_mask": torch.ones(2, 8, dtype=torch.float64), "sample_index": torch.tensor([4, 5])}
-    halves = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(2)]
+    batch = {
+        "tokens": torch.randint(0, 50, (2, 8), generator=g),
+        "labels": torch.randint(0, 50, (2, 8), generator=g),
+        "loss_mask": torch.ones(2, 8, dtype=torch.float64),
+        "sample_index": torch.tensor([4, 5]),
+    }
+    halves = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
     whole = evaluate(model, [batch], None, seed=7, iteration=3)
     assert evaluate(model, halves, None, seed=7, iteration=3) == pytest.approx(whole, rel=1e-12)
     assert evaluate(model, [batch], None, seed=7, iteration=4) != pytest.approx(whole, rel=1e-9)

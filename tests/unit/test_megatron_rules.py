@@ -2,6 +2,7 @@
 TransformerConfig (its __post_init__) or DistributedDataParallel: the refused combination raises there and here, a
 neighbour both accept passes here. Megatron-LM's validate_args is not installed (megatron-core only): its rules
 are quoted from core_v0.16.1's megatron/training/arguments.py."""
+
 import re
 
 import pytest
@@ -20,47 +21,74 @@ OVERLAP = ["--overlap-moe-expert-parallel-comm", "--moe-token-dispatcher-type", 
 SHARED = ["--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MOE = dict(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False)
-THEIR_OVERLAP = dict(MOE, overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2, bf16=True,
-                     moe_token_dispatcher_type="alltoall")
+THEIR_OVERLAP = dict(
+    MOE,
+    overlap_moe_expert_parallel_comm=True,
+    expert_model_parallel_size=2,
+    bf16=True,
+    moe_token_dispatcher_type="alltoall",
+)
 THEIR_FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
-# (refused flags after TINY (which has a capacity factor), moezero's message, megatron-core's TransformerConfig fields for the same, a neighbour both accept:
+# (refused flags after TINY (which has a capacity factor), moezero's message, megatron-core's TransformerConfig fields
+# for the same, a neighbour both accept:
 # flags, fields)
 RULES = [
-    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"],
-     "--moe-expert-capacity-factor: only with --moe-router-load-balancing-type aux_loss, seq_aux_loss, "
-     "global_aux_loss or none, not sinkhorn",
-     dict(MOE, moe_expert_capacity_factor=1.5, moe_router_load_balancing_type="sinkhorn"),
-     ["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"],
-     dict(MOE, moe_expert_capacity_factor=1.5, moe_router_load_balancing_type="none")),
-    (SHARED + ["--moe-shared-expert-overlap"],
-     "--moe-shared-expert-overlap: only with --moe-token-dispatcher-type alltoall, not allgather",
-     dict(MOE, moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
-     SHARED + ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "alltoall"],
-     dict(MOE, moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True,
-          moe_token_dispatcher_type="alltoall")),
-    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
-     "--recompute-modules moe_act: needs --moe-grouped-gemm",
-     dict(MOE, recompute_granularity="selective", recompute_modules=["moe_act"]),
-     ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "--moe-grouped-gemm"],
-     dict(MOE, recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True)),
-    (FULL + ["--moe-layer-recompute"],
-     "--moe-layer-recompute: not with --recompute-granularity full",
-     dict(MOE, moe_layer_recompute=True, **THEIR_FULL),
-     ["--recompute-granularity", "selective", "--moe-layer-recompute"],
-     dict(MOE, moe_layer_recompute=True, recompute_granularity="selective")),
-    (["--overlap-moe-expert-parallel-comm"] + EP2,
-     "--overlap-moe-expert-parallel-comm: needs --moe-token-dispatcher-type alltoall or flex, not allgather",
-     dict(THEIR_OVERLAP, moe_token_dispatcher_type="allgather"),
-     OVERLAP, THEIR_OVERLAP),
-    (OVERLAP + SHARED + ["--moe-shared-expert-overlap"],
-     "--overlap-moe-expert-parallel-comm: not with --moe-shared-expert-overlap",
-     dict(THEIR_OVERLAP, moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
-     OVERLAP + SHARED, dict(THEIR_OVERLAP, moe_shared_expert_intermediate_size=16)),
-    (OVERLAP + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-     "--overlap-moe-expert-parallel-comm: not with --mtp-num-layers at --pipeline-model-parallel-size 1",
-     dict(THEIR_OVERLAP, mtp_num_layers=1),
-     ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] + EP2, dict(MOE, mtp_num_layers=1)),
+    (
+        ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"],
+        "--moe-expert-capacity-factor: only with --moe-router-load-balancing-type aux_loss, seq_aux_loss, "
+        "global_aux_loss or none, not sinkhorn",
+        dict(MOE, moe_expert_capacity_factor=1.5, moe_router_load_balancing_type="sinkhorn"),
+        ["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"],
+        dict(MOE, moe_expert_capacity_factor=1.5, moe_router_load_balancing_type="none"),
+    ),
+    (
+        SHARED + ["--moe-shared-expert-overlap"],
+        "--moe-shared-expert-overlap: only with --moe-token-dispatcher-type alltoall, not allgather",
+        dict(MOE, moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+        SHARED + ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "alltoall"],
+        dict(
+            MOE,
+            moe_shared_expert_intermediate_size=16,
+            moe_shared_expert_overlap=True,
+            moe_token_dispatcher_type="alltoall",
+        ),
+    ),
+    (
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+        "--recompute-modules moe_act: needs --moe-grouped-gemm",
+        dict(MOE, recompute_granularity="selective", recompute_modules=["moe_act"]),
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "--moe-grouped-gemm"],
+        dict(MOE, recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True),
+    ),
+    (
+        FULL + ["--moe-layer-recompute"],
+        "--moe-layer-recompute: not with --recompute-granularity full",
+        dict(MOE, moe_layer_recompute=True, **THEIR_FULL),
+        ["--recompute-granularity", "selective", "--moe-layer-recompute"],
+        dict(MOE, moe_layer_recompute=True, recompute_granularity="selective"),
+    ),
+    (
+        ["--overlap-moe-expert-parallel-comm"] + EP2,
+        "--overlap-moe-expert-parallel-comm: needs --moe-token-dispatcher-type alltoall or flex, not allgather",
+        dict(THEIR_OVERLAP, moe_token_dispatcher_type="allgather"),
+        OVERLAP,
+        THEIR_OVERLAP,
+    ),
+    (
+        OVERLAP + SHARED + ["--moe-shared-expert-overlap"],
+        "--overlap-moe-expert-parallel-comm: not with --moe-shared-expert-overlap",
+        dict(THEIR_OVERLAP, moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+        OVERLAP + SHARED,
+        dict(THEIR_OVERLAP, moe_shared_expert_intermediate_size=16),
+    ),
+    (
+        OVERLAP + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+        "--overlap-moe-expert-parallel-comm: not with --mtp-num-layers at --pipeline-model-parallel-size 1",
+        dict(THEIR_OVERLAP, mtp_num_layers=1),
+        ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] + EP2,
+        dict(MOE, mtp_num_layers=1),
+    ),
 ]
 
 
@@ -84,8 +112,11 @@ def _given(argv):
     return cfg
 
 
-@pytest.mark.parametrize("refused, message, theirs, allowed, their_allowed", RULES,
-                         ids=[r[1].split(":")[0] + str(i) for i, r in enumerate(RULES)])
+@pytest.mark.parametrize(
+    "refused, message, theirs, allowed, their_allowed",
+    RULES,
+    ids=[r[1].split(":")[0] + str(i) for i, r in enumerate(RULES)],
+)
 def test_a_combination_megatron_core_refuses_is_refused(refused, message, theirs, allowed, their_allowed):
     assert not _megatron_accepts(theirs) and _megatron_accepts(their_allowed)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -98,14 +129,18 @@ def _megatron_ddp(per_token: bool, average_in_collective: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     with megatron_on_cpu():
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                                   calculate_per_token_loss=per_token, **CPU_BUILD)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, calculate_per_token_loss=per_token, **CPU_BUILD
+        )
         try:
-            DistributedDataParallel(config, DistributedDataParallelConfig(average_in_collective=average_in_collective),
-                                    torch.nn.Linear(8, 8))
+            DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(average_in_collective=average_in_collective),
+                torch.nn.Linear(8, 8),
+            )
         except AssertionError as exc:
             return str(exc)
-        except Exception:   # noqa: BLE001 - past its asserts, what else it needs on a CPU does not matter here
+        except Exception:  # noqa: BLE001 - past its asserts, what else it needs on a CPU does not matter here
             return None
     return None
 
@@ -129,8 +164,10 @@ def test_no_position_embedding_without_rope_is_refused_as_validate_args_refuses_
         assert configs(TINY + ["--no-position-embedding"] + rope).model.position_embedding_type == "rope"
 
 
-@pytest.mark.parametrize("stage3", [["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
-                                    ["--zero-stage", "3"]])
+@pytest.mark.parametrize(
+    "stage3",
+    [["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"], ["--zero-stage", "3"]],
+)
 def test_the_overlap_with_megatron_fsdp_is_taken_and_runs_its_pairs_one_after_the_other(stage3):
     """Megatron takes --overlap-moe-expert-parallel-comm with Megatron-FSDP's optim_grads_params (a CI case of its
     own; neither TransformerConfig nor validate_args refuses it). Stage 3 gathers a layer's params around one

@@ -4,6 +4,7 @@ GPTModel on the CPU), for attention variants (grouped-query, wide heads, q/k/v b
 multi-latent with and without latents) and MoE variants (shared expert and its gate, narrow experts, dense
 layers, DeepSeek-V3 routing, GLM-4.5's half-rotary attention with q/k/v biases) and DeepSeek-V3's
 multi-token-prediction depths."""
+
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from tests.integration.pretrain_utils import ASSETS, configs
 with open(os.path.join(ASSETS, "megatron_params.json")) as f:
     TABLE = json.load(f)
 
-GROUPS = [   # moezero's parameter names -> the groups the table counts
+GROUPS = [  # moezero's parameter names -> the groups the table counts
     (r"^embedding\.", "embedding"),
     (r"^position_embedding\.", "position_embedding"),
     (r"^output\.", "output"),
@@ -72,18 +73,39 @@ def test_the_moe_layers_are_where_megatron_puts_them(freq):
     from moezero.moe import MoELayer
     from tests.megatron_oracle import CPU_BUILD
 
-    cfg = configs(["--num-layers", "5", "--hidden-size", "16", "--num-attention-heads", "2", "--num-experts", "4",
-                   "--moe-layer-freq", freq])
+    cfg = configs(
+        [
+            "--num-layers",
+            "5",
+            "--hidden-size",
+            "16",
+            "--num-attention-heads",
+            "2",
+            "--num-experts",
+            "4",
+            "--moe-layer-freq",
+            freq,
+        ]
+    )
     model = GPTModel(dataclasses.replace(cfg.model, vocab_size=64), cfg.moe)
     ours = [isinstance(layer.mlp, MoELayer) for layer in model.layers]
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = TransformerConfig(num_layers=5, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
-                                       moe_router_topk=2, moe_layer_freq=cfg.model.moe_layer_freq, **CPU_BUILD)
-            theirs = [spec.submodules.mlp.module.__name__ == "MoELayer"
-                      for spec in get_gpt_decoder_layer_specs(config, use_transformer_engine=False)]
+            config = TransformerConfig(
+                num_layers=5,
+                hidden_size=16,
+                num_attention_heads=2,
+                num_moe_experts=4,
+                moe_router_topk=2,
+                moe_layer_freq=cfg.model.moe_layer_freq,
+                **CPU_BUILD,
+            )
+            theirs = [
+                spec.submodules.mlp.module.__name__ == "MoELayer"
+                for spec in get_gpt_decoder_layer_specs(config, use_transformer_engine=False)
+            ]
     finally:
         logging.disable(logging.NOTSET)
     assert ours == theirs and any(ours), (ours, theirs)

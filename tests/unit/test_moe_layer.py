@@ -38,15 +38,18 @@ def _check_against_naive(layer, x, atol):
         torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=lambda m: f"grad {name}: {m}")
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(top_k=1),
-    dict(top_k=4),                                   # k = num_experts
-    dict(score_function="sigmoid", top_k=3),
-    dict(pre_softmax=True),
-    dict(activation="swiglu"),
-    dict(enable_expert_bias=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(top_k=1),
+        dict(top_k=4),  # k = num_experts
+        dict(score_function="sigmoid", top_k=3),
+        dict(pre_softmax=True),
+        dict(activation="swiglu"),
+        dict(enable_expert_bias=True),
+    ],
+)
 def test_dropless_equals_naive_loop_float64(kw):
     torch.manual_seed(0)
     layer = _layer(**kw)
@@ -99,9 +102,9 @@ def test_grouped_mm_guard_and_fallback():
     x = torch.randn(6, 16)
     w = torch.randn(3, 16, 8)
     assert grouped_mm_supported(x, w)
-    assert not grouped_mm_supported(x.double(), w.double())            # float64 rejected
+    assert not grouped_mm_supported(x.double(), w.double())  # float64 rejected
     assert not grouped_mm_supported(torch.randn(6, 12).bfloat16(), torch.randn(3, 12, 8).bfloat16())  # 24-byte rows
-    assert not grouped_mm_supported(torch.randn(0, 16), w)             # no rows: backward would fail
+    assert not grouped_mm_supported(torch.randn(0, 16), w)  # no rows: backward would fail
     counts = [2, 0, 4]
     xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -125,8 +128,9 @@ def test_aux_and_z_loss_formulas_and_gradients():
     f = torch.bincount(ids.reshape(-1), minlength=4).double() / 20
     expected_aux = 0.1 * 4 * (f * probs.mean(0)).sum()
     expected_z = 0.01 * torch.logsumexp(logits, -1).square().mean()
-    torch.testing.assert_close(stats.aux_loss, expected_aux.float() if stats.aux_loss.dtype == torch.float32
-                               else expected_aux)
+    torch.testing.assert_close(
+        stats.aux_loss, expected_aux.float() if stats.aux_loss.dtype == torch.float32 else expected_aux
+    )
     torch.testing.assert_close(stats.z_loss.double(), expected_z)
     for loss in (stats.aux_loss, stats.z_loss):
         (g,) = torch.autograd.grad(loss, layer.router.wg.weight, retain_graph=True)
@@ -164,7 +168,7 @@ def test_capacity_policies_drop_exactly_the_documented_assignments():
         kept = kept.view(-1, sequences, 2).transpose(0, 1).reshape(6, 2).gather(1, ids)
         assert torch.equal(capacity_keep_mask(ids, w, 2, 2, "position", sequences), kept)
         assert kept.sum() == 4
-    assert capacity_keep_mask(ids, w, 2, 7, "position").all()   # a capacity above the tokens drops nothing
+    assert capacity_keep_mask(ids, w, 2, 7, "position").all()  # a capacity above the tokens drops nothing
     assert expert_capacity(num_tokens=6, num_experts=2, top_k=1, capacity_factor=0.5) == 2
 
 
@@ -191,11 +195,11 @@ def test_jitter_is_keyed_by_sample_not_by_rank_stream():
     x = torch.randn(4, 3, 12, dtype=torch.float64)
     keys = SampleKeys(seed=1, iteration=5, sample_ids=(10, 11, 12, 13))
     y_all, _ = layer(x, keys=keys)
-    y_half, _ = layer(x[2:], keys=SampleKeys(1, 5, (12, 13)))   # another layout sees samples 12, 13 alone
+    y_half, _ = layer(x[2:], keys=SampleKeys(1, 5, (12, 13)))  # another layout sees samples 12, 13 alone
     torch.testing.assert_close(y_all[2:], y_half, rtol=1e-12, atol=1e-14)  # only summation order differs
     y_other, _ = layer(x, keys=SampleKeys(1, 6, (10, 11, 12, 13)))
     assert not torch.equal(y_all, y_other)
-    layer.eval()   # Megatron's router jitters in evaluation too: the same keys draw the same noise
+    layer.eval()  # Megatron's router jitters in evaluation too: the same keys draw the same noise
     y_eval, _ = layer(x, keys=keys)
     layer.router.config.input_jitter_eps = None
     y_plain, _ = layer(x, keys=keys)
@@ -211,12 +215,15 @@ def test_init_is_keyed_by_global_expert():
     assert not torch.equal(a.experts.w1[0], a.experts.w1[1])
 
 
-@pytest.mark.parametrize("kw,needle", [
-    (dict(num_experts=3), "--num-experts=3: must be divisible by --expert-model-parallel-size (2)"),
-    (dict(top_k=5), "--moe-router-topk=5"),
-    (dict(capacity_factor=0.0), "--moe-expert-capacity-factor"),   # a negative one is dropless (Megatron)
-    (dict(score_function="tanh"), "--moe-router-score-function"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(num_experts=3), "--num-experts=3: must be divisible by --expert-model-parallel-size (2)"),
+        (dict(top_k=5), "--moe-router-topk=5"),
+        (dict(capacity_factor=0.0), "--moe-expert-capacity-factor"),  # a negative one is dropless (Megatron)
+        (dict(score_function="tanh"), "--moe-router-score-function"),
+    ],
+)
 def test_bad_config_fails_at_construction(kw, needle):
     from moezero.parallel import rank_layout
 
@@ -266,8 +273,16 @@ def test_expert_bias_updates_are_the_same_when_layers_are_recomputed():
 
     biases = []
     for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}):
-        gpt = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=40, seq_length=8,
-                        hidden_dropout=0.0, attention_dropout=0.0, **recompute)
+        gpt = GPTConfig(
+            num_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            vocab_size=40,
+            seq_length=8,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **recompute,
+        )
         model = GPTModel(gpt, MoEConfig(num_experts=4, enable_expert_bias=True, bias_update_rate=0.01), seed=3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         ExpertBiasUpdater(model, None).attach(optimizer)

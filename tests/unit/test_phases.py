@@ -1,6 +1,6 @@
 """moezero.phases: forwards in phases, driven alone or interleaved; a module's hooks around its phases as
 __call__ runs them, and a module __call__ would run otherwise run whole."""
-import pytest
+
 import torch
 from torch import nn
 
@@ -46,4 +46,4 @@ def test_a_module_call_would_run_otherwise_runs_whole():
     compiled = Phased("compiled", log)
     compiled.compile(backend="eager")
     assert next(phases.module_steps(compiled, 1), "ended") == "ended"
-    assert phases.run(phases.module_steps(nn.Linear(2, 2), torch.ones(2))).shape == (2,)   # no forward_steps
+    assert phases.run(phases.module_steps(nn.Linear(2, 2), torch.ones(2))).shape == (2,)  # no forward_steps

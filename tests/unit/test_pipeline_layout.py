@@ -6,6 +6,7 @@ get_num_layers_to_build, PipelineParallelLayerLayout), MTP depths (get_mtp_layer
 get_mtp_num_layers_to_build), embedding and loss (is_pipeline_first/last_stage). The few combinations Megatron
 accepts but builds wrongly are listed and refused on purpose. The micro-batch rule of the interleaved schedule is
 checked against Megatron's rule (restated, schedules.py) and torch's ScheduleInterleaved1F1B itself."""
+
 import contextlib
 import functools
 import itertools
@@ -28,12 +29,21 @@ from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan, StagePiece
 
-logging.getLogger("megatron.core").setLevel(logging.ERROR)   # the layout's pretty print at INFO
+logging.getLogger("megatron.core").setLevel(logging.ERROR)  # the layout's pretty print at INFO
 
-FIELDS = ("num_layers", "mtp_num_layers", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-          "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-          "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "overlap_p2p_comm")
+FIELDS = (
+    "num_layers",
+    "mtp_num_layers",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "overlap_p2p_comm",
+)
 
 
 class Refused(Exception):
@@ -52,34 +62,37 @@ def _validate_args(v):
     layout = v["pipeline_model_parallel_layout"]
     first_last = v["decoder_first_pipeline_num_layers"], v["decoder_last_pipeline_num_layers"]
     slots = v["num_layers"] + v["account_for_embedding_in_pipeline_split"] + v["account_for_loss_in_pipeline_split"]
-    assert sum(x is not None for x in (per_stage, stages, layout)) <= 1                       # arguments.py:503
+    assert sum(x is not None for x in (per_stage, stages, layout)) <= 1  # arguments.py:503
     if layout is not None:
-        num_stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)              # arguments.py:519
-        assert num_stages % pp == 0                                                            # arguments.py:520
-        vpp = num_stages // pp                                                                 # arguments.py:525
+        num_stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)  # arguments.py:519
+        assert num_stages % pp == 0  # arguments.py:520
+        vpp = num_stages // pp  # arguments.py:525
     elif per_stage is not None or stages is not None:
         if stages is None:
-            assert first_last == (None, None)                                                  # arguments.py:530
-            assert slots % pp == 0                                                             # arguments.py:543
-            assert (slots // pp) % per_stage == 0                                              # arguments.py:547
-            vpp = (slots // pp) // per_stage                                                   # arguments.py:549
+            assert first_last == (None, None)  # arguments.py:530
+            assert slots % pp == 0  # arguments.py:543
+            assert (slots // pp) % per_stage == 0  # arguments.py:547
+            vpp = (slots // pp) // per_stage  # arguments.py:549
         else:
-            vpp = stages                                                                       # arguments.py:552
+            vpp = stages  # arguments.py:552
     else:
         vpp = None
         if first_last == (None, None):
-            assert slots % pp == 0                                                             # arguments.py:570
-    vpp = None if vpp == 1 else vpp                                                            # arguments.py:526, 553
+            assert slots % pp == 0  # arguments.py:570
+    vpp = None if vpp == 1 else vpp  # arguments.py:526, 553
     if vpp is not None:
-        assert pp > (1 if v["overlap_p2p_comm"] else 2)                                        # arguments.py:574-582
+        assert pp > (1 if v["overlap_p2p_comm"] else 2)  # arguments.py:574-582
     return vpp
 
 
 @contextlib.contextmanager
 def _pipeline_rank(pp, vpp, pp_rank):
     """megatron-core's parallel_state as on `pp_rank` (its layout and MTP paths read the rank from there)."""
-    names = ("_MPU_PIPELINE_MODEL_PARALLEL_RANK", "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
-             "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE")
+    names = (
+        "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
+        "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+        "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE",
+    )
     saved = [getattr(parallel_state, name) for name in names]
     for name, value in zip(names, (pp_rank, pp, vpp)):
         setattr(parallel_state, name, value)
@@ -97,14 +110,19 @@ def megatron_pieces(v):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = TransformerConfig(
-                num_layers=v["num_layers"], hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                num_layers=v["num_layers"],
+                hidden_size=8,
+                num_attention_heads=1,
+                pipeline_dtype=torch.float32,
                 pipeline_model_parallel_size=v["pipeline_model_parallel_size"],
-                virtual_pipeline_model_parallel_size=vpp, mtp_num_layers=v["mtp_num_layers"],
+                virtual_pipeline_model_parallel_size=vpp,
+                mtp_num_layers=v["mtp_num_layers"],
                 num_layers_in_first_pipeline_stage=v["decoder_first_pipeline_num_layers"],
                 num_layers_in_last_pipeline_stage=v["decoder_last_pipeline_num_layers"],
                 pipeline_model_parallel_layout=v["pipeline_model_parallel_layout"],
                 account_for_embedding_in_pipeline_split=v["account_for_embedding_in_pipeline_split"],
-                account_for_loss_in_pipeline_split=v["account_for_loss_in_pipeline_split"])
+                account_for_loss_in_pipeline_split=v["account_for_loss_in_pipeline_split"],
+            )
         pp, virtual = config.pipeline_model_parallel_size, vpp or 1
         counts = {}
         for pp_rank, vp in itertools.product(range(pp), range(virtual)):
@@ -112,22 +130,34 @@ def megatron_pieces(v):
             with _pipeline_rank(pp, vpp, pp_rank):
                 counts[vp * pp + pp_rank] = (
                     get_num_layers_to_build(config, vp_stage, pp_rank),
-                    get_mtp_layer_offset(config, vp_stage), get_mtp_num_layers_to_build(config, vp_stage, pp_rank),
+                    get_mtp_layer_offset(config, vp_stage),
+                    get_mtp_num_layers_to_build(config, vp_stage, pp_rank),
                     parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                )
         offsets = {}
         for pp_rank, vp in itertools.product(range(pp), range(virtual)):
             with _pipeline_rank(pp, vpp, pp_rank):
                 offsets[vp * pp + pp_rank] = get_transformer_layer_offset(config, vp if vpp else None, pp_rank)
-    except (AssertionError, ValueError, IndexError) as e:   # IndexError: validate_layer_layout on an empty layout
+    except (AssertionError, ValueError, IndexError) as e:  # IndexError: validate_layer_layout on an empty layout
         raise Refused(e) from e
     pieces = []
     for stage in range(pp * virtual):
         count, mtp_offset, mtp_count, first, last = counts[stage]
         layers = tuple(range(offsets[stage], offsets[stage] + count))
         final_norm = (v["num_layers"] - 1 in layers) if v["mtp_num_layers"] else last
-        pieces.append(StagePiece(stage, stage % pp, stage // pp, layers, first, final_norm, last,
-                                 tuple(range(mtp_offset, mtp_offset + mtp_count))))
+        pieces.append(
+            StagePiece(
+                stage,
+                stage % pp,
+                stage // pp,
+                layers,
+                first,
+                final_norm,
+                last,
+                tuple(range(mtp_offset, mtp_offset + mtp_count)),
+            )
+        )
     held = [layer for piece in pieces for layer in piece.layers]
     if held != list(range(v["num_layers"])) or min(c[0] for c in counts.values()) < 0:
         raise BuildsWrongly(held)
@@ -136,8 +166,9 @@ def megatron_pieces(v):
 
 def _values(**given):
     values = dict.fromkeys(FIELDS)
-    values.update(account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-                  overlap_p2p_comm=True)
+    values.update(
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False, overlap_p2p_comm=True
+    )
     values.update(given)
     return values
 
@@ -151,7 +182,7 @@ def _compare(v):
     try:
         ours = PipelinePlan(**v).pieces
     except ConfigError as e:
-        assert "\n" not in str(e) and str(e).startswith("--"), str(e)   # one line, naming a flag first
+        assert "\n" not in str(e) and str(e).startswith("--"), str(e)  # one line, naming a flag first
         ours = e
     if isinstance(theirs, Exception) != isinstance(ours, Exception):
         return f"{v}: megatron {theirs!r} moezero {ours!r}"
@@ -165,19 +196,35 @@ def _check_grid(cases):
     assert not differences, f"{len(differences)} differ, e.g.\n" + "\n".join(differences[:5])
 
 
-VIRTUAL = [{}, {"num_layers_per_virtual_pipeline_stage": 1}, {"num_layers_per_virtual_pipeline_stage": 2},
-           {"num_layers_per_virtual_pipeline_stage": 3}, {"num_virtual_stages_per_pipeline_rank": 2},
-           {"num_virtual_stages_per_pipeline_rank": 3}]
+VIRTUAL = [
+    {},
+    {"num_layers_per_virtual_pipeline_stage": 1},
+    {"num_layers_per_virtual_pipeline_stage": 2},
+    {"num_layers_per_virtual_pipeline_stage": 3},
+    {"num_virtual_stages_per_pipeline_rank": 2},
+    {"num_virtual_stages_per_pipeline_rank": 3},
+]
 
 
 def test_the_even_split_is_megatrons():
     """--num-layers over pp (and vpp by either flag), with and without the embedding's / loss's slot, MTP on the
     last stage (and the final norm on the stage of the last layer when that stage is not the last)."""
-    cases = [_values(num_layers=layers, pipeline_model_parallel_size=pp, mtp_num_layers=mtp,
-                     account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss,
-                     **virtual)
-             for layers in range(1, 13) for pp in (1, 2, 3, 4) for virtual in VIRTUAL for mtp in (None, 1)
-             for embedding in (False, True) for loss in (False, True)]
+    cases = [
+        _values(
+            num_layers=layers,
+            pipeline_model_parallel_size=pp,
+            mtp_num_layers=mtp,
+            account_for_embedding_in_pipeline_split=embedding,
+            account_for_loss_in_pipeline_split=loss,
+            **virtual,
+        )
+        for layers in range(1, 13)
+        for pp in (1, 2, 3, 4)
+        for virtual in VIRTUAL
+        for mtp in (None, 1)
+        for embedding in (False, True)
+        for loss in (False, True)
+    ]
     _check_grid(cases)
     accepted = [v for v in cases if not isinstance(_safe_plan(v), Exception)]
     assert len(accepted) > 200 and any(_safe_plan(v).virtual_stages == 3 for v in accepted)
@@ -192,22 +239,45 @@ def _safe_plan(v):
 
 # Megatron accepts these but its stages would not hold every layer once (BuildsWrongly), or it crashes building
 # them (ZeroDivisionError in get_transformer_layer_offset at pp 2 with both counts and virtual stages)
-PP1_COUNTS_NOT_ALL = {"pipeline_model_parallel_size": 1, "num_layers": 4, "decoder_first_pipeline_num_layers": 1,
-                      "decoder_last_pipeline_num_layers": 2}
-COUNTS_EXCEED = {"pipeline_model_parallel_size": 3, "num_layers": 4, "decoder_first_pipeline_num_layers": 3,
-                 "decoder_last_pipeline_num_layers": 3}
+PP1_COUNTS_NOT_ALL = {
+    "pipeline_model_parallel_size": 1,
+    "num_layers": 4,
+    "decoder_first_pipeline_num_layers": 1,
+    "decoder_last_pipeline_num_layers": 2,
+}
+COUNTS_EXCEED = {
+    "pipeline_model_parallel_size": 3,
+    "num_layers": 4,
+    "decoder_first_pipeline_num_layers": 3,
+    "decoder_last_pipeline_num_layers": 3,
+}
 
 
 def test_the_first_and_last_stage_counts_are_megatrons():
     cases = []
     for layers, pp, first, last, virtual, mtp in itertools.product(
-            (3, 4, 6, 8, 9, 12), (1, 2, 3, 4), (None, 1, 2, 3, 4, 6), (None, 1, 2, 3, 4, 6),
-            [{}, {"num_virtual_stages_per_pipeline_rank": 2}, {"num_virtual_stages_per_pipeline_rank": 3},
-             {"num_layers_per_virtual_pipeline_stage": 2}], (None, 1)):
+        (3, 4, 6, 8, 9, 12),
+        (1, 2, 3, 4),
+        (None, 1, 2, 3, 4, 6),
+        (None, 1, 2, 3, 4, 6),
+        [
+            {},
+            {"num_virtual_stages_per_pipeline_rank": 2},
+            {"num_virtual_stages_per_pipeline_rank": 3},
+            {"num_layers_per_virtual_pipeline_stage": 2},
+        ],
+        (None, 1),
+    ):
         if first is None and last is None:
             continue
-        v = _values(num_layers=layers, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=first,
-                    decoder_last_pipeline_num_layers=last, mtp_num_layers=mtp, **virtual)
+        v = _values(
+            num_layers=layers,
+            pipeline_model_parallel_size=pp,
+            decoder_first_pipeline_num_layers=first,
+            decoder_last_pipeline_num_layers=last,
+            mtp_num_layers=mtp,
+            **virtual,
+        )
         both_with_virtual = pp == 2 and first and last and "num_virtual_stages_per_pipeline_rank" in virtual
         if not both_with_virtual:
             cases.append(v)
@@ -222,11 +292,23 @@ def test_the_first_and_last_stage_counts_are_megatrons():
 def test_pp2_with_both_counts_and_virtual_stages_where_megatron_crashes():
     """get_transformer_layer_offset divides by the zero middle ranks there; its layer counts are still right and
     the layers follow in stage order."""
-    v = _values(num_layers=12, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4,
-                decoder_last_pipeline_num_layers=8, num_virtual_stages_per_pipeline_rank=2)
-    config = TransformerConfig(num_layers=12, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
-                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                               num_layers_in_first_pipeline_stage=4, num_layers_in_last_pipeline_stage=8)
+    v = _values(
+        num_layers=12,
+        pipeline_model_parallel_size=2,
+        decoder_first_pipeline_num_layers=4,
+        decoder_last_pipeline_num_layers=8,
+        num_virtual_stages_per_pipeline_rank=2,
+    )
+    config = TransformerConfig(
+        num_layers=12,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=4,
+        num_layers_in_last_pipeline_stage=8,
+    )
     with pytest.raises(ZeroDivisionError):
         get_transformer_layer_offset(config, 0, 1)
     counts = [get_num_layers_to_build(config, stage // 2, stage % 2) for stage in range(4)]
@@ -237,14 +319,45 @@ def test_pp2_with_both_counts_and_virtual_stages_where_megatron_crashes():
 # (pp, layout, mtp depths) from Megatron-LM: the DeepSeek-V3 recipe's (Megatron-MoE-ModelZoo
 # best_practice/DeepSeekV3/run.sh, PP 8 x VPP 4, and its long-context one), the docs' and the brief's DeepSeek-V3
 # forms, megatron-core's own layout tests (test_transformer_block.py) and functional test cases
-LAYOUTS = [(8, "Et|(tt|)*30mL", 1), (8, "Et*2|(tt|)*22t|(tt|)*7mL", 1), (16, "Et*3|(tt|)*29,m|L", 1),
-           (8, "Et*3|(tt|)*29,m|L", 1), (16, "Et*3|(tt|)*29m|L", 1), (16, "Et*2|(tt|)*29,t|mL", 1),
-           (2, "Et|t*4|t|tL", 0), (2, "E|t*6|t|L", 0), (4, "E|t|t*2|t||(t|)*2,t*2,L", 0), (4, "Et*2|(tt|)*5t|tmL", 1),
-           (2, "Et*7|t*7mL", 1), (2, "Et*3|(tt|)*6tmL", 1), (2, "Et*3|(tt|)*6mL", 1), (2, "Et|(tt|)*6mL", 1),
-           (1, "EttttL", 0), (3, "|Et|tL", 0), (3, "Et|tL|", 0)]
-OTHER_LAYOUTS = ["tE|tL", "Et|tLL", "EtL|tL", "Et|m|tL", "mEt|tL", "Et|tmm|L", "Etm|tmL", "Et|tx|L",   # mostly refused
-                 "E((t|)*2)*2L", "Et*|tL", "Ett|tt|mL", "E t|tL", "", "Et|ttL|m", "Etm|tL", "Et|tt|mL|||",
-                 "Et|tm|mL", "Et|EtL"]
+LAYOUTS = [
+    (8, "Et|(tt|)*30mL", 1),
+    (8, "Et*2|(tt|)*22t|(tt|)*7mL", 1),
+    (16, "Et*3|(tt|)*29,m|L", 1),
+    (8, "Et*3|(tt|)*29,m|L", 1),
+    (16, "Et*3|(tt|)*29m|L", 1),
+    (16, "Et*2|(tt|)*29,t|mL", 1),
+    (2, "Et|t*4|t|tL", 0),
+    (2, "E|t*6|t|L", 0),
+    (4, "E|t|t*2|t||(t|)*2,t*2,L", 0),
+    (4, "Et*2|(tt|)*5t|tmL", 1),
+    (2, "Et*7|t*7mL", 1),
+    (2, "Et*3|(tt|)*6tmL", 1),
+    (2, "Et*3|(tt|)*6mL", 1),
+    (2, "Et|(tt|)*6mL", 1),
+    (1, "EttttL", 0),
+    (3, "|Et|tL", 0),
+    (3, "Et|tL|", 0),
+]
+OTHER_LAYOUTS = [
+    "tE|tL",
+    "Et|tLL",
+    "EtL|tL",
+    "Et|m|tL",
+    "mEt|tL",
+    "Et|tmm|L",
+    "Etm|tmL",
+    "Et|tx|L",  # mostly refused
+    "E((t|)*2)*2L",
+    "Et*|tL",
+    "Ett|tt|mL",
+    "E t|tL",
+    "",
+    "Et|ttL|m",
+    "Etm|tL",
+    "Et|tt|mL|||",
+    "Et|tm|mL",
+    "Et|EtL",
+]
 
 
 def _decoders(layout):
@@ -256,16 +369,30 @@ def test_layouts_are_megatrons():
     for pp, layout, mtp in LAYOUTS:
         decoders = _decoders(layout)
         for depths, num_layers, size, overlap in itertools.product(
-                {mtp, mtp + 1}, (decoders, decoders + 1), {pp, 1, 2, 4}, (True, False)):
-            cases.append(_values(num_layers=num_layers, pipeline_model_parallel_size=size, overlap_p2p_comm=overlap,
-                                 pipeline_model_parallel_layout=layout, mtp_num_layers=depths or None))
+            {mtp, mtp + 1}, (decoders, decoders + 1), {pp, 1, 2, 4}, (True, False)
+        ):
+            cases.append(
+                _values(
+                    num_layers=num_layers,
+                    pipeline_model_parallel_size=size,
+                    overlap_p2p_comm=overlap,
+                    pipeline_model_parallel_layout=layout,
+                    mtp_num_layers=depths or None,
+                )
+            )
     for layout, pp, depths in itertools.product(OTHER_LAYOUTS, (1, 2, 3), (None, 1, 2)):
         try:
             num_layers = _decoders(layout)
-        except AssertionError:   # a character Megatron's parser refuses
+        except AssertionError:  # a character Megatron's parser refuses
             num_layers = 4
-        cases.append(_values(num_layers=num_layers, pipeline_model_parallel_size=pp,
-                             pipeline_model_parallel_layout=layout, mtp_num_layers=depths))
+        cases.append(
+            _values(
+                num_layers=num_layers,
+                pipeline_model_parallel_size=pp,
+                pipeline_model_parallel_layout=layout,
+                mtp_num_layers=depths,
+            )
+        )
     _check_grid(cases)
     # and it is not all refusals: every listed layout at its own pp builds
     for pp, layout, mtp in LAYOUTS:
@@ -299,54 +426,131 @@ def test_mixtral_8x7b_example():
     interleaved = PipelinePlan(32, pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1)
     assert interleaved.virtual_stages == 8
     assert [p.layers for p in interleaved.pieces_of(1)] == [(1 + 4 * v,) for v in range(8)]
-    assert _compare(_values(num_layers=32, pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1)) \
+    assert (
+        _compare(_values(num_layers=32, pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1))
         is None
+    )
 
 
-@pytest.mark.parametrize("given,message", [
-    (dict(num_layers=8, pipeline_model_parallel_size=3),
-     "--num-layers=8: must be divisible by --pipeline-model-parallel-size=3"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, account_for_loss_in_pipeline_split=True),
-     "--num-layers=8 + 1 for --account-for-loss-in-pipeline-split: must be divisible by"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3),
-     "--num-layers-per-virtual-pipeline-stage=3: must divide the layers per pipeline rank (4"),
-    (dict(num_layers=6, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2),
-     "--num-virtual-stages-per-pipeline-rank=2: must divide the layers per pipeline rank (3"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
-          num_virtual_stages_per_pipeline_rank=2), "at most one of these may be given"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|ttttL",
-          decoder_first_pipeline_num_layers=3), "the layout cannot be combined with them"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=2,
-          account_for_embedding_in_pipeline_split=True),
-     "--decoder-first-pipeline-num-layers=2, --account-for-embedding-in-pipeline-split: the first/last"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=2,
-          num_layers_per_virtual_pipeline_stage=1), "give the virtual stages with --num-virtual-stages-per-"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3,
-          num_virtual_stages_per_pipeline_rank=2), "--decoder-first-pipeline-num-layers=3: must be divisible by"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3),
-     "the 5 other layers of --num-layers=8 must be divisible by the 3 middle ranks"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3,
-          decoder_last_pipeline_num_layers=3), "leave 2 layers of --num-layers=8 for 0 middle ranks"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0),
-     "--decoder-first-pipeline-num-layers=0: must be >= 1"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2,
-          overlap_p2p_comm=False), "--pipeline-model-parallel-size=2, --no-overlap-p2p-communication"),
-    (dict(num_layers=8, pipeline_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=2),
-     "--pipeline-model-parallel-size=1: 2 virtual stages per rank need it > 1"),
-    (dict(num_layers=8, pipeline_model_parallel_size=3, pipeline_model_parallel_layout="Ettt|ttttL"),
-     "its 2 stages must be divisible by --pipeline-model-parallel-size (3)"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|ttttL"),
-     "it holds 7 decoder layers ('t'), --num-layers is 8"),
-    (dict(num_layers=4, mtp_num_layers=1, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"),
-     "it holds 0 MTP depths ('m'), --mtp-num-layers is 1"),
-    (dict(num_layers=4, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tt?L"),
-     "unknown layer character '?'"),
-])
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=3),
+            "--num-layers=8: must be divisible by --pipeline-model-parallel-size=3",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, account_for_loss_in_pipeline_split=True),
+            "--num-layers=8 + 1 for --account-for-loss-in-pipeline-split: must be divisible by",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3),
+            "--num-layers-per-virtual-pipeline-stage=3: must divide the layers per pipeline rank (4",
+        ),
+        (
+            dict(num_layers=6, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2),
+            "--num-virtual-stages-per-pipeline-rank=2: must divide the layers per pipeline rank (3",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                num_layers_per_virtual_pipeline_stage=2,
+                num_virtual_stages_per_pipeline_rank=2,
+            ),
+            "at most one of these may be given",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout="Ettt|ttttL",
+                decoder_first_pipeline_num_layers=3,
+            ),
+            "the layout cannot be combined with them",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=4,
+                decoder_first_pipeline_num_layers=2,
+                account_for_embedding_in_pipeline_split=True,
+            ),
+            "--decoder-first-pipeline-num-layers=2, --account-for-embedding-in-pipeline-split: the first/last",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=4,
+                decoder_last_pipeline_num_layers=2,
+                num_layers_per_virtual_pipeline_stage=1,
+            ),
+            "give the virtual stages with --num-virtual-stages-per-",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=4,
+                decoder_first_pipeline_num_layers=3,
+                num_virtual_stages_per_pipeline_rank=2,
+            ),
+            "--decoder-first-pipeline-num-layers=3: must be divisible by",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3),
+            "the 5 other layers of --num-layers=8 must be divisible by the 3 middle ranks",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                decoder_first_pipeline_num_layers=3,
+                decoder_last_pipeline_num_layers=3,
+            ),
+            "leave 2 layers of --num-layers=8 for 0 middle ranks",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0),
+            "--decoder-first-pipeline-num-layers=0: must be >= 1",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                num_virtual_stages_per_pipeline_rank=2,
+                overlap_p2p_comm=False,
+            ),
+            "--pipeline-model-parallel-size=2, --no-overlap-p2p-communication",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=2),
+            "--pipeline-model-parallel-size=1: 2 virtual stages per rank need it > 1",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=3, pipeline_model_parallel_layout="Ettt|ttttL"),
+            "its 2 stages must be divisible by --pipeline-model-parallel-size (3)",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|ttttL"),
+            "it holds 7 decoder layers ('t'), --num-layers is 8",
+        ),
+        (
+            dict(
+                num_layers=4, mtp_num_layers=1, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|ttL"
+            ),
+            "it holds 0 MTP depths ('m'), --mtp-num-layers is 1",
+        ),
+        (
+            dict(num_layers=4, pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tt?L"),
+            "unknown layer character '?'",
+        ),
+    ],
+)
 def test_refusals_name_the_flags(given, message):
     with pytest.raises(ConfigError) as info:
         PipelinePlan(**given)
     assert message in str(info.value) and "\n" not in str(info.value)
-    assert _compare(_values(**given)) is None   # and Megatron refuses it too
+    assert _compare(_values(**given)) is None  # and Megatron refuses it too
 
 
 def _megatron_interleaved_accepts(pp, m, g):
@@ -370,8 +574,11 @@ def _torch_interleaved(pp, virtual, m):
         schedule = ScheduleInterleaved1F1B([_mock_stage(pp, virtual)] * virtual, m)
     except ValueError:
         return None
-    forwards = [(a.microbatch_index, a.stage_index // pp) for a in schedule.pipeline_order[0]
-                if a is not None and a.computation_type.name == "FORWARD"]
+    forwards = [
+        (a.microbatch_index, a.stage_index // pp)
+        for a in schedule.pipeline_order[0]
+        if a is not None and a.computation_type.name == "FORWARD"
+    ]
     return schedule.microbatches_per_round, forwards
 
 
@@ -382,9 +589,12 @@ def test_the_interleaved_schedules_micro_batches():
     for pp, virtual, m in itertools.product((2, 3, 4), (2, 3), range(1, 19)):
         torch_runs = _torch_interleaved(pp, virtual, m)
         for group in (None, 2, 3, 4, 5, 6, 8):
-            plan = PipelinePlan(pp * virtual * 2, pipeline_model_parallel_size=pp,
-                                num_virtual_stages_per_pipeline_rank=virtual,
-                                microbatch_group_size_per_virtual_pipeline_stage=group)
+            plan = PipelinePlan(
+                pp * virtual * 2,
+                pipeline_model_parallel_size=pp,
+                num_virtual_stages_per_pipeline_rank=virtual,
+                microbatch_group_size_per_virtual_pipeline_stage=group,
+            )
             g = group or pp
             runs = _megatron_interleaved_accepts(pp, m, g) and torch_runs is not None and torch_runs[0] == g
             try:
@@ -403,7 +613,7 @@ def test_the_interleaved_schedules_micro_batches():
     for m in (1, 3, 5):
         with pytest.raises(ConfigError, match="--microbatch-group-size-per-virtual-pipeline-stage"):
             plan.check_num_microbatches(m)
-    PipelinePlan(8, pipeline_model_parallel_size=2).check_num_microbatches(1)   # 1F1B takes any M
+    PipelinePlan(8, pipeline_model_parallel_size=2).check_num_microbatches(1)  # 1F1B takes any M
     with pytest.raises(ConfigError, match="0 micro-batches per step"):
         plan.check_num_microbatches(0)
 
@@ -412,8 +622,12 @@ def test_pp1_is_one_stage_and_the_fingerprint_tells_plans_apart():
     plan = PipelinePlan(4, 2)
     assert plan.pieces == (StagePiece(0, 0, 0, (0, 1, 2, 3), True, True, True, (0, 1)),)
     assert plan.regime == "even" and plan.num_stages == 1
-    plans = [PipelinePlan(8, None, 2), PipelinePlan(8, None, 2, num_virtual_stages_per_pipeline_rank=2),
-             PipelinePlan(8, None, 2, decoder_first_pipeline_num_layers=3), PipelinePlan(8, None, 4),
-             PipelinePlan(8, 1, 2)]
+    plans = [
+        PipelinePlan(8, None, 2),
+        PipelinePlan(8, None, 2, num_virtual_stages_per_pipeline_rank=2),
+        PipelinePlan(8, None, 2, decoder_first_pipeline_num_layers=3),
+        PipelinePlan(8, None, 4),
+        PipelinePlan(8, 1, 2),
+    ]
     assert len({p.fingerprint() for p in plans}) == len(plans)
     assert PipelinePlan(8, None, 2).fingerprint() == PipelinePlan(8, None, 2).fingerprint()

@@ -2,6 +2,7 @@
 order and each group's rank order from its RankGenerator (decoder and expert foldings, as initialize_model_parallel
 builds them), the embedding groups from default_embedding_ranks, and the refusals from initialize_model_parallel
 itself (run up to its first group creation with torch.distributed's world faked)."""
+
 import itertools
 from unittest import mock
 
@@ -16,7 +17,7 @@ from moezero.pipeline import pipeline_rank_layout
 
 
 def _order(use_tp_pp_dp_mapping):
-    return "tp-cp-ep-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"   # Megatron-LM initialize.py:378
+    return "tp-cp-ep-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"  # Megatron-LM initialize.py:378
 
 
 class _Accepted(Exception):
@@ -25,13 +26,16 @@ class _Accepted(Exception):
 
 def megatron_refusal(world, ep, pp, mapping):
     """initialize_model_parallel's refusal of these sizes (None: it accepts them)."""
-    with mock.patch.object(torch.distributed, "is_initialized", return_value=True), \
-            mock.patch.object(torch.distributed, "get_world_size", return_value=world), \
-            mock.patch.object(torch.distributed, "get_rank", return_value=0), \
-            mock.patch.object(parallel_state, "create_group", side_effect=_Accepted):
+    with (
+        mock.patch.object(torch.distributed, "is_initialized", return_value=True),
+        mock.patch.object(torch.distributed, "get_world_size", return_value=world),
+        mock.patch.object(torch.distributed, "get_rank", return_value=0),
+        mock.patch.object(parallel_state, "create_group", side_effect=_Accepted),
+    ):
         try:
-            parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                                     order=_order(mapping))
+            parallel_state.initialize_model_parallel(
+                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, order=_order(mapping)
+            )
         except _Accepted:
             return None
         except (RuntimeError, AssertionError) as e:
@@ -42,16 +46,21 @@ def megatron_groups(world, ep, pp, mapping):
     decoder = RankGenerator(tp=1, ep=1, dp=world // pp, pp=pp, cp=1, order=_order(mapping))
     expert = RankGenerator(tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1, order=_order(mapping))
     pp_groups = decoder.get_ranks("pp")
-    return {"dp_groups": decoder.get_ranks("dp"), "pp_groups": pp_groups, "ep_groups": expert.get_ranks("ep"),
-            "edp_groups": expert.get_ranks("dp"),
-            "embedding_groups": [default_embedding_ranks(group) for group in pp_groups],
-            "position_embedding_groups": [default_position_embedding_ranks(group) for group in pp_groups]}
+    return {
+        "dp_groups": decoder.get_ranks("dp"),
+        "pp_groups": pp_groups,
+        "ep_groups": expert.get_ranks("ep"),
+        "edp_groups": expert.get_ranks("dp"),
+        "embedding_groups": [default_embedding_ranks(group) for group in pp_groups],
+        "position_embedding_groups": [default_position_embedding_ranks(group) for group in pp_groups],
+    }
 
 
 def test_the_groups_and_refusals_are_megatrons():
     accepted = refused = 0
-    for world, ep, pp, mapping in itertools.product((1, 2, 3, 4, 6, 8, 12, 16), (1, 2, 3, 4, 8), (1, 2, 3, 4, 8),
-                                                    (False, True)):
+    for world, ep, pp, mapping in itertools.product(
+        (1, 2, 3, 4, 6, 8, 12, 16), (1, 2, 3, 4, 8), (1, 2, 3, 4, 8), (False, True)
+    ):
         theirs = megatron_refusal(world, ep, pp, mapping)
         try:
             ours = pipeline_rank_layout(world, ep, pp, mapping)
@@ -75,22 +84,28 @@ def test_at_pp1_the_groups_are_rank_layouts(world, ep):
 
 
 def test_rank_coordinates():
-    layout = pipeline_rank_layout(8, 2, 2)   # dp {0..3} {4..7}, pp {0,4} ..., ep {0,1} ...
+    layout = pipeline_rank_layout(8, 2, 2)  # dp {0..3} {4..7}, pp {0,4} ..., ep {0,1} ...
     assert [layout.pp_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [layout.dp_rank_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [layout.ep_rank_of(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
-    mapped = pipeline_rank_layout(8, 1, 4, use_tp_pp_dp_mapping=True)   # pp {0,1,2,3} {4,5,6,7}
+    mapped = pipeline_rank_layout(8, 1, 4, use_tp_pp_dp_mapping=True)  # pp {0,1,2,3} {4,5,6,7}
     assert [mapped.pp_rank_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert mapped.embedding_groups == ((0, 3), (4, 7)) and mapped.position_embedding_groups == ((0,), (4,))
 
 
-@pytest.mark.parametrize("sizes,message", [
-    ((6, 1, 4, False), "--pipeline-model-parallel-size=4: must divide the world size (6)"),
-    ((8, 4, 4, False), "--expert-model-parallel-size=4, --pipeline-model-parallel-size=4: their product (16) must "
-                       "divide the world size (8)"),
-    ((8, 2, 2, True), "--use-tp-pp-dp-mapping, --expert-model-parallel-size=2, --pipeline-model-parallel-size=2: "),
-    ((4, 0, 1, False), "--expert-model-parallel-size=0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        ((6, 1, 4, False), "--pipeline-model-parallel-size=4: must divide the world size (6)"),
+        (
+            (8, 4, 4, False),
+            "--expert-model-parallel-size=4, --pipeline-model-parallel-size=4: their product (16) must "
+            "divide the world size (8)",
+        ),
+        ((8, 2, 2, True), "--use-tp-pp-dp-mapping, --expert-model-parallel-size=2, --pipeline-model-parallel-size=2: "),
+        ((4, 0, 1, False), "--expert-model-parallel-size=0: must be >= 1"),
+    ],
+)
 def test_refusals_name_the_flags(sizes, message):
     with pytest.raises(ConfigError) as info:
         pipeline_rank_layout(*sizes)

@@ -1,6 +1,7 @@
 """StageModel (moezero/pipeline/stage_model.py) against GPTModel, in one process: the stages' params together are
 GPTModel's, by name and value, and the stages' forwards composed by hand give GPTModel's loss (the lm loss plus
 every MoE layer's router losses) and the same gradients."""
+
 import dataclasses
 
 import pytest
@@ -16,8 +17,15 @@ from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB, SEED = 64, 32, 2, 3
 # dense first layer, then MoE layers with a shared expert; aux loss, z-loss, jitter, capacity and dropout from TINY
-FLAGS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "16",
-         "--untie-embeddings-and-output-weights"]
+FLAGS = [
+    "--num-layers",
+    "4",
+    "--moe-layer-freq",
+    "[0,1,1,1]",
+    "--moe-shared-expert-intermediate-size",
+    "16",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def _configs(flags=()):
@@ -33,9 +41,12 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(MB, SEQ, dtype=torch.float64)
     mask[0, :5] = 0.0
-    return {"tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
-            "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g), "loss_mask": mask,
-            "sample_index": torch.arange(4, 4 + MB)}
+    return {
+        "tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+        "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+        "loss_mask": mask,
+        "sample_index": torch.arange(4, 4 + MB),
+    }
 
 
 @pytest.mark.parametrize("pp, first", [(2, None), (3, 2), (2, 1)])
@@ -48,7 +59,7 @@ def test_stages_hold_gptmodels_params_by_name_and_value(pp, first):
         for name, p in stage.named_parameters():
             assert name not in union, f"{name} on two stages"
             union[name] = p
-    assert list(union) == list(full)   # the same names, in GPTModel's order
+    assert list(union) == list(full)  # the same names, in GPTModel's order
     for name, p in full.items():
         assert torch.equal(union[name], p), name
 
@@ -74,7 +85,7 @@ def test_composed_stages_give_gptmodels_loss_and_gradients():
     torch.testing.assert_close(loss, expected, rtol=1e-13, atol=0)
     loss.backward()
     torch.autograd.backward([hidden, aux], [sent_hidden.grad, sent_aux.grad])
-    assert sent_aux.grad == 1.0   # the aux losses' gradient returns through the pipe
+    assert sent_aux.grad == 1.0  # the aux losses' gradient returns through the pipe
     grads = {name: p.grad for stage in (first, last) for name, p in stage.named_parameters()}
     for name, p in full.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-15, msg=name)
@@ -83,8 +94,9 @@ def test_composed_stages_give_gptmodels_loss_and_gradients():
 def test_full_recompute_counts_each_stages_own_layers():
     """--recompute-method block --recompute-num-layers 1: the first layer *of each stage* is recomputed (Megatron
     counts per stage); the loss and gradients stay GPTModel's."""
-    model_cfg, moe_cfg = _configs(["--recompute-granularity", "full", "--recompute-method", "block",
-                                   "--recompute-num-layers", "1"])
+    model_cfg, moe_cfg = _configs(
+        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+    )
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
     first, last = _stages(model_cfg, moe_cfg, plan)
     calls = []
@@ -95,20 +107,27 @@ def test_full_recompute_counts_each_stages_own_layers():
     hidden, aux = first(0, batch["tokens"], **kwargs)
     loss = last(0, hidden, aux, labels=batch["labels"], loss_mask=batch["loss_mask"], **kwargs)
     loss.backward()
-    assert calls == [(0,), (1,), (2,), (3,), (2,), (0,)]   # forwards, then the recomputed first layer of each
+    assert calls == [(0,), (1,), (2,), (3,), (2,), (0,)]  # forwards, then the recomputed first layer of each
 
 
 def _counting(run, calls):
     def wrapped(layers, x, keys):
         calls.append(tuple(layers))
         return run(layers, x, keys)
+
     return wrapped
 
 
-@pytest.mark.parametrize("flags, refused", [([], "--untie-embeddings-and-output-weights"),
-                                            (["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
-                                              "--position-embedding-type", "rope"],
-                                             "--mtp-num-layers=1")])
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        ([], "--untie-embeddings-and-output-weights"),
+        (
+            ["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+            "--mtp-num-layers=1",
+        ),
+    ],
+)
 def test_tied_weights_and_mtp_are_refused_in_one_line(flags, refused):
     cfg = configs(TINY + ["--num-layers", "4"] + flags)
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2, mtp_num_layers=cfg.model.mtp_num_layers)

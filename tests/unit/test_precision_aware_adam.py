@@ -1,6 +1,7 @@
 """PrecisionAwareAdam against torch: with fp32 states it is torch's fused AdamW/Adam step for step; with narrow
 states it is torch's fused AdamW whose moments are rounded after every step by TransformerEngine's storage rule;
 the fp32 master of a bf16 param is kept exactly in the param and a 16-bit remainder."""
+
 import pytest
 import torch
 
@@ -24,17 +25,18 @@ def test_fp32_states_equal_torch_fused(decoupled):
     groups = lambda ps: [{"params": [ps[0]], "lr": 0.01}, {"params": [ps[1]], "lr": 0.003, "weight_decay": 0.0}]
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     reference = cls(groups(theirs), betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
-    opt = PrecisionAwareAdam(groups(ours), betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1,
-                             decoupled_weight_decay=decoupled)
+    opt = PrecisionAwareAdam(
+        groups(ours), betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, decoupled_weight_decay=decoupled
+    )
     for step, grad in enumerate(_grads(6)):
         for a, b in zip(ours, theirs):
-            g = None if (step == 2 and a.dim() == 2) else grad[:a.numel()].view_as(a)   # skipped: no gradient
+            g = None if (step == 2 and a.dim() == 2) else grad[: a.numel()].view_as(a)  # skipped: no gradient
             a.grad, b.grad = g, (g.clone() if g is not None else None)
         opt.step()
         reference.step()
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)
-    assert "master_param" not in opt.state[ours[0]]   # an fp32 param is its own master
+    assert "master_param" not in opt.state[ours[0]]  # an fp32 param is its own master
 
 
 def _round_like_storage(values: torch.Tensor, dtype: torch.dtype) -> None:
@@ -74,16 +76,19 @@ def test_param_and_remainder_hold_the_fp32_master_exactly():
     high = torch.tensor([0x3F80, 0x3F81, 0x7F7F, 0xBF80, 0xBF81, 0x0000, 0x8000, 0x0001, 0x4049], dtype=torch.int64)
     low = torch.tensor([0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
     bits = ((high[:, None] << 16) | low[None, :]).reshape(-1)
-    values = (bits - ((bits >= 2 ** 31).long() << 32)).to(torch.int32).view(FP32)
+    values = (bits - ((bits >= 2**31).long() << 32)).to(torch.int32).view(FP32)
     values = torch.cat([values, torch.randn(4000) * 10.0 ** torch.randint(-30, 30, (4000,)).float()])
     param = values.to(BF16).requires_grad_()
     opt = PrecisionAwareAdam([param], lr=0.0)
-    opt.load_full_precision_state(param, values, {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(values),
-                                                  "exp_avg_sq": torch.zeros_like(values)})
+    opt.load_full_precision_state(
+        param,
+        values,
+        {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(values), "exp_avg_sq": torch.zeros_like(values)},
+    )
     assert torch.equal(opt.master_values(param).view(torch.int32), values.view(torch.int32))
     finite = values.isfinite() & param.detach().float().isfinite()
     _, exponent = torch.frexp(param.detach().float())
-    half_ulp = torch.ldexp(torch.ones_like(values), (exponent - 9).clamp(min=-134))   # 8 significant bits
+    half_ulp = torch.ldexp(torch.ones_like(values), (exponent - 9).clamp(min=-134))  # 8 significant bits
     assert ((param.detach().float() - values).abs()[finite] <= half_ulp[finite]).all()
 
 
@@ -93,14 +98,15 @@ def test_other_master_storages(master_dtype, remainders):
     param = torch.randn(N).to(BF16).requires_grad_()
     master = param.detach().float().clone().requires_grad_()
     reference = torch.optim.AdamW([master], lr=0.01, weight_decay=0.1, fused=True)
-    opt = PrecisionAwareAdam([param], lr=0.01, weight_decay=0.1, master_weight_dtype=master_dtype,
-                             store_param_remainders=remainders)
+    opt = PrecisionAwareAdam(
+        [param], lr=0.01, weight_decay=0.1, master_weight_dtype=master_dtype, store_param_remainders=remainders
+    )
     _round_like_storage(master.data, master_dtype)
     for grad in _grads(5, seed=2):
         param.grad, master.grad = grad.to(BF16), grad.to(BF16).float()
         opt.step()
         reference.step()
-        assert torch.equal(param.detach(), master.detach().to(BF16))   # the new master, rounded (RNE)
+        assert torch.equal(param.detach(), master.detach().to(BF16))  # the new master, rounded (RNE)
         _round_like_storage(master.data, master_dtype)
         assert torch.equal(opt.master_values(param), master.detach())
     assert opt.state[param]["master_param"].dtype == master_dtype

@@ -1,4 +1,5 @@
 """QAT on a GPT-MoE model under ZeroOptimizer (world of one): grids, storage, masters, schedule, config."""
+
 import pytest
 import torch
 from torch.nn.utils import parametrize
@@ -14,8 +15,21 @@ GROUPS = 8
 
 
 def _model(seed=5, **gpt):
-    cfg = GPTConfig(**dict(dict(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64,
-                                moe_layer_freq=2, hidden_dropout=0.0, attention_dropout=0.0), **gpt))
+    cfg = GPTConfig(
+        **dict(
+            dict(
+                num_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                seq_length=16,
+                vocab_size=64,
+                moe_layer_freq=2,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+            ),
+            **gpt,
+        )
+    )
     return GPTModel(cfg, MoEConfig(num_experts=4, top_k=2), seed=seed)
 
 
@@ -64,7 +78,7 @@ def test_training_under_zero_quantizes_the_forward_and_keeps_fp32_masters():
     qat = _qat(model)
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=3e-3, param_groups=weight_decay_groups(model, 0.01))
     _loss(model).detach()
-    assert _max_values_per_group(qat) <= 2 ** BITS  # after the first forward
+    assert _max_values_per_group(qat) <= 2**BITS  # after the first forward
     trained = {id(p) for g in opt.param_groups for p in g["params"]}
     for step in range(4):
         previous = {t.name: t.parameter().detach().clone() for t in qat.targets}
@@ -76,15 +90,15 @@ def test_training_under_zero_quantizes_the_forward_and_keeps_fp32_masters():
             p = t.parameter()
             assert id(p) in trained
             assert not torch.equal(p.detach(), previous[t.name]), f"{t.name} did not move at step {step}"
-        assert _max_values_per_group(qat) <= 2 ** BITS  # after N steps
+        assert _max_values_per_group(qat) <= 2**BITS  # after N steps
     _loss(model)  # the forward guard raises if a param's storage left the optimizer's buffer
     # the masters (and the params that alias their all-gathered copies) are not on any 4-bit grid
     for pieces in opt.state_dict()["pieces"].values():
         for piece in pieces:
             master = piece["master"]
-            assert master.unique().numel() > 4 * 2 ** BITS or master.numel() <= 4 * 2 ** BITS
+            assert master.unique().numel() > 4 * 2**BITS or master.numel() <= 4 * 2**BITS
     raw = max(t.parameter().detach().reshape(t.units * GROUPS, -1)[0].unique().numel() for t in qat.targets)
-    assert raw > 2 ** BITS
+    assert raw > 2**BITS
 
 
 def test_quantization_really_changes_the_loss():
@@ -152,22 +166,27 @@ def test_activation_quantization_changes_the_output():
         assert not torch.allclose(a(_batch()[0])[0], b(_batch()[0])[0])
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(weight_bits=1), "--qat-weight-bits=1: must be between 2 and 16"),
-    (dict(weight_bits=17), "--qat-weight-bits=17: must be between 2 and 16"),
-    (dict(weight_bits=4, start_bits=3), "--qat-start-bits=3: must be >= --qat-weight-bits (4)"),
-    (dict(weight_bits=4, modules="attention,moe"), "--qat-modules='attention,moe': unknown module group(s) moe"),
-    (dict(weight_bits=4, rounding="up"), "--qat-rounding='up': must be one of nearest, stochastic"),
-    (dict(activation_bits=8), "--qat-activation-bits=8: needs --qat-weight-bits"),
-    # any --qat-* flag without --qat-weight-bits would do nothing
-    (dict(groups=64), "--qat-groups=64: needs --qat-weight-bits"),
-    (dict(rounding="stochastic"), "--qat-rounding='stochastic': needs --qat-weight-bits"),
-    (dict(modules="experts"), "--qat-modules='experts': needs --qat-weight-bits"),
-    (dict(schedule_offset=10), "--qat-schedule-offset=10: needs --qat-weight-bits"),
-    (dict(weight_bits=4, modules="output,router", activation_bits=4),
-     "--qat-activation-bits=4: quantizes the inputs of attention, mlp, shared_expert, experts"),
-    (dict(weight_bits=4, groups=0), "--qat-groups=0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(weight_bits=1), "--qat-weight-bits=1: must be between 2 and 16"),
+        (dict(weight_bits=17), "--qat-weight-bits=17: must be between 2 and 16"),
+        (dict(weight_bits=4, start_bits=3), "--qat-start-bits=3: must be >= --qat-weight-bits (4)"),
+        (dict(weight_bits=4, modules="attention,moe"), "--qat-modules='attention,moe': unknown module group(s) moe"),
+        (dict(weight_bits=4, rounding="up"), "--qat-rounding='up': must be one of nearest, stochastic"),
+        (dict(activation_bits=8), "--qat-activation-bits=8: needs --qat-weight-bits"),
+        # any --qat-* flag without --qat-weight-bits would do nothing
+        (dict(groups=64), "--qat-groups=64: needs --qat-weight-bits"),
+        (dict(rounding="stochastic"), "--qat-rounding='stochastic': needs --qat-weight-bits"),
+        (dict(modules="experts"), "--qat-modules='experts': needs --qat-weight-bits"),
+        (dict(schedule_offset=10), "--qat-schedule-offset=10: needs --qat-weight-bits"),
+        (
+            dict(weight_bits=4, modules="output,router", activation_bits=4),
+            "--qat-activation-bits=4: quantizes the inputs of attention, mlp, shared_expert, experts",
+        ),
+        (dict(weight_bits=4, groups=0), "--qat-groups=0: must be >= 1"),
+    ],
+)
 def test_bad_config_gives_one_clear_error(kwargs, needle):
     with pytest.raises(ConfigError) as info:
         QATConfig(**kwargs)
@@ -175,8 +194,11 @@ def test_bad_config_gives_one_clear_error(kwargs, needle):
 
 
 def test_groups_that_do_not_divide_a_tensor_name_it_and_the_flag():
-    with pytest.raises(ConfigError, match=r"--qat-groups=7: does not divide layers\.0\.attention\.qkv\.weight "
-                                          r"\(3072 elements\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--qat-groups=7: does not divide layers\.0\.attention\.qkv\.weight "
+        r"\(3072 elements\)",
+    ):
         apply_qat(_model(), QATConfig(weight_bits=4, groups=7))
     with pytest.raises(ConfigError, match=r"experts\.w1 \(4096 elements per expert\)"):
         apply_qat(_model(), QATConfig(weight_bits=4, groups=3, modules="experts"))
@@ -185,8 +207,14 @@ def test_groups_that_do_not_divide_a_tensor_name_it_and_the_flag():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kwargs", [dict(), dict(symmetric=False, weight_bits=8, activation_bits=8),
-                                    dict(weight_bits=12, modules="experts,embedding")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(symmetric=False, weight_bits=8, activation_bits=8),
+        dict(weight_bits=12, modules="experts,embedding"),
+    ],
+)
 def test_export_round_trip_equals_the_fake_quant_forward(kwargs, dtype):
     """Packed codes + scales, dequantized on load, give exactly the fake-quant model's weights and output."""
     from moezero.compression.description import ModelDescription
@@ -211,9 +239,20 @@ def test_export_round_trip_equals_the_fake_quant_forward(kwargs, dtype):
 def test_multi_latent_attention_projections_are_the_attention_group():
     from moezero.compression.targets import quant_targets
 
-    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, multi_latent_attention=True,
-                       q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
-                       qk_layernorm=True, position_embedding_type="rope")
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=50,
+        multi_latent_attention=True,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=8,
+        qk_layernorm=True,
+        position_embedding_type="rope",
+    )
     model = GPTModel(config, MoEConfig(num_experts=2))
     names = [t.name for t in quant_targets(model, ["attention"])]
     assert names == [f"layers.0.attention.{p}.weight" for p in ("q_down", "q_up", "kv_down", "kv_up", "proj")]
@@ -229,6 +268,6 @@ def test_a_checkpoints_qat_forward_is_where_its_schedule_stood():
     bits = {step: CheckpointModel("", {}, None, qat, step, step).qat_forward() for step in (0, 3, 5, 20)}
     assert bits[0] is None
     assert [bits[s].weight_bits for s in (3, 5, 20)] == [8, 7, 4]
-    assert all(bits[s].start_bits == 8 for s in (3, 5, 20))   # load_checkpoint_weights fixes it at weight_bits
+    assert all(bits[s].start_bits == 8 for s in (3, 5, 20))  # load_checkpoint_weights fixes it at weight_bits
     assert CheckpointModel("", {}, None, None, None, 0).qat_forward() is None
-    assert CheckpointModel("", {}, None, qat, None, 0).qat_forward() == qat   # no step recorded: the target
+    assert CheckpointModel("", {}, None, qat, None, 0).qat_forward() == qat  # no step recorded: the target

@@ -1,9 +1,10 @@
 """QAT building blocks: group-wise quantization, straight-through fake quant, packing, the bit schedule."""
+
 import pytest
 import torch
 
 from moezero.compression.packing import pack_rows, storage_kind, unpack_rows
-from moezero.compression.quantizer import (fake_quantize, fake_quantize_per_token, quantize_rows, to_rows)
+from moezero.compression.quantizer import fake_quantize, fake_quantize_per_token, quantize_rows, to_rows
 from moezero.compression.bits_schedule import bits_at
 
 
@@ -19,7 +20,7 @@ def test_every_group_has_at_most_2_to_the_bits_values(bits, symmetric):
     for n in (None, noise):
         w_hat = fake_quantize(w, bits, units=4, groups=8, symmetric=symmetric, noise=n)
         rows = w_hat.reshape(32, -1)
-        assert max(r.unique().numel() for r in rows) <= 2 ** bits
+        assert max(r.unique().numel() for r in rows) <= 2**bits
         assert w_hat.shape == w.shape and w_hat.dtype == w.dtype
 
 

@@ -3,14 +3,17 @@ import pytest
 from moezero.parallel import ParallelGroups, rank_layout
 
 
-@pytest.mark.parametrize("world,ep,ep_groups,edp_groups", [
-    (1, 1, [(0,)], [(0,)]),
-    (2, 1, [(0,), (1,)], [(0, 1)]),
-    (2, 2, [(0, 1)], [(0,), (1,)]),
-    (4, 1, [(0,), (1,), (2,), (3,)], [(0, 1, 2, 3)]),
-    (4, 2, [(0, 1), (2, 3)], [(0, 2), (1, 3)]),
-    (4, 4, [(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)]),
-])
+@pytest.mark.parametrize(
+    "world,ep,ep_groups,edp_groups",
+    [
+        (1, 1, [(0,)], [(0,)]),
+        (2, 1, [(0,), (1,)], [(0, 1)]),
+        (2, 2, [(0, 1)], [(0,), (1,)]),
+        (4, 1, [(0,), (1,), (2,), (3,)], [(0, 1, 2, 3)]),
+        (4, 2, [(0, 1), (2, 3)], [(0, 2), (1, 3)]),
+        (4, 4, [(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)]),
+    ],
+)
 def test_layout(world, ep, ep_groups, edp_groups):
     layout = rank_layout(world, ep)
     assert list(layout.ep_groups) == ep_groups

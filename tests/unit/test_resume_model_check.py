@@ -1,6 +1,7 @@
 """A resume refuses a checkpoint of another model: a flag whose unset value is a setting of its own (no shared
 expert, no window, no MTP) compared like any value, and weights in the checkpoint that the model lacks; a value
 the code derives when unset (--ffn-hidden-size) and a field the checkpoint predates are not compared."""
+
 import dataclasses
 
 import pytest
@@ -43,10 +44,10 @@ def test_a_setting_the_checkpoint_has_not_or_had_is_another_model(flags, named):
 
 
 def test_what_the_code_derives_when_unset_and_fields_a_checkpoint_predates_are_not_compared():
-    _check([], ["--ffn-hidden-size", "128", "--kv-channels", "16"])   # TINY's derived values, given now
+    _check([], ["--ffn-hidden-size", "128", "--kv-channels", "16"])  # TINY's derived values, given now
     saved, now = configs(TINY + ROPE), configs(TINY + ROPE + ["--window-size", "4,0"])
     stored = _stored(saved)
-    del stored["model"]["window_size"]   # a checkpoint from before the flag existed
+    del stored["model"]["window_size"]  # a checkpoint from before the flag existed
     check_same_model(now, ResumePoint("ckpt", 3, stored, {}))
 
 
@@ -68,11 +69,36 @@ def test_a_requeued_upcycling_run_resumes_its_own_checkpoint(tmp_path):
     from tests.integration.pretrain_utils import CORPUS
 
     dense, moe, cache = str(tmp_path / "dense"), str(tmp_path / "moe"), str(tmp_path / "cache")
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--data-path", CORPUS,
-            "--split", "98,2,0", "--num-workers", "0", "--eval-interval", "0", "--data-cache-path", cache]
-    for argv in (base + ["--save", dense], base + ["--load", dense, "--save", moe, "--moe-use-upcycling",
-                                                    "--num-experts", "4", "--moe-router-topk", "2"]):
+    base = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--data-path",
+        CORPUS,
+        "--split",
+        "98,2,0",
+        "--num-workers",
+        "0",
+        "--eval-interval",
+        "0",
+        "--data-cache-path",
+        cache,
+    ]
+    for argv in (
+        base + ["--save", dense],
+        base + ["--load", dense, "--save", moe, "--moe-use-upcycling", "--num-experts", "4", "--moe-router-topk", "2"],
+    ):
         run = pretraining(configs(argv))
         run.train()
         run.groups.destroy()
@@ -80,9 +106,9 @@ def test_a_requeued_upcycling_run_resumes_its_own_checkpoint(tmp_path):
     assert start.point is not None and start.point.path.startswith(moe) and start.point.iteration == 2
     assert start.dense_source is None
     assert any("resuming from the run's own checkpoint" in line for line in start.notices)
-    same = argv[:argv.index("--save")] + ["--save", dense] + argv[argv.index("--save") + 2:]   # --save is --load
+    same = argv[: argv.index("--save")] + ["--save", dense] + argv[argv.index("--save") + 2 :]  # --save is --load
     start = resolve_start(configs(same))
-    assert start.dense_source is not None and start.point is None   # a first run there upcycles
+    assert start.dense_source is not None and start.point is None  # a first run there upcycles
 
 
 def test_an_mla_checkpoint_with_down_projection_biases_is_named_as_such():
@@ -94,10 +120,24 @@ def test_an_mla_checkpoint_with_down_projection_biases_is_named_as_such():
     from moezero.compression.source import CheckpointModel
     from moezero.config import ConfigError
 
-    cfg = configs(TINY[:TINY.index("--num-experts")] + ["--multi-latent-attention", "--q-lora-rank", "8",
-                                                        "--kv-lora-rank", "8", "--qk-head-dim", "8",
-                                                        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
-                                                        "--position-embedding-type", "rope"])
+    cfg = configs(
+        TINY[: TINY.index("--num-experts")]
+        + [
+            "--multi-latent-attention",
+            "--q-lora-rank",
+            "8",
+            "--kv-lora-rank",
+            "8",
+            "--qk-head-dim",
+            "8",
+            "--qk-pos-emb-head-dim",
+            "4",
+            "--v-head-dim",
+            "8",
+            "--position-embedding-type",
+            "rope",
+        ]
+    )
     gpt = dataclasses.replace(cfg.model, vocab_size=64)
     model = GPTModel(gpt, None, seed=1)
     old = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -106,7 +146,8 @@ def test_an_mla_checkpoint_with_down_projection_biases_is_named_as_such():
         check_shapes(model, ResumePoint("ckpt", 3, {}, old))
     state = dict(model.state_dict(), **{"layers.0.attention.q_down.bias": torch.zeros(8)})
     source = CheckpointModel("old", state, ModelDescription.from_configs(gpt, None, torch.float32), None, None, 3)
-    with pytest.raises(ConfigError, match="old: holds weights this model has no place for "
-                                          "\\(layers.0.attention.q_down.bias\\)"):
+    with pytest.raises(
+        ConfigError, match="old: holds weights this model has no place for \\(layers.0.attention.q_down.bias\\)"
+    ):
         load_checkpoint_weights(source)
     load_checkpoint_weights(dataclasses.replace(source, state=model.state_dict()))

@@ -2,6 +2,7 @@
 argmax of the model's logits step by step; sampling picks only the tokens top-k / top-p allow and, over
 many draws with a fixed seed, follows the renormalised softmax(logits / temperature) (a chi-square test).
 """
+
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from moezero.config import GPTConfig
 from moezero.models import GPTModel, generate
 from moezero.models.sampling import sample_next
 
-VOCAB, USABLE = 40, 37   # the model's vocabulary is padded past the tokenizer's 37 tokens
+VOCAB, USABLE = 40, 37  # the model's vocabulary is padded past the tokenizer's 37 tokens
 LOGITS = torch.tensor([2.1, -0.3, 0.9, 1.7, -1.2, 0.4, 3.0, 0.0, 1.1, -0.8, 2.6, 0.2], dtype=torch.float64)
 DRAWS = 20000
 
@@ -25,10 +26,12 @@ def test_greedy_is_the_argmax_of_the_logits_step_by_step():
         for _ in range(10):
             logits, _ = model(torch.tensor([tokens]))
             tokens.append(int(logits[0, -1, :USABLE].argmax()))
-    assert generate(model, prompt, 10, temperature=0, vocab_size=USABLE) == tokens[len(prompt):]
+    assert generate(model, prompt, 10, temperature=0, vocab_size=USABLE) == tokens[len(prompt) :]
     stop = tokens[len(prompt) + 4]
-    assert generate(model, prompt, 10, temperature=0, vocab_size=USABLE, stop_token=stop) == \
-        tokens[len(prompt):tokens.index(stop, len(prompt)) + 1]
+    assert (
+        generate(model, prompt, 10, temperature=0, vocab_size=USABLE, stop_token=stop)
+        == tokens[len(prompt) : tokens.index(stop, len(prompt)) + 1]
+    )
     assert model.training, "generate restores the training mode"
 
 
@@ -67,4 +70,4 @@ def test_sampling_picks_only_allowed_tokens_with_the_renormalised_probabilities(
     assert set(picked) <= set(allowed), (picked, allowed)
     chi2 = float(((counts[allowed] - DRAWS * expected) ** 2 / (DRAWS * expected)).sum())
     assert chi2 < _chi_square_bound(len(allowed) - 1), (chi2, allowed)
-    assert len(picked) == len(allowed)   # every allowed token is reachable (none has a tiny probability here)
+    assert len(picked) == len(allowed)  # every allowed token is reachable (none has a tiny probability here)

@@ -1,5 +1,6 @@
 """--log-throughput counts FLOPs as Megatron does: its own figures (tests/assets/megatron_flops.json, from
 tools/megatron_flops.py running megatron-core's num_floating_point_operations) for the same flags."""
+
 import json
 import os
 

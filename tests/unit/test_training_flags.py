@@ -1,5 +1,6 @@
 """The Megatron flags of the training script in one process: parsing, one-line errors, the sample-based
 schedule, stop conditions and the interrupt message."""
+
 import os
 import re
 import signal
@@ -35,32 +36,59 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     assert [line.split("error: ", 1)[1] for line in lines] == [
         "--fp8-format: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
         "--fp8-margin: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
-        "unrecognized arguments: --hiden-size 64; did you mean --hidden-size? (see --help)"], lines
-    lines = _error_of(["--mtp-standalone"], capsys)   # never a did-you-mean to another flag (--mtp-num-layers)
+        "unrecognized arguments: --hiden-size 64; did you mean --hidden-size? (see --help)",
+    ], lines
+    lines = _error_of(["--mtp-standalone"], capsys)  # never a did-you-mean to another flag (--mtp-num-layers)
     assert len(lines) == 1 and "--mtp-standalone: not supported by moezero" in lines[0] and "mean" not in lines[0]
     lines = _error_of(["--ckpt-format", "torch"], capsys)
-    assert lines[0].endswith("--ckpt-format torch: not supported by moezero (choose from 'torch_dist', "
-                             "'fsdp_dtensor') (see --help)"), lines
+    assert lines[0].endswith(
+        "--ckpt-format torch: not supported by moezero (choose from 'torch_dist', 'fsdp_dtensor') (see --help)"
+    ), lines
     # Megatron's store_false switches have only their --no- form: never a did-you-mean of the opposite meaning
     lines = _error_of(["--bias-gelu-fusion"], capsys)
-    assert len(lines) == 1 and lines[0].endswith("unrecognized arguments: --bias-gelu-fusion; that is on by default "
-                                                 "(--no-bias-gelu-fusion turns it off) (see --help)"), lines
+    assert len(lines) == 1 and lines[0].endswith(
+        "unrecognized arguments: --bias-gelu-fusion; that is on by default "
+        "(--no-bias-gelu-fusion turns it off) (see --help)"
+    ), lines
     lines = _error_of(["--bias-gelu-fusio"], capsys)
-    assert "did you mean" not in lines[0] and "the nearest flag, --no-bias-gelu-fusion, turns an option off" \
-        in lines[0], lines
+    assert (
+        "did you mean" not in lines[0] and "the nearest flag, --no-bias-gelu-fusion, turns an option off" in lines[0]
+    ), lines
 
 
 def test_one_launch_lists_every_problem_one_line_each(capsys):
     """The DeepSeek-V3 line took four launches to list what moezero refuses: flags, choices, values of the wrong
     type and values the configs refuse now come together."""
-    lines = _error_of(["--tensor-model-parallel-size", "2", "--ckpt-format", "torch", "--mtp-standalone",
-                       "--num-layers", "two", "--lr", "-1", "--num-experts", "0", "--fp8-format", "hybrid",
-                       "--hiden-size", "64"], capsys)
-    expected = ["--ckpt-format torch: not supported by moezero", "--num-layers: invalid int value: 'two'",
-                "--mtp-standalone: not supported by moezero", "--fp8-format: not supported by moezero",
-                "unrecognized arguments: --hiden-size 64; did you mean --hidden-size?",
-                "--tensor-model-parallel-size=2: not supported by moezero", "--num-experts=0: must be >= 1",
-                "--lr=-1.0: must be > 0"]   # the model's section holds the unreadable --num-layers: not built
+    lines = _error_of(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--ckpt-format",
+            "torch",
+            "--mtp-standalone",
+            "--num-layers",
+            "two",
+            "--lr",
+            "-1",
+            "--num-experts",
+            "0",
+            "--fp8-format",
+            "hybrid",
+            "--hiden-size",
+            "64",
+        ],
+        capsys,
+    )
+    expected = [
+        "--ckpt-format torch: not supported by moezero",
+        "--num-layers: invalid int value: 'two'",
+        "--mtp-standalone: not supported by moezero",
+        "--fp8-format: not supported by moezero",
+        "unrecognized arguments: --hiden-size 64; did you mean --hidden-size?",
+        "--tensor-model-parallel-size=2: not supported by moezero",
+        "--num-experts=0: must be >= 1",
+        "--lr=-1.0: must be > 0",
+    ]  # the model's section holds the unreadable --num-layers: not built
     assert len(lines) == len(expected) and all(e in line for e, line in zip(expected, lines)), lines
     assert lines[-1].endswith("(see --help)") and all("error: " in line for line in lines)
 
@@ -69,7 +97,7 @@ def test_help_has_no_placeholders_and_each_default_once():
     text = build_parser(CONFIG_CLASSES, DESCRIPTION).format_help()
     assert "MODEL." not in text and "TRAIN." not in text and "--num-layers NUM_LAYERS" in text
     assert "(default: None)" not in text
-    entries = re.split(r"\n  (?=--)", text)   # one entry per flag: its name line(s) and help
+    entries = re.split(r"\n  (?=--)", text)  # one entry per flag: its name line(s) and help
     for flag in ("--moe-grouped-gemm", "--seq-length", "--lr-warmup-iters", "--num-experts"):
         entry = next(e for e in entries if e.startswith(flag + " ") or e.startswith(flag + ","))
         assert entry.count("default") == 1, entry
@@ -109,27 +137,36 @@ def test_megatron_parallel_and_optimizer_flags():
 
 
 def test_sample_based_schedule_is_megatrons():
-    t = TrainConfig(global_batch_size=8, train_samples=800, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1,
-                    lr_decay_style="linear")
+    t = TrainConfig(
+        global_batch_size=8, train_samples=800, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1, lr_decay_style="linear"
+    )
     assert t.train_iters == 100
     # warmup 80 samples = 10 iterations, then linear decay over the remaining 720 samples
     lr = LearningRateSchedule.from_config(t).lr
     assert lr(0) == 0.0 and lr(8) == pytest.approx(0.1) and lr(80) == pytest.approx(1.0)
     assert lr(440) == pytest.approx(1 - (55 * 8 - 80) / 720)
-    iters = TrainConfig(train_iters=100, global_batch_size=8, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1,
-                        lr_decay_style="linear")
-    assert [LearningRateSchedule.from_config(iters).lr(i * 8) for i in (0, 9, 55)] == \
-        pytest.approx([lr(i * 8) for i in (0, 9, 55)])
-    assert TrainConfig().lr_warmup_iters == 0 and TrainConfig().train_iters == 200   # Megatron: no warmup
+    iters = TrainConfig(
+        train_iters=100, global_batch_size=8, lr=1.0, min_lr=0.0, lr_warmup_fraction=0.1, lr_decay_style="linear"
+    )
+    assert [LearningRateSchedule.from_config(iters).lr(i * 8) for i in (0, 9, 55)] == pytest.approx(
+        [lr(i * 8) for i in (0, 9, 55)]
+    )
+    assert TrainConfig().lr_warmup_iters == 0 and TrainConfig().train_iters == 200  # Megatron: no warmup
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(train_samples=64, train_iters=3, global_batch_size=16), "--train-iters=3: give --train-iters or --train-samples"),
-    (dict(train_samples=64, lr_warmup_iters=5), "--lr-warmup-iters=5: counts iterations"),
-    (dict(lr_warmup_samples=8), "--lr-warmup-samples=8: needs --train-samples"),
-    (dict(lr_warmup_iters=5, lr_warmup_fraction=0.1), "give one of --lr-warmup-iters"),
-    (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction=1.5: must be in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (
+            dict(train_samples=64, train_iters=3, global_batch_size=16),
+            "--train-iters=3: give --train-iters or --train-samples",
+        ),
+        (dict(train_samples=64, lr_warmup_iters=5), "--lr-warmup-iters=5: counts iterations"),
+        (dict(lr_warmup_samples=8), "--lr-warmup-samples=8: needs --train-samples"),
+        (dict(lr_warmup_iters=5, lr_warmup_fraction=0.1), "give one of --lr-warmup-iters"),
+        (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction=1.5: must be in [0, 1]"),
+    ],
+)
 def test_schedule_flags_conflicts_name_the_flag(kwargs, needle):
     with pytest.raises(ConfigError) as info:
         TrainConfig(**kwargs)
@@ -145,7 +182,7 @@ def test_stop_conditions_record_a_signal_and_the_duration():
         assert stop.reason(2) == "received SIGTERM"
     finally:
         stop.close()
-    stop = StopConditions(TrainConfig(exit_signal_handler=True, exit_signal="SIGUSR1"), None)   # Slurm's USR1@
+    stop = StopConditions(TrainConfig(exit_signal_handler=True, exit_signal="SIGUSR1"), None)  # Slurm's USR1@
     try:
         signal.raise_signal(signal.SIGUSR1)
         assert stop.reason(2) == "received SIGUSR1" and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
@@ -154,7 +191,7 @@ def test_stop_conditions_record_a_signal_and_the_duration():
     stop = StopConditions(TrainConfig(exit_signal_handler=True), None)
     try:
         signal.raise_signal(signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):   # Ctrl-C twice interrupts at once
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice interrupts at once
             signal.raise_signal(signal.SIGINT)
     finally:
         stop.close()
@@ -189,7 +226,7 @@ def _signal_on_rank_0_only():
     stop = StopConditions(TrainConfig(exit_signal_handler=True), groups.control)
     try:
         first = stop.reason(1)
-        if dist.get_rank() == 0:   # a scheduler's SIGTERM that reached one rank
+        if dist.get_rank() == 0:  # a scheduler's SIGTERM that reached one rank
             signal.raise_signal(signal.SIGTERM)
         return first, stop.reason(2)
     finally:
@@ -230,10 +267,13 @@ def test_a_peer_that_died_or_went_elsewhere_is_one_line(failure, monkeypatch, ca
     from moezero.parallel import ChannelError
     from moezero.training import job
 
-    error = {"channel": ChannelError("rank 1 of the control group exited or stopped reading (its end of the pipe "
-                                     "is closed)"),
-             "disagree": RanksDisagree("rank 0 was saving a checkpoint; rank 1 was in a forward"),
-             "data worker": RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")}[failure]
+    error = {
+        "channel": ChannelError(
+            "rank 1 of the control group exited or stopped reading (its end of the pipe is closed)"
+        ),
+        "disagree": RanksDisagree("rank 0 was saving a checkpoint; rank 1 was in a forward"),
+        "data worker": RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly"),
+    }[failure]
 
     class Failing:
         def __init__(self, cfg, plugins):
@@ -277,13 +317,20 @@ def test_a_pipeline_run_deals_the_batch_over_its_data_parallel_ranks():
     assert cfg.train.global_batch_size == 2 * 2
 
 
-@pytest.mark.parametrize("extra,world,needle", [
-    (["--decoder-first-pipeline-num-layers", "3"], 2, "--decoder-first-pipeline-num-layers=3: more than --num-layers=2"),
-    (["--num-layers", "3"], 2, "--num-layers=3: must be divisible by --pipeline-model-parallel-size=2"),
-    (["--pipeline-model-parallel-layout", "Et|tt|L"], 2, "--pipeline-model-parallel-layout='Et|tt|L'"),
-    ([], 3, "--pipeline-model-parallel-size=2: must divide the world size (3)"),
-    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size=2, --pipeline-model-parallel-size=2"),
-])
+@pytest.mark.parametrize(
+    "extra,world,needle",
+    [
+        (
+            ["--decoder-first-pipeline-num-layers", "3"],
+            2,
+            "--decoder-first-pipeline-num-layers=3: more than --num-layers=2",
+        ),
+        (["--num-layers", "3"], 2, "--num-layers=3: must be divisible by --pipeline-model-parallel-size=2"),
+        (["--pipeline-model-parallel-layout", "Et|tt|L"], 2, "--pipeline-model-parallel-layout='Et|tt|L'"),
+        ([], 3, "--pipeline-model-parallel-size=2: must divide the world size (3)"),
+        (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size=2, --pipeline-model-parallel-size=2"),
+    ],
+)
 def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
     from moezero.training.configs import validate
 
@@ -293,11 +340,18 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 
 
 PIPELINE_REFUSALS = [
-    (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
-     "needs --untie-embeddings-and-output-weights for now"),
-    (PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1"),
-    (PP2 + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"],
-     "2 virtual stages per pipeline rank: the interleaved schedule is not supported yet"),
+    (
+        ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
+        "needs --untie-embeddings-and-output-weights for now",
+    ),
+    (
+        PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+        "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1",
+    ),
+    (
+        PP2 + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"],
+        "2 virtual stages per pipeline rank: the interleaved schedule is not supported yet",
+    ),
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
     (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
@@ -310,8 +364,9 @@ PIPELINE_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("argv,needle", PIPELINE_REFUSALS, ids=[needle.split(":")[0] for _, needle in
-                                                                  PIPELINE_REFUSALS])
+@pytest.mark.parametrize(
+    "argv,needle", PIPELINE_REFUSALS, ids=[needle.split(":")[0] for _, needle in PIPELINE_REFUSALS]
+)
 def test_what_pipeline_stages_do_not_run_yet_is_one_line_at_start(argv, needle):
     """Each refused at start (validate, which the script runs before building anything) in one line naming the flag
     and the pipeline size."""
@@ -321,8 +376,7 @@ def test_what_pipeline_stages_do_not_run_yet_is_one_line_at_start(argv, needle):
     with pytest.raises(ConfigError) as info:
         validate(configs(TINY + argv), world_size=2)
     message = str(info.value)
-    assert needle in message and "--pipeline-model-parallel-size" in message and len(message.splitlines()) == 1, \
-        message
+    assert needle in message and "--pipeline-model-parallel-size" in message and len(message.splitlines()) == 1, message
 
 
 def test_qat_with_pipeline_stages_is_one_line_at_start():
@@ -330,6 +384,9 @@ def test_qat_with_pipeline_stages_is_one_line_at_start():
     optimizer is built."""
     from moezero.recipe import attach_qat
 
-    with pytest.raises(ConfigError, match="--qat-weight-bits=4: quantization-aware training with "
-                                          "--pipeline-model-parallel-size=2 is not supported yet"):
+    with pytest.raises(
+        ConfigError,
+        match="--qat-weight-bits=4: quantization-aware training with "
+        "--pipeline-model-parallel-size=2 is not supported yet",
+    ):
         attach_qat(None, None, _pipeline_configs(["--qat-weight-bits", "4"]))

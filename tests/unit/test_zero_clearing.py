@@ -2,15 +2,18 @@
 step() and after a backward that raised, at every stage, for params whose .grad is a view of the optimizer's
 buffer (fp32) and those whose .grad is a placeholder (bf16 params, reduced in fp32): torch's own training of the
 same model is the oracle (one process, so the average over ranks is the local gradient)."""
+
 import pytest
 import torch
 from torch import nn
 
 from moezero.zero import ZeroOptimizer
 
-CLEARS = {"p.grad = None": lambda m: [setattr(p, "grad", None) for p in m.parameters()],
-          "model.zero_grad()": lambda m: m.zero_grad(),
-          "model.zero_grad(set_to_none=False)": lambda m: m.zero_grad(set_to_none=False)}
+CLEARS = {
+    "p.grad = None": lambda m: [setattr(p, "grad", None) for p in m.parameters()],
+    "model.zero_grad()": lambda m: m.zero_grad(),
+    "model.zero_grad(set_to_none=False)": lambda m: m.zero_grad(set_to_none=False),
+}
 
 
 def _pair(dtype):
@@ -34,7 +37,7 @@ def test_clearing_between_micro_batches_drops_the_local_gradient(stage, no_sync,
     CLEARS[clear](model)
     model(second).sum().backward()
     opt.step()
-    reference(second).sum().backward()   # torch: only the second micro-batch's gradient is left
+    reference(second).sum().backward()  # torch: only the second micro-batch's gradient is left
     torch.optim.SGD(reference.parameters(), lr=1.0).step()
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

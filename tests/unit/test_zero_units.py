@@ -1,5 +1,6 @@
 """Stage 3's gather units on their own (`moezero/zero/units.py`'s `plan_units`): which params a unit holds, in
 which order units are gathered, and how `min_unit_params` runs consecutive blocks together."""
+
 import torch
 from torch import nn
 
@@ -25,7 +26,7 @@ class _Block(nn.Module):
 
 def _model(sizes, experts=0):
     model = nn.Module()
-    model.embed = nn.Embedding(4, 5)            # 20 params, the root's
+    model.embed = nn.Embedding(4, 5)  # 20 params, the root's
     model.layers = nn.ModuleList(_Block(n, experts) for n in sizes)
     return model
 
@@ -67,11 +68,23 @@ def test_expert_stacks_stay_units_of_their_own_and_do_not_count():
     # dense 10 per block; the experts' 2 x 100 do not count toward the minimum
     model = _model([10, 10, 10, 10], experts=100)
     plan, forward, backward = _plan(model, 20)
-    assert forward == ["layers.0..1", "layers.0.experts", "layers.1.experts",
-                       "layers.2..3", "layers.2.experts", "layers.3.experts"]
+    assert forward == [
+        "layers.0..1",
+        "layers.0.experts",
+        "layers.1.experts",
+        "layers.2..3",
+        "layers.2.experts",
+        "layers.3.experts",
+    ]
     # reverse post-order: a run's backward starts at its last block's output, before its expert stacks'
-    assert backward == ["layers.2..3", "layers.3.experts", "layers.2.experts",
-                        "layers.0..1", "layers.1.experts", "layers.0.experts"]
+    assert backward == [
+        "layers.2..3",
+        "layers.3.experts",
+        "layers.2.experts",
+        "layers.0..1",
+        "layers.1.experts",
+        "layers.0.experts",
+    ]
     experts = {plan.unit_of[id(b.experts.w)] for b in model.layers}
     assert len(experts) == 4 and not experts & {plan.unit_of[id(b.proj.weight)] for b in model.layers}
 
@@ -92,24 +105,37 @@ def test_forward_records_travel_one_per_message_and_backward_records_together():
     from moezero.zero.rank_agreement import Activity, RankAgreement
     from moezero.zero.gather_schedule import GatherSchedule
 
-    order = [1, 2, 3, 4, 5]   # units; their positions 0-4, the pass's end 5
-    forward = GatherSchedule(order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END, RankAgreement(None),
-                             set(order) | {0}, lead=0)
+    order = [1, 2, 3, 4, 5]  # units; their positions 0-4, the pass's end 5
+    forward = GatherSchedule(
+        order, Activity.FORWARD_GATHER, Activity.FORWARD_GATHERS_END, RankAgreement(None), set(order) | {0}, lead=0
+    )
     forward.reset()
-    assert _messages(forward) == [[-1, 0], [1]]   # the root's record rides with the first position's
+    assert _messages(forward) == [[-1, 0], [1]]  # the root's record rides with the first position's
     forward.settle_lead()
     forward.settle_record(1)
     assert _messages(forward) == [[1], [2]]
-    forward.settle_record(4)   # position 3 (positions 1 and 2 left unsettled, as a pass that skipped them)
+    forward.settle_record(4)  # position 3 (positions 1 and 2 left unsettled, as a pass that skipped them)
     assert _messages(forward) == [[1], [2], [4], [5]]
-    backward = GatherSchedule(order[::-1], Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
-                              RankAgreement(None), set(order), per_message=RECORDS_PER_MESSAGE)
+    backward = GatherSchedule(
+        order[::-1],
+        Activity.BACKWARD_GATHER,
+        Activity.BACKWARD_GATHERS_END,
+        RankAgreement(None),
+        set(order),
+        per_message=RECORDS_PER_MESSAGE,
+    )
     backward.reset()
     assert _messages(backward) == [[0, 1, 2, 3, 4, 5]]
     assert backward.agreement.launched == 1
-    long_pass = GatherSchedule(list(range(1, 12)), Activity.BACKWARD_GATHER, Activity.BACKWARD_GATHERS_END,
-                               RankAgreement(None), set(range(1, 12)), per_message=RECORDS_PER_MESSAGE)
+    long_pass = GatherSchedule(
+        list(range(1, 12)),
+        Activity.BACKWARD_GATHER,
+        Activity.BACKWARD_GATHERS_END,
+        RankAgreement(None),
+        set(range(1, 12)),
+        per_message=RECORDS_PER_MESSAGE,
+    )
     long_pass.reset()
-    long_pass.settle_record(7)   # position 6: the second message (positions 8-10 and the end) is launched
+    long_pass.settle_record(7)  # position 6: the second message (positions 8-10 and the end) is launched
     assert _messages(long_pass) == [[0, 1, 2, 3, 4, 5, 7], [8, 9, 10, 11]]
     assert long_pass.agreement.launched == 2

@@ -8,6 +8,7 @@ untied output layer, MLP 4h with GELU, the same init rule) with DeepSpeed's MoE 
 Either way torch AdamW (fused unless --no-fused, as on every system) under DeepSpeed ZeRO, the same
 synthetic data. Prints one RESULT json line.
 """
+
 import json
 import os
 import resource
@@ -24,8 +25,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from memtrace import sample as memory_sample  # noqa: E402
-from synthetic import (adamw_kwargs, batch, common_parser, gemm_peak_flops, kernel_paths,  # noqa: E402
-                       model_flops_per_token)
+from synthetic import (
+    adamw_kwargs,
+    batch,
+    common_parser,
+    gemm_peak_flops,
+    kernel_paths,  # noqa: E402
+    model_flops_per_token,
+)
 
 
 def parse():
@@ -63,9 +70,18 @@ class Block(nn.Module):
         self.moe = moe
         ffn = args.ffn_mult * args.hidden
         if moe:
-            self.mlp = MoE(hidden_size=args.hidden, expert=mlp(args.hidden, args.expert_ffn or ffn),
-                           num_experts=args.experts, ep_size=args.ep, k=args.k, capacity_factor=1.0,
-                           eval_capacity_factor=1.0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+            self.mlp = MoE(
+                hidden_size=args.hidden,
+                expert=mlp(args.hidden, args.expert_ffn or ffn),
+                num_experts=args.experts,
+                ep_size=args.ep,
+                k=args.k,
+                capacity_factor=1.0,
+                eval_capacity_factor=1.0,
+                drop_tokens=False,
+                use_rts=False,
+                top2_2nd_expert_sampling=False,
+            )
         else:
             self.mlp = mlp(args.hidden, ffn)
 
@@ -125,8 +141,10 @@ def build(args):
         logits, aux = output
         ce = F.cross_entropy(logits.float().view(-1, args.vocab), labels.view(-1))
         return ce, ce + args.aux * aux
+
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "all", "weight_decay": 0.0})
+        {"params": list(model.parameters()), "name": "all", "weight_decay": 0.0}
+    )
     return model, loss_fn, groups
 
 
@@ -142,11 +160,19 @@ def main():
     model, loss_fn, groups = build(args)
     opt = torch.optim.AdamW(groups, **adamw_kwargs(args))
     config = {
-        "train_micro_batch_size_per_gpu": args.mb, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-        "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "bf16": {"enabled": args.dtype == "bf16"},
-        "zero_optimization": {"stage": args.stage, "reduce_bucket_size": args.bucket,
-                              "allgather_bucket_size": args.bucket, "overlap_comm": not args.no_overlap,
-                              "contiguous_gradients": True},
+        "train_micro_batch_size_per_gpu": args.mb,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "zero_optimization": {
+            "stage": args.stage,
+            "reduce_bucket_size": args.bucket,
+            "allgather_bucket_size": args.bucket,
+            "overlap_comm": not args.no_overlap,
+            "contiguous_gradients": True,
+        },
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     losses, times, memory = [], [], []
@@ -162,18 +188,32 @@ def main():
         ce = ce.detach().float().clone()
         dist.all_reduce(ce)
         losses.append(ce.item() / world)
-    step_s = statistics.median(times[args.warmup:] if len(times) > args.warmup else times)
+    step_s = statistics.median(times[args.warmup :] if len(times) > args.warmup else times)
     rss = [None] * world
     dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
     rss_end = [None] * world
     dist.all_gather_object(rss_end, memory[-1]["rss_mb"])
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
-    result = {"tag": args.tag, "system": "deepspeed", "model": args.model, "stage": args.stage, "ep": args.ep,
-              "world": world, "step_s": step_s, "tokens_per_s": args.mb * args.seq * world / step_s,
-              "peak_rss_mb": rss, "rss_end_mb": max(rss_end), "first_loss": losses[0], "final_loss": losses[-1],
-              "losses": losses, "times": times, "memory": memory if rank == 0 else None,
-              "flops_per_token": model_flops_per_token(args), "kernel_paths": kernel_paths()}
+    result = {
+        "tag": args.tag,
+        "system": "deepspeed",
+        "model": args.model,
+        "stage": args.stage,
+        "ep": args.ep,
+        "world": world,
+        "step_s": step_s,
+        "tokens_per_s": args.mb * args.seq * world / step_s,
+        "peak_rss_mb": rss,
+        "rss_end_mb": max(rss_end),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "losses": losses,
+        "times": times,
+        "memory": memory if rank == 0 else None,
+        "flops_per_token": model_flops_per_token(args),
+        "kernel_paths": kernel_paths(),
+    }
     if peak is not None:
         result["gemm_peak_flops"] = sum(peaks)
     if rank == 0:

@@ -1,5 +1,6 @@
 """tools/bench_ops.py's rows for the CPU element-wise kernels (GELU, the experts' bias add, RMSNorm, SwiGLU and
 GPT-OSS's quick GEGLU, the token cross-entropy), each forward + backward against torch's own version of the op."""
+
 from __future__ import annotations
 
 from typing import List
@@ -24,18 +25,27 @@ def gelu_rows(ext, args, device) -> List[Row]:
         y = torch.randn(args.tokens // 8, args.hidden, device=device).to(DTYPES[dname])
         bias, grad = torch.randn(1, args.hidden).to(y.dtype), torch.randn_like(y)
         for approximate in ("none", "tanh"):
+
             def step(gelu_of_bias_add, a=approximate):
                 y_in, b_in = y.clone().requires_grad_(), bias.clone().requires_grad_()
                 out = gelu_of_bias_add(y_in, b_in, a)
                 out.backward(grad)
                 return out.detach(), y_in.grad, b_in.grad
+
             fused = lambda: step(lambda y_in, b_in, a: bias_gelu(y_in, b_in, [y.shape[0]], approximate=a))
             plain = lambda: step(lambda y_in, b_in, a: torch.nn.functional.gelu(y_in + b_in, approximate=a))
-            for got, want in zip(fused(), plain()):   # the bias gradient sums rows: within 2% of its largest
+            for got, want in zip(fused(), plain()):  # the bias gradient sums rows: within 2% of its largest
                 assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
             timed = median_ms({COMPILED: fused, "gelu(y + b)": plain}, args.reps, device)
-            rows.append((f"bias_gelu fwd+bwd ({approximate})", f"{dname} {y.shape[0]} x {args.hidden}",
-                         timed[COMPILED], "gelu(y + b)", timed["gelu(y + b)"]))
+            rows.append(
+                (
+                    f"bias_gelu fwd+bwd ({approximate})",
+                    f"{dname} {y.shape[0]} x {args.hidden}",
+                    timed[COMPILED],
+                    "gelu(y + b)",
+                    timed["gelu(y + b)"],
+                )
+            )
     return rows
 
 
@@ -70,15 +80,25 @@ def bias_add_rows(ext, args, device) -> List[Row]:
                 out = function.apply(y_in, b_in, counts)
                 out.backward(grad)
                 return out.detach(), y_in.grad, b_in.grad
-            candidates = {"torch ops (no kernel, GPU)": lambda: step(_ExpertBiasOps),
-                          "add and sum per expert": lambda: step(_BiasPerExpert)}
-            for candidate in candidates.values():   # the bias gradient sums rows in another order
+
+            candidates = {
+                "torch ops (no kernel, GPU)": lambda: step(_ExpertBiasOps),
+                "add and sum per expert": lambda: step(_BiasPerExpert),
+            }
+            for candidate in candidates.values():  # the bias gradient sums rows in another order
                 for got, want in zip(step(_FusedExpertBias), candidate()):
                     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
             timed = median_ms({COMPILED: lambda: step(_FusedExpertBias), **candidates}, args.reps, device)
-            for name in candidates:   # a row each: the other devices' path, and what it replaced
-                rows.append(("expert bias add fwd+bwd", f"{dname} {y.shape[0]} x {args.hidden}, E={E}",
-                             timed[COMPILED], name, timed[name]))
+            for name in candidates:  # a row each: the other devices' path, and what it replaced
+                rows.append(
+                    (
+                        "expert bias add fwd+bwd",
+                        f"{dname} {y.shape[0]} x {args.hidden}, E={E}",
+                        timed[COMPILED],
+                        name,
+                        timed[name],
+                    )
+                )
     return rows
 
 
@@ -98,12 +118,23 @@ def rms_norm_rows(ext, args, device) -> List[Row]:
             out = norm(x_in, [args.hidden], w_in, 1e-5)
             out.backward(grad)
             return out.detach(), x_in.grad, w_in.grad
+
         for got, want in zip(step(rms_norm), step(torch.nn.functional.rms_norm)):
             assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
-        timed = median_ms({COMPILED: lambda: step(rms_norm), "F.rms_norm": lambda: step(torch.nn.functional.rms_norm)},
-                          args.reps, device)
-        rows.append(("rms_norm fwd+bwd", f"{dname} {x.shape[0]} x {args.hidden}", timed[COMPILED], "F.rms_norm",
-                     timed["F.rms_norm"]))
+        timed = median_ms(
+            {COMPILED: lambda: step(rms_norm), "F.rms_norm": lambda: step(torch.nn.functional.rms_norm)},
+            args.reps,
+            device,
+        )
+        rows.append(
+            (
+                "rms_norm fwd+bwd",
+                f"{dname} {x.shape[0]} x {args.hidden}",
+                timed[COMPILED],
+                "F.rms_norm",
+                timed["F.rms_norm"],
+            )
+        )
     return rows
 
 
@@ -115,10 +146,20 @@ def _torch_quick_geglu(h):
 
 
 # (row name, the kernel, torch's ops, what they are called)
-GATED = (("swiglu fwd+bwd", swiglu, lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
-          "silu(gate) * up"),
-         ("quick_geglu fwd+bwd", lambda h: quick_geglu(h, QUICK_GELU_ALPHA, 1.0, 7.0), _torch_quick_geglu,
-          "clamps, sigmoid, 3 mul, add"))
+GATED = (
+    (
+        "swiglu fwd+bwd",
+        swiglu,
+        lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
+        "silu(gate) * up",
+    ),
+    (
+        "quick_geglu fwd+bwd",
+        lambda h: quick_geglu(h, QUICK_GELU_ALPHA, 1.0, 7.0),
+        _torch_quick_geglu,
+        "clamps, sigmoid, 3 mul, add",
+    ),
+)
 
 
 def swiglu_rows(ext, args, device) -> List[Row]:
@@ -132,11 +173,13 @@ def swiglu_rows(ext, args, device) -> List[Row]:
         h = (torch.randn(args.tokens // 8, 2 * args.hidden, generator=g) * 2).to(DTYPES[dname])
         grad = torch.randn(h.shape[0], args.hidden, generator=g).to(h.dtype)
         for name, fused, ops, ops_name in GATED:
+
             def step(activation):
                 h_in = h.clone().requires_grad_()
                 out = activation(h_in)
                 out.backward(grad)
                 return out.detach(), h_in.grad
+
             for got, want in zip(step(fused), step(ops)):
                 assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
             timed = median_ms({COMPILED: lambda: step(fused), ops_name: lambda: step(ops)}, args.reps, device)
@@ -161,10 +204,19 @@ def cross_entropy_rows(ext, args, device) -> List[Row]:
                 losses = token_cross_entropy(x, labels, fused=fused)
                 losses.mean().backward()
                 return losses.detach(), x.grad
+
             for got, want in zip(step(True), step(False)):
                 assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
-            timed = median_ms({COMPILED: lambda: step(True), "cross_entropy(x.float())": lambda: step(False)},
-                              args.reps, device)
-            rows.append(("cross_entropy fwd+bwd", f"{dname} {logits.shape[0]} x {vocab}", timed[COMPILED],
-                         "cross_entropy(x.float())", timed["cross_entropy(x.float())"]))
+            timed = median_ms(
+                {COMPILED: lambda: step(True), "cross_entropy(x.float())": lambda: step(False)}, args.reps, device
+            )
+            rows.append(
+                (
+                    "cross_entropy fwd+bwd",
+                    f"{dname} {logits.shape[0]} x {vocab}",
+                    timed[COMPILED],
+                    "cross_entropy(x.float())",
+                    timed["cross_entropy(x.float())"],
+                )
+            )
     return rows

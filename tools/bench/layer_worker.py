@@ -1,5 +1,6 @@
 """Benchmark worker (under torchrun): forward+backward of one MoE layer, or a dense MLP of the same
 active FLOPs, or DeepSpeed's MoE layer (with DeepSpeed's venv). Prints a RESULT json line."""
+
 import argparse
 import json
 import os
@@ -25,8 +26,12 @@ def parse():
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--skew", type=float, default=0.0,
-                   help="imbalanced routing as a trained router has: expert e's logit gets skew * (1 - e/(E-1))")
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="imbalanced routing as a trained router has: expert e's logit gets skew * (1 - e/(E-1))",
+    )
     return p.parse_args()
 
 
@@ -51,31 +56,45 @@ def load_stats(layer, system, x, args, world):
     counts = torch.bincount(logits.topk(args.k, dim=-1).indices.reshape(-1), minlength=args.experts).float()
     if world > 1:
         dist.all_reduce(counts)
-    return {"max_mean_load": (counts.max() / counts.mean()).item(),
-            "deepspeed_padding": (args.experts * counts.max() / counts.sum()).item()}
+    return {
+        "max_mean_load": (counts.max() / counts.mean()).item(),
+        "deepspeed_padding": (args.experts * counts.max() / counts.sum()).item(),
+    }
 
 
 def build(args, world):
     if args.system == "dense":  # the same active FLOPs: k experts' worth of FFN per token
-        return nn.Sequential(nn.Linear(args.hidden, args.k * args.ffn, bias=False), nn.GELU(),
-                             nn.Linear(args.k * args.ffn, args.hidden, bias=False)), lambda out: out
+        return nn.Sequential(
+            nn.Linear(args.hidden, args.k * args.ffn, bias=False),
+            nn.GELU(),
+            nn.Linear(args.k * args.ffn, args.hidden, bias=False),
+        ), lambda out: out
     if args.system == "deepspeed":
         import deepspeed
         from deepspeed.moe.layer import MoE
 
         deepspeed.init_distributed(dist_backend="gloo")
-        expert = nn.Sequential(nn.Linear(args.hidden, args.ffn, bias=False), nn.GELU(),
-                               nn.Linear(args.ffn, args.hidden, bias=False))
-        layer = MoE(hidden_size=args.hidden, expert=expert, num_experts=args.experts, ep_size=world, k=args.k,
-                    drop_tokens=False, use_rts=False)
+        expert = nn.Sequential(
+            nn.Linear(args.hidden, args.ffn, bias=False), nn.GELU(), nn.Linear(args.ffn, args.hidden, bias=False)
+        )
+        layer = MoE(
+            hidden_size=args.hidden,
+            expert=expert,
+            num_experts=args.experts,
+            ep_size=world,
+            k=args.k,
+            drop_tokens=False,
+            use_rts=False,
+        )
         layer.set_deepspeed_parallelism()  # what deepspeed.initialize would do: create and attach the ep group
         return layer, lambda out: out[0]
     from moezero.moe import MoEConfig, MoELayer
     from moezero.parallel import ParallelGroups
 
     groups = ParallelGroups.build(expert_parallel_size=world)
-    layer = MoELayer(MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts,
-                               top_k=args.k), groups)
+    layer = MoELayer(
+        MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts, top_k=args.k), groups
+    )
     return layer, lambda out: out[0]
 
 
@@ -108,8 +127,20 @@ def main():
         times.append(time.perf_counter() - start)
     step = statistics.median(times[1:])
     if rank == 0:
-        print("RESULT " + json.dumps({"system": args.system, "world": world, "step_s": step, "times": times[1:],
-                                      "tokens_per_s_per_rank": args.tokens / step, **loads}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "system": args.system,
+                    "world": world,
+                    "step_s": step,
+                    "times": times[1:],
+                    "tokens_per_s_per_rank": args.tokens / step,
+                    **loads,
+                }
+            ),
+            flush=True,
+        )
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()

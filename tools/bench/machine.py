@@ -1,4 +1,5 @@
 """What a benchmark's figures ran on: the CPU's model name and its bf16 units (read from /proc/cpuinfo)."""
+
 import os
 import platform
 from typing import List
@@ -30,5 +31,7 @@ def describe() -> str:
     """One line naming the machine, printed above every benchmark's tables."""
     import torch
 
-    return (f"{cpu_model()}, {os.cpu_count()} cores, bf16 units: {', '.join(bf16_units()) or 'none'}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, bf16 units: {', '.join(bf16_units()) or 'none'}, "
+        f"torch {torch.__version__}"
+    )

@@ -1,13 +1,27 @@
 """Per-step memory of this process: resident set, glibc heap in use, and the heap glibc holds but
 does not use (fragmentation and free lists). Linux/glibc; other systems report RSS only."""
+
 import ctypes
 import ctypes.util
 import os
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc():
@@ -24,7 +38,7 @@ _LIBC = _libc()
 
 def rss_mb() -> float:
     with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def heap_mb():
@@ -32,7 +46,7 @@ def heap_mb():
     if _LIBC is None:
         return float("nan"), float("nan")
     info = _LIBC.mallinfo2()
-    return (info.uordblks + info.hblkhd) / 2 ** 20, info.fordblks / 2 ** 20
+    return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
 
 
 def sample() -> dict:

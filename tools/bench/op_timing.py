@@ -1,4 +1,5 @@
 """Timing shared by tools/bench_ops.py and its row modules: alternating medians and the op table's row."""
+
 from __future__ import annotations
 
 import statistics

@@ -4,17 +4,18 @@ These machines are shared and noisy, so systems run round by round, in alternati
 process tree; a number is the median over rounds with its min-max, and a ratio between two
 systems is the median of the per-round ratios (each round's pair ran back to back).
 """
+
 import statistics
 import sys
 from typing import Callable, Dict, List, Sequence, Tuple
 
-if __package__:   # imported as tools.bench.rounds, or with tools/bench on the path
+if __package__:  # imported as tools.bench.rounds, or with tools/bench on the path
     from .machine import describe
 else:
     from machine import describe
 
-System = Tuple[str, Callable[[], dict]]   # (label, run one configuration -> RESULT dict)
-_named = [False]   # whether this process printed the machine line
+System = Tuple[str, Callable[[], dict]]  # (label, run one configuration -> RESULT dict)
+_named = [False]  # whether this process printed the machine line
 
 
 def name_machine() -> None:
@@ -33,8 +34,10 @@ def alternate(systems: Sequence[System], rounds: int, name: str = "") -> Dict[st
         for label, run in order:
             result = run()
             results[label].append(result)
-            status = result.get("error") or f"{result.get('tokens_per_s', 0):.0f} tokens/s, " \
-                                            f"{result.get('step_s', 0):.3f} s/step"
+            status = (
+                result.get("error")
+                or f"{result.get('tokens_per_s', 0):.0f} tokens/s, {result.get('step_s', 0):.3f} s/step"
+            )
             print(f"  {name} round {index + 1}/{rounds}: {label:38s} {status}", file=sys.stderr, flush=True)
     return results
 
@@ -69,6 +72,8 @@ def versus_cells(ours: List[dict], theirs: List[dict], memory: Callable[[dict], 
     errors where either failed (each cell ends with '|')."""
     if not ok(ours) or not ok(theirs):
         return f" {error_of(ours) or 'ok'} | {error_of(theirs) or 'ok'} | | | |"
-    return (f" {spread([r['tokens_per_s'] for r in ok(ours)])} | {spread([r['tokens_per_s'] for r in ok(theirs)])} | "
-            f"{spread(ratios(ours, theirs), 2, 'x')} | {spread([memory(r) for r in ok(ours)])} | "
-            f"{spread([memory(r) for r in ok(theirs)])} |")
+    return (
+        f" {spread([r['tokens_per_s'] for r in ok(ours)])} | {spread([r['tokens_per_s'] for r in ok(theirs)])} | "
+        f"{spread(ratios(ours, theirs), 2, 'x')} | {spread([memory(r) for r in ok(ours)])} | "
+        f"{spread([memory(r) for r in ok(theirs)])} |"
+    )

@@ -1,4 +1,5 @@
 """Launch benchmark workers under torchrun (moezero's venv or DeepSpeed's) and collect their RESULT lines."""
+
 import json
 import os
 import re
@@ -12,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PEER_DIR = os.environ.get("PEER_DIR", os.path.expanduser("~/.cache/moezero-peers/deepspeed"))
 DEEPSPEED_VERSION = "0.19.8"
 _port = [29700]
-_port_lock = threading.Lock()   # side-by-side runs start workers from several threads
+_port_lock = threading.Lock()  # side-by-side runs start workers from several threads
 
 
 def deepspeed_python(install: bool = True) -> Optional[str]:
@@ -22,8 +23,10 @@ def deepspeed_python(install: bool = True) -> Optional[str]:
         return python
     if not install:
         return None
-    print(f"creating DeepSpeed {DEEPSPEED_VERSION} venv in {PEER_DIR}/venv (CPU torch 2.13.0, DS_BUILD_OPS=0)",
-          file=sys.stderr)
+    print(
+        f"creating DeepSpeed {DEEPSPEED_VERSION} venv in {PEER_DIR}/venv (CPU torch 2.13.0, DS_BUILD_OPS=0)",
+        file=sys.stderr,
+    )
     env = dict(os.environ, DS_BUILD_OPS="0")
     subprocess.run([sys.executable, "-m", "venv", os.path.join(PEER_DIR, "venv")], check=True)
     pip = [python, "-m", "pip", "install", "-q"]
@@ -38,8 +41,14 @@ def _imports(python: str, module: str) -> bool:
     return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
-def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int = 1800,
-               python: Optional[str] = None, env_extra: Optional[Dict[str, str]] = None) -> Dict:
+def run_worker(
+    system: str,
+    worker_args: List[str],
+    nproc: int = 2,
+    timeout: int = 1800,
+    python: Optional[str] = None,
+    env_extra: Optional[Dict[str, str]] = None,
+) -> Dict:
     """Run one configuration; returns the worker's RESULT dict, or {"error": ...}."""
     with _port_lock:
         _port[0] += 1
@@ -49,10 +58,23 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
     python = python or (deepspeed_python() if deepspeed else sys.executable)
     if python is None:
         return {"error": "DeepSpeed is not installed"}
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--master_port={port}", script] + worker_args
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **(env_extra or {}),
+    )
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={port}",
+        script,
+    ] + worker_args
     if not deepspeed:
         cmd += ["--system", system]
     try:
@@ -61,7 +83,7 @@ def run_worker(system: str, worker_args: List[str], nproc: int = 2, timeout: int
         return {"error": f"timed out after {timeout}s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return {"error": _exception_line(proc.stdout + proc.stderr) or f"exit code {proc.returncode}"}
 
 
@@ -82,8 +104,12 @@ def run_side_by_side(system: str, worker_args: List[str], copies: int = 2, **kwa
     failed = [r for r in results if "error" in r]
     if failed:
         return failed[0]
-    merged = dict(results[0], step_s=sum(r["step_s"] for r in results) / copies,
-                  tokens_per_s=sum(r["tokens_per_s"] for r in results), side_by_side=copies)
+    merged = dict(
+        results[0],
+        step_s=sum(r["step_s"] for r in results) / copies,
+        tokens_per_s=sum(r["tokens_per_s"] for r in results),
+        side_by_side=copies,
+    )
     for key, value in results[0].items():
         if key.endswith("_per_rank") and isinstance(value, list):
             merged[key] = [v for r in results for v in r[key]]

@@ -2,13 +2,14 @@
 
 No moezero import here, so the DeepSpeed worker can use it from its own environment.
 """
+
 import argparse
 import time
 
 import torch
 
 from machine import bf16_units
-from moezero_gpt import STYLES   # plain data: moezero_gpt imports moezero only inside its functions
+from moezero_gpt import STYLES  # plain data: moezero_gpt imports moezero only inside its functions
 
 
 def common_parser() -> argparse.ArgumentParser:
@@ -31,12 +32,19 @@ def common_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket", type=int, default=2_000_000)
-    p.add_argument("--min-unit-params", type=int, default=100_000,
-                   help="stage 3: smaller blocks are gathered with the root (the training script's default)")
+    p.add_argument(
+        "--min-unit-params",
+        type=int,
+        default=100_000,
+        help="stage 3: smaller blocks are gathered with the root (the training script's default)",
+    )
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--no-fused", action="store_true", help="the per-tensor AdamW loop instead of torch's fused "
-                   "kernel (every system gets the same one)")
+    p.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="the per-tensor AdamW loop instead of torch's fused kernel (every system gets the same one)",
+    )
     p.add_argument("--peak", action="store_true", help="also measure the GEMM peak for MFU")
     p.add_argument("--tag", default="")
     return p
@@ -58,8 +66,11 @@ def kernel_paths() -> dict:
         for _ in range(3):
             torch.mm(a, b)
         seconds[dtype] = time.perf_counter() - start
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_units": hardware or None,
-            "bf16_gemm_slowdown": seconds[torch.bfloat16] / seconds[torch.float32]}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_units": hardware or None,
+        "bf16_gemm_slowdown": seconds[torch.bfloat16] / seconds[torch.float32],
+    }
 
 
 def bf16_native() -> bool:
@@ -82,7 +93,7 @@ def model_flops_per_token(args) -> float:
     D, S, V, F = args.hidden, args.seq, args.vocab, args.ffn_mult * args.hidden
     attention = 2 * 4 * D * D + 2 * 2 * S * D  # qkv + proj, then QK^T and AV (causal counted in full)
     style = STYLES[getattr(args, "style", "peer")]
-    gemms = 3 if style.get("swiglu") or style.get("quick_geglu") else 2   # a gated fc1 is 2F wide
+    gemms = 3 if style.get("swiglu") or style.get("quick_geglu") else 2  # a gated fc1 is 2F wide
     dense_mlp = gemms * 2 * D * F
     moe_layers = (args.layers + 1) // 2 if args.experts else 0
     routed = args.k * gemms * 2 * D * (args.expert_ffn or F) + 2 * D * args.experts
@@ -100,4 +111,4 @@ def gemm_peak_flops(n: int = 1536, dtype=torch.float32, repeats: int = 5) -> flo
         start = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
-    return 2.0 * n ** 3 / best
+    return 2.0 * n**3 / best
