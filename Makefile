@@ -44,6 +44,8 @@ train: $(STAMP)
 # The whole suite (with the C++ kernels when they built), then the ZeRO exactness matrix on 2 ranks and the
 # MoE tests again on the pure-PyTorch reference kernels (each op against its reference is in tests/ops, on both).
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -q --durations=15
 	MOEZERO_DISABLE_EXT=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q \
 		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py \

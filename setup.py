@@ -5,6 +5,7 @@ reference kernels (moezero/ops/reference.py). Install torch first and build with
 `pip install --no-build-isolation -e .` so pip never fetches a second (CUDA) torch
 into an isolated build environment.
 """
+
 import glob
 import os
 import sys
@@ -36,16 +37,25 @@ def _extensions():
     # kernel reads the floating-point exception flags, and it lets GCC vectorise the selects around a float -> int
     # conversion (gelu.cpp's exp) for AVX2, which has no masked conversions. -ffp-contract=off: only the std::fma
     # written in the source fuse, so a kernel's clones for CPUs with and without FMA compute the same bits
-    exts = [cpp_extension.CppExtension(
-        EXT_NAME, cpu_sources,
-        extra_compile_args={"cxx": ["-O3", "-fno-trapping-math", "-ffp-contract=off"] + openmp},
-        extra_link_args=openmp + shared_libstdcxx)]
+    exts = [
+        cpp_extension.CppExtension(
+            EXT_NAME,
+            cpu_sources,
+            extra_compile_args={"cxx": ["-O3", "-fno-trapping-math", "-ffp-contract=off"] + openmp},
+            extra_link_args=openmp + shared_libstdcxx,
+        )
+    ]
     if torch.cuda.is_available() or os.environ.get("MOEZERO_BUILD_CUDA") == "1":
         if torch.version.cuda and cpp_extension.CUDA_HOME:
             cu_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
-            exts.append(cpp_extension.CUDAExtension(
-                CUDA_EXT_NAME, cu_sources,
-                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}, extra_link_args=shared_libstdcxx))
+            exts.append(
+                cpp_extension.CUDAExtension(
+                    CUDA_EXT_NAME,
+                    cu_sources,
+                    extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+                    extra_link_args=shared_libstdcxx,
+                )
+            )
     return exts, {"build_ext": _optional_build_ext(cpp_extension.BuildExtension)}
 
 
@@ -57,15 +67,20 @@ def _optional_build_ext(base):
             try:  # torch's BuildExtension also probes the compiler before any extension is built
                 super().run()
             except Exception as exc:
-                print(f"moezero: building the C++/CUDA extensions failed ({exc}); the pure-PyTorch "
-                      "reference kernels will be used", file=sys.stderr)
+                print(
+                    f"moezero: building the C++/CUDA extensions failed ({exc}); the pure-PyTorch "
+                    "reference kernels will be used",
+                    file=sys.stderr,
+                )
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as exc:  # one extension failing (e.g. CUDA) keeps the others
-                print(f"moezero: building {ext.name} failed ({exc}); the pure-PyTorch reference "
-                      "kernels will be used", file=sys.stderr)
+                print(
+                    f"moezero: building {ext.name} failed ({exc}); the pure-PyTorch reference kernels will be used",
+                    file=sys.stderr,
+                )
 
     return OptionalBuildExt
 
@@ -93,15 +108,29 @@ setup(
         "safetensors",  # moezero.hf: Hugging Face checkpoints in and out
         "xxhash",  # checkpoint checksums, hashed as the shards are written (4x zlib's crc32)
     ],
-    # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x: experts_implementation),
-    # never a runtime dependency;
-    # sentencepiece: the SentencePiece tokenizer types only; tiktoken: TikTokenizer only; wandb: --wandb-project
-    # only (the tests read an offline run); mkdocs-material, mkdocstrings: the docs site (a test builds it with --strict)
-    extras_require={"dev": ["pytest", "ninja", "transformers>=5", "sentencepiece", "tiktoken", "wandb",
-                            "mkdocs-material", "mkdocstrings[python]"],
-                    "docs": ["mkdocs-material", "mkdocstrings[python]"],
-                    "sentencepiece": ["sentencepiece"], "tiktoken": ["tiktoken"], "wandb": ["wandb"],
-                    "bench": ["matplotlib"]},
+    # transformers: the test oracle for model logits (test_gpt_oracle.py, test_hf_families.py; 5.x:
+    # experts_implementation), never a runtime dependency; sentencepiece: the SentencePiece tokenizer types only;
+    # tiktoken: TikTokenizer only; wandb: --wandb-project only (the tests read an offline run); mkdocs-material,
+    # mkdocstrings: the docs site (a test builds it with --strict); ruff: `make test` lints and checks the format
+    # first (pinned: another release may format differently)
+    extras_require={
+        "dev": [
+            "pytest",
+            "ruff==0.17.6",
+            "ninja",
+            "transformers>=5",
+            "sentencepiece",
+            "tiktoken",
+            "wandb",
+            "mkdocs-material",
+            "mkdocstrings[python]",
+        ],
+        "docs": ["mkdocs-material", "mkdocstrings[python]"],
+        "sentencepiece": ["sentencepiece"],
+        "tiktoken": ["tiktoken"],
+        "wandb": ["wandb"],
+        "bench": ["matplotlib"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
