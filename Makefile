@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moezero-installed
 
-.PHONY: install train test bench hooks
+.PHONY: install train test test-fast bench hooks
 
 install: $(STAMP)
 
@@ -50,6 +50,16 @@ test: $(STAMP)
 	MOEZERO_DISABLE_EXT=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q \
 		tests/distributed/test_moe_expert_parallel.py tests/unit/test_moe_layer.py \
 		tests/distributed/test_zero_exactness.py::test_exactness_matrix_two_ranks
+
+# The edit loop's tier (under 3 minutes on 2 cores): the lint, the unit and kernel tests, and one process group
+# per distributed area (ZeRO's exactness matrix, expert parallelism, the pipeline). `make test` is still everything.
+FAST_DISTRIBUTED = tests/distributed/test_zero_exactness.py::test_exactness_matrix_two_ranks \
+	tests/distributed/test_moe_expert_parallel.py tests/distributed/test_pipeline_exactness.py
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit tests/ops $(FAST_DISTRIBUTED) \
+		--ignore=tests/unit/test_host_memory.py --durations=5
 
 # The fair benchmarks on 2 CPU processes (creates DeepSpeed's venv under ~/.cache on first use; about
 # 2 hours on 2 cores): end to end vs DeepSpeed, the optimizer alone, one MoE layer, expert scaling,
