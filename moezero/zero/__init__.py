@@ -1,6 +1,7 @@
 from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.model_guard import ParameterSetChanged
+from moezero.zero.muon import Muon, muon_param_groups
 from moezero.zero.optimizer import ZeroOptimizer
 from moezero.zero.param_groups import weight_decay_groups
 from moezero.zero.param_guard import ParamNotGathered
@@ -19,6 +20,8 @@ __all__ = [
     "weight_decay_groups",
     "consolidate",
     "PrecisionAwareAdam",
+    "Muon",
+    "muon_param_groups",
     "STATE_DTYPES",
     "GradientIsSharded",
     "ShardedGradient",

@@ -27,6 +27,7 @@ from moezero.config import ZeroConfig
 from moezero.parallel import ParallelGroups
 from moezero.zero.engine import GradientPieces, ZeroEngine, ZeroSettings
 from moezero.zero.loss_scaler import DynamicLossScaler
+from moezero.zero.muon import WholeParams
 from moezero.zero.modify import AdoptionFailed, ModifiedDifferently, modify_model
 from moezero.zero.hooks import OwnerMark
 from moezero.zero.param_groups import check_elementwise, normalize_param_groups, steps_per_family_by_default
@@ -198,7 +199,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         piece_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in user_groups]
         for piece in engine.master_pieces():
             piece_groups[group_of[id(piece.param.param)]]["params"].append(piece.master)
-        return engine, _inner_optimizer(self.optimizer_cls, piece_groups, self.optimizer_kwargs)
+        kwargs = self.optimizer_kwargs
+        if getattr(self.optimizer_cls, "needs_whole_params", False):  # Muon: assembles whole matrices (muon.py)
+            families = [p.family for p in engine.parts if p.family.trainable]
+            sharded = "optimizer_state" in engine.stage.shards
+            kwargs = dict(kwargs, whole_params=WholeParams(families, engine.master_pieces(), group_of, sharded))
+        return engine, _inner_optimizer(self.optimizer_cls, piece_groups, kwargs)
 
     def rebuild(self, user_groups: List[Dict]) -> None:
         """A new engine for these groups (modify_model's adoption); state is loaded afterwards."""
