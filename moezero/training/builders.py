@@ -27,7 +27,7 @@ from moezero.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
 from moezero.training.resume import Progress
-from moezero.zero import STATE_DTYPES, PrecisionAwareAdam, ZeroOptimizer, weight_decay_groups
+from moezero.zero import STATE_DTYPES, Muon, PrecisionAwareAdam, ZeroOptimizer, muon_param_groups, weight_decay_groups
 
 
 def build_data(cfg: Configs, sizes: Tuple[int, int, int]):
@@ -118,12 +118,17 @@ def place_on(model: GPTModel, device: torch.device) -> GPTModel:
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
     """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
     cls, kwargs = optimizer_class(cfg)
+    t = cfg.train
+    if t.optimizer == "muon":  # megatron-core's split: Muon for the 2-D weights, Adam for the rest
+        param_groups = muon_param_groups(model, t.weight_decay, split_qkv=not t.muon_no_split_qkv)
+    else:
+        param_groups = megatron_param_groups(model, t)
     return ZeroOptimizer.from_config(
         model,
         cls,
         groups,
         cfg.zero,
-        param_groups=megatron_param_groups(model, cfg.train),
+        param_groups=param_groups,
         fp16=cfg.train.fp16,
         lr=cfg.train.lr,
         **kwargs,
@@ -146,6 +151,21 @@ def optimizer_class(cfg: Configs) -> Tuple[type, Dict]:
         )
     elif t.optimizer == "adam":
         cls, kwargs = torch.optim.AdamW, dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    elif t.optimizer == "muon":
+        cls, kwargs = (
+            Muon,
+            dict(
+                betas=(t.adam_beta1, t.adam_beta2),
+                eps=t.adam_eps,
+                momentum=t.muon_momentum,
+                nesterov=t.muon_nesterov,
+                scale_mode=t.muon_scale_mode,
+                extra_scale_factor=t.muon_extra_scale_factor,
+                num_ns_steps=t.muon_num_ns_steps,
+                coefficient_type=t.muon_coefficient_type,
+                fp32_matmul_prec=t.muon_fp32_matmul_prec,
+            ),
+        )
     else:
         cls, kwargs = torch.optim.SGD, dict(momentum=t.sgd_momentum)
     return cls, kwargs

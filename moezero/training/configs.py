@@ -131,9 +131,10 @@ class TrainConfig(Validated):
     )
     optimizer: str = option(
         "adam",
-        "adam = AdamW (decoupled weight decay), sgd = SGD with momentum",
+        "adam = AdamW (decoupled weight decay), sgd = SGD with momentum, muon = Megatron's Muon for the 2-D "
+        "weights and AdamW for embeddings, output layer, biases and norms (docs/zero.md)",
         flag="--optimizer",
-        choices=("adam", "sgd"),
+        choices=("adam", "sgd", "muon"),
     )
     weight_decay: float = option(
         0.01, "weight decay (not applied to biases and norms: Megatron's rule)", flag="--weight-decay"
@@ -163,6 +164,49 @@ class TrainConfig(Validated):
     adam_beta2: float = option(0.999, "Adam beta2", flag="--adam-beta2")
     adam_eps: float = option(1e-8, "Adam epsilon", flag="--adam-eps")
     sgd_momentum: float = option(0.9, "SGD momentum", flag="--sgd-momentum")
+    muon_momentum: float = option(0.9, "Muon's momentum (its buffer's EMA coefficient)", flag="--muon-momentum")
+    muon_nesterov: bool = option(False, "Muon: Nesterov momentum", flag="--muon-nesterov")
+    muon_no_split_qkv: bool = option(
+        False,
+        "Muon: orthogonalise the fused QKV weight whole, not per query, key and value",
+        flag="--muon-no-split-qkv",
+    )
+    muon_scale_mode: str = option(
+        "spectral",
+        "Muon's update scale: spectral sqrt(max(out, in)), unit_rms_norm sqrt(out / in), shape_scaling "
+        "sqrt(max(1, out / in))",
+        flag="--muon-scale-mode",
+        choices=("spectral", "unit_rms_norm", "shape_scaling"),
+    )
+    muon_extra_scale_factor: float = option(
+        1.0, "Muon: the update's scale is multiplied by this", flag="--muon-extra-scale-factor"
+    )
+    muon_num_ns_steps: int = option(5, "Muon: Newton-Schulz iterations", flag="--muon-num-ns-steps")
+    muon_coefficient_type: str = option(
+        "quintic",
+        "Muon: the Newton-Schulz coefficients (quintic, simple, polar_express, aol)",
+        flag="--muon-coefficient-type",
+    )
+    muon_fp32_matmul_prec: str = option(
+        "medium",
+        "Muon: medium runs the Newton-Schulz iterations of fp32 masters in bf16, high in fp32 (TF32 on GPUs); low is "
+        "refused (torch has no such precision)",
+        flag="--muon-fp32-matmul-prec",
+        choices=("low", "medium", "high"),
+    )
+    muon_tp_mode: str = option(
+        "blockwise",
+        "accepted: how Muon splits tensor-parallel weights; at --tensor-model-parallel-size 1, the only size here, "
+        "every mode is the whole matrix",
+        flag="--muon-tp-mode",
+        choices=("blockwise", "duplicated", "distributed"),
+    )
+    muon_scalar_optimizer: str = option(
+        "adam",
+        "Muon: the optimizer of the params Muon leaves (adam; lion is refused: moezero has no Lion)",
+        flag="--muon-scalar-optimizer",
+        choices=("adam", "lion"),
+    )
     bf16: bool = option(False, "bf16 params and activations, fp32 master weights", flag="--bf16")
     fp16: bool = option(False, "fp16 params with dynamic loss scaling, fp32 master weights", flag="--fp16")
     fp64: bool = option(False, "float64 params and activations, for numerics checks (slow)", flag="--fp64")
@@ -298,12 +342,32 @@ class TrainConfig(Validated):
         )
         self._require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self._check_weight_decay_increment()
+        self._check_muon()
         self._require(not (self.bf16 and self.fp16), "fp16", "cannot be combined with --bf16")
         self._require(not (self.fp64 and (self.bf16 or self.fp16)), "fp64", "cannot be combined with --bf16/--fp16")
         if self.global_batch_size is not None:  # else once the number of processes is known
             self._check_batch_dependent()
         if self.wandb_project:
             self._require(self.wandb_exp_name != "", "wandb_exp_name", "give the W&B run a name (Megatron's rule)")
+
+    def _check_muon(self) -> None:
+        """Muon's values (Megatron's own checks are asserts or torch's errors deep in the first step)."""
+        from moezero.zero.muon import check_muon_settings  # the optimizer's checks, in the flags' words
+
+        try:
+            check_muon_settings(
+                self.muon_momentum,
+                self.muon_scale_mode,
+                self.muon_num_ns_steps,
+                self.muon_coefficient_type,
+                self.muon_fp32_matmul_prec,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.muon_scalar_optimizer != "adam":
+            raise ConfigError(
+                f"--muon-scalar-optimizer {self.muon_scalar_optimizer}: not supported (moezero has no Lion)"
+            )
 
     def _check_weight_decay_increment(self) -> None:
         """Megatron's validate_args: a constant weight decay is --weight-decay's; an increment needs both ends."""
@@ -562,6 +626,12 @@ class Configs:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
+def _check_muon_run(cfg: Configs) -> None:
+    """Megatron's get_megatron_muon_optimizer: no fp16 (no loss scale for Muon)."""
+    if cfg.train.optimizer == "muon" and cfg.train.fp16:
+        raise ConfigError("--optimizer muon: not with --fp16 (Megatron's Muon runs bf16 or fp32 only)")
+
+
 def _check_precision_aware(cfg: Configs) -> None:
     """Megatron's: the precision-aware optimizer is Adam's; bf16 main grads are a bf16 run's."""
     if cfg.zero.use_precision_aware_optimizer and cfg.train.optimizer != "adam":
@@ -684,6 +754,7 @@ def validate(
             "written under <--save>/wandb by default, as Megatron's)"
         )
     _check_precision_aware(cfg)
+    _check_muon_run(cfg)
     check_profiling(cfg.profiling, cfg.train.tensorboard_dir)
     if cfg.train.evaluates and cfg.data.split_weights[1] == 0:
         raise ConfigError(
