@@ -44,7 +44,8 @@ def check_elementwise(optimizer_cls: type) -> None:
     raise ValueError(
         f"ZeroOptimizer cannot run {name}: it updates slices of flat parameter shards, which is "
         f"only correct for element-wise optimizers ({allowed}). Optimizers that need whole "
-        "parameters or a closure (Adafactor, Muon, Shampoo, LBFGS, SparseAdam) are not supported."
+        "parameters or a closure (Adafactor, Shampoo, LBFGS, SparseAdam) are not supported; for Muon use "
+        "moezero.zero.Muon."
     )
 
 
