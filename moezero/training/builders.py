@@ -120,7 +120,9 @@ def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> Ze
     cls, kwargs = optimizer_class(cfg)
     t = cfg.train
     if t.optimizer == "muon":  # megatron-core's split: Muon for the 2-D weights, Adam for the rest
-        param_groups = muon_param_groups(model, t.weight_decay, split_qkv=not t.muon_no_split_qkv)
+        param_groups = muon_param_groups(
+            model, t.weight_decay, split_qkv=not t.muon_no_split_qkv, base_groups=megatron_param_groups(model, t)
+        )
     else:
         param_groups = megatron_param_groups(model, t)
     return ZeroOptimizer.from_config(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.parallel import is_expert_parallel
-from moezero.zero.param_groups import is_no_decay
+from moezero.zero.param_groups import weight_decay_groups
 
 # emerging_optimizers' muon_utils (the release megatron-core 0.16.1 runs with)
 COEFFICIENT_SETS: Dict[str, List[Tuple[float, float, float]]] = {
@@ -269,11 +269,36 @@ def _master_dtype(family) -> torch.dtype:
     return torch.promote_types(family.dtype, torch.float32)
 
 
-def muon_param_groups(model: nn.Module, weight_decay: float, split_qkv: bool = True) -> List[Dict]:
+def muon_param_groups(
+    model: nn.Module, weight_decay: float, split_qkv: bool = True, base_groups: Optional[List[Dict]] = None
+) -> List[Dict]:
     """megatron-core's split: Muon for the 2-D weights (one expert's tensor for a routed-expert stack) but the
-    embedding tables and the output layer; AdamW for those and the rest, with Megatron's no-decay rule for biases
-    and norms. With `split_qkv` (Megatron's default) a fused QKV weight is orthogonalised per query, key and value
-    block."""
+    embedding tables and the output layer, AdamW for those and the rest. Each group of `base_groups` (default
+    `weight_decay_groups(model, weight_decay)`: Megatron's no-decay rule for biases and norms) is split in two,
+    keeping its settings (a decoupled lr, a weight decay). With `split_qkv` (Megatron's default) a fused QKV weight
+    is orthogonalised per query, key and value block."""
+    if base_groups is None:
+        base_groups = weight_decay_groups(model, weight_decay)
+    muon_rows = _muon_params(model, split_qkv)
+    out = []
+    for group in base_groups:
+        by_split: Dict[Optional[Tuple[int, ...]], List] = {}
+        adam = []
+        for p in group["params"]:
+            if id(p) in muon_rows:
+                by_split.setdefault(muon_rows[id(p)], []).append(p)
+            else:
+                adam.append(p)
+        for split, params in by_split.items():
+            out.append(dict(group, params=params, muon=True, **({"muon_split_rows": split} if split else {})))
+        if adam:
+            out.append(dict(group, params=adam, muon=False))
+    return out
+
+
+def _muon_params(model: nn.Module, split_qkv: bool) -> Dict[int, Optional[Tuple[int, ...]]]:
+    """{id(param): its row split or None} of the params Muon takes (megatron-core's get_megatron_muon_optimizer:
+    2-D, not an embedding or the output layer, which it marks is_embedding_or_output_parameter)."""
     adam_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     output = getattr(model, "output", None)
     if isinstance(output, nn.Linear):
@@ -281,26 +306,13 @@ def muon_param_groups(model: nn.Module, weight_decay: float, split_qkv: bool = T
     qkv_splits = {}
     if split_qkv:
         for module in model.modules():
-            if hasattr(module, "qkv") and hasattr(module, "heads") and hasattr(module, "groups"):
+            qkv = getattr(module, "qkv", None)
+            if isinstance(qkv, nn.Linear) and hasattr(module, "heads") and hasattr(module, "groups"):
                 q, kv = module.heads * module.head_dim, module.groups * module.head_dim
-                qkv_splits[id(module.qkv.weight)] = (q, kv, kv)
-    muon: Dict[Optional[Tuple[int, ...]], List] = {}
-    decay, no_decay = [], []
+                qkv_splits[id(qkv.weight)] = (q, kv, kv)
+    out = {}
     for name, p in model.named_parameters():
         per_expert_ndim = p.ndim - (1 if is_expert_parallel(p) else 0)
         if per_expert_ndim == 2 and id(p) not in adam_only and not name.endswith(".bias"):
-            muon.setdefault(qkv_splits.get(id(p)), []).append(p)
-        else:
-            (no_decay if is_no_decay(name, p) else decay).append(p)
-    groups = [
-        dict(
-            {"params": ps, "weight_decay": weight_decay, "wd_mult": 1.0, "muon": True},
-            **({"muon_split_rows": split} if split else {}),
-        )
-        for split, ps in muon.items()
-    ]
-    groups += [
-        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0, "muon": False},
-        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, "muon": False},
-    ]
-    return [g for g in groups if g["params"]]
+            out[id(p)] = qkv_splits.get(id(p))
+    return out

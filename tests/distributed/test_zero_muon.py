@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moezero.parallel import ParallelGroups, is_expert_parallel
-from moezero.zero import ZeroOptimizer
+from moezero.zero import ZeroOptimizer, consolidate
 from moezero.zero.muon import Muon, muon_param_groups
 from tests.dist_utils import run_distributed
 from tests.zero_model import ZeroTestModel
@@ -120,12 +120,16 @@ def _zero_muon(model, groups, stage, setting):
 
 
 def _matches_reference(stage, references):
+    """Every step equals the reference; after step 1 the run goes on in a fresh optimizer that loaded the state
+    (ep 1: this rank's shard, same stage; ep 2: the consolidated state, at the next stage)."""
     for ep in (1, 2):
         for setting, expected in zip(SETTINGS, references):
             groups = ParallelGroups.build(expert_parallel_size=ep)
             model = ZeroTestModel(groups).double()
             opt = _zero_muon(model, groups, stage, setting)
             for step in range(STEPS):
+                if step == 2:
+                    model, opt = _resumed(opt, groups, stage, setting, consolidated=ep == 2)
                 train_step(model, opt, step, 1, use_no_sync=False)
                 opt.step()
                 opt.zero_grad()
@@ -135,6 +139,18 @@ def _matches_reference(stage, references):
     return True
 
 
+def _resumed(opt, groups, stage, setting, consolidated):
+    state = opt.state_dict()
+    if consolidated:
+        shards = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shards, state)
+        state, stage = consolidate(shards), (stage + 1) % 4
+    model = ZeroTestModel(groups, seed=9).double()  # other weights: the load must bring them
+    resumed = _zero_muon(model, groups, stage, setting)
+    resumed.load_state_dict(state)
+    return model, resumed
+
+
 @pytest.fixture(scope="module")
 def references():
     return [_reference(setting) for setting in SETTINGS]
@@ -142,7 +158,8 @@ def references():
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)
 def test_muon_under_zero_equals_megatrons_muon(stage, references):
-    """Stages 0-3, ep 1 and 2, nesterov or not, each scale mode: params equal the float64 reference every step."""
+    """Stages 0-3, ep 1 and 2, nesterov or not, each scale mode: params equal the float64 reference every step, also
+    after a resume from the saved state (the momentum buffers, the Adam moments, the masters)."""
     assert all(run_distributed(_matches_reference, 2, stage, references))
 
 
