@@ -18,15 +18,15 @@ piece. Stage 0 holds whole buckets: nothing to sum. Stage 3 steps the same shard
 
 from __future__ import annotations
 
+import contextlib
 from itertools import chain, cycle, islice, repeat
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moezero.parallel import is_expert_parallel
+from moezero.parallel import comm, is_expert_parallel
 from moezero.zero.param_groups import weight_decay_groups
 
 # emerging_optimizers' muon_utils (the release megatron-core 0.16.1 runs with)
@@ -85,6 +85,17 @@ def newton_schulz(x: torch.Tensor, coeffs: Sequence[Tuple[float, float, float]],
     return X.mT if transpose else X
 
 
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch's float32 matmul precision inside (on GPUs "high" allows TF32), restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def scale_factor(size_out: int, size_in: int, mode: str) -> float:
     """emerging_optimizers' get_muon_scale_factor."""
     if mode == "shape_scaling":
@@ -127,7 +138,7 @@ class Muon(torch.optim.AdamW):
         self.momentum, self.nesterov = momentum, nesterov
         self.scale_mode, self.extra_scale_factor = scale_mode, extra_scale_factor
         self.coeffs = coefficients(coefficient_type, num_ns_steps)
-        self.bf16_iterations = fp32_matmul_prec == "medium"
+        self.fp32_matmul_prec = fp32_matmul_prec
         self.whole_params = whole_params
 
     @torch.no_grad()
@@ -143,11 +154,12 @@ class Muon(torch.optim.AdamW):
             if group.get("muon"):
                 updates.update(self._momentum_updates(group))
         whole = self.whole_params.assemble(updates, groups) if self.whole_params else _unsharded(updates)
-        for group in groups:
-            if group.get("muon"):
-                for p in group["params"]:
-                    if p in updates:
-                        p.add_(self._orthogonalised(p, whole[p], group), alpha=-group["lr"])
+        with matmul_precision(self.fp32_matmul_prec):  # emerging_optimizers' context around the orthogonalisation
+            for group in groups:
+                if group.get("muon"):
+                    for p in group["params"]:
+                        if p in updates:
+                            p.add_(self._orthogonalised(p, whole[p], group), alpha=-group["lr"])
 
     def _momentum_updates(self, group: Dict) -> Dict[torch.Tensor, torch.Tensor]:
         """Weight decay and momentum, element-wise on each piece: {piece: its update before NS}."""
@@ -180,7 +192,7 @@ class Muon(torch.optim.AdamW):
             raise ValueError(f"Muon orthogonalises 2-D weights, got a {matrix.ndim}-D one")
         splits = group.get("muon_split_rows")
         blocks = torch.split(matrix, list(splits)) if splits else [matrix]
-        bf16 = self.bf16_iterations and matrix.dtype == torch.float32
+        bf16 = self.fp32_matmul_prec == "medium" and matrix.dtype == torch.float32
         return (
             torch.cat(
                 [
@@ -251,8 +263,8 @@ class WholeParams:
                     lo, hi = self.piece_of[p].param_range
                     flat[at + lo : at + hi] = updates[p].reshape(-1)
                 at += zp.param.numel()
-            if self.sharded and family.group_size > 1:
-                dist.all_reduce(flat, group=family.group)
+            if self.sharded:
+                comm.all_reduce(flat, family.group)  # nothing where the group is this rank alone
             for zp in members:
                 value = flat[starts[id(zp)] : starts[id(zp)] + zp.param.numel()].view(zp.param.shape)
                 for p in by_param.get(id(zp), []):
