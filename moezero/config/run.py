@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 from moezero.config.options import Validated, option
 
@@ -108,7 +108,8 @@ class ZeroConfig(Validated):
     stage: Optional[int] = option(
         None,
         "0 = data parallel, 1 = sharded optimizer state, 2 = + sharded gradients, "
-        "3 = + sharded params (default 2, or 1 with --use-distributed-optimizer)",
+        "3 = + sharded params (default 2, or 1 with --use-distributed-optimizer; with "
+        "--pipeline-model-parallel-size > 1: 0, or 1 with it, as Megatron's)",
         flag="--zero-stage",
         choices=(0, 1, 2, 3),
     )
@@ -239,6 +240,23 @@ class ZeroConfig(Validated):
         self._require(self.min_loss_scale > 0, "min_loss_scale", "must be > 0")
         self._require(self.loss_scale_window >= 1, "loss_scale_window", "must be >= 1")
         self._require(self.hysteresis >= 1, "hysteresis", "must be >= 1")
+
+    def resolve_pipeline_stage(self, pipeline_parallel_size: int, typed: Collection[str]) -> Optional[str]:
+        """The stage of a run with pipeline stages when --zero-stage was not typed (`typed`: the command line's
+        'section.field's): Megatron runs such a line with its DDP, or with --use-distributed-optimizer its
+        distributed optimizer, i.e. ZeRO stage 0 or 1 (the same numbers), where moezero's default without a
+        pipeline is 2 (not run with pipeline stages). Returns the notice saying so, None where nothing changed
+        (Megatron-FSDP's strategy names its stage itself)."""
+        if pipeline_parallel_size == 1 or "zero.stage" in typed or self.use_megatron_fsdp:
+            return None
+        stage = 1 if self.use_distributed_optimizer else 0
+        if self.stage == stage:
+            return None
+        self.stage = stage
+        return (
+            f"--pipeline-model-parallel-size={pipeline_parallel_size} without --zero-stage: ZeRO stage {stage} "
+            "(Megatron's data parallel; give --use-distributed-optimizer for stage 1)"
+        )
 
     def _check_precision_aware(self) -> None:
         """Megatron's rules: narrow dtypes only with the precision-aware optimizer; bf16 main grads are reduced in

@@ -1,5 +1,6 @@
 """What a pretraining run at --pipeline-model-parallel-size > 1 is refused at start (pure: parse + checks).
 
+    notice = resolve_pipeline_zero_stage(cfg)   # without --zero-stage at pp > 1: Megatron's stage 0 (or 1)
     plan = check_pipeline_run(cfg)   # Megatron's rules on the pipeline flags (any pp), then, at pp > 1, what the
                                      # pipeline execution does not run yet: one line each, naming the flag
 
@@ -12,7 +13,7 @@ until the execution has it.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan
@@ -69,6 +70,13 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
         (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),
         (ck.save_hf is not None, f"--save-hf={ck.save_hf}: not supported with pipeline stages yet"),
     ]
+
+
+def resolve_pipeline_zero_stage(cfg) -> Optional[str]:
+    """At pp > 1 without --zero-stage typed: Megatron's stage (0, or 1 with --use-distributed-optimizer) in
+    `cfg.zero.stage`; returns the notice line, None where nothing changed."""
+    typed = getattr(cfg.checkpoint, "given_fields", ())
+    return cfg.zero.resolve_pipeline_stage(cfg.parallel.pipeline_parallel_size, typed)
 
 
 def check_pipeline_run(cfg) -> PipelinePlan:

@@ -56,7 +56,7 @@ from moezero.training.loop import (
     moe_losses,
     train_step,
 )
-from moezero.training.pipeline_checks import check_pipeline_run
+from moezero.training.pipeline_checks import check_pipeline_run, resolve_pipeline_zero_stage
 from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
 from moezero.training.profiling import StepProfiler
@@ -105,9 +105,12 @@ class Pretraining:
             raise
 
     def _build(self, cfg: Configs, plugins: Mapping[str, PluginFactory]) -> None:
+        stage_notice = resolve_pipeline_zero_stage(cfg)  # Megatron's stage at pp > 1 without --zero-stage
         check_pipeline_run(cfg)  # a layout refused before any checkpoint is read
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
+        if stage_notice is not None:
+            notices.append(f" {stage_notice}")
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:

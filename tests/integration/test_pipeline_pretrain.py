@@ -49,8 +49,14 @@ def _values(history):
     return [(h["lm_loss"], h["grad_norm"], h.get("validation_loss")) for h in history]
 
 
+def _without_zero_stage(argv):
+    at = argv.index("--zero-stage")
+    return argv[:at] + argv[at + 2 :]
+
+
 def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
-    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    """Without --zero-stage: ZeRO stage 0 at pp 2 (Megatron's DDP, said in the log), moezero's 2 at pp 1."""
+    argv = _without_zero_stage(PIPELINE_TINY) + ["--data-cache-path", str(tmp_path)]
     board = str(tmp_path / "tb")
     ranks = run_distributed(_run, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
     single, _ = _run(argv)
@@ -66,6 +72,7 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     first, last = (output for _, output in ranks)
     assert "iteration        4/       4 |" in last and "validation loss at iteration 4" in last
     assert "pp 2 (1F1B)" in last and "iteration" not in first  # Megatron's: the last rank logs
+    assert "--pipeline-model-parallel-size=2 without --zero-stage: ZeRO stage 0" in last and "ZeRO stage 0," in last
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(board)

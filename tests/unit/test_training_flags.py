@@ -318,6 +318,35 @@ def test_a_pipeline_run_deals_the_batch_over_its_data_parallel_ranks():
 
 
 @pytest.mark.parametrize(
+    "extra,stage,notice",
+    [
+        ([], 0, "--pipeline-model-parallel-size=2 without --zero-stage: ZeRO stage 0 (Megatron's data parallel;"),
+        (["--use-distributed-optimizer"], 1, None),  # Megatron's distributed optimizer: stage 1 already
+        (["--zero-stage", "1"], 1, None),
+        (["--zero-stage", "2"], 2, None),  # typed: kept, then refused (PIPELINE_REFUSALS)
+        (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], 1, None),
+    ],
+)
+def test_without_zero_stage_a_pipeline_run_takes_megatrons_stage(extra, stage, notice):
+    """Megatron runs a pp > 1 line without --use-distributed-optimizer with its DDP (ZeRO stage 0's numbers), so
+    moezero's default stage 2 gives way to 0 there (1 with --use-distributed-optimizer), said in one line; a typed
+    --zero-stage stands. At pp 1 the default stays 2."""
+    from moezero.training.configs import validate
+    from moezero.training.pipeline_checks import resolve_pipeline_zero_stage
+    from tests.integration.pretrain_utils import TINY, configs
+
+    cfg = configs(TINY + ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights"] + extra)
+    got = resolve_pipeline_zero_stage(cfg)
+    assert cfg.zero.stage == stage and (got is None if notice is None else got.startswith(notice)), got
+    assert got is None or len(got.splitlines()) == 1
+    assert resolve_pipeline_zero_stage(cfg) is None  # resolved once: the script's later checks see the same stage
+    if stage in (0, 1):
+        assert validate(cfg, world_size=2) == 4
+    single = configs(TINY)
+    assert resolve_pipeline_zero_stage(single) is None and single.zero.stage == 2
+
+
+@pytest.mark.parametrize(
     "extra,world,needle",
     [
         (
