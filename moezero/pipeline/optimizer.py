@@ -1,7 +1,8 @@
 """The ZeroOptimizer of one pipeline stage: ZeRO over the stage's groups, the gradient norm over every stage.
 
 Each stage's optimizer shards its own params over its dp (and edp) group; its StepTotals already count every element
-of the stage once. Stages hold disjoint params (untied), so the model's sum of squares is the sum of the stages':
+of the stage once. Stages hold disjoint params (a tied embedding's copy on the last stage is not one of its params:
+tied.py), so the model's sum of squares is the sum of the stages':
 one float64 all-reduce over the pp group after the stage's own (on every rank, finite or not), and the clipping
 coefficient, the non-finite skip and the loss scaler's update follow from the same number on every rank. The params
 norm (Megatron's log) is summed the same way.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moezero.pipeline.stage_groups import PipelineGroups
+from moezero.pipeline.tied import tied_embedding
 from moezero.zero import ZeroOptimizer
 
 
@@ -32,7 +34,31 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         if stage not in (0, 1):
             raise ValueError(f"ZeRO stage {stage} with pipeline stages is not supported yet (0 and 1 are)")
         self.pipeline_groups = groups
+        self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
+        self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the
+        first stage's before it, and the copy takes the stepped values after it (tied.py)."""
+        if self.tied is not None:
+            self.tied.sum_grads()
+        stepped = super().step(closure)
+        if self.tied is not None:
+            self.tied.refresh()
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.tied is not None:
+            self.tied.clear_grad()
+
+    def load_state_dict(self, state: Dict) -> None:
+        """ZeroOptimizer's; then the tied copy takes the loaded weight (a checkpoint stores it once)."""
+        super().load_state_dict(state)
+        if self.tied is not None:
+            self.tied.refresh()
 
     def state_dict(self) -> Dict:
         """This rank's shard (ZeroOptimizer's), its "shapes" those of every stage's params: a checkpoint's train state

@@ -38,15 +38,27 @@ class PipelineGroups:
         pp: Optional[Any],
         world_control: Optional[Any],
         timeout: Optional[datetime.timedelta] = None,
+        embedding: Optional[Any] = None,
     ):
         self.layout, self.rank, self.stage = layout, rank, stage
         self._pp = pp
+        self._embedding = embedding
         self.world_control = world_control
         self.timeout = timeout
 
     @property
     def pp(self) -> Optional[Any]:
         return self._pp
+
+    @property
+    def embedding(self) -> Optional[Any]:
+        """Megatron's embedding group of this rank's pipeline (its first and last rank: the tied word embedding's
+        two copies); None on a middle stage, or once closed after a failure."""
+        return self._embedding
+
+    @property
+    def embedding_ranks(self) -> Tuple[int, ...]:
+        return self.layout.group_of(self.layout.embedding_groups, self.pp_ranks[0])
 
     @property
     def pp_size(self) -> int:
@@ -91,22 +103,25 @@ class PipelineGroups:
         ep = _own_group(layout.ep_groups, rank, timeout)
         edp = _own_group(layout.edp_groups, rank, timeout)
         pp = _own_group(layout.pp_groups, rank, timeout)
+        embedding = _own_group(layout.embedding_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
         stage = stage_parallel_groups(
             layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement, timeout=timeout
         )
-        return cls(layout, rank, stage, pp, world_control, timeout)
+        return cls(layout, rank, stage, pp, world_control, timeout, embedding)
 
     def close_pp(self) -> None:
         """Close this rank's pipeline connections (after a failure): a neighbour blocked in a send or receive
         with this rank fails at once ("connection closed") instead of waiting for the group's timeout. gloo's
         abort() leaves the connections open; they close when the last reference to the group goes, so every
         holder (the schedules' stages) must have dropped it first."""
-        group, self._pp = self._pp, None
-        if group is not None:
-            dist.destroy_process_group(group)
+        for name in ("_pp", "_embedding"):  # the embedding group: a neighbour may wait in the tied sum
+            group = getattr(self, name)
+            setattr(self, name, None)
+            if group is not None:
+                dist.destroy_process_group(group)
             del group
-            gc.collect()
+        gc.collect()
 
     def destroy(self) -> None:
         """Release every group (tests create many)."""

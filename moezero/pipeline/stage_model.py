@@ -13,8 +13,9 @@ own layers, as Megatron counts --recompute-num-layers per stage) and adds its Mo
 carried `aux` (design brief 4.4: the aux losses of every stage reach the loss, their gradient returns through the
 pipe); the last stage returns the micro-batch's loss lm + aux, which the schedule's loss function scales.
 
-Not yet (refused in one line): tied embedding/output weights (the last stage would need the first stage's
-embedding) and MTP depths.
+Tied embedding and output weights: the last stage's output layer uses `output_copy`, a copy of the first stage's
+word embedding keyed alike (so equal at init), not registered as a param: the first stage's optimizer steps the
+weight and the copy follows (tied.py). Not yet (refused in one line): MTP depths.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -44,11 +46,6 @@ from moezero.pipeline.layout import PipelinePlan, StagePiece
 
 def check_stage_model_supported(config: GPTConfig) -> None:
     """What the stage execution does not run yet, one line each."""
-    if not config.untie_embeddings_and_output_weights:
-        raise ConfigError(
-            "--pipeline-model-parallel-size > 1 needs --untie-embeddings-and-output-weights for now: "
-            "tied embedding and output weights across the first and last stage are not supported yet"
-        )
     if config.mtp_num_layers:
         raise ConfigError(
             f"--mtp-num-layers={config.mtp_num_layers}: MTP depths with "
@@ -106,10 +103,30 @@ class StageModel(nn.Module):
         )
         self.final_norm = norm_layer(config) if any(piece.final_norm for piece in self.pieces) else None
         self.output = None
+        output_copy = None
         if any(piece.head for piece in self.pieces):
-            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.untie_embeddings_and_output_weights:
+                self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            elif self.embedding is None:  # tied: the last stage's copy of the first stage's word embedding
+                output_copy = nn.Embedding(config.vocab_size, config.hidden_size)
+                init_keyed_(output_copy, seed, functools.partial(init_std, config), prefix="embedding.")
+        # not registered: the first stage's optimizer steps the weight, the copy follows it (tied.py)
+        object.__setattr__(self, "output_copy", output_copy)
         init_keyed_(self, seed, functools.partial(init_std, config))
         self.recorder = None
+
+    def _apply(self, fn, recurse=True):
+        """.to(dtype/device) and friends reach the unregistered copy too."""
+        super()._apply(fn, recurse)
+        if self.output_copy is not None:
+            self.output_copy._apply(fn, recurse)
+        return self
+
+    def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.output is not None:
+            return self.output(x_BSD)
+        tied = self.embedding if self.embedding is not None else self.output_copy
+        return F.linear(x_BSD, tied.weight)
 
     @property
     def moe_layers(self) -> Tuple[int, ...]:
@@ -148,7 +165,7 @@ class StageModel(nn.Module):
         if piece.final_norm:
             x = self.final_norm(x)
         if piece.head:
-            lm = language_model_loss(self.output(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
+            lm = language_model_loss(self._logits(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
         if self.recorder is not None:
             self.recorder.record(piece, stats, lm, loss_mask)
         if piece.head:

@@ -1,7 +1,8 @@
 """Pipeline execution (moezero/pipeline/) on 2 gloo ranks at pp 2 against one process training GPTModel on the same
 global batch, float64 on the reference ops: the loss, router losses and gradient norm of every step and the final
 weights to 1e-10 relative, at ZeRO stages 0 and 1, with 1F1B (4 micro-batches) and all-forwards-first GPipe
-(1 micro-batch, fewer than the stages). The model has a dense first layer, MoE layers with a shared expert, the aux
+(1 micro-batch, fewer than the stages), untied and tied (Megatron's default: the last stage's output layer uses a
+copy of the word embedding). The model has a dense first layer, MoE layers with a shared expert, the aux
 loss and z-loss (the aux losses of stage 0's MoE layer reach the loss only through the pipe), capacity drops, router
 jitter and dropout (keyed), and clipping is engaged (the norm counts both stages). A stage that raises ends as one
 line on both ranks, without either waiting for a timeout."""
@@ -41,8 +42,8 @@ OPTIMIZERS = {
 }
 
 
-def _model_configs():
-    cfg = configs(TINY + FLAGS)
+def _model_configs(tied=False):
+    cfg = configs(TINY + [flag for flag in FLAGS if not (tied and flag == "--untie-embeddings-and-output-weights")])
     return dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
 
 
@@ -64,9 +65,9 @@ def _micro_batches(step, count):
     return batches
 
 
-def _reference(optimizer, count):
+def _reference(optimizer, count, tied=False):
     """One process, plain torch: per step (lm loss token mean, aux loss, z loss, grad norm), final params."""
-    model_cfg, moe_cfg = _model_configs()
+    model_cfg, moe_cfg = _model_configs(tied)
     model = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls(model.parameters(), **kwargs)
@@ -88,9 +89,9 @@ def _reference(optimizer, count):
     return history, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _build(zero_stage, optimizer, timeout_s=120):
+def _build(zero_stage, optimizer, timeout_s=120, tied=False):
     groups = PipelineGroups.build(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=timeout_s))
-    model_cfg, moe_cfg = _model_configs()
+    model_cfg, moe_cfg = _model_configs(tied)
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
     model = StageModel(model_cfg, moe_cfg, SEED, plan, groups.pp_rank, moe_layer=expert_parallel(groups.stage)).double()
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -100,36 +101,48 @@ def _build(zero_stage, optimizer, timeout_s=120):
     return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ)
 
 
-def _train(zero_stage, optimizer, count):
-    groups, model, opt, trainer = _build(zero_stage, optimizer)
+def _train(zero_stage, optimizer, count, tied=False):
+    groups, model, opt, trainer = _build(zero_stage, optimizer, tied=tied)
     history = []
     for step in range(STEPS):
         metrics = trainer.train_step(_micro_batches(step, count), step, KEY_SEED)
         assert metrics.stepped
         history.append({"lm_loss": metrics.lm_loss, **metrics.router_losses, "grad_norm": metrics.grad_norm})
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    copy = model.output_copy.weight.detach().clone() if model.output_copy is not None else None
     groups.destroy()
-    return history, params
+    return history, params, copy
 
 
-def _assert_matches_one_process(zero_stage, optimizer, count):
-    ranks = run_distributed(_train, 2, zero_stage, optimizer, count)
-    expected_history, expected_params = _reference(optimizer, count)
-    for history in (history for history, _ in ranks):  # every rank reports the same step metrics
+def _assert_matches_one_process(zero_stage, optimizer, count, tied=False):
+    ranks = run_distributed(_train, 2, zero_stage, optimizer, count, tied)
+    expected_history, expected_params = _reference(optimizer, count, tied)
+    for history in (history for history, _, _ in ranks):  # every rank reports the same step metrics
         for step, (got, expected) in enumerate(zip(history, expected_history)):
             for name, value in expected.items():
                 assert abs(got[name] - value) <= TOL * abs(value), (step, name, got[name], value)
     assert expected_history[0]["grad_norm"] > CLIP  # clipping engaged
-    params = {name: p for _, rank_params in ranks for name, p in rank_params.items()}
+    params = {name: p for _, rank_params, _ in ranks for name, p in rank_params.items()}
     assert sorted(params) == sorted(expected_params)
     assert set(ranks[0][1]).isdisjoint(ranks[1][1])
     for name, expected in expected_params.items():
         torch.testing.assert_close(params[name], expected, rtol=TOL, atol=1e-13, msg=name)
+    copies = [copy for _, _, copy in ranks]
+    assert copies[0] is None and (copies[1] is not None) == tied
+    if tied:  # the last stage's copy is the first stage's weight, bit for bit (broadcast after every step)
+        assert "output.weight" not in params and torch.equal(copies[1], params["embedding.weight"])
 
 
 @pytest.mark.parametrize("zero_stage, optimizer", [(0, "sgd"), (1, "adamw")])
 def test_1f1b_equals_one_process(zero_stage, optimizer):
     _assert_matches_one_process(zero_stage, optimizer, count=4)
+
+
+@pytest.mark.parametrize("zero_stage, optimizer", [(0, "sgd"), (1, "adamw")])
+def test_tied_embedding_and_output_weights_equal_one_process(zero_stage, optimizer):
+    """Megatron's default: the last stage's output layer uses a copy of stage 0's word embedding; the weight's
+    gradient is the sum of both stages' (one process's gradient of a weight used twice), counted once in the norm."""
+    _assert_matches_one_process(zero_stage, optimizer, count=4, tied=True)
 
 
 def test_fewer_micro_batches_than_stages_run_gpipe_and_equal_one_process():

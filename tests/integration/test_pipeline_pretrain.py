@@ -1,7 +1,9 @@
 """The pretraining script at --pipeline-model-parallel-size 2 on 2 gloo ranks (its entry point in-process in each
 rank) against the same command at pp 1 in one process: a GPT-MoE with a dense first layer and MoE layers (aux and
 z losses, capacity drops, router jitter and dropout, all keyed), float64, the lm loss, gradient norm and
-validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums). Megatron's console
+validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums), with Megatron's tied
+embedding and output weights (the last stage's copy is stored once in a checkpoint, refreshed from the first stage
+on a resume). Megatron's console
 line and TensorBoard come from the last rank (the last stage, which holds the loss)."""
 
 import contextlib
@@ -18,7 +20,6 @@ PIPELINE_TINY = TINY + [
     "4",
     "--moe-layer-freq",
     "[0,1,1,1]",
-    "--untie-embeddings-and-output-weights",
     "--zero-stage",
     "1",
     "--train-iters",

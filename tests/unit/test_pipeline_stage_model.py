@@ -28,8 +28,10 @@ FLAGS = [
 ]
 
 
-def _configs(flags=()):
-    cfg = configs(TINY + FLAGS + list(flags))
+def _configs(flags=(), tied=False):
+    cfg = configs(
+        TINY + [f for f in FLAGS if not (tied and f == "--untie-embeddings-and-output-weights")] + list(flags)
+    )
     return dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
 
 
@@ -49,25 +51,33 @@ def _batch():
     }
 
 
-@pytest.mark.parametrize("pp, first", [(2, None), (3, 2), (2, 1)])
-def test_stages_hold_gptmodels_params_by_name_and_value(pp, first):
-    model_cfg, moe_cfg = _configs()
+@pytest.mark.parametrize("pp, first, tied", [(2, None, False), (3, 2, False), (2, 1, False), (2, None, True)])
+def test_stages_hold_gptmodels_params_by_name_and_value(pp, first, tied):
+    """Tied: the last stage's copy of the word embedding (not one of its params) equals it, in the model's dtype."""
+    model_cfg, moe_cfg = _configs(tied=tied)
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=first)
     full = dict(GPTModel(model_cfg, moe_cfg, seed=SEED).double().named_parameters())
     union = {}
-    for stage in _stages(model_cfg, moe_cfg, plan):
+    stages = _stages(model_cfg, moe_cfg, plan)
+    for stage in stages:
         for name, p in stage.named_parameters():
             assert name not in union, f"{name} on two stages"
             union[name] = p
     assert list(union) == list(full)  # the same names, in GPTModel's order
     for name, p in full.items():
         assert torch.equal(union[name], p), name
+    copies = [stage.output_copy for stage in stages]
+    assert [c is not None for c in copies] == [False] * (pp - 1) + [tied]
+    if tied:
+        assert copies[-1].weight.dtype == torch.float64 and torch.equal(copies[-1].weight, full["embedding.weight"])
 
 
-def test_composed_stages_give_gptmodels_loss_and_gradients():
+@pytest.mark.parametrize("tied", [False, True])
+def test_composed_stages_give_gptmodels_loss_and_gradients(tied):
     """Stage 0 (embedding, dense layer, an MoE layer) hands (hidden, aux) to stage 1 (MoE layers, norm, head): its
-    loss is GPTModel's lm + Σ router losses exactly, and backward through the hand-off gives GPTModel's gradients."""
-    model_cfg, moe_cfg = _configs()
+    loss is GPTModel's lm + Σ router losses exactly, and backward through the hand-off gives GPTModel's gradients
+    (tied: the word embedding's is the sum of stage 0's and the last stage's copy's)."""
+    model_cfg, moe_cfg = _configs(tied=tied)
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
     first, last = _stages(model_cfg, moe_cfg, plan)
     full = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
@@ -87,6 +97,8 @@ def test_composed_stages_give_gptmodels_loss_and_gradients():
     torch.autograd.backward([hidden, aux], [sent_hidden.grad, sent_aux.grad])
     assert sent_aux.grad == 1.0  # the aux losses' gradient returns through the pipe
     grads = {name: p.grad for stage in (first, last) for name, p in stage.named_parameters()}
+    if tied:
+        grads["embedding.weight"] = grads["embedding.weight"] + last.output_copy.weight.grad
     for name, p in full.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-15, msg=name)
 
@@ -121,14 +133,13 @@ def _counting(run, calls):
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        ([], "--untie-embeddings-and-output-weights"),
         (
             ["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
             "--mtp-num-layers=1",
         ),
     ],
 )
-def test_tied_weights_and_mtp_are_refused_in_one_line(flags, refused):
+def test_mtp_is_refused_in_one_line(flags, refused):
     cfg = configs(TINY + ["--num-layers", "4"] + flags)
     plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2, mtp_num_layers=cfg.model.mtp_num_layers)
     with pytest.raises(ConfigError, match=refused) as error:

@@ -370,10 +370,6 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 
 PIPELINE_REFUSALS = [
     (
-        ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
-        "needs --untie-embeddings-and-output-weights for now",
-    ),
-    (
         PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
         "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1",
     ),
