@@ -7,8 +7,8 @@
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
 than the stages) over tied or untied stages at ZeRO stages 0 and 1, the even, first/last and layout splits without
 virtual stages, dense and MoE layers (expert parallel within a stage), recompute, clipping and the gradient norm
-over every stage, evaluation (a forward-only schedule), checkpoints (a pp's resumes at any other). The rest is refused here
-until the execution has it.
+over every stage, evaluation (a forward-only schedule), checkpoints (a pp's resumes at any other). The rest is
+refused here until the execution has it.
 """
 
 from __future__ import annotations
