@@ -5,10 +5,10 @@
                                      # pipeline execution does not run yet: one line each, naming the flag
 
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
-than the stages) over tied or untied stages at ZeRO stages 0 and 1, the even, first/last and layout splits without
-virtual stages, dense and MoE layers (expert parallel within a stage), recompute, clipping and the gradient norm
-over every stage, evaluation (a forward-only schedule), checkpoints (a pp's resumes at any other). The rest is
-refused here until the execution has it.
+than the stages), or the interleaved 1F1B with virtual stages, over tied or untied stages at ZeRO stages 0 and 1,
+the even, first/last and layout splits, dense and MoE layers (expert parallel within a stage), recompute, clipping
+and the gradient norm over every stage, evaluation (forward only), checkpoints (a pp's resumes at any other). The
+rest is refused here until the execution has it.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
     """(refused, its line) of what the pipeline execution does not run yet."""
     t, ck, z = cfg.train, cfg.checkpoint, cfg.zero
     return [
-        (
-            plan.virtual_stages > 1,
-            f"{plan.virtual_stages} virtual stages per pipeline rank: the interleaved schedule is not supported yet",
-        ),
         (
             z.stage not in (0, 1),
             f"--zero-stage={z.stage}: only ZeRO stages 0 and 1 run with pipeline stages for now "

@@ -7,7 +7,10 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
     loss = trainer.evaluate(global_batches, seed, iteration)         # forward only, the lm loss's token mean
 
 - Schedule: Schedule1F1B, or ScheduleGPipe when there are fewer micro-batches than stages (torch's 1F1B refuses
-  them; Megatron runs them with a shortened warm-up, the same numbers). One PipelineStage per local chunk with
+  them; Megatron runs them with a shortened warm-up, the same numbers); with virtual stages
+  ScheduleInterleaved1F1B (its micro-batch counts checked at start: PipelinePlan.check_num_microbatches; over gloo
+  every send uses tag 0, so each pair of ranks must post its receives in its sends' order, which torch's action
+  lists do: the exactness test would see a swap). One PipelineStage per local chunk with
   static metadata (chunk.py); schedules and their stages are kept per micro-batch count (torch sizes the receive
   buffers once per stage object).
 - Inputs: the first stage takes the tokens; every stage the keys' (seed, iteration, sample indices); the last stage
@@ -19,8 +22,8 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   reduces them once, then the norm is summed over the stages (optimizer.py).
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
   world, then `training.loop`'s own `_step_metrics`.
-- Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule with stage
-  objects of its own: torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
+- Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule, or the
+  interleaved one with virtual stages, whose backward actions do nothing then, with stage objects of its own: torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
 - Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
   line on every rank of the pipeline (failure.py).
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moezero.moe import reset_global_load_balancing
 from moezero.parallel import comm
@@ -65,10 +68,6 @@ class PipelineTrainer:
         micro_batch_size: int,
         seq_length: int,
     ):
-        if len(model.pieces) != 1:
-            raise ValueError(
-                f"{len(model.pieces)} virtual stages per rank: the interleaved schedule is not supported yet"
-            )
         if opt.loss_scaler is not None:
             raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
         self.model, self.opt, self.groups = model, opt, groups
@@ -76,9 +75,9 @@ class PipelineTrainer:
         self.shape = ActivationShape(
             micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype)
         )
-        self.piece = model.pieces[0]
+        self.pieces = model.pieces  # one per virtual stage
         self.device = next(model.parameters()).device
-        self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.piece.stage_index)
+        self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.pieces[0].stage_index)
         self._schedules: Dict[int, object] = {}  # training's, by micro-batch count
         self._eval_schedules: Dict[int, object] = {}  # evaluation's (stage objects of their own)
         moe = model.moe_config
@@ -92,21 +91,31 @@ class PipelineTrainer:
             pp = self.groups.pp
             if pp is None and self.groups.pp_size > 1:
                 raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
-            inputs, outputs = stage_metas(self.piece, self.shape)
-            stage = PipelineStage(
-                StageChunk(self.model, 0, self.shape),
-                self.piece.stage_index,
-                self.groups.pp_size,
-                self.device,
-                input_args=inputs,
-                output_args=outputs,
-                group=pp,
-            )
-            one_f_one_b = num_microbatches >= self.groups.pp_size and not evaluation
-            kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
-            schedule = kind(stage, num_microbatches, loss_fn=_MicroBatchLoss(num_microbatches), scale_grads=False)
+            stages = [self._stage(v, pp) for v in range(len(self.pieces))]
+            loss_fn = _MicroBatchLoss(num_microbatches)
+            if len(stages) > 1:  # Megatron's interleaved placement: stage v * pp + pp_rank on this rank
+                # evaluation runs it too: its forwards in the same order, the backward actions skipped (no grad)
+                schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            else:
+                one_f_one_b = num_microbatches >= self.groups.pp_size and not evaluation
+                kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
+                schedule = kind(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
             cache[num_microbatches] = schedule
         return schedule
+
+    def _stage(self, virtual_stage: int, pp) -> PipelineStage:
+        """torch's stage object of one of this rank's chunks, with its static metadata."""
+        piece = self.pieces[virtual_stage]
+        inputs, outputs = stage_metas(piece, self.shape)
+        return PipelineStage(
+            StageChunk(self.model, virtual_stage, self.shape),
+            piece.stage_index,
+            self.groups.pp_size * len(self.pieces),
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=pp,
+        )
 
     def _inputs(
         self, micro_batches: Sequence[Dict[str, torch.Tensor]], iteration: int, seed: int
@@ -117,8 +126,8 @@ class PipelineTrainer:
             return torch.cat([batch[key] for batch in micro_batches]).to(self.device)
 
         kwargs = {"seed": seed, "iteration": iteration, "sample_index": joined("sample_index")}
-        args = (joined("tokens"),) if self.piece.embedding else ()
-        if self.piece.head:
+        args = (joined("tokens"),) if any(piece.embedding for piece in self.pieces) else ()
+        if any(piece.head for piece in self.pieces):  # every chunk of the rank is given them; the head's reads them
             kwargs.update(labels=joined("labels"), loss_mask=joined("loss_mask"), target=joined("labels"))
         return args, kwargs
 

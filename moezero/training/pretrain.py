@@ -678,7 +678,11 @@ class Pretraining:
 
     def _print_header(self) -> None:
         params = sum(p.numel() for p in self.model.parameters())
-        pp = f"pp {self.pipeline.plan.pp} (1F1B), " if self.pipeline is not None else ""
+        pp = ""
+        if self.pipeline is not None:
+            plan = self.pipeline.plan
+            schedule = f"interleaved 1F1B, {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "1F1B"
+            pp = f"pp {plan.pp} ({schedule}), "
         self.logger.print(
             f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
             f"ZeRO stage {self.cfg.zero.stage}, "

@@ -83,6 +83,20 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     )  # stored in float32
 
 
+def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
+    """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B), the same
+    curve and validations as one process."""
+    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    vpp = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
+    expected = _values(_run(argv)[0])
+    for history, _ in ranks:
+        for step, (a, b) in enumerate(zip(_values(history), expected)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+    assert "pp 2 (interleaved 1F1B, 2 virtual stages)" in ranks[1][1]
+
+
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
     """At pp 2: iterations 1-2 saved, then 3-4 resumed from that and from a pp 1 run's checkpoint."""
     first, _ = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved_at_pp2])

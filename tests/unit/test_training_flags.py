@@ -373,10 +373,6 @@ PIPELINE_REFUSALS = [
         PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
         "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1",
     ),
-    (
-        PP2 + ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"],
-        "2 virtual stages per pipeline rank: the interleaved schedule is not supported yet",
-    ),
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
     (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
