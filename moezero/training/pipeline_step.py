@@ -23,7 +23,8 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
   world, then `training.loop`'s own `_step_metrics`.
 - Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule, or the
-  interleaved one with virtual stages, whose backward actions do nothing then, with stage objects of its own: torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
+  interleaved one with virtual stages, whose backward actions do nothing then, with stage objects of its own:
+  torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
 - Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
   line on every rank of the pipeline (failure.py).
 """
