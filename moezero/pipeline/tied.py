@@ -28,12 +28,22 @@ from torch import nn
 
 
 class TiedEmbedding:
-    """One rank's side of the tied weight: `weight` (the first stage's embedding or the last stage's copy), its
-    embedding group and that group's first rank (global), which holds the weight the optimizer steps."""
+    """One rank's side of the tied weight: `weight` (the first stage's embedding or the last stage's copy), the
+    rank's PipelineGroups (its embedding group) and that group's first rank (global), which holds the weight the
+    optimizer steps."""
 
-    def __init__(self, weight: nn.Parameter, group: Any, source: int, holds_optimized: bool):
-        self.weight, self.group, self.source = weight, group, source
+    def __init__(self, weight: nn.Parameter, groups: Any, source: int, holds_optimized: bool):
+        self.weight, self.groups, self.source = weight, groups, source
         self.holds_optimized = holds_optimized  # the first stage: its optimizer steps the weight
+
+    @property
+    def group(self) -> Any:
+        """Read at each use, never kept: after a failure the group must close (PipelineGroups.close_pp), which it
+        does only once nothing refers to it, so that a neighbour waiting in the gradient sum fails at once."""
+        group = self.groups.embedding
+        if group is None:
+            raise RuntimeError("this rank's embedding group was closed after a stage failed; the run cannot step")
+        return group
 
     @property
     def _exchange_dtype(self) -> torch.dtype:
@@ -74,7 +84,7 @@ def tied_embedding(model, groups) -> Optional[TiedEmbedding]:
     if model.config.untie_embeddings_and_output_weights or groups.embedding is None or groups.pp_size == 1:
         return None
     if model.embedding is not None:
-        return TiedEmbedding(model.embedding.weight, groups.embedding, groups.embedding_ranks[0], True)
+        return TiedEmbedding(model.embedding.weight, groups, groups.embedding_ranks[0], True)
     if model.output_copy is not None:
-        return TiedEmbedding(model.output_copy.weight, groups.embedding, groups.embedding_ranks[0], False)
+        return TiedEmbedding(model.output_copy.weight, groups, groups.embedding_ranks[0], False)
     return None

@@ -180,19 +180,26 @@ class _Boom(RuntimeError):
 
 
 # (failing stage, its layer, where it raises): stage 0 in a forward (stage 1 waits for its activation), stage 1 in a
-# forward (stage 0 waits for a gradient), stage 0 in a backward (after its last one stage 1 waits in the norm's sum)
-FAILURES = ((0, "0", "forward"), (1, "2", "forward"), (0, "1", "backward"))
+# forward (stage 0 waits for a gradient), stage 0 in a backward (stage 1 waits for an activation), and tied, stage 0
+# in its last backward (stage 1, done with the schedule, waits in the embedding group's gradient sum)
+FAILURES = (
+    (0, "0", "forward", False),
+    (1, "2", "forward", False),
+    (0, "1", "backward", False),
+    (0, "1", "last backward", True),
+)
 
 
 def _raise_at_step(failures, step_to_fail):
     """For each failure in turn (a fresh pipeline each): what each rank raised at which step, as text."""
     out = []
-    for stage, layer, where in failures:
-        groups, model, opt, trainer = _build(1, "sgd", timeout_s=300)
-        failing = {"now": False}
+    for stage, layer, where, tied in failures:
+        groups, model, opt, trainer = _build(1, "sgd", timeout_s=300, tied=tied)
+        failing = {"now": False, "calls": 0}
 
         def boom(*_):
-            if failing["now"]:
+            failing["calls"] += failing["now"]
+            if failing["now"] and (where != "last backward" or failing["calls"] == 4):  # of 4 micro-batches
                 raise _Boom(f"boom in the {where} of layer {layer}")
 
         if groups.pp_rank == stage:
@@ -218,7 +225,7 @@ def test_a_stage_that_raises_ends_as_one_line_on_every_rank():
     """The failing rank states the failure and closes its pipeline connections, so the other fails at once (well
     before the pp group's 300 s timeout, which would fail this call's 60 s) with the same line."""
     results = run_distributed(_raise_at_step, 2, FAILURES, 2, timeout=60, isolated=True)
-    for k, (stage, layer, where) in enumerate(FAILURES):
+    for k, (stage, layer, where, _) in enumerate(FAILURES):
         expected = (
             f"pipeline stage {stage} (rank {stage}) failed at iteration 2: _Boom: boom in the {where} of layer {layer}"
         )
