@@ -33,6 +33,7 @@ PIPELINE_TINY = TINY + [
     "1",
 ]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+VPP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 TOL = 1e-10
 
 
@@ -87,7 +88,7 @@ def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
     """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B), the same
     curve and validations as one process."""
     argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
-    vpp = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    vpp = PP2 + VPP2
     ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
     expected = _values(_run(argv)[0])
     for history, _ in ranks:
@@ -98,24 +99,28 @@ def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
 
 
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
-    """At pp 2: iterations 1-2 saved, then 3-4 resumed from that and from a pp 1 run's checkpoint."""
+    """At pp 2: iterations 1-2 saved, then 3-4 resumed from that (also with 2 virtual stages) and from a pp 1 run's
+    checkpoint."""
     first, _ = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved_at_pp2])
     same_layout, _ = _run(argv + PP2 + ["--load", saved_at_pp2])
+    virtual, _ = _run(argv + PP2 + VPP2 + ["--load", saved_at_pp2])
     from_pp1, _ = _run(argv + PP2 + ["--load", saved_at_pp1])
-    return first, same_layout, from_pp1
+    return first, same_layout, from_pp1, virtual
 
 
 def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(tmp_path):
     """Checkpoints keep global names (the train state records every stage's shapes), so a pp 2 run's resumes in one
-    process at pp 1 and a pp 1 run's at pp 2, each on the uninterrupted run's curve (float64, 1e-10)."""
+    process at pp 1, with 2 virtual stages, and a pp 1 run's at pp 2, each on the uninterrupted run's curve (float64,
+    1e-10)."""
     argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
     at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
     straight = _values(_run(argv)[0])
     first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
-    first, same_layout, from_pp1 = run_distributed(_resumes_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
+    first, same_layout, from_pp1, virtual = run_distributed(_resumes_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
     from_pp2, _ = _run(argv + ["--load", at_pp2])
     curves = {
         "pp 2 -> pp 2": first + same_layout,
+        "pp 2 -> pp 2 x 2 virtual stages": first + virtual,
         "pp 1 -> pp 2": first_pp1 + from_pp1,
         "pp 2 -> pp 1": first + from_pp2,
     }
