@@ -38,12 +38,11 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
         self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
 
-    @torch.no_grad()
     def step(self, closure=None) -> bool:
         """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the
         first stage's before it, and the copy takes the stepped values after it (tied.py)."""
         if self.tied is not None:
-            self.tied.sum_grads()
+            self.tied.sum_grads(self)
         stepped = super().step(closure)
         if self.tied is not None:
             self.tied.refresh()

@@ -9,11 +9,14 @@ alone steps the weight; each element is counted once in the gradient norm and st
 a rule of its own:
 
 - init: both stages key the weight by its full name, `embedding.weight` (GPTModel's), so they start equal;
-- before the step: the copy's gradient is summed into the first stage's over the embedding group (the first
-  stage's is its accumulated, not yet reduced gradient at ZeRO stages 0 and 1: the step then averages the sum over
-  the data-parallel ranks, as one process's gradient of the weight used twice);
-- after the step (and after a checkpoint's load): the first stage's values are broadcast to the copy, and the
-  copy's gradient is dropped.
+- during the step's backwards: the copy's gradient of each micro-batch is added into a buffer of the exchange dtype
+  (fp32 at least, as Megatron's main grads), its `.grad` cleared;
+- before the optimizer's step: that sum travels to the first stage over the embedding group, and the first stage
+  adds it to its embedding's gradient with one more backward pass through its optimizer, of dot(weight, sum): its
+  gradient is the sum, accumulated by ZeRO's own hooks into the step's gradient (under no_sync: the step then
+  averages over the data-parallel ranks, as one process's gradient of the weight used twice). The optimizer's
+  gradient is not readable in place (a bf16 param's lives in fp32 buckets), hence a backward pass, not a write;
+- after the step (and after a checkpoint's load): the first stage's values are broadcast to the copy.
 
 Middle stages are outside the embedding group and do nothing.
 """
@@ -35,6 +38,9 @@ class TiedEmbedding:
     def __init__(self, weight: nn.Parameter, groups: Any, source: int, holds_optimized: bool):
         self.weight, self.groups, self.source = weight, groups, source
         self.holds_optimized = holds_optimized  # the first stage: its optimizer steps the weight
+        self._summed: Optional[torch.Tensor] = None  # the copy's gradient over the step's micro-batches
+        if not holds_optimized:
+            weight.register_post_accumulate_grad_hook(self._accumulate)
 
     @property
     def group(self) -> Any:
@@ -47,33 +53,35 @@ class TiedEmbedding:
 
     @property
     def _exchange_dtype(self) -> torch.dtype:
-        # the same on both stages (their params share a dtype): a gradient of a bf16 copy is summed in fp32
+        # the same on both stages (their params share a dtype)
         return torch.promote_types(self.weight.dtype, torch.float32)
 
     @torch.no_grad()
-    def sum_grads(self) -> None:
-        """Collective over the embedding group: the first stage's gradient becomes the sum of both (before the
-        optimizer's reduction, which averages it over the data-parallel ranks)."""
-        grad = self.weight.grad
-        summed = (
-            torch.zeros(self.weight.shape, dtype=self._exchange_dtype, device=self.weight.device)
-            if grad is None
-            else grad.to(self._exchange_dtype, copy=True)
-        )
+    def _accumulate(self, weight: torch.Tensor) -> None:
+        if self._summed is None:
+            self._summed = torch.zeros(weight.shape, dtype=self._exchange_dtype, device=weight.device)
+        self._summed += weight.grad
+        weight.grad = None
+
+    def sum_grads(self, opt) -> None:
+        """Collective over the embedding group (and, on the first stage, a backward pass through `opt`, its
+        ZeroOptimizer, under no_sync): the copy's gradient joins the first stage's before the optimizer reduces."""
+        summed = self._summed
+        if summed is None:  # the first stage, or a copy without a gradient this step (adds zero)
+            summed = torch.zeros(self.weight.shape, dtype=self._exchange_dtype, device=self.weight.device)
+        self._summed = None
         dist.all_reduce(summed, group=self.group)
         if self.holds_optimized:
-            if grad is None:  # the first stage always uses its embedding; kept for a skipped backward
-                raise RuntimeError("the tied word embedding of the first pipeline stage got no gradient")
-            grad.copy_(summed)  # in place: the optimizer's bucket view keeps holding the step's gradient
+            with opt.no_sync(), torch.enable_grad():
+                opt.backward(torch.dot(self.weight.view(-1), summed.view(-1).to(self.weight.dtype)))
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Collective over the embedding group: the copy takes the first stage's values; its gradient is dropped."""
+        """Collective over the embedding group: the copy takes the first stage's values."""
         dist.broadcast(self.weight.data, self.source, group=self.group)
-        if not self.holds_optimized:
-            self.weight.grad = None
 
     def clear_grad(self) -> None:
+        self._summed = None
         if not self.holds_optimized:
             self.weight.grad = None
 

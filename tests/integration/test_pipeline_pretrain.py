@@ -98,6 +98,21 @@ def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
     assert "pp 2 (interleaved 1F1B, 2 virtual stages)" in ranks[1][1]
 
 
+def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):
+    """--bf16: the copy's gradient (summed in fp32) reaches the first stage's optimizer through a backward pass (a
+    bf16 param's gradient lives in ZeRO's fp32 buckets, not in `.grad`); the curve follows pp 1's within bf16's
+    rounding of the reassociated sums."""
+    argv = [a for a in PIPELINE_TINY if a != "--fp64"] + ["--bf16", "--train-iters", "3", "--eval-interval", "0"]
+    argv += ["--data-cache-path", str(tmp_path)]
+    ranks = run_distributed(_run, 2, argv + PP2, timeout=400)
+    expected = [(h["lm_loss"], h["grad_norm"]) for h in _run(argv)[0]]
+    got = [(h["lm_loss"], h["grad_norm"]) for h in ranks[1][0]]
+    assert len(got) == len(expected) == 3
+    assert got[0][0] == pytest.approx(expected[0][0], rel=1e-6)  # the first forward: the same weights
+    for (loss, norm), (want_loss, want_norm) in zip(got, expected):
+        assert loss == pytest.approx(want_loss, rel=1e-3) and norm == pytest.approx(want_norm, rel=2e-3)
+
+
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
     """At pp 2: iterations 1-2 saved, then 3-4 resumed from that (also with 2 virtual stages) and from a pp 1 run's
     checkpoint."""
