@@ -10,6 +10,7 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
         (
             "zero",
             "partition",
+            "muon",
             "rank_disagreement",
             "local_channel",
             "local_exchange",

@@ -352,7 +352,7 @@ class TrainConfig(Validated):
 
     def _check_muon(self) -> None:
         """Muon's values (Megatron's own checks are asserts or torch's errors deep in the first step)."""
-        from moezero.zero.muon import check_muon_settings  # the optimizer's checks, in the flags' words
+        from moezero.zero import check_muon_settings  # the optimizer's checks, in the flags' words
 
         try:
             check_muon_settings(

@@ -1,7 +1,7 @@
 from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.loss_scaler import DynamicLossScaler
 from moezero.zero.model_guard import ParameterSetChanged
-from moezero.zero.muon import Muon, muon_param_groups
+from moezero.zero.muon import Muon, check_muon_settings, muon_param_groups
 from moezero.zero.optimizer import ZeroOptimizer
 from moezero.zero.param_groups import weight_decay_groups
 from moezero.zero.param_guard import ParamNotGathered
@@ -22,6 +22,7 @@ __all__ = [
     "PrecisionAwareAdam",
     "Muon",
     "muon_param_groups",
+    "check_muon_settings",
     "STATE_DTYPES",
     "GradientIsSharded",
     "ShardedGradient",
