@@ -48,13 +48,16 @@ def run_worker(
     timeout: int = 1800,
     python: Optional[str] = None,
     env_extra: Optional[Dict[str, str]] = None,
+    script: Optional[str] = None,
 ) -> Dict:
-    """Run one configuration; returns the worker's RESULT dict, or {"error": ...}."""
+    """Run one configuration; returns the worker's RESULT dict, or {"error": ...}. `script`: a worker of its own
+    (a path under tools/bench), given `worker_args` only."""
     with _port_lock:
         _port[0] += 1
         port = _port[0]
     deepspeed = system == "deepspeed"
-    script = os.path.join(HERE, "deepspeed_worker.py" if deepspeed else "gpt_worker.py")
+    own_script = script is not None
+    script = os.path.join(HERE, script or ("deepspeed_worker.py" if deepspeed else "gpt_worker.py"))
     python = python or (deepspeed_python() if deepspeed else sys.executable)
     if python is None:
         return {"error": "DeepSpeed is not installed"}
@@ -75,7 +78,7 @@ def run_worker(
         f"--master_port={port}",
         script,
     ] + worker_args
-    if not deepspeed:
+    if not deepspeed and not own_script:
         cmd += ["--system", system]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
