@@ -27,12 +27,13 @@ from moezero.zero import ZeroOptimizer
 class PipelineZeroOptimizer(ZeroOptimizer):
     """ZeroOptimizer(model, optimizer_cls, groups.stage, ...) whose gradient norm counts every stage's params once.
 
-    Args: as ZeroOptimizer, with the rank's PipelineGroups for `groups` (stages 0 and 1 for now)."""
+    Args: as ZeroOptimizer, with the rank's PipelineGroups for `groups` (ZeRO stages 0-2: stage 2 reduces
+    at every micro-batch's backward, the schedule's interleaving of forwards and backwards changes nothing there)."""
 
     def __init__(self, model: nn.Module, optimizer_cls: type, groups: PipelineGroups, **kwargs: Any):
         stage = kwargs.get("stage", 2)
-        if stage not in (0, 1):
-            raise ValueError(f"ZeRO stage {stage} with pipeline stages is not supported yet (0 and 1 are)")
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeRO stage {stage} with pipeline stages is not supported yet (0, 1 and 2 are)")
         self.pipeline_groups = groups
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)

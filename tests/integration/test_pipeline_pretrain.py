@@ -85,9 +85,10 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
 
 
 def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
-    """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B), the same
-    curve and validations as one process."""
+    """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B) at ZeRO
+    stage 2, the same curve and validations as one process."""
     argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    argv[argv.index("--zero-stage") + 1] = "2"  # ZeRO-2 with the pipeline (DeepSpeed refuses it)
     vpp = PP2 + VPP2
     ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
     expected = _values(_run(argv)[0])
