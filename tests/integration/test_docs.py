@@ -112,6 +112,30 @@ def test_the_life_of_a_gradient_names_classes_of_the_files_it_links():
     )
 
 
+def _moezero_exception_classes() -> List[type]:
+    """Every exception class defined in moezero's Python modules (imported, so inherited ones count)."""
+    import importlib
+    import inspect
+
+    found = {}
+    for path in glob.glob(os.path.join(REPO, "moezero", "**", "*.py"), recursive=True):
+        module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__.startswith("moezero"):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return list(found.values())
+
+
+def test_the_troubleshooting_page_names_every_error_class():
+    """A class of error moezero raises is on docs/troubleshooting.md, with what it means and the fix."""
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as f:
+        page = f.read()
+    classes = _moezero_exception_classes()
+    assert len(classes) >= 15, [cls.__name__ for cls in classes]
+    missing = sorted(cls.__name__ for cls in classes if not re.search(rf"\b{cls.__name__}\b", page))
+    assert not missing, f"say in docs/troubleshooting.md what these mean and how to fix them: {missing}"
+
+
 def _layout_entries() -> Iterator[Tuple[str, str]]:
     """(path, description) of each entry of docs/layout.md's tree."""
     block = next(_blocks(os.path.join(REPO, "docs", "layout.md"), "text"))
