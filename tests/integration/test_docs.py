@@ -64,9 +64,12 @@ def doc_commands() -> List[Tuple[str, List[str]]]:
 # ---- the site and the README ----------------------------------------------------------------------------
 
 
-def test_the_site_builds_in_strict_mode(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site as `mkdocs build --strict` writes it (built once for the tests that read it)."""
+    path = tmp_path_factory.mktemp("site")
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -74,7 +77,39 @@ def test_the_site_builds_in_strict_mode(tmp_path):
         env=dict(ENV, NO_MKDOCS_2_WARNING="1"),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert os.path.exists(tmp_path / "stage3" / "index.html")
+    return path
+
+
+def test_the_site_builds_in_strict_mode(site):
+    assert os.path.exists(site / "stage3" / "index.html")
+
+
+def test_the_site_search_finds_a_tool_by_a_word_of_its_name(site):
+    """Every section that names tools/preprocess_data.py is found by "preprocess", split as the site's search
+    splits words (its separator, from the built index: MkDocs' default splits only at spaces and hyphens)."""
+    with open(site / "search" / "search_index.json") as f:
+        index = json.load(f)
+    separator = re.compile(index["config"]["separator"])
+
+    def words(doc) -> set:
+        return set(separator.split(re.sub(r"<[^>]+>", " ", doc["title"] + " " + doc["text"]).lower()))
+
+    naming = [doc for doc in index["docs"] if "preprocess_data" in doc["title"] + doc["text"]]
+    assert {"getting-started/#your-own-corpus", "megatron/#data"} <= {doc["location"] for doc in naming}
+    assert not [doc["location"] for doc in naming if "preprocess" not in words(doc)]
+
+
+def test_flag_names_in_tables_do_not_wrap(site):
+    """The site's stylesheet keeps a table cell's code on one line (a flag never breaks at its hyphens), and
+    every page links it."""
+    with open(os.path.join(REPO, "mkdocs.yml")) as f:
+        sheets = re.findall(r"^extra_css:\n((?:  - .*\n)+)", f.read(), re.M)
+    sheets = [line.strip()[2:] for line in sheets[0].splitlines()] if sheets else []
+    rules = "".join(open(site / sheet).read() for sheet in sheets if os.path.exists(site / sheet))
+    assert re.search(r"td code[^{]*\{[^}]*white-space:\s*nowrap", rules), f"no nowrap rule for td code in {sheets}"
+    for page in ("index.html", "megatron/index.html", "troubleshooting/index.html"):
+        html = (site / page).read_text()
+        assert all(re.search(rf'href="[./]*{re.escape(sheet)}', html) for sheet in sheets), page
 
 
 def test_every_zero_module_has_its_design_note_on_the_site():
