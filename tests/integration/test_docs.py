@@ -171,6 +171,16 @@ def test_the_troubleshooting_page_names_every_error_class():
     assert not missing, f"say in docs/troubleshooting.md what these mean and how to fix them: {missing}"
 
 
+def test_the_hugging_face_page_lists_every_family():
+    """The families table of docs/huggingface.md names every model_type moezero reads (aliases included)."""
+    from moezero.hf.families import ALIASES, FAMILIES
+
+    with open(os.path.join(REPO, "docs", "huggingface.md")) as f:
+        table = f.read().split("## Families", 1)[1].split("\n\n")[1]
+    listed = set(re.findall(r"`(\w+)`", " ".join(row.split("|")[2] for row in table.splitlines()[2:])))
+    assert listed == set(FAMILIES) | set(ALIASES), sorted(listed ^ (set(FAMILIES) | set(ALIASES)))
+
+
 def _layout_entries() -> Iterator[Tuple[str, str]]:
     """(path, description) of each entry of docs/layout.md's tree."""
     block = next(_blocks(os.path.join(REPO, "docs", "layout.md"), "text"))
