@@ -64,9 +64,12 @@ def doc_commands() -> List[Tuple[str, List[str]]]:
 # ---- the site and the README ----------------------------------------------------------------------------
 
 
-def test_the_site_builds_in_strict_mode(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site as `mkdocs build --strict` writes it (built once for the tests that read it)."""
+    path = tmp_path_factory.mktemp("site")
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -74,7 +77,39 @@ def test_the_site_builds_in_strict_mode(tmp_path):
         env=dict(ENV, NO_MKDOCS_2_WARNING="1"),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert os.path.exists(tmp_path / "stage3" / "index.html")
+    return path
+
+
+def test_the_site_builds_in_strict_mode(site):
+    assert os.path.exists(site / "stage3" / "index.html")
+
+
+def test_the_site_search_finds_a_tool_by_a_word_of_its_name(site):
+    """Every section that names tools/preprocess_data.py is found by "preprocess", split as the site's search
+    splits words (its separator, from the built index: MkDocs' default splits only at spaces and hyphens)."""
+    with open(site / "search" / "search_index.json") as f:
+        index = json.load(f)
+    separator = re.compile(index["config"]["separator"])
+
+    def words(doc) -> set:
+        return set(separator.split(re.sub(r"<[^>]+>", " ", doc["title"] + " " + doc["text"]).lower()))
+
+    naming = [doc for doc in index["docs"] if "preprocess_data" in doc["title"] + doc["text"]]
+    assert {"getting-started/#your-own-corpus", "megatron/#data"} <= {doc["location"] for doc in naming}
+    assert not [doc["location"] for doc in naming if "preprocess" not in words(doc)]
+
+
+def test_flag_names_in_tables_do_not_wrap(site):
+    """The site's stylesheet keeps a table cell's code on one line (a flag never breaks at its hyphens), and
+    every page links it."""
+    with open(os.path.join(REPO, "mkdocs.yml")) as f:
+        sheets = re.findall(r"^extra_css:\n((?:  - .*\n)+)", f.read(), re.M)
+    sheets = [line.strip()[2:] for line in sheets[0].splitlines()] if sheets else []
+    rules = "".join(open(site / sheet).read() for sheet in sheets if os.path.exists(site / sheet))
+    assert re.search(r"td code[^{]*\{[^}]*white-space:\s*nowrap", rules), f"no nowrap rule for td code in {sheets}"
+    for page in ("index.html", "megatron/index.html", "troubleshooting/index.html"):
+        html = (site / page).read_text()
+        assert all(re.search(rf'href="[./]*{re.escape(sheet)}', html) for sheet in sheets), page
 
 
 def test_every_zero_module_has_its_design_note_on_the_site():
@@ -110,6 +145,40 @@ def test_the_life_of_a_gradient_names_classes_of_the_files_it_links():
     assert len(files) <= 8 and len(classes) <= 10, (
         f"a stage-2 gradient crosses {len(classes)} classes in {len(files)} files (issue 74 asks <= 10 in <= 8)"
     )
+
+
+def _moezero_exception_classes() -> List[type]:
+    """Every exception class defined in moezero's Python modules (imported, so inherited ones count)."""
+    import importlib
+    import inspect
+
+    found = {}
+    for path in glob.glob(os.path.join(REPO, "moezero", "**", "*.py"), recursive=True):
+        module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__.startswith("moezero"):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return list(found.values())
+
+
+def test_the_troubleshooting_page_names_every_error_class():
+    """A class of error moezero raises is on docs/troubleshooting.md, with what it means and the fix."""
+    with open(os.path.join(REPO, "docs", "troubleshooting.md")) as f:
+        page = f.read()
+    classes = _moezero_exception_classes()
+    assert len(classes) >= 15, [cls.__name__ for cls in classes]
+    missing = sorted(cls.__name__ for cls in classes if not re.search(rf"\b{cls.__name__}\b", page))
+    assert not missing, f"say in docs/troubleshooting.md what these mean and how to fix them: {missing}"
+
+
+def test_the_hugging_face_page_lists_every_family():
+    """The families table of docs/huggingface.md names every model_type moezero reads (aliases included)."""
+    from moezero.hf.families import ALIASES, FAMILIES
+
+    with open(os.path.join(REPO, "docs", "huggingface.md")) as f:
+        table = f.read().split("## Families", 1)[1].split("\n\n")[1]
+    listed = set(re.findall(r"`(\w+)`", " ".join(row.split("|")[2] for row in table.splitlines()[2:])))
+    assert listed == set(FAMILIES) | set(ALIASES), sorted(listed ^ (set(FAMILIES) | set(ALIASES)))
 
 
 def _layout_entries() -> Iterator[Tuple[str, str]]:
