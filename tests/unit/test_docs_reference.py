@@ -1,13 +1,16 @@
 """The generated reference pages of the docs site cannot drift from the code: docs/flags.md is what
 tools/flag_reference.py writes from the flags' declarations and names every flag of the script's parser and of
-Megatron's; docs/api.md shows the public objects, each with every argument of its signature described."""
+Megatron's; docs/api.md shows the public objects, each with every argument of its signature described (a config's field
+by its flag's row)."""
 
+import dataclasses
 import importlib.util
+import inspect
 import os
 import re
 
 from moezero.recipe import CONFIG_CLASSES
-from moezero.training.args import build_parser
+from moezero.training.args import build_parser, flag_fields
 from moezero.training.configs import DESCRIPTION
 from moezero.training.megatron_flags import megatron_table
 
@@ -54,3 +57,37 @@ def test_every_flag_of_the_parser_and_of_megatrons_has_a_row():
     assert rows["--tp-comm-overlap"][4] == "refused"  # the script's checks refuse it whenever it is typed
     assert rows["--use-flash-attn"][4] == "accepted" and rows["--num-experts"][4] == "honoured"
     assert rows["--moe-router-score-function"][4] == "honoured; refused values: `sqrtsoftplus`"
+
+
+def _described(doc: str) -> set:
+    """The names of a Google-style docstring's Args / Attributes entries (`name:` or `name (type):`)."""
+    return set(re.findall(r"^ {4,}\**(\w+)(?: \([^)]*\))?: ", doc or "", re.M))
+
+
+def test_every_argument_of_the_api_pages_objects_is_described():
+    """Each object docs/api.md shows: every argument of its signature is an entry of its docstring's Args (or,
+    for a dataclass, Attributes); a config's fields with a flag are that flag's row of the flag reference."""
+    import importlib
+
+    shown = re.findall(r"^::: (moezero[\w.]+)\.(\w+)$", _read("api.md"), re.M)
+    assert len(shown) >= 10
+    flags = _rows(_read("flags.md"))
+    objects = [getattr(importlib.import_module(module), name) for module, name in shown]
+    from moezero.parallel import ParallelGroups
+
+    missing = []
+    for obj in objects + [ParallelGroups.build]:
+        described = _described(obj.__doc__)
+        for name in inspect.signature(obj).parameters:
+            flag = _flag_of(obj, name)
+            if name.startswith("_") or name in described or (flag and flag in flags):
+                continue
+            missing.append(f"{obj.__qualname__}({name})")
+    assert not missing, f"describe in the docstring: {missing}"
+
+
+def _flag_of(obj, name: str):
+    """The command-line flag of a config's field (None: not a config field on the command line)."""
+    if not (dataclasses.is_dataclass(obj) and hasattr(obj, "section")):
+        return None
+    return dict((f.name, flag) for f, flag in flag_fields(obj)).get(name)
