@@ -1,13 +1,15 @@
-"""The generated reference pages of the docs site cannot drift from the code: docs/flags.md is what
-tools/flag_reference.py writes from the flags' declarations and names every flag of the script's parser and of
-Megatron's; docs/api.md shows the public objects, each with every argument of its signature described (a config's field
-by its flag's row)."""
+"""The generated parts of the docs site cannot drift from the code: docs/flags.md is what tools/flag_reference.py
+writes from the flags' declarations and names every flag of the script's parser and of Megatron's; the charts of
+docs/images are drawn from the benchmark tables they stand above; docs/api.md shows the public objects, each with
+every argument of its signature described (a config's field by its flag's row)."""
 
 import dataclasses
+import glob
 import importlib.util
 import inspect
 import os
 import re
+import sys
 
 from moezero.recipe import CONFIG_CLASSES
 from moezero.training.args import build_parser, flag_fields
@@ -22,15 +24,16 @@ def _read(page: str) -> str:
         return f.read()
 
 
-def _flag_reference():
-    spec = importlib.util.spec_from_file_location("flag_reference", os.path.join(REPO, "tools", "flag_reference.py"))
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
 def test_the_flag_page_is_the_generators_output():
-    assert _read("flags.md") == _flag_reference().reference(), (
+    assert _read("flags.md") == _tool("flag_reference").reference(), (
         "docs/flags.md is stale: python tools/flag_reference.py --output docs/flags.md"
     )
 
@@ -91,3 +94,40 @@ def _flag_of(obj, name: str):
     if not (dataclasses.is_dataclass(obj) and hasattr(obj, "section")):
         return None
     return dict((f.name, flag) for f, flag in flag_fields(obj)).get(name)
+
+
+def test_every_chart_reads_its_table_and_stands_above_it():
+    """tools/docs_charts.py draws from benchmarks.md's tables (matplotlib is not needed to read them): each
+    chart's tables are where it reads them, with its columns and a number in every cell drawn; each chart is
+    shown on the page, and every image a page shows exists."""
+    charts = _tool("docs_charts")
+    page = _read("benchmarks.md")
+    for chart in charts.CHARTS:
+        for table in chart.tables:
+            rows = table.rows(page)
+            assert rows and all(v is not None for _, values in rows for v in values), (chart.image, table)
+        assert f"](images/{chart.image})" in page, f"benchmarks.md does not show images/{chart.image}"
+    for name in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
+        with open(name) as f:
+            for image in re.findall(r"\]\((images/[^)]+)\)", f.read()):
+                assert os.path.exists(os.path.join(REPO, "docs", image)), f"{name}: {image} (tools/docs_charts.py)"
+
+
+def test_the_package_diagram_draws_real_imports_and_every_package():
+    """The home page's Mermaid picture of the packages: each arrow is an import the source has (the graph
+    tests/unit/test_architecture.py reads), and every package folder of moezero is a box, config aside (it sits
+    below all of them, as the page says)."""
+    from tests.unit.test_architecture import _graph
+
+    block = re.search(r"^```mermaid\n(flowchart.*?)^```", _read("index.md"), re.S | re.M)
+    assert block, "docs/index.md has no Mermaid flowchart of the packages"
+    edges = re.findall(r"^\s*(\w+) --> (\w+)$", block[1], re.M)
+    boxes = set(re.findall(r"^\s*(\w+)\[", block[1], re.M))
+    graph = _graph()
+    assert edges and not [e for e in edges if f"moezero.{e[1]}" not in graph.get(f"moezero.{e[0]}", ())], edges
+    packages = {
+        name
+        for name in os.listdir(os.path.join(REPO, "moezero"))
+        if os.path.exists(os.path.join(REPO, "moezero", name, "__init__.py"))
+    }
+    assert packages - {"config"} == boxes - {"recipe"} and {a for e in edges for a in e} <= boxes
