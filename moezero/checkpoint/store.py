@@ -54,11 +54,29 @@ def save_checkpoint(
     """Collective: write iteration `iteration` atomically and point the pointer file at it; then, with
     `keep_last` > 0, remove all but the newest `keep_last` checkpoints.
 
-    `configs` ({section: dict}), `plugins` ({name: state}), `progress` (consumed samples), `lr_schedule`
-    (the learning-rate schedule and where it stands) and `tensorboard_files` (the names of the event files the run
-    and those it resumed from wrote: a resume rewrites only those) go into the train state (see `keys`).
-    With `background` the state is copied and written in the background, its collectives on `writer_group` (a
-    process group of the writer's own, never one training uses): a PendingSave is returned, `finish()` publishes.
+    `configs`, `plugins`, `progress`, `lr_schedule` and `tensorboard_files` go into the train state (see `keys`),
+    which `load_checkpoint` returns and `read_train_state` reads.
+
+    Args:
+        root: the checkpoint folder (--save); the iteration is written to a folder of its own under it.
+        iteration: the training iteration the state is of.
+        model: the model (its params' values are the optimizer's: fp32 masters; its buffers its own).
+        opt: the ZeroOptimizer: each rank writes the shard it holds.
+        configs: {section: dict} of the run's configs.
+        plugins: {name: state} of the run's plugins (QAT's).
+        group: the process group of the save (default: the whole world).
+        keep_last: with > 0, remove all but the newest `keep_last` checkpoints after this one is published.
+        progress: the consumed samples ({name: count}).
+        lr_schedule: the learning-rate schedule and where it stands.
+        background: copy the state and write it in the background: a PendingSave is returned, whose
+            `finish()` publishes it.
+        writer_group: with `background`, the process group of the writer's collectives (its own, never one
+            training uses).
+        tensorboard_files: the names of the event files the run and those it resumed from wrote (a resume
+            rewrites only those).
+
+    Returns:
+        The published iteration's folder, or with `background` the PendingSave.
     """
     if group is None and dist.is_initialized():  # the whole world (comm's None is a world of one)
         group = dist.group.WORLD
@@ -202,9 +220,19 @@ def _publish(root: str, iteration: int, keep_last: int, group, writer: checksums
 def load_checkpoint(
     path: str, model: nn.Module, opt, group=None, load_optim: bool = True, load_rng: bool = True
 ) -> Dict[str, Any]:
-    """Collective: restore the weights (fp32 masters), the model's other state (buffers), with `load_optim`
-    the optimizer state and scalars (else they stay fresh) and with `load_rng` (same world size) the RNG
-    states; returns the train state."""
+    """Collective: restore a checkpoint saved on any layout and ZeRO stage into this one.
+
+    Args:
+        path: an iteration's folder (see `resolve_checkpoint` for a --load folder's latest).
+        model: the model: its params' values (fp32 masters) and its other state (buffers) are restored.
+        opt: the model's ZeroOptimizer: each rank reads the ranges it holds.
+        group: the process group of the load (default: the whole world).
+        load_optim: restore the optimizer state and scalars (else they stay fresh).
+        load_rng: restore the RNG states (the same world size only).
+
+    Returns:
+        The train state `save_checkpoint` stored.
+    """
     index = _index(path)
     metadata = index.state_dict_metadata
     held = opt.held_ranges()
@@ -246,7 +274,11 @@ def _held_params(opt):
 
 
 def read_train_state(path: str) -> Dict[str, Any]:
-    """One process, no process group: the train state of checkpoint `path` (see `save_checkpoint`)."""
+    """One process, no process group: the train state of checkpoint `path` (see `save_checkpoint`).
+
+    Args:
+        path: an iteration's folder of a moezero checkpoint.
+    """
     index = _index(path)
     if keys.TRAIN_STATE not in index.state_dict_metadata:
         raise CheckpointError(f"{path}: has no train state (not a moezero checkpoint)")
@@ -258,7 +290,11 @@ def read_train_state(path: str) -> Dict[str, Any]:
 def consolidate_checkpoint(path: str) -> Dict[str, torch.Tensor]:
     """One process, no process group: the full model of a checkpoint of any layout, {name: tensor}:
     fp32 masters of the trainable params (experts stacked over all global experts) and the
-    non-trainable state. Raises ValueError unless the saved pieces cover every element exactly once."""
+    non-trainable state. Raises ValueError unless the saved pieces cover every element exactly once.
+
+    Args:
+        path: an iteration's folder of a moezero checkpoint.
+    """
     index = _index(path)
     metadata = index.state_dict_metadata
     model_keys = [key for key in metadata if key.startswith(keys.MODEL_STATE)]

@@ -15,7 +15,23 @@ BALANCING_TYPES = BALANCING_LOSSES + ("sinkhorn", "none")
 
 @dataclass
 class MoEConfig(Validated):
-    """One MoE layer: router, dispatcher and experts (Megatron-Core flag names)."""
+    """One MoE layer: router, dispatcher and experts (Megatron-Core flag names).
+
+    Each field with a flag is that flag of the MoEConfig table of the [flag reference](flags.md#moeconfig) (its
+    type, default and meaning there). The fields without one are filled in from the GPT's config by a training
+    run; an MoE layer built alone takes them as given.
+
+    Attributes:
+        hidden_size: the model width (a run's --hidden-size).
+        activation: the experts' activation, one of gelu, gelu_tanh, swiglu, quick_geglu (a GPT's
+            mlp_activation()).
+        glu_linear_offset: a gated activation's offset of the up projection (a GPT's --glu-linear-offset).
+        activation_clamp: a gated activation's clamp (a GPT's --activation-func-clamp-value).
+        bias: biases in the experts, router and shared expert (None: a GPT's --disable-bias-linear decides; a
+            layer built alone has none).
+        init_std: the std of the normal init (a run's --init-method-std).
+        init_seed: the seed of the layout-invariant init (a run's --seed).
+    """
 
     section = "moe"
     hidden_size: int = option(64, "model width (taken from --hidden-size)", flag=None)

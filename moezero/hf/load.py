@@ -41,9 +41,20 @@ def from_pretrained(
     describes before any of it is allocated: a config that leaves its sizes to the class defaults (a 20B model)
     beside files of another model is refused at once, not after allocating the default-size model.
 
-    `model(tokens)[0]` are the logits. With `groups`, experts are split over `groups.ep` and a rank reads
-    only its own. With `lazy`, the other params stay unread (on the meta device) until a ZeroOptimizer
-    stores them: at stage 3 a rank then reads only its shard of each; the model runs after that.
+    `model(tokens)[0]` are the logits.
+
+    Args:
+        path: a Hub model folder (config.json and safetensors files) of a family moezero holds.
+        dtype: the params' dtype (default: the config's torch_dtype).
+        groups: the process groups; experts are split over `groups.ep` and a rank reads only its own
+            (default: a world of one).
+        seed: the GPTModel's seed: keys its layout-invariant init (which the files' weights replace) and the
+            randomness keyed from it.
+        lazy: the params other than expert stacks stay unread (on the meta device) until a ZeroOptimizer
+            stores them: at stage 3 a rank then reads only its shard of each; the model runs after that.
+
+    Returns:
+        The GPTModel, in evaluation mode.
     """
     hub = HubDirectory(path)
     family = family_of(hub.config)

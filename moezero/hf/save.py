@@ -39,16 +39,28 @@ def save_pretrained(
     token_ids: Optional[Dict[str, Optional[int]]] = None,
     tokenizer_files: Optional[Dict[str, str]] = None,
 ) -> None:
-    """Write `model` as the Hub family `family` (default: the one that holds it) in `dtype` (default: the
-    model's). A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
-    generation_config.json; one with no source names the tokens `token_ids` gives (`run_tokenizer.tokenizer_token_ids`
-    of its run), else none (never the family's defaults), and so does one whose source's end of document is not
-    the run's (its run trained with another tokenizer than the source folder's). A source config that would read back
-    as another model
-    (another model's sliding window, ...) is refused. A folder holding weights already is refused unless
-    `overwrite` (see `staged_write.start_write`). `tokenizer_files` ({name: path}, `run_tokenizer_files`) are
-    copied in with the weights.
-    Collective under torch.distributed: call it on every rank (`groups`: the ones the model was built with)."""
+    """Write `model` as a Hugging Face Hub folder. Collective under torch.distributed: call it on every rank.
+
+    A model from from_pretrained keeps its source config's other fields (token ids, ...) and its
+    generation_config.json; one with no source names the tokens `token_ids` gives, else none (never the family's
+    defaults), and so does one whose source's end of document is not the run's (its run trained with another
+    tokenizer than the source folder's). A source config that would read back as another model (another model's
+    sliding window, ...) is refused.
+
+    Args:
+        model: the GPTModel to write.
+        path: the folder to write; one holding weights already is refused unless `overwrite`.
+        groups: the process groups the model was built with (default: a world of one).
+        family: the Hub family (a name of `FAMILIES` or a Family; default: the one that holds the model).
+        dtype: the dtype of the written tensors (default: the model's).
+        optimizer: the ZeroOptimizer of the model: its params are read unit by unit through it (at stage 3 each
+            gathered in turn); without one the model's tensors are read as they are.
+        max_shard_bytes: the largest safetensors file (Hugging Face's 5 GiB by default).
+        overwrite: replace the weights of a folder that holds some (see `staged_write.start_write`).
+        token_ids: the token ids of a model with no source folder (`run_tokenizer.tokenizer_token_ids` of its
+            run).
+        tokenizer_files: {name: path} of tokenizer files copied in with the weights (`run_tokenizer_files`).
+    """
     gpt, moe = model.config, model.moe_config
     if isinstance(family, str) and family not in FAMILIES:
         raise UnsupportedModel(f"family {family!r}: no such Hugging Face family (one of {', '.join(FAMILIES)})")

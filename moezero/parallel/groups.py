@@ -66,6 +66,21 @@ class ParallelGroups:
     all-to-all and `control` carries the optimizer's small step-time collectives. Each is a
     distinct group object even when the members coincide, so collectives of one purpose never
     pair up with another's when ranks reach them in different orders.
+
+    `ParallelGroups.build(expert_parallel_size)` creates them on every rank; `ParallelGroups.single()` is a
+    world of one.
+
+    Attributes:
+        layout: which ranks form the ep and edp groups (`rank_layout(world_size, expert_parallel_size)`).
+        rank: this process's rank in the world.
+        dp: the group of all ranks, which reduces the dense gradients (None: a world of one).
+        ep: this rank's expert-parallel group, which carries the tokens' all-to-all.
+        edp: this rank's expert-data-parallel group (the ranks holding the same experts), which reduces the
+            expert gradients.
+        control: the group of all ranks for the optimizer's small step-time collectives.
+        timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
+        local_records: records and short all-reduces through pipes when every rank is on this host.
+        transports: what serves every group's collectives (None: chosen per group, see `build`).
     """
 
     layout: RankLayout
@@ -118,13 +133,20 @@ class ParallelGroups:
         transports: Optional[Callable[[Any], Transport]] = None,
     ) -> "ParallelGroups":
         """Create the groups and their transports; every rank must call this in the same order (after
-        init_process_group). `timeout`: how long a collective of any of them waits for a peer (torch's new groups
-        do not take the default group's: pass the run's, e.g. --distributed-timeout-minutes).
+        init_process_group; without it, a world of one).
 
         Transports: on gloo with every rank on this host, pipes and shared-memory rings (local_transport.py);
-        otherwise the backend's default (transport.py). `local_records=False`: the backend's default even when
-        every rank is on one host. `transports`: a transport class (or factory of one group) that serves every
-        group instead, e.g. `Transport`, torch's own collectives."""
+        otherwise the backend's default (transport.py).
+
+        Args:
+            expert_parallel_size: ranks that share one copy of the experts (--expert-model-parallel-size); it
+                divides the world size.
+            timeout: how long a collective of any of them waits for a peer (torch's new groups do not take the
+                default group's: pass the run's, e.g. --distributed-timeout-minutes).
+            local_records: False: the backend's default transport even when every rank is on one host.
+            transports: a transport class (or factory of one group) that serves every group instead, e.g.
+                `Transport`, torch's own collectives.
+        """
         if not (dist.is_available() and dist.is_initialized()):
             if expert_parallel_size != 1:
                 raise ValueError(
