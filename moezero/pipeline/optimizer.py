@@ -37,6 +37,8 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
         self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
+        if self.tied is not None:  # keyed alike, the copy is equal already, unless the weight was read (--load-hf)
+            self.tied.refresh()
 
     def step(self, closure=None) -> bool:
         """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the

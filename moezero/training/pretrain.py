@@ -109,6 +109,7 @@ class Pretraining:
         check_pipeline_run(cfg)  # a layout refused before any checkpoint is read
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
+        check_pipeline_run(cfg)  # again with the model a Hub folder or checkpoint gave (--load-hf, ...)
         if stage_notice is not None:
             notices.append(f" {stage_notice}")
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
@@ -227,7 +228,8 @@ class Pretraining:
                 hub_dir=cfg.checkpoint.load_hf if point is None else None,
             )
         gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, self.data.tokenizer.vocab_size))
-        return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device())
+        hub_dir = cfg.checkpoint.load_hf if point is None else None
+        return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device(), hub_dir=hub_dir)
 
     def destroy_groups(self) -> None:
         """Release every process group of the run (tests run many in one world)."""
@@ -652,7 +654,7 @@ class Pretraining:
         save_pretrained(
             self.model,
             path,
-            groups=self.groups,
+            groups=self.groups if self.pipeline is None else self.pipeline.groups,  # at pp > 1: each stage's ranks
             dtype=dtype,
             optimizer=self.opt,
             overwrite=True,
