@@ -4,7 +4,8 @@ z losses, capacity drops, router jitter and dropout, all keyed), float64, the lm
 validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums), with Megatron's tied
 embedding and output weights (the last stage's copy is stored once in a checkpoint, refreshed from the first stage
 on a resume). Megatron's console
-line and TensorBoard come from the last rank (the last stage, which holds the loss)."""
+line and TensorBoard come from the last rank (the last stage, which holds the loss); every stage's first rank
+reports its memory once (Megatron's report_memory)."""
 
 import contextlib
 import io
@@ -61,7 +62,7 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     argv = _without_zero_stage(PIPELINE_TINY) + ["--data-cache-path", str(tmp_path)]
     board = str(tmp_path / "tb")
     ranks = run_distributed(_run, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
-    single, _ = _run(argv)
+    single, single_output = _run(argv)
     expected = _values(single)
     assert [h["iteration"] for h in single] == [1, 2, 3, 4]
     assert [v is not None for _, _, v in expected] == [False, True, False, True]  # validations at 2 and 4
@@ -73,7 +74,14 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
     first, last = (output for _, output in ranks)
     assert "iteration        4/       4 |" in last and "validation loss at iteration 4" in last
-    assert "pp 2 (1F1B)" in last and "iteration" not in first  # Megatron's: the last rank logs
+    assert "pp 2 (1F1B)" in last and "lm loss" not in first  # Megatron's: the last rank logs
+    # Megatron's report_memory after the first console line, once, by every stage's first rank (one process: rank 0)
+    for rank, output in enumerate((first, last, single_output)):
+        stage = f" | pipeline stage: {rank}" if rank < 2 else ""
+        lines = [line for line in output.splitlines() if "memory (MB)" in line]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"[Rank {rank % 2}] (after 1 iterations) memory (MB){stage} | rss: "
+        )
     assert "--pipeline-model-parallel-size=2 without --zero-stage: ZeRO stage 0" in last and "ZeRO stage 0," in last
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
