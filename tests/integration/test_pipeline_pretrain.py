@@ -152,3 +152,30 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(
         for step, (a, b) in enumerate(zip(_values(curve), straight)):
             for x, y in zip(a, b):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+
+
+def _decoupled_at_pp2(argv, saved, saved_at_pp1):
+    """At pp 2: iterations 1-2, saved; iterations 3-4 from a pp 1 run's checkpoint."""
+    first = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved])[0]
+    return first, _run(argv + PP2 + ["--load", saved_at_pp1])[0]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, tmp_path):
+    """--decoupled-lr: the embedding's (and the untied output layer's) groups on their own peak lr, on the stages
+    holding them only (tied, the last stage's optimizer has one group fewer); a pp 2 checkpoint resumes in one
+    process, and a pp 1 one at pp 2, on the uninterrupted run's curve (float64, 1e-10)."""
+    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path), "--eval-interval", "0"]
+    argv += [] if tied else ["--untie-embeddings-and-output-weights"]
+    decoupled = argv + ["--decoupled-lr", "3e-2"]
+    at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = _values(_run(decoupled)[0])
+    assert straight[-1] != _values(_run(argv)[0])[-1], "the decoupled lr changes the curve"
+    first_pp1, _ = _run(decoupled + ["--exit-interval", "2", "--save", at_pp1])
+    first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, decoupled, at_pp2, at_pp1, timeout=400)[1]
+    from_pp2, _ = _run(decoupled + ["--load", at_pp2])
+    for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
+        assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
+        for step, (a, b) in enumerate(zip(_values(curve), straight)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
