@@ -101,12 +101,13 @@ def run_configs(path: str) -> Dict[str, Dict]:
     return configs
 
 
-def load_hub_weights(model: GPTModel, path: str) -> None:
+def load_hub_weights(model: GPTModel, path: str, whole: bool = True) -> None:
     """The weights of the Hub directory `path` into `model`, built (on the meta device) from its `run_configs`
     as a training run's: this rank's experts are read now, every other param is left to the ZeroOptimizer,
-    which reads only what the rank keeps (at stage 3 its shard)."""
+    which reads only what the rank keeps (at stage 3 its shard). `whole=False`: `model` is a part of the configs'
+    model under its names (a pipeline rank's stages), which reads the tensors of its own params only."""
     hub = HubDirectory(path)
-    load_weights(model, hub, links(family_of(hub.config), model.config, model.moe_config), lazy=True)
+    load_weights(model, hub, links(family_of(hub.config), model.config, model.moe_config), lazy=True, whole=whole)
     _refuse_forward_until_read(model)
     model.hub_config = hub.config
     model.hub_generation_config = hub.generation_config
@@ -172,10 +173,14 @@ def hub_dtype(config: Dict) -> torch.dtype:
     return dtype
 
 
-def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], lazy: bool = False) -> None:
+def load_weights(
+    model: GPTModel, hub: HubDirectory, table: Dict[str, Link], lazy: bool = False, whole: bool = True
+) -> None:
     """Every parameter of `model` from the Hub tensors its Link names (this rank's experts of a stack); with
     `lazy`, the params other than expert stacks are deferred to their readers instead. Names and shapes are
-    checked first (the headers only), so a model on the meta device is allocated only for files that hold it."""
+    checked first (the headers only), so a model on the meta device is allocated only for files that hold it.
+    `whole=False`: `model` holds a part of the table's params (a pipeline rank's stages); the files must still
+    hold the whole model."""
     check_key_sets(
         hub,
         table,
@@ -183,6 +188,8 @@ def load_weights(model: GPTModel, hub: HubDirectory, table: Dict[str, Link], laz
         tied=not model.config.untie_embeddings_and_output_weights,
     )
     params = model_tensors(model, table)
+    if not whole:
+        table = {name: link for name, link in table.items() if name in params}
     if set(params) != set(table):
         raise CheckpointMismatch(
             f"{hub.path}: moezero's model and the key table differ: {sorted(set(params) ^ set(table))[:5]}"

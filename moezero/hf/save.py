@@ -8,6 +8,7 @@ tensors are read.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -23,6 +24,7 @@ from moezero.hf.staged_write import abandon_write, finish_write, start_write, wr
 from moezero.hf.write_plan import Piece, WritePlan, plan_writes
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
+from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.deferred_values import read_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
 
@@ -50,7 +52,8 @@ def save_pretrained(
     Args:
         model: the GPTModel to write.
         path: the folder to write; one holding weights already is refused unless `overwrite`.
-        groups: the process groups the model was built with (default: a world of one).
+        groups: the process groups the model was built with (default: a world of one); a pipeline rank's
+            PipelineGroups for a StageModel, whose tensors are then written by the ranks of their stage.
         family: the Hub family (a name of `FAMILIES` or a Family; default: the one that holds the model).
         dtype: the dtype of the written tensors (default: the model's).
         optimizer: the ZeroOptimizer of the model: its params are read unit by unit through it (at stage 3 each
@@ -68,7 +71,7 @@ def save_pretrained(
     family.check_expressible(gpt, moe)
     if _rank() == 0:
         _warn_of_routing_transformers_lacks(moe, family)
-    dtype = dtype or model.embedding.weight.dtype
+    dtype = dtype or _model_dtype(model, groups)
     config = _hub_config(model, family, dtype, token_ids)
     generation = _generation_config(model, token_ids)
     table = links(family, gpt, moe)
@@ -102,20 +105,49 @@ class _HubLayout:
         return torch.promote_types(self.dtype, torch.float32) if self.family.keeps_fp32(key) else self.dtype
 
     def pieces(self, tensors: Dict[str, torch.Tensor]) -> List[Piece]:
-        out = []
-        everyone = tuple(range(_world_size()))
-        for name, tensor in tensors.items():
-            for first, count, holders in self._blocks(name, tensor, everyone):
-                shape = (count,) + tuple(tensor.shape[1:]) if first is not None else tuple(tensor.shape)
-                parts = self.table[name].split(torch.empty(shape, device="meta"), first_expert=first or 0)
-                keys = tuple((key, t.numel() * self.dtype_of(key).itemsize) for key, t in parts.items())
-                self.total_bytes += sum(n for _, n in keys)
-                out.append(Piece(_piece_name(name, first), holders, keys))
+        """Every piece of the model, with the ranks holding it (at pp > 1 a collective over the world)."""
+        if isinstance(self.groups, PipelineGroups):
+            out = self._every_stage_pieces(tensors)
+        else:
+            everyone = tuple(range(_world_size()))
+            out = [
+                self._piece(name, tensor, first, count, holders)
+                for name, tensor in tensors.items()
+                for first, count, holders in self._blocks(name, tensor, everyone)
+            ]
+        self.total_bytes = sum(piece.nbytes for piece in out)
         return out
 
-    def _blocks(self, name: str, tensor: torch.Tensor, everyone):
+    def _piece(self, name: str, tensor: torch.Tensor, first: Optional[int], count: Optional[int], holders) -> Piece:
+        shape = (count,) + tuple(tensor.shape[1:]) if first is not None else tuple(tensor.shape)
+        parts = self.table[name].split(torch.empty(shape, device="meta"), first_expert=first or 0)
+        keys = tuple((key, t.numel() * self.dtype_of(key).itemsize) for key, t in parts.items())
+        return Piece(_piece_name(name, first), holders, keys)
+
+    def _every_stage_pieces(self, tensors: Dict[str, torch.Tensor]) -> List[Piece]:
+        """A pipeline rank holds its stages' tensors only: each rank lists its own pieces, and every rank merges
+        the lists (rank order), a piece's holders the ranks that listed it (its stage's, of its experts' block)."""
+        rank = _rank()
+        own = [
+            self._piece(name, tensor, first, count, (rank,))
+            for name, tensor in tensors.items()
+            for first, count, _ in self._blocks(name, tensor, (rank,), self.groups.stage)
+        ]
+        every: List[List[Piece]] = [[] for _ in range(_world_size())]
+        dist.all_gather_object(every, own)
+        merged: Dict[str, Piece] = {}
+        for pieces in every:
+            for piece in pieces:
+                seen = merged.get(piece.name)
+                merged[piece.name] = (
+                    piece if seen is None else dataclasses.replace(seen, holders=seen.holders + piece.holders)
+                )
+        return list(merged.values())
+
+    def _blocks(self, name: str, tensor: torch.Tensor, everyone, stage: Optional[ParallelGroups] = None):
         """(first global expert, experts, ranks holding them) of each block of an expert-parallel stack; one
-        (None, None, every rank) for any other tensor."""
+        (None, None, every rank) for any other tensor. With `stage` (a pipeline rank's stage groups): this rank's
+        block only, held by `everyone` (the rank)."""
         shard = expert_shard_of(tensor)
         if shard is None or shard.ep_size == 1:
             return [(None, None, everyone)]
@@ -126,12 +158,15 @@ class _HubLayout:
                 "holds whole: save from an ep 1 layout, or export a checkpoint with "
                 "tools/hf_checkpoint.py export"
             )
-        if self.groups is None or self.groups.ep_size != shard.ep_size:
+        groups = stage if stage is not None else self.groups
+        if groups is None or groups.ep_size != shard.ep_size:
             raise ValueError(
                 f"{name} holds {shard.num_local_experts} of {shard.num_global_experts} experts: pass the "
                 "ParallelGroups the model was built with"
             )
         n = shard.num_local_experts
+        if stage is not None:
+            return [(shard.first_global_expert, n, everyone)]
         return [(j * n, n, self.groups.layout.edp_groups[j]) for j in range(shard.ep_size)]
 
     def read_own_tensors(
@@ -205,6 +240,15 @@ class _ShareWriter:
         if unwritten and self.failure is None:
             raise RuntimeError(f"save_pretrained: no values came for {unwritten[0]} (a bug)")
         return self.failure
+
+
+def _model_dtype(model: GPTModel, groups: Optional[Any]) -> torch.dtype:
+    """The word embedding's dtype; at pp > 1 rank 0's (it holds the first stage in either rank order)."""
+    if not isinstance(groups, PipelineGroups):
+        return model.embedding.weight.dtype
+    box = [model.embedding.weight.dtype if model.embedding is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _piece_name(name: str, first_expert: Optional[int]) -> str:

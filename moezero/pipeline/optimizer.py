@@ -13,7 +13,7 @@ stage's zeros only (refused at pp > 1).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
         self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
+        if self.tied is not None:  # keyed alike, the copy is equal already, unless the weight was read (--load-hf)
+            self.tied.refresh()
 
     def step(self, closure=None) -> bool:
         """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the
@@ -73,6 +75,32 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         shard["shapes"] = {name: shape for shapes in every for name, shape in shapes.items()}
         return shard
 
+    def scalar_state(self) -> Dict[str, Any]:
+        """ZeroOptimizer's, its param groups those of the whole model: the stages hold different groups
+        (--decoupled-lr's embedding and output groups live on the first and last stage only) and a checkpoint keeps
+        one rank's copy, so every rank lists every stage's groups, one per kind, in the order one process's
+        optimizer has them (Megatron's groups: decayed before not, each plain before decoupled). A collective over
+        the world (every rank saves)."""
+        state = super().scalar_state()
+        every: List[List[Dict]] = [[] for _ in range(self.pipeline_groups.world_size)]
+        dist.all_gather_object(every, state["param_groups"], group=self.pipeline_groups.world_control)
+        kinds = [[_group_kind(group) for group in groups] for groups in every]
+        if any(len(set(k)) != len(k) for k in kinds):  # groups of the user's own, alike on every stage
+            return state
+        merged = {kind: group for groups, k in zip(every, kinds) for kind, group in zip(k, groups)}
+        state["param_groups"] = [merged[kind] for kind in sorted(merged)]
+        return state
+
+    def load_scalar_state(self, state: Dict[str, Any]) -> None:
+        """ZeroOptimizer's, each of this stage's groups taking the saved group of its kind (a checkpoint lists the
+        whole model's groups, whichever layout saved it)."""
+        saved = state.get("param_groups") or []
+        by_kind = {_group_kind(group): group for group in saved}
+        mine = [_group_kind(group) for group in self.param_groups]
+        if len(by_kind) == len(saved) and len(set(mine)) == len(mine) and all(kind in by_kind for kind in mine):
+            state = dict(state, param_groups=[by_kind[kind] for kind in mine])
+        super().load_scalar_state(state)
+
     def sum_over_model_parts(self, stage_total: float) -> float:
         """Collective over the pp group: the sum of every stage's total. torch's own all-reduce, not comm's: the pp
         group must stay free of anything that keeps a reference to it (PipelineGroups.close_pp)."""
@@ -87,3 +115,9 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         if group is None and self.pipeline_groups.pp_size > 1:
             raise RuntimeError("this rank's pipeline group was closed after a stage failed; the run cannot step")
         return group
+
+
+def _group_kind(group: Dict[str, Any]) -> Tuple[float, bool]:
+    """A Megatron param group's kind, ordered as megatron_param_groups orders them: decayed (wd_mult 1) before not,
+    plain before --decoupled-lr's (which carry max_lr)."""
+    return -group.get("wd_mult", 1.0), "max_lr" in group

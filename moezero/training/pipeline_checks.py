@@ -44,7 +44,7 @@ def pipeline_plan(cfg) -> PipelinePlan:
 
 def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
     """(refused, its line) of what the pipeline execution does not run yet."""
-    t, ck, z = cfg.train, cfg.checkpoint, cfg.zero
+    t, z = cfg.train, cfg.zero
     return [
         (
             z.stage == 3,
@@ -65,8 +65,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
         ),
         (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
         (t.optimizer == "muon", "--optimizer muon: not tested with pipeline stages yet (use adam)"),
-        (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),
-        (ck.save_hf is not None, f"--save-hf={ck.save_hf}: not supported with pipeline stages yet"),
     ]
 
 

@@ -8,18 +8,22 @@ and step driver, built from the flags (what is refused at start: pipeline_checks
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
 
+from moezero.config import ConfigError
+from moezero.deferred_values import allocate
+from moezero.hf import CheckpointMismatch, UnsupportedModel, load_hub_weights
 from moezero.moe import expert_parallel
 from moezero.pipeline import PipelinePlan
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.builders import megatron_param_groups, optimizer_class
+from moezero.training.builders import megatron_param_groups, optimizer_class, place_on
 from moezero.training.pipeline_checks import pipeline_plan
 from moezero.training.pipeline_step import PipelineTrainer
 
@@ -43,19 +47,32 @@ class PipelineRun:
         )
         return cls(groups, pipeline_plan(cfg))
 
-    def build_model(self, cfg, gpt_config, dtype: torch.dtype, device: Optional[torch.device]) -> StageModel:
+    def build_model(
+        self, cfg, gpt_config, dtype: torch.dtype, device: Optional[torch.device], hub_dir: Optional[str] = None
+    ) -> StageModel:
         """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert parallel within
-        the stage, in the params' dtype and on `device`."""
+        the stage, in the params' dtype and on `device`; with `hub_dir` (--load-hf) its weights are that Hugging
+        Face folder's tensors of these stages only, read lazily (the optimizer reads them; a tied output layer's
+        copy takes the first stage's when the optimizer is built)."""
         moe = cfg.moe if cfg.moe.num_experts is not None else None
-        model = StageModel(
-            gpt_config,
-            moe,
-            cfg.train.seed,
-            self.plan,
-            self.groups.pp_rank,
-            moe_layer=expert_parallel(self.groups.stage),
-        ).to(dtype)
-        self.model = model.to(device) if device is not None else model
+        with torch.device("meta") if hub_dir else contextlib.nullcontext():
+            model = StageModel(
+                gpt_config,
+                moe,
+                cfg.train.seed,
+                self.plan,
+                self.groups.pp_rank,
+                moe_layer=expert_parallel(self.groups.stage),
+            )
+        model = model.to(dtype)
+        if hub_dir:
+            if model.output_copy is not None:  # not a param: the first stage's loaded values reach it (tied.py)
+                allocate(model.output_copy.weight)
+            try:
+                load_hub_weights(model, hub_dir, whole=False)
+            except (CheckpointMismatch, UnsupportedModel) as exc:  # the files do not hold the configs' model
+                raise ConfigError(f"--load-hf={hub_dir}: {exc}") from None
+        self.model = place_on(model, device) if device is not None else model
         return self.model
 
     def other_stages_params(self) -> Set[str]:

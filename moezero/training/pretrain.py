@@ -48,6 +48,7 @@ from moezero.training.host_memory import HeapTrimmer
 from moezero.training.logging import Timer, agreed_event_files, build_logger, format_train_line, format_validation_line
 from moezero.training.log_interval import LogInterval
 from moezero.training.megatron_rules import apply_deterministic_mode
+from moezero.training.memory_report import memory_report
 from moezero.training.loop import (
     StepMetrics,
     evaluate,
@@ -109,6 +110,7 @@ class Pretraining:
         check_pipeline_run(cfg)  # a layout refused before any checkpoint is read
         start = resolve_start(cfg)
         cfg, point, dense_source, notices = start.cfg, start.point, start.dense_source, start.notices
+        check_pipeline_run(cfg)  # again with the model a Hub folder or checkpoint gave (--load-hf, ...)
         if stage_notice is not None:
             notices.append(f" {stage_notice}")
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
@@ -192,6 +194,7 @@ class Pretraining:
         self._saved_at: Optional[int] = None
         self._saved_path: Optional[str] = None
         self._saved_hf_at: Optional[int] = None
+        self._memory_reported = False
         self._pending: Optional[PendingSave] = None  # --async-save: the save in flight
         self._writer_group = self._async_writer_group()
         if point is not None:
@@ -227,7 +230,8 @@ class Pretraining:
                 hub_dir=cfg.checkpoint.load_hf if point is None else None,
             )
         gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, self.data.tokenizer.vocab_size))
-        return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device())
+        hub_dir = cfg.checkpoint.load_hf if point is None else None
+        return self.pipeline.build_model(cfg, gpt, param_dtype(cfg.train), run_device(), hub_dir=hub_dir)
 
     def destroy_groups(self) -> None:
         """Release every process group of the run (tests run many in one world)."""
@@ -392,6 +396,11 @@ class Pretraining:
                 self._log_step(
                     metrics, moe, logged_lr, batch_size, step_time, eta, board, interval if console else None
                 )
+            if console and not self._memory_reported:  # Megatron's report_memory, once: every stage's first rank
+                self._memory_reported = True
+                if self.dp_rank == 0:
+                    stage = self.pipeline.groups.pp_rank if self.pipeline is not None else None
+                    print(memory_report(self.rank, self.iteration, stage), flush=True)
             if t.tensorboard_dir is not None and not board:  # Megatron's MoE and MTP trackers: every iteration
                 self.logger.log(self._moe_board_scalars(metrics, dict(moe, **metrics.mtp_values())), self.iteration)
             if t.evaluates and self.iteration % t.eval_interval == 0:
@@ -652,7 +661,7 @@ class Pretraining:
         save_pretrained(
             self.model,
             path,
-            groups=self.groups,
+            groups=self.groups if self.pipeline is None else self.pipeline.groups,  # at pp > 1: each stage's ranks
             dtype=dtype,
             optimizer=self.opt,
             overwrite=True,

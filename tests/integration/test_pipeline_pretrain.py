@@ -4,7 +4,8 @@ z losses, capacity drops, router jitter and dropout, all keyed), float64, the lm
 validation loss of every iteration to 1e-10 relative (the layouts only reassociate sums), with Megatron's tied
 embedding and output weights (the last stage's copy is stored once in a checkpoint, refreshed from the first stage
 on a resume). Megatron's console
-line and TensorBoard come from the last rank (the last stage, which holds the loss)."""
+line and TensorBoard come from the last rank (the last stage, which holds the loss); every stage's first rank
+reports its memory once (Megatron's report_memory)."""
 
 import contextlib
 import io
@@ -61,7 +62,7 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     argv = _without_zero_stage(PIPELINE_TINY) + ["--data-cache-path", str(tmp_path)]
     board = str(tmp_path / "tb")
     ranks = run_distributed(_run, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
-    single, _ = _run(argv)
+    single, single_output = _run(argv)
     expected = _values(single)
     assert [h["iteration"] for h in single] == [1, 2, 3, 4]
     assert [v is not None for _, _, v in expected] == [False, True, False, True]  # validations at 2 and 4
@@ -73,7 +74,14 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
     first, last = (output for _, output in ranks)
     assert "iteration        4/       4 |" in last and "validation loss at iteration 4" in last
-    assert "pp 2 (1F1B)" in last and "iteration" not in first  # Megatron's: the last rank logs
+    assert "pp 2 (1F1B)" in last and "lm loss" not in first  # Megatron's: the last rank logs
+    # Megatron's report_memory after the first console line, once, by every stage's first rank (one process: rank 0)
+    for rank, output in enumerate((first, last, single_output)):
+        stage = f" | pipeline stage: {rank}" if rank < 2 else ""
+        lines = [line for line in output.splitlines() if "memory (MB)" in line]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"[Rank {rank % 2}] (after 1 iterations) memory (MB){stage} | rss: "
+        )
     assert "--pipeline-model-parallel-size=2 without --zero-stage: ZeRO stage 0" in last and "ZeRO stage 0," in last
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -141,6 +149,33 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(
         "pp 2 -> pp 1": first + from_pp2,
     }
     for name, curve in curves.items():
+        assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
+        for step, (a, b) in enumerate(zip(_values(curve), straight)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+
+
+def _decoupled_at_pp2(argv, saved, saved_at_pp1):
+    """At pp 2: iterations 1-2, saved; iterations 3-4 from a pp 1 run's checkpoint."""
+    first = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved])[0]
+    return first, _run(argv + PP2 + ["--load", saved_at_pp1])[0]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, tmp_path):
+    """--decoupled-lr: the embedding's (and the untied output layer's) groups on their own peak lr, on the stages
+    holding them only (tied, the last stage's optimizer has one group fewer); a pp 2 checkpoint resumes in one
+    process, and a pp 1 one at pp 2, on the uninterrupted run's curve (float64, 1e-10)."""
+    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path), "--eval-interval", "0"]
+    argv += [] if tied else ["--untie-embeddings-and-output-weights"]
+    decoupled = argv + ["--decoupled-lr", "3e-2"]
+    at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = _values(_run(decoupled)[0])
+    assert straight[-1] != _values(_run(argv)[0])[-1], "the decoupled lr changes the curve"
+    first_pp1, _ = _run(decoupled + ["--exit-interval", "2", "--save", at_pp1])
+    first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, decoupled, at_pp2, at_pp1, timeout=400)[1]
+    from_pp2, _ = _run(decoupled + ["--load", at_pp2])
+    for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
         assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
         for step, (a, b) in enumerate(zip(_values(curve), straight)):
             for x, y in zip(a, b):

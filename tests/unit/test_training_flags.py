@@ -380,8 +380,6 @@ PIPELINE_REFUSALS = [
     (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
     (PP2 + ["--optimizer", "muon"], "--optimizer muon: not tested with pipeline stages yet"),
-    (PP2 + ["--load-hf", "hub"], "--load-hf=hub: not supported with pipeline stages"),
-    (PP2 + ["--save-hf", "hub"], "--save-hf=hub: not supported with pipeline stages"),
 ]
 
 
