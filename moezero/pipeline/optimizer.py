@@ -36,11 +36,12 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.pipeline_groups = groups
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
-        self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
+        self.tied = tied_embedding(model, groups)  # None: no copy (untied without MTP), or a middle stage
 
     def step(self, closure=None) -> bool:
-        """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the
-        first stage's before it, and the copy takes the stepped values after it (tied.py)."""
+        """ZeroOptimizer's step; where the last stage holds a copy of the word embedding (tied embedding and output
+        weights, or MTP depths) the copy's gradient joins the first stage's before it, and the copy takes the stepped
+        values after it (tied.py)."""
         if self.tied is not None:
             self.tied.sum_grads(self)
         stepped = super().step(closure)

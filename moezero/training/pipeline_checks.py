@@ -17,7 +17,6 @@ from typing import List, Optional, Tuple
 
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan
-from moezero.pipeline.stage_model import check_stage_model_supported
 
 PP = "--pipeline-model-parallel-size"
 
@@ -83,10 +82,6 @@ def check_pipeline_run(cfg) -> PipelinePlan:
     if plan.pp == 1:
         return plan
     plan.check_supported()
-    try:
-        check_stage_model_supported(cfg.model)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} ({PP}={plan.pp})") from None
     problem = next((line for refused, line in _unsupported(cfg, plan) if refused), None)
     if problem is not None:
         raise ConfigError(f"{problem} ({PP}={plan.pp})")

@@ -15,7 +15,8 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   buffers once per stage object).
 - Inputs: the first stage takes the tokens; every stage the keys' (seed, iteration, sample indices); the last stage
   the labels and loss mask. torch splits the concatenated micro-batches back into them on dim 0.
-- Loss: the last stage's forward returns lm + the aux losses of every stage (carried, stage_model.py); the
+- Loss: the last stage's forward returns lm + the aux losses of every stage (carried, stage_model.py) + its MTP
+  depths' term (they embed the shifted tokens, given to the last stage too); the
   schedule's loss function divides it by the micro-batch count (`scale_grads=False`: torch's own division after
   the step would miss ZeRO's buckets), so a micro-batch adds (lm + Σ router losses) / n, as `training.loop`.
 - Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
@@ -82,7 +83,13 @@ class PipelineTrainer:
         self._schedules: Dict[int, object] = {}  # training's, by micro-batch count
         self._eval_schedules: Dict[int, object] = {}  # evaluation's (stage objects of their own)
         moe = model.moe_config
-        self._recorder_args = (model.moe_layers, moe.num_experts if moe is not None else 0, tracked_loss_names(moe))
+        self._recorder_args = (
+            model.moe_layers,
+            moe.num_experts if moe is not None else 0,
+            tracked_loss_names(moe),
+            model.config.num_layers,
+            model.config.mtp_num_layers or 0,
+        )
 
     # ---- the schedule ------------------------------------------------------------------------------
     def _schedule(self, num_microbatches: int, evaluation: bool = False):
@@ -130,6 +137,8 @@ class PipelineTrainer:
         args = (joined("tokens"),) if any(piece.embedding for piece in self.pieces) else ()
         if any(piece.head for piece in self.pieces):  # every chunk of the rank is given them; the head's reads them
             kwargs.update(labels=joined("labels"), loss_mask=joined("loss_mask"), target=joined("labels"))
+            if self.model.mtp is not None:  # the MTP depths embed the shifted tokens
+                kwargs["tokens"] = joined("tokens")
         return args, kwargs
 
     # ---- the step ------------------------------------------------------------------------------------

@@ -369,10 +369,6 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 
 
 PIPELINE_REFUSALS = [
-    (
-        PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-        "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1",
-    ),
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
     (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
