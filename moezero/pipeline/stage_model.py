@@ -88,10 +88,13 @@ def mtp_term(config: GPTConfig, depth_losses: List[torch.Tensor], loss_mask: tor
 class StageModel(nn.Module):
     """The stages `plan` gives pipeline rank `pp_rank`, as one module under GPTModel's names.
 
-    forward(virtual_stage, *inputs, seed, iteration, sample_index, labels=None, loss_mask=None):
+    forward(virtual_stage, *inputs, seed, iteration, sample_index, labels=None, loss_mask=None, tokens=None,
+            token_weight=None):
       first stage: inputs (tokens_BS,); others: (hidden_BSD, aux). Returns (hidden_BSD, aux), or on the last stage
-      the micro-batch's loss (lm + aux, the aux of every stage's MoE layers). `recorder` (set by the step driver)
-      is given each chunk forward's MoE stats and lm loss, detached.
+      the micro-batch's loss (lm + aux, the aux of every stage's MoE layers, + the MTP term: `tokens` are the
+      MTP depths' input). `token_weight` (--calculate-per-token-loss): the weight of one loss token, by which
+      every stage weighs its router losses' token sums and the last stage the lm's and MTP's (training.loop's).
+      `recorder` (set by the step driver) is given each chunk forward's MoE stats, lm and MTP losses, detached.
     """
 
     def __init__(

@@ -51,7 +51,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
             "(give --zero-stage 1, or --use-distributed-optimizer)",
         ),
         (t.fp16, "--fp16: the loss scale is not carried through the pipeline yet (use --bf16)"),
-        (t.calculate_per_token_loss, "--calculate-per-token-loss: not supported with pipeline stages yet"),
         (
             t.overlap_moe_expert_parallel_comm,
             "--overlap-moe-expert-parallel-comm: not supported with pipeline "

@@ -85,4 +85,7 @@ class PipelineRun:
         )
 
     def trainer(self, opt: PipelineZeroOptimizer, cfg) -> PipelineTrainer:
-        return PipelineTrainer(self.model, opt, self.groups, cfg.train.micro_batch_size, cfg.model.seq_length)
+        t = cfg.train
+        return PipelineTrainer(
+            self.model, opt, self.groups, t.micro_batch_size, cfg.model.seq_length, t.calculate_per_token_loss
+        )

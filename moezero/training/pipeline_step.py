@@ -19,6 +19,9 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   depths' term (they embed the shifted tokens, given to the last stage too); the
   schedule's loss function divides it by the micro-batch count (`scale_grads=False`: torch's own division after
   the step would miss ZeRO's buckets), so a micro-batch adds (lm + Σ router losses) / n, as `training.loop`.
+  --calculate-per-token-loss: every stage weighs its router losses by their tokens and the last stage its lm
+  loss by its tokens, each times the weight of one loss token (`token_weight`: the stage's dp ranks over the
+  global batch's loss tokens), and nothing is divided by n: `training.loop`'s per-token gradient.
 - Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
   reduces them once, then the norm is summed over the stages (optimizer.py).
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
@@ -45,22 +48,23 @@ from moezero.pipeline.metrics import StepRecorder, tracked_loss_names
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.loop import StepMetrics, _step_metrics, _token_mean
+from moezero.training.loop import StepMetrics, _GlobalTokens, _step_metrics, _token_mean
 
 
 class _MicroBatchLoss:
-    """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / n."""
+    """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / `divisor` (n; 1 with
+    --calculate-per-token-loss, whose token weights already make the sum the global batch's token mean)."""
 
-    def __init__(self, num_microbatches: int):
-        self.num_microbatches = num_microbatches
+    def __init__(self, divisor: int):
+        self.divisor = divisor
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output / self.num_microbatches
+        return output / self.divisor
 
 
 class PipelineTrainer:
     """Runs a pipeline rank's training steps. Args: the rank's StageModel, its PipelineZeroOptimizer, the groups,
-    and the micro-batch shape (micro-batch size, sequence length)."""
+    the micro-batch shape (micro-batch size, sequence length) and `per_token_loss` (--calculate-per-token-loss)."""
 
     def __init__(
         self,
@@ -69,10 +73,12 @@ class PipelineTrainer:
         groups: PipelineGroups,
         micro_batch_size: int,
         seq_length: int,
+        per_token_loss: bool = False,
     ):
         if opt.loss_scaler is not None:
             raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
         self.model, self.opt, self.groups = model, opt, groups
+        self.per_token_loss = per_token_loss
         dtype = next(model.parameters()).dtype
         self.shape = ActivationShape(
             micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype)
@@ -100,7 +106,7 @@ class PipelineTrainer:
             if pp is None and self.groups.pp_size > 1:
                 raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
             stages = [self._stage(v, pp) for v in range(len(self.pieces))]
-            loss_fn = _MicroBatchLoss(num_microbatches)
+            loss_fn = _MicroBatchLoss(1 if self.per_token_loss and not evaluation else num_microbatches)
             if len(stages) > 1:  # Megatron's interleaved placement: stage v * pp + pp_rank on this rank
                 # evaluation runs it too: its forwards in the same order, the backward actions skipped (no grad)
                 schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -158,6 +164,8 @@ class PipelineTrainer:
         n = len(micro_batches)
         schedule = self._schedule(n)
         args, kwargs = self._inputs(micro_batches, iteration, seed)
+        if self.per_token_loss:
+            kwargs["token_weight"] = self._token_weight(micro_batches)
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
         try:
             with self.opt.no_sync():  # one reduction at step(): stages 0/1 accumulate every micro-batch
@@ -170,6 +178,13 @@ class PipelineTrainer:
         totals = recorder.pack()
         comm.all_reduce(totals, self.groups.world_control)  # one all-reduce for every metric of every stage
         return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
+
+    def _token_weight(self, micro_batches: Sequence[Dict[str, torch.Tensor]]) -> float:
+        """--calculate-per-token-loss: the weight of one loss token, training.loop's (the ranks whose gradients the
+        stage's optimizer averages over the global batch's loss tokens). Every rank of a pipeline holds the same
+        micro-batches, so each stage counts them itself (Megatron broadcasts the last stage's count): one all-reduce
+        over the stage's dp group."""
+        return _GlobalTokens.count(micro_batches, self.groups.stage.dp).weight(1.0)
 
     # ---- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, global_batches: Iterable[Sequence[Dict[str, torch.Tensor]]], seed: int, iteration: int) -> float:

@@ -22,7 +22,7 @@ from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
 from moezero.training.pipeline_step import PipelineTrainer
-from moezero.training.loop import _micro_batch_loss, _micro_batch_losses
+from moezero.training.loop import _GlobalTokens, _micro_batch_loss, _micro_batch_losses
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
@@ -68,9 +68,10 @@ def _micro_batches(step, count):
     return batches
 
 
-def _reference(optimizer, count, tied=False, mtp=False):
+def _reference(optimizer, count, tied=False, mtp=False, per_token=False):
     """One process, plain torch: per step (lm loss token mean, aux loss, z loss, MTP depth loss, grad norm), final
-    params; each micro-batch's loss is training.loop's (its MTP term included)."""
+    params; each micro-batch's loss is training.loop's (its MTP term included; `per_token`:
+    --calculate-per-token-loss's, over the global batch's loss tokens)."""
     model_cfg, moe_cfg = _model_configs(tied, mtp)
     model = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -78,10 +79,12 @@ def _reference(optimizer, count, tied=False, mtp=False):
     history = []
     for step in range(STEPS):
         token_sum, tokens, routers = 0.0, 0.0, {"aux_loss": 0.0, "z_loss": 0.0, **({"mtp_1": 0.0} if mtp else {})}
-        for batch in _micro_batches(step, count):
+        batches = _micro_batches(step, count)
+        global_tokens = _GlobalTokens(float(sum(b["loss_mask"].sum() for b in batches)), 1) if per_token else None
+        for batch in batches:
             keys = SampleKeys(KEY_SEED, step, tuple(batch["sample_index"].tolist()))
             lm, router, stats, depths = _micro_batch_losses(model, batch, keys, mtp=True)
-            _micro_batch_loss(model, batch, lm, router, stats, depths, count, None).backward()
+            _micro_batch_loss(model, batch, lm, router, stats, depths, count, global_tokens).backward()
             token_sum += float(lm.detach()) * float(batch["loss_mask"].sum())
             tokens += float(batch["loss_mask"].sum())
             for name, value in dict(router, **{f"mtp_{k + 1}": d for k, d in enumerate(depths)}).items():
@@ -108,7 +111,7 @@ def _validation(model, count):
     return token_sum / tokens
 
 
-def _build(zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False, layout=None):
+def _build(zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False, layout=None, per_token=False):
     groups = PipelineGroups.build(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=timeout_s))
     model_cfg, moe_cfg = _model_configs(tied, mtp)
     plan = PipelinePlan(
@@ -123,7 +126,7 @@ def _build(zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False
     opt = PipelineZeroOptimizer(
         model, cls, groups, stage=zero_stage, bucket_size=300, clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs
     )
-    return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ)
+    return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ, per_token_loss=per_token)
 
 
 # each rank's chunks' layers, by (virtual stages, layout)
@@ -135,8 +138,10 @@ PLACEMENTS = {
 }
 
 
-def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout=None):
-    groups, model, opt, trainer = _build(zero_stage, optimizer, tied=tied, vpp=vpp, mtp=mtp, layout=layout)
+def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout=None, per_token=False):
+    groups, model, opt, trainer = _build(
+        zero_stage, optimizer, tied=tied, vpp=vpp, mtp=mtp, layout=layout, per_token=per_token
+    )
     assert [piece.layers for piece in model.pieces] == PLACEMENTS[vpp, layout][groups.pp_rank]
     assert [bool(piece.mtp) for piece in model.pieces][-1] == (mtp and groups.pp_rank == 1)
     per = count // groups.dp_size  # each pipeline's share of the global batch's micro-batches
@@ -158,9 +163,11 @@ def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout
     return history, params, copy, pp_rank
 
 
-def _assert_matches_one_process(zero_stage, optimizer, count, tied=False, vpp=None, world=2, mtp=False, layout=None):
-    ranks = run_distributed(_train, world, zero_stage, optimizer, count, tied, vpp, mtp, layout)
-    expected_history, expected_params = _reference(optimizer, count, tied, mtp)
+def _assert_matches_one_process(
+    zero_stage, optimizer, count, tied=False, vpp=None, world=2, mtp=False, layout=None, per_token=False
+):
+    ranks = run_distributed(_train, world, zero_stage, optimizer, count, tied, vpp, mtp, layout, per_token)
+    expected_history, expected_params = _reference(optimizer, count, tied, mtp, per_token)
     for history in (history for history, _, _, _ in ranks):  # every rank reports the same step metrics
         assert [sorted(step) for step in history] == [sorted(step) for step in expected_history]
         for step, (got, expected) in enumerate(zip(history, expected_history)):
@@ -185,8 +192,10 @@ def _assert_matches_one_process(zero_stage, optimizer, count, tied=False, vpp=No
 @pytest.mark.parametrize("zero_stage, optimizer, mtp", [(0, "sgd", True), (1, "adamw", False)])
 def test_1f1b_equals_one_process(zero_stage, optimizer, mtp):
     """MTP: the depth on the last stage takes the word embedding from a copy of stage 0's (untied: Megatron's
-    embedding group holds it for the MTP alone), its loss joins the last stage's."""
-    _assert_matches_one_process(zero_stage, optimizer, count=4, mtp=mtp)
+    embedding group holds it for the MTP alone), its loss joins the last stage's. With it
+    --calculate-per-token-loss (the micro-batches keep uneven token counts): every loss weighed by its tokens over
+    the global batch's, the router losses of stage 0 too."""
+    _assert_matches_one_process(zero_stage, optimizer, count=4, mtp=mtp, per_token=mtp)
 
 
 @pytest.mark.parametrize("zero_stage, optimizer, mtp", [(0, "sgd", False), (1, "adamw", True)])
@@ -213,8 +222,10 @@ def test_interleaved_virtual_stages_equal_one_process(zero_stage, optimizer, cou
 def test_two_pipelines_of_two_stages_tied_equal_one_process():
     """4 ranks: pp 2 x dp 2 (Megatron's order: stage 0 on ranks 0, 1), each pipeline 2 of the 4 micro-batches; the
     tied weight's gradient summed in each pipeline's embedding group, then averaged over dp by ZeRO 1. SGD: Adam
-    would turn the reassociation noise of the key bias's gradient (zero but for rounding) into differences."""
-    _assert_matches_one_process(1, "sgd", count=4, tied=True, world=4)
+    would turn the reassociation noise of the key bias's gradient (zero but for rounding) into differences.
+    --calculate-per-token-loss: each stage counts the global batch's loss tokens over its dp group, and the weights
+    carry the dp size that ZeRO's average divides by."""
+    _assert_matches_one_process(1, "sgd", count=4, tied=True, world=4, per_token=True)
 
 
 def test_fewer_micro_batches_than_stages_run_gpipe_and_equal_one_process():

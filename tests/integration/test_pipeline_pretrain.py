@@ -86,9 +86,10 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
 
 def test_interleaved_virtual_stages_with_mtp_equal_pp1_on_one_process(tmp_path):
     """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B), with an MTP
-    depth (Megatron puts it on the last stage), the same curve, MTP losses and validations as one process; the last
-    rank logs Megatron's 'mtp_1 loss'."""
+    depth (Megatron puts it on the last stage) and --calculate-per-token-loss, the same curve, MTP losses and
+    validations as one process; the last rank logs Megatron's 'mtp_1 loss'."""
     mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "0.3"]
+    mtp += ["--calculate-per-token-loss"]
     argv = PIPELINE_TINY + mtp + ["--data-cache-path", str(tmp_path)]
     vpp = PP2 + VPP2
     ranks = run_distributed(_run, 2, argv + vpp, timeout=400)

@@ -372,7 +372,6 @@ PIPELINE_REFUSALS = [
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
     (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
-    (PP2 + ["--calculate-per-token-loss"], "--calculate-per-token-loss: not supported with pipeline stages"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
     (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
