@@ -13,7 +13,8 @@ stage's zeros only (refused at pp > 1).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,20 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
         self.tied = tied_embedding(model, groups)  # None: no copy (untied without MTP), or a middle stage
+
+    @contextlib.contextmanager
+    def scaled_backwards(self) -> Iterator[None]:
+        """The backwards the pipeline schedule runs inside are of a loss its loss function multiplied by the fp16 loss
+        scale (the schedule's `loss_fn`, where ZeroOptimizer.backward would multiply)."""
+        with self.engine.scaled_backward():
+            yield
+
+    def backward_of_scaled(self, loss: torch.Tensor) -> None:
+        """loss.backward() of a loss whose gradient already carries the fp16 loss scale (the tied copy's gradient,
+        from the last stage's scaled backwards): ZeroOptimizer.backward without its multiplication."""
+        self._check_live()
+        with self.engine.scaled_backward():
+            loss.backward()
 
     def step(self, closure=None) -> bool:
         """ZeroOptimizer's step; where the last stage holds a copy of the word embedding (tied embedding and output

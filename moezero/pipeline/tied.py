@@ -73,8 +73,8 @@ class TiedEmbedding:
         self._summed = None
         dist.all_reduce(summed, group=self.group)
         if self.holds_optimized:
-            with opt.no_sync(), torch.enable_grad():
-                opt.backward(torch.dot(self.weight.view(-1), summed.view(-1).to(self.weight.dtype)))
+            with opt.no_sync(), torch.enable_grad():  # fp16: the sum carries the loss scale already
+                opt.backward_of_scaled(torch.dot(self.weight.view(-1), summed.view(-1).to(self.weight.dtype)))
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -50,7 +50,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
             f"--zero-stage={z.stage}: only ZeRO stages 0 and 1 run with pipeline stages for now "
             "(give --zero-stage 1, or --use-distributed-optimizer)",
         ),
-        (t.fp16, "--fp16: the loss scale is not carried through the pipeline yet (use --bf16)"),
         (
             t.overlap_moe_expert_parallel_comm,
             "--overlap-moe-expert-parallel-comm: not supported with pipeline "

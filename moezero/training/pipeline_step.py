@@ -24,6 +24,9 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   global batch's loss tokens), and nothing is divided by n: `training.loop`'s per-token gradient.
 - Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
   reduces them once, then the norm is summed over the stages (optimizer.py).
+- fp16: the loss function multiplies by the loss scale, which every rank holds alike: a non-finite gradient on
+  any stage makes the norm summed over the stages non-finite on every rank, so every rank skips the step and
+  updates its scaler alike (no rank waits for another: the schedule ran to its end on every stage either way).
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
   world, then `training.loop`'s own `_step_metrics`.
 - Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule, or the
@@ -35,7 +38,7 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -49,17 +52,20 @@ from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
 from moezero.training.loop import StepMetrics, _GlobalTokens, _step_metrics, _token_mean
+from moezero.zero import DynamicLossScaler
 
 
 class _MicroBatchLoss:
     """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / `divisor` (n; 1 with
-    --calculate-per-token-loss, whose token weights already make the sum the global batch's token mean)."""
+    --calculate-per-token-loss, whose token weights already make the sum the global batch's token mean), times the
+    fp16 loss scale (`scaler`'s, read at each call: it changes between steps) as ZeroOptimizer.backward's."""
 
-    def __init__(self, divisor: int):
-        self.divisor = divisor
+    def __init__(self, divisor: int, scaler: Optional[DynamicLossScaler]):
+        self.divisor, self.scaler = divisor, scaler
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output / self.divisor
+        loss = output / self.divisor
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
 
 class PipelineTrainer:
@@ -75,8 +81,6 @@ class PipelineTrainer:
         seq_length: int,
         per_token_loss: bool = False,
     ):
-        if opt.loss_scaler is not None:
-            raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
         self.model, self.opt, self.groups = model, opt, groups
         self.per_token_loss = per_token_loss
         dtype = next(model.parameters()).dtype
@@ -106,7 +110,8 @@ class PipelineTrainer:
             if pp is None and self.groups.pp_size > 1:
                 raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
             stages = [self._stage(v, pp) for v in range(len(self.pieces))]
-            loss_fn = _MicroBatchLoss(1 if self.per_token_loss and not evaluation else num_microbatches)
+            divisor = 1 if self.per_token_loss and not evaluation else num_microbatches
+            loss_fn = _MicroBatchLoss(divisor, None if evaluation else self.opt.loss_scaler)
             if len(stages) > 1:  # Megatron's interleaved placement: stage v * pp + pp_rank on this rank
                 # evaluation runs it too: its forwards in the same order, the backward actions skipped (no grad)
                 schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -168,7 +173,8 @@ class PipelineTrainer:
             kwargs["token_weight"] = self._token_weight(micro_batches)
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
         try:
-            with self.opt.no_sync():  # one reduction at step(): stages 0/1 accumulate every micro-batch
+            # one reduction at step(): stages 0/1 accumulate every micro-batch; fp16: the loss_fn scales
+            with self.opt.no_sync(), self.opt.scaled_backwards():
                 schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.model.recorder = None

@@ -23,10 +23,14 @@ from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
 from moezero.training.pipeline_step import PipelineTrainer
 from moezero.training.loop import _GlobalTokens, _micro_batch_loss, _micro_batch_losses
+from moezero.zero import DynamicLossScaler
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB, SEED, KEY_SEED, STEPS, CLIP, TOL = 64, 32, 2, 3, 7, 3, 0.05, 1e-10
+# the fp16 loss scaler's case: a power of two (scaling is exact in float64), and the step whose gradient a hook on
+# the last stage alone makes infinite
+LOSS_SCALE, OVERFLOW_STEP = 2.0**10, 1
 FLAGS = [
     "--num-layers",
     "4",
@@ -68,14 +72,16 @@ def _micro_batches(step, count):
     return batches
 
 
-def _reference(optimizer, count, tied=False, mtp=False, per_token=False):
+def _reference(optimizer, count, tied=False, mtp=False, per_token=False, scaled=False):
     """One process, plain torch: per step (lm loss token mean, aux loss, z loss, MTP depth loss, grad norm), final
     params; each micro-batch's loss is training.loop's (its MTP term included; `per_token`:
-    --calculate-per-token-loss's, over the global batch's loss tokens)."""
+    --calculate-per-token-loss's, over the global batch's loss tokens; `scaled`: the fp16 loss scaler's run, whose
+    step OVERFLOW_STEP overflows: skipped, the scale halved)."""
     model_cfg, moe_cfg = _model_configs(tied, mtp)
     model = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls(model.parameters(), **kwargs)
+    scaler = DynamicLossScaler(LOSS_SCALE, hysteresis=1)
     history = []
     for step in range(STEPS):
         token_sum, tokens, routers = 0.0, 0.0, {"aux_loss": 0.0, "z_loss": 0.0, **({"mtp_1": 0.0} if mtp else {})}
@@ -90,9 +96,16 @@ def _reference(optimizer, count, tied=False, mtp=False, per_token=False):
             for name, value in dict(router, **{f"mtp_{k + 1}": d for k, d in enumerate(depths)}).items():
                 routers[name] += float(value.detach()) / count
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
-        opt.step()
+        values = {"lm_loss": token_sum / tokens, **routers}
+        skipped = scaled and step == OVERFLOW_STEP
+        if not skipped:
+            opt.step()
+            values["grad_norm"] = norm
+        if scaled:
+            scaler.update(overflow=skipped)
+            values.update(skipped=float(skipped), loss_scale=scaler.scale)
         opt.zero_grad()
-        history.append({"lm_loss": token_sum / tokens, **routers, "grad_norm": norm})
+        history.append(values)
     history.append({"validation": _validation(model, count)})
     return history, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -111,7 +124,9 @@ def _validation(model, count):
     return token_sum / tokens
 
 
-def _build(zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False, layout=None, per_token=False):
+def _build(
+    zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False, layout=None, per_token=False, scaled=False
+):
     groups = PipelineGroups.build(pipeline_parallel_size=2, timeout=datetime.timedelta(seconds=timeout_s))
     model_cfg, moe_cfg = _model_configs(tied, mtp)
     plan = PipelinePlan(
@@ -123,8 +138,17 @@ def _build(zero_stage, optimizer, timeout_s=120, tied=False, vpp=None, mtp=False
     )
     model = StageModel(model_cfg, moe_cfg, SEED, plan, groups.pp_rank, moe_layer=expert_parallel(groups.stage)).double()
     cls, kwargs = OPTIMIZERS[optimizer]
+    scaler = DynamicLossScaler(LOSS_SCALE, hysteresis=1) if scaled else None  # fp16's, on a float64 model
     opt = PipelineZeroOptimizer(
-        model, cls, groups, stage=zero_stage, bucket_size=300, clip_grad=CLIP, grad_reduce_dtype=torch.float64, **kwargs
+        model,
+        cls,
+        groups,
+        stage=zero_stage,
+        bucket_size=300,
+        clip_grad=CLIP,
+        grad_reduce_dtype=torch.float64,
+        loss_scaler=scaler,
+        **kwargs,
     )
     return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ, per_token_loss=per_token)
 
@@ -138,10 +162,17 @@ PLACEMENTS = {
 }
 
 
-def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout=None, per_token=False):
+def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout=None, per_token=False, scaled=False):
     groups, model, opt, trainer = _build(
-        zero_stage, optimizer, tied=tied, vpp=vpp, mtp=mtp, layout=layout, per_token=per_token
+        zero_stage, optimizer, tied=tied, vpp=vpp, mtp=mtp, layout=layout, per_token=per_token, scaled=scaled
     )
+    overflow = {"now": False}
+    if scaled and groups.pp_rank == 1:  # the last stage's gradient alone overflows: stage 0 must skip too
+
+        def infinite(grad):
+            return torch.full_like(grad, float("inf")) if overflow["now"] else grad
+
+        model.final_norm.weight.register_hook(infinite)
     assert [piece.layers for piece in model.pieces] == PLACEMENTS[vpp, layout][groups.pp_rank]
     assert [bool(piece.mtp) for piece in model.pieces][-1] == (mtp and groups.pp_rank == 1)
     per = count // groups.dp_size  # each pipeline's share of the global batch's micro-batches
@@ -151,10 +182,13 @@ def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout
 
     history = []
     for step in range(STEPS):
+        overflow["now"] = scaled and step == OVERFLOW_STEP
         metrics = trainer.train_step(mine(step), step, KEY_SEED)
-        assert metrics.stepped
+        scaling = {"skipped": float(not metrics.stepped), "loss_scale": opt.loss_scaler.scale} if scaled else {}
+        if metrics.stepped:
+            scaling["grad_norm"] = metrics.grad_norm
         depths = {f"mtp_{k + 1}": value for k, value in enumerate(metrics.mtp_losses)}
-        history.append({"lm_loss": metrics.lm_loss, **metrics.router_losses, **depths, "grad_norm": metrics.grad_norm})
+        history.append({"lm_loss": metrics.lm_loss, **metrics.router_losses, **depths, **scaling})
     history.append({"validation": trainer.evaluate([mine(STEPS)], KEY_SEED, STEPS)})
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     copy = model.embedding_copy.weight.detach().clone() if model.embedding_copy is not None else None
@@ -164,10 +198,10 @@ def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout
 
 
 def _assert_matches_one_process(
-    zero_stage, optimizer, count, tied=False, vpp=None, world=2, mtp=False, layout=None, per_token=False
+    zero_stage, optimizer, count, tied=False, vpp=None, world=2, mtp=False, layout=None, per_token=False, scaled=False
 ):
-    ranks = run_distributed(_train, world, zero_stage, optimizer, count, tied, vpp, mtp, layout, per_token)
-    expected_history, expected_params = _reference(optimizer, count, tied, mtp, per_token)
+    ranks = run_distributed(_train, world, zero_stage, optimizer, count, tied, vpp, mtp, layout, per_token, scaled)
+    expected_history, expected_params = _reference(optimizer, count, tied, mtp, per_token, scaled)
     for history in (history for history, _, _, _ in ranks):  # every rank reports the same step metrics
         assert [sorted(step) for step in history] == [sorted(step) for step in expected_history]
         for step, (got, expected) in enumerate(zip(history, expected_history)):
@@ -202,8 +236,11 @@ def test_1f1b_equals_one_process(zero_stage, optimizer, mtp):
 def test_tied_embedding_and_output_weights_equal_one_process(zero_stage, optimizer, mtp):
     """Megatron's default: the last stage's output layer uses a copy of stage 0's word embedding; the weight's
     gradient is the sum of both stages' (one process's gradient of a weight used twice), counted once in the norm.
-    MTP: the copy serves the depth's input too (a weight used three times)."""
-    _assert_matches_one_process(zero_stage, optimizer, count=4, tied=True, mtp=mtp)
+    MTP: the copy serves the depth's input too (a weight used three times). Without it, fp16's dynamic loss scaler
+    (on the float64 model, its scale a power of two): the loss function scales, the copy's scaled gradient joins
+    the first stage's without a second scaling, and at OVERFLOW_STEP an infinite gradient on the last stage alone
+    makes both stages skip the step and halve the scale, without a wait."""
+    _assert_matches_one_process(zero_stage, optimizer, count=4, tied=True, mtp=mtp, scaled=not mtp)
 
 
 @pytest.mark.parametrize(

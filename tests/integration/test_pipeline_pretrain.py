@@ -120,6 +120,34 @@ def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):
         assert loss == pytest.approx(want_loss, rel=1e-3) and norm == pytest.approx(want_norm, rel=2e-3)
 
 
+def _scale_trajectory(output):
+    """(loss scale, skipped this iteration) of each iteration's console line (--log-interval 1)."""
+    lines = [line for line in output.splitlines() if "loss scale:" in line]
+    return [
+        (float(line.split("loss scale:")[1].split("|")[0]), int(line.split("skipped iterations:")[1].split("|")[0]))
+        for line in lines
+    ]
+
+
+def test_fp16_at_pp2_skips_the_steps_and_scales_as_pp1(tmp_path):
+    """--fp16 with a loss scale that overflows (2^20, --hysteresis 1: iterations 1 and 3): at pp 2 the same iterations
+    are skipped and the scale halves and holds as at pp 1 (the overflow seen on any stage skips every stage), then
+    the curve follows pp 1's within fp16's rounding of the reassociated sums."""
+    argv = [a for a in PIPELINE_TINY if a != "--fp64"] + ["--fp16", "--initial-loss-scale", "1048576"]
+    argv += ["--hysteresis", "1", "--eval-interval", "0", "--data-cache-path", str(tmp_path)]
+    ranks = run_distributed(_run, 2, argv + PP2, timeout=400)
+    single, single_output = _run(argv)
+    expected = _scale_trajectory(single_output)
+    assert {skipped for _, skipped in expected} == {0, 1} and len(expected) == 4  # overflows and steps
+    assert _scale_trajectory(ranks[1][1]) == expected
+    history = ranks[1][0]
+    assert ["grad_norm" in h for h in history] == ["grad_norm" in h for h in single]
+    for got, want in zip(history, single):
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-3)
+        if "grad_norm" in want:
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2)
+
+
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
     """At pp 2: iterations 1-2 saved, then 3-4 resumed from that (also with 2 virtual stages) and from a pp 1 run's
     checkpoint."""

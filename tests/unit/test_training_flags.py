@@ -371,7 +371,6 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 PIPELINE_REFUSALS = [
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
-    (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
     (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
