@@ -7,8 +7,8 @@ one float64 all-reduce over the pp group after the stage's own (on every rank, f
 coefficient, the non-finite skip and the loss scaler's update follow from the same number on every rank. The params
 norm (Megatron's log) is summed the same way.
 
-It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; `--log-num-zeros-in-grad` still counts the
-stage's zeros only (refused at pp > 1).
+It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; the count of zero gradient elements
+(--log-num-zeros-in-grad, each stage's over its own params) is summed over the pp group the same way after the step.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         if self.tied is not None:
             self.tied.sum_grads(self)
         stepped = super().step(closure)
+        if stepped and self.count_zeros_in_grad:  # every rank alike: the norm was finite on every stage
+            self.last_num_zeros_in_grad = int(self.sum_over_model_parts(float(self.last_num_zeros_in_grad)))
         if self.tied is not None:
             self.tied.refresh()
         return stepped

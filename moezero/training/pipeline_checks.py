@@ -55,10 +55,6 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
             "--overlap-moe-expert-parallel-comm: not supported with pipeline "
             "stages yet (its micro-batch pairs are a schedule of their own)",
         ),
-        (
-            t.log_num_zeros_in_grad,
-            "--log-num-zeros-in-grad: would count one stage's zeros only; not supported with pipeline stages yet",
-        ),
         (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
         (t.optimizer == "muon", "--optimizer muon: not tested with pipeline stages yet (use adam)"),
         (ck.load_hf is not None, f"--load-hf={ck.load_hf}: not supported with pipeline stages yet"),

@@ -4,8 +4,10 @@ weights to 1e-10 relative, at ZeRO stages 0 and 1, with 1F1B (4 micro-batches) a
 (1 micro-batch, fewer than the stages), untied and tied (Megatron's default: the last stage's output layer uses a
 copy of the word embedding). The model has a dense first layer, MoE layers with a shared expert, the aux
 loss and z-loss (the aux losses of stage 0's MoE layer reach the loss only through the pipe), capacity drops, router
-jitter and dropout (keyed), and clipping is engaged (the norm counts both stages). A stage that raises ends as one
-line on both ranks, without either waiting for a timeout."""
+jitter and dropout (keyed), and clipping is engaged (the norm counts both stages). Cases add MTP (tied, untied, a
+layout's `m`), --calculate-per-token-loss, fp16's loss scaler with an overflow on one stage, and
+--log-num-zeros-in-grad's count. A stage that raises ends as one line on both ranks, without either waiting for a
+timeout."""
 
 import dataclasses
 import datetime
@@ -40,8 +42,11 @@ FLAGS = [
     "16",
     "--untie-embeddings-and-output-weights",
 ]
-# one MTP depth (its MLP an MoE layer's, as the last layer's), with a loss scale of its own
+# one MTP depth (its MLP an MoE layer's, as the last layer's), with a loss scale of its own; without linear biases,
+# so that every gradient element is zero by structure or not at all (the key bias's is zero but for rounding, which
+# the layouts reassociate): these cases compare --log-num-zeros-in-grad's count too
 MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "0.3"]
+MTP += ["--disable-bias-linear"]
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.2, momentum=0.9, weight_decay=0.1)),
     "adamw": (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1, betas=(0.9, 0.95))),
@@ -95,12 +100,13 @@ def _reference(optimizer, count, tied=False, mtp=False, per_token=False, scaled=
             tokens += float(batch["loss_mask"].sum())
             for name, value in dict(router, **{f"mtp_{k + 1}": d for k, d in enumerate(depths)}).items():
                 routers[name] += float(value.detach()) / count
+        zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in model.parameters())
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         values = {"lm_loss": token_sum / tokens, **routers}
         skipped = scaled and step == OVERFLOW_STEP
         if not skipped:
             opt.step()
-            values["grad_norm"] = norm
+            values.update(grad_norm=norm, **({"num_zeros": float(zeros)} if mtp else {}))
         if scaled:
             scaler.update(overflow=skipped)
             values.update(skipped=float(skipped), loss_scale=scaler.scale)
@@ -150,6 +156,7 @@ def _build(
         loss_scaler=scaler,
         **kwargs,
     )
+    opt.count_zeros_in_grad = True  # --log-num-zeros-in-grad
     return groups, model, opt, PipelineTrainer(model, opt, groups, MB, SEQ, per_token_loss=per_token)
 
 
@@ -187,6 +194,8 @@ def _train(zero_stage, optimizer, count, tied=False, vpp=None, mtp=False, layout
         scaling = {"skipped": float(not metrics.stepped), "loss_scale": opt.loss_scaler.scale} if scaled else {}
         if metrics.stepped:
             scaling["grad_norm"] = metrics.grad_norm
+            if mtp:  # summed over the stages, the tied weight once (the copy is no param of the last stage)
+                scaling["num_zeros"] = float(opt.last_num_zeros_in_grad)
         depths = {f"mtp_{k + 1}": value for k, value in enumerate(metrics.mtp_losses)}
         history.append({"lm_loss": metrics.lm_loss, **metrics.router_losses, **depths, **scaling})
     history.append({"validation": trainer.evaluate([mine(STEPS)], KEY_SEED, STEPS)})

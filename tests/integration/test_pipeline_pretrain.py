@@ -87,9 +87,9 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
 def test_interleaved_virtual_stages_with_mtp_equal_pp1_on_one_process(tmp_path):
     """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B), with an MTP
     depth (Megatron puts it on the last stage) and --calculate-per-token-loss, the same curve, MTP losses and
-    validations as one process; the last rank logs Megatron's 'mtp_1 loss'."""
+    validations as one process; the last rank logs Megatron's 'mtp_1 loss' and 'num zeros'."""
     mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "0.3"]
-    mtp += ["--calculate-per-token-loss"]
+    mtp += ["--calculate-per-token-loss", "--log-num-zeros-in-grad"]
     argv = PIPELINE_TINY + mtp + ["--data-cache-path", str(tmp_path)]
     vpp = PP2 + VPP2
     ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
@@ -102,7 +102,7 @@ def test_interleaved_virtual_stages_with_mtp_equal_pp1_on_one_process(tmp_path):
         for got, want in zip(history, single):
             assert abs(got["mtp_1_loss"] - want["mtp_1_loss"]) <= TOL * want["mtp_1_loss"]
     assert "pp 2 (interleaved 1F1B, 2 virtual stages)" in ranks[1][1]
-    assert "mtp_1 loss:" in ranks[1][1]
+    assert "mtp_1 loss:" in ranks[1][1] and "num zeros:" in ranks[1][1]  # the stages' count (compared elsewhere)
 
 
 def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):

@@ -372,7 +372,6 @@ PIPELINE_REFUSALS = [
     (PP2 + ["--zero-stage", "2"], "--zero-stage=2: only ZeRO stages 0 and 1"),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: only ZeRO stages 0 and 1"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
-    (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
     (PP2 + ["--optimizer", "muon"], "--optimizer muon: not tested with pipeline stages yet"),
     (PP2 + ["--load-hf", "hub"], "--load-hf=hub: not supported with pipeline stages"),
