@@ -32,8 +32,10 @@ def tracked_loss_names(moe_config) -> Tuple[str, ...]:
 class StepRecorder:
     """One step's metrics of this rank, in the global layout (see the module's docstring)."""
 
-    def __init__(self, moe_layers: Sequence[int], num_experts: int, tracked: Sequence[str]):
-        self.moe_layers = tuple(moe_layers)
+    def __init__(
+        self, moe_layers: Sequence[int], num_experts: int, tracked: Sequence[str], num_layers: int, mtp_depths: int = 0
+    ):
+        self.moe_layers, self.num_layers = tuple(moe_layers), num_layers
         self._slot = {layer: k for k, layer in enumerate(self.moe_layers)}
         layers = len(self.moe_layers)
         self.totals: Dict[str, torch.Tensor] = {
@@ -43,15 +45,24 @@ class StepRecorder:
             **{f"tracked_{name}": torch.zeros(layers, dtype=torch.float64) for name in tracked},
             "dropped_fraction": torch.zeros(layers, dtype=torch.float64),
             "tokens_per_expert": torch.zeros(layers, num_experts if layers else 0, dtype=torch.float64),
-            "mtp_losses": torch.zeros(0, dtype=torch.float64),
+            "mtp_losses": torch.zeros(mtp_depths, dtype=torch.float64),
         }
 
     def record(
-        self, piece: StagePiece, stats: List[MoEStats], lm: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]
+        self,
+        piece: StagePiece,
+        stats: List[MoEStats],
+        lm: Optional[torch.Tensor],
+        loss_mask: Optional[torch.Tensor],
+        depth_losses: Sequence[torch.Tensor] = (),
     ) -> None:
-        """One chunk forward: `stats` of the piece's MoE layers in layer order; `lm` on the last stage."""
+        """One chunk forward: `stats` of the piece's MoE layers in layer order (then its MTP depths' when they ran:
+        `depth_losses`, each depth's loss); `lm` on the last stage."""
         totals = self.totals
-        layers = [layer for layer in piece.layers if layer in self._slot]
+        numbers = piece.layers
+        if depth_losses:  # the depths' layers are numbered on from the decoder's (stage_model.moe_layer_numbers)
+            numbers += tuple(self.num_layers + k for k in piece.mtp)
+        layers = [layer for layer in numbers if layer in self._slot]
         if len(layers) != len(stats):
             raise RuntimeError(
                 f"stage {piece.stage_index} returned the stats of {len(stats)} MoE layers, it holds {len(layers)}"
@@ -65,6 +76,8 @@ class StepRecorder:
                     totals[f"tracked_{name}"][k] += value.detach().double().cpu()
                 totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu()
                 totals["tokens_per_expert"][k] += s.tokens_per_expert.detach().double().cpu()
+            for k, loss in enumerate(depth_losses):
+                totals["mtp_losses"][k] += loss.detach().double().cpu()
             if lm is not None:
                 tokens = loss_mask.sum().double().cpu()
                 totals["lm_loss"] += lm.detach().double().cpu() * tokens

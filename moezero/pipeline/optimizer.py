@@ -7,13 +7,14 @@ one float64 all-reduce over the pp group after the stage's own (on every rank, f
 coefficient, the non-finite skip and the loss scaler's update follow from the same number on every rank. The params
 norm (Megatron's log) is summed the same way.
 
-It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; `--log-num-zeros-in-grad` still counts the
-stage's zeros only (refused at pp > 1).
+It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; the count of zero gradient elements
+(--log-num-zeros-in-grad, each stage's over its own params) is summed over the pp group the same way after the step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,16 +38,33 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         self.pipeline_groups = groups
         self.tied = None
         super().__init__(model, optimizer_cls, groups.stage, **kwargs)
-        self.tied = tied_embedding(model, groups)  # None: untied, or a middle stage
+        self.tied = tied_embedding(model, groups)  # None: no copy (untied without MTP), or a middle stage
         if self.tied is not None:  # keyed alike, the copy is equal already, unless the weight was read (--load-hf)
             self.tied.refresh()
 
+    @contextlib.contextmanager
+    def scaled_backwards(self) -> Iterator[None]:
+        """The backwards the pipeline schedule runs inside are of a loss its loss function multiplied by the fp16 loss
+        scale (the schedule's `loss_fn`, where ZeroOptimizer.backward would multiply)."""
+        with self.engine.scaled_backward():
+            yield
+
+    def backward_of_scaled(self, loss: torch.Tensor) -> None:
+        """loss.backward() of a loss whose gradient already carries the fp16 loss scale (the tied copy's gradient,
+        from the last stage's scaled backwards): ZeroOptimizer.backward without its multiplication."""
+        self._check_live()
+        with self.engine.scaled_backward():
+            loss.backward()
+
     def step(self, closure=None) -> bool:
-        """ZeroOptimizer's step; with tied embedding and output weights the last stage's copy's gradient joins the
-        first stage's before it, and the copy takes the stepped values after it (tied.py)."""
+        """ZeroOptimizer's step; where the last stage holds a copy of the word embedding (tied embedding and output
+        weights, or MTP depths) the copy's gradient joins the first stage's before it, and the copy takes the stepped
+        values after it (tied.py)."""
         if self.tied is not None:
             self.tied.sum_grads(self)
         stepped = super().step(closure)
+        if stepped and self.count_zeros_in_grad:  # every rank alike: the norm was finite on every stage
+            self.last_num_zeros_in_grad = int(self.sum_over_model_parts(float(self.last_num_zeros_in_grad)))
         if self.tied is not None:
             self.tied.refresh()
         return stepped

@@ -13,9 +13,18 @@ own layers, as Megatron counts --recompute-num-layers per stage) and adds its Mo
 carried `aux` (design brief 4.4: the aux losses of every stage reach the loss, their gradient returns through the
 pipe); the last stage returns the micro-batch's loss lm + aux, which the schedule's loss function scales.
 
-Tied embedding and output weights: the last stage's output layer uses `output_copy`, a copy of the first stage's
-word embedding keyed alike (so equal at init), not registered as a param: the first stage's optimizer steps the
-weight and the copy follows (tied.py). Not yet (refused in one line): MTP depths.
+MTP depths (--mtp-num-layers) sit on the last stage with the loss (Megatron's placement without a layout, and the
+only one a layout's `m` may take here: mtp_standalone is refused), numbered and built as GPTModel's (`mtp.0.…`,
+each depth's MLP of the last layer's kind), and run in training only (Megatron's evaluation loss is the lm loss).
+They take the decoder's output after its final norm (on the stage of the last decoder layer: it may arrive through
+the pipe), the word embedding of the shifted tokens and the output layer; their losses join the last stage's loss
+as `training.loop` adds them (mtp_loss_scaling_factor / depths x their sum) and their MoE layers' router losses
+join the aux.
+
+The word embedding on the last stage: with tied embedding and output weights (the output layer's), or with MTP
+depths (their input, tied or not, as Megatron's embedding group), the last stage uses `embedding_copy`, a copy of
+the first stage's word embedding keyed alike (so equal at init), not registered as a param: the first stage's
+optimizer steps the weight and the copy follows (tied.py).
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moezero.config import ConfigError, GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
-from moezero.keyed_random import SampleKeys, init_keyed_
+from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
+from moezero.keyed_random import SampleKeys, init_keyed_, keyed_dropout
 from moezero.models.attention import norm_layer, recomputing
 from moezero.models.gpt import (
     MoELayerFactory,
@@ -40,33 +49,52 @@ from moezero.models.gpt import (
     language_model_loss,
     recompute_chunks,
 )
+from moezero.models.mtp import MultiTokenPredictionLayer, mtp_losses, shift_left
 from moezero.moe import MoELayer, MoEStats
 from moezero.pipeline.layout import PipelinePlan, StagePiece
 
 
-def check_stage_model_supported(config: GPTConfig) -> None:
-    """What the stage execution does not run yet, one line each."""
-    if config.mtp_num_layers:
-        raise ConfigError(
-            f"--mtp-num-layers={config.mtp_num_layers}: MTP depths with "
-            "--pipeline-model-parallel-size > 1 are not supported yet"
-        )
-
-
 def moe_layer_numbers(config: GPTConfig, has_moe: bool) -> Tuple[int, ...]:
-    """The model's MoE layers by global number (the metrics' slots, every rank alike)."""
+    """The model's MoE layers by global number (the metrics' slots, every rank alike): the decoder's, then the MTP
+    depths' (numbered on from the decoder's, with its last layer's kind of MLP), as pretrain logs them."""
     if not has_moe:
         return ()
-    return tuple(layer for layer in range(config.num_layers) if is_moe_layer(layer, config.moe_layer_freq))
+    decoder = tuple(layer for layer in range(config.num_layers) if is_moe_layer(layer, config.moe_layer_freq))
+    if config.num_layers - 1 not in decoder:
+        return decoder
+    return decoder + tuple(range(config.num_layers, config.num_layers + (config.mtp_num_layers or 0)))
+
+
+def _mtp_depth(config: GPTConfig, depth: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory):
+    """MTP depth `depth` as GPTModel builds it: its layer numbered num_layers + depth, its MLP of the last layer's
+    kind."""
+    number = config.num_layers + depth
+    mlp = build_mlp(config, config.num_layers - 1, moe_config, moe_layer, number)
+    return MultiTokenPredictionLayer(config, TransformerLayer(config, mlp, number))
+
+
+def mtp_term(config: GPTConfig, depth_losses: List[torch.Tensor], loss_mask: torch.Tensor, share) -> torch.Tensor:
+    """What the MTP depths add to a micro-batch's loss, `training.loop._mtp_term`'s: mtp_loss_scaling_factor /
+    depths x the sum of their losses; with --calculate-per-token-loss (`share`: the micro-batch's lm tokens' weight)
+    each depth's loss times its own token count over the lm's, times `share`."""
+    scale = config.mtp_loss_scaling_factor / len(depth_losses)
+    if share is None:
+        return scale * sum(depth_losses)
+    tokens = loss_mask.sum().clamp(min=1.0)
+    counts = [shift_left(loss_mask, k + 1).sum() for k in range(len(depth_losses))]
+    return scale * share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
 
 
 class StageModel(nn.Module):
     """The stages `plan` gives pipeline rank `pp_rank`, as one module under GPTModel's names.
 
-    forward(virtual_stage, *inputs, seed, iteration, sample_index, labels=None, loss_mask=None):
+    forward(virtual_stage, *inputs, seed, iteration, sample_index, labels=None, loss_mask=None, tokens=None,
+            token_weight=None):
       first stage: inputs (tokens_BS,); others: (hidden_BSD, aux). Returns (hidden_BSD, aux), or on the last stage
-      the micro-batch's loss (lm + aux, the aux of every stage's MoE layers). `recorder` (set by the step driver)
-      is given each chunk forward's MoE stats and lm loss, detached.
+      the micro-batch's loss (lm + aux, the aux of every stage's MoE layers, + the MTP term: `tokens` are the
+      MTP depths' input). `token_weight` (--calculate-per-token-loss): the weight of one loss token, by which
+      every stage weighs its router losses' token sums and the last stage the lm's and MTP's (training.loop's).
+      `recorder` (set by the step driver) is given each chunk forward's MoE stats, lm and MTP losses, detached.
     """
 
     def __init__(
@@ -83,7 +111,6 @@ class StageModel(nn.Module):
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         if plan.num_layers != config.num_layers:
             raise ValueError(f"the pipeline plan has {plan.num_layers} layers, the model {config.num_layers}")
-        check_stage_model_supported(config)
         plan.check_supported()
         self.config = config
         self.pieces: Tuple[StagePiece, ...] = plan.pieces_of(pp_rank)
@@ -102,31 +129,41 @@ class StageModel(nn.Module):
             }
         )
         self.final_norm = norm_layer(config) if any(piece.final_norm for piece in self.pieces) else None
+        head = any(piece.head for piece in self.pieces)
         self.output = None
-        output_copy = None
-        if any(piece.head for piece in self.pieces):
-            if config.untie_embeddings_and_output_weights:
-                self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            elif self.embedding is None:  # tied: the last stage's copy of the first stage's word embedding
-                output_copy = nn.Embedding(config.vocab_size, config.hidden_size)
-                init_keyed_(output_copy, seed, functools.partial(init_std, config), prefix="embedding.")
+        if head and config.untie_embeddings_and_output_weights:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        depths = [depth for piece in self.pieces for depth in piece.mtp]
+        # GPTModel's names (mtp.0...); registered last, as GPTModel's
+        self.mtp = (
+            nn.ModuleDict({str(d): _mtp_depth(config, d, layer_moe, moe_layer) for d in depths}) if depths else None
+        )
+        embedding_copy = None
+        uses_embedding = (head and not config.untie_embeddings_and_output_weights) or self.mtp is not None
+        if uses_embedding and self.embedding is None:  # the last stage's copy of the first stage's word embedding
+            embedding_copy = nn.Embedding(config.vocab_size, config.hidden_size)
+            init_keyed_(embedding_copy, seed, functools.partial(init_std, config), prefix="embedding.")
         # not registered: the first stage's optimizer steps the weight, the copy follows it (tied.py)
-        object.__setattr__(self, "output_copy", output_copy)
+        object.__setattr__(self, "embedding_copy", embedding_copy)
         init_keyed_(self, seed, functools.partial(init_std, config))
         self.recorder = None
 
     def _apply(self, fn, recurse=True):
         """.to(dtype/device) and friends reach the unregistered copy too."""
         super()._apply(fn, recurse)
-        if self.output_copy is not None:
-            self.output_copy._apply(fn, recurse)
+        if self.embedding_copy is not None:
+            self.embedding_copy._apply(fn, recurse)
         return self
+
+    @property
+    def word_embedding(self) -> nn.Embedding:
+        """The word embedding this rank uses: the first stage's, or the last stage's copy of it."""
+        return self.embedding if self.embedding is not None else self.embedding_copy
 
     def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(x_BSD)
-        tied = self.embedding if self.embedding is not None else self.output_copy
-        return F.linear(x_BSD, tied.weight)
+        return F.linear(x_BSD, self.word_embedding.weight)
 
     @property
     def moe_layers(self) -> Tuple[int, ...]:
@@ -148,6 +185,8 @@ class StageModel(nn.Module):
         sample_index: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        tokens: Optional[torch.Tensor] = None,
+        token_weight: Optional[float] = None,
     ):
         piece = self.pieces[virtual_stage]
         keys = SampleKeys(seed, iteration, tuple(sample_index.tolist()))
@@ -158,19 +197,73 @@ class StageModel(nn.Module):
         else:
             x, aux = inputs
         x, stats = self._run_layers(piece.layers, x, keys)
-        for s in stats:
-            for value in s.losses.values():
-                aux = aux + value
-        lm = None
         if piece.final_norm:
             x = self.final_norm(x)
+        depth_losses: List[torch.Tensor] = []
+        if piece.head and piece.mtp and self.training:
+            depth_losses = self._mtp_losses(piece.mtp, tokens, x, labels, loss_mask, keys, stats)
+        aux = self._add_router_losses(aux, stats, token_weight)
+        lm = None
         if piece.head:
             lm = language_model_loss(self._logits(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
         if self.recorder is not None:
-            self.recorder.record(piece, stats, lm, loss_mask)
+            self.recorder.record(piece, stats, lm, loss_mask, depth_losses)
         if piece.head:
-            return lm + aux
+            share = None if token_weight is None else token_weight * float(loss_mask.sum())
+            loss = lm + aux if share is None else lm * share + aux
+            if depth_losses:
+                loss = loss + mtp_term(self.config, depth_losses, loss_mask, share)
+            return loss
         return x, aux
+
+    @staticmethod
+    def _add_router_losses(aux: torch.Tensor, stats: List[MoEStats], token_weight: Optional[float]) -> torch.Tensor:
+        """The carried aux plus the stage's MoE layers' router losses (`token_weight`, --calculate-per-token-loss:
+        each loss times its tokens, times the weight of one token, as training.loop's)."""
+        for s in stats:
+            if token_weight is None:
+                for value in s.losses.values():
+                    aux = aux + value
+            else:
+                for value in s.token_weighted.values():
+                    aux = aux + value * token_weight
+        return aux
+
+    def _mtp_losses(
+        self,
+        depths: Tuple[int, ...],
+        tokens_BS: torch.Tensor,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        keys: SampleKeys,
+        stats: List[MoEStats],
+    ) -> List[torch.Tensor]:
+        """Each MTP depth's loss, as GPTModel._mtp_depths and training.loop run them (its MoE stats appended to
+        `stats`); Megatron recomputes the depths with --recompute-method uniform."""
+        if tokens_BS is None:
+            raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
+        config = self.config
+        recompute = config.recompute_granularity == "full" and config.recompute_method == "uniform"
+        loss = functools.partial(language_model_loss, fused=config.cross_entropy_loss_fusion)
+        logits = []
+        for k in depths:
+            embedded = keyed_dropout(
+                self.word_embedding(shift_left(tokens_BS, k + 1)),
+                config.hidden_dropout,
+                self.training,
+                keys,
+                f"mtp{k}.embedding",
+            )
+            module = self.mtp[str(k)]
+            if recompute and recomputing(self):
+                hidden, depth_stats = checkpoint(module, embedded, hidden, keys, use_reentrant=False)
+            else:
+                hidden, depth_stats = module(embedded, hidden, keys)
+            if depth_stats is not None:
+                stats.append(depth_stats)
+            logits.append(self._logits(hidden))
+        return mtp_losses(logits, labels, loss_mask, loss)
 
     def _run_layers(
         self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys

@@ -1,10 +1,11 @@
-"""Tied embedding and output weights across pipeline stages (Megatron's default without
---untie-embeddings-and-output-weights): the first stage's word embedding and the last stage's copy of it, which its
-output layer uses, kept equal as one weight.
+"""The word embedding across pipeline stages: the first stage's and the last stage's copy of it, kept equal as one
+weight. The last stage uses it for its output layer with tied embedding and output weights (Megatron's default
+without --untie-embeddings-and-output-weights), and for the MTP depths' input with --mtp-num-layers (tied or not:
+Megatron's embedding group holds the MTP stage's copy either way).
 
 Megatron's embedding group (the first and last rank of each pipeline, `ranks.py`) carries it, and Megatron's
 optimizer holds both copies (the last stage's marked shared, left out of the norm). Here the copy is held outside
-the last stage's optimizer (StageModel.output_copy, not one of its params), so the optimizer of the first stage
+the last stage's optimizer (StageModel.embedding_copy, not one of its params), so the optimizer of the first stage
 alone steps the weight; each element is counted once in the gradient norm and stored once in a checkpoint without
 a rule of its own:
 
@@ -72,8 +73,8 @@ class TiedEmbedding:
         self._summed = None
         dist.all_reduce(summed, group=self.group)
         if self.holds_optimized:
-            with opt.no_sync(), torch.enable_grad():
-                opt.backward(torch.dot(self.weight.view(-1), summed.view(-1).to(self.weight.dtype)))
+            with opt.no_sync(), torch.enable_grad():  # fp16: the sum carries the loss scale already
+                opt.backward_of_scaled(torch.dot(self.weight.view(-1), summed.view(-1).to(self.weight.dtype)))
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -87,12 +88,14 @@ class TiedEmbedding:
 
 
 def tied_embedding(model, groups) -> Optional[TiedEmbedding]:
-    """This rank's side of the tied weight (None: untied, a middle stage, or pp 1). `model`: a StageModel,
-    `groups`: its PipelineGroups."""
-    if model.config.untie_embeddings_and_output_weights or groups.embedding is None or groups.pp_size == 1:
+    """This rank's side of the tied weight (None: untied without MTP, a middle stage, or pp 1). `model`: a
+    StageModel, `groups`: its PipelineGroups."""
+    config = model.config
+    copied = not config.untie_embeddings_and_output_weights or bool(config.mtp_num_layers)  # the last stage's use
+    if not copied or groups.embedding is None or groups.pp_size == 1:
         return None
     if model.embedding is not None:
         return TiedEmbedding(model.embedding.weight, groups, groups.embedding_ranks[0], True)
-    if model.output_copy is not None:
-        return TiedEmbedding(model.output_copy.weight, groups, groups.embedding_ranks[0], False)
+    if model.embedding_copy is not None:
+        return TiedEmbedding(model.embedding_copy.weight, groups, groups.embedding_ranks[0], False)
     return None

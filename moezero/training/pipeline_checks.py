@@ -17,7 +17,6 @@ from typing import List, Optional, Tuple
 
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan
-from moezero.pipeline.stage_model import check_stage_model_supported
 
 PP = "--pipeline-model-parallel-size"
 
@@ -52,16 +51,10 @@ def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
             "the schedule's micro-batches in flight (several forwards before their backwards); --zero-stage 2 "
             "shards the gradients and optimizer states there",
         ),
-        (t.fp16, "--fp16: the loss scale is not carried through the pipeline yet (use --bf16)"),
-        (t.calculate_per_token_loss, "--calculate-per-token-loss: not supported with pipeline stages yet"),
         (
             t.overlap_moe_expert_parallel_comm,
             "--overlap-moe-expert-parallel-comm: not supported with pipeline "
             "stages yet (its micro-batch pairs are a schedule of their own)",
-        ),
-        (
-            t.log_num_zeros_in_grad,
-            "--log-num-zeros-in-grad: would count one stage's zeros only; not supported with pipeline stages yet",
         ),
         (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
         (t.optimizer == "muon", "--optimizer muon: not tested with pipeline stages yet (use adam)"),
@@ -82,10 +75,6 @@ def check_pipeline_run(cfg) -> PipelinePlan:
     if plan.pp == 1:
         return plan
     plan.check_supported()
-    try:
-        check_stage_model_supported(cfg.model)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} ({PP}={plan.pp})") from None
     problem = next((line for refused, line in _unsupported(cfg, plan) if refused), None)
     if problem is not None:
         raise ConfigError(f"{problem} ({PP}={plan.pp})")

@@ -66,8 +66,8 @@ class PipelineRun:
             )
         model = model.to(dtype)
         if hub_dir:
-            if model.output_copy is not None:  # not a param: the first stage's loaded values reach it (tied.py)
-                allocate(model.output_copy.weight)
+            if model.embedding_copy is not None:  # not a param: the first stage's loaded values reach it (tied.py)
+                allocate(model.embedding_copy.weight)
             try:
                 load_hub_weights(model, hub_dir, whole=False)
             except (CheckpointMismatch, UnsupportedModel) as exc:  # the files do not hold the configs' model
@@ -102,4 +102,7 @@ class PipelineRun:
         )
 
     def trainer(self, opt: PipelineZeroOptimizer, cfg) -> PipelineTrainer:
-        return PipelineTrainer(self.model, opt, self.groups, cfg.train.micro_batch_size, cfg.model.seq_length)
+        t = cfg.train
+        return PipelineTrainer(
+            self.model, opt, self.groups, t.micro_batch_size, cfg.model.seq_length, t.calculate_per_token_loss
+        )

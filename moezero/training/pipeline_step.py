@@ -15,11 +15,18 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   buffers once per stage object).
 - Inputs: the first stage takes the tokens; every stage the keys' (seed, iteration, sample indices); the last stage
   the labels and loss mask. torch splits the concatenated micro-batches back into them on dim 0.
-- Loss: the last stage's forward returns lm + the aux losses of every stage (carried, stage_model.py); the
+- Loss: the last stage's forward returns lm + the aux losses of every stage (carried, stage_model.py) + its MTP
+  depths' term (they embed the shifted tokens, given to the last stage too); the
   schedule's loss function divides it by the micro-batch count (`scale_grads=False`: torch's own division after
   the step would miss ZeRO's buckets), so a micro-batch adds (lm + Σ router losses) / n, as `training.loop`.
+  --calculate-per-token-loss: every stage weighs its router losses by their tokens and the last stage its lm
+  loss by its tokens, each times the weight of one loss token (`token_weight`: the stage's dp ranks over the
+  global batch's loss tokens), and nothing is divided by n: `training.loop`'s per-token gradient.
 - Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
   reduces them once, then the norm is summed over the stages (optimizer.py).
+- fp16: the loss function multiplies by the loss scale, which every rank holds alike: a non-finite gradient on
+  any stage makes the norm summed over the stages non-finite on every rank, so every rank skips the step and
+  updates its scaler alike (no rank waits for another: the schedule ran to its end on every stage either way).
 - Metrics: every chunk forward records into a StepRecorder in a global layout (metrics.py); one all-reduce over the
   world, then `training.loop`'s own `_step_metrics`.
 - Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule, or the
@@ -31,7 +38,7 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -44,22 +51,26 @@ from moezero.pipeline.metrics import StepRecorder, tracked_loss_names
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.loop import StepMetrics, _step_metrics, _token_mean
+from moezero.training.loop import StepMetrics, _GlobalTokens, _step_metrics, _token_mean
+from moezero.zero import DynamicLossScaler
 
 
 class _MicroBatchLoss:
-    """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / n."""
+    """The schedule's loss_fn: the last stage's output (the micro-batch's loss) / `divisor` (n; 1 with
+    --calculate-per-token-loss, whose token weights already make the sum the global batch's token mean), times the
+    fp16 loss scale (`scaler`'s, read at each call: it changes between steps) as ZeroOptimizer.backward's."""
 
-    def __init__(self, num_microbatches: int):
-        self.num_microbatches = num_microbatches
+    def __init__(self, divisor: int, scaler: Optional[DynamicLossScaler]):
+        self.divisor, self.scaler = divisor, scaler
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return output / self.num_microbatches
+        loss = output / self.divisor
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
 
 class PipelineTrainer:
     """Runs a pipeline rank's training steps. Args: the rank's StageModel, its PipelineZeroOptimizer, the groups,
-    and the micro-batch shape (micro-batch size, sequence length)."""
+    the micro-batch shape (micro-batch size, sequence length) and `per_token_loss` (--calculate-per-token-loss)."""
 
     def __init__(
         self,
@@ -68,10 +79,10 @@ class PipelineTrainer:
         groups: PipelineGroups,
         micro_batch_size: int,
         seq_length: int,
+        per_token_loss: bool = False,
     ):
-        if opt.loss_scaler is not None:
-            raise ValueError("fp16 loss scaling with pipeline stages is not supported yet")
         self.model, self.opt, self.groups = model, opt, groups
+        self.per_token_loss = per_token_loss
         dtype = next(model.parameters()).dtype
         self.shape = ActivationShape(
             micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype)
@@ -82,7 +93,13 @@ class PipelineTrainer:
         self._schedules: Dict[int, object] = {}  # training's, by micro-batch count
         self._eval_schedules: Dict[int, object] = {}  # evaluation's (stage objects of their own)
         moe = model.moe_config
-        self._recorder_args = (model.moe_layers, moe.num_experts if moe is not None else 0, tracked_loss_names(moe))
+        self._recorder_args = (
+            model.moe_layers,
+            moe.num_experts if moe is not None else 0,
+            tracked_loss_names(moe),
+            model.config.num_layers,
+            model.config.mtp_num_layers or 0,
+        )
 
     # ---- the schedule ------------------------------------------------------------------------------
     def _schedule(self, num_microbatches: int, evaluation: bool = False):
@@ -93,7 +110,8 @@ class PipelineTrainer:
             if pp is None and self.groups.pp_size > 1:
                 raise PipelineFailed("this rank's pipeline was closed after a stage failed; the run cannot go on")
             stages = [self._stage(v, pp) for v in range(len(self.pieces))]
-            loss_fn = _MicroBatchLoss(num_microbatches)
+            divisor = 1 if self.per_token_loss and not evaluation else num_microbatches
+            loss_fn = _MicroBatchLoss(divisor, None if evaluation else self.opt.loss_scaler)
             if len(stages) > 1:  # Megatron's interleaved placement: stage v * pp + pp_rank on this rank
                 # evaluation runs it too: its forwards in the same order, the backward actions skipped (no grad)
                 schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -130,6 +148,8 @@ class PipelineTrainer:
         args = (joined("tokens"),) if any(piece.embedding for piece in self.pieces) else ()
         if any(piece.head for piece in self.pieces):  # every chunk of the rank is given them; the head's reads them
             kwargs.update(labels=joined("labels"), loss_mask=joined("loss_mask"), target=joined("labels"))
+            if self.model.mtp is not None:  # the MTP depths embed the shifted tokens
+                kwargs["tokens"] = joined("tokens")
         return args, kwargs
 
     # ---- the step ------------------------------------------------------------------------------------
@@ -149,9 +169,12 @@ class PipelineTrainer:
         n = len(micro_batches)
         schedule = self._schedule(n)
         args, kwargs = self._inputs(micro_batches, iteration, seed)
+        if self.per_token_loss:
+            kwargs["token_weight"] = self._token_weight(micro_batches)
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
         try:
-            with self.opt.no_sync():  # one reduction at step(): stages 0/1 accumulate every micro-batch
+            # one reduction at step(): stages 0/1 accumulate every micro-batch; fp16: the loss_fn scales
+            with self.opt.no_sync(), self.opt.scaled_backwards():
                 schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.model.recorder = None
@@ -161,6 +184,13 @@ class PipelineTrainer:
         totals = recorder.pack()
         comm.all_reduce(totals, self.groups.world_control)  # one all-reduce for every metric of every stage
         return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
+
+    def _token_weight(self, micro_batches: Sequence[Dict[str, torch.Tensor]]) -> float:
+        """--calculate-per-token-loss: the weight of one loss token, training.loop's (the ranks whose gradients the
+        stage's optimizer averages over the global batch's loss tokens). Every rank of a pipeline holds the same
+        micro-batches, so each stage counts them itself (Megatron broadcasts the last stage's count): one all-reduce
+        over the stage's dp group."""
+        return _GlobalTokens.count(micro_batches, self.groups.stage.dp).weight(1.0)
 
     # ---- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, global_batches: Iterable[Sequence[Dict[str, torch.Tensor]]], seed: int, iteration: int) -> float:

@@ -92,19 +92,26 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     )  # stored in float32
 
 
-def test_interleaved_virtual_stages_equal_pp1_on_one_process(tmp_path):
+def test_interleaved_virtual_stages_with_mtp_equal_pp1_on_one_process(tmp_path):
     """--num-layers-per-virtual-pipeline-stage 1: pp 2 x 2 virtual stages (torch's interleaved 1F1B) at ZeRO
-    stage 2, the same curve and validations as one process."""
-    argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
+    stage 2, with an MTP depth (Megatron puts it on the last stage) and --calculate-per-token-loss, the same curve,
+    MTP losses and validations as one process; the last rank logs Megatron's 'mtp_1 loss' and 'num zeros'."""
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "0.3"]
+    mtp += ["--calculate-per-token-loss", "--log-num-zeros-in-grad"]
+    argv = PIPELINE_TINY + mtp + ["--data-cache-path", str(tmp_path)]
     argv[argv.index("--zero-stage") + 1] = "2"  # ZeRO-2 with the pipeline (DeepSpeed refuses it)
     vpp = PP2 + VPP2
     ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
-    expected = _values(_run(argv)[0])
+    single = _run(argv)[0]
+    expected = _values(single)
     for history, _ in ranks:
         for step, (a, b) in enumerate(zip(_values(history), expected)):
             for x, y in zip(a, b):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+        for got, want in zip(history, single):
+            assert abs(got["mtp_1_loss"] - want["mtp_1_loss"]) <= TOL * want["mtp_1_loss"]
     assert "pp 2 (interleaved 1F1B, 2 virtual stages)" in ranks[1][1]
+    assert "mtp_1 loss:" in ranks[1][1] and "num zeros:" in ranks[1][1]  # the stages' count (compared elsewhere)
 
 
 def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):
@@ -120,6 +127,34 @@ def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):
     assert got[0][0] == pytest.approx(expected[0][0], rel=1e-6)  # the first forward: the same weights
     for (loss, norm), (want_loss, want_norm) in zip(got, expected):
         assert loss == pytest.approx(want_loss, rel=1e-3) and norm == pytest.approx(want_norm, rel=2e-3)
+
+
+def _scale_trajectory(output):
+    """(loss scale, skipped this iteration) of each iteration's console line (--log-interval 1)."""
+    lines = [line for line in output.splitlines() if "loss scale:" in line]
+    return [
+        (float(line.split("loss scale:")[1].split("|")[0]), int(line.split("skipped iterations:")[1].split("|")[0]))
+        for line in lines
+    ]
+
+
+def test_fp16_at_pp2_skips_the_steps_and_scales_as_pp1(tmp_path):
+    """--fp16 with a loss scale that overflows (2^20, --hysteresis 1: iterations 1 and 3): at pp 2 the same iterations
+    are skipped and the scale halves and holds as at pp 1 (the overflow seen on any stage skips every stage), then
+    the curve follows pp 1's within fp16's rounding of the reassociated sums."""
+    argv = [a for a in PIPELINE_TINY if a != "--fp64"] + ["--fp16", "--initial-loss-scale", "1048576"]
+    argv += ["--hysteresis", "1", "--eval-interval", "0", "--data-cache-path", str(tmp_path)]
+    ranks = run_distributed(_run, 2, argv + PP2, timeout=400)
+    single, single_output = _run(argv)
+    expected = _scale_trajectory(single_output)
+    assert {skipped for _, skipped in expected} == {0, 1} and len(expected) == 4  # overflows and steps
+    assert _scale_trajectory(ranks[1][1]) == expected
+    history = ranks[1][0]
+    assert ["grad_norm" in h for h in history] == ["grad_norm" in h for h in single]
+    for got, want in zip(history, single):
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-3)
+        if "grad_norm" in want:
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2)
 
 
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):

@@ -1,18 +1,17 @@
 """StageModel (moezero/pipeline/stage_model.py) against GPTModel, in one process: the stages' params together are
 GPTModel's, by name and value, and the stages' forwards composed by hand give GPTModel's loss (the lm loss plus
-every MoE layer's router losses) and the same gradients."""
+every MoE layer's router losses, plus the MTP depths' with --mtp-num-layers) and the same gradients."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from moezero.config import ConfigError
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
 from moezero.pipeline import PipelinePlan
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.loop import _micro_batch_losses
+from moezero.training.loop import _micro_batch_loss, _micro_batch_losses
 from tests.integration.pretrain_utils import TINY, configs
 
 VOCAB, SEQ, MB, SEED = 64, 32, 2, 3
@@ -26,6 +25,7 @@ FLAGS = [
     "16",
     "--untie-embeddings-and-output-weights",
 ]
+MTP = ["--mtp-num-layers", "2", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "0.3"]
 
 
 def _configs(flags=(), tied=False):
@@ -51,11 +51,29 @@ def _batch():
     }
 
 
-@pytest.mark.parametrize("pp, first, tied", [(2, None, False), (3, 2, False), (2, 1, False), (2, None, True)])
-def test_stages_hold_gptmodels_params_by_name_and_value(pp, first, tied):
-    """Tied: the last stage's copy of the word embedding (not one of its params) equals it, in the model's dtype."""
-    model_cfg, moe_cfg = _configs(tied=tied)
-    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=first)
+@pytest.mark.parametrize(
+    "pp, first, tied, mtp, layout",
+    [
+        (2, None, False, False, None),
+        (3, 2, False, False, None),
+        (2, 1, False, False, None),
+        (2, None, True, False, None),
+        (2, None, False, True, None),
+        (2, None, True, True, None),
+        (2, None, False, True, "Etttt|mmL"),
+    ],
+)
+def test_stages_hold_gptmodels_params_by_name_and_value(pp, first, tied, mtp, layout):
+    """Tied or MTP: the last stage's copy of the word embedding (not one of its params) equals it, in the model's
+    dtype; the MTP depths sit on the last stage (a layout's `m`: with the loss, the final norm with the last layer)."""
+    model_cfg, moe_cfg = _configs(MTP if mtp else (), tied=tied)
+    plan = PipelinePlan(
+        num_layers=4,
+        mtp_num_layers=model_cfg.mtp_num_layers,
+        pipeline_model_parallel_size=pp,
+        decoder_first_pipeline_num_layers=first,
+        pipeline_model_parallel_layout=layout,
+    )
     full = dict(GPTModel(model_cfg, moe_cfg, seed=SEED).double().named_parameters())
     union = {}
     stages = _stages(model_cfg, moe_cfg, plan)
@@ -66,39 +84,43 @@ def test_stages_hold_gptmodels_params_by_name_and_value(pp, first, tied):
     assert list(union) == list(full)  # the same names, in GPTModel's order
     for name, p in full.items():
         assert torch.equal(union[name], p), name
-    copies = [stage.output_copy for stage in stages]
-    assert [c is not None for c in copies] == [False] * (pp - 1) + [tied]
-    if tied:
+    copies = [stage.embedding_copy for stage in stages]
+    assert [c is not None for c in copies] == [False] * (pp - 1) + [tied or mtp]
+    assert [stage.mtp is not None for stage in stages] == [False] * (pp - 1) + [mtp]
+    if tied or mtp:
         assert copies[-1].weight.dtype == torch.float64 and torch.equal(copies[-1].weight, full["embedding.weight"])
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_composed_stages_give_gptmodels_loss_and_gradients(tied):
-    """Stage 0 (embedding, dense layer, an MoE layer) hands (hidden, aux) to stage 1 (MoE layers, norm, head): its
-    loss is GPTModel's lm + Σ router losses exactly, and backward through the hand-off gives GPTModel's gradients
-    (tied: the word embedding's is the sum of stage 0's and the last stage's copy's)."""
-    model_cfg, moe_cfg = _configs(tied=tied)
-    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2)
+@pytest.mark.parametrize("tied, mtp", [(False, False), (True, False), (False, True), (True, True)])
+def test_composed_stages_give_gptmodels_loss_and_gradients(tied, mtp):
+    """Stage 0 (embedding, dense layer, an MoE layer) hands (hidden, aux) to stage 1 (MoE layers, norm, head; with
+    MTP its depths, MoE layers too): its loss is GPTModel's lm + Σ router losses (+ the scaled MTP losses) exactly,
+    and backward through the hand-off gives GPTModel's gradients (tied or MTP: the word embedding's is the sum of
+    stage 0's and the last stage's copy's)."""
+    model_cfg, moe_cfg = _configs(MTP if mtp else (), tied=tied)
+    plan = PipelinePlan(num_layers=4, mtp_num_layers=model_cfg.mtp_num_layers, pipeline_model_parallel_size=2)
     first, last = _stages(model_cfg, moe_cfg, plan)
     full = GPTModel(model_cfg, moe_cfg, seed=SEED).double().train()
     batch = _batch()
     keys = SampleKeys(7, 5, tuple(batch["sample_index"].tolist()))
-    lm, router, _, _ = _micro_batch_losses(full, batch, keys)
-    expected = lm + sum(router.values())
+    lm, router, stats, depths = _micro_batch_losses(full, batch, keys, mtp=True)
+    assert len(depths) == (2 if mtp else 0)
+    expected = _micro_batch_loss(full, batch, lm, router, stats, depths, 1, None)
     expected.backward()
 
     kwargs = {"seed": 7, "iteration": 5, "sample_index": batch["sample_index"]}
     hidden, aux = first(0, batch["tokens"], **kwargs)
     sent_hidden, sent_aux = hidden.detach().requires_grad_(), aux.detach().requires_grad_()
-    loss = last(0, sent_hidden, sent_aux, labels=batch["labels"], loss_mask=batch["loss_mask"], **kwargs)
+    head = {"labels": batch["labels"], "loss_mask": batch["loss_mask"], "tokens": batch["tokens"]}
+    loss = last(0, sent_hidden, sent_aux, **head, **kwargs)
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, expected, rtol=1e-13, atol=0)
     loss.backward()
     torch.autograd.backward([hidden, aux], [sent_hidden.grad, sent_aux.grad])
     assert sent_aux.grad == 1.0  # the aux losses' gradient returns through the pipe
     grads = {name: p.grad for stage in (first, last) for name, p in stage.named_parameters()}
-    if tied:
-        grads["embedding.weight"] = grads["embedding.weight"] + last.output_copy.weight.grad
+    if tied or mtp:
+        grads["embedding.weight"] = grads["embedding.weight"] + last.embedding_copy.weight.grad
     for name, p in full.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-15, msg=name)
 
@@ -128,20 +150,3 @@ def _counting(run, calls):
         return run(layers, x, keys)
 
     return wrapped
-
-
-@pytest.mark.parametrize(
-    "flags, refused",
-    [
-        (
-            ["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-            "--mtp-num-layers=1",
-        ),
-    ],
-)
-def test_mtp_is_refused_in_one_line(flags, refused):
-    cfg = configs(TINY + ["--num-layers", "4"] + flags)
-    plan = PipelinePlan(num_layers=4, pipeline_model_parallel_size=2, mtp_num_layers=cfg.model.mtp_num_layers)
-    with pytest.raises(ConfigError, match=refused) as error:
-        StageModel(dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe, SEED, plan, 0)
-    assert "\n" not in str(error.value)

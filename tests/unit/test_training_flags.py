@@ -369,15 +369,8 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 
 
 PIPELINE_REFUSALS = [
-    (
-        PP2 + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-        "--mtp-num-layers=1: MTP depths with --pipeline-model-parallel-size > 1",
-    ),
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: not supported with pipeline stages yet"),
-    (PP2 + ["--fp16"], "--fp16: the loss scale is not carried through the pipeline yet"),
-    (PP2 + ["--calculate-per-token-loss"], "--calculate-per-token-loss: not supported with pipeline stages"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
-    (PP2 + ["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: would count one stage's zeros only"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
     (PP2 + ["--optimizer", "muon"], "--optimizer muon: not tested with pipeline stages yet"),
 ]
