@@ -11,8 +11,8 @@ round (tools/bench/rounds.py); figures are medians with [min-max].
 
 - step: the training step's wall time (the slowest rank's); speed-up = pp 1's step / the pipeline's (2 ranks: at
   most 2x, less the bubble and the sends).
-- bubble: per rank, 1 - (time in the rank's own chunk forwards and backwards) / (time in the schedule), the mean
-  over the stages; theory: (p - 1) / (m + p - 1), and (p - 1) / (v m + p - 1) with v virtual stages per rank
+- bubble: per rank, 1 - (time in the rank's own chunk forwards and backwards) / (time in the schedule), per stage
+  and their mean; theory: (p - 1) / (m + p - 1), and (p - 1) / (v m + p - 1) with v virtual stages per rank
   (the idle share of a schedule whose forward and backward of a chunk take the same time on every stage).
 - memory: each stage's peak resident set less the process's before the model was built (the interpreter and torch),
   against pp 1's; a stage holds half the layers (the embedding on the first, the output layer on the last).
@@ -69,19 +69,26 @@ def theory(p: int, v: int, m: int) -> float:
 def table(micro_batches: int, results: dict) -> None:
     base = ok(results["pp 1 (1 rank)"])
     print(f"\n#### {micro_batches} micro-batches per step\n")
-    print("| layout | step (s) | speed-up vs pp 1 | bubble measured | bubble theory | measured / theory |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| layout | step (s) | speed-up vs pp 1 | bubble per stage | bubble measured (mean) | bubble theory "
+        "| measured / theory |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for label, (_, _, p, v) in LAYOUTS.items():
         mine = ok(results[label])
         if not mine:
-            print(f"| {label} | {error_of(results[label])} | | | | |")
+            print(f"| {label} | {error_of(results[label])} | | | | | |")
             continue
         speedups = [b["step_s"] / r["step_s"] for r, b in zip(mine, base)]
         bubbles = [statistics.mean(rank["bubble"] for rank in r["per_rank"]) for r in mine]
         expected = theory(p, v, micro_batches)
         ratio = spread([b / expected for b in bubbles], 2) if p > 1 else "-"
+        stages = " / ".join(
+            f"{statistics.median(r['per_rank'][k]['bubble'] for r in mine):.3f}"
+            for k in range(len(mine[0]["per_rank"]))
+        )
         print(
-            f"| {label} | {spread([r['step_s'] for r in mine], 3)} | {spread(speedups, 2, 'x')} | "
+            f"| {label} | {spread([r['step_s'] for r in mine], 3)} | {spread(speedups, 2, 'x')} | {stages} | "
             f"{spread(bubbles, 3)} | {expected:.3f} | {ratio} |"
         )
 

@@ -215,3 +215,26 @@ def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, t
         for step, (a, b) in enumerate(zip(_values(curve), straight)):
             for x, y in zip(a, b):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+
+
+def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_process(tmp_path):
+    """The issue's layout: pp 2 x ep 2 (x dp 2) on 4 ranks, ZeRO 1, a GPT-MoE with a dense first layer, MoE layers
+    with a shared expert, MLA attention, an MTP depth on the last stage and full recompute inside the stages,
+    against the same command at pp 1, ep 1 in one process: the curve, MTP losses and validations to 1e-10."""
+    model = ["--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "8", "--qk-head-dim", "8"]
+    model += ["--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--position-embedding-type", "rope"]
+    model += ["--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear", "--mtp-num-layers", "1"]
+    model += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argv = PIPELINE_TINY + model + ["--train-iters", "3", "--data-cache-path", str(tmp_path)]
+    ranks = run_distributed(_run, 4, argv + PP2 + ["--expert-model-parallel-size", "2"], timeout=600)
+    single = _run(argv)[0]
+    expected = _values(single)
+    assert len(expected) == 3
+    for history, _ in ranks:
+        assert len(history) == len(expected)
+        for step, (a, b) in enumerate(zip(_values(history), expected)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+        for got, want in zip(history, single):
+            assert abs(got["mtp_1_loss"] - want["mtp_1_loss"]) <= TOL * want["mtp_1_loss"]
+    assert "pp 2 (1F1B)" in ranks[3][1]
