@@ -131,3 +131,29 @@ def test_the_package_diagram_draws_real_imports_and_every_package():
         if os.path.exists(os.path.join(REPO, "moezero", name, "__init__.py"))
     }
     assert packages - {"config"} == boxes - {"recipe"} and {a for e in edges for a in e} <= boxes
+
+
+def _prose_words_per_section(text):
+    """{heading: words of prose under it} (code blocks, tables and indented collapsible blocks left out)."""
+    words, heading, in_code = {}, "(top)", False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif re.match(r"#{1,6} ", line) and not in_code:
+            heading = line
+        elif not in_code and not line.startswith(("|", "    ")):
+            words[heading] = words.get(heading, 0) + len(line.split())
+    return words
+
+
+def test_no_page_runs_on_for_more_than_about_800_words_without_a_heading():
+    """A reader finds a section by the table of contents: every stretch of prose has a subheading within ~800
+    words."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
+    long = []
+    for page in sorted(glob.glob(os.path.join(docs, "*.md"))):
+        with open(page) as f:
+            for heading, count in _prose_words_per_section(f.read()).items():
+                if count > 850:
+                    long.append(f"{os.path.basename(page)} {heading}: {count} words")
+    assert not long, f"give these sections subheadings: {long}"
