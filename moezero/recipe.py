@@ -19,6 +19,7 @@ from moezero.training.args import parse_configs
 from moezero.training.configs import CONFIG_CLASSES as TRAINING_CONFIG_CLASSES
 from moezero.training.configs import DESCRIPTION, Configs
 from moezero.training.job import run
+from moezero.training.pipeline_checks import refused_at_launch
 from moezero.training.pretrain import Pretraining
 
 CONFIG_CLASSES = TRAINING_CONFIG_CLASSES + (QATConfig,)
@@ -46,7 +47,7 @@ PLUGINS = {PLUGIN_NAME: attach_qat}
 
 
 def parse(argv: Optional[List[str]] = None) -> RecipeConfigs:
-    return RecipeConfigs(**parse_configs(argv, CONFIG_CLASSES, DESCRIPTION))
+    return RecipeConfigs(**parse_configs(argv, CONFIG_CLASSES, DESCRIPTION, refusals=refused_at_launch))
 
 
 def pretraining(cfg: RecipeConfigs) -> Pretraining:

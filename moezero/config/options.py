@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import field
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the flag and what is allowed."""
+    """A configuration value is invalid; the message names the flag and what is allowed (a line per problem).
+    `refused`: the fields whose values moezero refuses outright; the config is otherwise valid without them (so a
+    command line's other checks can still run, and one launch lists every refusal)."""
+
+    def __init__(self, message: str, refused: Tuple[str, ...] = ()):
+        super().__init__(message)
+        self.refused = refused
+
+
+_REFUSAL = re.compile(r"--[\w-]+[^:]*: not (supported|tested)")  # a flag or value moezero refuses, not a mistake
+
+
+def problem_lines(problems: Sequence[str]) -> List[str]:
+    """The lines of one error for a launch line's problems: one problem alone as it is; several under a first line
+    saying how many ('3 flags of this launch line are not supported:' where each is a refused flag or value)."""
+    if len(problems) < 2:
+        return list(problems)
+    if all(_REFUSAL.match(line) for line in problems):
+        return [f"{len(problems)} flags of this launch line are not supported:", *problems]
+    return [f"{len(problems)} problems with this launch line:", *problems]
 
 
 def option(
@@ -89,6 +109,13 @@ class Validated:
     def _require(self, condition: bool, name: str, message: str) -> None:
         if not condition:
             self._fail(name, message)
+
+    def _refuse(self, names: Sequence[str], message: str) -> None:
+        """One ConfigError naming every field of `names` with its value, a line each (`message`: why moezero
+        refuses them), so one launch lists them all."""
+        if names:
+            lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {message}" for name in names]
+            raise ConfigError("\n".join(lines), refused=tuple(names))
 
     def _check_choice(self, name: str) -> None:
         choices = next(f.metadata["choices"] for f in dataclasses.fields(self) if f.name == name)

@@ -88,13 +88,12 @@ class ParallelConfig(Validated):
         self._check_all_choices()
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
         self._require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
-        for name in ("tensor_parallel_size", "context_parallel_size", "expert_tensor_parallel_size"):
-            self._require(
-                getattr(self, name) in (1, None),
-                name,
-                "not supported by moezero, only 1 is accepted (it splits "
-                "experts with --expert-model-parallel-size and shards the rest with --zero-stage)",
-            )
+        only_one = ("tensor_parallel_size", "context_parallel_size", "expert_tensor_parallel_size")
+        self._refuse(  # last: the rest of the section is valid without them
+            [name for name in only_one if getattr(self, name) not in (1, None)],
+            "not supported by moezero, only 1 is accepted (it splits "
+            "experts with --expert-model-parallel-size and shards the rest with --zero-stage)",
+        )
 
 
 FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}  # Megatron-FSDP -> ZeRO

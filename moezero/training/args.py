@@ -18,9 +18,10 @@ import re
 import shlex
 import sys
 import typing
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
 
 from moezero.config import ConfigError
+from moezero.config.options import problem_lines
 from moezero.training.megatron_flags import megatron_table
 
 
@@ -83,7 +84,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def fail(self, messages: Sequence[str]) -> None:
         """Exit 2 with one line per problem (nothing when there is none)."""
-        lines = [line for message in messages for line in self._explained(message)]
+        lines = problem_lines([line for message in messages for line in self._explained(message)])
         if not lines:
             return
         if os.environ.get("RANK", "0") != "0":
@@ -205,14 +206,24 @@ def build_parser(config_classes: Sequence[Type], description: str) -> ArgumentPa
 
 
 def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Type]) -> Dict[str, Any]:
-    """{section: config instance}; validation errors (one ConfigError, a line per section) name the flag."""
+    """{section: config instance}; validation errors (one ConfigError, a line per problem) name the flag."""
+    built, problems = build_sections(namespace, config_classes)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return built
+
+
+def build_sections(namespace: argparse.Namespace, config_classes: Sequence[Type]) -> Tuple[Dict[str, Any], List[str]]:
+    """({section: config} of the sections that could be built, every problem): each section's first problem, or
+    all the values it refuses, so one launch lists them all. A section refusing values (ConfigError.refused) is
+    still built without them, so checks across sections see the rest of the command line."""
     values: Dict[str, Dict[str, Any]] = {cls.section: {} for cls in config_classes}
     for dest, value in vars(namespace).items():
         section, _, name = dest.partition(".")
         if section in values:
             values[section][name] = value
     problems, built = [], {}
-    for cls in config_classes:  # every section's first problem, so one launch lists them all
+    for cls in config_classes:
         if any(v is _BAD for v in values[cls.section].values()):
             continue  # the value argparse could not read is the problem reported
         try:
@@ -221,9 +232,22 @@ def configs_from_args(namespace: argparse.Namespace, config_classes: Sequence[Ty
             built[cls.section] = cls(**values[cls.section])
         except ConfigError as exc:
             problems.append(str(exc))
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return built
+            if exc.refused:
+                _build_without(cls, values[cls.section], exc.refused, built)
+    return built, problems
+
+
+def _build_without(cls: Type, values: Dict[str, Any], refused: Sequence[str], built: Dict[str, Any]) -> None:
+    """`cls` built with the `refused` fields at their defaults (their refusal is reported already)."""
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+        if f.name in refused
+    }
+    try:
+        built[cls.section] = cls(**{**values, **defaults})
+    except ConfigError:
+        pass  # its problem is reported when the refused values are fixed (a dependent rule)
 
 
 def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
@@ -231,19 +255,26 @@ def flag_values(configs: Iterable[Any]) -> Dict[str, Any]:
     return {flag: getattr(cfg, f.name) for cfg in configs for f, flag in flag_fields(type(cfg))}
 
 
-def parse_configs(argv: Optional[List[str]], config_classes: Sequence[Type], description: str) -> Dict[str, Any]:
-    """Parse argv into configs; bad flags and values exit with one line each, naming the flag. The checkpoint
-    section records which fields the command line set (`given_fields`: --use-checkpoint-args lets an imported
-    model's training values stand in for the others)."""
+def parse_configs(
+    argv: Optional[List[str]],
+    config_classes: Sequence[Type],
+    description: str,
+    refusals: Optional[Callable[[Dict[str, Any]], List[str]]] = None,
+) -> Dict[str, Any]:
+    """Parse argv into configs; bad flags and values exit with one line each, naming the flag, all of them at once.
+    The checkpoint section records which fields the command line set (`given_fields`: --use-checkpoint-args lets
+    an imported model's training values stand in for the others). `refusals`: what the script refuses of the
+    sections together (its lines join the others'), asked once every section is built."""
     parser = build_parser(config_classes, description)
     namespace, problems = parser.parse_with_problems(argv)
-    try:
-        configs = configs_from_args(namespace, config_classes)
-    except ConfigError as exc:
-        problems += str(exc).splitlines()
+    configs, config_problems = build_sections(namespace, config_classes)
+    problems += [line for problem in config_problems for line in problem.splitlines()]
+    if len(configs) == len(config_classes):  # every value read (argparse's problems leave a section unbuilt)
+        if hasattr(configs.get("checkpoint"), "given_fields"):
+            configs["checkpoint"].given_fields = tuple(sorted(given_dests(parser, argv)))
+        if refusals is not None:
+            problems += refusals(configs)
     parser.fail(problems)
-    if "checkpoint" in configs and hasattr(configs["checkpoint"], "given_fields"):
-        configs["checkpoint"].given_fields = tuple(sorted(given_dests(parser, argv)))
     return configs
 
 

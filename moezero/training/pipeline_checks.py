@@ -3,6 +3,7 @@
     notice = resolve_pipeline_zero_stage(cfg)   # without --zero-stage at pp > 1: Megatron's stage 0 (or 1)
     plan = check_pipeline_run(cfg)   # Megatron's rules on the pipeline flags (any pp), then, at pp > 1, what the
                                      # pipeline execution does not run yet: one line each, naming the flag
+    parse_configs(argv, ..., refusals=refused_at_launch)  # the latter at parse, with the other refused values
 
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
 than the stages), or the interleaved 1F1B with virtual stages, over tied or untied stages at ZeRO stages 0, 1 and 2,
@@ -13,7 +14,9 @@ rest is refused here until the execution has it.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import copy
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Tuple
 
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan
@@ -41,7 +44,7 @@ def pipeline_plan(cfg) -> PipelinePlan:
     )
 
 
-def _unsupported(cfg, plan: PipelinePlan) -> List[Tuple[bool, str]]:
+def _unsupported(cfg) -> List[Tuple[bool, str]]:
     """(refused, its line) of what the pipeline execution does not run yet."""
     t, z = cfg.train, cfg.zero
     return [
@@ -68,14 +71,32 @@ def resolve_pipeline_zero_stage(cfg) -> Optional[str]:
     return cfg.zero.resolve_pipeline_stage(cfg.parallel.pipeline_parallel_size, typed)
 
 
+def pipeline_refusals(cfg) -> List[str]:
+    """At pp > 1, every line of what the pipeline execution does not run yet that the run asks for (each naming
+    its flag and the pipeline size); none at pp 1."""
+    pp = cfg.parallel.pipeline_parallel_size
+    if pp == 1:
+        return []
+    return [f"{line} ({PP}={pp})" for refused, line in _unsupported(cfg) if refused]
+
+
+def refused_at_launch(sections: Dict[str, Any]) -> List[str]:
+    """parse_configs' `refusals`: pipeline_refusals of the parsed sections, with the ZeRO stage a pp > 1 run gets
+    where --zero-stage was not typed (resolved on a copy: the run resolves it, and says so, at start), so one
+    launch lists them with the values the sections refuse."""
+    zero = copy.copy(sections["zero"])
+    zero.resolve_pipeline_stage(sections["parallel"].pipeline_parallel_size, sections["checkpoint"].given_fields)
+    return pipeline_refusals(SimpleNamespace(**{**sections, "zero": zero}))
+
+
 def check_pipeline_run(cfg) -> PipelinePlan:
-    """The run's plan (Megatron's rules at any pp); at pp > 1 also what is not supported yet (one line naming the
-    flag, the first that applies)."""
+    """The run's plan (Megatron's rules at any pp); at pp > 1 also what is not supported yet (one line each,
+    naming the flag)."""
     plan = pipeline_plan(cfg)
     if plan.pp == 1:
         return plan
     plan.check_supported()
-    problem = next((line for refused, line in _unsupported(cfg, plan) if refused), None)
-    if problem is not None:
-        raise ConfigError(f"{problem} ({PP}={plan.pp})")
+    problems = pipeline_refusals(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
     return plan

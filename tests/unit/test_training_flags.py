@@ -34,6 +34,7 @@ def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     assert len(lines) == 1 and "--tensor-model-parallel-size=2: not supported by moezero" in lines[0]
     lines = _error_of(["--fp8-format", "hybrid", "--fp8-margin", "0", "--hiden-size", "64"], capsys)
     assert [line.split("error: ", 1)[1] for line in lines] == [
+        "3 problems with this launch line:",
         "--fp8-format: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
         "--fp8-margin: not supported by moezero (a Megatron-LM flag; see docs/megatron.md, 'Coming from Megatron-LM')",
         "unrecognized arguments: --hiden-size 64; did you mean --hidden-size? (see --help)",
@@ -80,6 +81,7 @@ def test_one_launch_lists_every_problem_one_line_each(capsys):
         capsys,
     )
     expected = [
+        "8 problems with this launch line:",
         "--ckpt-format torch: not supported by moezero",
         "--num-layers: invalid int value: 'two'",
         "--mtp-standalone: not supported by moezero",
@@ -91,6 +93,64 @@ def test_one_launch_lists_every_problem_one_line_each(capsys):
     ]  # the model's section holds the unreadable --num-layers: not built
     assert len(lines) == len(expected) and all(e in line for e, line in zip(expected, lines)), lines
     assert lines[-1].endswith("(see --help)") and all("error: " in line for line in lines)
+
+
+def _launch_error_of(argv, capsys):
+    """The error lines of the script's entry point (its parse: before any process group or model)."""
+    from moezero.recipe import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    return [line.split("error: ", 1)[1] for line in capsys.readouterr().err.strip().splitlines()]
+
+
+ONLY_1 = "not supported by moezero, only 1 is accepted (it splits experts with --expert-model-parallel-size"
+
+
+def test_one_launch_names_every_refused_value(capsys):
+    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many."""
+    lines = _launch_error_of(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--expert-tensor-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        capsys,
+    )
+    assert lines[0] == "3 flags of this launch line are not supported:", lines
+    flags = ("--tensor-model-parallel-size", "--context-parallel-size", "--expert-tensor-parallel-size")
+    assert len(lines) == 4 and all(line.startswith(f"{flag}=2: {ONLY_1}") for flag, line in zip(flags, lines[1:]))
+    assert lines[-1].endswith("(see --help)")
+    # one alone: the one line it always was
+    lines = _launch_error_of(["--context-parallel-size", "4"], capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"--context-parallel-size=4: {ONLY_1}"), lines
+
+
+def test_one_launch_names_refused_values_with_what_pipeline_stages_refuse(capsys):
+    """A refused value (tp) does not hide what pp > 1 refuses of the same line, each listed once; the combination
+    rules that need a valid line still wait for it (no noise lines)."""
+    pp_size = "(--pipeline-model-parallel-size=2)"
+    argv = ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--moe-use-upcycling"]
+    lines = _launch_error_of(argv + ["--tensor-model-parallel-size", "2"], capsys)
+    assert lines[0] == "3 flags of this launch line are not supported:", lines
+    assert lines[1].startswith(f"--tensor-model-parallel-size=2: {ONLY_1}"), lines
+    assert lines[2].startswith("--zero-stage=3: not supported with pipeline stages yet") and pp_size in lines[2]
+    assert lines[3] == f"--moe-use-upcycling: not supported with pipeline stages yet {pp_size} (see --help)"
+    assert len(lines) == 4, lines
+    # pp > 1's refusals together without a refused value too; stage 3 only where typed (pp's default is stage 0)
+    lines = _launch_error_of(
+        ["--pipeline-model-parallel-size", "2", "--moe-use-upcycling", "--optimizer", "muon"], capsys
+    )
+    assert lines == [
+        "2 flags of this launch line are not supported:",
+        f"--moe-use-upcycling: not supported with pipeline stages yet {pp_size}",
+        f"--optimizer muon: not tested with pipeline stages yet (use adam) {pp_size} (see --help)",
+    ], lines
 
 
 def test_help_has_no_placeholders_and_each_default_once():
@@ -389,6 +449,19 @@ def test_what_pipeline_stages_do_not_run_yet_is_one_line_at_start(argv, needle):
         validate(configs(TINY + argv), world_size=2)
     message = str(info.value)
     assert needle in message and "--pipeline-model-parallel-size" in message and len(message.splitlines()) == 1, message
+
+
+def test_what_pipeline_stages_do_not_run_yet_is_listed_whole_at_start():
+    """validate (also the check of a run built in-process) lists every refusal of pp > 1, not the first."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    argv = PP2 + ["--zero-stage", "3", "--overlap-moe-expert-parallel-comm", "--optimizer", "muon"]
+    with pytest.raises(ConfigError) as info:
+        validate(configs(TINY + argv), world_size=2)
+    lines = str(info.value).splitlines()
+    needles = [needle for _, needle in PIPELINE_REFUSALS if "upcycling" not in needle]
+    assert len(lines) == 3 and all(n in line for n, line in zip(needles, lines)), lines
 
 
 def test_qat_with_pipeline_stages_is_one_line_at_start():
