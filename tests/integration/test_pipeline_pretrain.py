@@ -217,6 +217,25 @@ def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, t
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
 
 
+def test_muon_at_pp2_equals_pp1_and_its_checkpoints_cross_pp(tmp_path):
+    """--optimizer muon: each stage's optimizer orthogonalises the whole matrices of its own layers (over its dp
+    group), Adam for the embedding and the rest, so pp 2 (tied embedding, ZeRO 1) follows one process's curve; a
+    pp 2 checkpoint (the momentum buffers under their global names, every stage's Muon and Adam groups) resumes in
+    one process, and a pp 1 one at pp 2, on the uninterrupted curve (float64, 1e-10)."""
+    argv = PIPELINE_TINY + ["--optimizer", "muon", "--train-iters", "3", "--eval-interval", "0"]
+    argv += ["--data-cache-path", str(tmp_path)]
+    at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = _values(_run(argv)[0])
+    first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
+    first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
+    from_pp2, _ = _run(argv + ["--load", at_pp2])
+    for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
+        assert [h["iteration"] for h in curve] == [1, 2, 3], name
+        for step, (a, b) in enumerate(zip(_values(curve), straight)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+
+
 def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_process(tmp_path):
     """The issue's layout: pp 2 x ep 2 (x dp 2) on 4 ranks, ZeRO 1, a GPT-MoE with a dense first layer, MoE layers
     with a shared expert, MLA attention, an MTP depth on the last stage and full recompute inside the stages,

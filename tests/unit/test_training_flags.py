@@ -372,7 +372,6 @@ PIPELINE_REFUSALS = [
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: not supported with pipeline stages yet"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
     (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
-    (PP2 + ["--optimizer", "muon"], "--optimizer muon: not tested with pipeline stages yet"),
 ]
 
 
