@@ -236,6 +236,30 @@ def test_muon_at_pp2_equals_pp1_and_its_checkpoints_cross_pp(tmp_path):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
 
 
+def _dense(argv):
+    """The command without its MoE layers (a dense model of the same shape)."""
+    moe = {"--num-experts", "--moe-router-topk", "--moe-expert-capacity-factor"}
+    return [a for i, a in enumerate(argv) if a not in moe and (i == 0 or argv[i - 1] not in moe)]
+
+
+def test_upcycling_at_pp2_equals_pp1(tmp_path):
+    """--moe-use-upcycling: each stage fills its own layers' experts from the dense checkpoint (the tied copy takes
+    the first stage's upcycled embedding with the optimizer), so pp 2's upcycled run follows one process's (dense
+    first layer, dropless MoE layers, float64, 1e-10)."""
+    dense, cache = str(tmp_path / "dense"), ["--data-cache-path", str(tmp_path)]
+    _run(_dense(PIPELINE_TINY) + cache + ["--train-iters", "2", "--save", dense])
+    argv = _dense(PIPELINE_TINY) + ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "3"]
+    argv += cache + ["--load", dense, "--moe-use-upcycling"]
+    single, output = _run(argv)
+    assert "--moe-use-upcycling: the experts start as the dense MLPs of" in output
+    expected = _values(single)
+    for history, _ in run_distributed(_run, 2, argv + PP2, timeout=400):
+        assert len(history) == len(expected) == 3
+        for step, (a, b) in enumerate(zip(_values(history), expected)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+
+
 def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_process(tmp_path):
     """The issue's layout: pp 2 x ep 2 (x dp 2) on 4 ranks, ZeRO 1, a GPT-MoE with a dense first layer, MoE layers
     with a shared expert, MLA attention, an MTP depth on the last stage and full recompute inside the stages,

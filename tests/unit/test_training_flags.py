@@ -371,7 +371,6 @@ def test_a_bad_pipeline_layout_is_one_line_at_start(extra, world, needle):
 PIPELINE_REFUSALS = [
     (PP2 + ["--zero-stage", "3"], "--zero-stage=3: not supported with pipeline stages yet"),
     (PP2 + ["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm: not supported with pipeline"),
-    (PP2 + ["--moe-use-upcycling"], "--moe-use-upcycling: not supported with pipeline stages"),
 ]
 
 
