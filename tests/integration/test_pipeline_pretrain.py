@@ -260,6 +260,42 @@ def test_upcycling_at_pp2_equals_pp1(tmp_path):
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
 
 
+def _run_qat(argv):
+    """(history, QAT's scalars after the run: a collective over the pipeline) of one run in this process."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        run = pretraining(configs(argv))
+        run.train()
+        scalars = run.plugins["qat"].scalars()
+    run.destroy_groups()
+    return run.history, scalars
+
+
+def test_qat_at_pp2_equals_pp1(tmp_path):
+    """Quantization-aware training on every stage's layers and the tied word embedding (the last stage's copy
+    fake-quantized as the first stage's weight, the same stochastic rounding by name), bits lowered at every step:
+    pp 2 follows one process's curve (float64, 1e-10), and the logged bits and quantization errors are the whole
+    model's (summed over the stages, the embedding once); its checkpoint of iteration 2 (the masters under the
+    parametrizations' names, the schedule) resumes in one process on the uninterrupted curve."""
+    qat = ["--qat-weight-bits", "4", "--qat-start-bits", "6", "--qat-bits-period", "1", "--qat-groups", "16"]
+    qat += ["--qat-modules", "attention,mlp,experts,router,embedding", "--qat-rounding", "stochastic"]
+    argv = PIPELINE_TINY + qat + ["--train-iters", "3", "--data-cache-path", str(tmp_path)]
+    saved = str(tmp_path / "pp2")
+    single, single_scalars = _run_qat(argv)
+    assert single_scalars["qat/bits/embedding"] == 4.0 and len(single_scalars) == 10  # 5 groups: bits and error
+    ranks = run_distributed(_run_qat, 2, argv + PP2 + ["--save", saved, "--save-interval", "2"], timeout=400)
+    resumed, resumed_scalars = _run_qat(argv + ["--load", saved, "--ckpt-step", "2"])
+    runs = [("pp 2, rank 0", *ranks[0]), ("pp 2, rank 1", *ranks[1])]
+    runs.append(("pp 2 -> pp 1", ranks[1][0][:2] + resumed, resumed_scalars))
+    for name, history, scalars in runs:
+        assert [h["iteration"] for h in history] == [1, 2, 3], name
+        for step, (a, b) in enumerate(zip(_values(history), _values(single))):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+        assert scalars.keys() == single_scalars.keys(), name
+        for tag, value in single_scalars.items():
+            assert abs(scalars[tag] - value) <= TOL * abs(value), (name, tag, scalars[tag], value)
+
+
 def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_process(tmp_path):
     """The issue's layout: pp 2 x ep 2 (x dp 2) on 4 ranks, ZeRO 1, a GPT-MoE with a dense first layer, MoE layers
     with a shared expert, MLA attention, an MTP depth on the last stage and full recompute inside the stages,

@@ -387,16 +387,3 @@ def test_what_pipeline_stages_do_not_run_yet_is_one_line_at_start(argv, needle):
         validate(configs(TINY + argv), world_size=2)
     message = str(info.value)
     assert needle in message and "--pipeline-model-parallel-size" in message and len(message.splitlines()) == 1, message
-
-
-def test_qat_with_pipeline_stages_is_one_line_at_start():
-    """QAT plugs in from the recipe (training never imports it): its plug-in refuses pipeline stages before the
-    optimizer is built."""
-    from moezero.recipe import attach_qat
-
-    with pytest.raises(
-        ConfigError,
-        match="--qat-weight-bits=4: quantization-aware training with "
-        "--pipeline-model-parallel-size=2 is not supported yet",
-    ):
-        attach_qat(None, None, _pipeline_configs(["--qat-weight-bits", "4"]))
