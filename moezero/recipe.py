@@ -8,13 +8,13 @@ quantization-aware training plugged in from above (training never imports compre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from torch import nn
 
 from moezero.compression import PLUGIN_NAME, QATConfig, QATController, apply_qat
-from moezero.config import ConfigError
 from moezero.parallel import ParallelGroups
+from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.training.args import parse_configs
 from moezero.training.configs import CONFIG_CLASSES as TRAINING_CONFIG_CLASSES
 from moezero.training.configs import DESCRIPTION, Configs
@@ -30,16 +30,15 @@ class RecipeConfigs(Configs):
     qat: QATConfig = field(default_factory=QATConfig)
 
 
-def attach_qat(model: nn.Module, groups: ParallelGroups, cfg: RecipeConfigs) -> Optional[QATController]:
-    """Fake quantization in the model's forward when --qat-weight-bits is set (refused with pipeline stages until
-    tested there: one line at start, before the optimizer)."""
+def attach_qat(
+    model: nn.Module, groups: Union[ParallelGroups, PipelineGroups], cfg: RecipeConfigs
+) -> Optional[QATController]:
+    """Fake quantization in the model's forward when --qat-weight-bits is set; at pp > 1 (`groups`: the rank's
+    PipelineGroups) on the rank's stages, its error summed over the pipeline."""
     if not cfg.qat.enabled:
         return None
-    if cfg.parallel.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"--qat-weight-bits={cfg.qat.weight_bits}: quantization-aware training with "
-            f"--pipeline-model-parallel-size={cfg.parallel.pipeline_parallel_size} is not supported yet"
-        )
+    if isinstance(groups, PipelineGroups):
+        return apply_qat(model, cfg.qat, groups.stage, cfg.train.seed, sum_over_stages=groups.sum_over_stages)
     return apply_qat(model, cfg.qat, groups, cfg.train.seed)
 
 

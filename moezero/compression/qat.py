@@ -15,13 +15,13 @@ so the optimizer's fp32 master shards stay full precision and keep accumulating 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from moezero.compression.config import ACTIVATION_GROUPS, QATConfig
+from moezero.compression.config import ACTIVATION_GROUPS, MODULE_GROUPS, QATConfig
 from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight, QATState
 from moezero.compression.quantizer import quantize_rows, to_rows
 from moezero.compression.bits_schedule import bits_at
@@ -42,15 +42,27 @@ class QATController:
         state: the QATState the model's fake-quant modules read.
         ep_group: process group over which the experts are split (None: a world of one); the
             quantization error of expert weights is summed over it.
+        sum_over_stages: with pipeline stages (each holding its own layers' targets), the in-place sum of a
+            tensor over the rank's pipeline (PipelineGroups.sum_over_stages): the error and the module groups are
+            the whole model's. A collective at construction.
     """
 
     def __init__(
-        self, config: QATConfig, targets: Sequence[QuantTarget], state: QATState, ep_group: Optional[object] = None
+        self,
+        config: QATConfig,
+        targets: Sequence[QuantTarget],
+        state: QATState,
+        ep_group: Optional[object] = None,
+        sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
     ):
         self.config = config
         self.targets = list(targets)
         self.state = state
         self.ep_group = ep_group
+        self.sum_over_stages = sum_over_stages
+        self._module_groups = list(dict.fromkeys(t.group for t in self.targets))
+        if sum_over_stages is not None:
+            self._module_groups = self._groups_of_every_stage()
         self._set_step(0)
 
     # ---- the schedule ---------------------------------------------------------------------------
@@ -77,14 +89,21 @@ class QATController:
         return {group: self.bits or 0 for group in self.module_groups()}
 
     def module_groups(self) -> List[str]:
-        return list(dict.fromkeys(t.group for t in self.targets))
+        """The module groups with a quantized weight (model order; with pipeline stages, any stage's, in
+        MODULE_GROUPS order: every rank alike)."""
+        return list(self._module_groups)
+
+    def _groups_of_every_stage(self) -> List[str]:
+        held = torch.tensor([float(any(t.group == g for t in self.targets)) for g in MODULE_GROUPS])
+        self.sum_over_stages(held)
+        return [g for g, count in zip(MODULE_GROUPS, held.tolist()) if count > 0]
 
     # ---- monitoring ------------------------------------------------------------------------------
     @torch.no_grad()
     def quantization_error(self) -> Dict[str, float]:
         """Mean relative error ||w_hat - w|| / ||w|| per module group, over its tensors (each global
-        expert counted as one tensor), at the current bits with nearest rounding. Collective over ep.
-        """
+        expert counted as one tensor), at the current bits with nearest rounding. Collective over ep (and the
+        pipeline: each stage's own weights)."""
         groups = self.module_groups()
         sums = torch.zeros(2 * len(groups), dtype=torch.float64)  # dense part: identical on every rank
         expert_sums = torch.zeros_like(sums)  # expert part: summed over ep
@@ -98,6 +117,8 @@ class QATController:
         if any(t.shard is not None for t in self.targets):
             comm.all_reduce(expert_sums, self.ep_group)
         total = sums + expert_sums
+        if self.sum_over_stages is not None:
+            self.sum_over_stages(total)
         return {
             g: float(total[2 * i] / total[2 * i + 1]) if total[2 * i + 1] > 0 else 0.0 for i, g in enumerate(groups)
         }
@@ -127,9 +148,16 @@ def _relative_errors(t: QuantTarget, bits: int, config: QATConfig) -> torch.Tens
 
 
 def apply_qat(
-    model: nn.Module, config: QATConfig, groups: Optional[ParallelGroups] = None, seed: int = 0
+    model: nn.Module,
+    config: QATConfig,
+    groups: Optional[ParallelGroups] = None,
+    seed: int = 0,
+    sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> QATController:
-    """Register fake quantization on the selected weights of `model` (before building the optimizer).
+    """Register fake quantization on the selected weights of `model` (before building the optimizer). `model` may
+    be a pipeline rank's StageModel (`groups` its stage's, `sum_over_stages` its pipeline's sum: QATController):
+    its last stage's copy of the word embedding (tied, or the MTP depths' input) is fake-quantized as the
+    embedding is, under the same name (so the same rounding), and is not a target (counted once).
 
     Raises ConfigError for a module group the model cannot quantize or groups that do not divide
     a tensor; RuntimeError if the parametrization did not keep a Parameter object and its storage.
@@ -138,9 +166,12 @@ def apply_qat(
     targets = quant_targets(model, config.module_groups)
     check_groups_divide(targets, config.groups)
     state = QATState()
-    controller = QATController(config, targets, state, groups.ep)
+    controller = QATController(config, targets, state, groups.ep, sum_over_stages)
     for t in targets:
         _register(t, config, seed, state)
+    copy = getattr(model, "embedding_copy", None)
+    if copy is not None and "embedding" in config.module_groups:
+        _register(QuantTarget("embedding", "embedding.weight", copy, "weight", None), config, seed, state)
     if config.activation_bits is not None:
         add_activation_quant(targets, config.activation_bits, state)
     return controller

@@ -7,7 +7,8 @@
     shared_expert  shared_expert.fc1, shared_expert.fc2              (nn.Linear weights)
     router         router.wg                                         (the gate)
     embedding      the token and learned position embedding tables   (with tied weights this is
-                                                                      also the output layer's weight)
+                                                                      also the output layer's weight; at pp > 1
+                                                                      the last stage's copy too, apply_qat)
     output         the untied output layer
 
 Biases and norm weights are never quantized. A canonical name is the parameter's name without
@@ -30,6 +31,7 @@ from moezero.models.gpt import GPTModel, TransformerLayer
 from moezero.models.mla import MultiLatentAttention
 from moezero.moe import MoELayer
 from moezero.moe.experts import DenseMLP
+from moezero.pipeline.stage_model import StageModel
 from moezero.parallel.expert_marker import ExpertShard, expert_shard_of
 
 _PARAMETRIZED = re.compile(r"(^|\.)parametrizations\.([^.]+)\.original$")
@@ -82,8 +84,9 @@ def _candidates(model: nn.Module):
             if m.shared_expert is not None:
                 yield "shared_expert", prefix + "shared_expert.fc1", m.shared_expert.fc1, "weight"
                 yield "shared_expert", prefix + "shared_expert.fc2", m.shared_expert.fc2, "weight"
-        elif isinstance(m, GPTModel):
-            yield "embedding", prefix + "embedding", m.embedding, "weight"
+        elif isinstance(m, (GPTModel, StageModel)):  # a pipeline stage holds what of these is on its stages
+            if m.embedding is not None:
+                yield "embedding", prefix + "embedding", m.embedding, "weight"
             if m.position_embedding is not None:
                 yield "embedding", prefix + "position_embedding", m.position_embedding, "weight"
             if m.output is not None:
@@ -99,7 +102,10 @@ def quant_targets(model: nn.Module, module_groups: Sequence[str]) -> List[QuantT
     if (
         "output" in module_groups
         and "embedding" not in module_groups
-        and any(isinstance(m, GPTModel) and m.output is None for m in model.modules())
+        and any(
+            isinstance(m, (GPTModel, StageModel)) and not m.config.untie_embeddings_and_output_weights
+            for m in model.modules()
+        )
     ):
         raise ConfigError(
             "--qat-modules=output: the output layer shares its weight with the embedding "

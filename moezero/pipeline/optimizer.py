@@ -135,7 +135,10 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         return group
 
 
-def _group_kind(group: Dict[str, Any]) -> Tuple[float, bool]:
+def _group_kind(group: Dict[str, Any]) -> Tuple[float, bool, int, Tuple[int, ...]]:
     """A Megatron param group's kind, ordered as megatron_param_groups orders them: decayed (wd_mult 1) before not,
-    plain before --decoupled-lr's (which carry max_lr)."""
-    return -group.get("wd_mult", 1.0), "max_lr" in group
+    plain before --decoupled-lr's (which carry max_lr); with Muon (muon_param_groups) each of those split into its
+    Muon groups, a fused QKV's row split before the whole matrices (QKV is a layer's first matrix), then Adam's."""
+    split = tuple(group.get("muon_split_rows") or ())
+    muon_order = (0 if split else 1) if group.get("muon") else 2
+    return -group.get("wd_mult", 1.0), "max_lr" in group, muon_order, split

@@ -20,6 +20,7 @@ import datetime
 import gc
 from typing import Any, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from moezero.parallel import ParallelGroups
@@ -109,6 +110,14 @@ class PipelineGroups:
             layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement, timeout=timeout
         )
         return cls(layout, rank, stage, pp, world_control, timeout, embedding)
+
+    def sum_over_stages(self, tensor: torch.Tensor) -> None:
+        """All-reduce (sum) `tensor` in place over this rank's pipeline: a total of every stage's part. The group is
+        read here, never kept (close_pp)."""
+        group = self._pp
+        if group is None:
+            raise RuntimeError("this rank's pipeline group was closed after a stage failed; the run cannot go on")
+        dist.all_reduce(tensor, group=group)
 
     def close_pp(self) -> None:
         """Close this rank's pipeline connections (after a failure): a neighbour blocked in a send or receive

@@ -155,6 +155,14 @@ class StageModel(nn.Module):
             self.embedding_copy._apply(fn, recurse)
         return self
 
+    def train(self, mode: bool = True):
+        """.train()/.eval() reach the unregistered copy too (a plug-in's parametrization of it, QAT's fake
+        quantization, rounds stochastically in training only)."""
+        super().train(mode)
+        if self.embedding_copy is not None:
+            self.embedding_copy.train(mode)
+        return self
+
     @property
     def word_embedding(self) -> nn.Embedding:
         """The word embedding this rank uses: the first stage's, or the last stage's copy of it."""

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 class TiedEmbedding:
@@ -95,7 +96,15 @@ def tied_embedding(model, groups) -> Optional[TiedEmbedding]:
     if not copied or groups.embedding is None or groups.pp_size == 1:
         return None
     if model.embedding is not None:
-        return TiedEmbedding(model.embedding.weight, groups, groups.embedding_ranks[0], True)
+        return TiedEmbedding(_weight_param(model.embedding), groups, groups.embedding_ranks[0], True)
     if model.embedding_copy is not None:
-        return TiedEmbedding(model.embedding_copy.weight, groups, groups.embedding_ranks[0], False)
+        return TiedEmbedding(_weight_param(model.embedding_copy), groups, groups.embedding_ranks[0], False)
     return None
+
+
+def _weight_param(embedding: nn.Embedding) -> nn.Parameter:
+    """The embedding's weight Parameter, also under a parametrization (QAT's fake quantization: `.weight` is then
+    the quantized value of this `original`)."""
+    if parametrize.is_parametrized(embedding, "weight"):
+        return embedding.parametrizations.weight.original
+    return embedding.weight

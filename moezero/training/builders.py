@@ -118,23 +118,26 @@ def place_on(model: GPTModel, device: torch.device) -> GPTModel:
 def build_optimizer(model: GPTModel, cfg: Configs, groups: ParallelGroups) -> ZeroOptimizer:
     """AdamW or SGD under ZeRO, with Megatron's no-weight-decay groups."""
     cls, kwargs = optimizer_class(cfg)
-    t = cfg.train
-    if t.optimizer == "muon":  # megatron-core's split: Muon for the 2-D weights, Adam for the rest
-        param_groups = muon_param_groups(
-            model, t.weight_decay, split_qkv=not t.muon_no_split_qkv, base_groups=megatron_param_groups(model, t)
-        )
-    else:
-        param_groups = megatron_param_groups(model, t)
     return ZeroOptimizer.from_config(
         model,
         cls,
         groups,
         cfg.zero,
-        param_groups=param_groups,
+        param_groups=optimizer_param_groups(model, cfg.train),
         fp16=cfg.train.fp16,
         lr=cfg.train.lr,
         **kwargs,
     )
+
+
+def optimizer_param_groups(model: nn.Module, t: TrainConfig) -> List[Dict]:
+    """Megatron's param groups of the model (or of a pipeline stage's part of it); with --optimizer muon each split
+    in megatron-core's way: Muon for the 2-D weights, Adam for the rest."""
+    if t.optimizer == "muon":
+        return muon_param_groups(
+            model, t.weight_decay, split_qkv=not t.muon_no_split_qkv, base_groups=megatron_param_groups(model, t)
+        )
+    return megatron_param_groups(model, t)
 
 
 def optimizer_class(cfg: Configs) -> Tuple[type, Dict]:

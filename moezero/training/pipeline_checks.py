@@ -7,9 +7,10 @@
 
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
 than the stages), or the interleaved 1F1B with virtual stages, over tied or untied stages at ZeRO stages 0, 1 and 2,
-the even, first/last and layout splits, dense and MoE layers (expert parallel within a stage), recompute, clipping
-and the gradient norm over every stage, evaluation (forward only), checkpoints (a pp's resumes at any other). The
-rest is refused here until the execution has it.
+the even, first/last and layout splits, dense and MoE layers (expert parallel within a stage), recompute, Adam, SGD
+or Muon, clipping and the gradient norm over every stage, evaluation (forward only), checkpoints (a pp's resumes at
+any other), upcycling (each stage its own layers), QAT (the recipe's plug-in, on each stage's weights). The rest is
+refused here until the execution has it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ def _unsupported(cfg) -> List[Tuple[bool, str]]:
             "--overlap-moe-expert-parallel-comm: not supported with pipeline "
             "stages yet (its micro-batch pairs are a schedule of their own)",
         ),
-        (cfg.moe.use_upcycling, "--moe-use-upcycling: not supported with pipeline stages yet"),
-        (t.optimizer == "muon", "--optimizer muon: not tested with pipeline stages yet (use adam)"),
     ]
 
 

@@ -23,7 +23,7 @@ from moezero.pipeline import PipelinePlan
 from moezero.pipeline.optimizer import PipelineZeroOptimizer
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.pipeline.stage_model import StageModel
-from moezero.training.builders import megatron_param_groups, optimizer_class, place_on
+from moezero.training.builders import optimizer_class, optimizer_param_groups, place_on
 from moezero.training.pipeline_checks import pipeline_plan
 from moezero.training.pipeline_step import PipelineTrainer
 
@@ -95,7 +95,7 @@ class PipelineRun:
             cls,
             self.groups,
             cfg.zero,
-            param_groups=megatron_param_groups(self.model, cfg.train),
+            param_groups=optimizer_param_groups(self.model, cfg.train),
             fp16=cfg.train.fp16,
             lr=cfg.train.lr,
             **kwargs,

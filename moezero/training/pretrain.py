@@ -177,7 +177,9 @@ class Pretraining:
             dense = checkpoint.consolidate_checkpoint(dense_source.path)  # a QAT run's under plain names
             upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()})
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
-        self.plugins = attach_plugins(plugins, self.model, self.groups, cfg)
+        self.plugins = attach_plugins(
+            plugins, self.model, self.groups if self.pipeline is None else self.pipeline.groups, cfg
+        )
         self._check_exportable()
         if point is not None:  # at pp > 1 the other stages' params are in it too
             check_shapes(self.model, point, self.pipeline.other_stages_params() if self.pipeline is not None else ())

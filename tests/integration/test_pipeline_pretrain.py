@@ -217,6 +217,85 @@ def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, t
                 assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
 
 
+def test_muon_at_pp2_equals_pp1_and_its_checkpoints_cross_pp(tmp_path):
+    """--optimizer muon: each stage's optimizer orthogonalises the whole matrices of its own layers (over its dp
+    group), Adam for the embedding and the rest, so pp 2 (tied embedding, ZeRO 1) follows one process's curve; a
+    pp 2 checkpoint (the momentum buffers under their global names, every stage's Muon and Adam groups) resumes in
+    one process, and a pp 1 one at pp 2, on the uninterrupted curve (float64, 1e-10)."""
+    argv = PIPELINE_TINY + ["--optimizer", "muon", "--train-iters", "3", "--eval-interval", "0"]
+    argv += ["--data-cache-path", str(tmp_path)]
+    at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = _values(_run(argv)[0])
+    first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
+    first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
+    from_pp2, _ = _run(argv + ["--load", at_pp2])
+    for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
+        assert [h["iteration"] for h in curve] == [1, 2, 3], name
+        for step, (a, b) in enumerate(zip(_values(curve), straight)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+
+
+def _dense(argv):
+    """The command without its MoE layers (a dense model of the same shape)."""
+    moe = {"--num-experts", "--moe-router-topk", "--moe-expert-capacity-factor"}
+    return [a for i, a in enumerate(argv) if a not in moe and (i == 0 or argv[i - 1] not in moe)]
+
+
+def test_upcycling_at_pp2_equals_pp1(tmp_path):
+    """--moe-use-upcycling: each stage fills its own layers' experts from the dense checkpoint (the tied copy takes
+    the first stage's upcycled embedding with the optimizer), so pp 2's upcycled run follows one process's (dense
+    first layer, dropless MoE layers, float64, 1e-10)."""
+    dense, cache = str(tmp_path / "dense"), ["--data-cache-path", str(tmp_path)]
+    _run(_dense(PIPELINE_TINY) + cache + ["--train-iters", "2", "--save", dense])
+    argv = _dense(PIPELINE_TINY) + ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "3"]
+    argv += cache + ["--load", dense, "--moe-use-upcycling"]
+    single, output = _run(argv)
+    assert "--moe-use-upcycling: the experts start as the dense MLPs of" in output
+    expected = _values(single)
+    for history, _ in run_distributed(_run, 2, argv + PP2, timeout=400):
+        assert len(history) == len(expected) == 3
+        for step, (a, b) in enumerate(zip(_values(history), expected)):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (step, a, b)
+
+
+def _run_qat(argv):
+    """(history, QAT's scalars after the run: a collective over the pipeline) of one run in this process."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        run = pretraining(configs(argv))
+        run.train()
+        scalars = run.plugins["qat"].scalars()
+    run.destroy_groups()
+    return run.history, scalars
+
+
+def test_qat_at_pp2_equals_pp1(tmp_path):
+    """Quantization-aware training on every stage's layers and the tied word embedding (the last stage's copy
+    fake-quantized as the first stage's weight, the same stochastic rounding by name), bits lowered at every step:
+    pp 2 follows one process's curve (float64, 1e-10), and the logged bits and quantization errors are the whole
+    model's (summed over the stages, the embedding once); its checkpoint of iteration 2 (the masters under the
+    parametrizations' names, the schedule) resumes in one process on the uninterrupted curve."""
+    qat = ["--qat-weight-bits", "4", "--qat-start-bits", "6", "--qat-bits-period", "1", "--qat-groups", "16"]
+    qat += ["--qat-modules", "attention,mlp,experts,router,embedding", "--qat-rounding", "stochastic"]
+    argv = PIPELINE_TINY + qat + ["--train-iters", "3", "--data-cache-path", str(tmp_path)]
+    saved = str(tmp_path / "pp2")
+    single, single_scalars = _run_qat(argv)
+    assert single_scalars["qat/bits/embedding"] == 4.0 and len(single_scalars) == 10  # 5 groups: bits and error
+    ranks = run_distributed(_run_qat, 2, argv + PP2 + ["--save", saved, "--save-interval", "2"], timeout=400)
+    resumed, resumed_scalars = _run_qat(argv + ["--load", saved, "--ckpt-step", "2"])
+    runs = [("pp 2, rank 0", *ranks[0]), ("pp 2, rank 1", *ranks[1])]
+    runs.append(("pp 2 -> pp 1", ranks[1][0][:2] + resumed, resumed_scalars))
+    for name, history, scalars in runs:
+        assert [h["iteration"] for h in history] == [1, 2, 3], name
+        for step, (a, b) in enumerate(zip(_values(history), _values(single))):
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or abs(x - y) <= TOL * abs(y), (name, step, a, b)
+        assert scalars.keys() == single_scalars.keys(), name
+        for tag, value in single_scalars.items():
+            assert abs(scalars[tag] - value) <= TOL * abs(value), (name, tag, scalars[tag], value)
+
+
 def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_process(tmp_path):
     """The issue's layout: pp 2 x ep 2 (x dp 2) on 4 ranks, ZeRO 1, a GPT-MoE with a dense first layer, MoE layers
     with a shared expert, MLA attention, an MTP depth on the last stage and full recompute inside the stages,
