@@ -13,8 +13,7 @@ It overrides ZeroOptimizer's seam for that, `sum_over_model_parts`; the count of
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,18 +41,10 @@ class PipelineZeroOptimizer(ZeroOptimizer):
         if self.tied is not None:  # keyed alike, the copy is equal already, unless the weight was read (--load-hf)
             self.tied.refresh()
 
-    @contextlib.contextmanager
-    def scaled_backwards(self) -> Iterator[None]:
-        """The backwards the pipeline schedule runs inside are of a loss its loss function multiplied by the fp16 loss
-        scale (the schedule's `loss_fn`, where ZeroOptimizer.backward would multiply)."""
-        with self.engine.scaled_backward():
-            yield
-
     def backward_of_scaled(self, loss: torch.Tensor) -> None:
         """loss.backward() of a loss whose gradient already carries the fp16 loss scale (the tied copy's gradient,
         from the last stage's scaled backwards): ZeroOptimizer.backward without its multiplication."""
-        self._check_live()
-        with self.engine.scaled_backward():
+        with self.scaled_backwards():
             loss.backward()
 
     def step(self, closure=None) -> bool:

@@ -229,6 +229,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self.engine.no_sync():
             yield
 
+    @contextlib.contextmanager
+    def scaled_backwards(self) -> Iterator[None]:
+        """Backwards inside are of losses the caller multiplied by the fp16 loss scale itself (a pipeline schedule's
+        loss function, where `backward` would multiply): the step unscales their gradients as `backward`'s."""
+        self._check_live()
+        with self.engine.scaled_backward():
+            yield
+
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled by the fp16 loss scale when there is one."""
         self._check_live()
