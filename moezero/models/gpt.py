@@ -23,7 +23,7 @@ from moezero.config import GPTConfig, MoEConfig, is_moe_layer, is_window_layer, 
 from moezero.keyed_random import SampleKeys, init_keyed_, is_bias, keyed_dropout
 from moezero.models.attention import CausalSelfAttention, norm_layer, recomputing
 from moezero.models.mla import MultiLatentAttention
-from moezero.models.mtp import MultiTokenPredictionLayer, shift_left
+from moezero.models.mtp import MultiTokenPredictionLayer, recomputes_mtp, run_mtp_depth
 from moezero.moe import MoELayer, MoEStats
 from moezero.moe.experts import DenseMLP
 from moezero.ops.cross_entropy import token_cross_entropy
@@ -182,19 +182,19 @@ class GPTModel(nn.Module):
     ):
         """Each MTP depth's hidden states in turn (its MoE stats appended to `all_stats`); Megatron recomputes
         the depths with --recompute-method uniform."""
-        recompute = self.config.recompute_granularity == "full" and self.config.recompute_method == "uniform"
+        recompute = recomputes_mtp(self.config)
         for k, module in enumerate(self.mtp or ()):
-            embedded = keyed_dropout(
-                self.embedding(shift_left(tokens_BS, k + 1)),
-                self.config.hidden_dropout,
-                self.training,
+            hidden, stats = run_mtp_depth(
+                k,
+                module,
+                self.embedding,
+                tokens_BS,
+                hidden,
                 keys,
-                f"mtp{k}.embedding",
+                self.config,
+                self.training,
+                recompute and recomputing(self),
             )
-            if recompute and recomputing(self):
-                hidden, stats = checkpoint(module, embedded, hidden, keys, use_reentrant=False)
-            else:
-                hidden, stats = module(embedded, hidden, keys)
             if stats is not None:
                 all_stats.append(stats)
             yield hidden

@@ -17,9 +17,10 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moezero.config import GPTConfig
-from moezero.keyed_random import SampleKeys
+from moezero.keyed_random import SampleKeys, keyed_dropout
 from moezero.models.attention import norm_layer
 from moezero.moe import MoEStats
 
@@ -30,6 +31,32 @@ def shift_left(tensor_BS: torch.Tensor, places: int = 1) -> torch.Tensor:
     if places < tensor_BS.shape[-1]:
         out[..., : tensor_BS.shape[-1] - places] = tensor_BS[..., places:]
     return out
+
+
+def recomputes_mtp(config: GPTConfig) -> bool:
+    """Megatron recomputes the MTP depths with --recompute-granularity full --recompute-method uniform."""
+    return config.recompute_granularity == "full" and config.recompute_method == "uniform"
+
+
+def run_mtp_depth(
+    k: int,
+    depth: nn.Module,
+    embedding: nn.Module,
+    tokens_BS: torch.Tensor,
+    hidden: torch.Tensor,
+    keys: Optional[SampleKeys],
+    config: GPTConfig,
+    training: bool,
+    recompute: bool,
+) -> Tuple[torch.Tensor, Optional[MoEStats]]:
+    """MTP depth k (`depth`) on the previous depth's `hidden`: the tokens shifted k + 1 places, embedded with
+    `embedding` and its keyed dropout, then the depth (checkpointed when `recompute`); (hidden, its MoE stats)."""
+    embedded = keyed_dropout(
+        embedding(shift_left(tokens_BS, k + 1)), config.hidden_dropout, training, keys, f"mtp{k}.embedding"
+    )
+    if recompute:
+        return checkpoint(depth, embedded, hidden, keys, use_reentrant=False)
+    return depth(embedded, hidden, keys)
 
 
 class MultiTokenPredictionLayer(nn.Module):

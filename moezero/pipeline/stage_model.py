@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
-from moezero.keyed_random import SampleKeys, init_keyed_, keyed_dropout
+from moezero.keyed_random import SampleKeys, init_keyed_
 from moezero.models.attention import norm_layer, recomputing
 from moezero.models.gpt import (
     MoELayerFactory,
@@ -49,7 +49,7 @@ from moezero.models.gpt import (
     language_model_loss,
     recompute_chunks,
 )
-from moezero.models.mtp import MultiTokenPredictionLayer, mtp_losses, shift_left
+from moezero.models.mtp import MultiTokenPredictionLayer, mtp_losses, recomputes_mtp, run_mtp_depth, shift_left
 from moezero.moe import MoELayer, MoEStats
 from moezero.pipeline.layout import PipelinePlan, StagePiece
 
@@ -252,22 +252,13 @@ class StageModel(nn.Module):
         if tokens_BS is None:
             raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
         config = self.config
-        recompute = config.recompute_granularity == "full" and config.recompute_method == "uniform"
+        recompute = recomputes_mtp(config) and recomputing(self)
         loss = functools.partial(language_model_loss, fused=config.cross_entropy_loss_fusion)
         logits = []
         for k in depths:
-            embedded = keyed_dropout(
-                self.word_embedding(shift_left(tokens_BS, k + 1)),
-                config.hidden_dropout,
-                self.training,
-                keys,
-                f"mtp{k}.embedding",
+            hidden, depth_stats = run_mtp_depth(
+                k, self.mtp[str(k)], self.word_embedding, tokens_BS, hidden, keys, config, self.training, recompute
             )
-            module = self.mtp[str(k)]
-            if recompute and recomputing(self):
-                hidden, depth_stats = checkpoint(module, embedded, hidden, keys, use_reentrant=False)
-            else:
-                hidden, depth_stats = module(embedded, hidden, keys)
             if depth_stats is not None:
                 stats.append(depth_stats)
             logits.append(self._logits(hidden))
