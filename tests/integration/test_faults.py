@@ -47,7 +47,14 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [["--expert-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
+    ids=["ep2", "pp2"],
+)
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path, layout):
+    """SIGKILL of rank 1 (at pp 2 the last stage, which stage 0 waits on in a pipeline receive): the job ends in
+    bounded time, and its last checkpoint consolidates and resumes in one process."""
     save = str(tmp_path / "ckpt")
     cmd = (
         [
@@ -62,8 +69,9 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
         + [
             "--train-iters",
             "100000",
-            "--expert-model-parallel-size",
-            "2",
+        ]
+        + layout
+        + [
             "--save",
             save,
             "--save-interval",
@@ -103,8 +111,9 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path):
     last = checkpoint.latest_iteration(save)
     assert last is not None and last >= 4
     model = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(save, last))
-    assert model["layers.0.mlp.experts.w1"].shape[0] == 4  # all global experts, gathered from both ep ranks
-    # resume the 2-rank ep-2 checkpoint on one process (ep 1): a different layout
+    assert model["layers.0.mlp.experts.w1"].shape[0] == 4  # all global experts, gathered from every rank
+    assert "layers.1.mlp.experts.w1" in model and "output.weight" not in model  # both stages, the tied weight once
+    # resume the 2-rank checkpoint on one process (ep 1, pp 1): a different layout
     history = train(TINY + ["--train-iters", str(last + 1), "--load", save], str(tmp_path))
     assert [h["iteration"] for h in history] == [last + 1]
     assert torch.isfinite(torch.tensor(history[0]["lm_loss"]))
