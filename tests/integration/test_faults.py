@@ -47,6 +47,24 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+def _script_on_two_ranks(flags, torchrun_flags=()):
+    """The command line of the pretraining script on 2 torchrun ranks with TINY and `flags`."""
+    return (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun_flags]
+        + [os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py")]
+        + TINY
+        + list(flags)
+    )
+
+
+def _start(cmd):
+    """The run in a session of its own (its whole tree can be killed), stdout and stderr in one pipe."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+
+
 @pytest.mark.parametrize(
     "layout",
     [["--expert-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
@@ -56,17 +74,8 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path, layout
     """SIGKILL of rank 1 (at pp 2 the last stage, which stage 0 waits on in a pipeline receive): the job ends in
     bounded time, and its last checkpoint consolidates and resumes in one process."""
     save = str(tmp_path / "ckpt")
-    cmd = (
+    cmd = _script_on_two_ranks(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
-        ]
-        + TINY
-        + [
             "--train-iters",
             "100000",
         ]
@@ -84,10 +93,7 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path, layout
             "0.5",
         ]
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    proc = _start(cmd)
     output = []
     try:
         for line in proc.stdout:
@@ -122,17 +128,8 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_loads(tmp_path, layout
 def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path):
     """SIGSTOP one rank past --distributed-timeout-minutes (0.1 = 6 s): the other rank's next collective, on any
     of moezero's groups, fails at that timeout (not torch's 30-minute default for new groups) with one line."""
-    cmd = (
+    cmd = _script_on_two_ranks(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
-        ]
-        + TINY
-        + [
             "--train-iters",
             "100000",
             "--expert-model-parallel-size",
@@ -145,10 +142,7 @@ def test_a_stalled_rank_ends_every_rank_within_the_distributed_timeout(tmp_path)
             "0.1",
         ]
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    proc = _start(cmd)
     output, stalled = [], None
     try:
         for line in proc.stdout:
@@ -187,19 +181,8 @@ def test_three_elastic_restarts_resume_into_the_uninterrupted_run(tmp_path):
     from tests.dist_utils import run_distributed
 
     save, iterations = str(tmp_path / "ckpt"), 16
-    cmd = (
+    cmd = _script_on_two_ranks(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "--max-restarts",
-            "3",
-            os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
-        ]
-        + TINY
-        + [
             "--train-iters",
             str(iterations),
             "--expert-model-parallel-size",
@@ -216,12 +199,10 @@ def test_three_elastic_restarts_resume_into_the_uninterrupted_run(tmp_path):
             str(tmp_path),
             "--distributed-timeout-minutes",
             "0.5",
-        ]
+        ],
+        torchrun_flags=("--max-restarts", "3"),
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    proc = _start(cmd)
     output, kill_at, losses = [], [5, 9, 13], {}
     try:
         for line in proc.stdout:
@@ -284,17 +265,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         save = str(disk / "ckpt")
-        cmd = (
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                os.path.join(REPO, "examples_moe", "pretrain_gpt_moe.py"),
-            ]
-            + TINY
-            + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--data-cache-path", str(tmp_path)]
+        cmd = _script_on_two_ranks(
+            ["--train-iters", "6", "--save", save, "--save-interval", "2", "--data-cache-path", str(tmp_path)]
         )
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1")
