@@ -4,7 +4,13 @@ Rank layout (world W, expert-parallel size ep):
   ep  groups: ep consecutive ranks            e.g. W=4, ep=2 -> {0,1} {2,3}
   edp groups: ranks with the same ep rank     e.g. W=4, ep=2 -> {0,2} {1,3}
   dp  group : every rank (dense params are replicated everywhere)
+  cp  groups: cp consecutive ranks            e.g. W=4, cp=2 -> {0,1} {2,3}
 Rank r has ep rank r % ep and holds global experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+
+Context parallelism (Megatron's order 'tp-cp-ep-dp-pp' at tp = 1): the ranks of a cp group read the same
+micro-batch, each its share of the sequence; the dp group (Megatron's dp-cp) still reduces every dense gradient and
+the experts fold cp into edp, as Megatron's expert groups do. `data_parallel_size` = W / cp ranks read distinct
+micro-batches.
 
 Each group's transport (transport.py: how its collectives travel) is chosen here, once, as the group is made.
 """
@@ -34,16 +40,21 @@ class RankLayout:
     expert_parallel_size: int
     ep_groups: Tuple[Ranks, ...]
     edp_groups: Tuple[Ranks, ...]
+    context_parallel_size: int = 1
+    cp_groups: Tuple[Ranks, ...] = ()  # consecutive ranks sharing one micro-batch's sequence
 
     def ep_group_of(self, rank: int) -> Ranks:
         return self.ep_groups[rank // self.expert_parallel_size]
+
+    def cp_group_of(self, rank: int) -> Ranks:
+        return self.cp_groups[rank // self.context_parallel_size]
 
     def edp_group_of(self, rank: int) -> Ranks:
         return self.edp_groups[rank % self.expert_parallel_size]
 
 
-def rank_layout(world_size: int, expert_parallel_size: int) -> RankLayout:
-    """The ep/edp groups for a world; raises ValueError for impossible layouts."""
+def rank_layout(world_size: int, expert_parallel_size: int, context_parallel_size: int = 1) -> RankLayout:
+    """The ep/edp/cp groups for a world; raises ValueError for impossible layouts."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if expert_parallel_size < 1:
@@ -52,10 +63,14 @@ def rank_layout(world_size: int, expert_parallel_size: int) -> RankLayout:
         raise ValueError(
             f"world size ({world_size}) must be divisible by the expert parallel size ({expert_parallel_size})"
         )
+    cp = context_parallel_size
+    if cp < 1 or world_size % cp:
+        raise ValueError(f"context parallel size {cp} must be >= 1 and divide the world size ({world_size})")
     ep = expert_parallel_size
     ep_groups = tuple(tuple(range(start, start + ep)) for start in range(0, world_size, ep))
     edp_groups = tuple(tuple(range(offset, world_size, ep)) for offset in range(ep))
-    return RankLayout(world_size, ep, ep_groups, edp_groups)
+    cp_groups = tuple(tuple(range(start, start + cp)) for start in range(0, world_size, cp))
+    return RankLayout(world_size, ep, ep_groups, edp_groups, cp, cp_groups)
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,7 @@ class ParallelGroups:
         edp: this rank's expert-data-parallel group (the ranks holding the same experts), which reduces the
             expert gradients.
         control: the group of all ranks for the optimizer's small step-time collectives.
+        cp: this rank's context-parallel group, the ranks sharing one micro-batch's sequence (None at cp 1).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
         transports: what serves every group's collectives (None: chosen per group, see `build`).
@@ -89,6 +105,7 @@ class ParallelGroups:
     ep: Optional[Any] = None
     edp: Optional[Any] = None
     control: Optional[Any] = None
+    cp: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
     local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
     # what serves every group's collectives (None: chosen per group, see build)
@@ -119,6 +136,24 @@ class ParallelGroups:
     def edp_rank(self) -> int:
         return self.rank // self.ep_size
 
+    @property
+    def cp_size(self) -> int:
+        return self.layout.context_parallel_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read distinct micro-batches (Megatron's dp; `dp_size` counts the ranks reducing dense
+        gradients, Megatron's dp-cp)."""
+        return self.layout.world_size // self.cp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.cp_size
+
     @classmethod
     def single(cls) -> "ParallelGroups":
         """A world of one: no communication anywhere."""
@@ -131,6 +166,7 @@ class ParallelGroups:
         timeout: Optional[datetime.timedelta] = None,
         local_records: bool = True,
         transports: Optional[Callable[[Any], Transport]] = None,
+        context_parallel_size: int = 1,
     ) -> "ParallelGroups":
         """Create the groups and their transports; every rank must call this in the same order (after
         init_process_group; without it, a world of one).
@@ -146,25 +182,32 @@ class ParallelGroups:
             local_records: False: the backend's default transport even when every rank is on one host.
             transports: a transport class (or factory of one group) that serves every group instead, e.g.
                 `Transport`, torch's own collectives.
+            context_parallel_size: ranks that share one micro-batch's sequence (--context-parallel-size); it
+                divides the world size.
         """
         if not (dist.is_available() and dist.is_initialized()):
-            if expert_parallel_size != 1:
-                raise ValueError(
-                    f"expert parallel size {expert_parallel_size} needs torch.distributed to be "
-                    "initialised (world of one)"
-                )
+            for name, size in (("expert", expert_parallel_size), ("context", context_parallel_size)):
+                if size != 1:
+                    raise ValueError(
+                        f"{name} parallel size {size} needs torch.distributed to be initialised (world of one)"
+                    )
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = rank_layout(world, expert_parallel_size)
+        layout = rank_layout(world, expert_parallel_size, context_parallel_size)
         dp = dist.new_group(list(range(world)), timeout=timeout)
         control = dist.new_group(list(range(world)), timeout=timeout)
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
+        cp = _new_subgroup(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
         if transports is not None:
-            for group in (dp, control, ep, edp):
-                serve(group, transports(group))
+            for group in (dp, control, ep, edp, cp):
+                if group is not None:
+                    serve(group, transports(group))
         elif local_records and dist.get_backend(control) == "gloo":
             _serve_local(layout, dp, control, ep, edp, timeout)
+            if cp is not None:  # its short all-reduces (token counts) on pipes, its K/V gathers on rings
+                pipes = local_channel.connect(cp, timeout, "context-parallel group")
+                _serve_local_parts(cp, pipes, local_exchange.connect(cp, pipes))
         return cls(
             layout,
             rank,
@@ -172,6 +215,7 @@ class ParallelGroups:
             ep=ep,
             edp=edp,
             control=control,
+            cp=cp,
             timeout=timeout,
             local_records=local_records,
             transports=transports,
@@ -220,7 +264,7 @@ class ParallelGroups:
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
-        for group in (self.dp, self.ep, self.edp, self.control, *self._lazy.values()):
+        for group in (self.dp, self.ep, self.edp, self.control, self.cp, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
                 release(group)

@@ -37,3 +37,37 @@ def test_world_of_one_without_torch_distributed():
     assert groups.dp is None and groups.ep is None and groups.edp is None
     with pytest.raises(ValueError, match="expert parallel size 2"):
         ParallelGroups.build(expert_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    "world,ep,cp,cp_groups,edp_groups",
+    [
+        (2, 1, 2, [(0, 1)], [(0, 1)]),
+        (4, 2, 2, [(0, 1), (2, 3)], [(0, 2), (1, 3)]),  # ep and cp on the same ranks; cp folded into edp
+        (4, 1, 2, [(0, 1), (2, 3)], [(0, 1, 2, 3)]),
+        (8, 2, 4, [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 2, 4, 6), (1, 3, 5, 7)]),
+    ],
+)
+def test_context_parallel_layout_is_megatrons(world, ep, cp, cp_groups, edp_groups):
+    """At tp 1 Megatron's decoder order 'tp-cp-ep-dp-pp' makes cp the fastest coordinate, and its expert order folds
+    cp into edp: the groups are megatron-core's RankGenerator's (decoder: cp and dp-cp; expert: ep and dp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = rank_layout(world, ep, cp)
+    assert list(layout.cp_groups) == cp_groups and list(layout.edp_groups) == edp_groups
+    decoder = RankGenerator(tp=1, ep=1, dp=world // cp, pp=1, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=1, ep=ep, dp=world // ep, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    assert [list(g) for g in layout.cp_groups] == decoder.get_ranks("cp")
+    assert decoder.get_ranks("dp-cp") == [list(range(world))]  # dense gradients: the whole world, as today
+    assert [list(g) for g in layout.ep_groups] == expert.get_ranks("ep")
+    assert [list(g) for g in layout.edp_groups] == expert.get_ranks("dp")
+    groups = [ParallelGroups(layout, rank=r) for r in range(world)]
+    assert [g.data_parallel_rank for g in groups] == [r // cp for r in range(world)]
+    assert {g.data_parallel_size for g in groups} == {world // cp}
+    assert all(layout.cp_group_of(r)[g.cp_rank] == r for r, g in enumerate(groups))
+
+
+@pytest.mark.parametrize("world,cp", [(4, 3), (2, 0)])
+def test_invalid_context_parallel_size(world, cp):
+    with pytest.raises(ValueError, match=f"context parallel size {cp}"):
+        rank_layout(world, 1, cp)
