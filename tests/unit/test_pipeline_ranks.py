@@ -13,6 +13,7 @@ from megatron.core.parallel_state import RankGenerator, default_embedding_ranks,
 
 from moezero.config import ConfigError
 from moezero.parallel import rank_layout
+from moezero.parallel.ranks import megatron_rank_layout
 from moezero.pipeline import pipeline_rank_layout
 
 
@@ -24,8 +25,9 @@ class _Accepted(Exception):
     """initialize_model_parallel got past its checks to its first process group."""
 
 
-def megatron_refusal(world, ep, pp, mapping):
-    """initialize_model_parallel's refusal of these sizes (None: it accepts them)."""
+def megatron_refusal(world, ep, pp, mapping, **sizes):
+    """initialize_model_parallel's refusal of these sizes (None: it accepts them); `sizes`: its other sizes
+    (tensor_model_parallel_size, context_parallel_size, expert_tensor_parallel_size)."""
     with (
         mock.patch.object(torch.distributed, "is_initialized", return_value=True),
         mock.patch.object(torch.distributed, "get_world_size", return_value=world),
@@ -34,7 +36,7 @@ def megatron_refusal(world, ep, pp, mapping):
     ):
         try:
             parallel_state.initialize_model_parallel(
-                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, order=_order(mapping)
+                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, order=_order(mapping), **sizes
             )
         except _Accepted:
             return None
@@ -109,4 +111,46 @@ def test_rank_coordinates():
 def test_refusals_name_the_flags(sizes, message):
     with pytest.raises(ConfigError) as info:
         pipeline_rank_layout(*sizes)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_dimensions_groups_and_refusals_are_megatrons():
+    """megatron_rank_layout (moezero/parallel/ranks.py) with tp, cp and etp too: every decoder and expert kind equals
+    megatron-core's RankGenerator's, and it refuses exactly the sizes initialize_model_parallel refuses."""
+    accepted = refused = 0
+    for world, tp, cp, ep, etp, pp, mapping in itertools.product(
+        (1, 2, 4, 6, 8, 16), (1, 2, 4), (1, 2), (1, 2, 4), (None, 1, 2), (1, 2), (False, True)
+    ):
+        sizes = dict(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_tensor_parallel_size=etp)
+        theirs = megatron_refusal(world, ep, pp, mapping, **sizes)
+        try:
+            ours = megatron_rank_layout(world, tp, cp, ep, etp, pp, mapping)
+        except ConfigError as e:
+            assert theirs is not None, (world, tp, cp, ep, etp, pp, mapping, e)
+            assert "\n" not in str(e) and str(e).startswith("--"), str(e)
+            refused += 1
+            continue
+        assert theirs is None, (world, tp, cp, ep, etp, pp, mapping, theirs)
+        etp = tp if etp is None else etp
+        decoder = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=_order(mapping))
+        expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=_order(mapping))
+        for partitions, generator in ((ours.decoder, decoder), (ours.expert, expert)):
+            for kind, groups in partitions.items():
+                assert [list(group) for group in groups] == generator.get_ranks(kind), (world, tp, cp, ep, etp, kind)
+        accepted += 1
+    assert accepted > 400 and refused > 400
+
+
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        ((8, 2, 2, 1, None, 4), "--tensor-model-parallel-size=2, --context-parallel-size=2, "),
+        ((3, 1, 1, 1, 2, 1), "--expert-tensor-parallel-size=2: must divide the world size (3)"),
+        ((4, 1, 1, 4, 2, 1), "--expert-tensor-parallel-size=2, --expert-model-parallel-size=4: their product (8)"),
+        ((4, 1, 1, 1, 0, 1), "--expert-tensor-parallel-size=0: must be >= 1"),
+    ],
+)
+def test_every_dimensions_refusals_name_their_flags(sizes, message):
+    with pytest.raises(ConfigError) as info:
+        megatron_rank_layout(*sizes)
     assert message in str(info.value) and "\n" not in str(info.value)
