@@ -88,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         # the gathered output's features in global order, where fused parts interleave the ranks' slices
-        self._global_order = None
+        global_order = None
         if gather_output and len(self.shard.blocks) > 1:
             gathered = [
                 i
@@ -96,7 +96,8 @@ class ColumnParallelLinear(nn.Module):
                 for lo, hi in TensorShard.split((out_features, in_features), 0, r, size, parts).blocks
                 for i in range(lo, hi)
             ]
-            self._global_order = torch.argsort(torch.tensor(gathered))
+            global_order = torch.argsort(torch.tensor(gathered))
+        self.register_buffer("_global_order", global_order, persistent=False)  # moves with the module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

@@ -113,3 +113,13 @@ def test_refused_layer_settings():
         RowParallelLinear(4, 4, None, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(ValueError, match="a global bias is given exactly when the layer has one"):
         ColumnParallelLinear(4, 4, None, bias=False).copy_from_global_(torch.zeros(4, 4), torch.zeros(4))
+
+
+def test_the_gathered_order_of_fused_parts_moves_with_the_layer():
+    """A column-parallel layer gathering fused parts keeps their global order as a buffer: it follows .to() (a
+    device move; here the meta device) and stays out of the state dict."""
+    layer = ColumnParallelLinear(4, 6, None, gather_output=True, parts=(2, 4))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert layer.to("meta")._global_order.device.type == "meta"
