@@ -58,6 +58,8 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
             "job_init",
             "profiling",
             "pipeline",
+            "tp_regions",
+            "tensor_marker",
         ),
     ),
     "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),
