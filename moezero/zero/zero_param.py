@@ -146,7 +146,7 @@ class ZeroParam:
 class ParamFamily:
     """Params of one (reduce group, dtype); see param_families.py's docstring."""
 
-    kind: str  # "dense" or "expert"
+    kind: str  # "dense", "expert", or replicated over tp: "tp_copies", "tp_partial" (param_families.family_kind)
     dtype: torch.dtype
     trainable: bool  # False: frozen when adopted; no gradient hooks, never reduced
     group: Optional[Any]  # the reduce group (dp or edp)
@@ -160,6 +160,12 @@ class ParamFamily:
         self.bucket_members: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
         for zp in self.members:
             zp.family = self
+
+    @property
+    def replicated_over_tp(self) -> bool:
+        """Its params are whole on every tensor-parallel rank, with the same reduced gradient on each (for
+        "tp_partial" once summed over tp): their elements count once in sums over the model."""
+        return self.kind in ("tp_copies", "tp_partial")
 
     @property
     def num_buckets(self) -> int:
