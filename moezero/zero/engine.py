@@ -490,7 +490,10 @@ class ZeroEngine:
         for piece, part, name in self.owned_pieces(trainable_only=True):
             zp = piece.param
             grad = piece.of(reduced[zp.family][zp.bucket])[part]
-            out.setdefault(name, []).append((piece.global_range(part), grad.clone()))
+            start = piece.param_range[0] + part.start
+            for lo, hi in zp.global_ranges((start, start + part.stop - part.start)):
+                out.setdefault(name, []).append(((lo, hi), grad[: hi - lo].clone()))
+                grad = grad[hi - lo :]
         return out
 
     def params_sum_of_squares(self, master_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> float:
@@ -504,7 +507,7 @@ class ZeroEngine:
         """{name: global element ranges} of the master pieces this rank holds."""
         out: Dict[str, List[Range]] = {}
         for piece in self.master.pieces:
-            out.setdefault(piece.param.name, []).append(piece.param.global_range(piece.param_range))
+            out.setdefault(piece.param.name, []).extend(piece.param.global_ranges(piece.param_range))
         return out
 
     def memory_bytes(self, inner_state: Dict) -> Dict[str, int]:

@@ -455,7 +455,22 @@ def _zero_tp_run(stage, sequence_parallel, clip):
             )
             _replicas_identical(model, tp)
         history.append((float(ref_loss), ref_norm, opt.last_grad_norm, diff))
+    _check_state_at_global_coordinates(opt, reference, ref_opt, tp)
     return history, _skips_non_finite_on_one_rank(model, opt, shard)
+
+
+def _check_state_at_global_coordinates(opt, reference, ref_opt, tp):
+    """The tp ranks' optimizer shards place their pieces in the global tensors (fused fc1 blocks, fc2's columns):
+    consolidated, they are one process's weights and AdamW state."""
+    from moezero.zero import consolidate
+
+    shards = [None] * TP
+    dist.all_gather_object(shards, opt.state_dict(), group=tp)
+    full = consolidate(shards)
+    for name, q in reference.named_parameters():
+        _close(full["params"][name], q.detach(), f"consolidated {name}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(full["state"][name][key], ref_opt.state[q][key], f"consolidated {name} {key}")
 
 
 def _skips_non_finite_on_one_rank(model, opt, shard):
