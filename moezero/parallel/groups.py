@@ -94,6 +94,8 @@ class ParallelGroups:
             expert gradients.
         control: the group of all ranks for the optimizer's small step-time collectives.
         cp: this rank's context-parallel group, the ranks sharing one micro-batch's sequence (None at cp 1).
+        tp: this rank's tensor-parallel group, the ranks holding shards of one model replica (None at tp 1; `build`
+            makes none yet: a caller passes its own, e.g. `dataclasses.replace(groups, tp=...)`).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
         transports: what serves every group's collectives (None: chosen per group, see `build`).
@@ -106,6 +108,7 @@ class ParallelGroups:
     edp: Optional[Any] = None
     control: Optional[Any] = None
     cp: Optional[Any] = None
+    tp: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
     local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
     # what serves every group's collectives (None: chosen per group, see build)
@@ -143,6 +146,14 @@ class ParallelGroups:
     @property
     def cp_rank(self) -> int:
         return self.rank % self.cp_size
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else dist.get_world_size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp is None else dist.get_rank(self.tp)
 
     @property
     def data_parallel_size(self) -> int:

@@ -5,6 +5,10 @@ rows of the vocabulary. A fused weight ([gate | up] of a GLU fc1, [q | k | v] of
 along one dim, each split over the group: rank r holds block r of every part, so the local tensor has the fused
 layout again at 1/tp of the width. The layer sets the tag; keyed init, the optimizer and checkpoints read it to
 map the local tensor to global coordinates, so none of them imports the layers (as expert_marker.py).
+
+A second tag, `mark_tp_partial`, is for the opposite case: a param whole on every rank of the group whose
+gradient is partial on each (a row-parallel bias under sequence parallelism: each rank adds it to its own
+sequence shard), so the one-process gradient is the sum over the group; the optimizer sums it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 _ATTR = "_moezero_tensor_shard"
+_PARTIAL_ATTR = "_moezero_tp_partial"
 
 
 @dataclass(frozen=True)
@@ -116,3 +121,14 @@ def tensor_shard_of(param: torch.Tensor) -> Optional[TensorShard]:
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return tensor_shard_of(param) is not None
+
+
+def mark_tp_partial(param: torch.Tensor) -> None:
+    """`param` is replicated over the tensor-parallel group but each rank's gradient is its part of the sum."""
+    if is_tensor_parallel(param):
+        raise ValueError(f"a tensor-parallel shard of shape {tuple(param.shape)} cannot also be a partial replica")
+    setattr(param, _PARTIAL_ATTR, True)
+
+
+def is_tp_partial(param: torch.Tensor) -> bool:
+    return getattr(param, _PARTIAL_ATTR, False)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.parallel import comm
-from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel, tensor_shard_of
+from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel, mark_tp_partial, tensor_shard_of
 from moezero.parallel.tp_regions import (
     copy_to_tp,
     gather_from_sp,
@@ -157,6 +157,8 @@ class RowParallelLinear(nn.Module):
         weight, bias_values = global_linear_init(in_features, out_features, bias, dtype)
         self.weight = _shard_param(weight, self.shard)
         self.bias = None if bias_values is None else nn.Parameter(bias_values)
+        if self.bias is not None and sequence_parallel:  # added to the rank's sequence shard only
+            mark_tp_partial(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

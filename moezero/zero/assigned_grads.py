@@ -51,3 +51,4 @@ def reduce_assigned(assigned: Assigned, buckets: Sequence[Bucket], step_totals: 
             if lo < hi:
                 reduced[lo - start : hi - start] = summed[lo:hi] / strategy.dp_size
             zp.got_grad = True
+        bucket.generation += 1

@@ -11,7 +11,8 @@ A family's flat layout (`partition.py`) cuts its params into buckets. The family
                 staging (stages 2/3: this backward's buffer), shard (stages 1-3: this rank's reduced slice,
                 summed over backwards) and cleared (nothing reduced into the shard since the step began: it
                 reads as zeros), and stage 0's flags                                             - the strategy's
-    reduction   work (the launched collective) and finish (what runs once it completed)   - the LaunchQueue's
+    reduction   work (the launched collective) and finish (what runs once it completed), generation (how many
+                finished)                                                                 - the LaunchQueue's
 
 Launch order. Collectives on one process group pair up by issue order, so every rank must launch the same
 buckets in the same order on it. Families that share a group (two dtypes of dense params) form one queue: all
@@ -80,6 +81,7 @@ class Bucket:
     # the reduction (LaunchQueue)
     work: Optional[Any] = None
     finish: Optional[Callable[[], None]] = None
+    generation: int = 0  # reductions finished into it (and assignments): what read it before is stale
 
     def __post_init__(self):
         self.members = self.family.bucket_members[self.index]
@@ -138,6 +140,7 @@ class Bucket:
         if work is not None:
             work.wait()
         finish()
+        self.generation += 1
 
 
 def zero_uncovered(target: torch.Tensor, fired: List[ZeroParam]) -> None:

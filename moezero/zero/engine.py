@@ -45,6 +45,7 @@ from moezero.zero.param_guard import ShardInfo, shard_param_type, unshard_param_
 from moezero.zero.reducer import GradReducer, ReducerCounters
 from moezero.zero.stages import FamilyParts, stage_of
 from moezero.zero.step_totals import StepTotals
+from moezero.zero.tp_partial_sums import TpPartialSums
 from moezero.torch_internals import in_backward, no_subclass_dispatch
 from moezero.zero.unit_plan import UnitPlan, plan_units
 from moezero.zero.units import UnitGatherer
@@ -111,7 +112,7 @@ class ZeroEngine:
         self.master = MasterShards(self.parts, settings.masters_in_optimizer)
         self.gatherer = self._unit_gatherer(plan) if plan else None
         self.reducer = GradReducer(
-            [p.strategy for p in self.parts if p.family.trainable],
+            self.reducer_strategies(),
             groups.control,
             settings.overlap_comm,
             self.agreement,
@@ -121,6 +122,11 @@ class ZeroEngine:
         self._guard = ModelGuard(model, self)  # after the gatherer: its root hook runs first
         self.step_totals = StepTotals(families, groups)
         self._flags_unread = False  # see begin_step
+        self.tp_sums = TpPartialSums([b for s in self.reducer_strategies() for b in s.buckets], groups.tp)
+
+    def reducer_strategies(self) -> List[GradStrategy]:
+        """The grad strategies of the trainable families (those the reducer reduces)."""
+        return [p.strategy for p in self.parts if p.family.trainable]
 
     def _grad_strategy(self, family: ParamFamily) -> GradStrategy:
         settings = self.settings
@@ -342,6 +348,7 @@ class ZeroEngine:
         self.recover_aborted_backward()
         self.reducer.clear_step(set_to_none, assigned_too=True)
         self.master.clear_grads()
+        self.tp_sums.clear()
 
     def finish_reductions(self, loss_scaled: bool, loss_scale: float = 1.0) -> None:
         """Collective: every bucket reduction finished (`loss_scaled`: an fp16 run, whose backwards must
@@ -376,11 +383,16 @@ class ZeroEngine:
         return reduced
 
     def reduced_grads(self) -> ReducedGrads:
-        """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family)."""
-        return {
-            p.family: [p.strategy.reduced_grad(bucket) if p.family.trainable else None for bucket in p.strategy.buckets]
-            for p in self.parts
-        }
+        """Per family, per bucket: the averaged gradient over the optimizer range (None: a frozen family); those of
+        "tp_partial" families summed over tp (collective over tp when they were reduced since: tp_partial_sums.py)."""
+        return self.tp_sums.apply(
+            {
+                p.family: [
+                    p.strategy.reduced_grad(bucket) if p.family.trainable else None for bucket in p.strategy.buckets
+                ]
+                for p in self.parts
+            }
+        )
 
     def _settle_gradient_flags(self) -> None:
         """Which params got a gradient on some rank of their group, unless the norm brought it already."""
@@ -393,23 +405,32 @@ class ZeroEngine:
 
         Each element of a dense bucket is owned by one dp rank and each element of an expert bucket
         by one rank of its edp group (and the ep ranks hold different experts), so every element of
-        the model is counted exactly once.
+        the model is counted exactly once; at tp > 1 tp ranks hold different shards, and the params
+        replicated over tp count on tp rank 0 only (summed over tp after the ranks' sum).
         """
         owned = [
             reduced[p.family][b][optimizer_slice(p.family.owned[b], p.strategy.optimizer_range(b))]
             for p in self.parts
-            if p.family.trainable
+            if p.family.trainable and self._counts_here(p.family)
             for b in range(p.family.num_buckets)
         ]
         total = self.step_totals.sum(ops.sum_of_squares(owned).to(torch.float64), with_flags=self._flags_unread)
         self._flags_unread = False
+        return float(self._sum_over_tp(torch.tensor([total], dtype=torch.float64)).item())
+
+    def _counts_here(self, family: ParamFamily) -> bool:
+        """This rank adds the family's elements to sums over the model: a replica over tp counts on one tp rank."""
+        return not family.replicated_over_tp or self.groups.tp_rank == 0
+
+    def _sum_over_tp(self, total: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(total, self.groups.tp)
         return total
 
     def owned_zero_count(self, reduced: ReducedGrads) -> int:
         """Gradient elements that are exactly zero, over the model's params (each counted once; a bucket's
         alignment padding is not a param's)."""
         count = torch.zeros(1, dtype=torch.int64)
-        for piece, part, _, _ in self.owned_pieces(trainable_only=True):
+        for piece, part, _ in self.owned_pieces(trainable_only=True, counted=True):
             count += int((piece.of(reduced[piece.param.family][piece.param.bucket])[part] == 0).sum())
         return int(self._sum_over_ranks(count).item())
 
@@ -451,33 +472,42 @@ class ZeroEngine:
             self.gatherer.refresh()
 
     # ---- reading state ---------------------------------------------------------------------------
-    def owned_pieces(self, trainable_only: bool = False) -> Iterator[Tuple[MasterPiece, slice, Range, str]]:
-        """(piece, the slice of it this rank owns, that slice's global range, name) for each master piece."""
+    def owned_pieces(
+        self, trainable_only: bool = False, counted: bool = False
+    ) -> Iterator[Tuple[MasterPiece, slice, str]]:
+        """(piece, the slice of it this rank owns, name) for each master piece (`counted`: only where sums over
+        the model count it, see _counts_here)."""
         for piece in self.master.pieces:
-            if piece.owned.stop > piece.owned.start and (piece.param.family.trainable or not trainable_only):
-                yield piece, piece.owned, piece.global_range(piece.owned), piece.param.name
+            family = piece.param.family
+            if piece.owned.stop > piece.owned.start and (family.trainable or not trainable_only):
+                if not counted or self._counts_here(family):
+                    yield piece, piece.owned, piece.param.name
 
     def owned_gradients(self) -> GradientPieces:
         """Averaged gradients of the elements this rank owns, in global coordinates (after reduction)."""
         out: GradientPieces = {}
         reduced = self.reduced_grads()
-        for piece, part, global_range, name in self.owned_pieces(trainable_only=True):
+        for piece, part, name in self.owned_pieces(trainable_only=True):
             zp = piece.param
-            out.setdefault(name, []).append((global_range, piece.of(reduced[zp.family][zp.bucket])[part].clone()))
+            grad = piece.of(reduced[zp.family][zp.bucket])[part]
+            start = piece.param_range[0] + part.start
+            for lo, hi in zp.global_ranges((start, start + part.stop - part.start)):
+                out.setdefault(name, []).append(((lo, hi), grad[: hi - lo].clone()))
+                grad = grad[hi - lo :]
         return out
 
     def params_sum_of_squares(self, master_values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> float:
         """Sum of squared trainable weights (the fp32 masters, read through `master_values` where the inner
         optimizer keeps them), over the model, each element once."""
         values = master_values or (lambda leaf: leaf)
-        owned = [values(piece.master)[part] for piece, part, _, _ in self.owned_pieces(trainable_only=True)]
+        owned = [values(piece.master)[part] for piece, part, _ in self.owned_pieces(trainable_only=True, counted=True)]
         return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
 
     def held_ranges(self) -> Dict[str, List[Range]]:
         """{name: global element ranges} of the master pieces this rank holds."""
         out: Dict[str, List[Range]] = {}
         for piece in self.master.pieces:
-            out.setdefault(piece.param.name, []).append(piece.param.global_range(piece.param_range))
+            out.setdefault(piece.param.name, []).extend(piece.param.global_ranges(piece.param_range))
         return out
 
     def memory_bytes(self, inner_state: Dict) -> Dict[str, int]:
@@ -497,8 +527,9 @@ class ZeroEngine:
         }
 
     def _sum_over_ranks(self, total: torch.Tensor) -> torch.Tensor:
+        """Collective: over every rank of this optimizer's groups, then over tp (the other shards of the model)."""
         comm.all_reduce(total, self.groups.control)
-        return total
+        return self._sum_over_tp(total)
 
 
 def _module_params(model: nn.Module) -> Iterator[torch.Tensor]:

@@ -31,7 +31,7 @@ from torch import nn
 from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
 from moezero.zero.rank_agreement import Activity
-from moezero.zero.zero_param import global_placement
+from moezero.zero.zero_param import global_placement, param_global_ranges
 from moezero.zero.master import master_dtype_of
 from moezero.zero.state import consolidate
 
@@ -74,12 +74,13 @@ def modify_model(opt) -> Iterator[None]:
 
 
 def _consolidated_state(opt) -> Dict[str, Any]:
-    shard = opt.state_dict()
-    control = opt.groups.control
-    if control is None:
-        return consolidate([shard])
-    shards: List[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(shards, shard, group=control)
+    """Every rank's shard merged: over the optimizer's ranks, then over tp (the other shards of the model)."""
+    shards = [opt.state_dict()]
+    for group in (opt.groups.control, opt.groups.tp):
+        if group is not None:
+            every: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, shards, group=group)
+            shards = [shard for some in every for shard in some]
     return consolidate(shards)
 
 
@@ -102,7 +103,7 @@ def _adopt(opt, full: Dict[str, Any], before: Dict[int, Tuple[str, int]], left_o
                 groups.append(dict({k: v for k, v in opt.defaults.items()}, params=[]))
             g = fresh_group
         groups[g]["params"].append(p)
-        pieces[name] = [_piece(p, full, before.get(id(p), (None,))[0])]
+        pieces[name] = _pieces(p, full, before.get(id(p), (None,))[0])
         origin = "kept" if id(p) in before else "replaced" if name in removed_groups else "new"
         adopted.append(_Adopted(name, p, g, origin))
     _check_every_rank_adopted_the_same(opt, adopted)
@@ -168,11 +169,19 @@ def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[
     return None
 
 
-def _piece(p: nn.Parameter, full: Dict[str, Any], old_name) -> Dict[str, Any]:
-    """This rank's part of `p` in global coordinates: merged master values and kept optimizer state."""
-    shape, offset = global_placement(p)
-    value = p.detach().reshape(-1)
-    lo, hi = offset, offset + value.numel()
+def _pieces(p: nn.Parameter, full: Dict[str, Any], old_name) -> List[Dict[str, Any]]:
+    """This rank's part of `p` in global coordinates (one piece per global range it maps to)."""
+    value, start, out = p.detach().reshape(-1), 0, []
+    for lo, hi in param_global_ranges(p):
+        out.append(_piece(p, value[start : start + hi - lo], (lo, hi), full, old_name))
+        start += hi - lo
+    return out
+
+
+def _piece(p: nn.Parameter, value: torch.Tensor, span, full: Dict[str, Any], old_name) -> Dict[str, Any]:
+    """Global elements `span` of `p` (`value`, this rank's): merged master values and kept optimizer state."""
+    shape, _ = global_placement(p)
+    lo, hi = span
     master_dtype = master_dtype_of(p.dtype)
     old = full["params"].get(old_name) if old_name is not None else None
     if old is None or tuple(old.shape) != tuple(shape):

@@ -1,6 +1,7 @@
 """Parameter families: params reduced over one group in one dtype, laid out in one flat space.
 
-Dense params form families over `dp`, routed-expert params over `edp`, one family per dtype, and
+Dense params form families over `dp`, routed-expert params over `edp`, one family per dtype (at tp > 1 the
+params replicated over tp form families of their own, still over `dp`: see `family_kind`), and
 params frozen when the optimizer adopted them form families of their own (stored, sharded and held
 with their optimizer state like the others, but never reduced: a frozen model part costs no
 communication).
@@ -18,12 +19,24 @@ import torch
 from torch import nn
 
 from moezero.parallel import ParallelGroups, comm, expert_shard_of
+from moezero.parallel.tensor_marker import is_tensor_parallel, is_tp_partial
 from moezero.zero.partition import plan_buckets
 from moezero.zero.zero_param import ParamFamily, ZeroParam
 
 
-def family_key(param: torch.Tensor) -> Tuple[str, torch.dtype, bool]:
-    return ("expert" if expert_shard_of(param) is not None else "dense"), param.dtype, param.requires_grad
+def family_kind(param: torch.Tensor, tp_size: int = 1) -> str:
+    """ "expert" (routed experts, over edp); at tp > 1 a param whole on every tp rank is "tp_partial" when its
+    gradient is each rank's part of the sum (tensor_marker.mark_tp_partial), else "tp_copies" (the same gradient on
+    every tp rank): both are counted once over tp in the norm; "dense" otherwise (tp shards, everything at tp 1)."""
+    if expert_shard_of(param) is not None:
+        return "expert"
+    if tp_size > 1 and not is_tensor_parallel(param):
+        return "tp_partial" if is_tp_partial(param) else "tp_copies"
+    return "dense"
+
+
+def family_key(param: torch.Tensor, tp_size: int = 1) -> Tuple[str, torch.dtype, bool]:
+    return family_kind(param, tp_size), param.dtype, param.requires_grad
 
 
 def build_families(
@@ -39,7 +52,7 @@ def build_families(
     """
     by_key: Dict[Tuple[str, torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
-        by_key.setdefault(family_key(p), []).append((name, p))
+        by_key.setdefault(family_key(p, groups.tp_size), []).append((name, p))
     families = []
     for (kind, dtype, trainable), members in sorted(
         by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), not kv[0][2])

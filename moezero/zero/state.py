@@ -2,7 +2,9 @@
 
 Every piece is addressed by a param's name and a range of the flat elements of its *global*
 tensor (routed experts stacked over the global experts: the local stack of ep rank r holds
-experts [r * L, (r + 1) * L)), so a state saved with one dp/ep/stage layout loads into another.
+experts [r * L, (r + 1) * L)), so a state saved with one dp/ep/stage layout loads into another. A
+tensor-parallel shard's part may lie in several global ranges (fused row blocks; a dim-1 split: one per row):
+one piece each (`ZeroParam.global_ranges`); a param replicated over tp is owned on tp rank 0, a replica elsewhere.
 
 A shard (`shard_state`) holds the pieces this rank *owns* (every element is owned by exactly one
 rank, so the shards of all ranks tile every param) and, at stage 0 where each rank holds
@@ -12,7 +14,7 @@ is the one merge of shards into full tensors; it checks the coverage.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -35,14 +37,20 @@ def _full_precision(inner, leaf: torch.Tensor):
     return leaf.detach(), inner.state.get(leaf, {})
 
 
-def _piece(master_piece, part: slice, inner) -> Piece:
+def _pieces(master_piece, part: slice, inner) -> List[Piece]:
+    """The pieces of a part of a master piece: one, or one per global range a tensor-parallel shard's part maps
+    to (ZeroParam.global_ranges)."""
     master, inner_state = _full_precision(inner, master_piece.master)
     n = master.numel()
-    state = {
-        k: (v[part].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
-        for k, v in inner_state.items()
-    }
-    return {"range": master_piece.global_range(part), "master": master[part].clone(), "state": state}
+    out, start = [], part.start
+    for lo, hi in master_piece.global_ranges(part):
+        sub, start = slice(start, start + hi - lo), start + hi - lo
+        state = {
+            k: (v[sub].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
+            for k, v in inner_state.items()
+        }
+        out.append({"range": (lo, hi), "master": master[sub].clone(), "state": state})
+    return out
 
 
 def shard_state(opt) -> Dict[str, Any]:
@@ -52,10 +60,12 @@ def shard_state(opt) -> Dict[str, Any]:
     replicas: Dict[str, List[Piece]] = {}
     for master_piece in engine.master_pieces():
         name, owned = master_piece.param.name, master_piece.owned
+        if master_piece.param.family.replicated_over_tp and opt.groups.tp_rank != 0:
+            owned = slice(0, 0)  # tp rank 0 owns the replicas over tp: every rank's shards tile every param
         if owned.stop > owned.start:
-            pieces.setdefault(name, []).append(_piece(master_piece, owned, opt.inner))
+            pieces.setdefault(name, []).extend(_pieces(master_piece, owned, opt.inner))
         for part in _unowned_parts(master_piece.numel, owned):
-            replicas.setdefault(name, []).append(_piece(master_piece, part, opt.inner))
+            replicas.setdefault(name, []).extend(_pieces(master_piece, part, opt.inner))
     return {
         "format": FORMAT,
         "stage": opt.settings.stage,
@@ -118,9 +128,10 @@ def load_state(opt, source: Dict[str, Any]) -> None:
     step_on_device = bool(opt.inner.defaults.get("fused") or opt.inner.defaults.get("capturable"))
     loaded, problem = [], None
     for master_piece in engine.master_pieces():
-        lo, hi = master_piece.param.global_range(master_piece.param_range)
+        ranges = master_piece.param.global_ranges(master_piece.param_range)
         try:
-            loaded.append((master_piece.master, hi - lo, *gather_range(pieces, master_piece.param.name, lo, hi)))
+            parts = [gather_range(pieces, master_piece.param.name, lo, hi) for lo, hi in ranges]
+            loaded.append((master_piece.master, master_piece.numel, *_joined(parts, ranges)))
         except ValueError as error:
             problem = _not_loadable(opt, source, error)
             break
@@ -142,6 +153,19 @@ def load_state(opt, source: Dict[str, Any]) -> None:
                 opt.inner.state.pop(leaf, None)
     opt.load_scalar_state(source)
     engine.publish()
+
+
+def _joined(parts: List[Tuple[torch.Tensor, Dict[str, Any]]], ranges: List[Tuple[int, int]]):
+    """(master, state) of consecutive global ranges as one: elementwise values concatenated, others the first's."""
+    if len(parts) == 1:
+        return parts[0]
+    master = torch.cat([m for m, _ in parts])
+    state: Dict[str, Any] = {}
+    for key, value in parts[0][1].items():
+        if _is_elementwise(value, ranges[0][1] - ranges[0][0]):
+            value = torch.cat([s[key] for _, s in parts])
+        state[key] = value
+    return master, state
 
 
 def _placed(leaf: torch.Tensor, key: str, value: Any, n: int, step_on_device: bool) -> Any:

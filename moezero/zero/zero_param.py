@@ -13,7 +13,8 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
     param       its index in the param's own flat elements
     bucket      param + slot.offset                            (`ZeroParam.bucket_range`, `.param_range_in`)
     optimizer   bucket - start of the bucket's optimizer range (`optimizer_slice`; `MasterPiece.offset` is one)
-    global      param + the param's offset in its global tensor (`ZeroParam.global_range`)
+    global      param + the param's offset in its global tensor (`ZeroParam.global_range`; a tensor-parallel
+                shard maps through its TensorShard, `ZeroParam.global_ranges`)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import FlatLayout, ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
@@ -34,12 +36,26 @@ Range = Tuple[int, int]
 
 
 def global_placement(param: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
-    """(global shape, flat offset of this rank's tensor inside it); experts stack along dim 0."""
+    """(global shape, flat offset of this rank's tensor inside it); experts stack along dim 0; a tensor-parallel
+    shard's offset is where its first element sits (its elements map through `ZeroParam.global_ranges`)."""
+    tensor_shard = tensor_shard_of(param)
+    if tensor_shard is not None:
+        first = tensor_shard.global_flat_ranges(0, 1)[0][0] if param.numel() else 0
+        return tensor_shard.global_shape, first
     shard = expert_shard_of(param)
     if shard is None:
         return tuple(param.shape), 0
     per_expert = param.numel() // shard.num_local_experts
     return (shard.num_global_experts,) + tuple(param.shape[1:]), shard.first_global_expert * per_expert
+
+
+def param_global_ranges(param: torch.Tensor) -> List[Range]:
+    """The global flat ranges holding all of this rank's tensor, in its element order."""
+    tensor_shard = tensor_shard_of(param)
+    if tensor_shard is not None:
+        return tensor_shard.global_flat_ranges(0, param.numel())
+    _, offset = global_placement(param)
+    return [(offset, offset + param.numel())]
 
 
 def optimizer_slice(bucket_range: Range, optimizer_range: Range) -> slice:
@@ -68,6 +84,10 @@ class MasterPiece:
     def global_range(self, part: slice) -> Range:
         start = self.param_range[0] + part.start
         return self.param.global_range((start, start + part.stop - part.start))
+
+    def global_ranges(self, part: slice) -> List[Range]:
+        start = self.param_range[0] + part.start
+        return self.param.global_ranges((start, start + part.stop - part.start))
 
 
 @dataclass(eq=False)
@@ -100,8 +120,26 @@ class ZeroParam:
         """The part of this param inside a bucket range, in param coordinates (None: no overlap)."""
         return shard_overlap(self.slot, span)
 
+    def global_ranges(self, param_range: Range) -> List[Range]:
+        """The global flat ranges holding a range of the param's elements: one, except for a tensor-parallel
+        shard whose range crosses several of its blocks (fused parts) or rows (a dim-1 split)."""
+        tensor_shard = tensor_shard_of(self.param)
+        if tensor_shard is None:
+            return [self.global_range(param_range)]
+        return tensor_shard.global_flat_ranges(*param_range)
+
     def global_range(self, param_range: Range) -> Range:
-        return self.global_offset + param_range[0], self.global_offset + param_range[1]
+        """The one global flat range holding a range of the param's elements (optimizer checkpoint pieces)."""
+        tensor_shard = tensor_shard_of(self.param)
+        if tensor_shard is None:
+            return self.global_offset + param_range[0], self.global_offset + param_range[1]
+        ranges = tensor_shard.global_flat_ranges(*param_range)
+        if len(ranges) != 1:
+            raise ValueError(
+                f"'{self.name}': its elements {param_range} lie in {len(ranges)} global ranges of its tensor-parallel "
+                "global tensor; optimizer state pieces of such shards (fused parts, dim-1 splits) are not supported yet"
+            )
+        return ranges[0]
 
     def sharded_gradient(self) -> ShardedGradient:
         """What its .grad shows once its gradient lives only in the optimizer's shards (made once)."""
@@ -146,7 +184,7 @@ class ZeroParam:
 class ParamFamily:
     """Params of one (reduce group, dtype); see param_families.py's docstring."""
 
-    kind: str  # "dense" or "expert"
+    kind: str  # "dense", "expert", or replicated over tp: "tp_copies", "tp_partial" (param_families.family_kind)
     dtype: torch.dtype
     trainable: bool  # False: frozen when adopted; no gradient hooks, never reduced
     group: Optional[Any]  # the reduce group (dp or edp)
@@ -160,6 +198,12 @@ class ParamFamily:
         self.bucket_members: List[List[ZeroParam]] = [[self.members[i] for i in b.params] for b in self.layout.buckets]
         for zp in self.members:
             zp.family = self
+
+    @property
+    def replicated_over_tp(self) -> bool:
+        """Its params are whole on every tensor-parallel rank, with the same reduced gradient on each (for
+        "tp_partial" once summed over tp): their elements count once in sums over the model."""
+        return self.kind in ("tp_copies", "tp_partial")
 
     @property
     def num_buckets(self) -> int:
