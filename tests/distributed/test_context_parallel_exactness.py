@@ -4,7 +4,9 @@ every step and the final weights to 1e-10 relative. Both ranks read the same mic
 chunks r and 3 - r of every sequence. Cases: an MoE model (aux loss, z-loss, router jitter, attention and hidden
 dropout, all keyed) with learned positions at ZeRO 1; the same with its experts split over the same two ranks (cp 2
 x ep 2) at ZeRO 3 and the sequence aux loss; a dense GQA model with RoPE, a sliding window on one layer, learnable
-sinks, layer scaling and an MTP depth at ZeRO 2; --calculate-per-token-loss at ZeRO 0."""
+sinks, layer scaling and an MTP depth at ZeRO 2; --calculate-per-token-loss at ZeRO 0; the global-batch aux loss
+with full recompute (the K/V gathers run again in backward) and the micro-batches' forwards interleaved at cp 2 x
+ep 2."""
 
 import dataclasses
 
@@ -13,7 +15,7 @@ import torch
 
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
-from moezero.moe import expert_parallel
+from moezero.moe import expert_parallel, reset_global_load_balancing
 from moezero.parallel import ParallelGroups
 from moezero.parallel.context_parallel import ContextParallel
 from moezero.training.loop import _GlobalTokens, _micro_batch_loss, _micro_batch_losses, train_step
@@ -38,6 +40,13 @@ CASES = {
         ep=1,
     ),
     "per_token_zero0": dict(flags=["--moe-layer-freq", "[1,0]"], stage=0, ep=1, per_token=True),
+    "global_aux_recompute_overlap_zero2": dict(
+        flags=["--moe-router-load-balancing-type", "global_aux_loss", "--recompute-granularity", "full"]
+        + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        stage=2,
+        ep=2,
+        overlap=True,
+    ),
 }
 
 
@@ -90,6 +99,7 @@ def _reference(case):
         )
         opt.step()
         opt.zero_grad()
+        reset_global_load_balancing(model)  # as train_step: the global-batch aux loss counts each step afresh
         history.append(values)
     return history, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -124,6 +134,7 @@ def _cp_run(case):
                 KEY_SEED,
                 groups.dp,
                 per_token_loss=spec.get("per_token", False),
+                overlap_moe_comm=spec.get("overlap", False),
                 context_parallel=cp,
             )
             history.append(dict(m.router_losses, mtp=sum(m.mtp_losses), lm_loss=m.lm_loss, grad_norm=m.grad_norm))
@@ -141,7 +152,7 @@ def _close(a, b):
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp2_trains_as_one_process(case):
     expected_history, expected = _reference(case)
-    results = run_distributed(_cp_run, 2, case, timeout=300)
+    results = run_distributed(_cp_run, 2, case)
     ep = CASES[case]["ep"]
     for history, params in results:
         for step, (got, want) in enumerate(zip(history, expected_history)):
