@@ -80,8 +80,9 @@ class ParallelConfig(Validated):
         flag="--context-parallel-size",
     )
     cp_comm_type: List[str] = option(
-        help="context parallelism's attention exchange, one for all layers or one per layer (p2p, all_gather, a2a "
-        "run the K/V all-gather here: the same numbers; a2a+p2p is not supported)",
+        help="context parallelism's attention exchange, one for all layers or one per layer: all_gather (of keys "
+        "and values), a2a (Ulysses: heads for sequence), p2p (runs all_gather here: the same numbers; its ring "
+        "overlaps only on GPUs); a2a+p2p is not supported",
         flag="--cp-comm-type",
         nargs="+",
         default_factory=lambda: ["p2p"],

@@ -84,6 +84,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         # parallel/context_parallel.py's ContextParallel: this rank holds a part of each sequence (None: all of it)
         self.context_parallel = context_parallel if context_parallel is not None and context_parallel.size > 1 else None
+        self.cp_comm = None if self.context_parallel is None else self.context_parallel.comm_type(layer_number)
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.layer_scale = query_key_layer_scale(config, layer_number)
         self.dropout = config.attention_dropout
@@ -115,17 +116,23 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
         q, k, v = self._heads(self.qkv(x_BSD))
-        cp, positions = self.context_parallel, None
-        if cp is not None:  # queries at this rank's global positions; keys and values of the whole sequence
+        cp, positions, heads = self.context_parallel, None, None
+        if cp is not None:  # this rank's global positions
             positions = cp.positions(x_BSD.shape[1], x_BSD.device)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if cp is not None:
+        if self.cp_comm == "a2a":  # the whole sequence of 1/cp of the heads, attended as in one process
+            q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
+            heads, positions = cp.head_block(self.heads), None
+            keys = keys.head_block_keys(self.heads, heads) if keys is not None else None
+        elif cp is not None:  # queries at this rank's positions; keys and values of the whole sequence
             k, v = cp.gather_sequence(k, dim=2), cp.gather_sequence(v, dim=2)
         if self.recompute_core and recomputing(self):  # selective recompute: only this part is redone
-            y = checkpoint(self._core, q, k, v, keys, positions, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, keys, positions, heads, use_reentrant=False)
         else:
-            y = self._core(q, k, v, keys, positions)
+            y = self._core(q, k, v, keys, positions, heads)
+        if self.cp_comm == "a2a":
+            y = cp.sequence_to_heads(y)
         return self.proj(rearrange(y, "B H S h -> B S (H h)"))
 
     def _heads(self, qkv_BSF: torch.Tensor):
@@ -140,7 +147,11 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _core(self, q, k, v, keys, positions=None):
+    def _core(self, q, k, v, keys, positions=None, heads=None):
+        """`positions`: the queries' (all_gather cp); `heads`: the block of heads q holds (a2a cp)."""
+        sinks = self.softmax_offset
+        if sinks is not None and heads is not None:
+            sinks = sinks[heads]
         return causal_attention(
             q,
             k,
@@ -150,7 +161,7 @@ class CausalSelfAttention(nn.Module):
             keys,
             self.site,
             window=self.window,
-            sinks=self.softmax_offset,
+            sinks=sinks,
             layer_scale=self.layer_scale,
             query_positions=positions,
         )

@@ -6,11 +6,13 @@ keeps chunks r and 2cp-1-r (cp 2, S 8: rank 0 positions [0, 1, 6, 7], rank 1 [2,
 causal attention's work. Everything defined on the whole sequence (MTP's token shifts, the loss tokens) is computed
 before the split.
 
-Attention: every rank's queries see the keys and values of every earlier global position. They are all-gathered
-over the cp group in forward (put back into global order) and their gradients reduce-scattered in backward
-(`gather_sequence`); masks, RoPE, learned positions and keyed dropout take the rank's global positions. Megatron's
---cp-comm-type p2p (a ring with an online softmax) and a2a (Ulysses) compute the same attention; on the CPU neither
-overlaps anything, so every type runs the all-gather here and the run's log says so once.
+Attention: every rank's queries see the keys and values of every earlier global position. --cp-comm-type
+all_gather: they are all-gathered over the cp group in forward (put back into global order) and their gradients
+reduce-scattered in backward (`gather_sequence`); masks, RoPE, learned positions and keyed dropout take the rank's
+global positions. a2a (Ulysses): an all-to-all trades the rank's part of the sequence of every head for the whole
+sequence of its 1/cp of the heads (`heads_to_sequence`), attention runs there as in one process, and a second
+all-to-all trades back (`sequence_to_heads`). Megatron's p2p (a ring with an online softmax) computes the same
+attention as the all-gather and overlaps only on GPUs: it runs the all-gather here, and the run's log says so.
 
 Shapes: B batch, S sequence (Sl: this rank's part), D hidden.
 """
@@ -59,12 +61,29 @@ class ShardedSampleKeys(SampleKeys):
         whole = super()._per_sample(site, (self.sequence_length, *tuple(shape)[1:]), draw, device)
         return whole.index_select(1, self.positions.to(whole.device))
 
+    def head_block_keys(self, heads: int, block: slice) -> "HeadBlockKeys":
+        """Keys for attention dropout over the whole sequence of the heads `block` of `heads` (a2a)."""
+        return HeadBlockKeys(SampleKeys(self.seed, self.iteration, self.sample_ids), heads, block)
+
     def query_rows_dropout_mask(self, site: str, heads: int, p: float, device) -> torch.Tensor:
         """(B, heads, Sl, S) attention-dropout keep-mask: the whole sequence's (B, heads, S, S) at this rank's
         query rows."""
         whole = SampleKeys(self.seed, self.iteration, self.sample_ids)
         mask = whole.dropout_mask(site, (heads, self.sequence_length, self.sequence_length), p, device)
         return mask.index_select(2, self.positions.to(mask.device))
+
+
+@dataclass(frozen=True)
+class HeadBlockKeys:
+    """Attention-dropout keys of a2a: the whole sequence's (B, heads, S, S) mask at a block of the heads."""
+
+    whole: SampleKeys
+    heads: int
+    block: slice
+
+    def dropout_mask(self, site: str, shape_per_sample, p: float, device: torch.device | str = "cpu") -> torch.Tensor:
+        _, queries, keys = shape_per_sample
+        return self.whole.dropout_mask(site, (self.heads, queries, keys), p, device)[:, self.block]
 
 
 class ContextParallel(SharesProcessGroups):
@@ -94,6 +113,46 @@ class ContextParallel(SharesProcessGroups):
         if self.size == 1:
             return x
         return _GatherSequence.apply(x, dim, self)
+
+    def comm_type(self, layer_number: int) -> str:
+        """Layer `layer_number`'s exchange: its --cp-comm-type (one for all, or one per layer; MTP layers, after
+        the decoder's, take the last layer's), p2p run as all_gather."""
+        kind = self.comm_types[min(layer_number, len(self.comm_types) - 1)]
+        return "a2a" if kind == "a2a" else "all_gather"
+
+    def heads_to_sequence(self, x_BNSh: torch.Tensor) -> torch.Tensor:
+        """(B, N, Sl, h) of N heads at this rank's positions -> (B, N/cp, S, h): head block `rank` of the whole
+        sequence, in global order (autograd: the reverse exchange in backward)."""
+        B, N, Sl, h = x_BNSh.shape
+        if N % self.size:
+            raise ValueError(f"--cp-comm-type a2a: {N} heads do not split over {self.size} cp ranks")
+        blocks = x_BNSh.reshape(B, self.size, N // self.size, Sl, h).transpose(0, 1)  # block j goes to rank j
+        rows = self._all_to_all(blocks.reshape(self.size * B, N // self.size, Sl, h))
+        pieces = rows.view(self.size, B, N // self.size, Sl, h).permute(1, 2, 0, 3, 4)  # rank i's positions
+        gathered = pieces.reshape(B, N // self.size, self.size * Sl, h)
+        return gathered.index_select(2, self._global_order(Sl, x_BNSh.device))
+
+    def sequence_to_heads(self, y_BnSh: torch.Tensor) -> torch.Tensor:
+        """The inverse of heads_to_sequence: (B, N/cp, S, h) -> (B, N, Sl, h)."""
+        B, n, S, h = y_BnSh.shape
+        Sl = S // self.size
+        pieces = y_BnSh.index_select(2, _gathered_positions(self, Sl, y_BnSh.device))  # rank i's positions i-th
+        blocks = pieces.view(B, n, self.size, Sl, h).permute(2, 0, 1, 3, 4).reshape(self.size * B, n, Sl, h)
+        rows = self._all_to_all(blocks).view(self.size, B, n, Sl, h)  # head block j from rank j
+        return rows.transpose(0, 1).reshape(B, self.size * n, Sl, h)
+
+    def head_block(self, heads: int) -> slice:
+        """This rank's heads of `heads` under a2a."""
+        n = heads // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    def _all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        splits = [rows.shape[0] // self.size] * self.size
+        return comm.all_to_all(rows, splits, splits, self.group)
+
+    def _global_order(self, local_length: int, device) -> torch.Tensor:
+        """Indices putting the rows of every rank's `local_length` positions (rank order) in global order."""
+        return torch.argsort(_gathered_positions(self, local_length, device))
 
     def keys(self, keys: Optional[SampleKeys], local_length: int) -> Optional[SampleKeys]:
         """`keys` for this rank's positions of sequences of `local_length` tokens here."""

@@ -53,11 +53,10 @@ def check_context_parallel_run(cfg, world_size: int) -> None:
 
 
 def comm_type_notice(cfg) -> List[str]:
-    """The run's log line at cp > 1: which exchange attention runs."""
-    if cfg.parallel.context_parallel_size == 1:
+    """The run's log line at cp > 1 with p2p asked for: it runs the all-gather."""
+    if cfg.parallel.context_parallel_size == 1 or "p2p" not in cfg.parallel.cp_comm_type:
         return []
-    asked = " ".join(sorted(set(cfg.parallel.cp_comm_type)))
     return [
-        f" --cp-comm-type {asked}: attention all-gathers each layer's keys and values over the cp group (the same "
-        "numbers as Megatron's ring or all-to-all, which overlap only on GPUs)"
+        " --cp-comm-type p2p: attention all-gathers the layer's keys and values over the cp group instead of "
+        "passing them round a ring (the same numbers; the ring overlaps only on GPUs)"
     ]

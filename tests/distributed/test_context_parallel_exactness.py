@@ -6,7 +6,7 @@ dropout, all keyed) with learned positions at ZeRO 1; the same with its experts 
 x ep 2) at ZeRO 3 and the sequence aux loss; a dense GQA model with RoPE, a sliding window on one layer, learnable
 sinks, layer scaling and an MTP depth at ZeRO 2; --calculate-per-token-loss at ZeRO 0; the global-batch aux loss
 with full recompute (the K/V gathers run again in backward) and the micro-batches' forwards interleaved at cp 2 x
-ep 2."""
+ep 2; --cp-comm-type a2a (Ulysses) on one layer and p2p on the other, with GQA, RoPE and sinks."""
 
 import dataclasses
 
@@ -46,6 +46,14 @@ CASES = {
         stage=2,
         ep=2,
         overlap=True,
+    ),
+    # Ulysses on the first layer, the all-gather (p2p's) on the second: 4 heads, 2 query groups, 2 per rank
+    "a2a_and_p2p_gqa_rope_sinks_zero1": dict(
+        flags=["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "4"]
+        + ["--kv-channels", "8", "--position-embedding-type", "rope", "--softmax-type", "learnable"],
+        stage=1,
+        ep=2,
+        comm_types=("a2a", "p2p"),
     ),
 }
 
@@ -109,7 +117,7 @@ def _cp_run(case):
     spec = CASES[case]
     groups = ParallelGroups.build(expert_parallel_size=spec["ep"], context_parallel_size=2)
     try:
-        cp = ContextParallel(groups.cp)
+        cp = ContextParallel(groups.cp, spec.get("comm_types", ("p2p",)))
         model_cfg, moe_cfg = _model_configs(spec["flags"])
         model = GPTModel(model_cfg, moe_cfg, seed=SEED, moe_layer=expert_parallel(groups), context_parallel=cp)
         model = model.double().train()

@@ -53,6 +53,8 @@ def test_sharded_keys_draw_the_whole_sequences_slice():
     assert torch.equal(sharded.dropout_mask("site", (8, 3), 0.3), whole[:, positions])
     rows = sharded.query_rows_dropout_mask("attn", 2, 0.3, "cpu")
     assert torch.equal(rows, keys.dropout_mask("attn", (2, 16, 16), 0.3)[:, :, positions])
+    heads = sharded.head_block_keys(4, slice(2, 4)).dropout_mask("attn", (2, 16, 16), 0.3)  # a2a: whole sequence
+    assert torch.equal(heads, keys.dropout_mask("attn", (4, 16, 16), 0.3)[:, 2:4])
 
 
 def test_split_micro_batch_shifts_mtp_on_the_whole_sequence():
