@@ -1,9 +1,10 @@
 """The pretraining script at --context-parallel-size 2 on 2 gloo ranks (its entry point in-process in each rank)
 against the same command in one process: a GPT-MoE with a dense first layer, MoE layers with their experts split
 over the same two ranks (cp 2 x ep 2: the all-to-all between the two halves of each sequence), aux and z losses,
-router jitter and dropout (keyed), float64: the lm loss, router losses, gradient norm and validation loss of every
-iteration to 1e-10 relative. Params are replicated over cp, so a cp 2 checkpoint resumes in one process (cp 1) and
-a cp 1 one at cp 2, each on the uninterrupted run's curve."""
+router jitter and dropout (keyed), the aux-loss-free expert bias (its counts summed over every rank), float64: the
+lm loss, router losses, gradient norm and validation loss of every iteration to 1e-10 relative. Params are
+replicated over cp, so a cp 2 checkpoint resumes in one process (cp 1) and a cp 1 one at cp 2, each on the
+uninterrupted run's curve."""
 
 import contextlib
 import io
@@ -16,6 +17,7 @@ from tests.integration.pretrain_utils import TINY, configs
 CP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
 CP_TINY += ["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--zero-stage", "1", "--train-iters", "4"]
 CP_TINY += ["--eval-interval", "2", "--eval-iters", "1", "--fp64", "--log-interval", "1"]
+CP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]  # counts over cp too
 CP2 = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]  # Megatron's default --cp-comm-type p2p
 TOL = 1e-10
 
