@@ -191,6 +191,11 @@ class GPTModel(nn.Module):
         """forward() in phases (moezero.phases): with `phased`, the MoE layers' (a recomputed chunk of
         layers and the MTP depths run whole)."""
         if self.context_parallel is not None:
+            if mtp and self.mtp is not None and mtp_tokens is None:  # a shift of the rank's part mixes its chunks
+                raise ValueError(
+                    "a context-parallel rank's MTP depths need their tokens shifted on the whole sequence "
+                    "(mtp_tokens: ContextParallel.split_micro_batch)"
+                )
             keys = self.context_parallel.keys(keys, tokens_BS.shape[1])
         x = embed_tokens(self, tokens_BS, keys)
         all_stats: List[MoEStats] = []

@@ -70,3 +70,24 @@ def test_split_micro_batch_shifts_mtp_on_the_whole_sequence():
     assert split.batch["mtp_tokens"][0].tolist() == [[1, 2, 3, 4, 13, 14, 15, 0]]
     assert split.batch["mtp_loss_mask"][1].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]]
     assert split.whole_tokens.tolist() == [16.0, 15.0, 14.0]
+
+
+def test_a_cp_model_refuses_mtp_without_the_whole_sequences_shift():
+    """A cp rank's MTP tokens must be shifted before the split; forward without them says so, not a wrong loss."""
+    from moezero.config import GPTConfig
+    from moezero.models import GPTModel
+
+    cp = ContextParallel(None)
+    cp.size, cp.rank = 2, 0
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=16,
+        mtp_num_layers=1,
+        position_embedding_type="rope",
+    )
+    model = GPTModel(config, context_parallel=cp)
+    with pytest.raises(ValueError, match="shifted on the whole sequence"):
+        model(torch.zeros(1, 4, dtype=torch.long), mtp=True)
