@@ -82,7 +82,7 @@ class CausalSelfAttention(nn.Module):
         context_parallel: Optional[Any] = None,
     ):
         super().__init__()
-        # parallel/context_parallel.py's ContextParallel: this rank holds a part of each sequence (None: all of it)
+        # moezero/context_parallel.py's ContextParallel: this rank holds a part of each sequence (None: all of it)
         self.context_parallel = context_parallel if context_parallel is not None and context_parallel.size > 1 else None
         self.cp_comm = None if self.context_parallel is None else self.context_parallel.comm_type(layer_number)
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
@@ -212,7 +212,7 @@ def causal_attention(
     inputs' dtype, multiplied back by L in fp32 (Megatron's --apply-query-key-layer-scaling): all three run the
     explicit path. With `query_positions` (context parallelism), the queries are those positions of a sequence
     whose keys and values are all given: the explicit path, its masks from the positions (`keys` then a cp rank's,
-    parallel/context_parallel.py)."""
+    moezero/context_parallel.py)."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
     short = (

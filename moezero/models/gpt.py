@@ -12,7 +12,7 @@ passed, so its masks do not depend on the parallel layout and recompute redraws 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,18 +29,13 @@ from moezero.moe.experts import DenseMLP
 from moezero.ops.cross_entropy import token_cross_entropy
 from moezero import phases
 
-if TYPE_CHECKING:
-    from moezero.parallel.context_parallel import ContextParallel
-
 MoELayerFactory = Callable[..., MoELayer]  # (config, layer_number=i) -> the MoE MLP of layer i
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or MoE."""
 
-    def __init__(
-        self, config: GPTConfig, mlp: nn.Module, layer_number: int, context_parallel: Optional[ContextParallel] = None
-    ):
+    def __init__(self, config: GPTConfig, mlp: nn.Module, layer_number: int, context_parallel: Optional[Any] = None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.site = f"layer{layer_number}"
@@ -100,7 +95,7 @@ class GPTModel(nn.Module):
         seed: keys the layout-invariant init: each param from (seed, its name[, global expert]).
         moe_layer: builds each MoE layer (default: all experts on this device); expert parallelism
             passes `moezero.moe.expert_parallel(groups)`.
-        context_parallel: this rank's place in its cp group (parallel/context_parallel.py): forward then takes
+        context_parallel: this rank's place in its cp group (moezero/context_parallel.py): forward then takes
             this rank's part of each sequence (ContextParallel.split_micro_batch) and returns its logits.
 
     forward(tokens_BS, keys=None) -> (logits_BSV, [MoEStats of each MoE layer])
@@ -112,7 +107,7 @@ class GPTModel(nn.Module):
         moe_config: Optional[MoEConfig] = None,
         seed: int = 0,
         moe_layer: MoELayerFactory = MoELayer,
-        context_parallel: Optional[ContextParallel] = None,
+        context_parallel: Optional[Any] = None,
     ):
         super().__init__()
         if context_parallel is not None and context_parallel.size == 1:

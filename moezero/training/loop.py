@@ -21,7 +21,7 @@ from moezero.models.mtp import mtp_losses, shift_left
 from moezero.moe import MoEStats, reset_global_load_balancing
 from moezero import phases
 from moezero.parallel import comm
-from moezero.parallel.context_parallel import ContextParallel
+from moezero.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from moezero.keyed_random import keyed_seed
 from moezero.models.upcycling import upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
-from moezero.parallel.context_parallel import ContextParallel
+from moezero.context_parallel import ContextParallel
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import (

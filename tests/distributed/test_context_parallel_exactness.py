@@ -1,4 +1,4 @@
-"""Context parallelism (parallel/context_parallel.py) on 2 gloo ranks at cp 2 against one process training GPTModel
+"""Context parallelism (moezero/context_parallel.py) on 2 gloo ranks at cp 2 against one process training GPTModel
 on the whole micro-batches, float64 on the reference ops: the lm loss, router losses, MTP loss and gradient norm of
 every step and the final weights to 1e-10 relative. Both ranks read the same micro-batches (one cp group) and keep
 chunks r and 3 - r of every sequence. Cases: an MoE model (aux loss, z-loss, router jitter, attention and hidden
@@ -17,7 +17,7 @@ from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel, reset_global_load_balancing
 from moezero.parallel import ParallelGroups
-from moezero.parallel.context_parallel import ContextParallel
+from moezero.context_parallel import ContextParallel
 from moezero.training.loop import _GlobalTokens, _micro_batch_loss, _micro_batch_losses, train_step
 from moezero.zero import ZeroOptimizer
 from tests.dist_utils import run_distributed

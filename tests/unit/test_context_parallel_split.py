@@ -1,4 +1,4 @@
-"""The context-parallel split (parallel/context_parallel.py) against megatron-core's get_batch_on_this_cp_rank,
+"""The context-parallel split (moezero/context_parallel.py) against megatron-core's get_batch_on_this_cp_rank,
 which reads only its group's size and rank (a stub object serves); and the sample keys of a cp rank, whose draws
 are the slices of the whole sequence's."""
 
@@ -7,7 +7,7 @@ import torch
 from megatron.core import utils as mcore_utils
 
 from moezero.keyed_random import SampleKeys
-from moezero.parallel.context_parallel import ContextParallel, ShardedSampleKeys, chunk_positions, split_sequence
+from moezero.context_parallel import ContextParallel, ShardedSampleKeys, chunk_positions, split_sequence
 
 
 class _StubGroup:
