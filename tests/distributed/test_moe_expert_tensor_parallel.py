@@ -196,6 +196,8 @@ def _zero_run(stage, activation, layout):
         dist.all_reduce(summed)
         diffs["loss"] = max(diffs["loss"], abs(float(summed) * share / ETP - float(ref_loss.detach())))
         diffs["norm"] = max(diffs["norm"], abs(opt.last_grad_norm - ref_norm) / ref_norm)
+    with opt.modify_model():  # re-adopted from every rank's state: the slices and their state where they were
+        pass
     shards = [None] * ETP
     dist.all_gather_object(shards, opt.state_dict())
     full = consolidate(shards)
