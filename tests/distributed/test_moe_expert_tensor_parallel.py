@@ -4,6 +4,8 @@ same tokens on both ranks), then a small model under ZeroOptimizer (stages 1 and
 process under torch's AdamW: the losses, the gradient norm and the consolidated weights and AdamW state."""
 
 import dataclasses
+import datetime
+import functools
 
 import pytest
 import torch
@@ -149,20 +151,22 @@ def _batch(step, index):
     return _randn(100 * step + index, T, H), _randn(100 * step + 50 + index, T, H)
 
 
-def _zero_groups(layout):
+def _zero_groups(layout, timeout=None):
     """ "dp": dp 2, each rank its own micro-batch, the experts at etp 2 (edp of one). "tp": tp 2 = etp 2, dp 1, each
     rank its share of one micro-batch (as under sequence parallelism: its dense params' gradients are partial over
     tp), the tp harness's groups (test_tp_regions.py)."""
     rank, world = dist.get_rank(), list(range(ETP))
     if layout == "tp":
         return dataclasses.replace(ParallelGroups.single(), tp=dist.new_group(world), etp=dist.new_group(world))
+    new = functools.partial(dist.new_group, world, timeout=timeout)
     return ParallelGroups(
         rank_layout(ETP, 1),
         rank,
-        dp=dist.new_group(world),
-        control=dist.new_group(world),
-        etp=dist.new_group(world),
-        _lazy={"dp": dist.new_group(world), "edp": None},  # stage 3's gathers: the experts' over a group of one
+        dp=new(),
+        control=new(),
+        etp=new(),
+        timeout=timeout,
+        _lazy={"dp": new(), "edp": None},  # stage 3's gathers: the experts' over a group of one
     )
 
 
@@ -221,3 +225,35 @@ def test_zero_over_etp_shards_matches_one_process(layout):
     for per_rank in run_distributed(_zero_runs, ETP, layout):
         for case, diffs in per_rank.items():
             assert max(diffs.values()) < 1e-12, (case, diffs)
+
+
+# ---- ranks that disagree -----------------------------------------------------------------------------------------
+
+
+def _block_order_disagreements():
+    """test_rank_disagreement's MoE tower (3 MoE blocks, ep 1) at etp 2 on the "dp" groups, its blocks run in a
+    different order on each rank, at stages 2 and 3: what each rank raised."""
+    from moezero.parallel.agreement import RanksDisagree
+    from moezero.zero import ZeroOptimizer
+    from tests.distributed.test_rank_disagreement import SCENARIOS, _MoETower
+
+    out = {}
+    for stage in (2, 3):
+        groups = _zero_groups("dp", timeout=datetime.timedelta(seconds=20))
+        model = _MoETower(groups, "aux_loss")
+        opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=stage, lr=0.1)
+        try:
+            SCENARIOS["block order"][0](model, opt, dist.get_rank())
+            out[stage] = "no error"
+        except RanksDisagree as exc:
+            out[stage] = str(exc)
+    return out
+
+
+def test_etp_exchanges_carry_records_so_ranks_in_different_layers_raise():
+    """The etp count exchange carries the layer's agreement record (at ep 1 the only exchange the layer makes):
+    ranks whose exchanges would pair one layer's rows with another's all raise RanksDisagree naming the layers."""
+    for out in run_distributed(_block_order_disagreements, ETP, isolated=True, timeout=200):
+        for stage, message in out.items():
+            assert message.startswith("the ranks are not doing the same thing"), (stage, message)
+        assert "exchanges of 'blocks." in out[2], out
