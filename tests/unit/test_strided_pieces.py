@@ -181,3 +181,60 @@ def test_strided_keys_parse_back():
     assert Span(3, 5, 4, 10).key() == "3-5x4s10" and Span(3, 5).key() == "3-5"
     assert keys.piece_of("optimizer/a.b/3-5x4s10/exp_avg") == ("a.b", (3, 5, 4, 10))
     assert keys.piece_of("optimizer/a.b/3-5/master") == ("a.b", (3, 5))
+
+
+def _adamw_shards(tp, stage):
+    """One AdamW step on a row-parallel (6, 8) weight and a fused column (12, 4) one, as each tp rank's ZeroOptimizer
+    (an in-process world of one holding its tagged shards) and as one process on the global tensors."""
+    from moezero.parallel import ParallelGroups
+    from moezero.zero import ZeroOptimizer
+
+    gen = torch.Generator().manual_seed(2)
+    specs = {"row": ((6, 8), 1, None), "fused": ((12, 4), 0, (4, 8))}
+    whole = {name: torch.randn(shape, generator=gen, dtype=torch.float64) for name, (shape, _, _) in specs.items()}
+    grads = {name: torch.randn(w.shape, generator=gen, dtype=torch.float64) for name, w in whole.items()}
+    reference = {name: nn.Parameter(w.clone()) for name, w in whole.items()}
+    ref_opt = torch.optim.AdamW(reference.values(), lr=0.1)
+    for name, p in reference.items():
+        p.grad = grads[name].clone()
+    ref_opt.step()
+    ranks = []
+    for rank in range(tp):
+        model, cuts = nn.Module(), {}
+        for name, (shape, dim, parts) in specs.items():
+            cuts[name] = TensorShard.split(shape, dim, rank, tp, parts)
+            setattr(model, name, nn.Parameter(cuts[name].local_of(whole[name])))
+            if tp > 1:
+                mark_tensor_parallel(getattr(model, name), cuts[name])
+        opt = ZeroOptimizer(model, torch.optim.AdamW, ParallelGroups.single(), stage=stage, lr=0.1)
+        for name, p in model.named_parameters():
+            p.grad = cuts[name].local_of(grads[name])
+        opt.step()
+        ranks.append((model, opt, cuts))
+    return reference, ref_opt, ranks
+
+
+def test_optimizer_state_saved_at_tp2_loads_at_tp1_and_tp4():
+    """ZeroOptimizer.state_dict's pieces of both tp-2 ranks consolidate to one process's AdamW weights and state,
+    and through their keys load into every rank of tp 4 and tp 1 (load_state_dict): each then holds exactly its cut
+    of what was saved."""
+    reference, ref_opt, saved = _adamw_shards(2, stage=1)
+    shards = [opt.state_dict() for _, opt, _ in saved]
+    entries = {}
+    for shard in shards:
+        assert len(keys.piece_entries(shard["pieces"])) <= 2 * 3 * 4  # two params, a few pieces, four fields
+        entries.update(keys.piece_entries(shard["pieces"]))
+    full = consolidate(shards)
+    for name, q in reference.items():  # AdamW's kernels round alike only up to the size of the tensors they step
+        torch.testing.assert_close(full["params"][name], q.detach(), rtol=0, atol=1e-15)
+        torch.testing.assert_close(full["state"][name]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=0, atol=1e-15)
+    scalars = {k: v for k, v in shards[0].items() if k not in ("pieces", "replicas")}
+    for tp in (1, 4):
+        for model, opt, cuts in _adamw_shards(tp, stage=2)[2]:
+            wanted = keys.piece_keys(entries, opt.held_ranges())
+            opt.load_state_dict({"pieces": keys.pieces_from_entries({k: entries[k] for k in wanted}), **scalars})
+            for name, p in model.named_parameters():
+                assert torch.equal(p.detach(), cuts[name].local_of(full["params"][name])), (tp, name)
+                leaf = next(piece.master for piece in opt.engine.master_pieces() if piece.param.param is p)
+                exp_avg = opt.inner.state[leaf]["exp_avg"].view(p.shape)
+                assert torch.equal(exp_avg, cuts[name].local_of(full["state"][name]["exp_avg"])), (tp, name)
