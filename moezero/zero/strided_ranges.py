@@ -117,6 +117,10 @@ def intersects(a: Span, b: Span) -> bool:
     """Whether two spans share an element (runs at one stride, as a tensor's rows, answer without indices)."""
     if a.lo >= b.end or b.lo >= a.end:
         return False
+    if a.plain or b.plain:  # some run of the strided one meets the plain range (a load's selection of keys)
+        plain, other = (a, b) if a.plain else (b, a)
+        first, last = other.runs_within(plain.lo, plain.hi)
+        return first < last
     if not a.plain and not b.plain and a.stride == b.stride:  # columns of one row length that do not meet
         (p, q), (r, s) = [(x.lo % x.stride, x.lo % x.stride + x.width) for x in (a, b)]
         if q <= a.stride and s <= a.stride and not (p < s and r < q):
