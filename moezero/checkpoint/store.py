@@ -356,7 +356,7 @@ class CheckpointReader:
         filled = torch.zeros(hi - lo, dtype=torch.bool)
         for span, key in overlapping:
             here, there = overlap(span, wanted_span)
-            out[here] = self._last[key][there]
+            out[here] = self._last[key][there].to(out.dtype)  # fp32, as a slice assignment casts
             filled[here] = True
         if not bool(filled.all()):
             raise CheckpointError(f"{self.path}: its pieces of {name} do not cover elements [{lo}, {hi})")

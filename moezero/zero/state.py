@@ -267,13 +267,13 @@ def gather_span(pieces: Dict[str, List[Piece]], name: str, span: Span):
         if common is None:
             continue
         here, there = common
-        master[here] = piece["master"][there]
+        master[here] = piece["master"][there].to(master.dtype)  # index tensors do not cast as slices do
         filled[here] = True
         for key, value in piece["state"].items():
             if _is_elementwise(value, saved.numel):
                 if key not in state:
                     state[key] = torch.empty(n, dtype=value.dtype)
-                state[key][here] = value[there]
+                state[key][here] = value[there].to(state[key].dtype)
             else:
                 state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
     if not bool(filled.all()):

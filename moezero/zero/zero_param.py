@@ -14,7 +14,8 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
     bucket      param + slot.offset                            (`ZeroParam.bucket_range`, `.param_range_in`)
     optimizer   bucket - start of the bucket's optimizer range (`optimizer_slice`; `MasterPiece.offset` is one)
     global      param + the param's offset in its global tensor (`ZeroParam.global_range`; a tensor-parallel
-                shard maps through its TensorShard, `ZeroParam.global_ranges`)
+                shard maps through its TensorShard, `ZeroParam.global_ranges`, or compactly as strided spans,
+                `ZeroParam.global_spans`, which checkpoint pieces use)
 """
 
 from __future__ import annotations
