@@ -172,6 +172,7 @@ def load_state(opt, source: Dict[str, Any]) -> None:
 
 
 def _assembled(pieces: Dict[str, List[Piece]], master_piece) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """(master, state) of a master piece from the pieces (`assemble` over its global spans)."""
     first = master_piece.param_range[0]
     pairs = master_piece.param.global_spans(master_piece.param_range)
     shifted = [(local.shifted(-first), glob) for local, glob in pairs]
