@@ -2,6 +2,14 @@
 
     optimizer/<param>/<lo>-<hi>/master     fp32 master weights of global flat elements [lo, hi) of <param>
     optimizer/<param>/<lo>-<hi>/<state>    the optimizer state of those elements (exp_avg, step, ...)
+    optimizer/<param>/<lo>-<hi>x<count>s<stride>/<field>
+                                           a strided piece: `count` runs of global flat elements
+                                           [lo + i * stride, hi + i * stride), i < count, stored run after
+                                           run as one tensor of count * (hi - lo) elements: a tensor-parallel
+                                           shard along a dim >= 1 (a row-parallel weight's columns, an ETP
+                                           expert's ffn slice, a fused weight's blocks), whose elements lie
+                                           in one run per row of the global tensor. A rank writes at most
+                                           three such pieces per block of a shard (`strided_ranges`)
     model_state/<name>[@experts<first>]    a buffer, or a param left out of the optimizer's groups (expert-
                                            parallel ones keyed by first expert; frozen params before the
                                            optimizer held them)
@@ -13,7 +21,8 @@
     rng/rank<r>                            pickled RNG states of rank r
 
 Routed experts are stacked over the global experts, so every element has one global coordinate
-whatever the dp/ep/stage layout that wrote it.
+whatever the dp/ep/tp/stage layout that wrote it; a load intersects the saved pieces, plain or strided,
+with the elements it holds. A plain range is a strided one of count 1 and keeps its short key.
 """
 
 from __future__ import annotations
@@ -28,12 +37,16 @@ from torch import nn
 from moezero.checkpoint.safe_pickle import decode_blob
 from moezero.config import upgrade_stored_configs
 from moezero.parallel import expert_shard_of
+from moezero.zero.strided_ranges import Span, intersects
 
 TRAIN_STATE = "train_state"
 MODEL_STATE = "model_state/"
-_PIECE = re.compile(r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)/(?P<field>[^/]+)$")
+_PIECE = re.compile(
+    r"^optimizer/(?P<name>.+)/(?P<lo>\d+)-(?P<hi>\d+)(?:x(?P<count>\d+)s(?P<stride>\d+))?/(?P<field>[^/]+)$"
+)
 
-Piece = Dict[str, Any]  # {"range": (lo, hi), "master": 1-D tensor, "state": {key: tensor or scalar}}
+# {"range": (lo, hi) or (lo, hi, count, stride), "master": 1-D tensor, "state": {key: tensor or scalar}}
+Piece = Dict[str, Any]
 
 
 def rng_key(rank: int) -> str:
@@ -45,8 +58,7 @@ def piece_entries(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
     entries: Dict[str, torch.Tensor] = {}
     for name, owned in pieces.items():
         for piece in owned:
-            lo, hi = piece["range"]
-            prefix = f"optimizer/{name}/{lo}-{hi}"
+            prefix = f"optimizer/{name}/{Span.of(piece['range']).key()}"
             entries[f"{prefix}/master"] = piece["master"]
             for key, value in piece["state"].items():
                 entries[f"{prefix}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
@@ -60,7 +72,7 @@ def pieces_from_entries(entries: Dict[str, Any]) -> Dict[str, List[Piece]]:
         match = _PIECE.match(key)
         if not match:
             continue
-        rng = (int(match["lo"]), int(match["hi"]))
+        rng = _span(match).as_range()
         piece = pieces.setdefault(match["name"], {}).setdefault(rng, {"range": rng, "master": None, "state": {}})
         if match["field"] == "master":
             piece["master"] = value
@@ -69,10 +81,16 @@ def pieces_from_entries(entries: Dict[str, Any]) -> Dict[str, List[Piece]]:
     return {name: list(by_range.values()) for name, by_range in pieces.items()}
 
 
-def piece_of(key: str) -> Tuple[str, Tuple[int, int]]:
-    """(param name, global range) of a piece key."""
+def piece_of(key: str) -> Tuple[str, Tuple[int, ...]]:
+    """(param name, global range: (lo, hi) or (lo, hi, count, stride)) of a piece key."""
     match = _PIECE.match(key)
-    return match["name"], (int(match["lo"]), int(match["hi"]))
+    return match["name"], _span(match).as_range()
+
+
+def _span(match: re.Match) -> Span:
+    if match["count"] is None:
+        return Span(int(match["lo"]), int(match["hi"]))
+    return Span(int(match["lo"]), int(match["hi"]), int(match["count"]), int(match["stride"]))
 
 
 def plain_param_name(name: str) -> str:
@@ -94,16 +112,16 @@ def saved_names_for(held: Iterable[str], keys: Iterable[str]) -> Dict[str, str]:
 
 
 def piece_keys(
-    keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, int]]]], masters_only: bool = False
+    keys: Iterable[str], wanted: Optional[Dict[str, List[Tuple[int, ...]]]], masters_only: bool = False
 ) -> List[str]:
-    """The piece keys among `keys` that overlap `wanted` ({param: global ranges}; None: every piece)."""
+    """The piece keys among `keys` that overlap `wanted` ({param: global ranges, plain or strided}; None: every
+    piece)."""
     out = []
     for key in keys:
         match = _PIECE.match(key)
         if not match or (masters_only and match["field"] != "master"):
             continue
-        lo, hi = int(match["lo"]), int(match["hi"])
-        if wanted is None or any(a < hi and lo < b for a, b in wanted.get(match["name"], [])):
+        if wanted is None or any(intersects(_span(match), Span.of(w)) for w in wanted.get(match["name"], [])):
             out.append(key)
     return out
 

@@ -34,6 +34,7 @@ from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cau
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
 from moezero.zero import consolidate
+from moezero.zero.strided_ranges import Span, intersects, overlap
 
 
 def save_checkpoint(
@@ -332,31 +333,32 @@ class CheckpointReader:
             if problem is not None:
                 raise CheckpointError(f"{problem}; the checkpoint is refused")
         self._metadata = index.state_dict_metadata
-        self._pieces: Dict[str, List[Tuple[int, int, str]]] = {}
+        self._pieces: Dict[str, List[Tuple[Span, str]]] = {}
         self._last: Dict[str, torch.Tensor] = {}
         for key in keys.piece_keys(self._metadata, None, masters_only=True):
-            name, (lo, hi) = keys.piece_of(key)
-            self._pieces.setdefault(name, []).append((lo, hi, key))
+            name, rng = keys.piece_of(key)
+            self._pieces.setdefault(name, []).append((Span.of(rng), key))
 
-    def ranges(self, name: str) -> List[Tuple[int, int]]:
-        """The global element ranges of `name`'s saved pieces."""
-        return sorted((lo, hi) for lo, hi, _ in self._pieces.get(name, []))
+    def ranges(self, name: str) -> List[Tuple[int, ...]]:
+        """The global element ranges of `name`'s saved pieces ((lo, hi), or (lo, hi, count, stride) strided)."""
+        return sorted(span.as_range() for span, _ in self._pieces.get(name, []))
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        overlapping = sorted(p for p in self._pieces.get(name, []) if p[0] < hi and lo < p[1])
-        wanted = [key for _, _, key in overlapping]
+        wanted_span = Span(lo, hi)
+        overlapping = sorted(p for p in self._pieces.get(name, []) if intersects(p[0], wanted_span))
+        wanted = [key for _, key in overlapping]
         if not set(wanted) <= set(self._last):  # keep the pieces last read: an expert stack is read expert by expert
             self._last = {
                 key: torch.empty(self._metadata[key].size, dtype=self._metadata[key].properties.dtype) for key in wanted
             }
             _load(self._last, self.path)
         out = torch.empty(hi - lo, dtype=torch.float32)
-        covered = 0
-        for a, b, key in overlapping:
-            start, stop = max(a, lo), min(b, hi)
-            out[start - lo : stop - lo] = self._last[key][start - a : stop - a]
-            covered += stop - start
-        if covered != hi - lo:
+        filled = torch.zeros(hi - lo, dtype=torch.bool)
+        for span, key in overlapping:
+            here, there = overlap(span, wanted_span)
+            out[here] = self._last[key][there].to(out.dtype)  # fp32, as a slice assignment casts
+            filled[here] = True
+        if not bool(filled.all()):
             raise CheckpointError(f"{self.path}: its pieces of {name} do not cover elements [{lo}, {hi})")
         return out
 

@@ -503,11 +503,13 @@ class ZeroEngine:
         owned = [values(piece.master)[part] for piece, part, _ in self.owned_pieces(trainable_only=True, counted=True)]
         return float(self._sum_over_ranks(ops.sum_of_squares(owned).to(torch.float64).reshape(1)).item())
 
-    def held_ranges(self) -> Dict[str, List[Range]]:
-        """{name: global element ranges} of the master pieces this rank holds."""
-        out: Dict[str, List[Range]] = {}
+    def held_ranges(self) -> Dict[str, List[Tuple[int, ...]]]:
+        """{name: global element ranges} of the master pieces this rank holds: (lo, hi), or a tensor-parallel
+        shard's strided (lo, hi, count, stride) (strided_ranges.Span)."""
+        out: Dict[str, List[Tuple[int, ...]]] = {}
         for piece in self.master.pieces:
-            out.setdefault(piece.param.name, []).extend(piece.param.global_ranges(piece.param_range))
+            spans = piece.param.global_spans(piece.param_range)
+            out.setdefault(piece.param.name, []).extend(glob.as_range() for _, glob in spans)
         return out
 
     def memory_bytes(self, inner_state: Dict) -> Dict[str, int]:

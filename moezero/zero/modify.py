@@ -32,7 +32,8 @@ from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
 from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.zero.rank_agreement import Activity
-from moezero.zero.zero_param import global_placement, param_global_ranges
+from moezero.zero.strided_ranges import Span, strided_view
+from moezero.zero.zero_param import global_placement, param_global_spans
 from moezero.zero.master import master_dtype_of
 from moezero.zero.state import consolidate
 
@@ -172,27 +173,30 @@ def _first_difference(every: List[List[Tuple[str, str, Tuple[int, Any], str]]]) 
 
 
 def _pieces(p: nn.Parameter, full: Dict[str, Any], old_name) -> List[Dict[str, Any]]:
-    """This rank's part of `p` in global coordinates (one piece per global range it maps to)."""
-    value, start, out = p.detach().reshape(-1), 0, []
-    for lo, hi in param_global_ranges(p):
-        out.append(_piece(p, value[start : start + hi - lo], (lo, hi), full, old_name))
-        start += hi - lo
-    return out
+    """This rank's part of `p` in global coordinates (one piece per global span it maps to)."""
+    value = p.detach().reshape(-1)
+    return [
+        _piece(p, strided_view(value, local).reshape(-1), glob, full, old_name) for local, glob in param_global_spans(p)
+    ]
 
 
-def _piece(p: nn.Parameter, value: torch.Tensor, span, full: Dict[str, Any], old_name) -> Dict[str, Any]:
-    """Global elements `span` of `p` (`value`, this rank's): merged master values and kept optimizer state."""
+def _piece(p: nn.Parameter, value: torch.Tensor, span: Span, full: Dict[str, Any], old_name) -> Dict[str, Any]:
+    """Global elements `span` of `p` (`value`, this rank's, run-major): merged master values and kept optimizer
+    state."""
     shape, _ = global_placement(p)
-    lo, hi = span
     master_dtype = master_dtype_of(p.dtype)
     old = full["params"].get(old_name) if old_name is not None else None
     if old is None or tuple(old.shape) != tuple(shape):
-        return {"range": (lo, hi), "master": value.to(master_dtype), "state": {}}
-    kept = old.reshape(-1)[lo:hi]
+        return {"range": span.as_range(), "master": value.to(master_dtype), "state": {}}
+
+    def kept_part(tensor: torch.Tensor) -> torch.Tensor:
+        return strided_view(tensor.reshape(-1), span).reshape(-1)
+
+    kept = kept_part(old)
     master = torch.where(value == kept.to(value.dtype), kept, value.to(kept.dtype))
     numel = old.numel()
     state = {
-        k: (v.reshape(-1)[lo:hi] if torch.is_tensor(v) and v.numel() == numel and v.dim() > 0 else v)
+        k: (kept_part(v) if torch.is_tensor(v) and v.numel() == numel and v.dim() > 0 else v)
         for k, v in full["state"].get(old_name, {}).items()
     }
-    return {"range": (lo, hi), "master": master, "state": state}
+    return {"range": span.as_range(), "master": master, "state": state}

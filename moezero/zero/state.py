@@ -4,7 +4,9 @@ Every piece is addressed by a param's name and a range of the flat elements of i
 tensor (routed experts stacked over the global experts: the local stack of ep rank r holds
 experts [r * L, (r + 1) * L)), so a state saved with one dp/ep/stage layout loads into another. A
 tensor-parallel shard's part may lie in several global ranges (fused row blocks; a dim-1 split: one per row):
-one piece each (`ZeroParam.global_ranges`); a param replicated over tp is owned on tp rank 0, a replica elsewhere.
+its pieces are strided ranges (`strided_ranges.Span`, a piece's "range" (lo, hi, count, stride)), at most three
+per block (`ZeroParam.global_spans`); a param replicated over tp is owned on tp rank 0, a replica elsewhere. A
+piece's values are its elements run-major; loading intersects any saved spans with any held ones.
 
 A shard (`shard_state`) holds the pieces this rank *owns* (every element is owned by exactly one
 rank, so the shards of all ranks tile every param) and, at stage 0 where each rank holds
@@ -19,6 +21,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from moezero.parallel import comm
+from moezero.zero.strided_ranges import Span, overlap, strided_view
 
 FORMAT = "moezero-zero-shard-v2"
 CONSOLIDATED = FORMAT + "-consolidated"
@@ -38,18 +41,30 @@ def _full_precision(inner, leaf: torch.Tensor):
 
 
 def _pieces(master_piece, part: slice, inner) -> List[Piece]:
-    """The pieces of a part of a master piece: one, or one per global range a tensor-parallel shard's part maps
-    to (ZeroParam.global_ranges)."""
+    """The pieces of a part of a master piece: one, or one per global span a tensor-parallel shard's part maps
+    to (ZeroParam.global_spans)."""
     master, inner_state = _full_precision(inner, master_piece.master)
+    first = master_piece.param_range[0]
+    start = first + part.start
+    pairs = master_piece.param.global_spans((start, start + part.stop - part.start))
+    return span_pieces([(local.shifted(-first), glob) for local, glob in pairs], master, inner_state)
+
+
+def span_pieces(pairs: List[Tuple[Span, Span]], master: torch.Tensor, state: Dict[str, Any]) -> List[Piece]:
+    """One piece per (span of `master`'s elements, global span holding them): the values taken run by run,
+    elementwise state alike, other state copied."""
     n = master.numel()
-    out, start = [], part.start
-    for lo, hi in master_piece.global_ranges(part):
-        sub, start = slice(start, start + hi - lo), start + hi - lo
-        state = {
-            k: (v[sub].clone() if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
-            for k, v in inner_state.items()
+    out = []
+    for local, glob in pairs:
+
+        def take(values: torch.Tensor) -> torch.Tensor:
+            return strided_view(values, local).reshape(-1).clone()
+
+        kept = {
+            k: (take(v) if _is_elementwise(v, n) else (v.clone() if torch.is_tensor(v) else v))
+            for k, v in state.items()
         }
-        out.append({"range": (lo, hi), "master": master[sub].clone(), "state": state})
+        out.append({"range": glob.as_range(), "master": take(master), "state": kept})
     return out
 
 
@@ -100,7 +115,7 @@ def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     for name, shape in first["shapes"].items():
         numel = int(torch.Size(shape).numel())
         check_covered_once(pieces.get(name, []), name, numel)
-        master, merged = gather_range(pieces, name, 0, numel)
+        master, merged = gather_span(pieces, name, Span(0, numel))
         params[name] = master.view(shape)
         state[name] = {k: (v.view(shape) if _is_elementwise(v, numel) else v) for k, v in merged.items()}
     scalars = {k: first[k] for k in ("param_groups", "loss_scaler", "skipped_steps", "consecutive_skips") if k in first}
@@ -110,8 +125,11 @@ def consolidate(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 def check_covered_once(pieces: List[Piece], name: str, numel: int) -> None:
     count = torch.zeros(numel, dtype=torch.int32)
     for piece in pieces:
-        lo, hi = piece["range"]
-        count[lo:hi] += 1
+        span = Span.of(piece["range"])
+        if span.plain:
+            count[span.lo : span.hi] += 1
+        else:
+            count[span.indices()] += 1  # a span's elements are distinct
     if numel and not bool((count == 1).all()):
         raise ValueError(
             f"the shards cover parameter '{name}' {int(count.min())}..{int(count.max())} times; "
@@ -128,10 +146,8 @@ def load_state(opt, source: Dict[str, Any]) -> None:
     step_on_device = bool(opt.inner.defaults.get("fused") or opt.inner.defaults.get("capturable"))
     loaded, problem = [], None
     for master_piece in engine.master_pieces():
-        ranges = master_piece.param.global_ranges(master_piece.param_range)
         try:
-            parts = [gather_range(pieces, master_piece.param.name, lo, hi) for lo, hi in ranges]
-            loaded.append((master_piece.master, master_piece.numel, *_joined(parts, ranges)))
+            loaded.append((master_piece.master, master_piece.numel, *_assembled(pieces, master_piece)))
         except ValueError as error:
             problem = _not_loadable(opt, source, error)
             break
@@ -155,17 +171,34 @@ def load_state(opt, source: Dict[str, Any]) -> None:
     engine.publish()
 
 
-def _joined(parts: List[Tuple[torch.Tensor, Dict[str, Any]]], ranges: List[Tuple[int, int]]):
-    """(master, state) of consecutive global ranges as one: elementwise values concatenated, others the first's."""
-    if len(parts) == 1:
-        return parts[0]
-    master = torch.cat([m for m, _ in parts])
-    state: Dict[str, Any] = {}
-    for key, value in parts[0][1].items():
-        if _is_elementwise(value, ranges[0][1] - ranges[0][0]):
-            value = torch.cat([s[key] for _, s in parts])
-        state[key] = value
-    return master, state
+def _assembled(pieces: Dict[str, List[Piece]], master_piece) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """(master, state) of a master piece from the pieces (`assemble` over its global spans)."""
+    first = master_piece.param_range[0]
+    pairs = master_piece.param.global_spans(master_piece.param_range)
+    shifted = [(local.shifted(-first), glob) for local, glob in pairs]
+    return assemble(pieces, master_piece.param.name, shifted, master_piece.numel)
+
+
+def assemble(
+    pieces: Dict[str, List[Piece]], name: str, pairs: List[Tuple[Span, Span]], n: int
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """(master, state) of `n` elements of `name` from the pieces: for each (span of the n, global span holding
+    them), the global span gathered (`gather_span`) and put in place; elementwise values so assembled, others
+    the first span's. The inverse of `span_pieces`."""
+    master, state = None, {}
+    for local, glob in pairs:
+        values, span_state = gather_span(pieces, name, glob)
+        if master is None:
+            master = torch.empty(n, dtype=values.dtype)
+        strided_view(master, local).copy_(values.view(local.count, local.width))
+        for key, value in span_state.items():
+            if _is_elementwise(value, glob.numel):
+                if key not in state:
+                    state[key] = torch.empty(n, dtype=value.dtype)
+                strided_view(state[key], local).copy_(value.view(local.count, local.width))
+            else:
+                state.setdefault(key, value)
+    return (master if master is not None else torch.empty(0)), state
 
 
 def _placed(leaf: torch.Tensor, key: str, value: Any, n: int, step_on_device: bool) -> Any:
@@ -220,31 +253,39 @@ def pieces_by_name(source: Dict[str, Any]) -> Dict[str, List[Piece]]:
     return out
 
 
-def gather_range(pieces: Dict[str, List[Piece]], name: str, lo: int, hi: int):
-    """Master values and optimizer state for global elements [lo, hi) of `name`, from covering pieces."""
+def gather_span(pieces: Dict[str, List[Piece]], name: str, span: Span):
+    """Master values and optimizer state for the global elements `span` of `name` (run-major), from the pieces
+    that hold them (plain or strided)."""
     if name not in pieces:
         raise ValueError(f"it has no optimizer state for parameter '{name}'")
-    master = torch.empty(hi - lo, dtype=pieces[name][0]["master"].dtype if pieces[name] else torch.float32)
+    n = span.numel
+    master = torch.empty(n, dtype=pieces[name][0]["master"].dtype if pieces[name] else torch.float32)
     state: Dict[str, Any] = {}
-    filled = torch.zeros(hi - lo, dtype=torch.bool)
+    filled = torch.zeros(n, dtype=torch.bool)
     for piece in pieces[name]:
-        p_lo, p_hi = piece["range"]
-        a, b = max(lo, p_lo), min(hi, p_hi)
-        if a >= b:
+        saved = Span.of(piece["range"])
+        common = overlap(saved, span)
+        if common is None:
             continue
-        master[a - lo : b - lo] = piece["master"][a - p_lo : b - p_lo]
-        filled[a - lo : b - lo] = True
-        n = p_hi - p_lo
+        here, there = common
+        master[here] = piece["master"][there].to(master.dtype)  # index tensors do not cast as slices do
+        filled[here] = True
         for key, value in piece["state"].items():
-            if _is_elementwise(value, n):
+            if _is_elementwise(value, saved.numel):
                 if key not in state:
-                    state[key] = torch.empty(hi - lo, dtype=value.dtype)
-                state[key][a - lo : b - lo] = value[a - p_lo : b - p_lo]
+                    state[key] = torch.empty(n, dtype=value.dtype)
+                state[key][here] = value[there].to(state[key].dtype)
             else:
                 state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
     if not bool(filled.all()):
-        missing = int((~filled).nonzero()[0]) + lo
+        missing = int(span.indices()[int((~filled).nonzero()[0])])
         raise ValueError(
-            f"it does not cover element {missing} of parameter '{name}' (elements {lo}..{hi} are needed here)"
+            f"it does not cover element {missing} of parameter '{name}' (elements {_described(span)} are needed here)"
         )
     return master, state
+
+
+def _described(span: Span) -> str:
+    if span.plain:
+        return f"{span.lo}..{span.hi}"
+    return f"{span.lo}..{span.hi} and {span.count - 1} more runs of them every {span.stride}"

@@ -14,7 +14,8 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
     bucket      param + slot.offset                            (`ZeroParam.bucket_range`, `.param_range_in`)
     optimizer   bucket - start of the bucket's optimizer range (`optimizer_slice`; `MasterPiece.offset` is one)
     global      param + the param's offset in its global tensor (`ZeroParam.global_range`; a tensor-parallel
-                shard maps through its TensorShard, `ZeroParam.global_ranges`)
+                shard maps through its TensorShard, `ZeroParam.global_ranges`, or compactly as strided spans,
+                `ZeroParam.global_spans`, which checkpoint pieces use)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from moezero.parallel.tensor_marker import TensorShard, tensor_shard_of
 from moezero.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import FlatLayout, ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
+from moezero.zero.strided_ranges import Span, shard_spans
 from moezero.torch_internals import storage_key
 
 Range = Tuple[int, int]
@@ -60,6 +62,22 @@ def param_global_ranges(param: torch.Tensor) -> List[Range]:
         return _tensor_shard_ranges(param, tensor_shard, 0, param.numel())
     _, offset = global_placement(param)
     return [(offset, offset + param.numel())]
+
+
+def param_global_spans(param: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> List[Tuple[Span, Span]]:
+    """(span of the param's own flat elements, the global span holding them) pairs covering its elements
+    [lo, hi) (default: all): one pair, or for a tensor-parallel shard at most three per block (strided_ranges)."""
+    hi = param.numel() if hi is None else hi
+    tensor_shard = tensor_shard_of(param)
+    if tensor_shard is None:
+        _, offset = global_placement(param)
+        return [(Span(lo, hi), Span(lo + offset, hi + offset))] if hi > lo else []
+    pairs = shard_spans(tensor_shard.global_shape, tensor_shard.dim, tensor_shard.blocks, lo, hi)
+    shard = expert_shard_of(param)
+    if shard is None:
+        return pairs
+    shift = shard.first_global_expert * math.prod(tensor_shard.global_shape[1:])
+    return [(local, glob.shifted(shift)) for local, glob in pairs]
 
 
 def _tensor_shard_ranges(param: torch.Tensor, tensor_shard: TensorShard, lo: int, hi: int) -> List[Range]:
@@ -135,6 +153,11 @@ class ZeroParam:
     def param_range_in(self, span: Range) -> Optional[Range]:
         """The part of this param inside a bucket range, in param coordinates (None: no overlap)."""
         return shard_overlap(self.slot, span)
+
+    def global_spans(self, param_range: Range) -> List[Tuple[Span, Span]]:
+        """(span of the param's elements, global span) pairs covering a range of them (`param_global_spans`): the
+        compact form of `global_ranges`, which optimizer checkpoint pieces use."""
+        return param_global_spans(self.param, *param_range)
 
     def global_ranges(self, param_range: Range) -> List[Range]:
         """The global flat ranges holding a range of the param's elements: one, except for a tensor-parallel
