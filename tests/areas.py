@@ -33,7 +33,7 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
     "data": ("datasets, tokenizers and loaders", ("data", "tokenizer", "batch_schedule", "corpus")),
     "checkpoint": (
         "checkpoints, preemption and faults",
-        ("checkpoint", "preemption", "faults", "async_save", "resume"),
+        ("checkpoint", "preemption", "faults", "async_save", "resume", "strided_pieces"),
     ),
     "ops": ("the C++/CUDA kernels", ("ops/", "gelu")),
     "qat": ("quantization-aware training", ("qat",)),

@@ -37,7 +37,7 @@ from torch import nn
 from moezero.checkpoint.safe_pickle import decode_blob
 from moezero.config import upgrade_stored_configs
 from moezero.parallel import expert_shard_of
-from moezero.zero.strided_ranges import Span, intersects
+from moezero.zero import Span, intersects
 
 TRAIN_STATE = "train_state"
 MODEL_STATE = "model_state/"

@@ -33,8 +33,7 @@ from moezero.checkpoint import checksums, keys, layout, safe_pickle
 from moezero.checkpoint.errors import CheckpointError, first_line, innermost_cause, no_space
 from moezero.checkpoint.pending import PendingSave
 from moezero.parallel import comm
-from moezero.zero import consolidate
-from moezero.zero.strided_ranges import Span, intersects, overlap
+from moezero.zero import Span, consolidate, intersects, overlap
 
 
 def save_checkpoint(

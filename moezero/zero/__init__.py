@@ -9,6 +9,7 @@ from moezero.zero.precision_aware_adam import STATE_DTYPES, PrecisionAwareAdam
 from moezero.zero.reducer import GradientHookError
 from moezero.zero.sharded_gradient import GradientIsSharded, ShardedGradient
 from moezero.zero.state import consolidate
+from moezero.zero.strided_ranges import Span, intersects, overlap
 
 __all__ = [
     "ZeroOptimizer",
@@ -26,4 +27,7 @@ __all__ = [
     "STATE_DTYPES",
     "GradientIsSharded",
     "ShardedGradient",
+    "Span",
+    "intersects",
+    "overlap",
 ]
