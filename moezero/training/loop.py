@@ -64,7 +64,11 @@ def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.St
         logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp)
     else:
         logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
-    loss = functools.partial(language_model_loss, fused=model.config.cross_entropy_loss_fusion)
+    loss = functools.partial(
+        language_model_loss,
+        fused=model.config.cross_entropy_loss_fusion,
+        token_losses=getattr(model, "token_losses", None),
+    )
     lm = loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
     depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], loss) if mtp else []

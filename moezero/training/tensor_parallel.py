@@ -1,0 +1,202 @@
+"""Tensor parallelism applied to a built GPT model from outside, torch's parallelize_module style.
+
+The model is built as today (the global model, every param from its keyed init) and knows no parallel layout
+(models/ imports nothing of parallel/). `apply_tensor_parallel` then swaps its modules in place for Megatron's
+tensor-parallel ones (parallel/tp_linear.py, vocab_parallel.py), each taking its slice of the global weight, so any
+tp starts from the values tp 1 starts from:
+
+| module | at tp > 1 |
+|---|---|
+| attention qkv | ColumnParallelLinear, parts [q (H h) | k (G h) | v (G h)]: rank r holds heads/groups block r |
+| attention proj | RowParallelLinear |
+| learnable softmax offsets (sinks) | the rank's heads (a TensorShard along dim 0) |
+| per-head q/k norms | whole on every rank, gradient partial over tp (mark_tp_partial) |
+| dense MLP fc1 / fc2 | ColumnParallelLinear (parts [gate | up] under GLU) / RowParallelLinear |
+| embedding | VocabParallelEmbedding (the padded vocabulary divides by tp, as Megatron pads it) |
+| output layer | ColumnParallelLinear without gather: logits of the rank's vocabulary slice |
+| tied output | the embedding's vocabulary shard, its input entering the tp region (GPTModel.tied_head_input) |
+| loss | vocab_parallel_cross_entropy (GPTModel.token_losses) |
+
+With sequence parallelism the residual stream, norms and dropout run on the rank's sequence shard (B, S/tp, D):
+the embedding reduce-scatters, column-parallel layers all-gather their input, row-parallel ones reduce-scatter
+their output, and the params replicated over tp whose gradient is then partial (norms, row-parallel biases) are
+marked tp_partial, summed over tp by the optimizer.
+
+What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
+query groups not divisible by tp, attention dropout, MTP, MoE layers, and under sequence parallelism hidden
+dropout and learned position embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+
+from moezero.config import GPTConfig, MoEConfig
+from moezero.models import GPTModel
+from moezero.models.attention import CausalSelfAttention
+from moezero.moe.experts import GATED, DenseMLP
+from moezero.parallel import comm
+from moezero.parallel.groups import SharesProcessGroups
+from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel, mark_tp_partial
+from moezero.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
+from moezero.parallel.tp_regions import copy_to_tp, gather_from_sp
+from moezero.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+class TensorParallelError(ValueError):
+    """A model tensor parallelism does not build here; the message names what, in one line."""
+
+
+def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_parallel: bool) -> List[str]:
+    """One line per setting of the model that tensor parallelism of size `tp` does not run (empty: it runs)."""
+    c, lines = config, []
+    if tp == 1:
+        return lines
+    if c.num_attention_heads % tp:
+        lines.append(f"--num-attention-heads {c.num_attention_heads} must be divisible by tensor parallel size {tp}")
+    if c.query_groups % tp:
+        lines.append(
+            f"--num-query-groups {c.query_groups} must be divisible by tensor parallel size {tp} (replicating "
+            "key/value heads over tensor-parallel ranks is not supported)"
+        )
+    if c.multi_latent_attention:
+        lines.append("--multi-latent-attention is not supported with tensor parallelism yet")
+    if c.qk_layernorm and c.qk_layernorm_scope == "full_width":
+        lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
+    if c.attention_dropout:
+        lines.append(f"--attention-dropout {c.attention_dropout}: tensor parallelism runs only 0 yet")
+    if c.mtp_num_layers:
+        lines.append("--mtp-num-layers is not supported with tensor parallelism yet")
+    if moe is not None:
+        lines.append("MoE layers (--num-experts) are not supported with tensor parallelism yet")
+    if c.vocab_size is not None and c.vocab_size % tp:
+        lines.append(f"a vocabulary of {c.vocab_size} does not split over tensor parallel size {tp}")
+    if sequence_parallel and c.hidden_dropout:
+        lines.append(f"--hidden-dropout {c.hidden_dropout}: --sequence-parallel runs only 0 yet")
+    if sequence_parallel and c.position_embedding_type == "learned_absolute":
+        lines.append("--position-embedding-type learned_absolute is not supported with --sequence-parallel yet")
+    return lines
+
+
+def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parallel: bool = False) -> GPTModel:
+    """Swap `model`'s modules for their tensor-parallel versions over `group` (in place; returns the model).
+    `group` None or of one rank: the model as it is."""
+    tp = comm.group_size(group)
+    if tp == 1:
+        return model
+    lines = refusals(model.config, model.moe_config, tp, sequence_parallel)
+    if lines:
+        raise TensorParallelError("; ".join(lines))
+    plan = _Plan(group, sequence_parallel)
+    for layer in model.layers:
+        plan.attention(layer.attention)
+        if not isinstance(layer.mlp, DenseMLP):
+            raise TensorParallelError(f"{type(layer.mlp).__name__} MLPs are not supported with tensor parallelism")
+        plan.mlp(layer.mlp, model.config)
+        plan.replicated(layer.input_norm, layer.mlp_norm)
+    plan.replicated(model.final_norm)
+    model.embedding = plan.embedding(model.embedding)
+    if model.output is not None:
+        model.output = plan.column(model.output, gather_output=False)
+    else:
+        model.tied_head_input = _TpRegionInput(group, sequence_parallel)
+    model.token_losses = _VocabParallelLoss(group)
+    return model
+
+
+class _Plan:
+    """The swaps, over one group."""
+
+    def __init__(self, group: Any, sequence_parallel: bool):
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+
+    def column(self, linear: nn.Linear, gather_output: bool = False, parts=None) -> ColumnParallelLinear:
+        layer = ColumnParallelLinear(
+            linear.in_features,
+            linear.out_features,
+            self.group,
+            bias=linear.bias is not None,
+            gather_output=gather_output,
+            sequence_parallel=self.sequence_parallel,
+            parts=parts,
+            dtype=linear.weight.dtype,
+        )
+        return layer.to(linear.weight.device).copy_from_global_(linear.weight, linear.bias)
+
+    def row(self, linear: nn.Linear) -> RowParallelLinear:
+        layer = RowParallelLinear(
+            linear.in_features,
+            linear.out_features,
+            self.group,
+            bias=linear.bias is not None,
+            sequence_parallel=self.sequence_parallel,
+            dtype=linear.weight.dtype,
+        )
+        return layer.to(linear.weight.device).copy_from_global_(linear.weight, linear.bias)
+
+    def attention(self, attention: CausalSelfAttention) -> None:
+        heads, groups, h = attention.heads, attention.groups, attention.head_dim
+        attention.qkv = self.column(attention.qkv, parts=(heads * h, groups * h, groups * h))
+        attention.proj = self.row(attention.proj)
+        attention.heads, attention.groups = heads // self.size, groups // self.size
+        offset = attention.softmax_offset
+        if isinstance(offset, nn.Parameter):
+            shard = TensorShard.split(tuple(offset.shape), 0, self.rank, self.size)
+            attention.softmax_offset = nn.Parameter(shard.local_of(offset.detach()))
+            mark_tensor_parallel(attention.softmax_offset, shard)
+        elif offset is not None:  # a constant buffer
+            attention.softmax_offset = TensorShard.split(tuple(offset.shape), 0, self.rank, self.size).local_of(offset)
+        for norm in (attention.q_norm, attention.k_norm):
+            if norm is not None:  # per head: each rank's heads give part of its weight's gradient
+                for p in norm.parameters():
+                    mark_tp_partial(p)
+
+    def mlp(self, mlp: DenseMLP, config: GPTConfig) -> None:
+        ffn = mlp.fc2.in_features
+        parts = (ffn, ffn) if mlp.activation in GATED else None
+        mlp.fc1 = self.column(mlp.fc1, parts=parts)
+        mlp.fc2 = self.row(mlp.fc2)
+
+    def replicated(self, *modules: nn.Module) -> None:
+        """Norms on the rank's sequence shard under sequence parallelism: their gradients are partial."""
+        if self.sequence_parallel:
+            for module in modules:
+                for p in module.parameters():
+                    mark_tp_partial(p)
+
+    def embedding(self, embedding: nn.Embedding) -> VocabParallelEmbedding:
+        layer = VocabParallelEmbedding(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            self.group,
+            sequence_parallel=self.sequence_parallel,
+            dtype=embedding.weight.dtype,
+        )
+        return layer.to(embedding.weight.device).copy_from_global_(embedding.weight)
+
+
+class _TpRegionInput(SharesProcessGroups):
+    """The tied head's input entering the tensor-parallel region: the sequence all-gathered under sequence
+    parallelism, else as is with its gradient summed over the group (each rank's from its vocabulary slice)."""
+
+    def __init__(self, group: Any, sequence_parallel: bool):
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def __call__(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sp(x_BSD, self.group)
+        return copy_to_tp(x_BSD, self.group)
+
+
+class _VocabParallelLoss(SharesProcessGroups):
+    """Per-token cross-entropy of logits split over the group's vocabulary slices."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def __call__(self, logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_NV, labels_N, self.group)

@@ -1,0 +1,122 @@
+"""A dense GPT (GQA, RoPE, SwiGLU, per-head q/k norms, learnable softmax offsets, biases) at tensor-parallel size 2
+on 2 gloo ranks, with and without sequence parallelism, untied and tied, at ZeRO stages 1 and 3, against one
+process training the same global model on the same micro-batches: float64, every step's loss and gradient norm
+(clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
+coordinates). The tp model is the one-process model with its modules swapped (training/tensor_parallel.py)."""
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from moezero.config import GPTConfig
+from moezero.models import GPTModel
+from moezero.parallel import ParallelGroups
+from moezero.training.loop import train_step
+from moezero.training.tensor_parallel import apply_tensor_parallel
+from moezero.zero import ZeroOptimizer, consolidate
+from tests.dist_utils import run_distributed
+
+TP, VOCAB, SEQ, MB, SEED, KEY_SEED, STEPS, CLIP = 2, 64, 16, 2, 3, 7, 3, 0.5
+ADAMW = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
+GPT = GPTConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    group_query_attention=True,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    seq_length=SEQ,
+    max_position_embeddings=SEQ,
+    vocab_size=VOCAB,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    qk_layernorm=True,
+    softmax_type="learnable",
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
+def _micro_batches(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    batches = []
+    for j in range(2):
+        mask = (torch.rand(MB, SEQ, generator=g) > 0.2).double()
+        first = step * 2 * MB + j * MB
+        batches.append(
+            {
+                "tokens": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "labels": torch.randint(0, VOCAB, (MB, SEQ), generator=g),
+                "loss_mask": mask,
+                "sample_index": torch.arange(first, first + MB),
+            }
+        )
+    return batches
+
+
+def _optimizer(model, groups, stage):
+    return ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        groups,
+        stage=stage,
+        bucket_size=2000,
+        grad_reduce_dtype=torch.float64,
+        clip_grad=CLIP,
+        **ADAMW,
+    )
+
+
+def _train(model, opt, group):
+    """Each step's (lm loss, grad norm)."""
+    history = []
+    for step in range(STEPS):
+        metrics = train_step(model, opt, _micro_batches(step), step, KEY_SEED, group)
+        history.append((metrics.lm_loss, opt.last_grad_norm))
+    return history
+
+
+def _case(groups, untied, sequence_parallel, stage):
+    """The largest relative difference of the losses and norms, and the largest absolute one of the consolidated
+    weights and AdamW moments, tp 2 against one process."""
+    config = dataclasses.replace(GPT, untie_embeddings_and_output_weights=untied)
+    reference = GPTModel(config, seed=SEED).double().train()
+    model = apply_tensor_parallel(copy.deepcopy(reference), groups.tp, sequence_parallel)
+    ref_opt = _optimizer(reference, ParallelGroups.single(), stage)
+    opt = _optimizer(model, groups, stage)
+    expected, actual = _train(reference, ref_opt, None), _train(model, opt, groups.dp)
+    curve = max(abs(a - e) / abs(e) for pair_a, pair_e in zip(actual, expected) for a, e in zip(pair_a, pair_e))
+    shards = [None] * TP
+    dist.all_gather_object(shards, opt.state_dict(), group=groups.tp)
+    full, ref_full = consolidate(shards), consolidate([ref_opt.state_dict()])
+    assert set(full["params"]) == set(ref_full["params"]), set(full["params"]) ^ set(ref_full["params"])
+    weights = max(float((full["params"][n] - p).abs().max()) for n, p in ref_full["params"].items())
+    moments = max(
+        float((full["state"][n][k] - s[k]).abs().max()) for n, s in ref_full["state"].items() for k in ("exp_avg",)
+    )
+    return curve, weights, moments
+
+
+def _cases():
+    groups = ParallelGroups.build(tensor_parallel_size=TP)
+    try:
+        return {
+            (untied, sp, stage): _case(groups, untied, sp, stage)
+            for untied in (True, False)
+            for sp in (False, True)
+            for stage in (1, 3)
+        }
+    finally:
+        groups.destroy()
+
+
+def test_dense_gpt_at_tp2_equals_one_process():
+    """tp 2 with and without SP, untied and tied, ZeRO 1 and 3: the loss curve, norms, weights and moments of one
+    process, to float64 rounding."""
+    results = run_distributed(_cases, TP)
+    assert results[0] == results[1]
+    for case, (curve, weights, moments) in results[0].items():
+        assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)

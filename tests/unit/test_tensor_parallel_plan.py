@@ -1,0 +1,43 @@
+"""What the tensor-parallel plan (training/tensor_parallel.py) refuses: one line per setting it does not build."""
+
+import dataclasses
+
+import pytest
+
+from moezero.config import GPTConfig, MoEConfig
+from moezero.training.tensor_parallel import refusals
+
+GPT = GPTConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=64,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    position_embedding_type="rope",
+)
+
+
+def test_a_dense_gqa_gpt_runs_at_tp2():
+    config = dataclasses.replace(GPT, group_query_attention=True, num_query_groups=2, qk_layernorm=True)
+    assert refusals(config, None, 2, sequence_parallel=True) == []
+
+
+@pytest.mark.parametrize(
+    "changes,moe,sp,needle",
+    [
+        (dict(group_query_attention=True, num_query_groups=1), False, False, "--num-query-groups 1"),
+        (dict(num_attention_heads=3, hidden_size=36), False, False, "--num-attention-heads 3"),
+        (dict(vocab_size=63), False, False, "a vocabulary of 63"),
+        (dict(attention_dropout=0.1), False, False, "--attention-dropout 0.1"),
+        (dict(hidden_dropout=0.1), False, True, "--hidden-dropout 0.1"),
+        (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
+        (dict(mtp_num_layers=1), False, False, "--mtp-num-layers"),
+        ({}, True, True, "MoE layers"),
+        (dict(position_embedding_type="learned_absolute"), False, True, "learned_absolute"),
+    ],
+)
+def test_refusals_name_the_setting(changes, moe, sp, needle):
+    config = dataclasses.replace(GPT, **changes)
+    lines = refusals(config, MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4) if moe else None, 2, sp)
+    assert lines and needle in lines[0], lines  # heads not divisible: their query groups are not either
