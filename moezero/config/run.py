@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
-from moezero.config.options import Validated, option
+from moezero.config.options import ConfigError, Validated, flag_of, option
 
 
 @dataclass
@@ -73,7 +73,21 @@ class ParallelConfig(Validated):
     use_tp_pp_dp_mapping: bool = option(
         False, "Megatron's rank order tp-pp-dp instead of tp-dp-pp", flag="--use-tp-pp-dp-mapping"
     )
-    context_parallel_size: int = option(1, "Megatron's context parallelism: only 1", flag="--context-parallel-size")
+    context_parallel_size: int = option(
+        1,
+        "ranks sharing each sequence (Megatron's context parallelism: chunks r and 2cp-1-r of 2cp each; at "
+        "pipeline size 1)",
+        flag="--context-parallel-size",
+    )
+    cp_comm_type: List[str] = option(
+        help="context parallelism's attention exchange, one for all layers or one per layer: all_gather (of keys "
+        "and values), a2a (Ulysses: heads for sequence), p2p (runs all_gather here: the same numbers; its ring "
+        "overlaps only on GPUs); a2a+p2p is not supported",
+        flag="--cp-comm-type",
+        nargs="+",
+        default_factory=lambda: ["p2p"],
+        choices=("p2p", "all_gather", "a2a", "a2a+p2p"),
+    )
     expert_tensor_parallel_size: Optional[int] = option(
         None, "Megatron's expert tensor parallelism: only 1", flag="--expert-tensor-parallel-size"
     )
@@ -88,12 +102,34 @@ class ParallelConfig(Validated):
         self._check_all_choices()
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
         self._require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
-        only_one = ("tensor_parallel_size", "context_parallel_size", "expert_tensor_parallel_size")
-        self._refuse(  # last: the rest of the section is valid without them
-            [name for name in only_one if getattr(self, name) not in (1, None)],
-            "not supported by moezero, only 1 is accepted (it splits "
-            "experts with --expert-model-parallel-size and shards the rest with --zero-stage)",
-        )
+        self._require(self.context_parallel_size >= 1, "context_parallel_size", "must be >= 1")
+        only_one = ("tensor_parallel_size", "expert_tensor_parallel_size")
+        refused = [
+            (
+                name,
+                "not supported by moezero, only 1 is accepted (it splits experts with "
+                "--expert-model-parallel-size and shards the rest with --zero-stage)",
+            )
+            for name in only_one
+            if getattr(self, name) not in (1, None)
+        ]
+        refused += self._context_parallel_refusals()
+        if refused:  # last: the rest of the section is valid without them
+            lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {why}" for name, why in refused]
+            raise ConfigError("\n".join(lines), refused=tuple(name for name, _ in refused))
+
+    def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
+        """(field, why) of the context-parallel flags and values moezero does not run."""
+        refused = []
+        if self.context_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            refused.append(
+                ("context_parallel_size", "not supported with --pipeline-model-parallel-size > 1 yet (cp runs at pp 1)")
+            )
+        if "a2a+p2p" in self.cp_comm_type:
+            refused.append(
+                ("cp_comm_type", "not supported by moezero: a2a+p2p (hierarchical cp); p2p, all_gather and a2a run")
+            )
+        return refused
 
 
 FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}  # Megatron-FSDP -> ZeRO

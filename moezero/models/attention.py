@@ -7,7 +7,7 @@ Shapes: B batch, S sequence, D hidden, H query heads, G key/value groups, h head
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,18 @@ class CausalSelfAttention(nn.Module):
     heads at once (full_width: H h and G h, OLMoE's) before RoPE.
     """
 
-    def __init__(self, config: GPTConfig, site: str, window: Optional[int] = None, layer_number: int = 0):
+    def __init__(
+        self,
+        config: GPTConfig,
+        site: str,
+        window: Optional[int] = None,
+        layer_number: int = 0,
+        context_parallel: Optional[Any] = None,
+    ):
         super().__init__()
+        # moezero/context_parallel.py's ContextParallel: this rank holds a part of each sequence (None: all of it)
+        self.context_parallel = context_parallel if context_parallel is not None and context_parallel.size > 1 else None
+        self.cp_comm = None if self.context_parallel is None else self.context_parallel.comm_type(layer_number)
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.layer_scale = query_key_layer_scale(config, layer_number)
         self.dropout = config.attention_dropout
@@ -106,12 +116,23 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
         q, k, v = self._heads(self.qkv(x_BSD))
+        cp, positions, heads = self.context_parallel, None, None
+        if cp is not None:  # this rank's global positions
+            positions = cp.positions(x_BSD.shape[1], x_BSD.device)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.cp_comm == "a2a":  # the whole sequence of 1/cp of the heads, attended as in one process
+            q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
+            heads, positions = cp.head_block(self.heads), None
+            keys = keys.head_block_keys(self.heads, heads) if keys is not None else None
+        elif cp is not None:  # queries at this rank's positions; keys and values of the whole sequence
+            k, v = cp.gather_sequence(k, dim=2), cp.gather_sequence(v, dim=2)
         if self.recompute_core and recomputing(self):  # selective recompute: only this part is redone
-            y = checkpoint(self._core, q, k, v, keys, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, keys, positions, heads, use_reentrant=False)
         else:
-            y = self._core(q, k, v, keys)
+            y = self._core(q, k, v, keys, positions, heads)
+        if self.cp_comm == "a2a":
+            y = cp.sequence_to_heads(y)
         return self.proj(rearrange(y, "B H S h -> B S (H h)"))
 
     def _heads(self, qkv_BSF: torch.Tensor):
@@ -126,7 +147,11 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _core(self, q, k, v, keys):
+    def _core(self, q, k, v, keys, positions=None, heads=None):
+        """`positions`: the queries' (all_gather cp); `heads`: the block of heads q holds (a2a cp)."""
+        sinks = self.softmax_offset
+        if sinks is not None and heads is not None:
+            sinks = sinks[heads]
         return causal_attention(
             q,
             k,
@@ -136,8 +161,9 @@ class CausalSelfAttention(nn.Module):
             keys,
             self.site,
             window=self.window,
-            sinks=self.softmax_offset,
+            sinks=sinks,
             layer_scale=self.layer_scale,
+            query_positions=positions,
         )
 
 
@@ -176,6 +202,7 @@ def causal_attention(
     window: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
     layer_scale: Optional[int] = None,
+    query_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v, causal (scale default 1/sqrt(h)); each key/value group serves H/G consecutive
     query heads; dropout on the probabilities, drawn from `keys` when given (SDPA's fused dropout draws from the
@@ -183,7 +210,9 @@ def causal_attention(
     query sees only itself and the `window` keys before it; with `sinks` (H), each head's softmax has that logit
     in its denominator too (Megatron's SoftmaxOne); with `layer_scale` L, the scores are q k^T * scale / L in the
     inputs' dtype, multiplied back by L in fp32 (Megatron's --apply-query-key-layer-scaling): all three run the
-    explicit path."""
+    explicit path. With `query_positions` (context parallelism), the queries are those positions of a sequence
+    whose keys and values are all given: the explicit path, its masks from the positions (`keys` then a cp rank's,
+    moezero/context_parallel.py)."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
     short = (
@@ -192,8 +221,10 @@ def causal_attention(
         and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ
         and (dropout == 0 or keyed)
     )
-    if keyed or short or window is not None or sinks is not None or layer_scale is not None:
-        return _explicit_attention(q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks, layer_scale)
+    if query_positions is not None or keyed or short or any(x is not None for x in (window, sinks, layer_scale)):
+        return _explicit_attention(
+            q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks, layer_scale, query_positions
+        )
     return F.scaled_dot_product_attention(
         q_BHSh,
         k_BGSh,
@@ -205,7 +236,9 @@ def causal_attention(
     )
 
 
-def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=None, layer_scale=None):
+def _explicit_attention(
+    q, k, v, dropout, keys, site, scale, window=None, sinks=None, layer_scale=None, query_positions=None
+):
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -216,13 +249,20 @@ def _explicit_attention(q, k, v, dropout, keys, site, scale, window=None, sinks=
         scores = _layer_scaled_scores(q, k, scale, layer_scale)
     # softmax in fp32 at least (Megatron's): torch's bf16/fp16 softmax accumulates in fp32 and rounds once, the
     # same probabilities as an fp32 softmax cast back (bitwise, measured on the CPU) without two casts of S x S
-    scores = mask_future_(scores) if window is None else _mask_outside_window(scores, window)
+    if query_positions is not None:
+        scores = _mask_outside_window(scores, window, query_positions)
+    else:
+        scores = mask_future_(scores) if window is None else _mask_outside_window(scores, window)
     if sinks is None:
         probs = torch.softmax(scores, -1)
     else:  # the sink's column joins each row's softmax and is dropped after it
         sink = sinks.to(scores).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), -1)[..., :-1]
-    return keyed_dropout(probs.to(v.dtype), dropout, True, keys, site) @ v
+    probs = probs.to(v.dtype)
+    if query_positions is not None and keys is not None and dropout > 0:  # the whole sequence's mask, our rows
+        mask = keys.query_rows_dropout_mask(site, probs.shape[1], dropout, probs.device)
+        return (probs * mask.to(v.dtype)) @ v
+    return keyed_dropout(probs, dropout, True, keys, site) @ v
 
 
 def _layer_scaled_scores(q, k, scale: float, layer_scale: int) -> torch.Tensor:
@@ -237,12 +277,18 @@ def _layer_scaled_scores(q, k, scale: float, layer_scale: int) -> torch.Tensor:
     return scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer_scale
 
 
-def _mask_outside_window(scores: torch.Tensor, window: int) -> torch.Tensor:
-    """-inf where a key lies after its query or more than `window` places before it (Megatron's window L,0)."""
+def _mask_outside_window(
+    scores: torch.Tensor, window: Optional[int], query_positions: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """-inf where a key lies after its query or more than `window` places before it (Megatron's window L,0; None:
+    no window); queries at `query_positions` (default 0, 1, ...) of the keys' sequence."""
     queries, keys = scores.shape[-2:]
-    position = torch.arange(queries, device=scores.device)
+    position = torch.arange(queries, device=scores.device) if query_positions is None else query_positions
     offset = position[:, None] - torch.arange(keys, device=scores.device)[None, :]  # query - key
-    return scores.masked_fill((offset < 0) | (offset > window), float("-inf"))
+    outside = offset < 0
+    if window is not None:
+        outside = outside | (offset > window)
+    return scores.masked_fill(outside, float("-inf"))
 
 
 def mask_future_(scores: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ passed, so its masks do not depend on the parallel layout and recompute redraws 
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ MoELayerFactory = Callable[..., MoELayer]  # (config, layer_number=i) -> the MoE
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is dense or MoE."""
 
-    def __init__(self, config: GPTConfig, mlp: nn.Module, layer_number: int):
+    def __init__(self, config: GPTConfig, mlp: nn.Module, layer_number: int, context_parallel: Optional[Any] = None):
         super().__init__()
         self.hidden_dropout = config.hidden_dropout
         self.site = f"layer{layer_number}"
@@ -45,7 +45,11 @@ class TransformerLayer(nn.Module):
         else:
             window = config.window_size[0] if is_window_layer(layer_number, config) else None
             self.attention = CausalSelfAttention(
-                config, site=f"{self.site}.attention", window=window, layer_number=layer_number
+                config,
+                site=f"{self.site}.attention",
+                window=window,
+                layer_number=layer_number,
+                context_parallel=context_parallel,
             )
         self.mlp_norm = norm_layer(config)
         self.moe_recompute = config.moe_layer_recompute or config.recomputes("moe")
@@ -91,6 +95,8 @@ class GPTModel(nn.Module):
         seed: keys the layout-invariant init: each param from (seed, its name[, global expert]).
         moe_layer: builds each MoE layer (default: all experts on this device); expert parallelism
             passes `moezero.moe.expert_parallel(groups)`.
+        context_parallel: this rank's place in its cp group (moezero/context_parallel.py): forward then takes
+            this rank's part of each sequence (ContextParallel.split_micro_batch) and returns its logits.
 
     forward(tokens_BS, keys=None) -> (logits_BSV, [MoEStats of each MoE layer])
     """
@@ -101,8 +107,12 @@ class GPTModel(nn.Module):
         moe_config: Optional[MoEConfig] = None,
         seed: int = 0,
         moe_layer: MoELayerFactory = MoELayer,
+        context_parallel: Optional[Any] = None,
     ):
         super().__init__()
+        if context_parallel is not None and context_parallel.size == 1:
+            context_parallel = None
+        self.context_parallel = context_parallel
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         self.config = config
@@ -118,7 +128,10 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleList(
-            [TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i) for i in range(config.num_layers)]
+            [
+                TransformerLayer(config, self._mlp(i, layer_moe, moe_layer), i, context_parallel)
+                for i in range(config.num_layers)
+            ]
         )
         self.final_norm = norm_layer(config)
         self.output = None
@@ -135,6 +148,7 @@ class GPTModel(nn.Module):
                             config,
                             self._mlp(last_kind, layer_moe, moe_layer, config.num_layers + k),
                             config.num_layers + k,
+                            context_parallel,
                         ),
                     )
                     for k in range(config.mtp_num_layers)
@@ -154,16 +168,35 @@ class GPTModel(nn.Module):
     def _init_std(self, name: str, param: torch.Tensor) -> Optional[float]:
         return init_std(self.config, name, param)
 
-    def forward(self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False):
+    def forward(
+        self,
+        tokens_BS: torch.Tensor,
+        keys: Optional[SampleKeys] = None,
+        mtp: bool = False,
+        mtp_tokens: Optional[torch.Tensor] = None,
+    ):
         """(logits, MoE stats); with `mtp` (a model with --mtp-num-layers), (logits, MoE stats of the decoder's
-        and the MTP layers', [logits of each MTP depth])."""
-        return phases.run(self.forward_steps(tokens_BS, keys, mtp, phased=False))
+        and the MTP layers', [logits of each MTP depth]). `mtp_tokens` (depths, B, S): each depth's input tokens
+        (default: `tokens_BS` shifted; a context-parallel rank's are shifted on the whole sequence first)."""
+        return phases.run(self.forward_steps(tokens_BS, keys, mtp, phased=False, mtp_tokens=mtp_tokens))
 
     def forward_steps(
-        self, tokens_BS: torch.Tensor, keys: Optional[SampleKeys] = None, mtp: bool = False, phased: bool = True
+        self,
+        tokens_BS: torch.Tensor,
+        keys: Optional[SampleKeys] = None,
+        mtp: bool = False,
+        phased: bool = True,
+        mtp_tokens: Optional[torch.Tensor] = None,
     ) -> phases.Steps:
         """forward() in phases (moezero.phases): with `phased`, the MoE layers' (a recomputed chunk of
         layers and the MTP depths run whole)."""
+        if self.context_parallel is not None:
+            if mtp and self.mtp is not None and mtp_tokens is None:  # a shift of the rank's part mixes its chunks
+                raise ValueError(
+                    "a context-parallel rank's MTP depths need their tokens shifted on the whole sequence "
+                    "(mtp_tokens: ContextParallel.split_micro_batch)"
+                )
+            keys = self.context_parallel.keys(keys, tokens_BS.shape[1])
         x = embed_tokens(self, tokens_BS, keys)
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config):
@@ -175,7 +208,7 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if not mtp:
             return self._logits(x), all_stats
-        depth_logits = [self._logits(hidden) for hidden in self._mtp_depths(tokens_BS, x, keys, all_stats)]
+        depth_logits = [self._logits(hidden) for hidden in self._mtp_depths(tokens_BS, x, keys, all_stats, mtp_tokens)]
         return self._logits(x), all_stats, depth_logits
 
     def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -187,7 +220,12 @@ class GPTModel(nn.Module):
         return F.linear(x_BSD, self.embedding.weight)
 
     def _mtp_depths(
-        self, tokens_BS: torch.Tensor, hidden: torch.Tensor, keys: Optional[SampleKeys], all_stats: List[MoEStats]
+        self,
+        tokens_BS: torch.Tensor,
+        hidden: torch.Tensor,
+        keys: Optional[SampleKeys],
+        all_stats: List[MoEStats],
+        mtp_tokens: Optional[torch.Tensor] = None,
     ):
         """Each MTP depth's hidden states in turn (its MoE stats appended to `all_stats`); Megatron recomputes
         the depths with --recompute-method uniform."""
@@ -203,6 +241,7 @@ class GPTModel(nn.Module):
                 self.config,
                 self.training,
                 recompute and recomputing(self),
+                None if mtp_tokens is None else mtp_tokens[k],
             )
             if stats is not None:
                 all_stats.append(stats)
@@ -264,7 +303,12 @@ def embed_tokens(model: nn.Module, tokens_BS: torch.Tensor, keys: Optional[Sampl
     `position_embedding` and `config` (a GPTModel, or a pipeline stage holding them under the same names)."""
     x = model.embedding(tokens_BS)
     if model.position_embedding is not None:
-        x = x + model.position_embedding(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        cp = getattr(model, "context_parallel", None)
+        if cp is None:
+            positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+        else:
+            positions = cp.positions(tokens_BS.shape[1], tokens_BS.device)
+        x = x + model.position_embedding(positions)
     return keyed_dropout(x, model.config.hidden_dropout, model.training, keys, "embedding")
 
 

@@ -48,12 +48,13 @@ def run_mtp_depth(
     config: GPTConfig,
     training: bool,
     recompute: bool,
+    shifted_tokens_BS: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[MoEStats]]:
-    """MTP depth k (`depth`) on the previous depth's `hidden`: the tokens shifted k + 1 places, embedded with
-    `embedding` and its keyed dropout, then the depth (checkpointed when `recompute`); (hidden, its MoE stats)."""
-    embedded = keyed_dropout(
-        embedding(shift_left(tokens_BS, k + 1)), config.hidden_dropout, training, keys, f"mtp{k}.embedding"
-    )
+    """MTP depth k (`depth`) on the previous depth's `hidden`: the tokens shifted k + 1 places (`shifted_tokens_BS`
+    when given: a context-parallel rank's, shifted before the split), embedded with `embedding` and its keyed
+    dropout, then the depth (checkpointed when `recompute`); (hidden, its MoE stats)."""
+    shifted = shift_left(tokens_BS, k + 1) if shifted_tokens_BS is None else shifted_tokens_BS
+    embedded = keyed_dropout(embedding(shifted), config.hidden_dropout, training, keys, f"mtp{k}.embedding")
     if recompute:
         return checkpoint(depth, embedded, hidden, keys, use_reentrant=False)
     return depth(embedded, hidden, keys)

@@ -117,9 +117,14 @@ class Rotary(nn.Module):
             self._tables[key] = (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
         return self._tables[key]
 
-    def forward(self, x_BHSh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BHSh: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x rotated by its positions: 0, 1, ... along S, or `positions` (a context-parallel rank's)."""
         dtype = torch.promote_types(x_BHSh.dtype, torch.float32)
-        cos, sin = self.tables(x_BHSh.shape[2], dtype, x_BHSh.device)
+        if positions is None:
+            cos, sin = self.tables(x_BHSh.shape[2], dtype, x_BHSh.device)
+        else:  # each row of the tables depends on its position alone
+            cos, sin = self.tables(int(positions.max()) + 1, dtype, x_BHSh.device)
+            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         rotated, passed = x_BHSh[..., : self.dim].to(dtype), x_BHSh[..., self.dim :]
         if self.deinterleave:
             x1, x2 = rotated[..., 0::2], rotated[..., 1::2]

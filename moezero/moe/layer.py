@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         check_experts_divide(config.num_experts, groups.ep_size)
         self.config = config
         self.layer_number = layer_number
-        self.router = TopKRouter(config, site=f"layer{layer_number}.router", dp_group=groups.dp)
+        self.router = TopKRouter(config, site=f"layer{layer_number}.router", dp_group=groups.dp, cp_group=groups.cp)
         shard = ExpertShard(config.num_experts // groups.ep_size, groups.ep_rank, groups.ep_size)
         self.experts = GroupedExperts(config, shard)
         self.shared_expert = self.shared_expert_gate = None

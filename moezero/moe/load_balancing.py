@@ -54,11 +54,39 @@ def switch_aux_loss(
     return E * torch.sum(f_E * probs_TE.sum(0) / total)
 
 
-def sequence_aux_loss(probs_BSE: torch.Tensor, map_BSE: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch loss computed per sequence and averaged over the B sequences."""
+def sequence_aux_loss(
+    probs_BSE: torch.Tensor,
+    map_BSE: torch.Tensor,
+    top_k: int,
+    counts_BE: Optional[torch.Tensor] = None,
+    sequence_length: Optional[int] = None,
+) -> torch.Tensor:
+    """Switch loss computed per sequence and averaged over the B sequences. Context parallelism: this rank holds
+    S of each sequence's `sequence_length` tokens, `counts_BE` are each whole sequence's assignments per expert,
+    and the loss is this rank's share (the group's add up to the whole sequences')."""
     B, S, E = probs_BSE.shape
-    f_BE = map_BSE.to(probs_BSE.dtype).sum(1) / (S * top_k)
-    return E * torch.sum(f_BE * probs_BSE.mean(1), dim=-1).mean()
+    if counts_BE is None:
+        f_BE = map_BSE.to(probs_BSE.dtype).sum(1) / (S * top_k)
+        return E * torch.sum(f_BE * probs_BSE.mean(1), dim=-1).mean()
+    f_BE = counts_BE.to(probs_BSE.dtype) / (sequence_length * top_k)
+    return E * torch.sum(f_BE * probs_BSE.sum(1) / sequence_length, dim=-1).mean()
+
+
+class SequenceShares(SharesProcessGroups):
+    """The context-parallel group a router's counts are summed over (None: this rank holds whole sequences)."""
+
+    def __init__(self, group: Optional[Any]):
+        self.group = group
+        self.size = comm.group_size(group)
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` summed over the group (collective; a copy)."""
+        if self.size == 1:
+            return counts
+        total = counts.to(torch.float64)  # exact for counts
+        total = total.clone() if total is counts else total
+        comm.all_reduce(total, self.group)
+        return total.to(counts.dtype)
 
 
 class GlobalBalancing(SharesProcessGroups):
@@ -67,8 +95,9 @@ class GlobalBalancing(SharesProcessGroups):
     optimizer step (the training loop's). Every rank must run the same forwards: the all-reduce is collective.
     A recompute in backward uses what its forward counted (counting again would count its tokens twice)."""
 
-    def __init__(self, group: Optional[Any]):
+    def __init__(self, group: Optional[Any], cp_size: int = 1):
         self.group = group
+        self.cp_size = cp_size  # ranks of the group that share each micro-batch (context parallelism)
         self.reset()
 
     def reset(self) -> None:
@@ -85,9 +114,7 @@ class GlobalBalancing(SharesProcessGroups):
         if in_backward():  # a recompute (activation checkpointing) of a forward that counted already: the
             # backward takes forwards latest first (one micro-batch's, or an interleaved pair's, see phases.py)
             average_E, total_tokens = self._counted.pop()
-            return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), comm.group_size(
-                self.group
-            )
+            return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), self._ranks()
         E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
         wait = None
@@ -107,7 +134,11 @@ class GlobalBalancing(SharesProcessGroups):
         self.micro_batches += 1
         average_E = (self.counts_E / self.micro_batches).to(probs_TE.dtype)
         self._counted.append((average_E, total_tokens))
-        return switch_aux_loss(probs_TE, average_E, top_k, total_tokens), comm.group_size(self.group)
+        return switch_aux_loss(probs_TE, average_E, top_k, total_tokens), self._ranks()
+
+    def _ranks(self) -> int:
+        """The ranks reading distinct micro-batches (those of a cp group each hold a share of one)."""
+        return comm.group_size(self.group) // self.cp_size
 
 
 def sinkhorn(cost_TE: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:

@@ -21,6 +21,7 @@ from moezero.config import MoEConfig
 from moezero.keyed_random import SampleKeys
 from moezero.parallel.agreement import ExchangeRecord
 from moezero.moe.load_balancing import (
+    SequenceShares,
     TRACKER_NAMES,
     GlobalBalancing,
     balancing_scores,
@@ -131,13 +132,19 @@ class TopKRouter(nn.Module):
         config: the layer's MoEConfig.
         site: a name unique to this layer, used to key the jitter randomness.
         dp_group: the data-parallel ranks the global-batch aux loss counts tokens over (None: this process).
+        cp_group: the context-parallel ranks holding the other parts of this rank's sequences (None: none). The
+            micro-batch and sequence aux losses count tokens over it and each loss is this rank's share: the
+            group's terms add up to the whole micro-batch's (megatron-core's tp-cp counting at tp 1).
     """
 
-    def __init__(self, config: MoEConfig, site: str = "router", dp_group: Optional[Any] = None):
+    def __init__(
+        self, config: MoEConfig, site: str = "router", dp_group: Optional[Any] = None, cp_group: Optional[Any] = None
+    ):
         super().__init__()
         self.config = config
         self.site = site
-        self.global_balancing = GlobalBalancing(dp_group)
+        self.cp = SequenceShares(cp_group)
+        self.global_balancing = GlobalBalancing(dp_group, self.cp.size)
         self.wg = nn.Linear(config.hidden_size, config.num_experts, bias=bool(config.bias))
         # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias that only affects selection.
         # Replicated on every rank and updated once per optimizer step (see expert_bias.py).
@@ -179,6 +186,7 @@ class TopKRouter(nn.Module):
         z_loss = logits_TE.new_zeros(())
         if cfg.z_loss_coeff:
             raw = router_z_loss(logits_TE)
+            raw = raw if self.cp.size == 1 else raw / self.cp.size  # this rank's equal part of the tokens: a share
             z_loss, tracked["z_loss"] = raw * cfg.z_loss_coeff, raw.detach()
         token_weighted = {
             "aux_loss": weighted_aux,
@@ -285,12 +293,19 @@ class TopKRouter(nn.Module):
                 tracked[TRACKER_NAMES[kind]] = loss.detach() * ranks  # Megatron's tracker sums it over ranks
             elif kind == "seq_aux_loss" and logits_TE.shape[0]:
                 S = logits_TE.shape[0] // num_sequences
-                loss = sequence_aux_loss(
-                    probs_TE.view(num_sequences, S, -1), map_TE.view(num_sequences, S, -1), cfg.top_k
-                )
+                probs_BSE, map_BSE = probs_TE.view(num_sequences, S, -1), map_TE.view(num_sequences, S, -1)
+                if self.cp.size == 1:
+                    loss = sequence_aux_loss(probs_BSE, map_BSE, cfg.top_k)
+                else:
+                    counts_BE = self.cp.sum(map_BSE.detach().sum(1))
+                    loss = sequence_aux_loss(probs_BSE, map_BSE, cfg.top_k, counts_BE, S * self.cp.size)
                 tracked[TRACKER_NAMES[kind]] = loss.detach()
             else:  # an empty micro-batch has nothing to balance (and no sequence to average)
-                loss = switch_aux_loss(probs_TE, map_TE.sum(0), cfg.top_k)
+                if self.cp.size == 1:
+                    loss = switch_aux_loss(probs_TE, map_TE.sum(0), cfg.top_k)
+                else:
+                    counts_E = self.cp.sum(map_TE.detach().sum(0))
+                    loss = switch_aux_loss(probs_TE, counts_E, cfg.top_k, logits_TE.shape[0] * self.cp.size)
                 tracked[TRACKER_NAMES[kind]] = loss.detach()
             total = total + loss * coefficient
             weighted = weighted + loss * coefficient * per_token_loss_weight(kind, logits_TE.shape[0], num_sequences)

@@ -23,6 +23,7 @@ from moezero.hf import CheckpointMismatch, UnsupportedModel, load_hub_weights
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
+from moezero.context_parallel import ContextParallel
 from moezero.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
@@ -81,13 +82,22 @@ def param_dtype(train: TrainConfig) -> torch.dtype:
     return torch.float64 if train.fp64 else torch.float32
 
 
-def build_model(cfg: Configs, groups: ParallelGroups, tokenizer_vocab: int, hub_dir: Optional[str] = None) -> GPTModel:
+def build_model(
+    cfg: Configs,
+    groups: ParallelGroups,
+    tokenizer_vocab: int,
+    hub_dir: Optional[str] = None,
+    context_parallel: Optional[ContextParallel] = None,
+) -> GPTModel:
     """The GPT(-MoE) with this rank's experts, in the params' dtype, on the device the backend uses; with
-    `hub_dir` (--load-hf) its weights are that Hugging Face folder's, read lazily (see load_hub_weights)."""
+    `hub_dir` (--load-hf) its weights are that Hugging Face folder's, read lazily (see load_hub_weights).
+    `context_parallel`: the rank holds a part of each sequence (moezero/context_parallel.py)."""
     gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, tokenizer_vocab))
     moe = cfg.moe if cfg.moe.num_experts is not None else None  # no --num-experts: a dense GPT, as Megatron's
     with torch.device("meta") if hub_dir else contextlib.nullcontext():
-        model = GPTModel(gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups))
+        model = GPTModel(
+            gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups), context_parallel=context_parallel
+        )
     model = model.to(param_dtype(cfg.train))
     if hub_dir:
         try:

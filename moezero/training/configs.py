@@ -27,6 +27,7 @@ from moezero.parallel import rank_layout
 from moezero.pipeline import pipeline_rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
+from moezero.training.context_parallel_checks import check_context_parallel_run
 from moezero.training.pipeline_checks import check_pipeline_run
 from moezero.training.megatron_rules import (
     check_accepted_megatron_flags,
@@ -714,15 +715,17 @@ def validate(
     checkpoint defines the model (what Megatron would not build is refused only then, so an older run resumes).
 
     A --train-samples run gets its --train-iters here: the steps from where it starts to the samples.
-    With --pipeline-model-parallel-size (pp) the data-parallel size is world_size / pp: it deals the batch."""
+    With --pipeline-model-parallel-size (pp) and --context-parallel-size (cp) the data-parallel size is
+    world_size / (pp cp): it deals the batch."""
     plan = check_pipeline_run(cfg)
+    check_context_parallel_run(cfg, world_size)
     ep = cfg.parallel.expert_parallel_size
     if plan.pp > 1:  # Megatron's folding of the ranks: one line for sizes it refuses
         pipeline_rank_layout(world_size, ep, plan.pp, cfg.parallel.use_tp_pp_dp_mapping)
-    dp_size = world_size // plan.pp
+    dp_size = world_size // plan.pp // cfg.parallel.context_parallel_size  # ranks reading distinct micro-batches
     cfg.train.resolve_global_batch_size(dp_size)
     try:
-        rank_layout(dp_size, ep)
+        rank_layout(world_size // plan.pp, ep)
     except ValueError:
         raise ConfigError(f"--expert-model-parallel-size={ep}: must divide the number of processes ({world_size})")
     if cfg.moe.num_experts is None:

@@ -21,6 +21,7 @@ from moezero.models.mtp import mtp_losses, shift_left
 from moezero.moe import MoEStats, reset_global_load_balancing
 from moezero import phases
 from moezero.parallel import comm
+from moezero.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -56,14 +57,16 @@ def _micro_batch_losses(model, batch, keys, mtp: bool = False):
 
 
 def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.Steps:
-    """_micro_batch_losses in phases (moezero.phases): with `phased`, the model's forward's."""
+    """_micro_batch_losses in phases (moezero.phases): with `phased`, the model's forward's. A context-parallel
+    rank's `batch` (ContextParallel.split_micro_batch) brings each MTP depth's tokens, labels and mask shifted."""
     device = model.embedding.weight.device
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     mtp = mtp and model.mtp is not None
+    extra = {"mtp_tokens": batch["mtp_tokens"]} if mtp and "mtp_tokens" in batch else {}
     if phased:
-        logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp)
+        logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp, **extra)
     else:
-        logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp)
+        logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp, **extra)
     loss = functools.partial(
         language_model_loss,
         fused=model.config.cross_entropy_loss_fusion,
@@ -71,7 +74,14 @@ def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.St
     )
     lm = loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
-    depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], loss) if mtp else []
+    depth_losses = []
+    if mtp and "mtp_labels" in batch:  # shifted on the whole sequence, then split
+        depth_losses = [
+            loss(depth_logits, batch["mtp_labels"][k], batch["mtp_loss_mask"][k])
+            for k, depth_logits in enumerate(depths[0])
+        ]
+    elif mtp:
+        depth_losses = mtp_losses(depths[0], batch["labels"], batch["loss_mask"], loss)
     return lm, router, stats, depth_losses
 
 
@@ -85,20 +95,32 @@ def _mtp_term(model, depth_losses: List[torch.Tensor], batch, token_share: Optio
     if token_share is None:
         return scale * sum(depth_losses)
     tokens = batch["loss_mask"].sum().clamp(min=1.0)
-    counts = [shift_left(batch["loss_mask"], k + 1).sum() for k in range(len(depth_losses))]
+    counts = [_depth_mask(batch, k).sum() for k in range(len(depth_losses))]
     return scale * token_share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
 
 
+def _depth_mask(batch, k: int) -> torch.Tensor:
+    """MTP depth k's loss mask (a context-parallel rank's: shifted on the whole sequence before the split)."""
+    return batch["mtp_loss_mask"][k] if "mtp_loss_mask" in batch else shift_left(batch["loss_mask"], k + 1)
+
+
 def _named_metrics(
-    lm: torch.Tensor, loss_mask: torch.Tensor, router: Dict[str, torch.Tensor], stats, depths: List[torch.Tensor]
+    lm: torch.Tensor,
+    loss_mask: torch.Tensor,
+    router: Dict[str, torch.Tensor],
+    stats,
+    depths: List[torch.Tensor],
+    cp_size: int = 1,
 ) -> Dict[str, torch.Tensor]:
     """One micro-batch's metrics by name, detached (summed over micro-batches and ranks next); the lm loss as its
-    token sum and count, so that the step's is the global batch's token mean (Megatron's 'lm loss')."""
+    token sum and count, so that the step's is the global batch's token mean (Megatron's 'lm loss'). A
+    context-parallel rank's losses are its shares of the micro-batch's (`depths` too), its drop fraction its
+    own (divided by `cp_size` here: a share of the mean over the group's equal parts)."""
     layers = {
         f"tracked_{name}": torch.stack([s.tracked[name] for s in stats]) for name in (stats[0].tracked if stats else {})
     }
     per_layer = {
-        "dropped_fraction": torch.stack([s.dropped_fraction for s in stats]) if stats else lm.new_zeros(0),
+        "dropped_fraction": torch.stack([s.dropped_fraction / cp_size for s in stats]) if stats else lm.new_zeros(0),
         "tokens_per_expert": torch.stack([s.tokens_per_expert for s in stats]) if stats else lm.new_zeros(0, 0),
     }
     per_layer["mtp_losses"] = torch.stack(depths) if depths else lm.new_zeros(0)
@@ -130,15 +152,26 @@ def train_step(
     group,
     per_token_loss: bool = False,
     overlap_moe_comm: bool = False,
+    context_parallel: Optional[ContextParallel] = None,
 ) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
     `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
     the router losses each times its tokens) / the global batch's loss tokens.
     `overlap_moe_comm` (--overlap-moe-expert-parallel-comm): micro-batches go in pairs whose forwards run
     interleaved (one's MoE exchanges travel while the other computes) and whose backward is one, interleaved the
-    same way; the same numbers."""
+    same way; the same numbers.
+    `context_parallel`: this rank's cp group's (ranks of one cp group get the same whole micro-batches, split
+    here): each loss is this rank's share of the micro-batch's, times the cp size, since the optimizer averages
+    over every rank (Megatron's loss_func and its dp-cp reduction)."""
     model.train()
     n = len(micro_batches)
+    cp_size = 1 if context_parallel is None else context_parallel.size
+    whole_tokens: List[Optional[torch.Tensor]] = [None] * n
+    if cp_size > 1:
+        depths = len(model.mtp) if model.mtp is not None else 0
+        splits = [context_parallel.split_micro_batch(batch, depths) for batch in micro_batches]
+        micro_batches = [split.batch for split in splits]
+        whole_tokens = [split.whole_tokens for split in splits]
     tokens = _GlobalTokens.count(micro_batches, group) if per_token_loss else None
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     packed = None
@@ -156,8 +189,15 @@ def train_step(
             results = phases.run_interleaved(forwards)
             losses = []
             for j, (lm, router, stats, depths) in zip(js, results):
-                losses.append(_micro_batch_loss(model, micro_batches[j], lm, router, stats, depths, n, tokens))
-                named = _named_metrics(lm, micro_batches[j]["loss_mask"], router, stats, depths)
+                batch = micro_batches[j]
+                if whole_tokens[j] is not None:
+                    losses.append(
+                        _cp_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens, whole_tokens[j])
+                    )
+                    depths = _cp_depth_shares(batch, depths, whole_tokens[j])
+                else:
+                    losses.append(_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens))
+                named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size)
                 packed = packed or _Packed(named)
                 per_micro.append(packed.pack(named))
             opt.backward(sum(losses[1:], losses[0]))
@@ -166,7 +206,9 @@ def train_step(
     reset_global_load_balancing(model)  # the global-batch aux loss counts each step's tokens
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)  # one all-reduce for every metric
-    return _step_metrics(packed.unpack(totals), n * comm.group_size(group), opt.last_grad_norm, stepped)
+    # a cp group's ranks add up shares of the same micro-batches
+    micro_batch_count = n * comm.group_size(group) // cp_size
+    return _step_metrics(packed.unpack(totals), micro_batch_count, opt.last_grad_norm, stepped)
 
 
 def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKeys:
@@ -184,6 +226,31 @@ def _micro_batch_loss(
     # finalize_model_grads divides every gradient by the global batch's loss tokens
     routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
     return lm * share + routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
+
+
+def _cp_micro_batch_loss(
+    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"], whole_tokens: torch.Tensor
+) -> torch.Tensor:
+    """_micro_batch_loss of a context-parallel rank: `lm` and `depths` are token means over this rank's part and
+    the routers' losses already its shares (router.py); `whole_tokens` the whole micro-batch's loss tokens."""
+    cp_size = model.context_parallel.size
+    if tokens is None:
+        lm_share = lm * (batch["loss_mask"].sum().double() / whole_tokens[0].clamp(min=1.0)).to(lm)
+        depth_shares = _cp_depth_shares(batch, depths, whole_tokens)
+        return cp_size * (lm_share + sum(router.values()) + _mtp_term(model, depth_shares, batch, None)) / n
+    # per-token: the weights count this rank's tokens over every rank's; the routers' token-weighted shares
+    # count this rank's tokens, a cp_size-th of the micro-batch's
+    share = tokens.weight(float(batch["loss_mask"].sum()))
+    routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
+    return lm * share + cp_size * routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
+
+
+def _cp_depth_shares(batch, depths: List[torch.Tensor], whole_tokens: torch.Tensor) -> List[torch.Tensor]:
+    """Each MTP depth's token mean over this rank's part as its share of the whole micro-batch's."""
+    return [
+        loss * (_depth_mask(batch, k).sum().double() / whole_tokens[k + 1].clamp(min=1.0)).to(loss)
+        for k, loss in enumerate(depths)
+    ]
 
 
 @dataclass(frozen=True)
@@ -235,14 +302,18 @@ def evaluate(
     seed: Optional[int] = None,
     iteration: int = 0,
     split: str = "valid",
+    context_parallel: Optional[ContextParallel] = None,
 ) -> float:
     """The lm loss of the given (loaded) micro-batches of every rank as their token mean, Megatron's (a collective:
     all ranks call it). With `seed`, the router jitter and random logits, which Megatron's router draws in
     evaluation too, are keyed by (seed, `split`, `iteration`, sample) as training's are, so any layout draws the
-    same; without it they come from torch's generator."""
+    same; without it they come from torch's generator. `context_parallel`: each rank evaluates its part of the
+    micro-batches."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # (token sum of the loss, tokens)
     for batch in micro_batches:
+        if context_parallel is not None and context_parallel.size > 1:
+            batch = context_parallel.split_micro_batch(batch, 0).batch
         tokens = batch["loss_mask"].sum().double()
         keys = None if seed is None else evaluation_keys(seed, split, iteration, batch)
         totals += torch.stack([_micro_batch_losses(model, batch, keys)[0].double().cpu() * tokens, tokens])

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from moezero.config import ConfigError
 from moezero.pipeline import PipelinePlan
+from moezero.training.context_parallel_checks import context_parallel_refusals
 
 PP = "--pipeline-model-parallel-size"
 
@@ -80,12 +81,13 @@ def pipeline_refusals(cfg) -> List[str]:
 
 
 def refused_at_launch(sections: Dict[str, Any]) -> List[str]:
-    """parse_configs' `refusals`: pipeline_refusals of the parsed sections, with the ZeRO stage a pp > 1 run gets
-    where --zero-stage was not typed (resolved on a copy: the run resolves it, and says so, at start), so one
-    launch lists them with the values the sections refuse."""
+    """parse_configs' `refusals`: pipeline_refusals and context_parallel_refusals of the parsed sections, with the
+    ZeRO stage a pp > 1 run gets where --zero-stage was not typed (resolved on a copy: the run resolves it, and says
+    so, at start), so one launch lists them with the values the sections refuse."""
     zero = copy.copy(sections["zero"])
     zero.resolve_pipeline_stage(sections["parallel"].pipeline_parallel_size, sections["checkpoint"].given_fields)
-    return pipeline_refusals(SimpleNamespace(**{**sections, "zero": zero}))
+    cfg = SimpleNamespace(**{**sections, "zero": zero})
+    return pipeline_refusals(cfg) + context_parallel_refusals(cfg)
 
 
 def check_pipeline_run(cfg) -> PipelinePlan:

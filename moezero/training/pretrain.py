@@ -32,6 +32,7 @@ from moezero.keyed_random import keyed_seed
 from moezero.models.upcycling import upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
+from moezero.context_parallel import ContextParallel
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.builders import (
@@ -57,6 +58,7 @@ from moezero.training.loop import (
     moe_losses,
     train_step,
 )
+from moezero.training.context_parallel_checks import comm_type_notice
 from moezero.training.pipeline_checks import check_pipeline_run, resolve_pipeline_zero_stage
 from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
@@ -113,6 +115,7 @@ class Pretraining:
         check_pipeline_run(cfg)  # again with the model a Hub folder or checkpoint gave (--load-hf, ...)
         if stage_notice is not None:
             notices.append(f" {stage_notice}")
+        notices += comm_type_notice(cfg)
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:
@@ -121,10 +124,12 @@ class Pretraining:
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         defaulted = None
         if cfg.train.global_batch_size is None:  # Megatron's default, said as Megatron says it
-            dp_size = self.world // cfg.parallel.pipeline_parallel_size
-            processes = "the number of processes" + (
-                " / --pipeline-model-parallel-size" if dp_size < self.world else ""
-            )
+            dp_size = self.world // cfg.parallel.pipeline_parallel_size // cfg.parallel.context_parallel_size
+            sizes = {
+                "--pipeline-model-parallel-size": cfg.parallel.pipeline_parallel_size,
+                "--context-parallel-size": cfg.parallel.context_parallel_size,
+            }
+            processes = "the number of processes" + "".join(f" / {flag}" for flag, n in sizes.items() if n > 1)
             defaulted = (
                 f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
                 f"(--micro-batch-size x {processes}; no --global-batch-size given)"
@@ -212,10 +217,14 @@ class Pretraining:
             self.groups = ParallelGroups.build(
                 expert_parallel_size=cfg.parallel.expert_parallel_size,
                 timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
+                context_parallel_size=cfg.parallel.context_parallel_size,
             )
             self.rank, self.control, self.log_rank = self.groups.rank, self.groups.control, 0
-            self.dp_rank, self.dp_size = self.groups.rank, self.world
+            # the ranks of a cp group read the same micro-batches, each its part of every sequence
+            self.dp_rank, self.dp_size = self.groups.data_parallel_rank, self.groups.data_parallel_size
+            self.context_parallel = ContextParallel(self.groups.cp, cfg.parallel.cp_comm_type)
         else:
+            self.context_parallel = None  # cp > 1 is refused at pp > 1
             self.pipeline = PipelineRun.build(cfg)
             pipeline = self.pipeline.groups
             self.groups, self.control, self.log_rank = pipeline.stage, pipeline.world_control, self.pipeline.log_rank
@@ -230,6 +239,7 @@ class Pretraining:
                 self.groups,
                 self.data.tokenizer.vocab_size,
                 hub_dir=cfg.checkpoint.load_hf if point is None else None,
+                context_parallel=self.context_parallel,
             )
         gpt = dataclasses.replace(cfg.model, vocab_size=padded_vocab_size(cfg, self.data.tokenizer.vocab_size))
         hub_dir = cfg.checkpoint.load_hf if point is None else None
@@ -368,6 +378,7 @@ class Pretraining:
                     self.groups.dp,
                     per_token_loss=t.calculate_per_token_loss,
                     overlap_moe_comm=interleaves_micro_batches(self.cfg),
+                    context_parallel=self.context_parallel,
                 )
             if self.heap is not None:
                 self.heap.after_step()
@@ -570,7 +581,9 @@ class Pretraining:
                 batches = ([next(loader) for _ in range(per_batch)] for _ in range(t.eval_iters))
                 loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split), self.iteration)
             else:
-                loss = evaluate(self.model, loader, self.groups.dp, t.seed, self.iteration, split)
+                loss = evaluate(
+                    self.model, loader, self.groups.dp, t.seed, self.iteration, split, self.context_parallel
+                )
         finally:
             loader.close()
         if split == "valid":
@@ -694,6 +707,8 @@ class Pretraining:
             plan = self.pipeline.plan
             schedule = f"interleaved 1F1B, {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "1F1B"
             pp = f"pp {plan.pp} ({schedule}), "
+        if self.groups.cp_size > 1:
+            pp += f"cp {self.groups.cp_size}, "
         self.logger.print(
             f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
             f"ZeRO stage {self.cfg.zero.stage}, "

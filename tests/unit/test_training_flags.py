@@ -109,7 +109,7 @@ ONLY_1 = "not supported by moezero, only 1 is accepted (it splits experts with -
 
 
 def test_one_launch_names_every_refused_value(capsys):
-    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many."""
+    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (cp runs)."""
     lines = _launch_error_of(
         [
             "--tensor-model-parallel-size",
@@ -122,13 +122,60 @@ def test_one_launch_names_every_refused_value(capsys):
         ],
         capsys,
     )
-    assert lines[0] == "3 flags of this launch line are not supported:", lines
-    flags = ("--tensor-model-parallel-size", "--context-parallel-size", "--expert-tensor-parallel-size")
-    assert len(lines) == 4 and all(line.startswith(f"{flag}=2: {ONLY_1}") for flag, line in zip(flags, lines[1:]))
+    assert lines[0] == "2 flags of this launch line are not supported:", lines
+    flags = ("--tensor-model-parallel-size", "--expert-tensor-parallel-size")
+    assert len(lines) == 3 and all(line.startswith(f"{flag}=2: {ONLY_1}") for flag, line in zip(flags, lines[1:]))
     assert lines[-1].endswith("(see --help)")
     # one alone: the one line it always was
-    lines = _launch_error_of(["--context-parallel-size", "4"], capsys)
-    assert len(lines) == 1 and lines[0].startswith(f"--context-parallel-size=4: {ONLY_1}"), lines
+    lines = _launch_error_of(["--tensor-model-parallel-size", "4"], capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"--tensor-model-parallel-size=4: {ONLY_1}"), lines
+
+
+def test_one_launch_names_what_context_parallelism_does_not_run(capsys):
+    """Issue 77's line (tp 2, pp 2, cp 2) in one launch; then what cp > 1 refuses at pp 1: a2a+p2p, its
+    hierarchical sizes and multi-latent attention (a cross-section refusal, listed with the values)."""
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
+    lines = _launch_error_of(argv, capsys)
+    assert lines[0] == "2 flags of this launch line are not supported:" and len(lines) == 3, lines
+    assert lines[1].startswith(f"--tensor-model-parallel-size=2: {ONLY_1}"), lines
+    assert lines[2].startswith("--context-parallel-size=2: not supported with --pipeline-model-parallel-size > 1")
+    argv = ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]
+    lines = _launch_error_of(argv + ["2", "1", "--multi-latent-attention"], capsys)
+    assert lines[0] == "3 flags of this launch line are not supported:" and len(lines) == 4, lines
+    assert lines[1].startswith("--hierarchical-context-parallel-sizes: not supported by moezero"), lines
+    assert lines[2].startswith("--cp-comm-type=['a2a+p2p']: not supported by moezero: a2a+p2p"), lines
+    assert lines[3].startswith("--multi-latent-attention: not supported with --context-parallel-size > 1 yet")
+
+
+CP_RULES = [
+    (["--context-parallel-size", "4"], 2, "--context-parallel-size=4: must divide the number of processes (2)"),
+    (["--seq-length", "30"], 2, "--seq-length=30: must be divisible by 2 x --context-parallel-size = 4"),
+    (["--cp-comm-type", "p2p", "a2a", "p2p"], 2, "--cp-comm-type=p2p a2a p2p: one type for every layer or one per"),
+    (["--cp-comm-type", "a2a", "--num-attention-heads", "1", "--kv-channels", "32"], 2, "--cp-comm-type a2a: needs"),
+]
+
+
+@pytest.mark.parametrize("argv,world,needle", CP_RULES, ids=[needle.split(":")[0] for _, _, needle in CP_RULES])
+def test_context_parallel_rules_are_megatrons_one_line_each(argv, world, needle):
+    """Megatron's validate_args: world % cp, seq_length % (2 cp), --cp-comm-type one or one per layer (2 layers
+    here), a2a's heads % cp; each one line at start (validate)."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    cp = [] if "--context-parallel-size" in argv else ["--context-parallel-size", "2"]
+    with pytest.raises(ConfigError) as info:
+        validate(configs(TINY + cp + argv), world_size=world)
+    message = str(info.value)
+    assert message.startswith(needle) and len(message.splitlines()) == 1, message
+
+
+def test_context_parallel_deals_micro_batches_over_data_parallel_ranks():
+    """cp 2 on 4 processes: 2 data-parallel ranks deal the batch (8 = 2 per micro-batch x 2 ranks x 2 steps)."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    assert validate(configs(TINY + ["--context-parallel-size", "2"]), world_size=4) == 2
+    assert validate(configs(TINY), world_size=4) == 1
 
 
 def test_one_launch_names_refused_values_with_what_pipeline_stages_refuse(capsys):
@@ -188,7 +235,8 @@ def test_args_file_reads_megatron_style_lines(tmp_path):
 
 def test_megatron_parallel_and_optimizer_flags():
     assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2, context_parallel_size=1)
-    for name in ("tensor_parallel_size", "context_parallel_size"):
+    assert ParallelConfig(context_parallel_size=2, cp_comm_type=["a2a"]).context_parallel_size == 2
+    for name in ("tensor_parallel_size", "expert_tensor_parallel_size"):
         with pytest.raises(ConfigError, match="not supported by moezero, only 1 is accepted"):
             ParallelConfig(**{name: 2})
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1

@@ -1,0 +1,93 @@
+"""The context-parallel split (moezero/context_parallel.py) against megatron-core's get_batch_on_this_cp_rank,
+which reads only its group's size and rank (a stub object serves); and the sample keys of a cp rank, whose draws
+are the slices of the whole sequence's."""
+
+import pytest
+import torch
+from megatron.core import utils as mcore_utils
+
+from moezero.keyed_random import SampleKeys
+from moezero.context_parallel import ContextParallel, ShardedSampleKeys, chunk_positions, split_sequence
+
+
+class _StubGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp, seq", [(2, 8), (2, 32), (4, 32), (3, 12)])
+def test_split_is_megatron_cores(cp, seq, monkeypatch):
+    # megatron-core asks torch.distributed whether it is initialised before asking the group: no processes here
+    monkeypatch.setattr(mcore_utils, "get_pg_size", lambda group: group.size())
+    monkeypatch.setattr(mcore_utils, "get_pg_rank", lambda group: group.rank())
+    g = torch.Generator().manual_seed(seq)
+    batch = {
+        "tokens": torch.randint(0, 50, (3, seq), generator=g),
+        "labels": torch.randint(0, 50, (3, seq), generator=g),
+        "loss_mask": torch.rand(3, seq, generator=g),
+        "position_ids": torch.arange(seq).expand(3, seq),
+    }
+    for rank in range(cp):
+        want = mcore_utils.get_batch_on_this_cp_rank(dict(batch), cp_group=_StubGroup(cp, rank))
+        for key, value in batch.items():
+            assert torch.equal(split_sequence(value, cp, rank), want[key]), (cp, rank, key)
+        assert torch.equal(chunk_positions(seq, cp, rank), want["position_ids"][0])
+
+
+def test_cp2_positions_of_eight_tokens():
+    assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+
+
+def test_sharded_keys_draw_the_whole_sequences_slice():
+    keys = SampleKeys(5, 2, (4, 9))
+    positions = chunk_positions(16, 2, 1)
+    sharded = ShardedSampleKeys(keys, positions, 16)
+    whole = keys.dropout_mask("site", (16, 3), 0.3)
+    assert torch.equal(sharded.dropout_mask("site", (8, 3), 0.3), whole[:, positions])
+    rows = sharded.query_rows_dropout_mask("attn", 2, 0.3, "cpu")
+    assert torch.equal(rows, keys.dropout_mask("attn", (2, 16, 16), 0.3)[:, :, positions])
+    heads = sharded.head_block_keys(4, slice(2, 4)).dropout_mask("attn", (2, 16, 16), 0.3)  # a2a: whole sequence
+    assert torch.equal(heads, keys.dropout_mask("attn", (4, 16, 16), 0.3)[:, 2:4])
+
+
+def test_split_micro_batch_shifts_mtp_on_the_whole_sequence():
+    """MTP's shifted tokens, labels and mask come from the whole sequence (a shift of the rank's part would pull in
+    its other chunk's tokens); the whole micro-batch's loss tokens count the lm's and each depth's."""
+    tokens = torch.arange(16).view(1, 16)
+    mask = torch.ones(1, 16)
+    batch = {"tokens": tokens, "labels": tokens + 100, "loss_mask": mask, "sample_index": torch.tensor([0])}
+    cp = ContextParallel(None)
+    cp.size, cp.rank = 2, 0  # rank 0 of 2 without a group: the split needs no exchange
+    split = cp.split_micro_batch(batch, 2)
+    assert split.batch["tokens"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert split.batch["mtp_tokens"][0].tolist() == [[1, 2, 3, 4, 13, 14, 15, 0]]
+    assert split.batch["mtp_loss_mask"][1].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]]
+    assert split.whole_tokens.tolist() == [16.0, 15.0, 14.0]
+
+
+def test_a_cp_model_refuses_mtp_without_the_whole_sequences_shift():
+    """A cp rank's MTP tokens must be shifted before the split; forward without them says so, not a wrong loss."""
+    from moezero.config import GPTConfig
+    from moezero.models import GPTModel
+
+    cp = ContextParallel(None)
+    cp.size, cp.rank = 2, 0
+    config = GPTConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=16,
+        mtp_num_layers=1,
+        position_embedding_type="rope",
+    )
+    model = GPTModel(config, context_parallel=cp)
+    with pytest.raises(ValueError, match="shifted on the whole sequence"):
+        model(torch.zeros(1, 4, dtype=torch.long), mtp=True)
