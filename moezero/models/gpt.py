@@ -121,6 +121,9 @@ class GPTModel(nn.Module):
         # loss of the logits this model returns (None: token_cross_entropy of whole-vocabulary logits)
         self.tied_head_input: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.token_losses: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        # and the keys of the residual stream's draws when it holds a part of each sequence (sequence parallelism):
+        # (keys, sequence length) -> keys for that part
+        self.sequence_keys: Optional[Callable[[SampleKeys, int], SampleKeys]] = None
         layer_moe = moe_layer_config(config, moe_config, seed) if moe_config is not None else None
         self.moe_config = layer_moe  # what every MoE layer is built from (None: a dense model)
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -197,6 +200,8 @@ class GPTModel(nn.Module):
                     "(mtp_tokens: ContextParallel.split_micro_batch)"
                 )
             keys = self.context_parallel.keys(keys, tokens_BS.shape[1])
+        if self.sequence_keys is not None and keys is not None:
+            keys = self.sequence_keys(keys, tokens_BS.shape[1])
         x = embed_tokens(self, tokens_BS, keys)
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config):

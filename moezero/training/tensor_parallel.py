@@ -22,9 +22,13 @@ the embedding reduce-scatters, column-parallel layers all-gather their input, ro
 their output, and the params replicated over tp whose gradient is then partial (norms, row-parallel biases) are
 marked tp_partial, summed over tp by the optimizer.
 
+Keyed dropout draws the masks of one process: the residual stream's on a sequence shard are the slices of the whole
+sequence's (GPTModel.sequence_keys), attention's on the rank's heads the slices of every head's
+(CausalSelfAttention.head_keys).
+
 What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
-query groups not divisible by tp, attention dropout, MTP, MoE layers, and under sequence parallelism hidden
-dropout and learned position embeddings.
+query groups not divisible by tp, MTP, MoE layers, context parallelism, and under sequence parallelism learned
+position embeddings.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch
 from torch import nn
 
 from moezero.config import GPTConfig, MoEConfig
+from moezero.context_parallel import HeadBlockKeys, ShardedSampleKeys
+from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
 from moezero.models.attention import CausalSelfAttention
 from moezero.moe.experts import GATED, DenseMLP
@@ -66,16 +72,12 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
         lines.append("--multi-latent-attention is not supported with tensor parallelism yet")
     if c.qk_layernorm and c.qk_layernorm_scope == "full_width":
         lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
-    if c.attention_dropout:
-        lines.append(f"--attention-dropout {c.attention_dropout}: tensor parallelism runs only 0 yet")
     if c.mtp_num_layers:
         lines.append("--mtp-num-layers is not supported with tensor parallelism yet")
     if moe is not None:
         lines.append("MoE layers (--num-experts) are not supported with tensor parallelism yet")
     if c.vocab_size is not None and c.vocab_size % tp:
         lines.append(f"a vocabulary of {c.vocab_size} does not split over tensor parallel size {tp}")
-    if sequence_parallel and c.hidden_dropout:
-        lines.append(f"--hidden-dropout {c.hidden_dropout}: --sequence-parallel runs only 0 yet")
     if sequence_parallel and c.position_embedding_type == "learned_absolute":
         lines.append("--position-embedding-type learned_absolute is not supported with --sequence-parallel yet")
     return lines
@@ -91,6 +93,8 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     if lines:
         raise TensorParallelError("; ".join(lines))
     plan = _Plan(group, sequence_parallel)
+    if model.context_parallel is not None:
+        raise TensorParallelError("tensor parallelism together with context parallelism is not supported yet")
     for layer in model.layers:
         plan.attention(layer.attention)
         if not isinstance(layer.mlp, DenseMLP):
@@ -104,6 +108,8 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     else:
         model.tied_head_input = _TpRegionInput(group, sequence_parallel)
     model.token_losses = _VocabParallelLoss(group)
+    if sequence_parallel:
+        model.sequence_keys = _SequenceShardKeys(group)
     return model
 
 
@@ -143,6 +149,7 @@ class _Plan:
         attention.qkv = self.column(attention.qkv, parts=(heads * h, groups * h, groups * h))
         attention.proj = self.row(attention.proj)
         attention.heads, attention.groups = heads // self.size, groups // self.size
+        attention.head_keys = _HeadBlockKeys(heads, self.rank, self.size)
         offset = attention.softmax_offset
         if isinstance(offset, nn.Parameter):
             shard = TensorShard.split(tuple(offset.shape), 0, self.rank, self.size)
@@ -190,6 +197,31 @@ class _TpRegionInput(SharesProcessGroups):
         if self.sequence_parallel:
             return gather_from_sp(x_BSD, self.group)
         return copy_to_tp(x_BSD, self.group)
+
+
+class _SequenceShardKeys(SharesProcessGroups):
+    """Keys of the rank's contiguous sequence shard: each per-token draw (dropout on the residual stream) is the
+    slice of the whole sequence's, so the masks are those of one process."""
+
+    def __init__(self, group: Any):
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+
+    def __call__(self, keys: SampleKeys, sequence_length: int) -> SampleKeys:
+        shard = sequence_length // self.size
+        positions = torch.arange(self.rank * shard, (self.rank + 1) * shard)
+        return ShardedSampleKeys(keys, positions, sequence_length)
+
+
+class _HeadBlockKeys:
+    """Attention-dropout keys of the rank's block of heads: the whole sequence's mask over every head, at the
+    rank's heads (from the keys of the whole sequence, also when the residual stream holds a shard of it)."""
+
+    def __init__(self, heads: int, rank: int, size: int):
+        local = heads // size
+        self.heads, self.block = heads, slice(rank * local, (rank + 1) * local)
+
+    def __call__(self, keys: SampleKeys) -> HeadBlockKeys:
+        return HeadBlockKeys(SampleKeys(keys.seed, keys.iteration, keys.sample_ids), self.heads, self.block)
 
 
 class _VocabParallelLoss(SharesProcessGroups):

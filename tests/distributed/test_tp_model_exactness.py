@@ -1,4 +1,5 @@
-"""A dense GPT (GQA, RoPE, SwiGLU, per-head q/k norms, learnable softmax offsets, biases) at tensor-parallel size 2
+"""A dense GPT (GQA, RoPE, SwiGLU, per-head q/k norms, learnable softmax offsets, biases, hidden and attention
+dropout drawn from keys) at tensor-parallel size 2
 on 2 gloo ranks, with and without sequence parallelism, untied and tied, at ZeRO stages 1 and 3, against one
 process training the same global model on the same micro-batches: float64, every step's loss and gradient norm
 (clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
@@ -35,8 +36,8 @@ GPT = GPTConfig(
     swiglu=True,
     qk_layernorm=True,
     softmax_type="learnable",
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
 )
 
 

@@ -29,8 +29,6 @@ def test_a_dense_gqa_gpt_runs_at_tp2():
         (dict(group_query_attention=True, num_query_groups=1), False, False, "--num-query-groups 1"),
         (dict(num_attention_heads=3, hidden_size=36), False, False, "--num-attention-heads 3"),
         (dict(vocab_size=63), False, False, "a vocabulary of 63"),
-        (dict(attention_dropout=0.1), False, False, "--attention-dropout 0.1"),
-        (dict(hidden_dropout=0.1), False, True, "--hidden-dropout 0.1"),
         (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
         (dict(mtp_num_layers=1), False, False, "--mtp-num-layers"),
         ({}, True, True, "MoE layers"),
