@@ -26,9 +26,13 @@ Keyed dropout draws the masks of one process: the residual stream's on a sequenc
 sequence's (GPTModel.sequence_keys), attention's on the rank's heads the slices of every head's
 (CausalSelfAttention.head_keys).
 
+MoE layers need sequence parallelism (Megatron's rule): each rank routes its sequence shard, with the router's token
+counts over the tp group (each rank's losses its share) and the routed experts split over ep as at tp 1, ep folded
+over the tp ranks (expert-tensor-parallel size 1).
+
 What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
-query groups not divisible by tp, MTP, MoE layers, context parallelism, and under sequence parallelism learned
-position embeddings.
+query groups not divisible by tp, MTP, context parallelism, under sequence parallelism learned position
+embeddings, and MoE layers without sequence parallelism, with a capacity factor, global or sinkhorn balancing.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from moezero.context_parallel import HeadBlockKeys, ShardedSampleKeys
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
 from moezero.models.attention import CausalSelfAttention
+from moezero.moe import MoELayer
 from moezero.moe.experts import GATED, DenseMLP
+from moezero.moe.load_balancing import SequenceShares
 from moezero.parallel import comm
 from moezero.parallel.groups import SharesProcessGroups
 from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel, mark_tp_partial
@@ -75,11 +81,27 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
     if c.mtp_num_layers:
         lines.append("--mtp-num-layers is not supported with tensor parallelism yet")
     if moe is not None:
-        lines.append("MoE layers (--num-experts) are not supported with tensor parallelism yet")
+        lines += _moe_refusals(moe, sequence_parallel)
     if c.vocab_size is not None and c.vocab_size % tp:
         lines.append(f"a vocabulary of {c.vocab_size} does not split over tensor parallel size {tp}")
     if sequence_parallel and c.position_embedding_type == "learned_absolute":
         lines.append("--position-embedding-type learned_absolute is not supported with --sequence-parallel yet")
+    return lines
+
+
+def _moe_refusals(moe: MoEConfig, sequence_parallel: bool) -> List[str]:
+    lines = []
+    if not sequence_parallel:  # megatron-core's MoELayer raises in training
+        lines.append("MoE layers with tensor parallelism need --sequence-parallel (as Megatron's)")
+    if moe.capacity_factor is not None:  # decided on each rank's tokens: a sequence shard's capacity differs
+        lines.append(
+            f"--moe-expert-capacity-factor {moe.capacity_factor}: tensor parallelism runs dropless MoE layers only "
+            "(capacity would be decided on each rank's sequence shard)"
+        )
+    if "global_aux_loss" in moe.balancing_coefficients():
+        lines.append("--moe-router-load-balancing-type global_aux_loss is not supported with tensor parallelism yet")
+    if moe.load_balancing_type == "sinkhorn":
+        lines.append("--moe-router-load-balancing-type sinkhorn is not supported with tensor parallelism")
     return lines
 
 
@@ -97,9 +119,10 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
         raise TensorParallelError("tensor parallelism together with context parallelism is not supported yet")
     for layer in model.layers:
         plan.attention(layer.attention)
-        if not isinstance(layer.mlp, DenseMLP):
-            raise TensorParallelError(f"{type(layer.mlp).__name__} MLPs are not supported with tensor parallelism")
-        plan.mlp(layer.mlp, model.config)
+        if isinstance(layer.mlp, MoELayer):
+            plan.moe(layer.mlp)
+        else:
+            plan.mlp(layer.mlp, model.config)
         plan.replicated(layer.input_norm, layer.mlp_norm)
     plan.replicated(model.final_norm)
     model.embedding = plan.embedding(model.embedding)
@@ -167,6 +190,16 @@ class _Plan:
         parts = (ffn, ffn) if mlp.activation in GATED else None
         mlp.fc1 = self.column(mlp.fc1, parts=parts)
         mlp.fc2 = self.row(mlp.fc2)
+
+    def moe(self, moe: MoELayer) -> None:
+        """Under sequence parallelism (required) each rank routes its sequence shard: the router counts tokens over
+        the tp group (its losses are the rank's shares, megatron-core's tp-cp counting) and every param of the
+        layer that is whole on each rank (router, shared expert and its gate) gets a partial gradient. Routed
+        experts stay whole, split over ep (folded over the tp ranks, ParallelGroups), reduced over edp."""
+        moe.router.cp = SequenceShares(self.group)
+        for module in (moe.router, moe.shared_expert, moe.shared_expert_gate):
+            if module is not None:
+                self.replicated(module)
 
     def replicated(self, *modules: nn.Module) -> None:
         """Norms on the rank's sequence shard under sequence parallelism: their gradients are partial."""

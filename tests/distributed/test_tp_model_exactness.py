@@ -3,9 +3,9 @@ dropout drawn from keys) at tensor-parallel size 2
 on 2 gloo ranks, with and without sequence parallelism, untied and tied, at ZeRO stages 1 and 3, against one
 process training the same global model on the same micro-batches: float64, every step's loss and gradient norm
 (clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
-coordinates). The tp model is the one-process model with its modules swapped (training/tensor_parallel.py)."""
+coordinates). The tp model is built as the one-process model (its experts split over ep) and then has its modules
+swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and ep 2 (ep folded over tp)."""
 
-import copy
 import dataclasses
 
 import torch
@@ -13,11 +13,13 @@ import torch.distributed as dist
 
 from moezero.config import GPTConfig
 from moezero.models import GPTModel
+from moezero.moe import expert_parallel
 from moezero.parallel import ParallelGroups
 from moezero.training.loop import train_step
 from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.zero import ZeroOptimizer, consolidate
 from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import configs
 
 TP, VOCAB, SEQ, MB, SEED, KEY_SEED, STEPS, CLIP = 2, 64, 16, 2, 3, 7, 3, 0.5
 ADAMW = dict(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))
@@ -80,12 +82,13 @@ def _train(model, opt, group):
     return history
 
 
-def _case(groups, untied, sequence_parallel, stage):
+def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
     """The largest relative difference of the losses and norms, and the largest absolute one of the consolidated
     weights and AdamW moments, tp 2 against one process."""
-    config = dataclasses.replace(GPT, untie_embeddings_and_output_weights=untied)
-    reference = GPTModel(config, seed=SEED).double().train()
-    model = apply_tensor_parallel(copy.deepcopy(reference), groups.tp, sequence_parallel)
+    config = dataclasses.replace(config, untie_embeddings_and_output_weights=untied)
+    reference = GPTModel(config, moe, seed=SEED).double().train()
+    model = GPTModel(config, moe, seed=SEED, moe_layer=expert_parallel(groups)).double().train()
+    model = apply_tensor_parallel(model, groups.tp, sequence_parallel)
     ref_opt = _optimizer(reference, ParallelGroups.single(), stage)
     opt = _optimizer(model, groups, stage)
     expected, actual = _train(reference, ref_opt, None), _train(model, opt, groups.dp)
@@ -118,6 +121,43 @@ def test_dense_gpt_at_tp2_equals_one_process():
     """tp 2 with and without SP, untied and tied, ZeRO 1 and 3: the loss curve, norms, weights and moments of one
     process, to float64 rounding."""
     results = run_distributed(_cases, TP)
+    assert results[0] == results[1]
+    for case, (curve, weights, moments) in results[0].items():
+        assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)
+
+
+# a GPT-MoE: dense first layer, then an MoE layer of 4 experts (top 2) with a gated shared expert, the aux loss
+# (micro-batch and sequence), z-loss and router jitter keyed per token, hidden and attention dropout
+MOE_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "48", "--seq-length", str(SEQ), "--max-position-embeddings",
+    str(SEQ), "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--qk-layernorm",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "24",
+    "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2", "1e-2",
+    "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-z-loss-coeff", "1e-3",
+    "--moe-input-jitter-eps", "0.01", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+]  # fmt: skip
+
+
+def _moe_cases():
+    """tp 2 with SP at ep 1 (experts whole on both ranks, reduced over edp = both) and ep 2 (the ep group {0, 1}
+    crosses the tp coordinates: parallel folding), ZeRO 1 and 3."""
+    cfg = configs(MOE_FLAGS)
+    gpt, moe = dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
+    results = {}
+    for ep in (1, 2):
+        groups = ParallelGroups.build(expert_parallel_size=ep, tensor_parallel_size=TP)
+        try:
+            for stage in (1, 3):
+                results[(ep, stage)] = _case(groups, True, True, stage, gpt, moe)
+        finally:
+            groups.destroy()
+    return results
+
+
+def test_gpt_moe_at_tp2_sp_equals_one_process():
+    """The MoE model at tp 2 with SP, ep 1 and 2, ZeRO 1 and 3: one process's curve, weights and moments."""
+    results = run_distributed(_moe_cases, TP)
     assert results[0] == results[1]
     for case, (curve, weights, moments) in results[0].items():
         assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)

@@ -18,9 +18,11 @@ GPT = GPTConfig(
 )
 
 
-def test_a_dense_gqa_gpt_runs_at_tp2():
+def test_a_gqa_gpt_runs_at_tp2():
     config = dataclasses.replace(GPT, group_query_attention=True, num_query_groups=2, qk_layernorm=True)
     assert refusals(config, None, 2, sequence_parallel=True) == []
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, shared_expert_intermediate_size=32)
+    assert refusals(config, moe, 2, sequence_parallel=True) == []
 
 
 @pytest.mark.parametrize(
@@ -31,11 +33,13 @@ def test_a_dense_gqa_gpt_runs_at_tp2():
         (dict(vocab_size=63), False, False, "a vocabulary of 63"),
         (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
         (dict(mtp_num_layers=1), False, False, "--mtp-num-layers"),
-        ({}, True, True, "MoE layers"),
+        ({}, True, False, "MoE layers with tensor parallelism need --sequence-parallel"),
+        ({}, dict(capacity_factor=1.5), True, "--moe-expert-capacity-factor 1.5"),
         (dict(position_embedding_type="learned_absolute"), False, True, "learned_absolute"),
     ],
 )
 def test_refusals_name_the_setting(changes, moe, sp, needle):
     config = dataclasses.replace(GPT, **changes)
-    lines = refusals(config, MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4) if moe else None, 2, sp)
+    moe_config = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, **(moe if isinstance(moe, dict) else {}))
+    lines = refusals(config, moe_config if moe else None, 2, sp)
     assert lines and needle in lines[0], lines  # heads not divisible: their query groups are not either
