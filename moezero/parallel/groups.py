@@ -152,6 +152,7 @@ class ParallelGroups:
         cp: this rank's context-parallel group, the ranks sharing one micro-batch's sequence (None at cp 1).
         tp: this rank's tensor-parallel group, the ranks holding shards of one model replica (None at tp 1; `build`
             makes it with `tensor_parallel_size`, a caller may pass its own: `dataclasses.replace(groups, tp=...)`).
+        world_control: at tp > 1 the group of every rank, for the run's decisions (None: `control` is every rank's).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
         transports: what serves every group's collectives (None: chosen per group, see `build`).
@@ -165,7 +166,7 @@ class ParallelGroups:
     control: Optional[Any] = None
     cp: Optional[Any] = None
     tp: Optional[Any] = None
-    world_control: Optional[Any] = None  # at tp > 1 the group of every rank (`control` is the optimizer's ranks)
+    world_control: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
     local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
     # what serves every group's collectives (None: chosen per group, see build)

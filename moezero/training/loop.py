@@ -153,6 +153,7 @@ def train_step(
     per_token_loss: bool = False,
     overlap_moe_comm: bool = False,
     context_parallel: Optional[ContextParallel] = None,
+    tensor_parallel_size: int = 1,
 ) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
     `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
@@ -162,7 +163,9 @@ def train_step(
     same way; the same numbers.
     `context_parallel`: this rank's cp group's (ranks of one cp group get the same whole micro-batches, split
     here): each loss is this rank's share of the micro-batch's, times the cp size, since the optimizer averages
-    over every rank (Megatron's loss_func and its dp-cp reduction)."""
+    over every rank (Megatron's loss_func and its dp-cp reduction).
+    `tensor_parallel_size`: the ranks of `group` that compute each micro-batch together: their lm losses are copies
+    (their token sums and counts both tp times, the same mean), their router losses shares of the micro-batch's."""
     model.train()
     n = len(micro_batches)
     cp_size = 1 if context_parallel is None else context_parallel.size
@@ -207,7 +210,7 @@ def train_step(
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)  # one all-reduce for every metric
     # a cp group's ranks add up shares of the same micro-batches
-    micro_batch_count = n * comm.group_size(group) // cp_size
+    micro_batch_count = n * comm.group_size(group) // (cp_size * tensor_parallel_size)
     return _step_metrics(packed.unpack(totals), micro_batch_count, opt.last_grad_norm, stepped)
 
 

@@ -43,3 +43,34 @@ def test_refusals_name_the_setting(changes, moe, sp, needle):
     moe_config = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, **(moe if isinstance(moe, dict) else {}))
     lines = refusals(config, moe_config if moe else None, 2, sp)
     assert lines and needle in lines[0], lines  # heads not divisible: their query groups are not either
+
+
+def _validate(argv, world):
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    return validate(configs(TINY + argv), world_size=world)
+
+
+TP2 = ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope"]
+
+
+def test_a_tp_run_lists_every_refusal_at_once():
+    """TINY's MoE layers at tp 2 without --sequence-parallel, with its capacity factor and Megatron's default
+    --expert-tensor-parallel-size (= tp), on 3 processes: one ConfigError, a line each."""
+    from moezero.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _validate(TP2, 3)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "--tensor-model-parallel-size=2: must divide the number of processes (3)", lines
+    assert lines[1].startswith("--expert-tensor-parallel-size=2 (Megatron default: --tensor-model-parallel-size)")
+    assert "pass --expert-tensor-parallel-size 1" in lines[1]
+    assert "need --sequence-parallel" in lines[2] and "--moe-expert-capacity-factor 1.5" in lines[3], lines
+    assert len(lines) == 4, lines
+
+
+def test_tp_ranks_read_the_same_micro_batches():
+    """tp 2 on 4 processes: 2 data-parallel ranks deal TINY's batch of 8 (2 per micro-batch x 2 ranks x 2 steps)."""
+    argv = TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "-1"]
+    assert _validate(argv, 4) == 2

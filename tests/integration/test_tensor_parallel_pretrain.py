@@ -1,0 +1,71 @@
+"""The pretraining script at --tensor-model-parallel-size 2 with --sequence-parallel on 2 gloo ranks (its entry point
+in-process in each rank) against the same command in one process: a GPT-MoE with a dense first layer, MoE layers
+with their experts split over the same two ranks (tp 2 x ep 2 folded: each rank's sequence shard goes to the all-to-
+all), RoPE, aux and z losses, router jitter and dropout (keyed), the aux-loss-free expert bias (its counts summed
+over every rank), float64: the lm loss, router losses, gradient norm and validation loss of every iteration to 1e-10
+relative. Checkpoints hold global coordinates, so a tp 2 checkpoint resumes in one process (tp 1) and a tp 1 one at
+tp 2, each on the uninterrupted run's curve. The vocabulary is padded to a multiple of 256 at tp 1 and 2 alike
+(Megatron pads to --make-vocab-size-divisible-by x tp)."""
+
+import contextlib
+import io
+
+from moezero.recipe import pretraining
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, configs
+
+# capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
+TP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
+TP_TINY += ["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--zero-stage", "1", "--train-iters", "4"]
+TP_TINY += ["--eval-interval", "2", "--eval-iters", "1", "--fp64", "--log-interval", "1"]
+TP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]  # counts over tp too
+TP_TINY += ["--position-embedding-type", "rope", "--make-vocab-size-divisible-by", "256"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+TP2 += ["--expert-tensor-parallel-size", "1"]
+TOL = 1e-10
+
+
+def _run(argv):
+    """(history, console output) of one run of the script's entry point in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = pretraining(configs(argv))
+        run.train()
+    run.destroy_groups()
+    return run.history, out.getvalue()
+
+
+def _values(history):
+    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
+    return [tuple(h.get(key) for key in keys) for h in history]
+
+
+def _tp2_runs(argv, saved_at_tp2, saved_at_tp1):
+    """At tp 2: 4 iterations straight; iterations 1-2 saved, then 3-4 resumed from a tp 1 run's checkpoint."""
+    straight, output = _run(argv)
+    first, _ = _run(argv + ["--exit-interval", "2", "--save", saved_at_tp2])
+    from_tp1, _ = _run(argv + ["--load", saved_at_tp1])
+    return straight, output, first, from_tp1
+
+
+def _assert_same_curve(name, curve, expected):
+    assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
+    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
+
+
+def test_tp2_sp_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_tp(tmp_path):
+    argv = TP_TINY + ["--data-cache-path", str(tmp_path)]
+    at_tp2, at_tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    single, _ = _run(argv)
+    first_tp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_tp1])
+    ranks = run_distributed(_tp2_runs, 2, argv + TP2, at_tp2, at_tp1, timeout=400)
+    from_tp2, _ = _run(argv + ["--load", at_tp2])
+    assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
+    for straight, output, first, from_tp1 in ranks:
+        _assert_same_curve("tp 2", straight, single)
+        _assert_same_curve("tp 1 -> tp 2", first_tp1 + from_tp1, single)
+    _assert_same_curve("tp 2 -> tp 1", ranks[0][2] + from_tp2, single)
+    output = ranks[0][1]
+    assert "tp 2 with sequence parallelism, ep 2" in output, output
