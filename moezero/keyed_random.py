@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moezero.parallel.expert_marker import expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
 
 
 def keyed_seed(*keys) -> int:
@@ -66,8 +67,16 @@ def init_keyed_(
         if shard is None:
             keyed_normal_(param, std, seed, full_name)
             continue
+        tensor_shard = tensor_shard_of(param)
         for local in range(shard.num_local_experts):
-            keyed_normal_(param[local], std, seed, full_name, shard.global_index(local))
+            if tensor_shard is None:
+                keyed_normal_(param[local], std, seed, full_name, shard.global_index(local))
+                continue
+            # an ETP slice: the whole expert drawn, the slice kept, so every etp gives it the same values
+            item = tensor_shard.item_shard()
+            whole = keyed_normal_(torch.empty(item.global_shape), std, seed, full_name, shard.global_index(local))
+            with torch.no_grad():
+                param[local].copy_(item.local_of(whole))
 
 
 def is_bias(name: str) -> bool:

@@ -58,6 +58,7 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
             "job_init",
             "profiling",
             "pipeline",
+            "context_parallel",
             "tp_regions",
             "tensor_marker",
         ),

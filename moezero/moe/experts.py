@@ -7,7 +7,7 @@ its size class (row_size_class).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,9 @@ from moezero.config import MoEConfig, expert_ffn_size
 from moezero.ops.bias_add import add_expert_bias
 from moezero.ops.gelu import bias_gelu, fused_gelu_applies
 from moezero.ops.swiglu import fused_glu_applies, quick_geglu, swiglu
+from moezero.parallel import comm
 from moezero.parallel.expert_marker import ExpertShard, mark_expert_parallel
+from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Row size classes. Dropless routing gives every expert a new row count every step, and oneDNN (the CPU's
@@ -228,31 +230,64 @@ class _Attach(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """The L = num_experts / ep experts this rank holds, stacked along dim 0 and tagged expert-parallel.
 
+    Under expert tensor parallelism (an `etp` group of R ranks, Megatron's ETP) each expert's ffn dim is split over
+    the group: w1 column-parallel (rank r holds block r of F, of the gate and the up half each under a GLU), w2
+    row-parallel, so the output is the rank's partial sum, which the dispatcher reduce-scatters over etp. b1 is split
+    as w1. b2 is split along D: rank r adds its block of columns to its partial output (zeros elsewhere), so after
+    the sum each column got its bias once, and its gradient (the output gradient, whole on every etp rank: the
+    reduce-scatter's backward gathers it) is each element's full gradient on the one rank that holds it. Every
+    split param carries a TensorShard beside its ExpertShard, so optimizer pieces and init sit at global
+    coordinates.
+
     Args:
         config: the layer's MoEConfig.
         shard: which global experts these are (ep rank and size).
+        etp: the expert-tensor-parallel group (None: each expert whole here).
     """
 
-    def __init__(self, config: MoEConfig, shard: ExpertShard):
+    def __init__(self, config: MoEConfig, shard: ExpertShard, etp: Optional[Any] = None):
         super().__init__()
         L, D, Fw = shard.num_local_experts, config.hidden_size, expert_ffn_size(config)
-        fan_out = 2 * Fw if config.activation in GATED else Fw
+        self.etp_size, self.etp_rank = comm.group_size(etp), comm.group_rank(etp)
+        parts = (Fw, Fw) if config.activation in GATED else (Fw,)
+        fan_out = sum(parts)
         self.activation = config.activation
         self.offset, self.clamp = config.glu_linear_offset, config.activation_clamp
         self.use_grouped = config.grouped_gemm
         self.delay_wgrad = config.delay_wgrad_compute
         self.pad_rows = config.pad_expert_rows
-        self.w1 = nn.Parameter(torch.empty(L, D, fan_out))
-        self.w2 = nn.Parameter(torch.empty(L, Fw, D))
-        self.b1 = nn.Parameter(torch.zeros(L, fan_out)) if config.bias else None  # Megatron's add_bias_linear
-        self.b2 = nn.Parameter(torch.zeros(L, D)) if config.bias else None
+        self.tensor_shards: Dict[str, TensorShard] = {}
+        if self.etp_size > 1:
+            R, r = self.etp_size, self.etp_rank
+            if Fw % R or D % R:
+                raise ValueError(
+                    f"expert tensor parallel size {R} must divide the expert ffn size ({Fw}) and the hidden size ({D})"
+                )
+            self.tensor_shards = {
+                "w1": TensorShard.split((L, D, fan_out), 2, r, R, parts),
+                "w2": TensorShard.split((L, Fw, D), 1, r, R),
+                "b1": TensorShard.split((L, fan_out), 1, r, R, parts),
+                "b2": TensorShard.split((L, D), 1, r, R),
+            }
+        self.w1 = nn.Parameter(torch.empty(self._local_shape("w1", (L, D, fan_out))))
+        self.w2 = nn.Parameter(torch.empty(self._local_shape("w2", (L, Fw, D))))
+        bias = config.bias  # Megatron's add_bias_linear
+        self.b1 = nn.Parameter(torch.zeros(self._local_shape("b1", (L, fan_out)))) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(self._local_shape("b2", (L, D)))) if bias else None
         self.shard = shard
         self._mark_expert_parallel()
 
+    def _local_shape(self, name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+        shard = self.tensor_shards.get(name)
+        return shape if shard is None else shard.local_shape
+
     def _mark_expert_parallel(self) -> None:
-        for w in (self.w1, self.w2, self.b1, self.b2):
+        for name in ("w1", "w2", "b1", "b2"):
+            w = getattr(self, name)
             if w is not None:
                 mark_expert_parallel(w, self.shard)
+                if name in self.tensor_shards:
+                    mark_tensor_parallel(w, self.tensor_shards[name])
 
     def __setstate__(self, state) -> None:
         """A copy (copy.deepcopy, a pickled module) holds expert weights too: torch's Parameter copy drops the tag."""
@@ -292,8 +327,16 @@ class GroupedExperts(nn.Module):
             self.offset,
             self.clamp,
         )
-        y = _add_bias(expert_mm(a, w2, counts, self.use_grouped, deferred), self.b2, counts)
+        y = _add_bias(expert_mm(a, w2, counts, self.use_grouped, deferred), self._fc2_bias(), counts)
         return y if deferred is None else deferred.attach(y)
+
+    def _fc2_bias(self) -> Optional[torch.Tensor]:
+        """b2 over all D columns: under ETP the rank's block of them, zeros elsewhere (added once over the sum)."""
+        shard = self.tensor_shards.get("b2")
+        if self.b2 is None or shard is None:
+            return self.b2
+        (lo, hi), D = shard.blocks[0], shard.global_shape[1]
+        return F.pad(self.b2, (lo, D - hi))
 
 
 def _add_bias(y_MF: torch.Tensor, b_LF: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:

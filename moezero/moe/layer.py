@@ -52,7 +52,8 @@ class MoELayer(nn.Module):
 
     Args:
         config: router, expert and capacity settings.
-        groups: the process groups; experts are split over `groups.ep` (default: a world of one).
+        groups: the process groups; experts are split over `groups.ep`, their ffn dim over `groups.etp` (default:
+            a world of one).
         layer_number: keys this layer's init and jitter randomness (unique per layer in a model).
 
     forward(x, keys=None) takes x shaped (B, S, D) or (T, D) and returns (y shaped like x, MoEStats).
@@ -67,7 +68,7 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         self.router = TopKRouter(config, site=f"layer{layer_number}.router", dp_group=groups.dp, cp_group=groups.cp)
         shard = ExpertShard(config.num_experts // groups.ep_size, groups.ep_rank, groups.ep_size)
-        self.experts = GroupedExperts(config, shard)
+        self.experts = GroupedExperts(config, shard, groups.etp)
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(
@@ -80,15 +81,20 @@ class MoELayer(nn.Module):
             )
         if config.shared_expert_gate:  # Qwen2-MoE's and Megatron's: sigmoid(x . g) scales the shared output
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.dispatcher = TokenDispatcher(config.num_experts, groups.ep)
+        self.dispatcher = TokenDispatcher(config.num_experts, groups.ep, groups.etp)
         # gives the record its exchanges carry (the token counts, the global aux loss's counts): a ZeroOptimizer
         # sets it, so ranks whose exchanges pair with another layer's or another forward's raise RanksDisagree
         self.exchange_record: Optional[Callable[[], Optional[ExchangeRecord]]] = None
         self.reset_parameters()
 
     def runs_collectives(self) -> bool:
-        """Whether its forward talks to other ranks (tokens to other ep ranks, the global aux loss's counts)."""
-        return self.dispatcher.ep_size > 1 or "global_aux_loss" in self.config.balancing_coefficients()
+        """Whether its forward talks to other ranks (tokens to other ep or etp ranks, the global aux loss's
+        counts)."""
+        return (
+            self.dispatcher.ep_size > 1
+            or self.dispatcher.etp_size > 1
+            or "global_aux_loss" in self.config.balancing_coefficients()
+        )
 
     def reset_parameters(self) -> None:
         """Layout-invariant init: expert e of this layer depends on (seed, layer, e) alone; biases zero."""

@@ -152,6 +152,8 @@ class ParallelGroups:
         cp: this rank's context-parallel group, the ranks sharing one micro-batch's sequence (None at cp 1).
         tp: this rank's tensor-parallel group, the ranks holding shards of one model replica (None at tp 1; `build`
             makes it with `tensor_parallel_size`, a caller may pass its own: `dataclasses.replace(groups, tp=...)`).
+        etp: this rank's expert-tensor-parallel group, the ranks holding ffn slices of the same experts (None at
+            etp 1; as `tp`, a caller passes its own).
         world_control: at tp > 1 the group of every rank, for the run's decisions (None: `control` is every rank's).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
@@ -166,6 +168,7 @@ class ParallelGroups:
     control: Optional[Any] = None
     cp: Optional[Any] = None
     tp: Optional[Any] = None
+    etp: Optional[Any] = None
     world_control: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
     local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
@@ -212,6 +215,14 @@ class ParallelGroups:
     @property
     def tp_rank(self) -> int:
         return 0 if self.tp is None else dist.get_rank(self.tp)
+
+    @property
+    def etp_size(self) -> int:
+        return 1 if self.etp is None else dist.get_world_size(self.etp)
+
+    @property
+    def etp_rank(self) -> int:
+        return 0 if self.etp is None else dist.get_rank(self.etp)
 
     @property
     def data_parallel_size(self) -> int:

@@ -6,6 +6,10 @@ along one dim, each split over the group: rank r holds block r of every part, so
 layout again at 1/tp of the width. The layer sets the tag; keyed init, the optimizer and checkpoints read it to
 map the local tensor to global coordinates, so none of them imports the layers (as expert_marker.py).
 
+A routed-expert stack split over expert tensor parallelism (ETP) carries both tags: its TensorShard describes the
+rank's own experts (dim 0 is the local experts, whole), split along the ffn dim; its ExpertShard (expert_marker.py)
+places those experts among the global ones along dim 0.
+
 A second tag, `mark_tp_partial`, is for the opposite case: a param whole on every rank of the group whose
 gradient is partial on each (a row-parallel bias under sequence parallelism: each rank adds it to its own
 sequence shard), so the one-process gradient is the sum over the group; the optimizer sums it.
@@ -63,6 +67,12 @@ class TensorShard:
         shape = list(self.global_shape)
         shape[self.dim] = sum(hi - lo for lo, hi in self.blocks)
         return tuple(shape)
+
+    def item_shard(self) -> "TensorShard":
+        """The shard of one index of dim 0 (one expert of a stack split along a later dim)."""
+        if self.dim == 0:
+            raise ValueError(f"a shard along dim 0 of {self.global_shape} has no whole items along it")
+        return TensorShard(self.global_shape[1:], self.dim - 1, self.blocks)
 
     def local_of(self, global_tensor: torch.Tensor) -> torch.Tensor:
         """This shard's values cut out of the global tensor (a new contiguous tensor): keyed init draws the global

@@ -30,6 +30,7 @@ from torch import nn
 
 from moezero.parallel import expert_shard_of
 from moezero.parallel.agreement import RanksDisagree
+from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.zero.rank_agreement import Activity
 from moezero.zero.zero_param import global_placement, param_global_ranges
 from moezero.zero.master import master_dtype_of
@@ -126,14 +127,15 @@ class _Adopted:
         frozen = "" if p.requires_grad else ", frozen"
         dtype = str(p.dtype).removeprefix("torch.")
         self.description = f"'{name}' {tuple(shape)} {dtype}{frozen}, group {group}, {origin}"
-        shard = expert_shard_of(p)
-        self.ep_rank = -1 if shard is None else shard.ep_rank  # dense params: one replica everywhere
+        shard, tensor_shard = expert_shard_of(p), tensor_shard_of(p)
+        # which replica it is: dense params one everywhere, experts one per ep rank, tp/etp slices one per slice
+        self.replica = (-1 if shard is None else shard.ep_rank, None if tensor_shard is None else tensor_shard.blocks)
         self.name = name
         values = p.detach().contiguous().reshape(-1).cpu()
         self.digest = hashlib.blake2b(values.view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
 
-    def summary(self) -> Tuple[str, str, int, str]:
-        return self.name, self.description, self.ep_rank, self.digest
+    def summary(self) -> Tuple[str, str, Tuple[int, Any], str]:
+        return self.name, self.description, self.replica, self.digest
 
 
 def _check_every_rank_adopted_the_same(opt, adopted: List["_Adopted"]) -> None:
@@ -149,7 +151,7 @@ def _check_every_rank_adopted_the_same(opt, adopted: List["_Adopted"]) -> None:
         raise ModifiedDifferently(problem)
 
 
-def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[str]:
+def _first_difference(every: List[List[Tuple[str, str, Tuple[int, Any], str]]]) -> Optional[str]:
     first = every[0]
     for rank, summaries in enumerate(every[1:], start=1):
         for i in range(max(len(first), len(summaries))):
@@ -157,10 +159,10 @@ def _first_difference(every: List[List[Tuple[str, str, int, str]]]) -> Optional[
             b = summaries[i][1] if i < len(summaries) else "nothing more"
             if a != b:
                 return f"rank 0 adopted {a} where rank {rank} adopted {b}"
-    holder: Dict[Tuple[str, int], Tuple[int, str]] = {}
+    holder: Dict[Tuple[str, Tuple[int, Any]], Tuple[int, str]] = {}
     for rank, summaries in enumerate(every):
-        for name, _, ep_rank, digest in summaries:
-            seen = holder.setdefault((name, ep_rank), (rank, digest))
+        for name, _, replica, digest in summaries:
+            seen = holder.setdefault((name, replica), (rank, digest))
             if seen[1] != digest:
                 return (
                     f"'{name}' holds different values on rank {seen[0]} and rank {rank}, which must hold the same "

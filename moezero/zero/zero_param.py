@@ -19,6 +19,7 @@ Coordinates. An element of a param has four addresses, and each conversion is wr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from moezero.parallel import comm, expert_shard_of
-from moezero.parallel.tensor_marker import tensor_shard_of
+from moezero.parallel.tensor_marker import TensorShard, tensor_shard_of
 from moezero.deferred_values import allocate, read_values, values_arrived
 from moezero.zero.partition import FlatLayout, ParamSlot, shard_overlap
 from moezero.zero.sharded_gradient import ShardedGradient
@@ -40,8 +41,11 @@ def global_placement(param: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
     shard's offset is where its first element sits (its elements map through `ZeroParam.global_ranges`)."""
     tensor_shard = tensor_shard_of(param)
     if tensor_shard is not None:
-        first = tensor_shard.global_flat_ranges(0, 1)[0][0] if param.numel() else 0
-        return tensor_shard.global_shape, first
+        first = _tensor_shard_ranges(param, tensor_shard, 0, 1)[0][0] if param.numel() else 0
+        shard = expert_shard_of(param)
+        if shard is None:
+            return tensor_shard.global_shape, first
+        return (shard.num_global_experts,) + tensor_shard.global_shape[1:], first
     shard = expert_shard_of(param)
     if shard is None:
         return tuple(param.shape), 0
@@ -53,9 +57,21 @@ def param_global_ranges(param: torch.Tensor) -> List[Range]:
     """The global flat ranges holding all of this rank's tensor, in its element order."""
     tensor_shard = tensor_shard_of(param)
     if tensor_shard is not None:
-        return tensor_shard.global_flat_ranges(0, param.numel())
+        return _tensor_shard_ranges(param, tensor_shard, 0, param.numel())
     _, offset = global_placement(param)
     return [(offset, offset + param.numel())]
+
+
+def _tensor_shard_ranges(param: torch.Tensor, tensor_shard: TensorShard, lo: int, hi: int) -> List[Range]:
+    """The global flat ranges of the param's elements [lo, hi). An expert stack split over expert tensor parallelism
+    has a TensorShard over the rank's own experts, which its ExpertShard places among the global ones: every range
+    moves by where the rank's first expert starts."""
+    ranges = tensor_shard.global_flat_ranges(lo, hi)
+    shard = expert_shard_of(param)
+    if shard is None:
+        return ranges
+    shift = shard.first_global_expert * math.prod(tensor_shard.global_shape[1:])
+    return [(start + shift, stop + shift) for start, stop in ranges]
 
 
 def optimizer_slice(bucket_range: Range, optimizer_range: Range) -> slice:
@@ -126,14 +142,14 @@ class ZeroParam:
         tensor_shard = tensor_shard_of(self.param)
         if tensor_shard is None:
             return [self.global_range(param_range)]
-        return tensor_shard.global_flat_ranges(*param_range)
+        return _tensor_shard_ranges(self.param, tensor_shard, *param_range)
 
     def global_range(self, param_range: Range) -> Range:
         """The one global flat range holding a range of the param's elements (optimizer checkpoint pieces)."""
         tensor_shard = tensor_shard_of(self.param)
         if tensor_shard is None:
             return self.global_offset + param_range[0], self.global_offset + param_range[1]
-        ranges = tensor_shard.global_flat_ranges(*param_range)
+        ranges = _tensor_shard_ranges(self.param, tensor_shard, *param_range)
         if len(ranges) != 1:
             raise ValueError(
                 f"'{self.name}': its elements {param_range} lie in {len(ranges)} global ranges of its tensor-parallel "

@@ -8,6 +8,7 @@ Prints one line `RESULT {json}` on rank 0 with every rank's figures:
 - schedule_s: the median time inside the schedule (`step` of torch's schedule object: the micro-batches' forwards,
   backwards and the sends between stages), compute_s: the part of it spent in the rank's own chunk forwards and
   backwards (torch's forward_one_chunk / backward_one_chunk); bubble = 1 - compute_s / schedule_s per rank;
+- exchange_s (--time-collectives-of m1,m2): the median time per step inside those modules' collectives;
 - rss_mb: the peak resident set, base_mb: the resident set before the model was built (the interpreter, torch),
   params: the rank's parameter count.
 At pp 1 there is no schedule: the step is the whole training step and the bubble is 0 by definition.
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules, stage
 
+from comm_timing import time_collectives_of
 from moezero import recipe
 from moezero.training import pipeline_step, pretrain
 from moezero.training.job import init_distributed
@@ -35,17 +37,21 @@ class Clock:
 
     def __init__(self):
         self.in_step = False
-        self.step, self.schedule, self.compute = [], [], []
+        self.step, self.schedule, self.compute, self.exchange = [], [], [], []
         self._schedule = self._compute = 0.0
+        self.collectives = None  # a TimedComm (--time-collectives-of)
 
     def start_step(self):
         self.in_step, self._schedule, self._compute = True, 0.0, 0.0
+        if self.collectives is not None:
+            self.collectives.seconds = 0.0
 
     def end_step(self, seconds: float):
         self.in_step = False
         self.step.append(seconds)
         self.schedule.append(self._schedule)
         self.compute.append(self._compute)
+        self.exchange.append(0.0 if self.collectives is None else self.collectives.seconds)
 
 
 CLOCK = Clock()
@@ -96,10 +102,15 @@ def rss_mb() -> float:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--time-collectives-of", default="", help="modules (comma-separated) whose comm calls are timed per step"
+    )
     args, flags = parser.parse_known_args()  # the rest: the script's flags
     flags = [flag for flag in flags if flag != "--"]
     base_mb = rss_mb()
     instrument()
+    if args.time_collectives_of:
+        CLOCK.collectives = time_collectives_of(*args.time_collectives_of.split(","))
     cfg = recipe.parse(flags)
     init_distributed(cfg.parallel.distributed_backend, cfg.train.dist_timeout_minutes)
     run = recipe.pretraining(cfg)
@@ -118,6 +129,7 @@ def main():
         "schedule_s": statistics.median(CLOCK.schedule[kept]) if pipeline else None,
         "compute_s": statistics.median(CLOCK.compute[kept]) if pipeline else None,
         "bubble": statistics.median(bubbles),
+        "exchange_s": statistics.median(CLOCK.exchange[kept]),
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "base_mb": base_mb,
         "params": params,
@@ -127,7 +139,11 @@ def main():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        result = {"per_rank": every, "step_s": max(r["step_s"] for r in every)}
+        result = {
+            "per_rank": every,
+            "step_s": max(r["step_s"] for r in every),
+            "exchange_s": max(r["exchange_s"] for r in every),
+        }
         print("RESULT " + json.dumps(result), flush=True)
     if dist.is_initialized():
         run.destroy_groups()

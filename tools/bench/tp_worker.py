@@ -19,32 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moezero.parallel import comm, local_channel, local_exchange, tp_regions, vocab_parallel
+from comm_timing import time_collectives_of
+from moezero.parallel import local_channel, local_exchange
 from moezero.parallel.local_transport import LocalTransport
 from moezero.parallel.transport import serve
 from moezero.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
 from moezero.parallel.vocab_parallel import vocab_parallel_cross_entropy
-
-
-class TimedComm:
-    """comm.py's functions, each call's wall time added to `seconds` (async launches: the caller's wait counts)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def __getattr__(self, name):
-        function = getattr(comm, name)
-        if name in ("group_size", "group_rank") or not callable(function):
-            return function
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
 
 
 class Block(torch.nn.Module):
@@ -82,8 +62,7 @@ def main():
     if group is not None:  # as ParallelGroups serves a group on one host: pipes and shared-memory rings
         pipes = local_channel.connect(group, None, "tensor-parallel group")
         serve(group, LocalTransport(group, pipes, local_exchange.connect(group, pipes)))
-    timer = TimedComm()
-    tp_regions.comm = vocab_parallel.comm = timer
+    timer = time_collectives_of("moezero.parallel.tp_regions", "moezero.parallel.vocab_parallel")
     torch.manual_seed(0)
     model = Block(args.hidden, args.ffn, args.vocab, group, args.sequence_parallel)
     seq = args.seq // world if args.sequence_parallel else args.seq
