@@ -27,7 +27,7 @@ from moezero.context_parallel import ContextParallel
 from moezero.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
-from moezero.training.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.training.resume import Progress
 from moezero.zero import STATE_DTYPES, Muon, PrecisionAwareAdam, ZeroOptimizer, muon_param_groups, weight_decay_groups
 
@@ -102,10 +102,7 @@ def build_model(
         )
     model = model.to(param_dtype(cfg.train))
     # the global model's modules swapped for the tensor-parallel ones (their slices of its keyed init)
-    try:
-        model = apply_tensor_parallel(model, groups.tp, cfg.implementation.sequence_parallel)
-    except TensorParallelError as exc:  # a checkpoint's vocabulary the tp does not split, say
-        raise ConfigError(f"--tensor-model-parallel-size={groups.tp_size}: {exc}") from None
+    model = apply_tensor_parallel(model, groups.tp, cfg.implementation.sequence_parallel)
     if hub_dir:
         try:
             load_hub_weights(model, hub_dir)

@@ -42,7 +42,7 @@ from typing import Any, List, Optional
 import torch
 from torch import nn
 
-from moezero.config import GPTConfig, MoEConfig
+from moezero.config import ConfigError, GPTConfig, MoEConfig
 from moezero.context_parallel import HeadBlockKeys, ShardedSampleKeys
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
@@ -56,10 +56,6 @@ from moezero.parallel.tensor_marker import TensorShard, mark_tensor_parallel, ma
 from moezero.parallel.tp_linear import ColumnParallelLinear, RowParallelLinear
 from moezero.parallel.tp_regions import copy_to_tp, gather_from_sp
 from moezero.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-
-
-class TensorParallelError(ValueError):
-    """A model tensor parallelism does not build here; the message names what, in one line."""
 
 
 def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_parallel: bool) -> List[str]:
@@ -112,11 +108,11 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     if tp == 1:
         return model
     lines = refusals(model.config, model.moe_config, tp, sequence_parallel)
-    if lines:
-        raise TensorParallelError("; ".join(lines))
+    if lines:  # what the run's checks refuse at start (tensor_parallel_checks.py), or a checkpoint's vocabulary
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
     plan = _Plan(group, sequence_parallel)
     if model.context_parallel is not None:
-        raise TensorParallelError("tensor parallelism together with context parallelism is not supported yet")
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
     for layer in model.layers:
         plan.attention(layer.attention)
         if isinstance(layer.mlp, MoELayer):
