@@ -74,3 +74,14 @@ def test_tp_ranks_read_the_same_micro_batches():
     """tp 2 on 4 processes: 2 data-parallel ranks deal TINY's batch of 8 (2 per micro-batch x 2 ranks x 2 steps)."""
     argv = TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "-1"]
     assert _validate(argv, 4) == 2
+
+
+def test_sequence_parallel_at_tp1_is_turned_off_with_megatrons_warning():
+    from moezero.training.tensor_parallel_checks import sequence_parallel_notice
+    from tests.integration.pretrain_utils import TINY, configs
+
+    assert sequence_parallel_notice(configs(TINY + ["--sequence-parallel"])) == [
+        " --sequence-parallel: off at --tensor-model-parallel-size 1 (Megatron's: it needs tensor parallelism)"
+    ]
+    assert sequence_parallel_notice(configs(TINY + TP2 + ["--sequence-parallel"])) == []
+    assert sequence_parallel_notice(configs(TINY)) == []
