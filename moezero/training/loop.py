@@ -164,8 +164,9 @@ def train_step(
     `context_parallel`: this rank's cp group's (ranks of one cp group get the same whole micro-batches, split
     here): each loss is this rank's share of the micro-batch's, times the cp size, since the optimizer averages
     over every rank (Megatron's loss_func and its dp-cp reduction).
-    `tensor_parallel_size`: the ranks of `group` that compute each micro-batch together: their lm losses are copies
-    (their token sums and counts both tp times, the same mean), their router losses shares of the micro-batch's."""
+    `tensor_parallel_size`: the ranks of `group` that compute each micro-batch together: their lm and MTP losses are
+    copies (the lm's token sums and counts both tp times, the same mean), their router losses shares of the
+    micro-batch's."""
     model.train()
     n = len(micro_batches)
     cp_size = 1 if context_parallel is None else context_parallel.size
@@ -201,6 +202,8 @@ def train_step(
                 else:
                     losses.append(_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens))
                 named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size)
+                if tensor_parallel_size > 1:  # each tp rank's MTP losses are copies: their sum counts them once
+                    named["mtp_losses"] = named["mtp_losses"] / tensor_parallel_size
                 packed = packed or _Packed(named)
                 per_micro.append(packed.pack(named))
             opt.backward(sum(losses[1:], losses[0]))

@@ -30,9 +30,12 @@ MoE layers need sequence parallelism (Megatron's rule): each rank routes its seq
 counts over the tp group (each rank's losses its share) and the routed experts split over ep as at tp 1, ep folded
 over the tp ranks (expert-tensor-parallel size 1).
 
+MTP depths are built as the decoder's layers (their norms and projection whole on every rank) and under sequence
+parallelism learned position embeddings are looked up at the rank's positions.
+
 What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
-query groups not divisible by tp, MTP, context parallelism, under sequence parallelism learned position
-embeddings, and MoE layers without sequence parallelism, with a capacity factor, global or sinkhorn balancing.
+query groups not divisible by tp, context parallelism, and MoE layers without sequence parallelism, with a
+capacity factor, global or sinkhorn balancing.
 """
 
 from __future__ import annotations
@@ -74,14 +77,10 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
         lines.append("--multi-latent-attention is not supported with tensor parallelism yet")
     if c.qk_layernorm and c.qk_layernorm_scope == "full_width":
         lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
-    if c.mtp_num_layers:
-        lines.append("--mtp-num-layers is not supported with tensor parallelism yet")
     if moe is not None:
         lines += _moe_refusals(moe, sequence_parallel)
     if c.vocab_size is not None and c.vocab_size % tp:
         lines.append(f"a vocabulary of {c.vocab_size} does not split over tensor parallel size {tp}")
-    if sequence_parallel and c.position_embedding_type == "learned_absolute":
-        lines.append("--position-embedding-type learned_absolute is not supported with --sequence-parallel yet")
     return lines
 
 
@@ -114,13 +113,13 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     if model.context_parallel is not None:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
     for layer in model.layers:
-        plan.attention(layer.attention)
-        if isinstance(layer.mlp, MoELayer):
-            plan.moe(layer.mlp)
-        else:
-            plan.mlp(layer.mlp, model.config)
-        plan.replicated(layer.input_norm, layer.mlp_norm)
+        plan.layer(layer, model.config)
+    for depth in model.mtp or ():  # MTP: its layer as the decoder's, its norms and projection whole on every rank
+        plan.layer(depth.layer, model.config)
+        plan.replicated(depth.enorm, depth.hnorm, depth.eh_proj, depth.final_norm)
     plan.replicated(model.final_norm)
+    if model.position_embedding is not None and sequence_parallel:
+        model.position_embedding = _SequenceShardPositions(model.position_embedding, group)
     model.embedding = plan.embedding(model.embedding)
     if model.output is not None:
         model.output = plan.column(model.output, gather_output=False)
@@ -162,6 +161,15 @@ class _Plan:
             dtype=linear.weight.dtype,
         )
         return layer.to(linear.weight.device).copy_from_global_(linear.weight, linear.bias)
+
+    def layer(self, layer: nn.Module, config: GPTConfig) -> None:
+        """A TransformerLayer: its attention, its MLP (dense or MoE) and its norms."""
+        self.attention(layer.attention)
+        if isinstance(layer.mlp, MoELayer):
+            self.moe(layer.mlp)
+        else:
+            self.mlp(layer.mlp, config)
+        self.replicated(layer.input_norm, layer.mlp_norm)
 
     def attention(self, attention: CausalSelfAttention) -> None:
         heads, groups, h = attention.heads, attention.groups, attention.head_dim
@@ -213,6 +221,21 @@ class _Plan:
             dtype=embedding.weight.dtype,
         )
         return layer.to(embedding.weight.device).copy_from_global_(embedding.weight)
+
+
+class _SequenceShardPositions(nn.Embedding):
+    """The learned position embedding under sequence parallelism: asked for a whole sequence's positions it looks
+    up the rank's contiguous 1/tp of them (the residual stream's shard); whole on every rank, each rank's gradient
+    its rows' part (tp_partial)."""
+
+    def __init__(self, source: nn.Embedding, group: Any):
+        super().__init__(source.num_embeddings, source.embedding_dim, _weight=source.weight.detach().clone())
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        mark_tp_partial(self.weight)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        shard = positions.shape[0] // self.size
+        return super().forward(positions.narrow(0, self.rank * shard, shard))
 
 
 class _TpRegionInput(SharesProcessGroups):

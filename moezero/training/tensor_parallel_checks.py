@@ -2,9 +2,9 @@
 line each, naming the flags).
 
 What runs at tp > 1 (training/tensor_parallel.py): pipeline and context-parallel size 1, any ZeRO stage, dense GPTs
-(MHA/GQA, RoPE, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output) with or without
---sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks, expert-tensor-parallel
-size 1); checkpoints at global coordinates (a tp's resumes at any other).
+(MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
+with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks,
+expert-tensor-parallel size 1); checkpoints at global coordinates (a tp's resumes at any other).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _train(model, opt, group):
     history = []
     for step in range(STEPS):
         metrics = train_step(model, opt, _micro_batches(step), step, KEY_SEED, group)
-        history.append((metrics.lm_loss, opt.last_grad_norm))
+        history.append((metrics.lm_loss, opt.last_grad_norm, *metrics.mtp_losses))
     return history
 
 
@@ -104,15 +104,25 @@ def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
     return curve, weights, moments
 
 
+# MTP (one depth: its layer split as the decoder's, its norms and projection whole), and learned position embeddings
+# (under SP looked up at the rank's positions); tied
+MTP_GPT = dataclasses.replace(GPT, mtp_num_layers=1)
+LEARNED_GPT = dataclasses.replace(GPT, position_embedding_type="learned_absolute")
+
+
 def _cases():
     groups = ParallelGroups.build(tensor_parallel_size=TP)
     try:
-        return {
+        cases = {
             (untied, sp, stage): _case(groups, untied, sp, stage)
             for untied in (True, False)
             for sp in (False, True)
             for stage in (1, 3)
         }
+        for sp, stage in ((False, 1), (True, 3)):
+            cases[("mtp", sp, stage)] = _case(groups, False, sp, stage, MTP_GPT)
+        cases[("learned positions", True, 1)] = _case(groups, False, True, 1, LEARNED_GPT)
+        return cases
     finally:
         groups.destroy()
 

@@ -1,11 +1,11 @@
 """The pretraining script at --tensor-model-parallel-size 2 with --sequence-parallel on 2 gloo ranks (its entry point
 in-process in each rank) against the same command in one process: a GPT-MoE with a dense first layer, MoE layers
 with their experts split over the same two ranks (tp 2 x ep 2 folded: each rank's sequence shard goes to the all-to-
-all), RoPE, aux and z losses, router jitter and dropout (keyed), the aux-loss-free expert bias (its counts summed
-over every rank), float64: the lm loss, router losses, gradient norm and validation loss of every iteration to 1e-10
-relative. Checkpoints hold global coordinates, so a tp 2 checkpoint resumes in one process (tp 1) and a tp 1 one at
-tp 2, each on the uninterrupted run's curve. The vocabulary is padded to a multiple of 256 at tp 1 and 2 alike
-(Megatron pads to --make-vocab-size-divisible-by x tp)."""
+all), RoPE, an MTP depth, aux and z losses, router jitter and dropout (keyed), the aux-loss-free expert bias (its
+counts summed over every rank), float64: the lm, MTP and router losses, gradient norm and validation loss of every
+iteration to 1e-10 relative. Checkpoints hold global coordinates, so a tp 2 checkpoint resumes in one process (tp
+1) and a tp 1 one at tp 2, each on the uninterrupted run's curve. The vocabulary is padded to a multiple of 256 at tp
+1 and 2 alike (Megatron pads to --make-vocab-size-divisible-by x tp)."""
 
 import contextlib
 import io
@@ -19,7 +19,7 @@ TP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "ca
 TP_TINY += ["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--zero-stage", "1", "--train-iters", "4"]
 TP_TINY += ["--eval-interval", "2", "--eval-iters", "1", "--fp64", "--log-interval", "1"]
 TP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]  # counts over tp too
-TP_TINY += ["--position-embedding-type", "rope", "--make-vocab-size-divisible-by", "256"]
+TP_TINY += ["--position-embedding-type", "rope", "--make-vocab-size-divisible-by", "256", "--mtp-num-layers", "1"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
 TP2 += ["--expert-tensor-parallel-size", "1"]
 TOL = 1e-10
@@ -36,7 +36,7 @@ def _run(argv):
 
 
 def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
+    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
     return [tuple(h.get(key) for key in keys) for h in history]
 
 

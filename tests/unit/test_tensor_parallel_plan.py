@@ -32,10 +32,8 @@ def test_a_gqa_gpt_runs_at_tp2():
         (dict(num_attention_heads=3, hidden_size=36), False, False, "--num-attention-heads 3"),
         (dict(vocab_size=63), False, False, "a vocabulary of 63"),
         (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
-        (dict(mtp_num_layers=1), False, False, "--mtp-num-layers"),
         ({}, True, False, "MoE layers with tensor parallelism need --sequence-parallel"),
         ({}, dict(capacity_factor=1.5), True, "--moe-expert-capacity-factor 1.5"),
-        (dict(position_embedding_type="learned_absolute"), False, True, "learned_absolute"),
     ],
 )
 def test_refusals_name_the_setting(changes, moe, sp, needle):
