@@ -138,10 +138,6 @@ class ParallelConfig(Validated):
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""
         refused = []
-        if self.context_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            refused.append(
-                ("context_parallel_size", "not supported with --pipeline-model-parallel-size > 1 yet (cp runs at pp 1)")
-            )
         if "a2a+p2p" in self.cp_comm_type:
             refused.append(
                 ("cp_comm_type", "not supported by moezero: a2a+p2p (hierarchical cp); p2p, all_gather and a2a run")

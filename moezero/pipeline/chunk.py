@@ -10,6 +10,9 @@ it is sent (a wrong dtype or shape would arrive as garbage in the next stage's b
     first stage:  (tokens (mbs, S) int64)                      -> (hidden (mbs, S, D), aux ())
     middle stage: (hidden (mbs, S, D), aux ()), both with grad  -> (hidden, aux)
     last stage:   (hidden, aux)                                 -> loss ()
+
+With context parallelism the hidden states are a cp rank's part of each sequence, (mbs, S / cp, D): each cp
+coordinate's pipeline carries its own; the first stage still takes whole sequences (it splits them).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ class ActivationShape:
     hidden_size: int
     dtype: torch.dtype  # the hidden states' (the model's)
     aux_dtype: torch.dtype  # the router losses'
+    context_parallel_size: int = 1  # the hidden states hold a cp-th of each sequence
 
     def hidden(self, requires_grad: bool) -> torch.Tensor:
+        length = self.seq_length // self.context_parallel_size
         return torch.empty(
-            self.micro_batch_size, self.seq_length, self.hidden_size, dtype=self.dtype, device="meta"
+            self.micro_batch_size, length, self.hidden_size, dtype=self.dtype, device="meta"
         ).requires_grad_(requires_grad)
 
     def aux(self, requires_grad: bool) -> torch.Tensor:

@@ -33,9 +33,16 @@ class StepRecorder:
     """One step's metrics of this rank, in the global layout (see the module's docstring)."""
 
     def __init__(
-        self, moe_layers: Sequence[int], num_experts: int, tracked: Sequence[str], num_layers: int, mtp_depths: int = 0
+        self,
+        moe_layers: Sequence[int],
+        num_experts: int,
+        tracked: Sequence[str],
+        num_layers: int,
+        mtp_depths: int = 0,
+        cp_size: int = 1,
     ):
         self.moe_layers, self.num_layers = tuple(moe_layers), num_layers
+        self.cp_size = cp_size  # a cp rank's drop fraction is its own: a cp-th share of the micro-batch's mean
         self._slot = {layer: k for k, layer in enumerate(self.moe_layers)}
         layers = len(self.moe_layers)
         self.totals: Dict[str, torch.Tensor] = {
@@ -57,7 +64,8 @@ class StepRecorder:
         depth_losses: Sequence[torch.Tensor] = (),
     ) -> None:
         """One chunk forward: `stats` of the piece's MoE layers in layer order (then its MTP depths' when they ran:
-        `depth_losses`, each depth's loss); `lm` on the last stage."""
+        `depth_losses`, each depth's loss); `lm` on the last stage. A cp rank's losses are its shares of the
+        micro-batch's (its lm loss a token mean over its `loss_mask`)."""
         totals = self.totals
         numbers = piece.layers
         if depth_losses:  # the depths' layers are numbered on from the decoder's (stage_model.moe_layer_numbers)
@@ -74,7 +82,7 @@ class StepRecorder:
                     totals[name] += value.detach().double().cpu()
                 for name, value in s.tracked.items():
                     totals[f"tracked_{name}"][k] += value.detach().double().cpu()
-                totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu()
+                totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu() / self.cp_size
                 totals["tokens_per_expert"][k] += s.tokens_per_expert.detach().double().cpu()
             for k, loss in enumerate(depth_losses):
                 totals["mtp_losses"][k] += loss.detach().double().cpu()

@@ -1,15 +1,16 @@
 """The process groups of a pipeline rank: its stage's dp/ep/edp groups as a `ParallelGroups`, its pipeline (pp)
 group, and a world-level control group.
 
-Built from Megatron's partitions (`ranks.py`, at tp = cp = 1): every group of every partition is created on every
-rank in one order (torch's new_group is collective over the world), each rank keeping its own. The stage's groups
-are a `ParallelGroups` over the stage's ranks in stage-local coordinates: its `rank` is this rank's place in its dp
-group, its layout that of a world of dp_size ranks with the run's ep, so the MoE layers, the ZeRO families
-(dense over dp, experts over edp), the step totals and the agreement records all work per stage unchanged. Its
+Built from Megatron's partitions (`ranks.py`, at tp = 1): every group of every partition is created on every rank in
+one order (torch's new_group is collective over the world), each rank keeping its own. The stage's groups are a
+`ParallelGroups` over the stage's ranks in stage-local coordinates: its `rank` is this rank's place in its dp group
+(Megatron's dp-cp: cp fastest), its layout that of a world of dp_size ranks with the run's ep and cp, so the MoE
+layers, the cp exchanges, the ZeRO families (dense over dp-cp, experts over edp), the step totals and the
+agreement records all work per stage unchanged. Its
 agreement group (gloo, the stage's ranks) is given at construction: `ParallelGroups.agreement_group()` would make
 one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel on gloo (no local pipes yet).
 
-    groups = PipelineGroups.build(pipeline_parallel_size=2, expert_parallel_size=1)
+    groups = PipelineGroups.build(pipeline_parallel_size=2, expert_parallel_size=1, context_parallel_size=1)
     groups.stage   # ParallelGroups of this rank's stage
     groups.pp      # this rank's pipeline, stage order (None once closed after a failure)
 """
@@ -76,11 +77,21 @@ class PipelineGroups:
 
     @property
     def dp_size(self) -> int:
+        """The stage's ranks (Megatron's dp-cp): those reducing its dense gradients."""
         return self.layout.world_size // self.pp_size
 
     @property
     def dp_rank(self) -> int:
         return self.layout.dp_rank_of(self.rank)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks of a stage that read distinct micro-batches (Megatron's dp: a cp group's read the same)."""
+        return self.dp_size // self.layout.context_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.layout.data_parallel_rank_of(self.rank)
 
     @property
     def world_size(self) -> int:
@@ -93,21 +104,25 @@ class PipelineGroups:
         expert_parallel_size: int = 1,
         use_tp_pp_dp_mapping: bool = False,
         timeout: Optional[datetime.timedelta] = None,
+        context_parallel_size: int = 1,
     ) -> "PipelineGroups":
         """Create the groups; every rank calls this in the same order (after init_process_group). Raises
         ConfigError (one line) for sizes Megatron refuses."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = pipeline_rank_layout(world, expert_parallel_size, pipeline_parallel_size, use_tp_pp_dp_mapping)
+        layout = pipeline_rank_layout(
+            world, expert_parallel_size, pipeline_parallel_size, use_tp_pp_dp_mapping, context_parallel_size
+        )
         dp = _own_group(layout.dp_groups, rank, timeout)
         control = _own_group(layout.dp_groups, rank, timeout)
         agreement = _own_group(layout.dp_groups, rank, timeout, backend="gloo")
         ep = _own_group(layout.ep_groups, rank, timeout)
         edp = _own_group(layout.edp_groups, rank, timeout)
+        cp = _own_group(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
         pp = _own_group(layout.pp_groups, rank, timeout)
         embedding = _own_group(layout.embedding_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
         stage = stage_parallel_groups(
-            layout, rank, dp=dp, ep=ep, edp=edp, control=control, agreement=agreement, timeout=timeout
+            layout, rank, dp=dp, ep=ep, edp=edp, cp=cp, control=control, agreement=agreement, timeout=timeout
         )
         return cls(layout, rank, stage, pp, world_control, timeout, embedding)
 
@@ -151,6 +166,7 @@ def stage_parallel_groups(
     control: Any,
     agreement: Any,
     timeout: Optional[datetime.timedelta] = None,
+    cp: Optional[Any] = None,
 ) -> ParallelGroups:
     """A `ParallelGroups` for this rank's stage, in stage-local coordinates (see the module's docstring)."""
     local, me = stage_coordinates(layout, rank)
@@ -160,6 +176,7 @@ def stage_parallel_groups(
         dp=dp,
         ep=ep,
         edp=edp,
+        cp=cp,
         control=control,
         timeout=timeout,
         local_records=False,
@@ -168,14 +185,15 @@ def stage_parallel_groups(
 
 
 def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout, int]:
-    """(the layout of a world of the stage's size with the run's ep, this rank's place in its stage), checking that
-    the stage-local ep/edp groups, mapped to global ranks through the dp group, are Megatron's (pure)."""
+    """(the layout of a world of the stage's size with the run's ep and cp, this rank's place in its stage), checking
+    that the stage-local ep/edp/cp groups, mapped to global ranks through the dp group, are Megatron's (pure)."""
     members = layout.group_of(layout.dp_groups, rank)
-    local = rank_layout(len(members), layout.expert_parallel_size)
+    local = rank_layout(len(members), layout.expert_parallel_size, layout.context_parallel_size)
     me = members.index(rank)
     for name, partition, expected in (
         ("ep", layout.ep_groups, local.ep_group_of(me)),
         ("edp", layout.edp_groups, local.edp_group_of(me)),
+        ("cp", layout.cp_groups, local.cp_group_of(me)),
     ):
         mapped = tuple(members[i] for i in expected)
         if layout.group_of(partition, rank) != mapped:

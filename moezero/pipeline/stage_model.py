@@ -25,6 +25,13 @@ The word embedding on the last stage: with tied embedding and output weights (th
 depths (their input, tied or not, as Megatron's embedding group), the last stage uses `embedding_copy`, a copy of
 the first stage's word embedding keyed alike (so equal at init), not registered as a param: the first stage's
 optimizer steps the weight and the copy follows (tied.py).
+
+Context parallelism (`context_parallel`, --context-parallel-size > 1): every stage holds this rank's part of each
+sequence (moezero/context_parallel.py: the hidden states sent between stages are (mbs, S/cp, D)), its attention
+exchanging keys and values over the stage's cp group. The stages take whole micro-batches and split them here: the
+first its tokens, the last its labels, loss mask and MTP inputs (each depth's shifted on the whole sequence
+first). The last stage's loss is `training.loop`'s at cp: each token mean a share of the micro-batch's, times cp
+(the optimizer averages over the dp-cp ranks).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moezero.config import GPTConfig, MoEConfig, is_moe_layer, moe_layer_config
+from moezero.context_parallel import ContextParallel, SplitMicroBatch, split_sequence
 from moezero.keyed_random import SampleKeys, init_keyed_
 from moezero.models.attention import norm_layer, recomputing
 from moezero.models.gpt import (
@@ -65,23 +73,37 @@ def moe_layer_numbers(config: GPTConfig, has_moe: bool) -> Tuple[int, ...]:
     return decoder + tuple(range(config.num_layers, config.num_layers + (config.mtp_num_layers or 0)))
 
 
-def _mtp_depth(config: GPTConfig, depth: int, moe_config: Optional[MoEConfig], moe_layer: MoELayerFactory):
+def _mtp_depth(
+    config: GPTConfig,
+    depth: int,
+    moe_config: Optional[MoEConfig],
+    moe_layer: MoELayerFactory,
+    context_parallel: Optional[ContextParallel],
+):
     """MTP depth `depth` as GPTModel builds it: its layer numbered num_layers + depth, its MLP of the last layer's
     kind."""
     number = config.num_layers + depth
     mlp = build_mlp(config, config.num_layers - 1, moe_config, moe_layer, number)
-    return MultiTokenPredictionLayer(config, TransformerLayer(config, mlp, number))
+    return MultiTokenPredictionLayer(config, TransformerLayer(config, mlp, number, context_parallel))
 
 
-def mtp_term(config: GPTConfig, depth_losses: List[torch.Tensor], loss_mask: torch.Tensor, share) -> torch.Tensor:
+def mtp_term(
+    config: GPTConfig,
+    depth_losses: List[torch.Tensor],
+    loss_mask: torch.Tensor,
+    share,
+    depth_masks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """What the MTP depths add to a micro-batch's loss, `training.loop._mtp_term`'s: mtp_loss_scaling_factor /
     depths x the sum of their losses; with --calculate-per-token-loss (`share`: the micro-batch's lm tokens' weight)
-    each depth's loss times its own token count over the lm's, times `share`."""
+    each depth's loss times its own token count over the lm's, times `share` (`depth_masks`: each depth's loss mask,
+    a cp rank's shifted before the split; default `loss_mask` shifted)."""
     scale = config.mtp_loss_scaling_factor / len(depth_losses)
     if share is None:
         return scale * sum(depth_losses)
     tokens = loss_mask.sum().clamp(min=1.0)
-    counts = [shift_left(loss_mask, k + 1).sum() for k in range(len(depth_losses))]
+    masks = depth_masks if depth_masks is not None else [shift_left(loss_mask, k + 1) for k in range(len(depth_losses))]
+    counts = [masks[k].sum() for k in range(len(depth_losses))]
     return scale * share * sum(loss * (count / tokens).to(loss) for loss, count in zip(depth_losses, counts))
 
 
@@ -105,8 +127,11 @@ class StageModel(nn.Module):
         plan: PipelinePlan,
         pp_rank: int,
         moe_layer: MoELayerFactory = MoELayer,
+        context_parallel: Optional[ContextParallel] = None,
     ):
         super().__init__()
+        cp = context_parallel if context_parallel is not None and context_parallel.size > 1 else None
+        self.context_parallel = cp  # read by embed_tokens (positions) too
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         if plan.num_layers != config.num_layers:
@@ -123,7 +148,7 @@ class StageModel(nn.Module):
                 self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.layers = nn.ModuleDict(
             {
-                str(layer): TransformerLayer(config, build_mlp(config, layer, layer_moe, moe_layer), layer)
+                str(layer): TransformerLayer(config, build_mlp(config, layer, layer_moe, moe_layer), layer, cp)
                 for piece in self.pieces
                 for layer in piece.layers
             }
@@ -136,7 +161,7 @@ class StageModel(nn.Module):
         depths = [depth for piece in self.pieces for depth in piece.mtp]
         # GPTModel's names (mtp.0...); registered last, as GPTModel's
         self.mtp = (
-            nn.ModuleDict({str(d): _mtp_depth(config, d, layer_moe, moe_layer) for d in depths}) if depths else None
+            nn.ModuleDict({str(d): _mtp_depth(config, d, layer_moe, moe_layer, cp) for d in depths}) if depths else None
         )
         embedding_copy = None
         uses_embedding = (head and not config.untie_embeddings_and_output_weights) or self.mtp is not None
@@ -198,36 +223,75 @@ class StageModel(nn.Module):
     ):
         piece = self.pieces[virtual_stage]
         keys = SampleKeys(seed, iteration, tuple(sample_index.tolist()))
+        cp = self.context_parallel
         if piece.embedding:
             (tokens_BS,) = inputs
-            x = embed_tokens(self, tokens_BS, keys)
+            local = tokens_BS if cp is None else split_sequence(tokens_BS, cp.size, cp.rank)
+            keys = keys if cp is None else cp.keys(keys, local.shape[1])
+            x = embed_tokens(self, local, keys)
             aux = x.new_zeros((), dtype=self.aux_dtype(x.dtype))
         else:
             x, aux = inputs
+            keys = keys if cp is None else cp.keys(keys, x.shape[1])
         x, stats = self._run_layers(piece.layers, x, keys)
         if piece.final_norm:
             x = self.final_norm(x)
+        split = None  # a cp rank's part of the head's inputs
+        if piece.head and cp is not None:
+            split = self._split_head_inputs(piece, tokens, labels, loss_mask, sample_index)
+            labels, loss_mask = split.batch["labels"], split.batch["loss_mask"]
         depth_losses: List[torch.Tensor] = []
         if piece.head and piece.mtp and self.training:
-            depth_losses = self._mtp_losses(piece.mtp, tokens, x, labels, loss_mask, keys, stats)
+            depth_losses = self._mtp_losses(piece.mtp, tokens, x, labels, loss_mask, keys, stats, split)
         aux = self._add_router_losses(aux, stats, token_weight)
-        lm = None
-        if piece.head:
-            lm = language_model_loss(self._logits(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
+        if not piece.head:
+            if self.recorder is not None:
+                self.recorder.record(piece, stats, None, None)
+            return x, aux
+        lm = language_model_loss(self._logits(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
+        lm_part, depth_parts = lm, depth_losses  # a cp rank's: shares of the micro-batch's means
+        if split is not None:
+            lm_part, depth_parts = _token_shares(lm, loss_mask, depth_losses, split)
         if self.recorder is not None:
-            self.recorder.record(piece, stats, lm, loss_mask, depth_losses)
-        if piece.head:
-            share = None if token_weight is None else token_weight * float(loss_mask.sum())
-            loss = lm + aux if share is None else lm * share + aux
-            if depth_losses:
-                loss = loss + mtp_term(self.config, depth_losses, loss_mask, share)
-            return loss
-        return x, aux
+            self.recorder.record(piece, stats, lm, loss_mask, depth_parts)
+        share = None if token_weight is None else token_weight * float(loss_mask.sum())
+        if share is None:  # a token mean: a cp rank's shares, times cp (its gradients are averaged over dp-cp)
+            loss = lm_part + aux
+            if depth_parts:
+                loss = loss + mtp_term(self.config, depth_parts, loss_mask, None)
+            return loss if cp is None else cp.size * loss
+        loss = lm * share + aux  # per token: `token_weight` counts this rank's tokens
+        if depth_losses:
+            masks = None if split is None else split.batch["mtp_loss_mask"]
+            loss = loss + mtp_term(self.config, depth_losses, loss_mask, share, masks)
+        return loss
 
-    @staticmethod
-    def _add_router_losses(aux: torch.Tensor, stats: List[MoEStats], token_weight: Optional[float]) -> torch.Tensor:
+    def _split_head_inputs(
+        self,
+        piece: StagePiece,
+        tokens: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        sample_index: torch.Tensor,
+    ) -> SplitMicroBatch:
+        """This cp rank's part of the whole micro-batch's labels and loss mask (and, training with MTP depths, their
+        tokens, labels and masks shifted on the whole sequence), with the whole's loss tokens."""
+        depths = max(piece.mtp) + 1 if piece.mtp and self.training else 0
+        batch = {"labels": labels, "loss_mask": loss_mask, "sample_index": sample_index}
+        if depths:
+            if tokens is None:
+                raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
+            batch["tokens"] = tokens
+        return self.context_parallel.split_micro_batch(batch, depths)
+
+    def _add_router_losses(
+        self, aux: torch.Tensor, stats: List[MoEStats], token_weight: Optional[float]
+    ) -> torch.Tensor:
         """The carried aux plus the stage's MoE layers' router losses (`token_weight`, --calculate-per-token-loss:
-        each loss times its tokens, times the weight of one token, as training.loop's)."""
+        each loss times its tokens, times the weight of one token, as training.loop's: a cp rank's tokens are a
+        cp-th of the micro-batch's, hence times cp there)."""
+        if token_weight is not None and self.context_parallel is not None:
+            token_weight = token_weight * self.context_parallel.size
         for s in stats:
             if token_weight is None:
                 for value in s.losses.values():
@@ -246,23 +310,38 @@ class StageModel(nn.Module):
         loss_mask: torch.Tensor,
         keys: SampleKeys,
         stats: List[MoEStats],
+        split: Optional[SplitMicroBatch] = None,
     ) -> List[torch.Tensor]:
         """Each MTP depth's loss, as GPTModel._mtp_depths and training.loop run them (its MoE stats appended to
-        `stats`); Megatron recomputes the depths with --recompute-method uniform."""
+        `stats`); Megatron recomputes the depths with --recompute-method uniform. `split`: a cp rank's inputs, each
+        depth's tokens, labels and mask shifted on the whole sequence."""
         if tokens_BS is None:
             raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
         config = self.config
         recompute = recomputes_mtp(config) and recomputing(self)
         loss = functools.partial(language_model_loss, fused=config.cross_entropy_loss_fusion)
         logits = []
+        shifted = None if split is None else split.batch["mtp_tokens"]
         for k in depths:
             hidden, depth_stats = run_mtp_depth(
-                k, self.mtp[str(k)], self.word_embedding, tokens_BS, hidden, keys, config, self.training, recompute
+                k,
+                self.mtp[str(k)],
+                self.word_embedding,
+                tokens_BS,
+                hidden,
+                keys,
+                config,
+                self.training,
+                recompute,
+                None if shifted is None else shifted[k],
             )
             if depth_stats is not None:
                 stats.append(depth_stats)
             logits.append(self._logits(hidden))
-        return mtp_losses(logits, labels, loss_mask, loss)
+        if split is None:
+            return mtp_losses(logits, labels, loss_mask, loss)
+        batch = split.batch
+        return [loss(logit, batch["mtp_labels"][k], batch["mtp_loss_mask"][k]) for k, logit in zip(depths, logits)]
 
     def _run_layers(
         self, layers: Tuple[int, ...], x: torch.Tensor, keys: SampleKeys
@@ -286,3 +365,15 @@ class StageModel(nn.Module):
             if stats is not None:
                 all_stats.append(stats)
         return x, all_stats
+
+
+def _token_shares(
+    lm: torch.Tensor, loss_mask: torch.Tensor, depth_losses: List[torch.Tensor], split: SplitMicroBatch
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """A cp rank's token means (the lm's, each MTP depth's) as their shares of the whole micro-batch's
+    (`training.loop._cp_micro_batch_loss`'s)."""
+    whole = split.whole_tokens.clamp(min=1.0)
+    lm_share = lm * (loss_mask.sum().double() / whole[0]).to(lm)
+    masks = split.batch.get("mtp_loss_mask")
+    depths = [loss * (masks[k].sum().double() / whole[k + 1]).to(loss) for k, loss in enumerate(depth_losses)]
+    return lm_share, depths

@@ -1,9 +1,10 @@
 """Megatron's rules for a run at --context-parallel-size > 1, and what moezero does not run there yet (pure: one
 line each, naming the flags).
 
-What runs at cp > 1 (moezero/context_parallel.py): pipeline size 1, any ZeRO stage, dense and MoE layers (expert
-parallelism folded over the same ranks), MHA/GQA attention with RoPE/YaRN or learned positions, sliding windows,
-sinks, layer scaling, keyed dropout, MTP, --calculate-per-token-loss, checkpoints (a cp's resumes at any other).
+What runs at cp > 1 (moezero/context_parallel.py): any ZeRO stage, dense and MoE layers (expert parallelism folded
+over the same ranks), MHA/GQA attention with RoPE/YaRN or learned positions, sliding windows, sinks, layer scaling,
+keyed dropout, MTP, --calculate-per-token-loss, checkpoints (a cp's resumes at any other), and pipeline stages
+(pp > 1, what the pipeline runs: each cp coordinate's pipeline sends its part of every sequence; stage_model.py).
 """
 
 from __future__ import annotations

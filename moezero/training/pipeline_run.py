@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moezero.config import ConfigError
+from moezero.context_parallel import ContextParallel
 from moezero.deferred_values import allocate
 from moezero.hf import CheckpointMismatch, UnsupportedModel, load_hub_weights
 from moezero.moe import expert_parallel
@@ -44,16 +45,17 @@ class PipelineRun:
             p.expert_parallel_size,
             p.use_tp_pp_dp_mapping,
             timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
+            context_parallel_size=p.context_parallel_size,
         )
         return cls(groups, pipeline_plan(cfg))
 
     def build_model(
         self, cfg, gpt_config, dtype: torch.dtype, device: Optional[torch.device], hub_dir: Optional[str] = None
     ) -> StageModel:
-        """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert parallel within
-        the stage, in the params' dtype and on `device`; with `hub_dir` (--load-hf) its weights are that Hugging
-        Face folder's tensors of these stages only, read lazily (the optimizer reads them; a tied output layer's
-        copy takes the first stage's when the optimizer is built)."""
+        """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert and context
+        parallel within the stage, in the params' dtype and on `device`; with `hub_dir` (--load-hf) its weights are
+        that Hugging Face folder's tensors of these stages only, read lazily (the optimizer reads them; a tied
+        output layer's copy takes the first stage's when the optimizer is built)."""
         moe = cfg.moe if cfg.moe.num_experts is not None else None
         with torch.device("meta") if hub_dir else contextlib.nullcontext():
             model = StageModel(
@@ -63,6 +65,7 @@ class PipelineRun:
                 self.plan,
                 self.groups.pp_rank,
                 moe_layer=expert_parallel(self.groups.stage),
+                context_parallel=ContextParallel(self.groups.stage.cp, cfg.parallel.cp_comm_type),
             )
         model = model.to(dtype)
         if hub_dir:

@@ -22,6 +22,9 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
   --calculate-per-token-loss: every stage weighs its router losses by their tokens and the last stage its lm
   loss by its tokens, each times the weight of one loss token (`token_weight`: the stage's dp ranks over the
   global batch's loss tokens), and nothing is divided by n: `training.loop`'s per-token gradient.
+- Context parallelism: each cp coordinate's pipeline runs the same micro-batches, every stage holding its part of
+  each sequence (stage_model.py); the losses are its shares times cp, the token weight counts its part's tokens and
+  the metrics add up the cp ranks' shares (the micro-batches counted once per dp rank).
 - Gradients: every backward of the step runs under `opt.no_sync()` (stages 0/1 accumulate locally) and `opt.step()`
   reduces them once, then the norm is summed over the stages (optimizer.py).
 - fp16: the loss function multiplies by the loss scale, which every rank holds alike: a non-finite gradient on
@@ -43,6 +46,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from moezero.context_parallel import split_sequence
 from moezero.moe import reset_global_load_balancing
 from moezero.parallel import comm
 from moezero.pipeline.chunk import ActivationShape, StageChunk, stage_metas
@@ -84,8 +88,10 @@ class PipelineTrainer:
         self.model, self.opt, self.groups = model, opt, groups
         self.per_token_loss = per_token_loss
         dtype = next(model.parameters()).dtype
+        cp = model.context_parallel
+        self.cp_size = 1 if cp is None else cp.size
         self.shape = ActivationShape(
-            micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype)
+            micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype), self.cp_size
         )
         self.pieces = model.pieces  # one per virtual stage
         self.device = next(model.parameters()).device
@@ -99,6 +105,7 @@ class PipelineTrainer:
             tracked_loss_names(moe),
             model.config.num_layers,
             model.config.mtp_num_layers or 0,
+            self.cp_size,
         )
 
     # ---- the schedule ------------------------------------------------------------------------------
@@ -183,13 +190,18 @@ class PipelineTrainer:
         reset_global_load_balancing(self.model)
         totals = recorder.pack()
         comm.all_reduce(totals, self.groups.world_control)  # one all-reduce for every metric of every stage
-        return _step_metrics(recorder.unpack(totals), n * self.groups.dp_size, self.opt.last_grad_norm, stepped)
+        # a cp group's ranks add up shares of the same micro-batches
+        micro_batches = n * self.groups.data_parallel_size
+        return _step_metrics(recorder.unpack(totals), micro_batches, self.opt.last_grad_norm, stepped)
 
     def _token_weight(self, micro_batches: Sequence[Dict[str, torch.Tensor]]) -> float:
         """--calculate-per-token-loss: the weight of one loss token, training.loop's (the ranks whose gradients the
         stage's optimizer averages over the global batch's loss tokens). Every rank of a pipeline holds the same
         micro-batches, so each stage counts them itself (Megatron broadcasts the last stage's count): one all-reduce
-        over the stage's dp group."""
+        over the stage's dp group (Megatron's dp-cp: a cp rank counts its part of each sequence)."""
+        if self.cp_size > 1:
+            cp = self.model.context_parallel
+            micro_batches = [{"loss_mask": split_sequence(b["loss_mask"], cp.size, cp.rank)} for b in micro_batches]
         return _GlobalTokens.count(micro_batches, self.groups.stage.dp).weight(1.0)
 
     # ---- evaluation ----------------------------------------------------------------------------------

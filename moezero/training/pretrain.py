@@ -229,12 +229,13 @@ class Pretraining:
             self.dp_rank, self.dp_size = self.groups.data_parallel_rank, self.groups.data_parallel_size
             self.context_parallel = ContextParallel(self.groups.cp, cfg.parallel.cp_comm_type)
         else:
-            self.context_parallel = None  # cp > 1 is refused at pp > 1
+            self.context_parallel = None  # at pp > 1 the stage model holds its own (pipeline_run.py)
             self.pipeline = PipelineRun.build(cfg)
             pipeline = self.pipeline.groups
             self.groups, self.control, self.log_rank = pipeline.stage, pipeline.world_control, self.pipeline.log_rank
             self.every_rank = self.groups.dp
-            self.rank, self.dp_rank, self.dp_size = pipeline.rank, pipeline.dp_rank, pipeline.dp_size
+            self.rank = pipeline.rank  # a stage's cp ranks read the same micro-batches, as at pp 1
+            self.dp_rank, self.dp_size = pipeline.data_parallel_rank, pipeline.data_parallel_size
         self.logs = self.rank == self.log_rank
 
     def _build_model(self, cfg: Configs, point: Optional[ResumePoint]):

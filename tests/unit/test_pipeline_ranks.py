@@ -154,3 +154,36 @@ def test_every_dimensions_refusals_name_their_flags(sizes, message):
     with pytest.raises(ConfigError) as info:
         megatron_rank_layout(*sizes)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_with_context_parallelism_the_groups_are_megatrons():
+    """pipeline_rank_layout at cp > 1: the dense params' group is megatron-core's dp-cp, the micro-batches' its dp,
+    the cp groups its cp (RankGenerator's, as initialize_model_parallel builds them); the experts fold cp in."""
+    checked = 0
+    for world, cp, ep, pp, mapping in itertools.product((4, 8, 16), (2, 4), (1, 2, 4), (2, 4), (False, True)):
+        try:
+            ours = pipeline_rank_layout(world, ep, pp, mapping, context_parallel_size=cp)
+        except ConfigError:
+            assert megatron_refusal(world, ep, pp, mapping, context_parallel_size=cp) is not None
+            continue
+        decoder = RankGenerator(tp=1, ep=1, dp=world // (cp * pp), pp=pp, cp=cp, order=_order(mapping))
+        expert = RankGenerator(tp=1, ep=ep, dp=world // (ep * pp), pp=pp, cp=1, order=_order(mapping))
+        for kind, generator, groups in (
+            ("dp-cp", decoder, ours.dp_groups),
+            ("dp", decoder, ours.data_parallel_groups),
+            ("cp", decoder, ours.cp_groups),
+            ("pp", decoder, ours.pp_groups),
+            ("ep", expert, ours.ep_groups),
+            ("dp", expert, ours.edp_groups),
+        ):
+            assert [list(group) for group in groups] == generator.get_ranks(kind), (world, cp, ep, pp, mapping, kind)
+        checked += 1
+    assert checked > 20
+    layout = pipeline_rank_layout(4, 1, 2, context_parallel_size=2)  # the task's layout: docs/megatron.md
+    assert (layout.cp_groups, layout.pp_groups, layout.dp_groups) == (
+        ((0, 1), (2, 3)),
+        ((0, 2), (1, 3)),
+        ((0, 1), (2, 3)),
+    )
+    assert [layout.cp_rank_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [layout.data_parallel_rank_of(r) for r in range(4)] == [0, 0, 0, 0]
