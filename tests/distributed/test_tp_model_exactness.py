@@ -1,5 +1,5 @@
 """A dense GPT (GQA, RoPE, SwiGLU, per-head q/k norms, learnable softmax offsets, biases, hidden and attention
-dropout drawn from keys) at tensor-parallel size 2
+dropout drawn from keys; cases with MTP, learned positions and ZeRO 0) at tensor-parallel size 2
 on 2 gloo ranks, with and without sequence parallelism, untied and tied, at ZeRO stages 1 and 3, against one
 process training the same global model on the same micro-batches: float64, every step's loss and gradient norm
 (clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
@@ -122,6 +122,7 @@ def _cases():
         for sp, stage in ((False, 1), (True, 3)):
             cases[("mtp", sp, stage)] = _case(groups, False, sp, stage, MTP_GPT)
         cases[("learned positions", True, 1)] = _case(groups, False, True, 1, LEARNED_GPT)
+        cases[(False, True, 0)] = _case(groups, False, True, 0)  # stage 0: the all-reduce reducer
         return cases
     finally:
         groups.destroy()
@@ -151,14 +152,14 @@ MOE_FLAGS = [
 
 def _moe_cases():
     """tp 2 with SP at ep 1 (experts whole on both ranks, reduced over edp = both) and ep 2 (the ep group {0, 1}
-    crosses the tp coordinates: parallel folding), ZeRO 1 and 3."""
+    crosses the tp coordinates: parallel folding), ZeRO 1 and 3 (and 2 at ep 2)."""
     cfg = configs(MOE_FLAGS)
     gpt, moe = dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe
     results = {}
     for ep in (1, 2):
         groups = ParallelGroups.build(expert_parallel_size=ep, tensor_parallel_size=TP)
         try:
-            for stage in (1, 3):
+            for stage in (1, 3) if ep == 1 else (1, 2, 3):
                 results[(ep, stage)] = _case(groups, True, True, stage, gpt, moe)
         finally:
             groups.destroy()
