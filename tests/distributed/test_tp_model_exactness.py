@@ -14,7 +14,8 @@ import torch.distributed as dist
 from moezero.config import GPTConfig
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
-from moezero.parallel import ParallelGroups
+from moezero.parallel import ParallelGroups, expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.training.loop import train_step
 from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.zero import ZeroOptimizer, consolidate
@@ -82,6 +83,17 @@ def _train(model, opt, group):
     return history
 
 
+def _check_replicas_identical(model, opt, tp):
+    """Every param whole on each tp rank (norms, biases, router, shared expert, experts at ep 1) holds the same bits
+    on both after the steps."""
+    with opt.full_parameters():
+        for name, p in model.named_parameters():
+            if tensor_shard_of(p) is None and expert_shard_of(p) is None:
+                copies = [torch.empty_like(p) for _ in range(TP)]
+                dist.all_gather(copies, p.detach().contiguous(), group=tp)
+                assert torch.equal(copies[0], copies[1]), f"{name} drifted apart over tp"
+
+
 def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
     """The largest relative difference of the losses and norms, and the largest absolute one of the consolidated
     weights and AdamW moments, tp 2 against one process."""
@@ -92,6 +104,7 @@ def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
     ref_opt = _optimizer(reference, ParallelGroups.single(), stage)
     opt = _optimizer(model, groups, stage)
     expected, actual = _train(reference, ref_opt, None), _train(model, opt, groups.dp)
+    _check_replicas_identical(model, opt, groups.tp)
     curve = max(abs(a - e) / abs(e) for pair_a, pair_e in zip(actual, expected) for a, e in zip(pair_a, pair_e))
     shards = [None] * TP
     dist.all_gather_object(shards, opt.state_dict(), group=groups.tp)
