@@ -339,12 +339,15 @@ class ParallelGroups:
                 if group is not None:
                     serve(group, transports(group))
         elif local_records and dist.get_backend(control) == "gloo":
-            for group, name in named:  # short all-reduces on pipes, bucket-sized exchanges on rings of their own
+            for group, name in named:  # short all-reduces on pipes; buckets, tokens and activations on rings
                 if group is not None and dist.get_world_size(group) > 1:
                     pipes = local_channel.connect(group, timeout, name)
-                    buckets = group in (dp, edp)
-                    rings = _bucket_rings(group, timeout, f"{name}'s buckets") if buckets else None
-                    _serve_local_parts(group, pipes, rings or local_exchange.connect(group, pipes))
+                    rings = None
+                    if group in (dp, edp):  # the buckets' exchanges, their notices on a channel of their own
+                        rings = _bucket_rings(group, timeout, f"{name}'s buckets")
+                    elif group in (ep, cp, tp):
+                        rings = local_exchange.connect(group, pipes)
+                    _serve_local_parts(group, pipes, rings)
         return cls(
             layout,
             rank,

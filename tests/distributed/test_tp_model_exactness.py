@@ -4,7 +4,8 @@ on 2 gloo ranks, with and without sequence parallelism, untied and tied, at ZeRO
 process training the same global model on the same micro-batches: float64, every step's loss and gradient norm
 (clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
 coordinates). The tp model is built as the one-process model (its experts split over ep) and then has its modules
-swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and ep 2 (ep folded over tp)."""
+swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and ep 2 (ep folded over tp); on 4 ranks
+tp 2 x dp 2, each data-parallel rank its own micro-batches."""
 
 import dataclasses
 
@@ -44,10 +45,10 @@ GPT = GPTConfig(
 )
 
 
-def _micro_batches(step):
+def _micro_batches(step, count=2):
     g = torch.Generator().manual_seed(1000 + step)
     batches = []
-    for j in range(2):
+    for j in range(count):
         mask = (torch.rand(MB, SEQ, generator=g) > 0.2).double()
         first = step * 2 * MB + j * MB
         batches.append(
@@ -74,11 +75,15 @@ def _optimizer(model, groups, stage):
     )
 
 
-def _train(model, opt, group):
-    """Each step's (lm loss, grad norm)."""
+def _train(model, opt, group, dp_rank=0, dp_size=1):
+    """Each step's (lm loss, grad norm, MTP losses): data-parallel rank `dp_rank` of `dp_size` trains on its 2 of
+    the step's 2 x dp_size micro-batches (one process: all of them)."""
     history = []
     for step in range(STEPS):
-        metrics = train_step(model, opt, _micro_batches(step), step, KEY_SEED, group)
+        batches = _micro_batches(step, 2 * dp_size)
+        if group is not None:
+            batches = batches[2 * dp_rank : 2 * dp_rank + 2]
+        metrics = train_step(model, opt, batches, step, KEY_SEED, group)
         history.append((metrics.lm_loss, opt.last_grad_norm, *metrics.mtp_losses))
     return history
 
@@ -103,11 +108,13 @@ def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
     model = apply_tensor_parallel(model, groups.tp, sequence_parallel)
     ref_opt = _optimizer(reference, ParallelGroups.single(), stage)
     opt = _optimizer(model, groups, stage)
-    expected, actual = _train(reference, ref_opt, None), _train(model, opt, groups.dp)
+    dp = groups.data_parallel_size
+    expected = _train(reference, ref_opt, None, dp_size=dp)
+    actual = _train(model, opt, groups.dp, groups.data_parallel_rank, dp)
     _check_replicas_identical(model, opt, groups.tp)
     curve = max(abs(a - e) / abs(e) for pair_a, pair_e in zip(actual, expected) for a, e in zip(pair_a, pair_e))
-    shards = [None] * TP
-    dist.all_gather_object(shards, opt.state_dict(), group=groups.tp)
+    shards = [None] * dist.get_world_size()  # every rank's: the tp shards of each dp rank's
+    dist.all_gather_object(shards, opt.state_dict())
     full, ref_full = consolidate(shards), consolidate([ref_opt.state_dict()])
     assert set(full["params"]) == set(ref_full["params"]), set(full["params"]) ^ set(ref_full["params"])
     weights = max(float((full["params"][n] - p).abs().max()) for n, p in ref_full["params"].items())
@@ -183,5 +190,29 @@ def test_gpt_moe_at_tp2_sp_equals_one_process():
     """The MoE model at tp 2 with SP, ep 1 and 2, ZeRO 1 and 3: one process's curve, weights and moments."""
     results = run_distributed(_moe_cases, TP)
     assert results[0] == results[1]
+    for case, (curve, weights, moments) in results[0].items():
+        assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)
+
+
+def _four_rank_cases():
+    """tp 2 x dp 2 on 4 ranks (tp {0,1} {2,3}, dp {0,2} {1,3}), each dp rank its own micro-batches: the dense
+    model with SP at ZeRO 3, the MoE model at tp 2 x ep 2 (ep {0,1} {2,3}, edp {0,2} {1,3}) at ZeRO 1."""
+    groups = ParallelGroups.build(tensor_parallel_size=TP)
+    try:
+        results = {"dense": _case(groups, False, True, 3)}
+    finally:
+        groups.destroy()
+    cfg = configs(MOE_FLAGS)
+    groups = ParallelGroups.build(expert_parallel_size=2, tensor_parallel_size=TP)
+    try:
+        results["moe"] = _case(groups, True, True, 1, dataclasses.replace(cfg.model, vocab_size=VOCAB), cfg.moe)
+    finally:
+        groups.destroy()
+    return results
+
+
+def test_tp2_by_dp2_on_four_ranks_equals_one_process():
+    results = run_distributed(_four_rank_cases, 2 * TP, timeout=300)
+    assert all(r == results[0] for r in results)
     for case, (curve, weights, moments) in results[0].items():
         assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)
