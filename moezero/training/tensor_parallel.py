@@ -34,7 +34,8 @@ MTP depths are built as the decoder's layers (their norms and projection whole o
 parallelism learned position embeddings are looked up at the rank's positions.
 
 What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
-query groups not divisible by tp, context parallelism, and MoE layers without sequence parallelism, with a
+query groups not divisible by tp, context parallelism, a sequence not divisible by tp under sequence parallelism,
+and MoE layers without sequence parallelism, with a
 capacity factor, global or sinkhorn balancing.
 """
 
@@ -79,6 +80,10 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
         lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
     if moe is not None:
         lines += _moe_refusals(moe, sequence_parallel)
+    if sequence_parallel and c.seq_length % tp:  # each rank holds seq_length / tp positions
+        lines.append(
+            f"--seq-length {c.seq_length} must be divisible by tensor parallel size {tp} with --sequence-parallel"
+        )
     if c.vocab_size is not None and c.vocab_size % tp:
         lines.append(f"a vocabulary of {c.vocab_size} does not split over tensor parallel size {tp}")
     return lines
@@ -109,9 +114,9 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     lines = refusals(model.config, model.moe_config, tp, sequence_parallel)
     if lines:  # what the run's checks refuse at start (tensor_parallel_checks.py), or a checkpoint's vocabulary
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
-    plan = _Plan(group, sequence_parallel)
     if model.context_parallel is not None:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
+    plan = _Plan(group, sequence_parallel)
     for layer in model.layers:
         plan.layer(layer, model.config)
     for depth in model.mtp or ():  # MTP: its layer as the decoder's, its norms and projection whole on every rank

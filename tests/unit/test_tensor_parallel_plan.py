@@ -31,6 +31,7 @@ def test_a_gqa_gpt_runs_at_tp2():
         (dict(group_query_attention=True, num_query_groups=1), False, False, "--num-query-groups 1"),
         (dict(num_attention_heads=3, hidden_size=36), False, False, "--num-attention-heads 3"),
         (dict(vocab_size=63), False, False, "a vocabulary of 63"),
+        (dict(seq_length=15), False, True, "--seq-length 15 must be divisible"),
         (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
         ({}, True, False, "MoE layers with tensor parallelism need --sequence-parallel"),
         ({}, dict(capacity_factor=1.5), True, "--moe-expert-capacity-factor 1.5"),
