@@ -200,7 +200,9 @@ def train_step(
                     )
                     depths = _cp_depth_shares(batch, depths, whole_tokens[j])
                 else:
-                    losses.append(_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens))
+                    losses.append(
+                        _micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens, tensor_parallel_size)
+                    )
                 named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size)
                 if tensor_parallel_size > 1:  # each tp rank's MTP losses are copies: their sum counts them once
                     named["mtp_losses"] = named["mtp_losses"] / tensor_parallel_size
@@ -222,16 +224,17 @@ def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKe
 
 
 def _micro_batch_loss(
-    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"]
+    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"], tp_size: int = 1
 ) -> torch.Tensor:
-    """What one of n micro-batches adds to the loss that is backpropagated."""
+    """What one of n micro-batches adds to the loss that is backpropagated. `tp_size`: under tensor (sequence)
+    parallelism the routers' losses are this rank's shares, their token weights its tp_size-th of the tokens."""
     if tokens is None:
         return (lm + sum(router.values()) + _mtp_term(model, depths, batch, None)) / n
     share = tokens.weight(float(batch["loss_mask"].sum()))
     # megatron-core's router attaches each loss times its tokens (MoEStats.token_weighted), and
     # finalize_model_grads divides every gradient by the global batch's loss tokens
     routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
-    return lm * share + routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
+    return lm * share + tp_size * routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
 
 
 def _cp_micro_batch_loss(

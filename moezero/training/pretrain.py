@@ -223,8 +223,9 @@ class Pretraining:
             )
             self.rank, self.log_rank = self.groups.rank, 0
             # at tp > 1 the groups' control is the optimizer's ranks (its tp coordinate's), the run decides for all
-            self.control = self.groups.world_control or self.groups.control
-            self.every_rank = self.groups.world_control or self.groups.dp  # the losses' and counts' sums
+            world = self.groups.world_control
+            self.control = self.groups.control if world is None else world
+            self.every_rank = self.groups.dp if world is None else world  # the losses' and counts' sums
             # the ranks of a cp group read the same micro-batches, each its part of every sequence
             self.dp_rank, self.dp_size = self.groups.data_parallel_rank, self.groups.data_parallel_size
             self.context_parallel = ContextParallel(self.groups.cp, cfg.parallel.cp_comm_type)
