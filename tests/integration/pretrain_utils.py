@@ -1,5 +1,7 @@
 """Run the pretraining script in-process (inside a test rank, or the test process itself)."""
 
+import contextlib
+import io
 import os
 
 from moezero.recipe import CONFIG_CLASSES, RecipeConfigs, pretraining
@@ -91,3 +93,13 @@ def train(argv, cache_dir):
         assert_replicas_equal(run.model, run.groups)  # dense params and buffers bitwise equal on every rank
     run.groups.destroy()
     return run.history
+
+
+def run_in_process(argv):
+    """(history, console output) of one run of the script's entry point in this process (a spawned rank's)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = pretraining(configs(argv))
+        run.train()
+    run.destroy_groups()
+    return run.history, out.getvalue()

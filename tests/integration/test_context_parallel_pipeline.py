@@ -9,13 +9,10 @@ lm loss, router losses, MTP loss, gradient norm and validation loss of every ite
 without --calculate-per-token-loss. A checkpoint saved at cp 2 x pp 2 resumes in one process (cp 1, pp 1) on the
 uninterrupted run's curve."""
 
-import contextlib
-import io
 import os
 
-from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, configs
+from tests.integration.pretrain_utils import TINY, run_in_process
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 CPPP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -38,16 +35,6 @@ PER_TOKEN = ["--calculate-per-token-loss"]  # the router losses' token weights c
 TOL = 1e-10
 
 
-def _run(argv):
-    """(history, console output) of one run of the script's entry point in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run = pretraining(configs(argv))
-        run.train()
-    run.destroy_groups()
-    return run.history, out.getvalue()
-
-
 def _values(history):
     keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
     return [tuple(h.get(key) for key in keys) for h in history]
@@ -62,16 +49,16 @@ def _assert_same_curve(name, curve, expected):
 
 def _cppp_runs(argv, saved):
     """At cp 2 x pp 2 x ep 2: 3 iterations, saved at 2; then the same with --calculate-per-token-loss."""
-    history, output = _run(argv + LAYOUT + ["--save", saved, "--save-interval", "2"])
-    return history, output, _run(argv + LAYOUT + PER_TOKEN)[0]
+    history, output = run_in_process(argv + LAYOUT + ["--save", saved, "--save-interval", "2"])
+    return history, output, run_in_process(argv + LAYOUT + PER_TOKEN)[0]
 
 
 def test_cp2_x_pp2_x_ep2_equals_one_process_and_resumes_at_cp1_pp1(tmp_path):
     argv = CPPP_TINY + ["--data-cache-path", str(tmp_path)]
     saved = str(tmp_path / "cp2pp2")
     ranks = run_distributed(_cppp_runs, 4, argv, saved, timeout=600)
-    single, per_token = _run(argv)[0], _run(argv + PER_TOKEN)[0]
-    resumed, _ = _run(argv + ["--load", os.path.join(saved, "iter_0000002")])
+    single, per_token = run_in_process(argv)[0], run_in_process(argv + PER_TOKEN)[0]
+    resumed, _ = run_in_process(argv + ["--load", os.path.join(saved, "iter_0000002")])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, True]  # and at the end
     for history, _, per_token_history in ranks:  # every rank reports the step's metrics of every pipeline
         _assert_same_curve("cp 2 x pp 2", history, single)

@@ -6,12 +6,8 @@ lm loss, router losses, gradient norm and validation loss of every iteration to 
 replicated over cp, so a cp 2 checkpoint resumes in one process (cp 1) and a cp 1 one at cp 2, each on the
 uninterrupted run's curve."""
 
-import contextlib
-import io
-
-from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, configs
+from tests.integration.pretrain_utils import TINY, run_in_process
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 CP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -22,16 +18,6 @@ CP2 = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]  # M
 TOL = 1e-10
 
 
-def _run(argv):
-    """(history, console output) of one run of the script's entry point in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run = pretraining(configs(argv))
-        run.train()
-    run.destroy_groups()
-    return run.history, out.getvalue()
-
-
 def _values(history):
     keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
     return [tuple(h.get(key) for key in keys) for h in history]
@@ -39,9 +25,9 @@ def _values(history):
 
 def _cp2_runs(argv, saved_at_cp2, saved_at_cp1):
     """At cp 2: 4 iterations straight; iterations 1-2 saved, then 3-4 resumed from a cp 1 run's checkpoint."""
-    straight, output = _run(argv)
-    first, _ = _run(argv + ["--exit-interval", "2", "--save", saved_at_cp2])
-    from_cp1, _ = _run(argv + ["--load", saved_at_cp1])
+    straight, output = run_in_process(argv)
+    first, _ = run_in_process(argv + ["--exit-interval", "2", "--save", saved_at_cp2])
+    from_cp1, _ = run_in_process(argv + ["--load", saved_at_cp1])
     return straight, output, first, from_cp1
 
 
@@ -55,10 +41,10 @@ def _assert_same_curve(name, curve, expected):
 def test_cp2_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_cp(tmp_path):
     argv = CP_TINY + ["--data-cache-path", str(tmp_path)]
     at_cp2, at_cp1 = str(tmp_path / "cp2"), str(tmp_path / "cp1")
-    single, _ = _run(argv)
-    first_cp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_cp1])
+    single, _ = run_in_process(argv)
+    first_cp1, _ = run_in_process(argv + ["--exit-interval", "2", "--save", at_cp1])
     ranks = run_distributed(_cp2_runs, 2, argv + CP2, at_cp2, at_cp1, timeout=400)
-    from_cp2, _ = _run(argv + ["--load", at_cp2])
+    from_cp2, _ = run_in_process(argv + ["--load", at_cp2])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
     for straight, output, first, from_cp1 in ranks:
         _assert_same_curve("cp 2", straight, single)

@@ -14,7 +14,7 @@ import pytest
 
 from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, configs
+from tests.integration.pretrain_utils import TINY, configs, run_in_process
 
 PIPELINE_TINY = TINY + [
     "--num-layers",
@@ -38,16 +38,6 @@ VPP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 TOL = 1e-10
 
 
-def _run(argv):
-    """(history, console output) of one run of the script's entry point in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run = pretraining(configs(argv))
-        run.train()
-    run.destroy_groups()
-    return run.history, out.getvalue()
-
-
 def _values(history):
     return [(h["lm_loss"], h["grad_norm"], h.get("validation_loss")) for h in history]
 
@@ -61,8 +51,8 @@ def test_pp2_on_two_ranks_equals_pp1_on_one_process(tmp_path):
     """Without --zero-stage: ZeRO stage 0 at pp 2 (Megatron's DDP, said in the log), moezero's 2 at pp 1."""
     argv = _without_zero_stage(PIPELINE_TINY) + ["--data-cache-path", str(tmp_path)]
     board = str(tmp_path / "tb")
-    ranks = run_distributed(_run, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
-    single, single_output = _run(argv)
+    ranks = run_distributed(run_in_process, 2, argv + PP2 + ["--tensorboard-dir", board], timeout=400)
+    single, single_output = run_in_process(argv)
     expected = _values(single)
     assert [h["iteration"] for h in single] == [1, 2, 3, 4]
     assert [v is not None for _, _, v in expected] == [False, True, False, True]  # validations at 2 and 4
@@ -101,8 +91,8 @@ def test_interleaved_virtual_stages_with_mtp_equal_pp1_on_one_process(tmp_path):
     argv = PIPELINE_TINY + mtp + ["--data-cache-path", str(tmp_path)]
     argv[argv.index("--zero-stage") + 1] = "2"  # ZeRO-2 with the pipeline (DeepSpeed refuses it)
     vpp = PP2 + VPP2
-    ranks = run_distributed(_run, 2, argv + vpp, timeout=400)
-    single = _run(argv)[0]
+    ranks = run_distributed(run_in_process, 2, argv + vpp, timeout=400)
+    single = run_in_process(argv)[0]
     expected = _values(single)
     for history, _ in ranks:
         for step, (a, b) in enumerate(zip(_values(history), expected)):
@@ -120,8 +110,8 @@ def test_bf16_tied_weights_at_pp2_follow_pp1(tmp_path):
     rounding of the reassociated sums."""
     argv = [a for a in PIPELINE_TINY if a != "--fp64"] + ["--bf16", "--train-iters", "3", "--eval-interval", "0"]
     argv += ["--data-cache-path", str(tmp_path)]
-    ranks = run_distributed(_run, 2, argv + PP2, timeout=400)
-    expected = [(h["lm_loss"], h["grad_norm"]) for h in _run(argv)[0]]
+    ranks = run_distributed(run_in_process, 2, argv + PP2, timeout=400)
+    expected = [(h["lm_loss"], h["grad_norm"]) for h in run_in_process(argv)[0]]
     got = [(h["lm_loss"], h["grad_norm"]) for h in ranks[1][0]]
     assert len(got) == len(expected) == 3
     assert got[0][0] == pytest.approx(expected[0][0], rel=1e-6)  # the first forward: the same weights
@@ -144,8 +134,8 @@ def test_fp16_at_pp2_skips_the_steps_and_scales_as_pp1(tmp_path):
     the curve follows pp 1's within fp16's rounding of the reassociated sums."""
     argv = [a for a in PIPELINE_TINY if a != "--fp64"] + ["--fp16", "--initial-loss-scale", "1048576"]
     argv += ["--hysteresis", "1", "--eval-interval", "0", "--data-cache-path", str(tmp_path)]
-    ranks = run_distributed(_run, 2, argv + PP2, timeout=400)
-    single, single_output = _run(argv)
+    ranks = run_distributed(run_in_process, 2, argv + PP2, timeout=400)
+    single, single_output = run_in_process(argv)
     expected = _scale_trajectory(single_output)
     assert {skipped for _, skipped in expected} == {0, 1} and len(expected) == 4  # overflows and steps
     assert _scale_trajectory(ranks[1][1]) == expected
@@ -160,10 +150,10 @@ def test_fp16_at_pp2_skips_the_steps_and_scales_as_pp1(tmp_path):
 def _resumes_at_pp2(argv, saved_at_pp2, saved_at_pp1):
     """At pp 2: iterations 1-2 saved, then 3-4 resumed from that (also with 2 virtual stages) and from a pp 1 run's
     checkpoint."""
-    first, _ = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved_at_pp2])
-    same_layout, _ = _run(argv + PP2 + ["--load", saved_at_pp2])
-    virtual, _ = _run(argv + PP2 + VPP2 + ["--load", saved_at_pp2])
-    from_pp1, _ = _run(argv + PP2 + ["--load", saved_at_pp1])
+    first, _ = run_in_process(argv + PP2 + ["--exit-interval", "2", "--save", saved_at_pp2])
+    same_layout, _ = run_in_process(argv + PP2 + ["--load", saved_at_pp2])
+    virtual, _ = run_in_process(argv + PP2 + VPP2 + ["--load", saved_at_pp2])
+    from_pp1, _ = run_in_process(argv + PP2 + ["--load", saved_at_pp1])
     return first, same_layout, from_pp1, virtual
 
 
@@ -173,10 +163,10 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(
     1e-10)."""
     argv = PIPELINE_TINY + ["--data-cache-path", str(tmp_path)]
     at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
-    straight = _values(_run(argv)[0])
-    first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
+    straight = _values(run_in_process(argv)[0])
+    first_pp1, _ = run_in_process(argv + ["--exit-interval", "2", "--save", at_pp1])
     first, same_layout, from_pp1, virtual = run_distributed(_resumes_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
-    from_pp2, _ = _run(argv + ["--load", at_pp2])
+    from_pp2, _ = run_in_process(argv + ["--load", at_pp2])
     curves = {
         "pp 2 -> pp 2": first + same_layout,
         "pp 2 -> pp 2 x 2 virtual stages": first + virtual,
@@ -192,8 +182,8 @@ def test_a_pp2_checkpoint_resumes_at_pp1_and_back_with_the_uninterrupted_losses(
 
 def _decoupled_at_pp2(argv, saved, saved_at_pp1):
     """At pp 2: iterations 1-2, saved; iterations 3-4 from a pp 1 run's checkpoint."""
-    first = _run(argv + PP2 + ["--exit-interval", "2", "--save", saved])[0]
-    return first, _run(argv + PP2 + ["--load", saved_at_pp1])[0]
+    first = run_in_process(argv + PP2 + ["--exit-interval", "2", "--save", saved])[0]
+    return first, run_in_process(argv + PP2 + ["--load", saved_at_pp1])[0]
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -205,11 +195,11 @@ def test_decoupled_lr_checkpoints_cross_pp_with_the_uninterrupted_losses(tied, t
     argv += [] if tied else ["--untie-embeddings-and-output-weights"]
     decoupled = argv + ["--decoupled-lr", "3e-2"]
     at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
-    straight = _values(_run(decoupled)[0])
-    assert straight[-1] != _values(_run(argv)[0])[-1], "the decoupled lr changes the curve"
-    first_pp1, _ = _run(decoupled + ["--exit-interval", "2", "--save", at_pp1])
+    straight = _values(run_in_process(decoupled)[0])
+    assert straight[-1] != _values(run_in_process(argv)[0])[-1], "the decoupled lr changes the curve"
+    first_pp1, _ = run_in_process(decoupled + ["--exit-interval", "2", "--save", at_pp1])
     first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, decoupled, at_pp2, at_pp1, timeout=400)[1]
-    from_pp2, _ = _run(decoupled + ["--load", at_pp2])
+    from_pp2, _ = run_in_process(decoupled + ["--load", at_pp2])
     for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
         assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
         for step, (a, b) in enumerate(zip(_values(curve), straight)):
@@ -225,10 +215,10 @@ def test_muon_at_pp2_equals_pp1_and_its_checkpoints_cross_pp(tmp_path):
     argv = PIPELINE_TINY + ["--optimizer", "muon", "--train-iters", "3", "--eval-interval", "0"]
     argv += ["--data-cache-path", str(tmp_path)]
     at_pp2, at_pp1 = str(tmp_path / "pp2"), str(tmp_path / "pp1")
-    straight = _values(_run(argv)[0])
-    first_pp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_pp1])
+    straight = _values(run_in_process(argv)[0])
+    first_pp1, _ = run_in_process(argv + ["--exit-interval", "2", "--save", at_pp1])
     first, from_pp1 = run_distributed(_decoupled_at_pp2, 2, argv, at_pp2, at_pp1, timeout=400)[1]
-    from_pp2, _ = _run(argv + ["--load", at_pp2])
+    from_pp2, _ = run_in_process(argv + ["--load", at_pp2])
     for name, curve in {"pp 2 -> pp 1": first + from_pp2, "pp 1 -> pp 2": first_pp1 + from_pp1}.items():
         assert [h["iteration"] for h in curve] == [1, 2, 3], name
         for step, (a, b) in enumerate(zip(_values(curve), straight)):
@@ -247,13 +237,13 @@ def test_upcycling_at_pp2_equals_pp1(tmp_path):
     the first stage's upcycled embedding with the optimizer), so pp 2's upcycled run follows one process's (dense
     first layer, dropless MoE layers, float64, 1e-10)."""
     dense, cache = str(tmp_path / "dense"), ["--data-cache-path", str(tmp_path)]
-    _run(_dense(PIPELINE_TINY) + cache + ["--train-iters", "2", "--save", dense])
+    run_in_process(_dense(PIPELINE_TINY) + cache + ["--train-iters", "2", "--save", dense])
     argv = _dense(PIPELINE_TINY) + ["--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "3"]
     argv += cache + ["--load", dense, "--moe-use-upcycling"]
-    single, output = _run(argv)
+    single, output = run_in_process(argv)
     assert "--moe-use-upcycling: the experts start as the dense MLPs of" in output
     expected = _values(single)
-    for history, _ in run_distributed(_run, 2, argv + PP2, timeout=400):
+    for history, _ in run_distributed(run_in_process, 2, argv + PP2, timeout=400):
         assert len(history) == len(expected) == 3
         for step, (a, b) in enumerate(zip(_values(history), expected)):
             for x, y in zip(a, b):
@@ -305,8 +295,8 @@ def test_pp2_by_ep2_on_four_ranks_with_mla_shared_experts_and_mtp_equals_one_pro
     model += ["--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear", "--mtp-num-layers", "1"]
     model += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     argv = PIPELINE_TINY + model + ["--train-iters", "3", "--data-cache-path", str(tmp_path)]
-    ranks = run_distributed(_run, 4, argv + PP2 + ["--expert-model-parallel-size", "2"], timeout=600)
-    single = _run(argv)[0]
+    ranks = run_distributed(run_in_process, 4, argv + PP2 + ["--expert-model-parallel-size", "2"], timeout=600)
+    single = run_in_process(argv)[0]
     expected = _values(single)
     assert len(expected) == 3
     for history, _ in ranks:
