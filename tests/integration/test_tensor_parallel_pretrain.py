@@ -8,12 +8,8 @@ tp 2 checkpoint resumes in one process (tp 1) and a tp 1 one at tp 2, each on th
 vocabulary is padded to a multiple of 256 at tp 1 and 2 alike (Megatron pads to --make-vocab-size-divisible-by x
 tp)."""
 
-import contextlib
-import io
-
-from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, configs
+from tests.integration.pretrain_utils import TINY, run_in_process
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 TP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -27,16 +23,6 @@ PER_TOKEN = ["--calculate-per-token-loss"]  # the routers' token-weighted shares
 TOL = 1e-10
 
 
-def _run(argv):
-    """(history, console output) of one run of the script's entry point in this process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run = pretraining(configs(argv))
-        run.train()
-    run.destroy_groups()
-    return run.history, out.getvalue()
-
-
 def _values(history):
     keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
     return [tuple(h.get(key) for key in keys) for h in history]
@@ -45,10 +31,10 @@ def _values(history):
 def _tp2_runs(argv, saved_at_tp2, saved_at_tp1):
     """At tp 2: 4 iterations straight (and with --calculate-per-token-loss); iterations 1-2 saved, then 3-4 resumed
     from a tp 1 run's checkpoint."""
-    straight, output = _run(argv)
-    per_token, _ = _run(argv + PER_TOKEN)
-    first, _ = _run(argv + ["--exit-interval", "2", "--save", saved_at_tp2])
-    from_tp1, _ = _run(argv + ["--load", saved_at_tp1])
+    straight, output = run_in_process(argv)
+    per_token, _ = run_in_process(argv + PER_TOKEN)
+    first, _ = run_in_process(argv + ["--exit-interval", "2", "--save", saved_at_tp2])
+    from_tp1, _ = run_in_process(argv + ["--load", saved_at_tp1])
     return straight, output, first, from_tp1, per_token
 
 
@@ -62,11 +48,11 @@ def _assert_same_curve(name, curve, expected):
 def test_tp2_sp_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_tp(tmp_path):
     argv = TP_TINY + ["--data-cache-path", str(tmp_path)]
     at_tp2, at_tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
-    single, _ = _run(argv)
-    single_per_token, _ = _run(argv + PER_TOKEN)
-    first_tp1, _ = _run(argv + ["--exit-interval", "2", "--save", at_tp1])
+    single, _ = run_in_process(argv)
+    single_per_token, _ = run_in_process(argv + PER_TOKEN)
+    first_tp1, _ = run_in_process(argv + ["--exit-interval", "2", "--save", at_tp1])
     ranks = run_distributed(_tp2_runs, 2, argv + TP2, at_tp2, at_tp1, timeout=400)
-    from_tp2, _ = _run(argv + ["--load", at_tp2])
+    from_tp2, _ = run_in_process(argv + ["--load", at_tp2])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
     for straight, output, first, from_tp1, per_token in ranks:
         _assert_same_curve("tp 2", straight, single)
