@@ -61,6 +61,8 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
             "context_parallel",
             "tp_regions",
             "tensor_marker",
+            "tensor_parallel",
+            "tp_model",
         ),
     ),
     "docs": ("the README and the docs site: the build, its links and every command shown", ("docs",)),

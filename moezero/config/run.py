@@ -21,7 +21,8 @@ class ParallelConfig(Validated):
     # Megatron's other parallelisms: accepted at 1 so launch scripts run unchanged
     tensor_parallel_size: int = option(
         1,
-        "Megatron's tensor parallelism: only 1 (moezero shards with ZeRO and experts instead)",
+        "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
+        "the vocabulary split; at pipeline and context-parallel size 1)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
@@ -103,20 +104,36 @@ class ParallelConfig(Validated):
         self._require(self.expert_parallel_size >= 1, "expert_parallel_size", "must be >= 1")
         self._require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
         self._require(self.context_parallel_size >= 1, "context_parallel_size", "must be >= 1")
-        only_one = ("tensor_parallel_size", "expert_tensor_parallel_size")
-        refused = [
-            (
-                name,
-                "not supported by moezero, only 1 is accepted (it splits experts with "
-                "--expert-model-parallel-size and shards the rest with --zero-stage)",
-            )
-            for name in only_one
-            if getattr(self, name) not in (1, None)
-        ]
-        refused += self._context_parallel_refusals()
+        self._require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        refused = (
+            [
+                (
+                    "expert_tensor_parallel_size",
+                    "not supported by moezero, only 1 is accepted (it splits experts with "
+                    "--expert-model-parallel-size and shards the rest with --zero-stage)",
+                )
+            ]
+            if self.expert_tensor_parallel_size not in (1, None)
+            else []
+        )
+        refused += self._context_parallel_refusals() + self._tensor_parallel_refusals()
         if refused:  # last: the rest of the section is valid without them
             lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {why}" for name, why in refused]
             raise ConfigError("\n".join(lines), refused=tuple(name for name, _ in refused))
+
+    def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
+        """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
+        others = [
+            f"{flag}={size}"
+            for flag, size in (
+                ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
+                ("--context-parallel-size", self.context_parallel_size),
+            )
+            if size > 1
+        ]
+        if self.tensor_parallel_size == 1 or not others:
+            return []
+        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at 1 of each)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

@@ -7,7 +7,7 @@ Shapes: B batch, S sequence, D hidden, H query heads, G key/value groups, h head
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,9 @@ class CausalSelfAttention(nn.Module):
         self.heads, self.groups, self.head_dim = config.num_attention_heads, config.query_groups, config.kv_channels
         self.layer_scale = query_key_layer_scale(config, layer_number)
         self.dropout = config.attention_dropout
+        # keys -> the keys of this module's heads' dropout masks, where it holds a block of the model's heads (a
+        # tensor-parallel plan sets it from outside; None: all of them)
+        self.head_keys: Optional[Callable[[Any], Any]] = None
         self.window = window  # a sliding window: each query sees itself and the `window` keys before it
         offset = softmax_offset(config)
         if offset is None or isinstance(offset, nn.Parameter):
@@ -127,6 +130,8 @@ class CausalSelfAttention(nn.Module):
             keys = keys.head_block_keys(self.heads, heads) if keys is not None else None
         elif cp is not None:  # queries at this rank's positions; keys and values of the whole sequence
             k, v = cp.gather_sequence(k, dim=2), cp.gather_sequence(v, dim=2)
+        if self.head_keys is not None and keys is not None:
+            keys = self.head_keys(keys)
         if self.recompute_core and recomputing(self):  # selective recompute: only this part is redone
             y = checkpoint(self._core, q, k, v, keys, positions, heads, use_reentrant=False)
         else:

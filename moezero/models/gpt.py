@@ -116,6 +116,14 @@ class GPTModel(nn.Module):
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set (the training script takes it from the tokenizer)")
         self.config = config
+        # seams for a tensor-parallel plan applied from outside (training/tensor_parallel.py): what the tied head's
+        # input passes through before the product with the (vocabulary shard of the) embedding, and the per-token
+        # loss of the logits this model returns (None: token_cross_entropy of whole-vocabulary logits)
+        self.tied_head_input: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.token_losses: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        # and the keys of the residual stream's draws when it holds a part of each sequence (sequence parallelism):
+        # (keys, sequence length) -> keys for that part
+        self.sequence_keys: Optional[Callable[[SampleKeys, int], SampleKeys]] = None
         layer_moe = moe_layer_config(config, moe_config, seed) if moe_config is not None else None
         self.moe_config = layer_moe  # what every MoE layer is built from (None: a dense model)
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -192,6 +200,8 @@ class GPTModel(nn.Module):
                     "(mtp_tokens: ContextParallel.split_micro_batch)"
                 )
             keys = self.context_parallel.keys(keys, tokens_BS.shape[1])
+        if self.sequence_keys is not None and keys is not None:
+            keys = self.sequence_keys(keys, tokens_BS.shape[1])
         x = embed_tokens(self, tokens_BS, keys)
         all_stats: List[MoEStats] = []
         for first, last, recompute in recompute_chunks(self.config):
@@ -208,7 +218,11 @@ class GPTModel(nn.Module):
 
     def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
         # an untied head is called as a module, so whatever wraps modules (ZeRO-3 engines) sees it run
-        return F.linear(x_BSD, self.embedding.weight) if self.output is None else self.output(x_BSD)
+        if self.output is not None:
+            return self.output(x_BSD)
+        if self.tied_head_input is not None:
+            x_BSD = self.tied_head_input(x_BSD)
+        return F.linear(x_BSD, self.embedding.weight)
 
     def _mtp_depths(
         self,
@@ -316,10 +330,19 @@ def recompute_chunks(config: GPTConfig, num_layers: Optional[int] = None) -> Lis
 
 
 def language_model_loss(
-    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, fused: bool = False
+    logits_BSV: torch.Tensor,
+    labels_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    fused: bool = False,
+    token_losses: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of one micro-batch (fp32), over the positions the mask keeps; `fused`:
-    --cross-entropy-loss-fusion (moezero.ops.cross_entropy)."""
-    losses = token_cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), labels_BS.reshape(-1), fused)
+    --cross-entropy-loss-fusion (moezero.ops.cross_entropy); `token_losses` (N, V), (N,) -> (N,): the model's own
+    per-token loss (GPTModel.token_losses, e.g. over a vocabulary split across ranks)."""
+    logits_NV, labels_N = logits_BSV.reshape(-1, logits_BSV.shape[-1]), labels_BS.reshape(-1)
+    if token_losses is None:
+        losses = token_cross_entropy(logits_NV, labels_N, fused)
+    else:
+        losses = token_losses(logits_NV, labels_N)
     mask = loss_mask_BS.reshape(-1).to(losses.dtype)
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)

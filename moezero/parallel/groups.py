@@ -12,6 +12,10 @@ micro-batch, each its share of the sequence; the dp group (Megatron's dp-cp) sti
 the experts fold cp into edp, as Megatron's expert groups do. `data_parallel_size` = W / cp ranks read distinct
 micro-batches.
 
+Tensor parallelism (tp > 1): Megatron's groups from parallel/ranks.py, tp fastest (world 4, tp 2: tp {0,1} {2,3},
+dp {0,2} {1,3}); `dp` is the dp-cp group of the rank's tp coordinate and the tp ranks of one group read the same
+micro-batch.
+
 Each group's transport (transport.py: how its collectives travel) is chosen here, once, as the group is made.
 """
 
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 from moezero.parallel import local_channel, local_exchange
 from moezero.parallel.local_transport import LocalTransport
+from moezero.parallel.ranks import megatron_rank_layout
 from moezero.parallel.transport import Transport, release, serve
 
 Ranks = Tuple[int, ...]
@@ -34,7 +39,14 @@ Ranks = Tuple[int, ...]
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Pure description of who talks to whom; no processes needed."""
+    """Pure description of who talks to whom; no processes needed.
+
+    At tensor-parallel size 1 the groups are the ones in the module's docstring. At tp > 1 they are Megatron's
+    (`ranks.megatron_rank_layout`, expert-tensor-parallel size 1): tp fastest, `dense_groups` its dp-cp groups (the
+    ranks of one tp coordinate reducing dense gradients), `data_groups` its dp groups (ranks reading distinct
+    micro-batches), the experts' ep and edp folded over the same ranks (at tp 2, ep 2 the ep group {0, 1} crosses
+    tp coordinates). Every rank's place is read from the partitions, never from rank arithmetic.
+    """
 
     world_size: int
     expert_parallel_size: int
@@ -42,19 +54,44 @@ class RankLayout:
     edp_groups: Tuple[Ranks, ...]
     context_parallel_size: int = 1
     cp_groups: Tuple[Ranks, ...] = ()  # consecutive ranks sharing one micro-batch's sequence
+    tensor_parallel_size: int = 1
+    tp_groups: Tuple[Ranks, ...] = ()  # ranks holding shards of one model replica (empty: singletons)
+    dense_groups: Tuple[Ranks, ...] = ()  # Megatron's dp-cp: dense gradients (empty: the whole world)
+    data_groups: Tuple[Ranks, ...] = ()  # Megatron's dp: ranks reading distinct micro-batches (empty: by cp stride)
 
     def ep_group_of(self, rank: int) -> Ranks:
-        return self.ep_groups[rank // self.expert_parallel_size]
+        return _group_of(self.ep_groups, rank)
 
     def cp_group_of(self, rank: int) -> Ranks:
-        return self.cp_groups[rank // self.context_parallel_size]
+        return _group_of(self.cp_groups, rank) if self.cp_groups else (rank,)
 
     def edp_group_of(self, rank: int) -> Ranks:
-        return self.edp_groups[rank % self.expert_parallel_size]
+        return _group_of(self.edp_groups, rank)
+
+    def tp_group_of(self, rank: int) -> Ranks:
+        return _group_of(self.tp_groups, rank) if self.tp_groups else (rank,)
+
+    def dense_group_of(self, rank: int) -> Ranks:
+        return _group_of(self.dense_groups, rank) if self.dense_groups else tuple(range(self.world_size))
+
+    def data_group_of(self, rank: int) -> Ranks:
+        if self.data_groups:
+            return _group_of(self.data_groups, rank)
+        cp = self.context_parallel_size
+        return tuple(range(rank % cp, self.world_size, cp))
 
 
-def rank_layout(world_size: int, expert_parallel_size: int, context_parallel_size: int = 1) -> RankLayout:
-    """The ep/edp/cp groups for a world; raises ValueError for impossible layouts."""
+def _group_of(partition: Tuple[Ranks, ...], rank: int) -> Ranks:
+    return next(group for group in partition if rank in group)
+
+
+def rank_layout(
+    world_size: int, expert_parallel_size: int, context_parallel_size: int = 1, tensor_parallel_size: int = 1
+) -> RankLayout:
+    """The ep/edp/cp (and at tp > 1 tp, dp-cp, dp) groups for a world; raises ValueError for impossible layouts
+    (at tp > 1 a ConfigError naming the flags, Megatron's rules)."""
+    if tensor_parallel_size != 1:
+        return _tensor_parallel_layout(world_size, expert_parallel_size, context_parallel_size, tensor_parallel_size)
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if expert_parallel_size < 1:
@@ -71,6 +108,24 @@ def rank_layout(world_size: int, expert_parallel_size: int, context_parallel_siz
     edp_groups = tuple(tuple(range(offset, world_size, ep)) for offset in range(ep))
     cp_groups = tuple(tuple(range(start, start + cp)) for start in range(0, world_size, cp))
     return RankLayout(world_size, ep, ep_groups, edp_groups, cp, cp_groups)
+
+
+def _tensor_parallel_layout(world: int, ep: int, cp: int, tp: int) -> RankLayout:
+    """Megatron's groups at tp > 1 with expert-tensor-parallel size 1 (the experts fold ep x edp over all ranks)."""
+    megatron = megatron_rank_layout(world, tp, cp, ep, expert_tensor_parallel_size=1)
+    decoder, expert = megatron.decoder, megatron.expert
+    return RankLayout(
+        world,
+        ep,
+        ep_groups=expert["ep"],
+        edp_groups=expert["dp"],
+        context_parallel_size=cp,
+        cp_groups=decoder["cp"],
+        tensor_parallel_size=tp,
+        tp_groups=decoder["tp"],
+        dense_groups=decoder["dp-cp"],
+        data_groups=decoder["dp"],
+    )
 
 
 @dataclass(frozen=True)
@@ -92,12 +147,14 @@ class ParallelGroups:
         ep: this rank's expert-parallel group, which carries the tokens' all-to-all.
         edp: this rank's expert-data-parallel group (the ranks holding the same experts), which reduces the
             expert gradients.
-        control: the group of all ranks for the optimizer's small step-time collectives.
+        control: the group of all ranks for the optimizer's small step-time collectives (at tp > 1 the ranks of this
+            rank's tp coordinate: the optimizer adds the sums over tp itself).
         cp: this rank's context-parallel group, the ranks sharing one micro-batch's sequence (None at cp 1).
         tp: this rank's tensor-parallel group, the ranks holding shards of one model replica (None at tp 1; `build`
-            makes none yet: a caller passes its own, e.g. `dataclasses.replace(groups, tp=...)`).
+            makes it with `tensor_parallel_size`, a caller may pass its own: `dataclasses.replace(groups, tp=...)`).
         etp: this rank's expert-tensor-parallel group, the ranks holding ffn slices of the same experts (None at
             etp 1; as `tp`, a caller passes its own).
+        world_control: at tp > 1 the group of every rank, for the run's decisions (None: `control` is every rank's).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
         transports: what serves every group's collectives (None: chosen per group, see `build`).
@@ -112,6 +169,7 @@ class ParallelGroups:
     cp: Optional[Any] = None
     tp: Optional[Any] = None
     etp: Optional[Any] = None
+    world_control: Optional[Any] = None
     timeout: Optional[datetime.timedelta] = None  # every group's (None: torch's default for new groups)
     local_records: bool = True  # records and short all-reduces through pipes when every rank is on this host
     # what serves every group's collectives (None: chosen per group, see build)
@@ -124,7 +182,7 @@ class ParallelGroups:
 
     @property
     def dp_size(self) -> int:
-        return self.layout.world_size
+        return len(self.layout.dense_group_of(self.rank))
 
     @property
     def ep_size(self) -> int:
@@ -132,15 +190,15 @@ class ParallelGroups:
 
     @property
     def ep_rank(self) -> int:
-        return self.rank % self.ep_size
+        return self.layout.ep_group_of(self.rank).index(self.rank)
 
     @property
     def edp_size(self) -> int:
-        return self.layout.world_size // self.ep_size
+        return len(self.layout.edp_group_of(self.rank))
 
     @property
     def edp_rank(self) -> int:
-        return self.rank // self.ep_size
+        return self.layout.edp_group_of(self.rank).index(self.rank)
 
     @property
     def cp_size(self) -> int:
@@ -148,7 +206,7 @@ class ParallelGroups:
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % self.cp_size
+        return self.layout.cp_group_of(self.rank).index(self.rank)
 
     @property
     def tp_size(self) -> int:
@@ -170,11 +228,11 @@ class ParallelGroups:
     def data_parallel_size(self) -> int:
         """Ranks that read distinct micro-batches (Megatron's dp; `dp_size` counts the ranks reducing dense
         gradients, Megatron's dp-cp)."""
-        return self.layout.world_size // self.cp_size
+        return len(self.layout.data_group_of(self.rank))
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.rank // self.cp_size
+        return self.layout.data_group_of(self.rank).index(self.rank)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -189,6 +247,7 @@ class ParallelGroups:
         local_records: bool = True,
         transports: Optional[Callable[[Any], Transport]] = None,
         context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> "ParallelGroups":
         """Create the groups and their transports; every rank must call this in the same order (after
         init_process_group; without it, a world of one).
@@ -206,16 +265,21 @@ class ParallelGroups:
                 `Transport`, torch's own collectives.
             context_parallel_size: ranks that share one micro-batch's sequence (--context-parallel-size); it
                 divides the world size.
+            tensor_parallel_size: ranks that hold shards of one model replica (--tensor-model-parallel-size): at
+                tp > 1 every group is Megatron's (RankLayout), `dp` the dp-cp group of the rank's tp coordinate.
         """
         if not (dist.is_available() and dist.is_initialized()):
-            for name, size in (("expert", expert_parallel_size), ("context", context_parallel_size)):
+            sizes = (("expert", expert_parallel_size), ("context", context_parallel_size))
+            for name, size in sizes + (("tensor", tensor_parallel_size),):
                 if size != 1:
                     raise ValueError(
                         f"{name} parallel size {size} needs torch.distributed to be initialised (world of one)"
                     )
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = rank_layout(world, expert_parallel_size, context_parallel_size)
+        layout = rank_layout(world, expert_parallel_size, context_parallel_size, tensor_parallel_size)
+        if tensor_parallel_size > 1:
+            return cls._build_tensor_parallel(layout, rank, timeout, local_records, transports)
         dp = dist.new_group(list(range(world)), timeout=timeout)
         control = dist.new_group(list(range(world)), timeout=timeout)
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
@@ -243,6 +307,62 @@ class ParallelGroups:
             transports=transports,
         )
 
+    @classmethod
+    def _build_tensor_parallel(
+        cls,
+        layout: RankLayout,
+        rank: int,
+        timeout: Optional[datetime.timedelta],
+        local_records: bool,
+        transports: Optional[Callable[[Any], Transport]],
+    ) -> "ParallelGroups":
+        """build() at tp > 1: every group from the layout's partitions (collective: every rank makes every group)."""
+        dp = _new_subgroup(layout.dense_groups, rank, timeout)
+        # the optimizer's ranks (the tp coordinate's: its sums over the model add tp afterwards), and the world's
+        control = _new_subgroup(layout.dense_groups, rank, timeout)
+        world_control = dist.new_group(list(range(layout.world_size)), timeout=timeout)
+        ep = _new_subgroup(layout.ep_groups, rank, timeout)
+        edp = _new_subgroup(layout.edp_groups, rank, timeout)
+        cp = _new_subgroup(layout.cp_groups, rank, timeout) if layout.context_parallel_size > 1 else None
+        tp = _new_subgroup(layout.tp_groups, rank, timeout)
+        named = (
+            (dp, "data-parallel group"),
+            (control, "control group"),
+            (world_control, "world control group"),
+            (ep, "expert-parallel group"),
+            (edp, "expert data-parallel group"),
+            (cp, "context-parallel group"),
+            (tp, "tensor-parallel group"),
+        )
+        if transports is not None:
+            for group, _ in named:
+                if group is not None:
+                    serve(group, transports(group))
+        elif local_records and dist.get_backend(control) == "gloo":
+            for group, name in named:  # short all-reduces on pipes; buckets, tokens and activations on rings
+                if group is not None and dist.get_world_size(group) > 1:
+                    pipes = local_channel.connect(group, timeout, name)
+                    rings = None
+                    if group in (dp, edp):  # the buckets' exchanges, their notices on a channel of their own
+                        rings = _bucket_rings(group, timeout, f"{name}'s buckets")
+                    elif group in (ep, cp, tp):
+                        rings = local_exchange.connect(group, pipes)
+                    _serve_local_parts(group, pipes, rings)
+        return cls(
+            layout,
+            rank,
+            dp=dp,
+            ep=ep,
+            edp=edp,
+            control=control,
+            cp=cp,
+            tp=tp,
+            world_control=world_control,
+            timeout=timeout,
+            local_records=local_records,
+            transports=transports,
+        )
+
     def __deepcopy__(self, memo) -> "ParallelGroups":
         return self  # a copied model talks to the same ranks (process groups cannot be copied)
 
@@ -254,8 +374,8 @@ class ParallelGroups:
             if self.dp is None:
                 self._lazy.update(dp=None, edp=None)
             else:
-                world = self.layout.world_size
-                dp = self._lazy["dp"] = dist.new_group(list(range(world)), timeout=self.timeout)
+                dense = self.layout.dense_groups or (tuple(range(self.layout.world_size)),)
+                dp = self._lazy["dp"] = _new_subgroup(dense, self.rank, self.timeout)
                 edp = self._lazy["edp"] = _new_subgroup(self.layout.edp_groups, self.rank, self.timeout)
                 if self.transports is not None:
                     serve(dp, self.transports(dp))
@@ -286,7 +406,8 @@ class ParallelGroups:
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
-        for group in (self.dp, self.ep, self.edp, self.control, self.cp, *self._lazy.values()):
+        own = (self.dp, self.ep, self.edp, self.control, self.cp, self.tp, self.world_control)
+        for group in (*own, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
                 release(group)

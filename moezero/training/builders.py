@@ -27,6 +27,7 @@ from moezero.context_parallel import ContextParallel
 from moezero.deferred_values import materialize
 from moezero.training.batch_schedule import BatchSchedule
 from moezero.training.configs import Configs, TrainConfig
+from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.training.resume import Progress
 from moezero.zero import STATE_DTYPES, Muon, PrecisionAwareAdam, ZeroOptimizer, muon_param_groups, weight_decay_groups
 
@@ -63,14 +64,15 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
 
 def padded_vocab_size(cfg: Configs, tokenizer_vocab: int) -> int:
     """The model's vocabulary: a config's own (a checkpoint's), or the tokenizer's (at least --vocab-size)
-    rounded up to a multiple of --make-vocab-size-divisible-by (Megatron's padding)."""
+    rounded up to a multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size (Megatron's padding:
+    the padded vocabulary changes with tp unless it is already such a multiple; a checkpoint's is kept)."""
     if cfg.model.vocab_size is not None:
         if cfg.model.vocab_size < tokenizer_vocab:
             raise ConfigError(
                 f"the model's vocabulary ({cfg.model.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab})"
             )
         return cfg.model.vocab_size
-    multiple = cfg.model.make_vocab_size_divisible_by
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_parallel_size
     return math.ceil(max(tokenizer_vocab, cfg.data.vocab_size or 0) / multiple) * multiple
 
 
@@ -99,6 +101,8 @@ def build_model(
             gpt, moe, seed=cfg.train.seed, moe_layer=expert_parallel(groups), context_parallel=context_parallel
         )
     model = model.to(param_dtype(cfg.train))
+    # the global model's modules swapped for the tensor-parallel ones (their slices of its keyed init)
+    model = apply_tensor_parallel(model, groups.tp, cfg.implementation.sequence_parallel)
     if hub_dir:
         try:
             load_hub_weights(model, hub_dir)

@@ -28,6 +28,7 @@ from moezero.pipeline import pipeline_rank_layout
 from moezero.training.batch_schedule import BatchSchedule, parse_step_schedule
 from moezero.training.megatron_flags import ImplementationConfig
 from moezero.training.context_parallel_checks import check_context_parallel_run
+from moezero.training.tensor_parallel_checks import check_tensor_parallel_run
 from moezero.training.pipeline_checks import check_pipeline_run
 from moezero.training.megatron_rules import (
     check_accepted_megatron_flags,
@@ -715,16 +716,18 @@ def validate(
     checkpoint defines the model (what Megatron would not build is refused only then, so an older run resumes).
 
     A --train-samples run gets its --train-iters here: the steps from where it starts to the samples.
-    With --pipeline-model-parallel-size (pp) and --context-parallel-size (cp) the data-parallel size is
-    world_size / (pp cp): it deals the batch."""
+    With --pipeline-model-parallel-size (pp), --context-parallel-size (cp) and --tensor-model-parallel-size (tp) the
+    data-parallel size is world_size / (pp cp tp): it deals the batch."""
     plan = check_pipeline_run(cfg)
     check_context_parallel_run(cfg, world_size)
+    check_tensor_parallel_run(cfg, world_size)
     ep = cfg.parallel.expert_parallel_size
     if plan.pp > 1:  # Megatron's folding of the ranks: one line for sizes it refuses
         pipeline_rank_layout(
             world_size, ep, plan.pp, cfg.parallel.use_tp_pp_dp_mapping, cfg.parallel.context_parallel_size
         )
-    dp_size = world_size // plan.pp // cfg.parallel.context_parallel_size  # ranks reading distinct micro-batches
+    # ranks reading distinct micro-batches
+    dp_size = world_size // plan.pp // cfg.parallel.context_parallel_size // cfg.parallel.tensor_parallel_size
     cfg.train.resolve_global_batch_size(dp_size)
     try:
         rank_layout(world_size // plan.pp, ep)

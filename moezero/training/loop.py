@@ -67,7 +67,11 @@ def _micro_batch_steps(model, batch, keys, mtp: bool, phased: bool) -> phases.St
         logits, stats, *depths = yield from phases.module_steps(model, batch["tokens"], keys, mtp=mtp, **extra)
     else:
         logits, stats, *depths = model(batch["tokens"], keys, mtp=mtp, **extra)
-    loss = functools.partial(language_model_loss, fused=model.config.cross_entropy_loss_fusion)
+    loss = functools.partial(
+        language_model_loss,
+        fused=model.config.cross_entropy_loss_fusion,
+        token_losses=getattr(model, "token_losses", None),
+    )
     lm = loss(logits, batch["labels"], batch["loss_mask"])
     router = {name: sum((s.losses[name] for s in stats), lm.new_zeros(())) for name in MoEStats.LOSSES}
     depth_losses = []
@@ -149,6 +153,7 @@ def train_step(
     per_token_loss: bool = False,
     overlap_moe_comm: bool = False,
     context_parallel: Optional[ContextParallel] = None,
+    tensor_parallel_size: int = 1,
 ) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
     `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
@@ -158,7 +163,10 @@ def train_step(
     same way; the same numbers.
     `context_parallel`: this rank's cp group's (ranks of one cp group get the same whole micro-batches, split
     here): each loss is this rank's share of the micro-batch's, times the cp size, since the optimizer averages
-    over every rank (Megatron's loss_func and its dp-cp reduction)."""
+    over every rank (Megatron's loss_func and its dp-cp reduction).
+    `tensor_parallel_size`: the ranks of `group` that compute each micro-batch together: their lm and MTP losses are
+    copies (the lm's token sums and counts both tp times, the same mean), their router losses shares of the
+    micro-batch's."""
     model.train()
     n = len(micro_batches)
     cp_size = 1 if context_parallel is None else context_parallel.size
@@ -192,8 +200,12 @@ def train_step(
                     )
                     depths = _cp_depth_shares(batch, depths, whole_tokens[j])
                 else:
-                    losses.append(_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens))
+                    losses.append(
+                        _micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens, tensor_parallel_size)
+                    )
                 named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size)
+                if tensor_parallel_size > 1:  # each tp rank's MTP losses are copies: their sum counts them once
+                    named["mtp_losses"] = named["mtp_losses"] / tensor_parallel_size
                 packed = packed or _Packed(named)
                 per_micro.append(packed.pack(named))
             opt.backward(sum(losses[1:], losses[0]))
@@ -203,7 +215,7 @@ def train_step(
     totals = torch.stack(per_micro).sum(0).cpu()
     comm.all_reduce(totals, group)  # one all-reduce for every metric
     # a cp group's ranks add up shares of the same micro-batches
-    micro_batch_count = n * comm.group_size(group) // cp_size
+    micro_batch_count = n * comm.group_size(group) // (cp_size * tensor_parallel_size)
     return _step_metrics(packed.unpack(totals), micro_batch_count, opt.last_grad_norm, stepped)
 
 
@@ -212,16 +224,17 @@ def _keys(seed: int, iteration: int, batch: Dict[str, torch.Tensor]) -> SampleKe
 
 
 def _micro_batch_loss(
-    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"]
+    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"], tp_size: int = 1
 ) -> torch.Tensor:
-    """What one of n micro-batches adds to the loss that is backpropagated."""
+    """What one of n micro-batches adds to the loss that is backpropagated. `tp_size`: under tensor (sequence)
+    parallelism the routers' losses are this rank's shares, their token weights its tp_size-th of the tokens."""
     if tokens is None:
         return (lm + sum(router.values()) + _mtp_term(model, depths, batch, None)) / n
     share = tokens.weight(float(batch["loss_mask"].sum()))
     # megatron-core's router attaches each loss times its tokens (MoEStats.token_weighted), and
     # finalize_model_grads divides every gradient by the global batch's loss tokens
     routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
-    return lm * share + routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
+    return lm * share + tp_size * routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
 
 
 def _cp_micro_batch_loss(

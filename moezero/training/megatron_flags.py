@@ -112,7 +112,10 @@ class ImplementationConfig(Validated):
         False, "accepted: stage 3 prefetches its gathers anyway", flag="--overlap-param-gather"
     )
     sequence_parallel: bool = option(
-        False, "accepted at tensor parallel size 1, where it changes nothing", flag="--sequence-parallel"
+        False,
+        "at --tensor-model-parallel-size > 1: norms, dropout and residuals on each rank's sequence shard (needed by "
+        "MoE layers); at 1 it changes nothing (Megatron turns it off)",
+        flag="--sequence-parallel",
     )
     use_dist_ckpt: bool = option(
         False, "accepted: checkpoints are torch.distributed.checkpoint's", flag="--use-dist-ckpt"
@@ -267,9 +270,8 @@ class ImplementationConfig(Validated):
     )
     tp_comm_overlap: bool = option(
         False,
-        "Megatron's tensor-parallel communication overlap: it needs "
-        "--sequence-parallel, which Megatron turns off at --tensor-model-parallel-size 1, "
-        "the only size here, so refused as Megatron refuses it",
+        "Megatron's tensor-parallel communication overlap (Transformer Engine's userbuffers, GPUs only): refused "
+        "(at --tensor-model-parallel-size 1 Megatron turns --sequence-parallel off and refuses it too)",
         flag="--tp-comm-overlap",
     )
     use_transformer_engine_op_fuser: bool = option(False, SAME_NUMBERS, flag="--use-transformer-engine-op-fuser")

@@ -111,8 +111,8 @@ def check_gpu_execution_flags(cfg) -> None:
     rules = [
         (
             flags.tp_comm_overlap,
-            "--tp-comm-overlap: needs --sequence-parallel, which Megatron turns off at --tensor-model-parallel-size 1 "
-            "(the only size here) and then refuses it (Megatron's rule)",
+            "--tp-comm-overlap: Transformer Engine's overlap of the tensor-parallel exchanges is not supported by "
+            "moezero (at --tensor-model-parallel-size 1 Megatron turns --sequence-parallel off and refuses it too)",
         ),
         (
             flags.cuda_graph_impl == "local" and ep > 1,

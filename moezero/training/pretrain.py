@@ -59,6 +59,7 @@ from moezero.training.loop import (
     train_step,
 )
 from moezero.training.context_parallel_checks import comm_type_notice
+from moezero.training.tensor_parallel_checks import sequence_parallel_notice
 from moezero.training.pipeline_checks import check_pipeline_run, resolve_pipeline_zero_stage
 from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
@@ -115,7 +116,7 @@ class Pretraining:
         check_pipeline_run(cfg)  # again with the model a Hub folder or checkpoint gave (--load-hf, ...)
         if stage_notice is not None:
             notices.append(f" {stage_notice}")
-        notices += comm_type_notice(cfg)
+        notices += comm_type_notice(cfg) + sequence_parallel_notice(cfg)
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:
@@ -195,7 +196,7 @@ class Pretraining:
         self.opt.count_zeros_in_grad = cfg.train.log_num_zeros_in_grad
         # process-wide: glibc's thresholds now, a trim after each step that ends well above the warmed-up heap
         self.heap = HeapTrimmer() if cfg.train.host_heap_policy else None
-        ExpertBiasUpdater(self.model, self.groups.dp).attach(self.opt)  # counts in forward, updates after step
+        ExpertBiasUpdater(self.model, self.every_rank).attach(self.opt)  # counts in forward, updates after step
         self.history: List[Dict[str, float]] = []  # per iteration: lm loss, grad norm (and validation loss)
         self.stop_reason: Optional[str] = None
         self._saved_at: Optional[int] = None
@@ -218,8 +219,13 @@ class Pretraining:
                 expert_parallel_size=cfg.parallel.expert_parallel_size,
                 timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
                 context_parallel_size=cfg.parallel.context_parallel_size,
+                tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             )
-            self.rank, self.control, self.log_rank = self.groups.rank, self.groups.control, 0
+            self.rank, self.log_rank = self.groups.rank, 0
+            # at tp > 1 the groups' control is the optimizer's ranks (its tp coordinate's), the run decides for all
+            world = self.groups.world_control
+            self.control = self.groups.control if world is None else world
+            self.every_rank = self.groups.dp if world is None else world  # the losses' and counts' sums
             # the ranks of a cp group read the same micro-batches, each its part of every sequence
             self.dp_rank, self.dp_size = self.groups.data_parallel_rank, self.groups.data_parallel_size
             self.context_parallel = ContextParallel(self.groups.cp, cfg.parallel.cp_comm_type)
@@ -228,6 +234,7 @@ class Pretraining:
             self.pipeline = PipelineRun.build(cfg)
             pipeline = self.pipeline.groups
             self.groups, self.control, self.log_rank = pipeline.stage, pipeline.world_control, self.pipeline.log_rank
+            self.every_rank = self.groups.dp
             self.rank = pipeline.rank  # a stage's cp ranks read the same micro-batches, as at pp 1
             self.dp_rank, self.dp_size = pipeline.data_parallel_rank, pipeline.data_parallel_size
         self.logs = self.rank == self.log_rank
@@ -376,10 +383,11 @@ class Pretraining:
                     batches,
                     self.iteration,
                     t.seed,
-                    self.groups.dp,
+                    self.every_rank,
                     per_token_loss=t.calculate_per_token_loss,
                     overlap_moe_comm=interleaves_micro_batches(self.cfg),
                     context_parallel=self.context_parallel,
+                    tensor_parallel_size=self.groups.tp_size,
                 )
             if self.heap is not None:
                 self.heap.after_step()
@@ -582,8 +590,8 @@ class Pretraining:
                 batches = ([next(loader) for _ in range(per_batch)] for _ in range(t.eval_iters))
                 loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split), self.iteration)
             else:
-                loss = evaluate(
-                    self.model, loader, self.groups.dp, t.seed, self.iteration, split, self.context_parallel
+                loss = evaluate(  # the tp ranks' copies of each loss count alike in its token mean
+                    self.model, loader, self.every_rank, t.seed, self.iteration, split, self.context_parallel
                 )
         finally:
             loader.close()
@@ -710,6 +718,9 @@ class Pretraining:
             pp = f"pp {plan.pp} ({schedule}), "
         if self.groups.cp_size > 1:
             pp += f"cp {self.groups.cp_size}, "
+        if self.groups.tp_size > 1:
+            sp = " with sequence parallelism" if self.cfg.implementation.sequence_parallel else ""
+            pp += f"tp {self.groups.tp_size}{sp}, "
         self.logger.print(
             f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
             f"ZeRO stage {self.cfg.zero.stage}, "

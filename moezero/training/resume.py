@@ -32,6 +32,7 @@ from moezero.config import ConfigError, DataConfig, GPTConfig, MoEConfig, flag_o
 from moezero.config.options import derived_when_none_fields
 from moezero.data import parse_data_path
 from moezero.parallel import expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.training.configs import TrainConfig
 from moezero.training.lr_schedule import LearningRateSchedule, resumed_schedule
 
@@ -367,8 +368,9 @@ def apply_checkpoint_args(
 
 
 def check_shapes(model: nn.Module, point: ResumePoint, elsewhere: Iterable[str] = ()) -> None:
-    """The model's trainable params (global shapes: experts over all ranks) against the saved ones; `elsewhere`:
-    the names of the params other pipeline stages hold (saved, not in this rank's model)."""
+    """The model's trainable params (global shapes: experts over all ranks, tensor-parallel slices whole) against
+    the saved ones; `elsewhere`: the names of the params other pipeline stages hold (saved, not in this rank's
+    model)."""
     saved = {plain_param_name(n): tuple(s) for n, s in point.param_shapes.items()}
     problems = []
     for name, param in model.named_parameters():
@@ -378,6 +380,9 @@ def check_shapes(model: nn.Module, point: ResumePoint, elsewhere: Iterable[str] 
         shard = expert_shard_of(param)
         if shard is not None:
             shape[0] = shard.num_global_experts
+        tensor_shard = tensor_shard_of(param)  # a tensor-parallel slice: its global tensor's
+        if tensor_shard is not None:
+            shape = list(tensor_shard.global_shape)
         old = saved.get(plain_param_name(name))
         if old is None:
             problems.append(f"{name} is not in it")

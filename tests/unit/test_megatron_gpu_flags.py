@@ -35,8 +35,8 @@ ACCEPTED = [
 def test_gpu_execution_and_checkpointing_flags_are_accepted_with_megatrons_rules():
     validate(configs(TINY + ACCEPTED), world_size=1)
     for argv, needle in (
-        (["--tp-comm-overlap"], "--tp-comm-overlap: needs --sequence-parallel, which Megatron turns off"),
-        (["--tp-comm-overlap", "--sequence-parallel"], "--tp-comm-overlap: needs --sequence-parallel"),
+        (["--tp-comm-overlap"], "--tp-comm-overlap: Transformer Engine's overlap of the tensor-parallel exchanges"),
+        (["--tp-comm-overlap", "--sequence-parallel"], "--tp-comm-overlap: Transformer Engine's overlap"),
         (
             ["--cuda-graph-impl", "local", "--expert-model-parallel-size", "2"],
             "--cuda-graph-impl local: with --expert-model-parallel-size > 1 Megatron needs",
