@@ -113,6 +113,7 @@ class UnitGatherer(BackwardListener):
         self._forward_open = False  # a forward began and did not reach its end (root_post_forward) yet
         self._on_demand: Set[int] = set()  # units a read gathered during this forward
         self._backward_task: Optional[int] = None
+        self._graph_checked = False  # whether this backward was seen not to record a graph
         self._pending: Dict[int, Optional[int]] = {}
         self._exposed: Set[int] = set()  # units whose params have their own type (no per-op check)
         # a write to a gathered unit's params, exposed or not (an on-demand gather, the last block kept for
@@ -269,8 +270,8 @@ class UnitGatherer(BackwardListener):
         return self.forward_active or in_backward()
 
     def gather_on_demand(self, unit: int) -> None:
-        if in_backward():
-            self._pre_backward(unit)
+        if in_backward():  # a read inside a recompute, or a backward formula's: the next hook checks the graph
+            self._pre_backward(unit, recomputing=True)
             return
         self.ensure(unit, Activity.ON_DEMAND_GATHER, exposed=False)
         self._on_demand.add(unit)  # freed when the forward ends; backward gathers it again
@@ -298,7 +299,7 @@ class UnitGatherer(BackwardListener):
 
     def _pre_forward(self, unit: int) -> None:
         if in_backward():  # recompute of a checkpointed block inside backward
-            self._pre_backward(unit)
+            self._pre_backward(unit, recomputing=True)
             return
         if unit in self.forward.visited:
             self.ensure(unit, Activity.FORWARD_GATHER)  # a unit run twice, or out of schedule order
@@ -377,12 +378,19 @@ class UnitGatherer(BackwardListener):
         self.free_all()
 
     # ---- backward ------------------------------------------------------------------------------
-    def begin_backward(self) -> None:
+    def begin_backward(self, recomputing: bool = False) -> None:
+        """The backward's first event starts it here. `recomputing`: the event is a checkpointed block's recompute,
+        which records a graph in any backward (torch enables grad for it), so whether the backward itself records
+        one (create_graph=True, refused) is read at its first other event (an MTP depth recomputed first, before
+        any unit's backward hook fired)."""
         task = current_backward()
         if self._backward_task == task:
+            if not recomputing and not self._graph_checked:
+                self._refuse_a_recorded_graph()
             return
-        if torch.is_grad_enabled():  # inside a backward: it records a graph (create_graph=True)
-            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
+        if not recomputing:
+            self._refuse_a_recorded_graph()
+        self._graph_checked = not recomputing
         self._backward_task = task
         self.agreement.progress.backwards += 1
         self.backward.reset()
@@ -390,8 +398,13 @@ class UnitGatherer(BackwardListener):
         queue_end_of_backward(self._end_backward)
         self.ensure(0, Activity.BACKWARD_GATHER)
 
-    def _pre_backward(self, unit: int) -> None:
-        self.begin_backward()
+    def _refuse_a_recorded_graph(self) -> None:
+        if torch.is_grad_enabled():  # inside a backward: it records a graph (create_graph=True)
+            raise RuntimeError(DOUBLE_BACKWARD_REFUSED)
+        self._graph_checked = True
+
+    def _pre_backward(self, unit: int, recomputing: bool = False) -> None:
+        self.begin_backward(recomputing)
         if unit in self.backward.visited or unit not in self.backward.position:  # again, or the root
             self.ensure(unit, Activity.BACKWARD_GATHER)
             return

@@ -1,5 +1,6 @@
 """Multi-token prediction in a training run (--mtp-num-layers, --mtp-loss-scaling-factor): the lm and MTP loss
-curves are layout invariant (one process = 2 ranks at ep 1 and 2, stages 1 and 3, a stage-3 resume), the MTP
+curves are layout invariant (one process = 2 ranks at ep 1 and 2, stages 1 and 3, stage 3 with full recompute, a
+stage-3 resume), the MTP
 loss trains the model, and it is logged as Megatron logs it ('mtp_1 loss' on the console and in TensorBoard);
 the MTP depth's MoE layer is counted and logged with the others. The model has GPT-OSS's attention and experts
 (Megatron's flags), whose curves are layout invariant too."""
@@ -40,6 +41,12 @@ def _two_rank_runs(cache_dir, save_dir, tb_dir):
         )
         for ep, stage in ((1, 1), (2, 3))
     }
+    # Megatron recomputes the MTP depth under full uniform recompute: at stage 3 its recompute can be the backward's
+    # first event, which must not read as a backward recording a graph (create_graph=True)
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    runs["ep2 stage3 full recompute"] = _curves(
+        train(MTP + recompute + ["--expert-model-parallel-size", "2", "--zero-stage", "3"], cache_dir)
+    )
     first = train(
         MTP + ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--exit-interval", "4", "--save", save_dir],
         cache_dir,
