@@ -90,7 +90,10 @@ class ParallelConfig(Validated):
         choices=("p2p", "all_gather", "a2a", "a2a+p2p"),
     )
     expert_tensor_parallel_size: Optional[int] = option(
-        None, "Megatron's expert tensor parallelism: only 1", flag="--expert-tensor-parallel-size"
+        None,
+        "ranks splitting each expert's ffn (Megatron's expert tensor parallelism; default: "
+        "--tensor-model-parallel-size; pipeline and context parallel size 1)",
+        flag="--expert-tensor-parallel-size",
     )
     distributed_backend: str = option(
         "nccl",
@@ -105,21 +108,38 @@ class ParallelConfig(Validated):
         self._require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
         self._require(self.context_parallel_size >= 1, "context_parallel_size", "must be >= 1")
         self._require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        refused = (
-            [
-                (
-                    "expert_tensor_parallel_size",
-                    "not supported by moezero, only 1 is accepted (it splits experts with "
-                    "--expert-model-parallel-size and shards the rest with --zero-stage)",
-                )
-            ]
-            if self.expert_tensor_parallel_size not in (1, None)
-            else []
+        self._require(
+            self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+            "expert_tensor_parallel_size",
+            "must be >= 1",
         )
+        refused = self._expert_tensor_parallel_refusals()
         refused += self._context_parallel_refusals() + self._tensor_parallel_refusals()
         if refused:  # last: the rest of the section is valid without them
             lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {why}" for name, why in refused]
             raise ConfigError("\n".join(lines), refused=tuple(name for name, _ in refused))
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The experts' tensor-parallel size: --expert-tensor-parallel-size, by default (Megatron's) the tp size."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_parallel_size if etp is None else etp
+
+    def _expert_tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
+        """(field, why) of the layouts expert tensor parallelism does not run with yet (one line)."""
+        others = [
+            f"{flag}={size}"
+            for flag, size in (
+                ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
+                ("--context-parallel-size", self.context_parallel_size),
+            )
+            if size > 1
+        ]
+        if self.expert_tensor_parallel_size in (None, 1) or not others:  # by default tp's rules refuse them
+            return []
+        return [
+            ("expert_tensor_parallel_size", f"not supported with {' and '.join(others)} yet (etp runs at 1 of each)")
+        ]
 
     def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""

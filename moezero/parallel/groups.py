@@ -16,6 +16,10 @@ Tensor parallelism (tp > 1): Megatron's groups from parallel/ranks.py, tp fastes
 dp {0,2} {1,3}); `dp` is the dp-cp group of the rank's tp coordinate and the tp ranks of one group read the same
 micro-batch.
 
+Expert tensor parallelism (etp > 1, Megatron's --expert-tensor-parallel-size): the experts' groups are Megatron's
+expert partitions (etp fastest, then ep, then edp: world 2, etp 2: etp {0,1}, ep and edp single ranks), at any tp
+(tp 1 keeps the other groups above); etp 1 builds the groups above unchanged.
+
 Each group's transport (transport.py: how its collectives travel) is chosen here, once, as the group is made.
 """
 
@@ -42,10 +46,11 @@ class RankLayout:
     """Pure description of who talks to whom; no processes needed.
 
     At tensor-parallel size 1 the groups are the ones in the module's docstring. At tp > 1 they are Megatron's
-    (`ranks.megatron_rank_layout`, expert-tensor-parallel size 1): tp fastest, `dense_groups` its dp-cp groups (the
+    (`ranks.megatron_rank_layout`): tp fastest, `dense_groups` its dp-cp groups (the
     ranks of one tp coordinate reducing dense gradients), `data_groups` its dp groups (ranks reading distinct
     micro-batches), the experts' ep and edp folded over the same ranks (at tp 2, ep 2 the ep group {0, 1} crosses
-    tp coordinates). Every rank's place is read from the partitions, never from rank arithmetic.
+    tp coordinates). At etp > 1 (any tp) the experts' ep, edp and etp groups are Megatron's expert partitions with
+    that etp. Every rank's place is read from the partitions, never from rank arithmetic.
     """
 
     world_size: int
@@ -58,6 +63,8 @@ class RankLayout:
     tp_groups: Tuple[Ranks, ...] = ()  # ranks holding shards of one model replica (empty: singletons)
     dense_groups: Tuple[Ranks, ...] = ()  # Megatron's dp-cp: dense gradients (empty: the whole world)
     data_groups: Tuple[Ranks, ...] = ()  # Megatron's dp: ranks reading distinct micro-batches (empty: by cp stride)
+    expert_tensor_parallel_size: int = 1
+    etp_groups: Tuple[Ranks, ...] = ()  # ranks holding ffn slices of the same experts (empty: singletons)
 
     def ep_group_of(self, rank: int) -> Ranks:
         return _group_of(self.ep_groups, rank)
@@ -70,6 +77,9 @@ class RankLayout:
 
     def tp_group_of(self, rank: int) -> Ranks:
         return _group_of(self.tp_groups, rank) if self.tp_groups else (rank,)
+
+    def etp_group_of(self, rank: int) -> Ranks:
+        return _group_of(self.etp_groups, rank) if self.etp_groups else (rank,)
 
     def dense_group_of(self, rank: int) -> Ranks:
         return _group_of(self.dense_groups, rank) if self.dense_groups else tuple(range(self.world_size))
@@ -86,12 +96,18 @@ def _group_of(partition: Tuple[Ranks, ...], rank: int) -> Ranks:
 
 
 def rank_layout(
-    world_size: int, expert_parallel_size: int, context_parallel_size: int = 1, tensor_parallel_size: int = 1
+    world_size: int,
+    expert_parallel_size: int,
+    context_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> RankLayout:
-    """The ep/edp/cp (and at tp > 1 tp, dp-cp, dp) groups for a world; raises ValueError for impossible layouts
-    (at tp > 1 a ConfigError naming the flags, Megatron's rules)."""
-    if tensor_parallel_size != 1:
-        return _tensor_parallel_layout(world_size, expert_parallel_size, context_parallel_size, tensor_parallel_size)
+    """The ep/edp/cp (and at tp > 1 tp, dp-cp, dp; at etp > 1 etp) groups for a world; raises ValueError for
+    impossible layouts (at tp or etp > 1 a ConfigError naming the flags, Megatron's rules)."""
+    if tensor_parallel_size != 1 or expert_tensor_parallel_size != 1:
+        return _megatron_layout(
+            world_size, expert_parallel_size, context_parallel_size, tensor_parallel_size, expert_tensor_parallel_size
+        )
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if expert_parallel_size < 1:
@@ -110,9 +126,10 @@ def rank_layout(
     return RankLayout(world_size, ep, ep_groups, edp_groups, cp, cp_groups)
 
 
-def _tensor_parallel_layout(world: int, ep: int, cp: int, tp: int) -> RankLayout:
-    """Megatron's groups at tp > 1 with expert-tensor-parallel size 1 (the experts fold ep x edp over all ranks)."""
-    megatron = megatron_rank_layout(world, tp, cp, ep, expert_tensor_parallel_size=1)
+def _megatron_layout(world: int, ep: int, cp: int, tp: int, etp: int) -> RankLayout:
+    """Megatron's groups at tp or etp > 1: the decoder's folding for the dense params, the experts' (etp x ep x edp
+    over all ranks) for the routed experts."""
+    megatron = megatron_rank_layout(world, tp, cp, ep, expert_tensor_parallel_size=etp)
     decoder, expert = megatron.decoder, megatron.expert
     return RankLayout(
         world,
@@ -125,6 +142,8 @@ def _tensor_parallel_layout(world: int, ep: int, cp: int, tp: int) -> RankLayout
         tp_groups=decoder["tp"],
         dense_groups=decoder["dp-cp"],
         data_groups=decoder["dp"],
+        expert_tensor_parallel_size=etp,
+        etp_groups=expert["tp"],
     )
 
 
@@ -153,7 +172,7 @@ class ParallelGroups:
         tp: this rank's tensor-parallel group, the ranks holding shards of one model replica (None at tp 1; `build`
             makes it with `tensor_parallel_size`, a caller may pass its own: `dataclasses.replace(groups, tp=...)`).
         etp: this rank's expert-tensor-parallel group, the ranks holding ffn slices of the same experts (None at
-            etp 1; as `tp`, a caller passes its own).
+            etp 1; `build` makes it with `expert_tensor_parallel_size`, or a caller passes its own).
         world_control: at tp > 1 the group of every rank, for the run's decisions (None: `control` is every rank's).
         timeout: how long a collective of any group waits for a peer (None: torch's default for new groups).
         local_records: records and short all-reduces through pipes when every rank is on this host.
@@ -248,6 +267,7 @@ class ParallelGroups:
         transports: Optional[Callable[[Any], Transport]] = None,
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
     ) -> "ParallelGroups":
         """Create the groups and their transports; every rank must call this in the same order (after
         init_process_group; without it, a world of one).
@@ -267,17 +287,23 @@ class ParallelGroups:
                 divides the world size.
             tensor_parallel_size: ranks that hold shards of one model replica (--tensor-model-parallel-size): at
                 tp > 1 every group is Megatron's (RankLayout), `dp` the dp-cp group of the rank's tp coordinate.
+            expert_tensor_parallel_size: ranks that hold ffn slices of the same experts
+                (--expert-tensor-parallel-size, resolved: Megatron's default is tp): at etp > 1 the experts' etp, ep
+                and edp groups are Megatron's expert partitions, at any tp.
         """
         if not (dist.is_available() and dist.is_initialized()):
             sizes = (("expert", expert_parallel_size), ("context", context_parallel_size))
-            for name, size in sizes + (("tensor", tensor_parallel_size),):
+            sizes += (("tensor", tensor_parallel_size), ("expert tensor", expert_tensor_parallel_size))
+            for name, size in sizes:
                 if size != 1:
                     raise ValueError(
                         f"{name} parallel size {size} needs torch.distributed to be initialised (world of one)"
                     )
             return cls.single()
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = rank_layout(world, expert_parallel_size, context_parallel_size, tensor_parallel_size)
+        layout = rank_layout(
+            world, expert_parallel_size, context_parallel_size, tensor_parallel_size, expert_tensor_parallel_size
+        )
         if tensor_parallel_size > 1:
             return cls._build_tensor_parallel(layout, rank, timeout, local_records, transports)
         dp = dist.new_group(list(range(world)), timeout=timeout)
@@ -285,15 +311,19 @@ class ParallelGroups:
         ep = _new_subgroup(layout.ep_groups, rank, timeout)
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
         cp = _new_subgroup(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
+        etp = _new_subgroup(layout.etp_groups, rank, timeout) if expert_tensor_parallel_size > 1 else None
         if transports is not None:
-            for group in (dp, control, ep, edp, cp):
+            for group in (dp, control, ep, edp, cp, etp):
                 if group is not None:
                     serve(group, transports(group))
         elif local_records and dist.get_backend(control) == "gloo":
             _serve_local(layout, dp, control, ep, edp, timeout)
-            if cp is not None:  # its short all-reduces (token counts) on pipes, its K/V gathers on rings
-                pipes = local_channel.connect(cp, timeout, "context-parallel group")
-                _serve_local_parts(cp, pipes, local_exchange.connect(cp, pipes))
+            # cp: its short all-reduces (token counts) on pipes, its K/V gathers on rings; etp: its count exchanges on
+            # pipes, the experts' rows on rings
+            for group, name in ((cp, "context-parallel group"), (etp, "expert tensor-parallel group")):
+                if group is not None:
+                    pipes = local_channel.connect(group, timeout, name)
+                    _serve_local_parts(group, pipes, local_exchange.connect(group, pipes))
         return cls(
             layout,
             rank,
@@ -302,6 +332,7 @@ class ParallelGroups:
             edp=edp,
             control=control,
             cp=cp,
+            etp=etp,
             timeout=timeout,
             local_records=local_records,
             transports=transports,
@@ -325,6 +356,7 @@ class ParallelGroups:
         edp = _new_subgroup(layout.edp_groups, rank, timeout)
         cp = _new_subgroup(layout.cp_groups, rank, timeout) if layout.context_parallel_size > 1 else None
         tp = _new_subgroup(layout.tp_groups, rank, timeout)
+        etp = _new_subgroup(layout.etp_groups, rank, timeout) if layout.expert_tensor_parallel_size > 1 else None
         named = (
             (dp, "data-parallel group"),
             (control, "control group"),
@@ -333,6 +365,7 @@ class ParallelGroups:
             (edp, "expert data-parallel group"),
             (cp, "context-parallel group"),
             (tp, "tensor-parallel group"),
+            (etp, "expert tensor-parallel group"),
         )
         if transports is not None:
             for group, _ in named:
@@ -345,7 +378,7 @@ class ParallelGroups:
                     rings = None
                     if group in (dp, edp):  # the buckets' exchanges, their notices on a channel of their own
                         rings = _bucket_rings(group, timeout, f"{name}'s buckets")
-                    elif group in (ep, cp, tp):
+                    elif group in (ep, cp, tp, etp):
                         rings = local_exchange.connect(group, pipes)
                     _serve_local_parts(group, pipes, rings)
         return cls(
@@ -357,6 +390,7 @@ class ParallelGroups:
             control=control,
             cp=cp,
             tp=tp,
+            etp=etp,
             world_control=world_control,
             timeout=timeout,
             local_records=local_records,
@@ -406,7 +440,7 @@ class ParallelGroups:
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
-        own = (self.dp, self.ep, self.edp, self.control, self.cp, self.tp, self.world_control)
+        own = (self.dp, self.ep, self.edp, self.control, self.cp, self.tp, self.etp, self.world_control)
         for group in (*own, *self._lazy.values()):
             if group is not None and id(group) not in seen and group != dist.GroupMember.NON_GROUP_MEMBER:
                 seen.add(id(group))
@@ -420,8 +454,8 @@ def _serve_local(
     """Collective: pipes and rings for the groups whose ranks all run on this host (local_transport.py); a group
     without either keeps gloo's default transport."""
     world = layout.world_size
-    wide_ep = layout.expert_parallel_size == world  # the same ranks: one setup for all of them
-    edp_spans_world = layout.expert_parallel_size == 1
+    wide_ep = dist.get_world_size(ep) == world  # the same ranks: one setup for all of them
+    edp_spans_world = dist.get_world_size(edp) == world  # not at etp > 1: etp x ep x edp is the world
     # pipes: the dp and control groups' short all-reduces (small_reduce.py), the ep group's count exchanges
     shared = [(dp, "data-parallel group"), (control, "control group")]
     shared += [(ep, "expert-parallel group")] if wide_ep else []

@@ -220,6 +220,7 @@ class Pretraining:
                 timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
                 context_parallel_size=cfg.parallel.context_parallel_size,
                 tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+                expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel,
             )
             self.rank, self.log_rank = self.groups.rank, 0
             # at tp > 1 the groups' control is the optimizer's ranks (its tp coordinate's), the run decides for all
@@ -721,8 +722,9 @@ class Pretraining:
         if self.groups.tp_size > 1:
             sp = " with sequence parallelism" if self.cfg.implementation.sequence_parallel else ""
             pp += f"tp {self.groups.tp_size}{sp}, "
+        etp = f", etp {self.groups.etp_size}" if self.groups.etp_size > 1 else ""
         self.logger.print(
-            f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}, "
+            f" moezero pretraining: world {self.world}, {pp}ep {self.groups.ep_size}{etp}, "
             f"ZeRO stage {self.cfg.zero.stage}, "
             f"{self.micro_steps} micro-step(s) per rank per iteration, {params:,} params on rank {self.rank}, "
             f"{len(self.data.train)} train samples"

@@ -28,7 +28,8 @@ sequence's (GPTModel.sequence_keys), attention's on the rank's heads the slices 
 
 MoE layers need sequence parallelism (Megatron's rule): each rank routes its sequence shard, with the router's token
 counts over the tp group (each rank's losses its share) and the routed experts split over ep as at tp 1, ep folded
-over the tp ranks (expert-tensor-parallel size 1).
+over the tp ranks at expert-tensor-parallel size 1; at etp > 1 (Megatron's default: tp) each expert's ffn is split
+over the etp group the MoE layers are built with (ParallelGroups.etp).
 
 MTP depths are built as the decoder's layers (their norms and projection whole on every rank) and under sequence
 parallelism learned position embeddings are looked up at the rank's positions.

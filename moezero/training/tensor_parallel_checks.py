@@ -3,8 +3,15 @@ line each, naming the flags).
 
 What runs at tp > 1 (training/tensor_parallel.py): pipeline and context-parallel size 1, any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
-with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks,
-expert-tensor-parallel size 1); checkpoints at global coordinates (a tp's resumes at any other).
+with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); checkpoints
+at global coordinates (a tp's resumes at any other).
+
+Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
+etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
+and context parallel size 1 (config/run.py); its expert slices are ZeRO params and checkpoint pieces at global
+coordinates (an etp's checkpoint resumes at any other). Unlike Megatron it keeps the experts' biases
+(--add-bias-linear): each etp rank adds its slice of the output bias, exact (tests/distributed/
+test_moe_expert_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -13,39 +20,68 @@ import dataclasses
 from typing import List
 
 from moezero.config import ConfigError
+from moezero.parallel.ranks import check_sizes
 from moezero.training.tensor_parallel import refusals
 
 TP = "--tensor-model-parallel-size"
+ETP = "--expert-tensor-parallel-size"
+UNSUPPORTED = "not supported with {flag} > 1 yet ({flag}={size})"
 
 
 def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
     """At tp > 1, a line for each flag or value of the run that tensor parallelism does not run (none at tp 1)."""
     p = cfg.parallel
     tp = p.tensor_parallel_size
+    problems = expert_tensor_parallel_refusals(cfg, world_size)
     if tp == 1:
-        return []
-    problems = []  # with pipeline or context parallelism: refused by ParallelConfig
+        return problems
+    # with pipeline or context parallelism: refused by ParallelConfig
     if world_size % tp:
-        problems.append(f"{TP}={tp}: must divide the number of processes ({world_size})")
+        problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
-    if moe is not None and p.expert_tensor_parallel_size != 1:
-        given = p.expert_tensor_parallel_size
+    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _whole_matrix_flags(cfg)]
+    # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
+    model = dataclasses.replace(cfg.model, vocab_size=None)
+    problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
+    return problems
+
+
+def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
+    """At etp > 1, a line for each size or flag that expert tensor parallelism does not run (none at etp 1); at tp > 1
+    the flags tp refuses too are left to tp's lines."""
+    p, moe = cfg.parallel, cfg.moe
+    etp, tp = p.expert_tensor_parallel, p.tensor_parallel_size
+    if etp == 1:
+        return []
+    problems = []
+    decoder_fits = world_size % (tp * p.context_parallel_size * p.pipeline_parallel_size) == 0
+    if decoder_fits:  # the decoder's sizes are the tp and cp checks' lines
+        try:
+            check_sizes(world_size, tp, p.context_parallel_size, p.expert_parallel_size, etp, 1, False)
+        except ConfigError as error:  # Megatron's world % (etp x ep x pp)
+            problems.append(str(error))
+    if moe.num_experts is None:  # a dense GPT: the experts' split has nothing to split (Megatron's too)
+        return problems
+    ffn, hidden = moe.ffn_hidden_size or cfg.model.ffn_hidden_size, cfg.model.hidden_size  # the experts' widths
+    if ffn % etp or hidden % etp:  # each rank holds its columns of fc1 (GLU: of both halves), its rows of fc2
         problems.append(
-            f"--expert-tensor-parallel-size={tp if given is None else given}"
-            f"{' (Megatron default: ' + TP + ')' if given is None else ''}: only 1 runs here, pass "
-            "--expert-tensor-parallel-size 1 (the experts split over --expert-model-parallel-size instead)"
+            f"{ETP}={etp}: must divide the experts' ffn size ({ffn}, --moe-ffn-hidden-size) and --hidden-size "
+            f"({hidden})"
         )
-    unsupported = (
+    if tp == 1:
+        problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _whole_matrix_flags(cfg)]
+    return problems
+
+
+def _whole_matrix_flags(cfg) -> List[str]:
+    """The flags of the run that need every weight whole on one rank (Hugging Face files, upcycling, Muon)."""
+    flags = (
         ("--load-hf", cfg.checkpoint.load_hf),
         ("--save-hf", cfg.checkpoint.save_hf),
         ("--moe-use-upcycling", cfg.moe.use_upcycling),
         ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )
-    problems += [f"{flag}: not supported with {TP} > 1 yet ({TP}={tp})" for flag, given in unsupported if given]
-    # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
-    model = dataclasses.replace(cfg.model, vocab_size=None)
-    problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
-    return problems
+    return [flag for flag, given in flags if given]
 
 
 def check_tensor_parallel_run(cfg, world_size: int) -> None:

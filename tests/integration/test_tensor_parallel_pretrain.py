@@ -6,7 +6,11 @@ counts summed over every rank), float64: the lm, MTP and router losses, gradient
 iteration to 1e-10 relative, with and without --calculate-per-token-loss. Checkpoints hold global coordinates, so a
 tp 2 checkpoint resumes in one process (tp 1) and a tp 1 one at tp 2, each on the uninterrupted run's curve. The
 vocabulary is padded to a multiple of 256 at tp 1 and 2 alike (Megatron pads to --make-vocab-size-divisible-by x
-tp)."""
+tp).
+
+Expert tensor parallelism in the same world: tp 2 with Megatron's default --expert-tensor-parallel-size (= tp: each
+expert's ffn split over both ranks, ep 1), and tp 1 with etp 2 (dp 2: each rank its own micro-batches, the experts'
+rows gathered over etp), on one process's curve; a checkpoint saved at tp 2 etp 2 resumes in one process."""
 
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, run_in_process
@@ -19,6 +23,8 @@ TP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "s
 TP_TINY += ["--position-embedding-type", "rope", "--make-vocab-size-divisible-by", "256", "--mtp-num-layers", "1"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
 TP2 += ["--expert-tensor-parallel-size", "1"]
+ETP_AT_TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # etp: tp's, Megatron's default
+ETP_AT_TP1 = ["--expert-tensor-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss"]  # the routers' token-weighted shares count a rank's 1/tp of the tokens
 TOL = 1e-10
 
@@ -28,14 +34,22 @@ def _values(history):
     return [tuple(h.get(key) for key in keys) for h in history]
 
 
-def _tp2_runs(argv, saved_at_tp2, saved_at_tp1):
+def _tp2_runs(argv, saved_at_tp2, saved_at_tp1, saved_at_etp2):
     """At tp 2: 4 iterations straight (and with --calculate-per-token-loss); iterations 1-2 saved, then 3-4 resumed
-    from a tp 1 run's checkpoint."""
-    straight, output = run_in_process(argv)
-    per_token, _ = run_in_process(argv + PER_TOKEN)
-    first, _ = run_in_process(argv + ["--exit-interval", "2", "--save", saved_at_tp2])
-    from_tp1, _ = run_in_process(argv + ["--load", saved_at_tp1])
-    return straight, output, first, from_tp1, per_token
+    from a tp 1 run's checkpoint. Then expert tensor parallelism (_etp_runs)."""
+    straight, output = run_in_process(argv + TP2)
+    per_token, _ = run_in_process(argv + TP2 + PER_TOKEN)
+    first, _ = run_in_process(argv + TP2 + ["--exit-interval", "2", "--save", saved_at_tp2])
+    from_tp1, _ = run_in_process(argv + TP2 + ["--load", saved_at_tp1])
+    return (straight, output, first, from_tp1, per_token), _etp_runs(argv, saved_at_etp2)
+
+
+def _etp_runs(argv, saved_at_etp2):
+    """tp 2 etp 2 (ep 1) straight and its iterations 1-2 saved; tp 1 etp 2 straight; the two straight runs' logs."""
+    at_tp2, output_tp2 = run_in_process(argv + ETP_AT_TP2)
+    first, _ = run_in_process(argv + ETP_AT_TP2 + ["--exit-interval", "2", "--save", saved_at_etp2])
+    at_tp1, output_tp1 = run_in_process(argv + ETP_AT_TP1)
+    return at_tp2, first, at_tp1, output_tp2 + output_tp1
 
 
 def _assert_same_curve(name, curve, expected):
@@ -45,15 +59,23 @@ def _assert_same_curve(name, curve, expected):
             assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
 
 
-def test_tp2_sp_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_tp(tmp_path):
+def test_tp2_sp_x_ep2_and_etp_runs_equal_one_process_and_checkpoints_reshard(tmp_path):
     argv = TP_TINY + ["--data-cache-path", str(tmp_path)]
-    at_tp2, at_tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    at_tp2, at_tp1, at_etp2 = str(tmp_path / "tp2"), str(tmp_path / "tp1"), str(tmp_path / "etp2")
     single, _ = run_in_process(argv)
     single_per_token, _ = run_in_process(argv + PER_TOKEN)
     first_tp1, _ = run_in_process(argv + ["--exit-interval", "2", "--save", at_tp1])
-    ranks = run_distributed(_tp2_runs, 2, argv + TP2, at_tp2, at_tp1, timeout=400)
+    runs = run_distributed(_tp2_runs, 2, argv, at_tp2, at_tp1, at_etp2, timeout=400)
+    ranks, etp_ranks = [tp for tp, _ in runs], [etp for _, etp in runs]
     from_tp2, _ = run_in_process(argv + ["--load", at_tp2])
+    from_etp2, _ = run_in_process(argv + ["--load", at_etp2])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
+    for at_tp2_etp2, first_etp2, at_tp1_etp2, _ in etp_ranks:
+        _assert_same_curve("tp 2, etp 2", at_tp2_etp2, single)
+        _assert_same_curve("tp 1, etp 2 (dp 2)", at_tp1_etp2, single)
+    _assert_same_curve("tp 2 etp 2 -> tp 1 etp 1", etp_ranks[0][1] + from_etp2, single)
+    output = etp_ranks[0][3]
+    assert "world 2, tp 2 with sequence parallelism, ep 1, etp 2" in output and "world 2, ep 1, etp 2" in output
     for straight, output, first, from_tp1, per_token in ranks:
         _assert_same_curve("tp 2", straight, single)
         _assert_same_curve("tp 2, per-token loss", per_token, single_per_token)

@@ -224,8 +224,7 @@ def test_megatron_fsdp_flags_that_change_numbers_are_checked():
         configs(["--megatron-fsdp-grad-comm-dtype", "fp16"])
     with pytest.raises(ConfigError, match="--megatron-fsdp-grad-comm-dtype='bf16': needs --use-megatron-fsdp"):
         configs(["--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16"])  # Megatron reads it only there
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported by moezero"):
-        configs(["--expert-tensor-parallel-size", "2"])
+    assert configs(["--expert-tensor-parallel-size", "2"]).parallel.expert_tensor_parallel == 2
     assert configs(["--expert-tensor-parallel-size", "1"]).parallel.expert_tensor_parallel_size == 1
 
 

@@ -55,18 +55,94 @@ TP2 = ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope"]
 
 
 def test_a_tp_run_lists_every_refusal_at_once():
-    """TINY's MoE layers at tp 2 without --sequence-parallel, with its capacity factor and Megatron's default
-    --expert-tensor-parallel-size (= tp), on 3 processes: one ConfigError, a line each."""
+    """TINY's MoE layers at tp 2 without --sequence-parallel, with its capacity factor (and Megatron's default
+    --expert-tensor-parallel-size = tp, which runs), on 3 processes: one ConfigError, a line each."""
     from moezero.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
         _validate(TP2, 3)
     lines = str(info.value).splitlines()
     assert lines[0] == "--tensor-model-parallel-size=2: must divide the number of processes (3)", lines
-    assert lines[1].startswith("--expert-tensor-parallel-size=2 (Megatron default: --tensor-model-parallel-size)")
-    assert "pass --expert-tensor-parallel-size 1" in lines[1]
-    assert "need --sequence-parallel" in lines[2] and "--moe-expert-capacity-factor 1.5" in lines[3], lines
-    assert len(lines) == 4, lines
+    assert "need --sequence-parallel" in lines[1] and "--moe-expert-capacity-factor 1.5" in lines[2], lines
+    assert len(lines) == 3, lines
+
+
+SP = ["--sequence-parallel", "--moe-expert-capacity-factor", "-1"]
+
+
+@pytest.mark.parametrize(
+    "argv,world,expected",
+    [
+        (
+            ["--expert-tensor-parallel-size", "2"],
+            3,
+            ["--expert-tensor-parallel-size=2: must divide the world size (3)"],
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            2,
+            [
+                "--expert-tensor-parallel-size=2, --expert-model-parallel-size=2: their product (4) must divide the "
+                "world size (2)"
+            ],
+        ),
+        (
+            ["--expert-tensor-parallel-size", "3"],
+            3,
+            [
+                "--expert-tensor-parallel-size=3: must divide the experts' ffn size (128, --moe-ffn-hidden-size) and "
+                "--hidden-size (32)"
+            ],
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--save-hf", "out", "--optimizer", "muon"],
+            2,
+            [
+                "--save-hf: not supported with --expert-tensor-parallel-size > 1 yet (--expert-tensor-parallel-size=2)",
+                "--optimizer muon: not supported with --expert-tensor-parallel-size > 1 yet "
+                "(--expert-tensor-parallel-size=2)",
+            ],
+        ),
+        (
+            TP2 + SP + ["--expert-tensor-parallel-size", "4"],
+            2,
+            ["--expert-tensor-parallel-size=4: must divide the world size (2)"],
+        ),
+    ],
+)
+def test_expert_tensor_parallel_refusals_are_one_line_each(argv, world, expected):
+    """Megatron's sizes (world % (etp x ep x pp)), the experts' widths and what needs whole weights, at tp 1 and 2
+    (at tp 2 the flags tp refuses are tp's lines)."""
+    from moezero.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _validate(argv, world)
+    assert str(info.value).splitlines() == expected
+
+
+def test_expert_tensor_parallel_with_pipeline_stages_is_refused_in_one_line():
+    from moezero.config import ConfigError
+    from tests.integration.pretrain_utils import TINY, configs
+
+    with pytest.raises(
+        ConfigError,
+        match=r"^--expert-tensor-parallel-size=2: not supported with "
+        r"--pipeline-model-parallel-size=2 yet \(etp runs at 1 of each\)$",
+    ):
+        configs(TINY + ["--expert-tensor-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+
+
+def test_expert_tensor_parallel_runs_at_tp_1_and_at_tps_default():
+    """tp 1 etp 2 and tp 2 with its default etp (2) validate on 2 and 4 processes: the micro-steps of their dp."""
+    assert _validate(["--expert-tensor-parallel-size", "2", "--moe-expert-capacity-factor", "-1"], 2) == 2
+    assert _validate(TP2 + SP, 4) == 2
+    assert configs_etp(TP2 + SP) == 2 and configs_etp([]) == 1
+
+
+def configs_etp(argv):
+    from tests.integration.pretrain_utils import TINY, configs
+
+    return configs(TINY + argv).parallel.expert_tensor_parallel
 
 
 def test_tp_ranks_read_the_same_micro_batches():

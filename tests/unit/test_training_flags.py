@@ -30,8 +30,8 @@ def _error_of(argv, capsys):
 def test_a_typo_is_one_line_with_a_did_you_mean(capsys):
     lines = _error_of(["--hiden-size", "64", "--num-layers", "2"], capsys)
     assert len(lines) == 1 and "did you mean --hidden-size?" in lines[0] and "see --help" in lines[0], lines
-    lines = _error_of(["--expert-tensor-parallel-size", "2"], capsys)
-    assert len(lines) == 1 and "--expert-tensor-parallel-size=2: not supported by moezero" in lines[0]
+    lines = _error_of(["--expert-tensor-parallel-size", "0"], capsys)
+    assert len(lines) == 1 and "--expert-tensor-parallel-size=0: must be >= 1" in lines[0]
     lines = _error_of(["--fp8-format", "hybrid", "--fp8-margin", "0", "--hiden-size", "64"], capsys)
     assert [line.split("error: ", 1)[1] for line in lines] == [
         "3 problems with this launch line:",
@@ -63,7 +63,7 @@ def test_one_launch_lists_every_problem_one_line_each(capsys):
     lines = _error_of(
         [
             "--expert-tensor-parallel-size",
-            "2",
+            "0",
             "--ckpt-format",
             "torch",
             "--mtp-standalone",
@@ -87,7 +87,7 @@ def test_one_launch_lists_every_problem_one_line_each(capsys):
         "--mtp-standalone: not supported by moezero",
         "--fp8-format: not supported by moezero",
         "unrecognized arguments: --hiden-size 64; did you mean --hidden-size?",
-        "--expert-tensor-parallel-size=2: not supported by moezero",
+        "--expert-tensor-parallel-size=0: must be >= 1",
         "--num-experts=0: must be >= 1",
         "--lr=-1.0: must be > 0",
     ]  # the model's section holds the unreadable --num-layers: not built
@@ -105,13 +105,13 @@ def _launch_error_of(argv, capsys):
     return [line.split("error: ", 1)[1] for line in capsys.readouterr().err.strip().splitlines()]
 
 
-ONLY_1 = "not supported by moezero, only 1 is accepted (it splits experts with --expert-model-parallel-size"
+ETP_WITH = "not supported with"
 TP_WITH = "not supported with"
 
 
 def test_one_launch_names_every_refused_value(capsys):
-    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (cp and tp run,
-    not yet together)."""
+    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (cp, tp and etp
+    run, not yet together)."""
     lines = _launch_error_of(
         [
             "--tensor-model-parallel-size",
@@ -125,12 +125,13 @@ def test_one_launch_names_every_refused_value(capsys):
         capsys,
     )
     assert lines[0] == "2 flags of this launch line are not supported:" and len(lines) == 3, lines
-    assert lines[1].startswith(f"--expert-tensor-parallel-size=2: {ONLY_1}"), lines
+    assert lines[1].startswith(f"--expert-tensor-parallel-size=2: {ETP_WITH} --context-parallel-size=2 yet"), lines
     assert lines[2].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} --context-parallel-size=2 yet"), lines
     assert lines[-1].endswith("(see --help)")
     # one alone: the one line it always was
-    lines = _launch_error_of(["--expert-tensor-parallel-size", "4"], capsys)
-    assert len(lines) == 1 and lines[0].startswith(f"--expert-tensor-parallel-size=4: {ONLY_1}"), lines
+    lines = _launch_error_of(["--expert-tensor-parallel-size", "4", "--pipeline-model-parallel-size", "2"], capsys)
+    expected = f"--expert-tensor-parallel-size=4: {ETP_WITH} --pipeline-model-parallel-size=2 yet"
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
 
 
 def test_one_launch_names_what_context_parallelism_does_not_run(capsys):
@@ -243,8 +244,10 @@ def test_megatron_parallel_and_optimizer_flags():
     assert ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2, context_parallel_size=1)
     assert ParallelConfig(context_parallel_size=2, cp_comm_type=["a2a"]).context_parallel_size == 2
     assert ParallelConfig(tensor_parallel_size=2).tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="not supported by moezero, only 1 is accepted"):
-        ParallelConfig(expert_tensor_parallel_size=2)
+    assert ParallelConfig(expert_tensor_parallel_size=2).expert_tensor_parallel == 2
+    assert ParallelConfig(tensor_parallel_size=2).expert_tensor_parallel == 2  # Megatron's default: tp
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --context-parallel"):
+        ParallelConfig(expert_tensor_parallel_size=2, context_parallel_size=2)
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: not supported with --pipeline-model"):
         ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
