@@ -124,16 +124,11 @@ class ParallelConfig(Validated):
     def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
         others = [
-            f"{flag}={size}"
-            for flag, size in (
-                ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
-                ("--context-parallel-size", self.context_parallel_size),
-            )
-            if size > 1
+            f"{flag}={size}" for flag, size in (("--context-parallel-size", self.context_parallel_size),) if size > 1
         ]
         if self.tensor_parallel_size == 1 or not others:
             return []
-        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at 1 of each)")]
+        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at cp 1)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

@@ -1,10 +1,11 @@
 """Megatron's rules for a run at --tensor-model-parallel-size > 1, and what moezero does not run there yet (pure: one
 line each, naming the flags).
 
-What runs at tp > 1 (training/tensor_parallel.py): pipeline and context-parallel size 1, any ZeRO stage, dense GPTs
+What runs at tp > 1 (training/tensor_parallel.py): context-parallel size 1, any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks,
-expert-tensor-parallel size 1); checkpoints at global coordinates (a tp's resumes at any other).
+expert-tensor-parallel size 1); with pipeline stages (each stage's modules swapped alike) all of it but MTP;
+checkpoints at global coordinates (a tp's resumes at any other).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )
     problems += [f"{flag}: not supported with {TP} > 1 yet ({TP}={tp})" for flag, given in unsupported if given]
+    if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
+        problems.append(
+            f"--mtp-num-layers={cfg.model.mtp_num_layers}: not supported with {TP} > 1 and pipeline stages yet "
+            f"({TP}={tp}, --pipeline-model-parallel-size={p.pipeline_parallel_size})"
+        )
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)
     problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
