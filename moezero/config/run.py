@@ -22,7 +22,7 @@ class ParallelConfig(Validated):
     tensor_parallel_size: int = option(
         1,
         "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
-        "the vocabulary split; at pipeline and context-parallel size 1)",
+        "the vocabulary split; at context-parallel size 1, with pipeline stages too)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
@@ -144,16 +144,11 @@ class ParallelConfig(Validated):
     def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
         others = [
-            f"{flag}={size}"
-            for flag, size in (
-                ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
-                ("--context-parallel-size", self.context_parallel_size),
-            )
-            if size > 1
+            f"{flag}={size}" for flag, size in (("--context-parallel-size", self.context_parallel_size),) if size > 1
         ]
         if self.tensor_parallel_size == 1 or not others:
             return []
-        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at 1 of each)")]
+        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at cp 1)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

@@ -12,7 +12,9 @@ it is sent (a wrong dtype or shape would arrive as garbage in the next stage's b
     last stage:   (hidden, aux)                                 -> loss ()
 
 With context parallelism the hidden states are a cp rank's part of each sequence, (mbs, S / cp, D): each cp
-coordinate's pipeline carries its own; the first stage still takes whole sequences (it splits them).
+coordinate's pipeline carries its own; the first stage still takes whole sequences (it splits them). With tensor
+parallelism each tp coordinate's pipeline carries its own: (mbs, S, D), or under sequence parallelism the rank's
+sequence shard (mbs, S / tp, D).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class ActivationShape:
     dtype: torch.dtype  # the hidden states' (the model's)
     aux_dtype: torch.dtype  # the router losses'
     context_parallel_size: int = 1  # the hidden states hold a cp-th of each sequence
+    sequence_shards: int = 1  # under sequence parallelism a tp-th of that (the rank's sequence shard)
 
     def hidden(self, requires_grad: bool) -> torch.Tensor:
-        length = self.seq_length // self.context_parallel_size
+        length = self.seq_length // self.context_parallel_size // self.sequence_shards
         return torch.empty(
             self.micro_batch_size, length, self.hidden_size, dtype=self.dtype, device="meta"
         ).requires_grad_(requires_grad)

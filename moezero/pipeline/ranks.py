@@ -1,4 +1,4 @@
-"""Megatron's rank order with a pipeline dimension, at tensor parallel size 1: the partitions the pipeline builds its
+"""Megatron's rank order with a pipeline dimension: the partitions the pipeline builds its
 groups from, a view of `parallel/ranks.py`'s `megatron_rank_layout` (pure).
 
 Megatron-LM's initialize.py orders ranks 'tp-cp-ep-dp-pp' (the first name fastest), or 'tp-cp-ep-pp-dp' with
@@ -14,6 +14,11 @@ With context parallelism (cp > 1) the dense params reduce over Megatron's dp-cp 
 experts fold cp into edp; a stage's cp ranks share each micro-batch:
 
   world 4, cp 2, pp 2, default order:  cp {0,1} {2,3}   dp-cp {0,1} {2,3}   dp {0} {1} {2} {3}   pp {0,2} {1,3}
+
+With tensor parallelism (tp > 1, expert-tensor-parallel size 1) each dp-cp group is one tp coordinate's, a stage's
+ranks are its tp-dp-cp group, and each tp coordinate has pipelines of its own:
+
+  world 4, tp 2, pp 2, default order:  tp {0,1} {2,3}   dp-cp {0} {1} {2} {3}   pp {0,2} {1,3}   stage {0,1} {2,3}
 
 At pp = 1 the groups are `rank_layout`'s (dp: the world). The embedding group of each pp group is its first and
 last rank (default_embedding_ranks: where the word embedding and the output layer live), the position embedding
@@ -39,6 +44,9 @@ class PipelineRankLayout:
     pipeline_parallel_size: int
     use_tp_pp_dp_mapping: bool
     context_parallel_size: int
+    tensor_parallel_size: int
+    stage_groups: Partition  # every rank of one stage (Megatron's tp-dp-cp; dp_groups at tp 1)
+    tp_groups: Partition  # ranks holding shards of one model replica (singletons at tp 1)
     dp_groups: Partition  # dense params' reduce group (Megatron's dp-cp), one per pp coordinate
     data_parallel_groups: Partition  # Megatron's dp: ranks reading distinct micro-batches (dp_groups at cp 1)
     cp_groups: Partition  # ranks sharing one micro-batch's sequence
@@ -73,11 +81,13 @@ def pipeline_rank_layout(
     pipeline_parallel_size: int = 1,
     use_tp_pp_dp_mapping: bool = False,
     context_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> PipelineRankLayout:
-    """The dp(-cp), dp, cp, pp, ep, edp partitions and the embedding groups (`megatron_rank_layout`'s at
-    tp = etp = 1); Megatron's refusals as one-line ConfigErrors."""
+    """The stage, tp, dp(-cp), dp, cp, pp, ep, edp partitions and the embedding groups (`megatron_rank_layout`'s at
+    etp = 1); Megatron's refusals as one-line ConfigErrors."""
     layout = megatron_rank_layout(
         world_size,
+        tensor_parallel_size=tensor_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_parallel_size=expert_parallel_size,
         expert_tensor_parallel_size=1,
@@ -90,6 +100,9 @@ def pipeline_rank_layout(
         pipeline_parallel_size,
         use_tp_pp_dp_mapping,
         context_parallel_size,
+        tensor_parallel_size,
+        stage_groups=layout.decoder["tp-dp-cp"],
+        tp_groups=layout.decoder["tp"],
         dp_groups=layout.decoder["dp-cp"],
         data_parallel_groups=layout.decoder["dp"],
         cp_groups=layout.decoder["cp"],

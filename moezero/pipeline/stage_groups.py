@@ -6,7 +6,10 @@ one order (torch's new_group is collective over the world), each rank keeping it
 `ParallelGroups` over the stage's ranks in stage-local coordinates: its `rank` is this rank's place in its dp group
 (Megatron's dp-cp: cp fastest), its layout that of a world of dp_size ranks with the run's ep and cp, so the MoE
 layers, the cp exchanges, the ZeRO families (dense over dp-cp, experts over edp), the step totals and the
-agreement records all work per stage unchanged. Its
+agreement records all work per stage unchanged. With tensor parallelism (tp > 1) the stage's ranks are its tp-dp-cp
+group, its `ParallelGroups` that of a world of the stage's size at the run's tp (`dp` and `control` the dp-cp group
+of the rank's tp coordinate, as at pp 1, `tp` its tp group): each tp coordinate has pipelines and an embedding group
+of its own. Its
 agreement group (gloo, the stage's ranks) is given at construction: `ParallelGroups.agreement_group()` would make
 one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel on gloo (no local pipes yet).
 
@@ -77,8 +80,8 @@ class PipelineGroups:
 
     @property
     def dp_size(self) -> int:
-        """The stage's ranks (Megatron's dp-cp): those reducing its dense gradients."""
-        return self.layout.world_size // self.pp_size
+        """The ranks reducing the stage's dense gradients with this rank (Megatron's dp-cp, its tp coordinate's)."""
+        return len(self.layout.group_of(self.layout.dp_groups, self.rank))
 
     @property
     def dp_rank(self) -> int:
@@ -105,24 +108,31 @@ class PipelineGroups:
         use_tp_pp_dp_mapping: bool = False,
         timeout: Optional[datetime.timedelta] = None,
         context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> "PipelineGroups":
         """Create the groups; every rank calls this in the same order (after init_process_group). Raises
         ConfigError (one line) for sizes Megatron refuses."""
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = pipeline_rank_layout(
-            world, expert_parallel_size, pipeline_parallel_size, use_tp_pp_dp_mapping, context_parallel_size
+            world,
+            expert_parallel_size,
+            pipeline_parallel_size,
+            use_tp_pp_dp_mapping,
+            context_parallel_size,
+            tensor_parallel_size,
         )
         dp = _own_group(layout.dp_groups, rank, timeout)
-        control = _own_group(layout.dp_groups, rank, timeout)
-        agreement = _own_group(layout.dp_groups, rank, timeout, backend="gloo")
+        control = _own_group(layout.dp_groups, rank, timeout)  # the optimizer's: it adds the sums over tp itself
+        agreement = _own_group(layout.stage_groups, rank, timeout, backend="gloo")
         ep = _own_group(layout.ep_groups, rank, timeout)
         edp = _own_group(layout.edp_groups, rank, timeout)
         cp = _own_group(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
+        tp = _own_group(layout.tp_groups, rank, timeout) if tensor_parallel_size > 1 else None
         pp = _own_group(layout.pp_groups, rank, timeout)
         embedding = _own_group(layout.embedding_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
         stage = stage_parallel_groups(
-            layout, rank, dp=dp, ep=ep, edp=edp, cp=cp, control=control, agreement=agreement, timeout=timeout
+            layout, rank, dp=dp, ep=ep, edp=edp, cp=cp, tp=tp, control=control, agreement=agreement, timeout=timeout
         )
         return cls(layout, rank, stage, pp, world_control, timeout, embedding)
 
@@ -167,6 +177,7 @@ def stage_parallel_groups(
     agreement: Any,
     timeout: Optional[datetime.timedelta] = None,
     cp: Optional[Any] = None,
+    tp: Optional[Any] = None,
 ) -> ParallelGroups:
     """A `ParallelGroups` for this rank's stage, in stage-local coordinates (see the module's docstring)."""
     local, me = stage_coordinates(layout, rank)
@@ -177,6 +188,7 @@ def stage_parallel_groups(
         ep=ep,
         edp=edp,
         cp=cp,
+        tp=tp,
         control=control,
         timeout=timeout,
         local_records=False,
@@ -185,15 +197,19 @@ def stage_parallel_groups(
 
 
 def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout, int]:
-    """(the layout of a world of the stage's size with the run's ep and cp, this rank's place in its stage), checking
-    that the stage-local ep/edp/cp groups, mapped to global ranks through the dp group, are Megatron's (pure)."""
-    members = layout.group_of(layout.dp_groups, rank)
-    local = rank_layout(len(members), layout.expert_parallel_size, layout.context_parallel_size)
+    """(the layout of a world of the stage's size with the run's ep, cp and tp, this rank's place in its stage),
+    checking that the stage-local ep/edp/cp/tp/dp-cp groups, mapped to global ranks through the stage's ranks, are
+    Megatron's (pure)."""
+    members = layout.group_of(layout.stage_groups, rank)
+    tp = layout.tensor_parallel_size
+    local = rank_layout(len(members), layout.expert_parallel_size, layout.context_parallel_size, tp)
     me = members.index(rank)
     for name, partition, expected in (
         ("ep", layout.ep_groups, local.ep_group_of(me)),
         ("edp", layout.edp_groups, local.edp_group_of(me)),
         ("cp", layout.cp_groups, local.cp_group_of(me)),
+        ("tp", layout.tp_groups, local.tp_group_of(me)),
+        ("dp-cp", layout.dp_groups, local.dense_group_of(me)),
     ):
         mapped = tuple(members[i] for i in expected)
         if layout.group_of(partition, rank) != mapped:

@@ -32,6 +32,11 @@ exchanging keys and values over the stage's cp group. The stages take whole micr
 first its tokens, the last its labels, loss mask and MTP inputs (each depth's shifted on the whole sequence
 first). The last stage's loss is `training.loop`'s at cp: each token mean a share of the micro-batch's, times cp
 (the optimizer averages over the dp-cp ranks).
+
+Tensor parallelism (--tensor-model-parallel-size > 1): the built stage's modules are swapped as GPTModel's
+(training/tensor_parallel.py's `apply_tensor_parallel_to_stage`), which also sets the hooks GPTModel has for it
+(the tied head's input, the vocab-parallel loss, the sequence shard's keys); under sequence parallelism the hidden
+states sent between stages are the rank's sequence shard (mbs, S/tp, D) and the routers' token weights count it.
 """
 
 from __future__ import annotations
@@ -172,6 +177,11 @@ class StageModel(nn.Module):
         object.__setattr__(self, "embedding_copy", embedding_copy)
         init_keyed_(self, seed, functools.partial(init_std, config))
         self.recorder = None
+        # set by tensor parallelism (training/tensor_parallel.py), as GPTModel's: the tied head's input entering the
+        # tp region, the per-token loss over vocabulary shards, and under sequence parallelism the keys of the
+        # rank's sequence shard, which the hidden states hold (a `sequence_shards`-th of each sequence)
+        self.tied_head_input = self.token_losses = self.sequence_keys = None
+        self.sequence_shards = 1
 
     def _apply(self, fn, recurse=True):
         """.to(dtype/device) and friends reach the unregistered copy too."""
@@ -196,6 +206,8 @@ class StageModel(nn.Module):
     def _logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(x_BSD)
+        if self.tied_head_input is not None:
+            x_BSD = self.tied_head_input(x_BSD)
         return F.linear(x_BSD, self.word_embedding.weight)
 
     @property
@@ -228,11 +240,15 @@ class StageModel(nn.Module):
             (tokens_BS,) = inputs
             local = tokens_BS if cp is None else split_sequence(tokens_BS, cp.size, cp.rank)
             keys = keys if cp is None else cp.keys(keys, local.shape[1])
+            if self.sequence_keys is not None:
+                keys = self.sequence_keys(keys, local.shape[1])
             x = embed_tokens(self, local, keys)
             aux = x.new_zeros((), dtype=self.aux_dtype(x.dtype))
         else:
             x, aux = inputs
             keys = keys if cp is None else cp.keys(keys, x.shape[1])
+            if self.sequence_keys is not None:  # the hidden states hold the rank's sequence shard
+                keys = self.sequence_keys(keys, x.shape[1] * self.sequence_shards)
         x, stats = self._run_layers(piece.layers, x, keys)
         if piece.final_norm:
             x = self.final_norm(x)
@@ -248,7 +264,13 @@ class StageModel(nn.Module):
             if self.recorder is not None:
                 self.recorder.record(piece, stats, None, None)
             return x, aux
-        lm = language_model_loss(self._logits(x), labels, loss_mask, fused=self.config.cross_entropy_loss_fusion)
+        lm = language_model_loss(
+            self._logits(x),
+            labels,
+            loss_mask,
+            fused=self.config.cross_entropy_loss_fusion,
+            token_losses=self.token_losses,
+        )
         lm_part, depth_parts = lm, depth_losses  # a cp rank's: shares of the micro-batch's means
         if split is not None:
             lm_part, depth_parts = _token_shares(lm, loss_mask, depth_losses, split)
@@ -289,9 +311,11 @@ class StageModel(nn.Module):
     ) -> torch.Tensor:
         """The carried aux plus the stage's MoE layers' router losses (`token_weight`, --calculate-per-token-loss:
         each loss times its tokens, times the weight of one token, as training.loop's: a cp rank's tokens are a
-        cp-th of the micro-batch's, hence times cp there)."""
+        cp-th of the micro-batch's, hence times cp there; a sequence-parallel rank's a tp-th, hence times tp)."""
         if token_weight is not None and self.context_parallel is not None:
             token_weight = token_weight * self.context_parallel.size
+        if token_weight is not None:
+            token_weight = token_weight * self.sequence_shards
         for s in stats:
             if token_weight is None:
                 for value in s.losses.values():

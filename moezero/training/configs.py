@@ -724,7 +724,12 @@ def validate(
     ep = cfg.parallel.expert_parallel_size
     if plan.pp > 1:  # Megatron's folding of the ranks: one line for sizes it refuses
         pipeline_rank_layout(
-            world_size, ep, plan.pp, cfg.parallel.use_tp_pp_dp_mapping, cfg.parallel.context_parallel_size
+            world_size,
+            ep,
+            plan.pp,
+            cfg.parallel.use_tp_pp_dp_mapping,
+            cfg.parallel.context_parallel_size,
+            cfg.parallel.tensor_parallel_size,
         )
     # ranks reading distinct micro-batches
     dp_size = world_size // plan.pp // cfg.parallel.context_parallel_size // cfg.parallel.tensor_parallel_size

@@ -7,8 +7,8 @@
 
 What runs at pp > 1 (moezero/training/pipeline_run.py): 1F1B (all forwards first when the micro-batches are fewer
 than the stages), or the interleaved 1F1B with virtual stages, over tied or untied stages at ZeRO stages 0, 1 and 2,
-the even, first/last and layout splits, dense and MoE layers (expert and context parallel within a stage:
---context-parallel-size in Megatron's rank order), recompute, Adam, SGD
+the even, first/last and layout splits, dense and MoE layers (expert, context or tensor parallel within a stage:
+--context-parallel-size or --tensor-model-parallel-size in Megatron's rank order), recompute, Adam, SGD
 or Muon, clipping and the gradient norm over every stage, evaluation (forward only), checkpoints (a pp's resumes at
 any other), upcycling (each stage its own layers), QAT (the recipe's plug-in, on each stage's weights). The rest is
 refused here until the execution has it.

@@ -27,6 +27,7 @@ from moezero.pipeline.stage_model import StageModel
 from moezero.training.builders import optimizer_class, optimizer_param_groups, place_on
 from moezero.training.pipeline_checks import pipeline_plan
 from moezero.training.pipeline_step import PipelineTrainer
+from moezero.training.tensor_parallel import apply_tensor_parallel_to_stage
 
 
 class PipelineRun:
@@ -46,16 +47,17 @@ class PipelineRun:
             p.use_tp_pp_dp_mapping,
             timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
             context_parallel_size=p.context_parallel_size,
+            tensor_parallel_size=p.tensor_parallel_size,
         )
         return cls(groups, pipeline_plan(cfg))
 
     def build_model(
         self, cfg, gpt_config, dtype: torch.dtype, device: Optional[torch.device], hub_dir: Optional[str] = None
     ) -> StageModel:
-        """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert and context
-        parallel within the stage, in the params' dtype and on `device`; with `hub_dir` (--load-hf) its weights are
-        that Hugging Face folder's tensors of these stages only, read lazily (the optimizer reads them; a tied
-        output layer's copy takes the first stage's when the optimizer is built)."""
+        """This rank's stages of the GPT (`gpt_config`: the run's, its vocabulary padded), expert, context and
+        tensor parallel within the stage, in the params' dtype and on `device`; with `hub_dir` (--load-hf) its
+        weights are that Hugging Face folder's tensors of these stages only, read lazily (the optimizer reads them; a
+        tied output layer's copy takes the first stage's when the optimizer is built)."""
         moe = cfg.moe if cfg.moe.num_experts is not None else None
         with torch.device("meta") if hub_dir else contextlib.nullcontext():
             model = StageModel(
@@ -68,6 +70,8 @@ class PipelineRun:
                 context_parallel=ContextParallel(self.groups.stage.cp, cfg.parallel.cp_comm_type),
             )
         model = model.to(dtype)
+        # the stage's modules swapped for the tensor-parallel ones (their slices of its keyed init)
+        model = apply_tensor_parallel_to_stage(model, self.groups.stage.tp, cfg.implementation.sequence_parallel)
         if hub_dir:
             if model.embedding_copy is not None:  # not a param: the first stage's loaded values reach it (tied.py)
                 allocate(model.embedding_copy.weight)

@@ -91,7 +91,13 @@ class PipelineTrainer:
         cp = model.context_parallel
         self.cp_size = 1 if cp is None else cp.size
         self.shape = ActivationShape(
-            micro_batch_size, seq_length, model.config.hidden_size, dtype, model.aux_dtype(dtype), self.cp_size
+            micro_batch_size,
+            seq_length,
+            model.config.hidden_size,
+            dtype,
+            model.aux_dtype(dtype),
+            self.cp_size,
+            model.sequence_shards,
         )
         self.pieces = model.pieces  # one per virtual stage
         self.device = next(model.parameters()).device

@@ -124,9 +124,48 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
         plan.layer(depth.layer, model.config)
         plan.replicated(depth.enorm, depth.hnorm, depth.eh_proj, depth.final_norm)
     plan.replicated(model.final_norm)
+    model.embedding = plan.embedding(model.embedding)
+    _swap_heads_and_hooks(model, plan)
+    return model
+
+
+def apply_tensor_parallel_to_stage(stage: nn.Module, group: Optional[Any], sequence_parallel: bool = False):
+    """A pipeline rank's part of the GPT (pipeline/stage_model.py's StageModel: its layers by global number, the
+    embedding on the first stage, the final norm and head on the last, there the word embedding's copy when tied)
+    swapped as `apply_tensor_parallel` swaps the whole model (in place; returns the stage). Each tp coordinate's
+    pipeline carries its own hidden states (under sequence parallelism the rank's sequence shard: `sequence_shards`)
+    and its own copy of the tied embedding's vocabulary shard (pipeline/tied.py over its embedding group)."""
+    tp = comm.group_size(group)
+    if tp == 1:
+        return stage
+    lines = refusals(stage.config, stage.moe_config, tp, sequence_parallel)
+    if stage.mtp is not None:
+        lines.append("--mtp-num-layers is not supported with tensor parallelism and pipeline stages yet")
+    if lines:
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
+    if stage.context_parallel is not None:
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
+    plan = _Plan(group, sequence_parallel)
+    for layer in stage.layers.values():
+        plan.layer(layer, stage.config)
+    if stage.final_norm is not None:
+        plan.replicated(stage.final_norm)
+    if stage.embedding is not None:
+        stage.embedding = plan.embedding(stage.embedding)
+    if stage.embedding_copy is not None:  # not registered: the first stage's optimizer steps the shard (tied.py)
+        object.__setattr__(stage, "embedding_copy", plan.embedding(stage.embedding_copy))
+    _swap_heads_and_hooks(stage, plan)
+    if sequence_parallel:
+        stage.sequence_shards = tp
+    return stage
+
+
+def _swap_heads_and_hooks(model: nn.Module, plan: "_Plan") -> None:
+    """The position embedding (under sequence parallelism), the output layer or the tied head's input, the loss and
+    the sequence shard's keys, of a GPTModel or a pipeline stage (whichever of them it holds)."""
+    group, sequence_parallel = plan.group, plan.sequence_parallel
     if model.position_embedding is not None and sequence_parallel:
         model.position_embedding = _SequenceShardPositions(model.position_embedding, group)
-    model.embedding = plan.embedding(model.embedding)
     if model.output is not None:
         model.output = plan.column(model.output, gather_output=False)
     else:
@@ -134,7 +173,6 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     model.token_losses = _VocabParallelLoss(group)
     if sequence_parallel:
         model.sequence_keys = _SequenceShardKeys(group)
-    return model
 
 
 class _Plan:

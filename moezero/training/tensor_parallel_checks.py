@@ -1,10 +1,11 @@
 """Megatron's rules for a run at --tensor-model-parallel-size > 1, and what moezero does not run there yet (pure: one
 line each, naming the flags).
 
-What runs at tp > 1 (training/tensor_parallel.py): pipeline and context-parallel size 1, any ZeRO stage, dense GPTs
+What runs at tp > 1 (training/tensor_parallel.py): context-parallel size 1, any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
-with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); checkpoints
-at global coordinates (a tp's resumes at any other).
+with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
+pipeline stages (each stage's modules swapped alike) all of it but MTP; checkpoints at global coordinates (a tp's
+resumes at any other).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
@@ -40,6 +41,11 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
     problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _whole_matrix_flags(cfg)]
+    if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
+        problems.append(
+            f"--mtp-num-layers={cfg.model.mtp_num_layers}: not supported with {TP} > 1 and pipeline stages yet "
+            f"({TP}={tp}, --pipeline-model-parallel-size={p.pipeline_parallel_size})"
+        )
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)
     problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
@@ -62,6 +68,11 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             problems.append(str(error))
     if moe.num_experts is None:  # a dense GPT: the experts' split has nothing to split (Megatron's too)
         return problems
+    if p.expert_tensor_parallel_size is None and p.pipeline_parallel_size > 1:  # given: config/run.py refuses it
+        problems.append(
+            f"{ETP}={etp} (Megatron's default, {TP}): not supported with --pipeline-model-parallel-size="
+            f"{p.pipeline_parallel_size} yet; pass {ETP} 1 (the experts whole, ep folded over the tp ranks)"
+        )
     ffn, hidden = moe.ffn_hidden_size or cfg.model.ffn_hidden_size, cfg.model.hidden_size  # the experts' widths
     if ffn % etp or hidden % etp:  # each rank holds its columns of fc1 (GLU: of both halves), its rows of fc2
         problems.append(

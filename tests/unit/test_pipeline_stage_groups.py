@@ -37,3 +37,23 @@ def test_stage_local_ep_edp_and_cp_groups_are_megatrons(world, ep, pp, mapping, 
         assert tuple(members[i] for i in local.ep_group_of(me)) == ep_group
         cp_group = layout.group_of(layout.cp_groups, rank)
         assert tuple(members[i] for i in local.cp_group_of(me)) == cp_group and me % cp == cp_group.index(rank)
+
+
+@pytest.mark.parametrize(
+    "world, tp, ep, pp, mapping",
+    [(4, 2, 1, 2, False), (4, 2, 2, 2, False), (8, 2, 2, 2, False), (16, 2, 4, 2, False), (8, 2, 2, 2, True)],
+)
+def test_stage_local_groups_with_tensor_parallelism_are_megatrons(world, tp, ep, pp, mapping):
+    """At tp > 1 a stage's ranks are its tp-dp-cp group (tp {0,1} {2,3}, pp {0,2} {1,3} at world 4, tp 2, pp 2): its
+    local layout gives each rank Megatron's tp, dp-cp (its tp coordinate's), ep and edp groups."""
+    layout = pipeline_rank_layout(world, ep, pp, mapping, tensor_parallel_size=tp)
+    for rank in range(world):
+        local, me = stage_coordinates(layout, rank)  # raises where they differ
+        members = layout.group_of(layout.stage_groups, rank)
+        assert local.world_size == world // pp and members[me] == rank
+        tp_group = layout.group_of(layout.tp_groups, rank)
+        assert tuple(members[i] for i in local.tp_group_of(me)) == tp_group and tp_group.index(rank) == me % tp
+        assert len(layout.group_of(layout.dp_groups, rank)) == world // (tp * pp)
+    if (world, tp, pp, mapping) == (4, 2, 2, False):  # the task's layout: docs/megatron.md
+        assert layout.tp_groups == ((0, 1), (2, 3)) and layout.pp_groups == ((0, 2), (1, 3))
+        assert layout.stage_groups == ((0, 1), (2, 3)) and layout.embedding_groups == ((0, 2), (1, 3))

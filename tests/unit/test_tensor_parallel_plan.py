@@ -160,3 +160,37 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_megatrons_warning():
     ]
     assert sequence_parallel_notice(configs(TINY + TP2 + ["--sequence-parallel"])) == []
     assert sequence_parallel_notice(configs(TINY)) == []
+
+
+def test_tp_with_pipeline_stages_deals_batches_and_refuses_mtp_in_one_line():
+    """tp 2 x pp 2 on 4 processes: one data-parallel rank deals TINY's batch of 8 (4 micro-batches of 2); MTP depths
+    are not run there yet: one line naming both sizes."""
+    from moezero.config import ConfigError
+
+    argv = TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "-1"]
+    argv += ["--pipeline-model-parallel-size", "2"]
+    assert _validate(argv, 4) == 4
+    with pytest.raises(ConfigError) as info:
+        _validate(argv + ["--mtp-num-layers", "1"], 4)
+    assert str(info.value) == (
+        "--mtp-num-layers=1: not supported with --tensor-model-parallel-size > 1 and pipeline stages yet "
+        "(--tensor-model-parallel-size=2, --pipeline-model-parallel-size=2)"
+    )
+
+
+def test_the_default_expert_tensor_parallel_size_with_pipeline_stages_is_refused_in_one_line():
+    """Megatron's default etp is tp; expert tensor parallelism does not run with pipeline stages yet, so a MoE run at
+    tp 2 x pp 2 that leaves --expert-tensor-parallel-size out is told to pass 1 (not run with the experts whole
+    while its log and groups say etp 2); given explicitly, ParallelConfig refuses it."""
+    from moezero.config import ConfigError
+
+    argv = TP2 + ["--sequence-parallel", "--moe-expert-capacity-factor", "-1", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(ConfigError) as info:
+        _validate(argv, 4)
+    assert str(info.value) == (
+        "--expert-tensor-parallel-size=2 (Megatron's default, --tensor-model-parallel-size): not supported with "
+        "--pipeline-model-parallel-size=2 yet; pass --expert-tensor-parallel-size 1 (the experts whole, ep folded "
+        "over the tp ranks)"
+    )
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --pipeline"):
+        _validate(argv + ["--expert-tensor-parallel-size", "2"], 4)

@@ -135,12 +135,12 @@ def test_one_launch_names_every_refused_value(capsys):
 
 
 def test_one_launch_names_what_context_parallelism_does_not_run(capsys):
-    """Issue 77's line (tp 2, pp 2, cp 2) in one launch: cp x pp runs, tp alone is named; then what cp > 1 refuses:
-    a2a+p2p, its hierarchical sizes and multi-latent attention (a cross-section refusal, listed with the values)."""
+    """Issue 77's line (tp 2, pp 2, cp 2) in one launch: cp x pp and tp x pp run, tp x cp is named; then what cp > 1
+    refuses: a2a+p2p, its hierarchical sizes and multi-latent attention (a cross-section refusal, listed with the
+    values)."""
     argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]
     lines = _launch_error_of(argv, capsys)
-    both = "--pipeline-model-parallel-size=2 and --context-parallel-size=2 yet"
-    assert len(lines) == 1 and lines[0].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} {both}"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} --context"), lines
     # what cp x pp still refuses, the pipeline's and cp's lines in one launch
     lines = _launch_error_of(argv[2:] + ["--zero-stage", "3", "--multi-latent-attention"], capsys)
     assert lines[0] == "2 flags of this launch line are not supported:" and len(lines) == 3, lines
@@ -191,9 +191,9 @@ def test_one_launch_names_refused_values_with_what_pipeline_stages_refuse(capsys
     pp_size = "(--pipeline-model-parallel-size=2)"
     overlap = "--overlap-moe-expert-parallel-comm: not supported with pipeline stages yet"
     argv = ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--overlap-moe-expert-parallel-comm"]
-    lines = _launch_error_of(argv + ["--tensor-model-parallel-size", "2"], capsys)
+    lines = _launch_error_of(argv + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"], capsys)
     assert lines[0] == "3 flags of this launch line are not supported:", lines
-    assert lines[1].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} --pipeline-model-parallel-size=2"), lines
+    assert lines[1].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} --context-parallel-size=2"), lines
     assert lines[2].startswith("--zero-stage=3: not supported with pipeline stages yet") and pp_size in lines[2]
     assert lines[3].startswith(overlap) and lines[3].endswith(f"{pp_size} (see --help)"), lines
     assert len(lines) == 4, lines
@@ -248,8 +248,9 @@ def test_megatron_parallel_and_optimizer_flags():
     assert ParallelConfig(tensor_parallel_size=2).expert_tensor_parallel == 2  # Megatron's default: tp
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --context-parallel"):
         ParallelConfig(expert_tensor_parallel_size=2, context_parallel_size=2)
-    with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: not supported with --pipeline-model"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).pipeline_parallel_size == 2
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: not supported with --context-parallel"):
+        ParallelConfig(tensor_parallel_size=2, context_parallel_size=2)
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
     assert ZeroConfig(use_distributed_optimizer=True, stage=3).stage == 3
 
