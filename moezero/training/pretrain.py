@@ -125,16 +125,7 @@ class Pretraining:
         resumed_at = point.iteration if point is not None and not cfg.checkpoint.finetune else 0
         defaulted = None
         if cfg.train.global_batch_size is None:  # Megatron's default, said as Megatron says it
-            dp_size = self.world // cfg.parallel.pipeline_parallel_size // cfg.parallel.context_parallel_size
-            sizes = {
-                "--pipeline-model-parallel-size": cfg.parallel.pipeline_parallel_size,
-                "--context-parallel-size": cfg.parallel.context_parallel_size,
-            }
-            processes = "the number of processes" + "".join(f" / {flag}" for flag, n in sizes.items() if n > 1)
-            defaulted = (
-                f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
-                f"(--micro-batch-size x {processes}; no --global-batch-size given)"
-            )
+            defaulted = default_global_batch_notice(cfg, self.world)
             notices.append(f" {defaulted}")
         self.micro_steps = validate(
             cfg,
@@ -736,3 +727,19 @@ class Pretraining:
             )
         sections = [getattr(self.cfg, f.name) for f in dataclasses.fields(self.cfg)]
         self.logger.log_run_config(flag_values(sections), tensorboard_scalars({"lm_loss": 0, "validation_loss": 0}))
+
+
+def default_global_batch_notice(cfg: Configs, world: int) -> str:
+    """Megatron's line for a run without --global-batch-size: the micro-batch size times the data-parallel size
+    (the processes over tp x pp x cp)."""
+    sizes = {
+        "--tensor-model-parallel-size": cfg.parallel.tensor_parallel_size,
+        "--pipeline-model-parallel-size": cfg.parallel.pipeline_parallel_size,
+        "--context-parallel-size": cfg.parallel.context_parallel_size,
+    }
+    dp_size = world // math.prod(sizes.values())
+    processes = "the number of processes" + "".join(f" / {flag}" for flag, n in sizes.items() if n > 1)
+    return (
+        f"setting global batch size to {cfg.train.micro_batch_size * dp_size} "
+        f"(--micro-batch-size x {processes}; no --global-batch-size given)"
+    )

@@ -194,3 +194,17 @@ def test_the_default_expert_tensor_parallel_size_with_pipeline_stages_is_refused
     )
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --pipeline"):
         _validate(argv + ["--expert-tensor-parallel-size", "2"], 4)
+
+
+def test_the_default_global_batch_counts_the_data_parallel_ranks_of_every_layout():
+    """Without --global-batch-size Megatron's is micro-batch x dp, dp = processes / (tp x pp x cp): the notice says
+    the size the run uses (validate's), naming the sizes it divided by."""
+    from moezero.training.pretrain import default_global_batch_notice
+    from tests.integration.pretrain_utils import configs
+
+    argv = [a for i, a in enumerate(TP2) if "global-batch" not in a and "global-batch" not in TP2[i - 1]]
+    cfg = configs(argv + ["--pipeline-model-parallel-size", "2"])
+    assert default_global_batch_notice(cfg, 8) == (
+        "setting global batch size to 8 (--micro-batch-size x the number of processes / "
+        "--tensor-model-parallel-size / --pipeline-model-parallel-size; no --global-batch-size given)"
+    )
