@@ -11,7 +11,8 @@ import shutil
 from moezero.hf.files import HubDirectory
 from tests.dist_utils import run_distributed
 from tests.hf_oracle import hub_tensors
-from tests.integration.test_pipeline_pretrain import PIPELINE_TINY, PP2, TOL, _run
+from tests.integration.pretrain_utils import run_in_process
+from tests.integration.test_pipeline_pretrain import PIPELINE_TINY, PP2, TOL
 
 # PIPELINE_TINY (its flags given again: the last wins) as a Qwen3-MoE, tied embedding and output weights and a dense
 # first layer: a family that holds it
@@ -53,7 +54,7 @@ def _counting_reads(read_keys):
 
 def _save_at_pp2(argv, saved, hub):
     """At pp 2: 2 iterations, saved as a checkpoint and a Hub folder."""
-    _run(argv + PP2 + ["--save", saved, "--save-hf", hub])
+    run_in_process(argv + PP2 + ["--save", saved, "--save-hf", hub])
 
 
 def _load_at_pp2(argv, folder):
@@ -61,7 +62,7 @@ def _load_at_pp2(argv, folder):
     keys = set()
     undo = _counting_reads(keys)
     try:
-        history, _ = _run(argv + PP2 + ["--load-hf", folder])
+        history, _ = run_in_process(argv + PP2 + ["--load-hf", folder])
     finally:
         undo()
     return history, keys
@@ -75,7 +76,7 @@ def test_save_hf_and_load_hf_at_pp2_are_pp1s(tmp_path):
 
     # the Hub folder the stages wrote = the one a run in one process writes of the same weights: the pp 2 run's
     # checkpoint resumed at its last iteration (nothing to train, the end of the run: its --save-hf)
-    _run(argv + ["--load", saved, "--save-hf", at_pp1])
+    run_in_process(argv + ["--load", saved, "--save-hf", at_pp1])
     written, expected = hub_tensors(folder), hub_tensors(os.path.join(at_pp1, "iter_0000002"))
     assert sorted(written) == sorted(expected) and "lm_head.weight" not in written  # tied: the embedding only
     for key, value in expected.items():
@@ -97,7 +98,7 @@ def test_save_hf_and_load_hf_at_pp2_are_pp1s(tmp_path):
     assert {int(m.group(1)) for key in first_read if (m := LAYER.match(key))} == {0, 1}
     assert {int(m.group(1)) for key in last_read if (m := LAYER.match(key))} == {2, 3}
     assert "model.embed_tokens.weight" in first_read and "model.norm.weight" in last_read
-    single, _ = _run(argv + ["--load-hf", weights])
+    single, _ = run_in_process(argv + ["--load-hf", weights])
     assert len(curve) == len(single) == 2
     for got, want in zip(curve, single):
         for name in ("lm_loss", "grad_norm"):

@@ -12,7 +12,8 @@ from moezero.checkpoint import checksums
 from moezero.checkpoint.errors import CheckpointError
 from moezero.training.stopping import StopConditions
 from tests.dist_utils import run_distributed
-from tests.integration.test_pipeline_pretrain import PIPELINE_TINY, PP2, TOL, _run, _values
+from tests.integration.pretrain_utils import run_in_process
+from tests.integration.test_pipeline_pretrain import PIPELINE_TINY, PP2, TOL, _values
 
 ARGV = PIPELINE_TINY + ["--eval-interval", "0"]
 
@@ -64,7 +65,7 @@ def test_sigterm_on_one_stage_and_the_duration_limit_stop_every_stage_after_the_
     argv = ARGV + ["--data-cache-path", str(tmp_path)]
     by_signal, by_duration = str(tmp_path / "signal"), str(tmp_path / "duration")
     ranks = run_distributed(_stopped_and_resumed, 2, argv, by_signal, by_duration, timeout=400)
-    straight = _values(_run(argv)[0])
+    straight = _values(run_in_process(argv)[0])
     for (curve, reason, latest), (timed, timed_reason, timed_latest) in ranks:
         assert reason == "received SIGTERM" and latest == 4, (reason, latest)  # stopped at 2, resumed to the end
         assert [h["iteration"] for h in curve] == [1, 2, 3, 4]
