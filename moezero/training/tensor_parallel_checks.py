@@ -35,9 +35,12 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             f"{' (Megatron default: ' + TP + ')' if given is None else ''}: only 1 runs here, pass "
             "--expert-tensor-parallel-size 1 (the experts split over --expert-model-parallel-size instead)"
         )
+    if cfg.checkpoint.save_hf:  # (--load-hf runs: each rank reads its slices, moezero/hf/shard_reads.py)
+        problems.append(
+            f"--save-hf: not supported with {TP} > 1 yet ({TP}={tp}): save the run's checkpoint (--save; it holds "
+            "global coordinates) and write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
+        )
     unsupported = (
-        ("--load-hf", cfg.checkpoint.load_hf),
-        ("--save-hf", cfg.checkpoint.save_hf),
         ("--moe-use-upcycling", cfg.moe.use_upcycling),
         ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )
