@@ -107,6 +107,14 @@ class HubDirectory:
         scale = self._slice(key + "_scale_inv")[start // rows : -(-stop // rows)]
         return dequantize_blocks(weight, scale, self.block_size)[start - first :]
 
+    def read_box(self, key: str, start: int, stop: int, col_start: int, col_stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `key`, of each the flat elements [col_start, col_stop) of its trailing dims
+        (a (rows, columns) tensor): a 2-D tensor's box read without the rest; FP8 and MXFP4 ones, and tensors of
+        other ranks, from their whole rows."""
+        if len(self.shape(key)) == 2 and key not in self.mxfp4 and not self._slice(key).get_dtype().startswith("F8"):
+            return self._slice(key)[start:stop, col_start:col_stop]
+        return self.read_rows(key, start, stop).reshape(stop - start, -1)[:, col_start:col_stop]
+
     def shape(self, key: str) -> Tuple[int, ...]:
         if key in self.mxfp4:  # blocks (E, out, in / 32, 16 bytes) hold the stack (E, in, out)
             experts, out, groups, nbytes = self._slice(key + "_blocks").get_shape()

@@ -58,6 +58,19 @@ class Link:
             start += rows
         return _cat(parts).reshape(-1)[lo - first * row : hi - first * row]
 
+    def read_box(self, hub, start: int, stop: int, col_start: int, col_stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the moezero tensor (its Hub tensors' rows in turn), of each row the flat elements
+        [col_start, col_stop) of its trailing dims: a (rows, columns) tensor, read without the rest (not for
+        expert stacks)."""
+        parts, first = [], 0
+        for key in self.keys:
+            rows = hub.shape(key)[0]
+            a, b = max(start - first, 0), min(stop - first, rows)
+            if a < b:
+                parts.append(hub.read_box(key, a, b, col_start, col_stop))
+            first += rows
+        return _cat(parts)
+
     def split(self, tensor: torch.Tensor, first_expert: int = 0) -> Dict[str, torch.Tensor]:
         """The Hub tensors of a moezero tensor (a stack's experts numbered from `first_expert`; a `stacked` one
         whole)."""

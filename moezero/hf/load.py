@@ -23,6 +23,8 @@ from moezero.moe import MoELayer, expert_parallel
 from moezero.parallel import ParallelGroups
 from moezero.deferred_values import allocate, defer_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
+from moezero.hf.shard_reads import read_shard_range
 
 # Hub tensors that are not weights of the model (older checkpoints stored RoPE's table)
 _NOT_WEIGHTS = re.compile(r"rotary_emb\.inv_freq$")
@@ -210,6 +212,8 @@ def load_weights(
                 else range(0)
             )
             value = table[name].assemble(hub, experts)
+            if tensor_shard_of(param) is not None and tuple(value.shape) == global_shape(param):
+                value = tensor_shard_of(param).local_of(value)  # the rank's slice of the global tensor
             if value.shape != param.shape:
                 raise CheckpointMismatch(
                     f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "
@@ -220,30 +224,41 @@ def load_weights(
 
 
 def _defer(name: str, param: torch.nn.Parameter, link: Link, hub: HubDirectory) -> None:
+    shard = tensor_shard_of(param)
+    if shard is not None:  # a tensor-parallel slice: exactly its elements of the global tensor
+        defer_values(param, lambda lo, hi: read_shard_range(link, hub, shard, lo, hi))
+        return
     shape = tuple(param.shape)
     defer_values(param, lambda lo, hi: link.read_range(hub, lo, hi, shape))
 
 
+def global_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """The shape of the tensor `param` is (a tensor-parallel shard's: the global one) as the Hub files hold it."""
+    shard = tensor_shard_of(param)
+    return shard.global_shape if shard is not None else tuple(param.shape)
+
+
 def check_hub_shapes(hub: HubDirectory, table: Dict[str, Link], params: Dict[str, torch.Tensor]) -> None:
-    """Each param's Hub tensors (an expert stack's: expert 0's) have its shape, read from the files' headers."""
+    """Each param's Hub tensors (an expert stack's: expert 0's) have its shape (a tensor-parallel shard's: its
+    global shape), read from the files' headers."""
     for name, param in params.items():
-        link = table[name]
+        link, param_shape = table[name], global_shape(param)
         if link.stacked:  # the Hub tensor holds every expert, each as moezero's
-            shape, expected = hub.shape(link.keys[0])[1:], tuple(param.shape[1:])
+            shape, expected = hub.shape(link.keys[0])[1:], param_shape[1:]
             if shape != expected:
                 raise CheckpointMismatch(
                     f"{hub.file_of(link.keys[0])}: {name} holds experts of "
-                    f"{tuple(param.shape[1:])} in the model its config describes, "
+                    f"{param_shape[1:]} in the model its config describes, "
                     f"{shape} in {link.keys[0]}"
                 )
             continue
         keys = [key.format(e=0) for key in link.keys] if link.per_expert else list(link.keys)
         shapes = [hub.shape(key) for key in keys]
         shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
-        expected = tuple(param.shape[1:][::-1]) if link.per_expert else tuple(param.shape)
+        expected = param_shape[1:][::-1] if link.per_expert else param_shape
         if shape != expected:
             raise CheckpointMismatch(
-                f"{hub.file_of(keys[0])}: {name} is {tuple(param.shape)} in the model its "
+                f"{hub.file_of(keys[0])}: {name} is {param_shape} in the model its "
                 f"config describes, {shape} from {keys[0]}"
             )
 

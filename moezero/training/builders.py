@@ -102,7 +102,8 @@ def build_model(
         )
     model = model.to(param_dtype(cfg.train))
     # the global model's modules swapped for the tensor-parallel ones (their slices of its keyed init)
-    model = apply_tensor_parallel(model, groups.tp, cfg.implementation.sequence_parallel)
+    with torch.device("meta") if hub_dir else contextlib.nullcontext():  # (--load-hf: the slices stay unread)
+        model = apply_tensor_parallel(model, groups.tp, cfg.implementation.sequence_parallel)
     if hub_dir:
         try:
             load_hub_weights(model, hub_dir)

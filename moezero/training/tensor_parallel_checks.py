@@ -5,7 +5,7 @@ What runs at tp > 1 (training/tensor_parallel.py): context-parallel size 1, any 
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
 pipeline stages (each stage's modules swapped alike) all of it but MTP; checkpoints at global coordinates (a tp's
-resumes at any other).
+resumes at any other); --load-hf reads each rank's slices of the Hub files (moezero/hf/shard_reads.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
@@ -40,7 +40,14 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
     if world_size % tp:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
-    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _whole_matrix_flags(cfg)]
+    # --load-hf runs: each rank reads its slices (moezero/hf/shard_reads.py); --save-hf has a way round
+    whole = [flag for flag in _whole_matrix_flags(cfg) if flag not in ("--load-hf", "--save-hf")]
+    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in whole]
+    if cfg.checkpoint.save_hf:
+        problems.append(
+            f"--save-hf: not supported with {TP} > 1 yet ({TP}={tp}): save the run's checkpoint (--save; it holds "
+            "global coordinates) and write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
+        )
     if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
         problems.append(
             f"--mtp-num-layers={cfg.model.mtp_num_layers}: not supported with {TP} > 1 and pipeline stages yet "
@@ -81,6 +88,8 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         )
     if tp == 1:
         problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _whole_matrix_flags(cfg)]
+    elif cfg.checkpoint.load_hf:  # tp's slices are read and tested; the experts' etp slices are not yet
+        problems.append("--load-hf: " + UNSUPPORTED.format(flag=ETP, size=etp) + f" (pass {ETP} 1)")
     return problems
 
 

@@ -9,7 +9,7 @@ from moezero.zero.precision_aware_adam import STATE_DTYPES, PrecisionAwareAdam
 from moezero.zero.reducer import GradientHookError
 from moezero.zero.sharded_gradient import GradientIsSharded, ShardedGradient
 from moezero.zero.state import consolidate
-from moezero.zero.strided_ranges import Span, intersects, overlap
+from moezero.zero.strided_ranges import Span, intersects, overlap, shard_spans
 
 __all__ = [
     "ZeroOptimizer",
@@ -30,4 +30,5 @@ __all__ = [
     "Span",
     "intersects",
     "overlap",
+    "shard_spans",
 ]
