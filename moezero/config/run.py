@@ -143,12 +143,11 @@ class ParallelConfig(Validated):
 
     def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
-        others = [
-            f"{flag}={size}" for flag, size in (("--context-parallel-size", self.context_parallel_size),) if size > 1
-        ]
-        if self.tensor_parallel_size == 1 or not others:
+        cp, pp = self.context_parallel_size, self.pipeline_parallel_size
+        if self.tensor_parallel_size == 1 or cp == 1 or pp == 1:  # tp x cp and tp x pp run, not the three
             return []
-        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at cp 1)")]
+        why = f"not supported with --context-parallel-size={cp} and --pipeline-model-parallel-size={pp} together yet"
+        return [("tensor_parallel_size", why + " (tp runs with either)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""
