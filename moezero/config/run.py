@@ -22,7 +22,7 @@ class ParallelConfig(Validated):
     tensor_parallel_size: int = option(
         1,
         "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
-        "the vocabulary split; at context-parallel size 1, with pipeline stages too)",
+        "the vocabulary split; with pipeline stages or context parallelism too, not both yet)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
