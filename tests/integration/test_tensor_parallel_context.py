@@ -1,15 +1,15 @@
-"""The pretraining script at --tensor-model-parallel-size 2 x --context-parallel-size 2 on 4 gloo ranks (its entry
-point in-process in each rank) against the same command in one process. Megatron's layout (tp-cp-ep-dp-pp): tp {0,1}
-{2,3}, cp {0,2} {1,3}, dp-cp the tp coordinate's {0,2} {1,3}: each cp rank holds chunks r and 3-r of every
-sequence, its tp ranks split the heads (and under --sequence-parallel the cp part of the sequence); keys and values
-are exchanged over cp on the rank's heads, the router counts tokens over the tp-cp group, the loss is vocab-parallel
-over tp. Two runs of 3 iterations, float64: a dense GPT (untied output, RoPE, --cp-comm-type all_gather, ZeRO 3)
-without sequence parallelism, and a GPT-MoE (experts split over ep 2 folded over the tp ranks, aux and z losses,
-jitter, hidden and attention dropout, tied output, learned positions, --cp-comm-type all_gather on its first layer
-and a2a on its second (4 heads: 1 per tp and cp rank), ZeRO 1) with --sequence-parallel and
---calculate-per-token-loss (the routers' token weights count a (tp x cp)-th of the micro-batch); the lm loss, router
-losses, gradient norm and validation loss of every iteration to 1e-10 relative. The MoE run's checkpoint at iteration
-2 resumes in one process (tp 1, cp 1) on the uninterrupted curve."""
+"""The pretraining script at --tensor-model-parallel-size 2 x --context-parallel-size 2 on 4 gloo ranks (its entry point
+in-process in each rank) against the same command in one process. Megatron's layout (tp-cp-ep-dp-pp): tp {0,1} {2,3},
+cp {0,2} {1,3}, dp-cp the tp coordinate's {0,2} {1,3}: each cp rank holds chunks r and 3-r of every sequence, its tp
+ranks split the heads (and under --sequence-parallel the cp part of the sequence); keys and values are exchanged over
+cp on the rank's heads, the router counts tokens over the tp-cp group, the loss is vocab-parallel over tp. Two runs
+of 3 iterations, float64: a dense GPT (untied output, RoPE, an MTP depth, --cp-comm-type all_gather, ZeRO 3) without
+sequence parallelism, and a GPT-MoE (experts split over ep 2 folded over the tp ranks, aux and z losses, jitter,
+hidden and attention dropout, tied output, learned positions, --cp-comm-type all_gather on its first layer and a2a on
+its second (4 heads: 1 per tp and cp rank), ZeRO 1) with --sequence-parallel and --calculate-per-token-loss (the
+routers' token weights count a (tp x cp)-th of the micro-batch); the lm loss, router losses, MTP loss, gradient norm
+and validation loss of every iteration to 1e-10 relative. The MoE run's checkpoint at iteration 2 resumes in one
+process (tp 1, cp 1) on the uninterrupted curve."""
 
 import os
 
@@ -26,6 +26,7 @@ MOE = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capaci
 MOE += ["--zero-stage", "1", "--calculate-per-token-loss", "--num-attention-heads", "4"]
 DENSE = [flag for i, flag in enumerate(TINY) if flag not in MOE_ONLY and TINY[i - 1] not in MOE_ONLY] + COMMON
 DENSE += ["--zero-stage", "3", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"]
+DENSE += ["--mtp-num-layers", "1"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
 DENSE_LAYOUT = LAYOUT + ["--cp-comm-type", "all_gather"]
 MOE_LAYOUT = LAYOUT + [
@@ -41,7 +42,7 @@ TOL = 1e-10
 
 
 def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
+    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
     return [tuple(h.get(key) for key in keys) for h in history]
 
 
@@ -66,7 +67,7 @@ def test_tp2_x_cp2_equals_one_process_and_resumes_at_tp1_cp1(tmp_path):
     single_dense, single_moe = run_in_process(dense)[0], run_in_process(moe)[0]
     resumed, _ = run_in_process(moe + ["--load", os.path.join(saved, "iter_0000002")])
     assert [h.get("validation_loss") is not None for h in single_dense] == [False, True, True]  # and at the end
-    assert single_moe[0]["router_aux_loss"] > 0 and "moe" not in str(DENSE)
+    assert single_moe[0]["router_aux_loss"] > 0 and single_dense[0]["mtp_1_loss"] > 0 and "moe" not in str(DENSE)
     for dense_history, moe_history, _ in ranks:  # every rank reports the step's metrics
         _assert_same_curve("dense, tp 2 x cp 2 (all_gather)", dense_history, single_dense)
         _assert_same_curve("MoE, tp 2 (sequence parallel) x cp 2 (all_gather, a2a)", moe_history, single_moe)
