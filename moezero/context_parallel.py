@@ -1,5 +1,6 @@
-"""Context parallelism at tp 1 (Megatron's --context-parallel-size): the ranks of a cp group share one micro-batch,
-each holding a part of every sequence.
+"""Context parallelism (Megatron's --context-parallel-size): the ranks of a cp group share one micro-batch, each
+holding a part of every sequence (at tp > 1 each tp rank its heads of it, or under sequence parallelism its shard;
+training/tensor_parallel.py).
 
 Split (megatron.core.utils.get_batch_on_this_cp_rank): a sequence of S tokens is cut into 2 cp chunks and cp rank r
 keeps chunks r and 2cp-1-r (cp 2, S 8: rank 0 positions [0, 1, 6, 7], rank 1 [2, 3, 4, 5]), which balances the
@@ -61,17 +62,6 @@ class ShardedSampleKeys(SampleKeys):
         whole = super()._per_sample(site, (self.sequence_length, *tuple(shape)[1:]), draw, device)
         return whole.index_select(1, self.positions.to(whole.device))
 
-    def head_block_keys(self, heads: int, block: slice) -> "HeadBlockKeys":
-        """Keys for attention dropout over the whole sequence of the heads `block` of `heads` (a2a)."""
-        return HeadBlockKeys(SampleKeys(self.seed, self.iteration, self.sample_ids), heads, block)
-
-    def query_rows_dropout_mask(self, site: str, heads: int, p: float, device) -> torch.Tensor:
-        """(B, heads, Sl, S) attention-dropout keep-mask: the whole sequence's (B, heads, S, S) at this rank's
-        query rows."""
-        whole = SampleKeys(self.seed, self.iteration, self.sample_ids)
-        mask = whole.dropout_mask(site, (heads, self.sequence_length, self.sequence_length), p, device)
-        return mask.index_select(2, self.positions.to(mask.device))
-
 
 @dataclass(frozen=True)
 class HeadBlockKeys:
@@ -84,6 +74,27 @@ class HeadBlockKeys:
     def dropout_mask(self, site: str, shape_per_sample, p: float, device: torch.device | str = "cpu") -> torch.Tensor:
         _, queries, keys = shape_per_sample
         return self.whole.dropout_mask(site, (self.heads, queries, keys), p, device)[:, self.block]
+
+    def of_block(self, block: slice) -> "HeadBlockKeys":
+        """The keys of `block` of these heads (a2a's block of a tp rank's heads: a block of the global heads)."""
+        start = self.block.start + block.start
+        return HeadBlockKeys(self.whole, self.heads, slice(start, start + block.stop - block.start))
+
+
+@dataclass(frozen=True)
+class QueryRowKeys:
+    """Attention-dropout keys of a cp rank's queries (all_gather): the mask `keys` draw for the whole sequence
+    (B, heads, S, S) (every head's, or a tp rank's block of them: HeadBlockKeys) at this rank's query rows."""
+
+    keys: Any
+    positions: torch.Tensor
+    sequence_length: int
+
+    def query_rows_dropout_mask(self, site: str, heads: int, p: float, device) -> torch.Tensor:
+        """(B, heads, Sl, S) keep-mask of this rank's queries."""
+        S = self.sequence_length
+        mask = self.keys.dropout_mask(site, (heads, S, S), p, device)
+        return mask.index_select(2, self.positions.to(mask.device))
 
 
 class ContextParallel(SharesProcessGroups):
@@ -146,6 +157,10 @@ class ContextParallel(SharesProcessGroups):
         n = heads // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
 
+    def head_block_keys(self, keys: Optional[SampleKeys], heads: int) -> Optional[HeadBlockKeys]:
+        """a2a: the whole sequence's attention keys (`attention_keys`) at this rank's block of `heads`."""
+        return None if keys is None else HeadBlockKeys(keys, heads, self.head_block(heads))
+
     def _all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
         splits = [rows.shape[0] // self.size] * self.size
         return comm.all_to_all(rows, splits, splits, self.group)
@@ -153,6 +168,17 @@ class ContextParallel(SharesProcessGroups):
     def _global_order(self, local_length: int, device) -> torch.Tensor:
         """Indices putting the rows of every rank's `local_length` positions (rank order) in global order."""
         return torch.argsort(_gathered_positions(self, local_length, device))
+
+    def attention_keys(self, keys: Optional[SampleKeys]) -> Optional[SampleKeys]:
+        """The keys attention's masks are drawn from: the whole sequence's (of `keys`, a rank's part or a tensor
+        parallel rank's shard of it), sliced at the queries' rows (`query_row_keys`) or heads after."""
+        return None if keys is None else SampleKeys(keys.seed, keys.iteration, keys.sample_ids)
+
+    def query_row_keys(self, keys: Optional[Any], local_length: int) -> Optional[QueryRowKeys]:
+        """all_gather: `keys` (whole-sequence attention keys) at this rank's `local_length` query rows."""
+        if keys is None:
+            return None
+        return QueryRowKeys(keys, self.positions(local_length), local_length * self.size)
 
     def keys(self, keys: Optional[SampleKeys], local_length: int) -> Optional[SampleKeys]:
         """`keys` for this rank's positions of sequences of `local_length` tokens here."""

@@ -22,7 +22,7 @@ class ParallelConfig(Validated):
     tensor_parallel_size: int = option(
         1,
         "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
-        "the vocabulary split; at context-parallel size 1, with pipeline stages too)",
+        "the vocabulary split; with pipeline stages or context parallelism too, not both yet)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
@@ -76,8 +76,7 @@ class ParallelConfig(Validated):
     )
     context_parallel_size: int = option(
         1,
-        "ranks sharing each sequence (Megatron's context parallelism: chunks r and 2cp-1-r of 2cp each; at "
-        "pipeline size 1)",
+        "ranks sharing each sequence (Megatron's context parallelism: chunks r and 2cp-1-r of 2cp each)",
         flag="--context-parallel-size",
     )
     cp_comm_type: List[str] = option(
@@ -143,12 +142,11 @@ class ParallelConfig(Validated):
 
     def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
-        others = [
-            f"{flag}={size}" for flag, size in (("--context-parallel-size", self.context_parallel_size),) if size > 1
-        ]
-        if self.tensor_parallel_size == 1 or not others:
+        cp, pp = self.context_parallel_size, self.pipeline_parallel_size
+        if self.tensor_parallel_size == 1 or cp == 1 or pp == 1:  # tp x cp and tp x pp run, not the three
             return []
-        return [("tensor_parallel_size", f"not supported with {' and '.join(others)} yet (tp runs at cp 1)")]
+        why = f"not supported with --context-parallel-size={cp} and --pipeline-model-parallel-size={pp} together yet"
+        return [("tensor_parallel_size", why + " (tp runs with either)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

@@ -120,18 +120,21 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, keys: Optional[SampleKeys]) -> torch.Tensor:
         q, k, v = self._heads(self.qkv(x_BSD))
         cp, positions, heads = self.context_parallel, None, None
-        if cp is not None:  # this rank's global positions
-            positions = cp.positions(x_BSD.shape[1], x_BSD.device)
+        if cp is not None:  # this rank's global positions (of q's sequence: its cp part, also under SP)
+            positions = cp.positions(q.shape[2], q.device)
+            keys = cp.attention_keys(keys)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.cp_comm == "a2a":  # the whole sequence of 1/cp of the heads, attended as in one process
             q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
             heads, positions = cp.head_block(self.heads), None
-            keys = keys.head_block_keys(self.heads, heads) if keys is not None else None
+            keys = cp.head_block_keys(keys, self.heads)
         elif cp is not None:  # queries at this rank's positions; keys and values of the whole sequence
             k, v = cp.gather_sequence(k, dim=2), cp.gather_sequence(v, dim=2)
-        if self.head_keys is not None and keys is not None:
+        if self.head_keys is not None and keys is not None:  # tensor parallelism: the rank's heads
             keys = self.head_keys(keys)
+        if self.cp_comm == "all_gather":
+            keys = cp.query_row_keys(keys, q.shape[2])
         if self.recompute_core and recomputing(self):  # selective recompute: only this part is redone
             y = checkpoint(self._core, q, k, v, keys, positions, heads, use_reentrant=False)
         else:

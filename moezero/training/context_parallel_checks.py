@@ -3,8 +3,9 @@ line each, naming the flags).
 
 What runs at cp > 1 (moezero/context_parallel.py): any ZeRO stage, dense and MoE layers (expert parallelism folded
 over the same ranks), MHA/GQA attention with RoPE/YaRN or learned positions, sliding windows, sinks, layer scaling,
-keyed dropout, MTP, --calculate-per-token-loss, checkpoints (a cp's resumes at any other), and pipeline stages
-(pp > 1, what the pipeline runs: each cp coordinate's pipeline sends its part of every sequence; stage_model.py).
+keyed dropout, MTP, --calculate-per-token-loss, checkpoints (a cp's resumes at any other), pipeline stages
+(pp > 1, what the pipeline runs: each cp coordinate's pipeline sends its part of every sequence; stage_model.py), and
+tensor parallelism (tp > 1, at pp 1: training/tensor_parallel.py; a2a then splits each tp rank's heads over cp).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def check_context_parallel_run(cfg, world_size: int) -> None:
             problems.append(f"{CP}={cp}: must divide the number of processes ({world_size})")
         if model.seq_length % (2 * cp):
             problems.append(f"--seq-length={model.seq_length}: must be divisible by 2 x {CP} = {2 * cp}")
-        if "a2a" in p.cp_comm_type:
-            heads, groups = model.num_attention_heads, model.query_groups
+        if "a2a" in p.cp_comm_type:  # a tensor-parallel rank's heads (tp's own checks: heads % tp)
+            tp = p.tensor_parallel_size
+            heads, groups = model.num_attention_heads // tp, model.query_groups // tp
             if heads % cp or groups % cp:
+                of_rank = f" of a rank at --tensor-model-parallel-size={tp}" if tp > 1 else ""
                 problems.append(
-                    f"--cp-comm-type a2a: needs the attention heads ({heads}) and query groups ({groups}) "
+                    f"--cp-comm-type a2a: needs the attention heads ({heads}) and query groups ({groups}){of_rank} "
                     f"divisible by {CP}={cp} (Ulysses splits heads)"
                 )
     if len(p.cp_comm_type) not in (1, model.num_layers):

@@ -196,7 +196,9 @@ def train_step(
                 batch = micro_batches[j]
                 if whole_tokens[j] is not None:
                     losses.append(
-                        _cp_micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens, whole_tokens[j])
+                        _cp_micro_batch_loss(
+                            model, batch, lm, router, stats, depths, n, tokens, whole_tokens[j], tensor_parallel_size
+                        )
                     )
                     depths = _cp_depth_shares(batch, depths, whole_tokens[j])
                 else:
@@ -238,20 +240,30 @@ def _micro_batch_loss(
 
 
 def _cp_micro_batch_loss(
-    model, batch, lm, router, stats, depths, n: int, tokens: Optional["_GlobalTokens"], whole_tokens: torch.Tensor
+    model,
+    batch,
+    lm,
+    router,
+    stats,
+    depths,
+    n: int,
+    tokens: Optional["_GlobalTokens"],
+    whole_tokens: torch.Tensor,
+    tp_size: int = 1,
 ) -> torch.Tensor:
     """_micro_batch_loss of a context-parallel rank: `lm` and `depths` are token means over this rank's part and
-    the routers' losses already its shares (router.py); `whole_tokens` the whole micro-batch's loss tokens."""
+    the routers' losses already its shares (router.py); `whole_tokens` the whole micro-batch's loss tokens.
+    `tp_size`: under tensor (sequence) parallelism too the routers see a tp_size-th of the rank's part."""
     cp_size = model.context_parallel.size
     if tokens is None:
         lm_share = lm * (batch["loss_mask"].sum().double() / whole_tokens[0].clamp(min=1.0)).to(lm)
         depth_shares = _cp_depth_shares(batch, depths, whole_tokens)
         return cp_size * (lm_share + sum(router.values()) + _mtp_term(model, depth_shares, batch, None)) / n
     # per-token: the weights count this rank's tokens over every rank's; the routers' token-weighted shares
-    # count this rank's tokens, a cp_size-th of the micro-batch's
+    # count this rank's tokens, a cp_size-th of the micro-batch's (a (cp_size x tp_size)-th under SP)
     share = tokens.weight(float(batch["loss_mask"].sum()))
     routers = sum((value for s in stats for value in s.token_weighted.values()), lm.new_zeros(()))
-    return lm * share + cp_size * routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
+    return lm * share + cp_size * tp_size * routers * tokens.weight(1.0) + _mtp_term(model, depths, batch, share)
 
 
 def _cp_depth_shares(batch, depths: List[torch.Tensor], whole_tokens: torch.Tensor) -> List[torch.Tensor]:

@@ -34,10 +34,15 @@ over the etp group the MoE layers are built with (ParallelGroups.etp).
 MTP depths are built as the decoder's layers (their norms and projection whole on every rank) and under sequence
 parallelism learned position embeddings are looked up at the rank's positions.
 
+With context parallelism (Megatron's semantics) the cp split comes first (the rank's 2 chunks of each sequence,
+moezero/context_parallel.py), then sequence parallelism shards the rank's cp part over tp: attention exchanges the
+K/V of the rank's heads over cp (a2a: a block of the rank's heads), positions and keyed draws are the cp rank's
+(under SP each tp rank's shard of them: `_SequenceShardKeys`), and the routers count tokens over the tp-cp group.
+
 What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
-query groups not divisible by tp, context parallelism, a sequence not divisible by tp under sequence parallelism,
-and MoE layers without sequence parallelism, with a
-capacity factor, global or sinkhorn balancing.
+query groups not divisible by tp, a sequence not divisible by tp under sequence parallelism, and MoE layers without
+sequence parallelism, with a capacity factor, global or sinkhorn balancing; context parallelism with pipeline
+stages too (config/run.py).
 """
 
 from __future__ import annotations
@@ -115,8 +120,6 @@ def apply_tensor_parallel(model: GPTModel, group: Optional[Any], sequence_parall
     lines = refusals(model.config, model.moe_config, tp, sequence_parallel)
     if lines:  # what the run's checks refuse at start (tensor_parallel_checks.py), or a checkpoint's vocabulary
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
-    if model.context_parallel is not None:
-        raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
     plan = _Plan(group, sequence_parallel)
     for layer in model.layers:
         plan.layer(layer, model.config)
@@ -143,8 +146,10 @@ def apply_tensor_parallel_to_stage(stage: nn.Module, group: Optional[Any], seque
         lines.append("--mtp-num-layers is not supported with tensor parallelism and pipeline stages yet")
     if lines:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
-    if stage.context_parallel is not None:
-        raise ConfigError(f"--tensor-model-parallel-size={tp}: not supported with context parallelism yet")
+    if stage.context_parallel is not None:  # config/run.py refuses the three at start
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tp}: not supported with context parallelism and pipeline stages yet"
+        )
     plan = _Plan(group, sequence_parallel)
     for layer in stage.layers.values():
         plan.layer(layer, stage.config)
@@ -244,7 +249,7 @@ class _Plan:
         the tp group (its losses are the rank's shares, megatron-core's tp-cp counting) and every param of the
         layer that is whole on each rank (router, shared expert and its gate) gets a partial gradient. Routed
         experts stay whole, split over ep (folded over the tp ranks, ParallelGroups), reduced over edp."""
-        moe.router.cp = SequenceShares(self.group)
+        moe.router.cp = _TensorContextShares(SequenceShares(self.group), moe.router.cp)
         for module in (moe.router, moe.shared_expert, moe.shared_expert_gate):
             if module is not None:
                 self.replicated(module)
@@ -303,7 +308,13 @@ class _SequenceShardKeys(SharesProcessGroups):
         self.size, self.rank = comm.group_size(group), comm.group_rank(group)
 
     def __call__(self, keys: SampleKeys, sequence_length: int) -> SampleKeys:
+        """`keys` of a `sequence_length` sequence (a cp rank's part: ShardedSampleKeys, its shard of its
+        positions) for the rank's shard of it."""
         shard = sequence_length // self.size
+        if isinstance(keys, ShardedSampleKeys):  # context parallelism: the cp split first, then SP's shard of it
+            return ShardedSampleKeys(
+                keys, keys.positions[self.rank * shard : (self.rank + 1) * shard], keys.sequence_length
+            )
         positions = torch.arange(self.rank * shard, (self.rank + 1) * shard)
         return ShardedSampleKeys(keys, positions, sequence_length)
 
@@ -316,8 +327,23 @@ class _HeadBlockKeys:
         local = heads // size
         self.heads, self.block = heads, slice(rank * local, (rank + 1) * local)
 
-    def __call__(self, keys: SampleKeys) -> HeadBlockKeys:
+    def __call__(self, keys: Any) -> HeadBlockKeys:
+        if isinstance(keys, HeadBlockKeys):  # a2a context parallelism: a block of this rank's heads
+            return HeadBlockKeys(keys.whole, self.heads, self.block).of_block(keys.block)
         return HeadBlockKeys(SampleKeys(keys.seed, keys.iteration, keys.sample_ids), self.heads, self.block)
+
+
+class _TensorContextShares(SharesProcessGroups):
+    """A router's token counts under tensor x context parallelism: over megatron-core's tp-cp group, the tp group's
+    sums summed over the cp group (the same ranks: every tp rank of every cp rank; exact for counts), each rank's
+    losses its share of the whole sequences' (size: tp x cp)."""
+
+    def __init__(self, tp: SequenceShares, cp: SequenceShares):
+        self.tp, self.cp = tp, cp
+        self.size = tp.size * cp.size
+
+    def sum(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.cp.sum(self.tp.sum(counts))
 
 
 class _VocabParallelLoss(SharesProcessGroups):

@@ -1,11 +1,12 @@
 """Megatron's rules for a run at --tensor-model-parallel-size > 1, and what moezero does not run there yet (pure: one
 line each, naming the flags).
 
-What runs at tp > 1 (training/tensor_parallel.py): context-parallel size 1, any ZeRO stage, dense GPTs
+What runs at tp > 1 (training/tensor_parallel.py): any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
-pipeline stages (each stage's modules swapped alike) all of it but MTP; checkpoints at global coordinates (a tp's
-resumes at any other); --load-hf reads each rank's slices of the Hub files (moezero/hf/shard_reads.py).
+pipeline stages (each stage's modules swapped alike) all of it but MTP, or with context parallelism (not both:
+config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices
+of the Hub files (moezero/hf/shard_reads.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
@@ -75,10 +76,18 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             problems.append(str(error))
     if moe.num_experts is None:  # a dense GPT: the experts' split has nothing to split (Megatron's too)
         return problems
-    if p.expert_tensor_parallel_size is None and p.pipeline_parallel_size > 1:  # given: config/run.py refuses it
+    others = [
+        f"{flag}={size}"
+        for flag, size in (
+            ("--pipeline-model-parallel-size", p.pipeline_parallel_size),
+            ("--context-parallel-size", p.context_parallel_size),
+        )
+        if size > 1
+    ]
+    if p.expert_tensor_parallel_size is None and others:  # given: config/run.py refuses it
         problems.append(
-            f"{ETP}={etp} (Megatron's default, {TP}): not supported with --pipeline-model-parallel-size="
-            f"{p.pipeline_parallel_size} yet; pass {ETP} 1 (the experts whole, ep folded over the tp ranks)"
+            f"{ETP}={etp} (Megatron's default, {TP}): not supported with {' and '.join(others)} yet; pass {ETP} 1 "
+            "(the experts whole, ep folded over the tp ranks)"
         )
     ffn, hidden = moe.ffn_hidden_size or cfg.model.ffn_hidden_size, cfg.model.hidden_size  # the experts' widths
     if ffn % etp or hidden % etp:  # each rank holds its columns of fc1 (GLU: of both halves), its rows of fc2

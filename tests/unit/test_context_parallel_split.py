@@ -7,7 +7,14 @@ import torch
 from megatron.core import utils as mcore_utils
 
 from moezero.keyed_random import SampleKeys
-from moezero.context_parallel import ContextParallel, ShardedSampleKeys, chunk_positions, split_sequence
+from moezero.context_parallel import (
+    ContextParallel,
+    HeadBlockKeys,
+    QueryRowKeys,
+    ShardedSampleKeys,
+    chunk_positions,
+    split_sequence,
+)
 
 
 class _StubGroup:
@@ -51,10 +58,14 @@ def test_sharded_keys_draw_the_whole_sequences_slice():
     sharded = ShardedSampleKeys(keys, positions, 16)
     whole = keys.dropout_mask("site", (16, 3), 0.3)
     assert torch.equal(sharded.dropout_mask("site", (8, 3), 0.3), whole[:, positions])
-    rows = sharded.query_rows_dropout_mask("attn", 2, 0.3, "cpu")
-    assert torch.equal(rows, keys.dropout_mask("attn", (2, 16, 16), 0.3)[:, :, positions])
-    heads = sharded.head_block_keys(4, slice(2, 4)).dropout_mask("attn", (2, 16, 16), 0.3)  # a2a: whole sequence
-    assert torch.equal(heads, keys.dropout_mask("attn", (4, 16, 16), 0.3)[:, 2:4])
+    every_head = keys.dropout_mask("attn", (4, 16, 16), 0.3)
+    rows = QueryRowKeys(keys, positions, 16).query_rows_dropout_mask("attn", 4, 0.3, "cpu")  # all_gather
+    assert torch.equal(rows, every_head[:, :, positions])
+    tp_heads = HeadBlockKeys(keys, 4, slice(2, 4))  # a tp rank's heads, then all_gather's query rows
+    rows = QueryRowKeys(tp_heads, positions, 16).query_rows_dropout_mask("attn", 2, 0.3, "cpu")
+    assert torch.equal(rows, every_head[:, 2:4][:, :, positions])
+    heads = tp_heads.of_block(slice(1, 2)).dropout_mask("attn", (1, 16, 16), 0.3)  # a2a's block of the tp rank's
+    assert torch.equal(heads, every_head[:, 3:4])
 
 
 def test_split_micro_batch_shifts_mtp_on_the_whole_sequence():

@@ -110,23 +110,18 @@ TP_WITH = "not supported with"
 
 
 def test_one_launch_names_every_refused_value(capsys):
-    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (cp, tp and etp
-    run, not yet together)."""
-    lines = _launch_error_of(
-        [
-            "--tensor-model-parallel-size",
-            "2",
-            "--context-parallel-size",
-            "2",
-            "--expert-tensor-parallel-size",
-            "2",
-            "--sequence-parallel",
-        ],
-        capsys,
-    )
+    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (tp x cp, tp x pp
+    and cp x pp run, not the three together; etp runs at cp 1 and pp 1)."""
+    argv = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    lines = _launch_error_of(argv + ["--sequence-parallel", "--pipeline-model-parallel-size", "2"], capsys)
     assert lines[0] == "2 flags of this launch line are not supported:" and len(lines) == 3, lines
-    assert lines[1].startswith(f"--expert-tensor-parallel-size=2: {ETP_WITH} --context-parallel-size=2 yet"), lines
-    assert lines[2].startswith(f"--tensor-model-parallel-size=2: {TP_WITH} --context-parallel-size=2 yet"), lines
+    assert lines[1].startswith(f"--expert-tensor-parallel-size=2: {ETP_WITH} --pipeline-model-parallel-size=2 and"), (
+        lines
+    )
+    tp_line = (
+        f"--tensor-model-parallel-size=2: {TP_WITH} --context-parallel-size=2 and --pipeline-model-parallel-size=2"
+    )
+    assert lines[2].startswith(tp_line + " together yet"), lines
     assert lines[-1].endswith("(see --help)")
     # one alone: the one line it always was
     lines = _launch_error_of(["--expert-tensor-parallel-size", "4", "--pipeline-model-parallel-size", "2"], capsys)
@@ -174,6 +169,28 @@ def test_context_parallel_rules_are_megatrons_one_line_each(argv, world, needle)
         validate(configs(TINY + cp + argv), world_size=world)
     message = str(info.value)
     assert message.startswith(needle) and len(message.splitlines()) == 1, message
+
+
+def test_tensor_x_context_parallel_rules_one_line_each():
+    """tp 2 x cp 2 runs; a2a splits each tp rank's heads over cp (Megatron's heads / tp % cp), and the experts' default
+    tensor parallelism (etp = tp) is refused at cp > 1 with the flag that runs."""
+    from moezero.training.configs import validate
+    from tests.integration.pretrain_utils import TINY, configs
+
+    capacity = TINY.index("--moe-expert-capacity-factor")
+    tpcp = (
+        TINY[:capacity] + TINY[capacity + 2 :] + ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    )
+    tpcp += ["--sequence-parallel"]
+    assert validate(configs(tpcp + ["--expert-tensor-parallel-size", "1"]), world_size=4) == 4  # dp 1: 8 / 2
+    for argv, needle in (
+        (["--cp-comm-type", "a2a"], "--cp-comm-type a2a: needs the attention heads (1) and query groups (1) of a rank"),
+        ([], "--expert-tensor-parallel-size=2 (Megatron's default, --tensor-model-parallel-size): not supported with "),
+    ):
+        with pytest.raises(ConfigError) as info:
+            validate(configs(tpcp + argv), world_size=4)
+        message = str(info.value)
+        assert message.startswith(needle) and len(message.splitlines()) == 1, message
 
 
 def test_context_parallel_deals_micro_batches_over_data_parallel_ranks():
@@ -249,8 +266,9 @@ def test_megatron_parallel_and_optimizer_flags():
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --context-parallel"):
         ParallelConfig(expert_tensor_parallel_size=2, context_parallel_size=2)
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).pipeline_parallel_size == 2
+    assert ParallelConfig(tensor_parallel_size=2, context_parallel_size=2).context_parallel_size == 2
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: not supported with --context-parallel"):
-        ParallelConfig(tensor_parallel_size=2, context_parallel_size=2)
+        ParallelConfig(tensor_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)
     assert ZeroConfig().stage == 2 and ZeroConfig(use_distributed_optimizer=True).stage == 1
     assert ZeroConfig(use_distributed_optimizer=True, stage=3).stage == 3
 
