@@ -219,8 +219,9 @@ def causal_attention(
     in its denominator too (Megatron's SoftmaxOne); with `layer_scale` L, the scores are q k^T * scale / L in the
     inputs' dtype, multiplied back by L in fp32 (Megatron's --apply-query-key-layer-scaling): all three run the
     explicit path. With `query_positions` (context parallelism), the queries are those positions of a sequence
-    whose keys and values are all given: the explicit path, its masks from the positions (`keys` then a cp rank's,
-    moezero/context_parallel.py)."""
+    whose keys and values are all given: the masks come from the positions (`keys` then a cp rank's,
+    moezero/context_parallel.py), SDPA taking the causal one as a boolean mask where no other reason asks for the
+    explicit path (its CPU kernel never forms the scores: docs/benchmarks.md#tp-cp)."""
     dropout = dropout if training else 0.0
     keyed = dropout > 0 and keys is not None
     short = (
@@ -229,15 +230,19 @@ def causal_attention(
         and q_BHSh.shape[2] <= EXPLICIT_CPU_MAX_SEQ
         and (dropout == 0 or keyed)
     )
-    if query_positions is not None or keyed or short or any(x is not None for x in (window, sinks, layer_scale)):
+    if keyed or short or any(x is not None for x in (window, sinks, layer_scale)):
         return _explicit_attention(
             q_BHSh, k_BGSh, v_BGSv, dropout, keys, site, scale, window, sinks, layer_scale, query_positions
         )
+    causal = None  # a cp rank's queries: each sees the keys at or before its global position
+    if query_positions is not None:
+        causal = query_positions[:, None] >= torch.arange(k_BGSh.shape[2], device=q_BHSh.device)[None, :]
     return F.scaled_dot_product_attention(
         q_BHSh,
         k_BGSh,
         v_BGSv,
-        is_causal=True,
+        attn_mask=causal,
+        is_causal=causal is None,
         scale=scale,
         dropout_p=dropout,
         enable_gqa=k_BGSh.shape[1] != q_BHSh.shape[1],

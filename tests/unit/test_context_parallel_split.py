@@ -102,3 +102,38 @@ def test_a_cp_model_refuses_mtp_without_the_whole_sequences_shift():
     model = GPTModel(config, context_parallel=cp)
     with pytest.raises(ValueError, match="shifted on the whole sequence"):
         model(torch.zeros(1, 4, dtype=torch.long), mtp=True)
+
+
+@pytest.mark.parametrize("heads,groups,window", [(4, 4, None), (4, 2, None), (4, 2, 3)])
+def test_a_cp_ranks_queries_attend_as_the_whole_sequences_rows(heads, groups, window, monkeypatch):
+    """causal_attention with a cp rank's query positions over the whole sequence's keys and values gives the rows of
+    one process's attention at those positions, float64: without a window through SDPA with a boolean mask (the
+    explicit path, which forms every score, is not taken), with one through the explicit path; forward and every
+    input's gradient."""
+    from moezero.context_parallel import chunk_positions
+    from moezero.models import attention
+    from moezero.models.attention import causal_attention
+
+    explicit = []
+    original = attention._explicit_attention
+    monkeypatch.setattr(attention, "_explicit_attention", lambda *a, **k: explicit.append(1) or original(*a, **k))
+
+    g = torch.Generator().manual_seed(3)
+    S, h = 16, 8
+    q, k, v = (torch.randn(2, n, S, h, generator=g, dtype=torch.float64) for n in (heads, groups, groups))
+    weights = torch.randn(2, heads, S, h, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    whole = causal_attention(*full, 0.0, True, None, "attn", window=window)
+    (whole * weights).sum().backward()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(2):
+        positions = chunk_positions(S, 2, rank)
+        part = [q[:, :, positions].clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()]
+        rows = causal_attention(*part, 0.0, True, None, "attn", window=window, query_positions=positions)
+        torch.testing.assert_close(rows, whole[:, :, positions], rtol=0, atol=1e-13)
+        (rows * weights[:, :, positions]).sum().backward()
+        dq[:, :, positions] = part[0].grad
+        dk, dv = dk + part[1].grad, dv + part[2].grad  # the ranks' key/value gradients add up (cp's reduce-scatter)
+    for ours, theirs in zip((dq, dk, dv), full):
+        torch.testing.assert_close(ours, theirs.grad, rtol=0, atol=1e-13)
+    assert len(explicit) == (3 if window else 0)  # one process's and the two ranks'
