@@ -103,3 +103,17 @@ def run_in_process(argv):
         run.train()
     run.destroy_groups()
     return run.history, out.getvalue()
+
+
+CURVE_KEYS = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
+
+
+def assert_same_curve(name, curve, expected, tol=1e-10):
+    """A run's history against the expected run's: the same iterations, and at each the losses, gradient norm and
+    validation loss within `tol` relative (absolute below 1); a metric neither run logs is None in both."""
+    assert [h["iteration"] for h in curve] == [h["iteration"] for h in expected], name
+    for h, e in zip(curve, expected):
+        for key in CURVE_KEYS:
+            x, y = h.get(key), e.get(key)
+            assert (x is None) == (y is None), (name, h["iteration"], key, x, y)  # logged by both or neither
+            assert x is None or abs(x - y) <= tol * max(1.0, abs(y)), (name, h["iteration"], key, x, y)

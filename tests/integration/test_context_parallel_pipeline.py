@@ -12,7 +12,7 @@ uninterrupted run's curve."""
 import os
 
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.pretrain_utils import TINY, run_in_process, assert_same_curve
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 CPPP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -32,19 +32,6 @@ CPPP_TINY += ["--eval-interval", "2", "--eval-iters", "1", "--fp64", "--log-inte
 CPPP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
 LAYOUT = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss"]  # the router losses' token weights count a cp rank's tokens
-TOL = 1e-10
-
-
-def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
-    return [tuple(h.get(key) for key in keys) for h in history]
-
-
-def _assert_same_curve(name, curve, expected):
-    assert [h["iteration"] for h in curve] == [h["iteration"] for h in expected], name
-    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
-        for x, y in zip(a, b):
-            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
 
 
 def _cppp_runs(argv, saved):
@@ -61,7 +48,7 @@ def test_cp2_x_pp2_x_ep2_equals_one_process_and_resumes_at_cp1_pp1(tmp_path):
     resumed, _ = run_in_process(argv + ["--load", os.path.join(saved, "iter_0000002")])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, True]  # and at the end
     for history, _, per_token_history in ranks:  # every rank reports the step's metrics of every pipeline
-        _assert_same_curve("cp 2 x pp 2", history, single)
-        _assert_same_curve("cp 2 x pp 2, per-token loss", per_token_history, per_token)
-    _assert_same_curve("cp 2 x pp 2 -> cp 1 x pp 1", ranks[0][0][:2] + resumed, single)
+        assert_same_curve("cp 2 x pp 2", history, single)
+        assert_same_curve("cp 2 x pp 2, per-token loss", per_token_history, per_token)
+    assert_same_curve("cp 2 x pp 2 -> cp 1 x pp 1", ranks[0][0][:2] + resumed, single)
     assert "pp 2 (1F1B), cp 2, ep 2" in ranks[3][1], ranks[3][1]

@@ -7,7 +7,7 @@ replicated over cp, so a cp 2 checkpoint resumes in one process (cp 1) and a cp 
 uninterrupted run's curve."""
 
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.pretrain_utils import TINY, run_in_process, assert_same_curve
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 CP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -15,12 +15,6 @@ CP_TINY += ["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--zero-stage", 
 CP_TINY += ["--eval-interval", "2", "--eval-iters", "1", "--fp64", "--log-interval", "1"]
 CP_TINY += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]  # counts over cp too
 CP2 = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]  # Megatron's default --cp-comm-type p2p
-TOL = 1e-10
-
-
-def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
-    return [tuple(h.get(key) for key in keys) for h in history]
 
 
 def _cp2_runs(argv, saved_at_cp2, saved_at_cp1):
@@ -29,13 +23,6 @@ def _cp2_runs(argv, saved_at_cp2, saved_at_cp1):
     first, _ = run_in_process(argv + ["--exit-interval", "2", "--save", saved_at_cp2])
     from_cp1, _ = run_in_process(argv + ["--load", saved_at_cp1])
     return straight, output, first, from_cp1
-
-
-def _assert_same_curve(name, curve, expected):
-    assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
-    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
-        for x, y in zip(a, b):
-            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
 
 
 def test_cp2_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_cp(tmp_path):
@@ -47,8 +34,8 @@ def test_cp2_x_ep2_run_equals_one_process_and_checkpoints_reshard_over_cp(tmp_pa
     from_cp2, _ = run_in_process(argv + ["--load", at_cp2])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
     for straight, output, first, from_cp1 in ranks:
-        _assert_same_curve("cp 2", straight, single)
-        _assert_same_curve("cp 1 -> cp 2", first_cp1 + from_cp1, single)
-    _assert_same_curve("cp 2 -> cp 1", ranks[0][2] + from_cp2, single)
+        assert_same_curve("cp 2", straight, single)
+        assert_same_curve("cp 1 -> cp 2", first_cp1 + from_cp1, single)
+    assert_same_curve("cp 2 -> cp 1", ranks[0][2] + from_cp2, single)
     output = ranks[0][1]
     assert "cp 2, ep 2" in output and "--cp-comm-type p2p: attention all-gathers" in output, output

@@ -14,7 +14,7 @@ process (tp 1, cp 1) on the uninterrupted curve."""
 import os
 
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.pretrain_utils import TINY, run_in_process, assert_same_curve
 
 MOE_ONLY = ("--num-experts", "--moe-router-topk", "--moe-layer-freq", "--moe-input-jitter-eps", "--moe-z-loss-coeff")
 MOE_ONLY += ("--moe-aux-loss-coeff", "--moe-expert-capacity-factor")
@@ -38,19 +38,6 @@ MOE_LAYOUT = LAYOUT + [
     "2",
 ]
 MOE_LAYOUT += ["--expert-tensor-parallel-size", "1"]
-TOL = 1e-10
-
-
-def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
-    return [tuple(h.get(key) for key in keys) for h in history]
-
-
-def _assert_same_curve(name, curve, expected):
-    assert [h["iteration"] for h in curve] == [h["iteration"] for h in expected], name
-    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
-        for x, y in zip(a, b):
-            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
 
 
 def _tpcp_runs(dense, moe, saved):
@@ -69,7 +56,7 @@ def test_tp2_x_cp2_equals_one_process_and_resumes_at_tp1_cp1(tmp_path):
     assert [h.get("validation_loss") is not None for h in single_dense] == [False, True, True]  # and at the end
     assert single_moe[0]["router_aux_loss"] > 0 and single_dense[0]["mtp_1_loss"] > 0 and "moe" not in str(DENSE)
     for dense_history, moe_history, _ in ranks:  # every rank reports the step's metrics
-        _assert_same_curve("dense, tp 2 x cp 2 (all_gather)", dense_history, single_dense)
-        _assert_same_curve("MoE, tp 2 (sequence parallel) x cp 2 (all_gather, a2a)", moe_history, single_moe)
-    _assert_same_curve("MoE, tp 2 x cp 2 -> tp 1 x cp 1", ranks[0][1][:2] + resumed, single_moe)
+        assert_same_curve("dense, tp 2 x cp 2 (all_gather)", dense_history, single_dense)
+        assert_same_curve("MoE, tp 2 (sequence parallel) x cp 2 (all_gather, a2a)", moe_history, single_moe)
+    assert_same_curve("MoE, tp 2 x cp 2 -> tp 1 x cp 1", ranks[0][1][:2] + resumed, single_moe)
     assert "world 4, cp 2, tp 2, ep 1, etp 2, ZeRO stage 3" in ranks[0][2], ranks[0][2]

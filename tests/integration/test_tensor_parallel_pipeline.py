@@ -12,7 +12,7 @@ relative. The MoE run's checkpoint at iteration 2 resumes in one process (tp 1, 
 import os
 
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.pretrain_utils import TINY, run_in_process, assert_same_curve
 
 MOE_ONLY = ("--num-experts", "--moe-router-topk", "--moe-layer-freq", "--moe-input-jitter-eps", "--moe-z-loss-coeff")
 MOE_ONLY += ("--moe-aux-loss-coeff", "--moe-expert-capacity-factor")
@@ -26,19 +26,6 @@ DENSE = [flag for i, flag in enumerate(TINY) if flag not in MOE_ONLY and TINY[i 
 DENSE += ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 MOE_LAYOUT = LAYOUT + ["--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
-TOL = 1e-10
-
-
-def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss")
-    return [tuple(h.get(key) for key in keys) for h in history]
-
-
-def _assert_same_curve(name, curve, expected):
-    assert [h["iteration"] for h in curve] == [h["iteration"] for h in expected], name
-    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
-        for x, y in zip(a, b):
-            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
 
 
 def _tppp_runs(dense, moe, saved):
@@ -57,7 +44,7 @@ def test_tp2_x_pp2_equals_one_process_and_resumes_at_tp1_pp1(tmp_path):
     assert [h.get("validation_loss") is not None for h in single_dense] == [False, True, True]  # and at the end
     assert single_moe[0]["router_aux_loss"] > 0 and "moe" not in str(DENSE)
     for dense_history, moe_history, _ in ranks:  # every rank reports the step's metrics of every pipeline
-        _assert_same_curve("dense, tp 2 x pp 2", dense_history, single_dense)
-        _assert_same_curve("MoE, tp 2 (sequence parallel) x pp 2", moe_history, single_moe)
-    _assert_same_curve("MoE, tp 2 x pp 2 -> tp 1 x pp 1", ranks[0][1][:2] + resumed, single_moe)
+        assert_same_curve("dense, tp 2 x pp 2", dense_history, single_dense)
+        assert_same_curve("MoE, tp 2 (sequence parallel) x pp 2", moe_history, single_moe)
+    assert_same_curve("MoE, tp 2 x pp 2 -> tp 1 x pp 1", ranks[0][1][:2] + resumed, single_moe)
     assert "pp 2 (1F1B), tp 2" in ranks[3][2], ranks[3][2]

@@ -13,7 +13,7 @@ expert's ffn split over both ranks, ep 1), and tp 1 with etp 2 (dp 2: each rank 
 rows gathered over etp), on one process's curve; a checkpoint saved at tp 2 etp 2 resumes in one process."""
 
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.pretrain_utils import TINY, run_in_process, assert_same_curve
 
 # capacity drops are decided on each rank's own tokens (megatron-core's too): not those of one process
 TP_TINY = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
@@ -26,12 +26,6 @@ TP2 += ["--expert-tensor-parallel-size", "1"]
 ETP_AT_TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # etp: tp's, Megatron's default
 ETP_AT_TP1 = ["--expert-tensor-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss"]  # the routers' token-weighted shares count a rank's 1/tp of the tokens
-TOL = 1e-10
-
-
-def _values(history):
-    keys = ("lm_loss", "grad_norm", "validation_loss", "router_aux_loss", "router_z_loss", "mtp_1_loss")
-    return [tuple(h.get(key) for key in keys) for h in history]
 
 
 def _tp2_runs(argv, saved_at_tp2, saved_at_tp1, saved_at_etp2):
@@ -52,13 +46,6 @@ def _etp_runs(argv, saved_at_etp2):
     return at_tp2, first, at_tp1, output_tp2 + output_tp1
 
 
-def _assert_same_curve(name, curve, expected):
-    assert [h["iteration"] for h in curve] == [1, 2, 3, 4], name
-    for step, (a, b) in enumerate(zip(_values(curve), _values(expected))):
-        for x, y in zip(a, b):
-            assert (x is None and y is None) or abs(x - y) <= TOL * max(1.0, abs(y)), (name, step, a, b)
-
-
 def test_tp2_sp_x_ep2_and_etp_runs_equal_one_process_and_checkpoints_reshard(tmp_path):
     argv = TP_TINY + ["--data-cache-path", str(tmp_path)]
     at_tp2, at_tp1, at_etp2 = str(tmp_path / "tp2"), str(tmp_path / "tp1"), str(tmp_path / "etp2")
@@ -71,15 +58,15 @@ def test_tp2_sp_x_ep2_and_etp_runs_equal_one_process_and_checkpoints_reshard(tmp
     from_etp2, _ = run_in_process(argv + ["--load", at_etp2])
     assert [h.get("validation_loss") is not None for h in single] == [False, True, False, True]
     for at_tp2_etp2, first_etp2, at_tp1_etp2, _ in etp_ranks:
-        _assert_same_curve("tp 2, etp 2", at_tp2_etp2, single)
-        _assert_same_curve("tp 1, etp 2 (dp 2)", at_tp1_etp2, single)
-    _assert_same_curve("tp 2 etp 2 -> tp 1 etp 1", etp_ranks[0][1] + from_etp2, single)
+        assert_same_curve("tp 2, etp 2", at_tp2_etp2, single)
+        assert_same_curve("tp 1, etp 2 (dp 2)", at_tp1_etp2, single)
+    assert_same_curve("tp 2 etp 2 -> tp 1 etp 1", etp_ranks[0][1] + from_etp2, single)
     output = etp_ranks[0][3]
     assert "world 2, tp 2 with sequence parallelism, ep 1, etp 2" in output and "world 2, ep 1, etp 2" in output
     for straight, output, first, from_tp1, per_token in ranks:
-        _assert_same_curve("tp 2", straight, single)
-        _assert_same_curve("tp 2, per-token loss", per_token, single_per_token)
-        _assert_same_curve("tp 1 -> tp 2", first_tp1 + from_tp1, single)
-    _assert_same_curve("tp 2 -> tp 1", ranks[0][2] + from_tp2, single)
+        assert_same_curve("tp 2", straight, single)
+        assert_same_curve("tp 2, per-token loss", per_token, single_per_token)
+        assert_same_curve("tp 1 -> tp 2", first_tp1 + from_tp1, single)
+    assert_same_curve("tp 2 -> tp 1", ranks[0][2] + from_tp2, single)
     output = ranks[0][1]
     assert "tp 2 with sequence parallelism, ep 2" in output, output
