@@ -13,6 +13,7 @@ from typing import List, Optional, Union
 from torch import nn
 
 from moezero.compression import PLUGIN_NAME, QATConfig, QATController, apply_qat
+from moezero.config import ConfigError
 from moezero.parallel import ParallelGroups
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.training.args import parse_configs
@@ -37,9 +38,24 @@ def attach_qat(
     PipelineGroups) on the rank's stages, its error summed over the pipeline."""
     if not cfg.qat.enabled:
         return None
+    refuse_qat_on_shards(cfg)
     if isinstance(groups, PipelineGroups):
         return apply_qat(model, cfg.qat, groups.stage, cfg.train.seed, sum_over_stages=groups.sum_over_stages)
     return apply_qat(model, cfg.qat, groups, cfg.train.seed)
+
+
+def refuse_qat_on_shards(cfg: RecipeConfigs) -> None:
+    """QAT's scales are each weight's (or each group's of it): on a tensor-parallel shard they would be the shard's,
+    a different quantization from one process's, silently. One line until they are computed over the shards."""
+    p = cfg.parallel
+    etp = p.expert_tensor_parallel if cfg.moe.num_experts else 1
+    sizes = (("--tensor-model-parallel-size", p.tensor_parallel_size), ("--expert-tensor-parallel-size", etp))
+    sharded = [f"{flag}={size}" for flag, size in sizes if size > 1]
+    if sharded:
+        raise ConfigError(
+            f"--qat-weight-bits={cfg.qat.weight_bits}: not supported with {', '.join(sharded)} yet (its scales "
+            "would be each shard's, not the weight's)"
+        )
 
 
 PLUGINS = {PLUGIN_NAME: attach_qat}
