@@ -4,12 +4,12 @@ cp {0,2} {1,3}, dp-cp the tp coordinate's {0,2} {1,3}: each cp rank holds chunks
 ranks split the heads (and under --sequence-parallel the cp part of the sequence); keys and values are exchanged over
 cp on the rank's heads, the router counts tokens over the tp-cp group, the loss is vocab-parallel over tp. Two runs
 of 3 iterations, float64: a dense GPT with multi-latent attention (q and kv latents with norms, YaRN, untied output,
-an MTP depth, --cp-comm-type all_gather, ZeRO 3) without sequence parallelism, and a GPT-MoE (experts split over
-ep 2 folded over the tp ranks, aux and z losses, jitter, hidden and attention dropout, tied output, learned positions, --cp-comm-type all_gather on its first layer and a2a on
-its second (4 heads: 1 per tp and cp rank), ZeRO 1) with --sequence-parallel and --calculate-per-token-loss (the
-routers' token weights count a (tp x cp)-th of the micro-batch); the lm loss, router losses, MTP loss, gradient norm
-and validation loss of every iteration to 1e-10 relative. Each run's checkpoint at iteration 2 resumes in one
-process (tp 1, cp 1) on the uninterrupted curve."""
+an MTP depth, --cp-comm-type all_gather, ZeRO 3) without sequence parallelism, and a GPT-MoE (experts split over ep 2
+folded over the tp ranks, aux and z losses, jitter, hidden and attention dropout, tied output, learned positions,
+--cp-comm-type all_gather on its first layer and a2a on its second (4 heads: 1 per tp and cp rank), ZeRO 1) with
+--sequence-parallel and --calculate-per-token-loss (the routers' token weights count a (tp x cp)-th of the
+micro-batch); the lm loss, router losses, MTP loss, gradient norm and validation loss of every iteration to 1e-10
+relative. Each run's checkpoint at iteration 2 resumes in one process (tp 1, cp 1) on the uninterrupted curve."""
 
 import os
 
