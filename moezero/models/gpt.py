@@ -41,7 +41,9 @@ class TransformerLayer(nn.Module):
         self.site = f"layer{layer_number}"
         self.input_norm = norm_layer(config)
         if config.multi_latent_attention:
-            self.attention = MultiLatentAttention(config, site=f"{self.site}.attention", layer_number=layer_number)
+            self.attention = MultiLatentAttention(
+                config, site=f"{self.site}.attention", layer_number=layer_number, context_parallel=context_parallel
+            )
         else:
             window = config.window_size[0] if is_window_layer(layer_number, config) else None
             self.attention = CausalSelfAttention(

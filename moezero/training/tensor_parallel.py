@@ -11,6 +11,9 @@ tp starts from the values tp 1 starts from:
 | attention proj | RowParallelLinear |
 | learnable softmax offsets (sinks) | the rank's heads (a TensorShard along dim 0) |
 | per-head q/k norms | whole on every rank, gradient partial over tp (mark_tp_partial) |
+| MLA q_proj or q_up, kv_up | ColumnParallelLinear: rank r holds heads block r (megatron-core's MLA) |
+| MLA q_down, kv_down, latent norms | whole on every rank (Megatron's duplicated linears), as the layer norms |
+| MLA shared RoPE key | whole per rank: all-gathered from the shards under SP, else its gradient summed over tp |
 | dense MLP fc1 / fc2 | ColumnParallelLinear (parts [gate | up] under GLU) / RowParallelLinear |
 | embedding | VocabParallelEmbedding (the padded vocabulary divides by tp, as Megatron pads it) |
 | output layer | ColumnParallelLinear without gather: logits of the rank's vocabulary slice |
@@ -39,7 +42,10 @@ moezero/context_parallel.py), then sequence parallelism shards the rank's cp par
 K/V of the rank's heads over cp (a2a: a block of the rank's heads), positions and keyed draws are the cp rank's
 (under SP each tp rank's shard of them: `_SequenceShardKeys`), and the routers count tokens over the tp-cp group.
 
-What this does not build is refused in one line (`refusals`): multi-latent attention, full-width q/k norms,
+Without sequence parallelism megatron-core's MLA leaves the shared RoPE key's gradient the rank's heads' part (the
+kv down-projection's rows of it then differ over tp); here it is summed over tp, as one process computes it.
+
+What this does not build is refused in one line (`refusals`): full-width q/k norms,
 query groups not divisible by tp, a sequence not divisible by tp under sequence parallelism, and MoE layers without
 sequence parallelism, with a capacity factor, global or sinkhorn balancing; context parallelism with pipeline
 stages too (config/run.py).
@@ -57,6 +63,7 @@ from moezero.context_parallel import HeadBlockKeys, ShardedSampleKeys
 from moezero.keyed_random import SampleKeys
 from moezero.models import GPTModel
 from moezero.models.attention import CausalSelfAttention
+from moezero.models.mla import MultiLatentAttention
 from moezero.moe import MoELayer
 from moezero.moe.experts import GATED, DenseMLP
 from moezero.moe.load_balancing import SequenceShares
@@ -80,8 +87,6 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
             f"--num-query-groups {c.query_groups} must be divisible by tensor parallel size {tp} (replicating "
             "key/value heads over tensor-parallel ranks is not supported)"
         )
-    if c.multi_latent_attention:
-        lines.append("--multi-latent-attention is not supported with tensor parallelism yet")
     if c.qk_layernorm and c.qk_layernorm_scope == "full_width":
         lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
     if moe is not None:
@@ -213,7 +218,10 @@ class _Plan:
 
     def layer(self, layer: nn.Module, config: GPTConfig) -> None:
         """A TransformerLayer: its attention, its MLP (dense or MoE) and its norms."""
-        self.attention(layer.attention)
+        if isinstance(layer.attention, MultiLatentAttention):
+            self.latent_attention(layer.attention)
+        else:
+            self.attention(layer.attention)
         if isinstance(layer.mlp, MoELayer):
             self.moe(layer.mlp)
         else:
@@ -237,6 +245,21 @@ class _Plan:
             if norm is not None:  # per head: each rank's heads give part of its weight's gradient
                 for p in norm.parameters():
                     mark_tp_partial(p)
+
+    def latent_attention(self, attention: MultiLatentAttention) -> None:
+        """megatron-core's MLA layout: the up-projections (or q_proj) column-parallel over the heads, proj
+        row-parallel, the down-projections and latent norms whole (under SP on the rank's sequence shard: partial
+        gradients), the shared RoPE key whole on each rank."""
+        heads = attention.heads
+        for name in ("q_proj", "q_up", "kv_up"):
+            if getattr(attention, name) is not None:
+                setattr(attention, name, self.column(getattr(attention, name)))
+        attention.proj = self.row(attention.proj)
+        attention.heads = heads // self.size
+        attention.head_keys = _HeadBlockKeys(heads, self.rank, self.size)
+        attention.key_position_region = _TpRegionInput(self.group, self.sequence_parallel)
+        latents = (attention.q_down, attention.q_norm, attention.kv_down, attention.kv_norm)
+        self.replicated(*(module for module in latents if module is not None))
 
     def mlp(self, mlp: DenseMLP, config: GPTConfig) -> None:
         ffn = mlp.fc2.in_features

@@ -6,7 +6,9 @@ dropout, all keyed) with learned positions at ZeRO 1; the same with its experts 
 x ep 2) at ZeRO 3 and the sequence aux loss; a dense GQA model with RoPE, a sliding window on one layer, learnable
 sinks, layer scaling and an MTP depth at ZeRO 2; --calculate-per-token-loss at ZeRO 0; the global-batch aux loss
 with full recompute (the K/V gathers run again in backward) and the micro-batches' forwards interleaved at cp 2 x
-ep 2; --cp-comm-type a2a (Ulysses) on one layer and p2p on the other, with GQA, RoPE and sinks."""
+ep 2; --cp-comm-type a2a (Ulysses) on one layer and p2p on the other, with GQA, RoPE and sinks; multi-latent
+attention (q and kv latents with norms, YaRN, attention dropout) with a2a on one layer and p2p on the other at cp 2 x
+ep 2, ZeRO 3."""
 
 import dataclasses
 
@@ -52,6 +54,15 @@ CASES = {
         flags=["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "4"]
         + ["--kv-channels", "8", "--position-embedding-type", "rope", "--softmax-type", "learnable"],
         stage=1,
+        ep=2,
+        comm_types=("a2a", "p2p"),
+    ),
+    # MLA: RoPE/YaRN of the shared key at the rank's global positions, all-gathered once (p2p) or per head (a2a)
+    "mla_a2a_and_p2p_zero3": dict(
+        flags=["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8"]
+        + ["--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale-all-dim", "1"]
+        + ["--qk-layernorm", "--num-attention-heads", "4", "--position-embedding-type", "rope"],
+        stage=3,
         ep=2,
         comm_types=("a2a", "p2p"),
     ),

@@ -5,7 +5,8 @@ process training the same global model on the same micro-batches: float64, every
 (clipping engaged) and the final weights and AdamW state (the tp ranks' optimizer shards consolidated at global
 coordinates). The tp model is built as the one-process model (its experts split over ep) and then has its modules
 swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and ep 2 (ep folded over tp); on 4 ranks
-tp 2 x dp 2, each data-parallel rank its own micro-batches."""
+tp 2 x dp 2, each data-parallel rank its own micro-batches. Multi-latent attention (YaRN, latent norms) runs in a
+dense GPT without SP (queries from q_proj) and in the GPT-MoE with SP (queries through the q latent)."""
 
 import dataclasses
 
@@ -128,6 +129,22 @@ def _case(groups, untied, sequence_parallel, stage, config=GPT, moe=None):
 # (under SP looked up at the rank's positions); tied
 MTP_GPT = dataclasses.replace(GPT, mtp_num_layers=1)
 LEARNED_GPT = dataclasses.replace(GPT, position_embedding_type="learned_absolute")
+# multi-latent attention: q_proj column-parallel, the kv latent and its norm whole, the shared RoPE key's gradient
+# summed over tp (no SP)
+MLA_GPT = dataclasses.replace(
+    GPT,
+    group_query_attention=False,
+    num_query_groups=None,
+    softmax_type="vanilla",
+    multi_latent_attention=True,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rope_type="yarn",
+    rotary_scaling_factor=4.0,
+    mscale_all_dim=1.0,
+)
 
 
 def _cases():
@@ -142,6 +159,7 @@ def _cases():
         for sp, stage in ((False, 1), (True, 3)):
             cases[("mtp", sp, stage)] = _case(groups, False, sp, stage, MTP_GPT)
         cases[("learned positions", True, 1)] = _case(groups, False, True, 1, LEARNED_GPT)
+        cases[("mla", False, 1)] = _case(groups, True, False, 1, MLA_GPT)
         cases[(False, True, 0)] = _case(groups, False, True, 0)  # stage 0: the all-reduce reducer
         return cases
     finally:
@@ -168,6 +186,13 @@ MOE_FLAGS = [
     "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-z-loss-coeff", "1e-3",
     "--moe-input-jitter-eps", "0.01", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
 ]  # fmt: skip
+# the GPT-MoE with multi-latent attention: q and kv latents (down-projections and norms on the rank's sequence
+# shard, partial gradients), up-projections column-parallel, the shared RoPE key all-gathered from the shards
+GQA_AT = MOE_FLAGS.index("--group-query-attention")  # with "--num-query-groups", "2"
+MLA_MOE_FLAGS = MOE_FLAGS[:GQA_AT] + MOE_FLAGS[GQA_AT + 3 :] + [
+    "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale-all-dim", "1",
+]  # fmt: skip
 
 
 def _moe_cases():
@@ -181,6 +206,11 @@ def _moe_cases():
         try:
             for stage in (1, 3) if ep == 1 else (1, 2, 3):
                 results[(ep, stage)] = _case(groups, True, True, stage, gpt, moe)
+            if ep == 1:
+                mla = configs(MLA_MOE_FLAGS)
+                results[("mla", ep, 3)] = _case(
+                    groups, True, True, 3, dataclasses.replace(mla.model, vocab_size=VOCAB), mla.moe
+                )
         finally:
             groups.destroy()
     return results

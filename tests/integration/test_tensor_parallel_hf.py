@@ -1,7 +1,9 @@
 """--load-hf at --tensor-model-parallel-size 2 (the script's entry point in-process on 2 gloo ranks): each rank reads
 from the Hub files exactly the elements of its slices (half of every q/k/v/o, MLP and vocabulary tensor, no whole
 row of a row-parallel weight) and the replicated tensors whole, and the run follows the same run at tp 1 (float64,
-1e-10 relative): a Qwen3 dense model with GQA, and a Qwen3-MoE with --sequence-parallel and etp 1."""
+1e-10 relative): a Qwen3 dense model with GQA, a Qwen3-MoE with --sequence-parallel and etp 1, and a DeepSeek-V3
+(multi-latent attention: half of q_b_proj, kv_b_proj and o_proj, the latents' projections and norms whole) with
+--sequence-parallel and etp 1."""
 
 import re
 
@@ -20,8 +22,9 @@ TP2 = {
     "qwen3": ["--tensor-model-parallel-size", "2"],
     "qwen3_moe": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
 }
+TP2["deepseek_v3"] = TP2["qwen3_moe"]
 # the Hub tensors a tp rank holds half of: attention's, the dense MLPs', the vocabulary's (experts and router whole)
-SPLIT = re.compile(r"self_attn\.[qkvo]_proj|\.mlp\.(gate|up|down)_proj|embed_tokens|lm_head")
+SPLIT = re.compile(r"self_attn\.([qkvo]|q_b|kv_b)_proj|\.mlp\.(gate|up|down)_proj|embed_tokens|lm_head")
 TOL = 1e-10
 
 
@@ -70,7 +73,7 @@ def _load_at_tp2(argv):
     return history, counts
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_load_hf_at_tp2_reads_each_ranks_slices_and_trains_as_tp1(tmp_path, family):
     hub = str(tmp_path / "hub")
     tiny_model(family, seed=3, vocab_size=96).save_pretrained(hub)  # 4 heads, 2 query groups (GQA), float64
