@@ -313,6 +313,23 @@ class ParallelGroups:
             self._lazy["agreement"] = group
         return self._lazy["agreement"]
 
+    def batch_agreement_group(self) -> Optional[Any]:
+        """A gloo group over the ranks that read the same micro-batches as this one (tp x cp:
+        `layout.batch_groups`), carrying only their micro-batches' records (`parallel/batch_agreement.py`), made on
+        first use (collective: every rank asks in the same order); None where every rank reads its own. Its records
+        travel as `agreement_group`'s do."""
+        if "batch" not in self._lazy:
+            partition = self.layout.batch_groups()
+            group = None
+            if self.dp is not None and any(len(ranks) > 1 for ranks in partition):
+                group = _new_subgroup(partition, self.rank, self.timeout, backend="gloo")
+                if self.transports is not None:
+                    serve(group, self.transports(group))
+                elif self.local_records:
+                    _serve_local_parts(group, local_channel.connect(group, self.timeout, "batch agreement group"), None)
+            self._lazy["batch"] = group
+        return self._lazy["batch"]
+
     def destroy(self) -> None:
         """Release the groups (tests create many; a run usually keeps one for its lifetime)."""
         seen = set()
@@ -373,11 +390,13 @@ def _bucket_rings(
     return local_exchange.connect(group, channel, local_exchange.BUCKETS, owns_channel=True)
 
 
-def _new_subgroup(partition: Tuple[Ranks, ...], rank: int, timeout: Optional[datetime.timedelta] = None) -> Any:
+def _new_subgroup(
+    partition: Tuple[Ranks, ...], rank: int, timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None
+) -> Any:
     """Every rank creates every group of the partition (new_group is collective); keep ours."""
     mine = None
     for members in partition:
-        group = dist.new_group(list(members), timeout=timeout)
+        group = dist.new_group(list(members), timeout=timeout, backend=backend)
         if rank in members:
             mine = group
     return mine

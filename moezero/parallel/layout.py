@@ -81,6 +81,14 @@ class RankLayout:
         cp = self.context_parallel_size
         return tuple(range(rank % cp, self.world_size, cp))
 
+    def batch_groups(self) -> Tuple[Ranks, ...]:
+        """The ranks that read the same micro-batches (tp x cp, Megatron's tp-cp at pp 1): those at the same place
+        in their data groups."""
+        by_place: dict = {}
+        for rank in range(self.world_size):
+            by_place.setdefault(self.data_group_of(rank).index(rank), []).append(rank)
+        return tuple(tuple(ranks) for ranks in by_place.values())
+
 
 def _group_of(partition: Tuple[Ranks, ...], rank: int) -> Ranks:
     return next(group for group in partition if rank in group)
