@@ -16,6 +16,10 @@ the step's first collective, makes each of them pair with its peer's; when any d
 `RanksDisagree` naming its micro-batch and another rank's. The records are launched as the step begins (8 to a
 message, agreement.py), through the group's pipes when its ranks share a host, and checked before its first
 collective. What the exchanges do with agreed inputs (the same on every rank) is the model's to keep deterministic.
+
+An evaluation reads its micro-batches one at a time (their count is the loader's): each is agreed before its forward
+(`EVALUATION` in the count's place), and its end too (`EVALUATION_END`, the micro-batches it read), so a rank that
+reads one more than its peers meets their end record and every rank raises.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from moezero.parallel.agreement import RECORDS_PER_MESSAGE, Agreement
+from moezero.parallel.agreement import RECORDS_PER_MESSAGE, Agreement, agree
 
 _DIGEST_MASK = (1 << 64) - 1
 _MULTIPLIER = 0x9E3779B1  # odd: distinct positions weigh a token differently (a swap changes the digest)
+EVALUATION = -1  # a record's count: an evaluation's micro-batch (their count unknown ahead)
+EVALUATION_END = -2  # a record's count: an evaluation ended, after `index` micro-batches
 
 
 def token_digest(tokens: torch.Tensor) -> int:
@@ -46,9 +52,11 @@ def micro_batch_record(iteration: int, index: int, count: int, batch: Dict[str, 
 
 def describe_micro_batch(record: Sequence[int]) -> str:
     iteration, index, count, rows, sequence, digest = record
+    if count == EVALUATION_END:
+        return f"had ended the evaluation at iteration {iteration} after {index} micro-batches"
+    place = f"evaluation micro-batch {index + 1}" if count == EVALUATION else f"micro-batch {index + 1} of {count}"
     return (
-        f"was at iteration {iteration}, micro-batch {index + 1} of {count}: tokens ({rows}, {sequence}) "
-        f"token digest {digest & _DIGEST_MASK:#018x}"
+        f"was at iteration {iteration}, {place}: tokens ({rows}, {sequence}) token digest {digest & _DIGEST_MASK:#018x}"
     )
 
 
@@ -70,3 +78,15 @@ class SharedBatchCheck:
         agreements, self.agreements = self.agreements, []
         for agreement in agreements:
             agreement.check()
+
+
+def agree_evaluation_batch(group: Optional[Any], iteration: int, index: int, batch: Dict[str, torch.Tensor]) -> None:
+    """Before an evaluation's micro-batch `index` (collective over `group`; None: nothing to check)."""
+    if group is not None:
+        agree(micro_batch_record(iteration, index, EVALUATION, batch), group, describe_micro_batch)
+
+
+def agree_evaluation_end(group: Optional[Any], iteration: int, count: int) -> None:
+    """After an evaluation's `count` micro-batches, before its sums (collective over `group`)."""
+    if group is not None:
+        agree([iteration, count, EVALUATION_END, 0, 0, 0], group, describe_micro_batch)

@@ -586,7 +586,14 @@ class Pretraining:
                 loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split), self.iteration)
             else:
                 loss = evaluate(  # the tp ranks' copies of each loss count alike in its token mean
-                    self.model, loader, self.every_rank, t.seed, self.iteration, split, self.context_parallel
+                    self.model,
+                    loader,
+                    self.every_rank,
+                    t.seed,
+                    self.iteration,
+                    split,
+                    self.context_parallel,
+                    batch_group=self.batch_group,
                 )
         finally:
             loader.close()

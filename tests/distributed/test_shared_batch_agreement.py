@@ -3,7 +3,8 @@ RanksDisagree naming its micro-batch and another rank's, never a hang, a gloo ab
 
 The training step (moezero.training.loop.train_step, the pretraining script's) on 2 ranks at tp 2 (with sequence
 parallelism) and at cp 2, with one rank given (a) micro-batches of another sequence length, (b) one more
-micro-batch, (c) other token ids of the same shape; and a step whose ranks agree, which trains as before."""
+micro-batch, (c) other token ids of the same shape; and a step whose ranks agree, which trains as before. The same
+for an evaluation (moezero.training.loop.evaluate), whose micro-batches' count is its loader's."""
 
 import datetime
 
@@ -14,7 +15,7 @@ from moezero.context_parallel import ContextParallel
 from moezero.config import GPTConfig
 from moezero.models import GPTModel
 from moezero.parallel import ParallelGroups
-from moezero.training.loop import train_step
+from moezero.training.loop import evaluate, train_step
 from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.zero import RanksDisagree, ZeroOptimizer
 from tests.dist_utils import run_distributed
@@ -55,15 +56,18 @@ CASES = {  # what rank 1 gets instead of rank 0's two micro-batches
 }
 
 
-def _step(layout, rank_one):
-    """One train_step on a fresh model, rank 1 given `rank_one`'s micro-batches: its error message, or its loss."""
-    rank = dist.get_rank()
+def _model(layout):
     groups = ParallelGroups.build(timeout=datetime.timedelta(seconds=15), **{f"{layout}_parallel_size": 2})
     cp = ContextParallel(groups.cp) if layout == "context" else None
     model = GPTModel(GPT, None, seed=3, context_parallel=cp).double().train()
-    model = apply_tensor_parallel(model, groups.tp, sequence_parallel=True)
+    return groups, cp, apply_tensor_parallel(model, groups.tp, sequence_parallel=True)
+
+
+def _step(layout, rank_one):
+    """One train_step on a fresh model, rank 1 given `rank_one`'s micro-batches: its error message, or its loss."""
+    groups, cp, model = _model(layout)
     opt = ZeroOptimizer(model, torch.optim.SGD, groups, stage=1, grad_reduce_dtype=torch.float64, lr=0.1)
-    batches = _micro_batches(**(rank_one if rank == 1 else {}))
+    batches = _micro_batches(**(rank_one if dist.get_rank() == 1 else {}))
     try:
         metrics = train_step(
             model,
@@ -83,12 +87,29 @@ def _step(layout, rank_one):
         return f"{type(exc).__name__}: {exc}"
 
 
+def _evaluations(layout):
+    """evaluate() on one model: agreeing, then rank 1 given other tokens, then one more micro-batch. Each
+    disagreement raises on both ranks at the same record, so the groups stay in step for the next."""
+    groups, cp, model = _model(layout)
+    group = groups.dp if groups.world_control is None else groups.world_control
+    out = {}
+    for name, rank_one in (("agreeing", {}), ("other tokens", dict(seed=1)), ("one more micro-batch", dict(count=3))):
+        try:
+            batches = _micro_batches(**(rank_one if dist.get_rank() == 1 else {}))
+            loss = evaluate(model, batches, group, 7, 0, "valid", cp, batch_group=groups.batch_agreement_group())
+            out["evaluation", layout, name] = loss
+        except RanksDisagree as exc:
+            out["evaluation", layout, name] = f"RanksDisagree: {exc}"
+    return out
+
+
 def _cases():
     out = {}
     for layout in ("tensor", "context"):
         for name, rank_one in CASES.items():
             out[layout, name] = _step(layout, rank_one)
         out[layout, "agreeing"] = _step(layout, {})
+        out.update(_evaluations(layout))
     return out
 
 
@@ -113,3 +134,10 @@ def test_ranks_sharing_micro_batches_that_diverge_raise_on_every_rank():
             assert "micro-batch 1 of 3" in out[layout, "one more micro-batch"]
             assert "micro-batch 1 of 2" in out[layout, "one more micro-batch"]
             assert "token digest" in out[layout, "other tokens"]
+            assert isinstance(out["evaluation", layout, "agreeing"], float)
+            assert out["evaluation", layout, "agreeing"] == results[0]["evaluation", layout, "agreeing"]
+            other, more = out["evaluation", layout, "other tokens"], out["evaluation", layout, "one more micro-batch"]
+            assert f"this rank ({rank}) was at iteration 0, evaluation micro-batch 1: tokens" in other, other
+            assert "another rank was at iteration 0, evaluation micro-batch 1: tokens" in other, other
+            assert "had ended the evaluation at iteration 0 after 2 micro-batches" in more, more
+            assert "evaluation micro-batch 3: tokens" in more, more
