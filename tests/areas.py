@@ -12,6 +12,7 @@ AREAS = {  # area: what it covers, words of the file names that belong to it
             "partition",
             "muon",
             "rank_disagreement",
+            "batch_agreement",
             "local_channel",
             "local_exchange",
             "precision_aware",

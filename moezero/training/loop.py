@@ -21,6 +21,7 @@ from moezero.models.mtp import mtp_losses, shift_left
 from moezero.moe import MoEStats, reset_global_load_balancing
 from moezero import phases
 from moezero.parallel import comm
+from moezero.parallel.batch_agreement import SharedBatchCheck, agree_evaluation_batch, agree_evaluation_end
 from moezero.context_parallel import ContextParallel
 
 
@@ -154,6 +155,7 @@ def train_step(
     overlap_moe_comm: bool = False,
     context_parallel: Optional[ContextParallel] = None,
     tensor_parallel_size: int = 1,
+    batch_group=None,
 ) -> StepMetrics:
     """Forward/backward every (loaded) micro-batch (loss / n: the optimizer averages over ranks), then step.
     `per_token_loss` (--calculate-per-token-loss): the gradient is Megatron's, (the token sum of the lm losses +
@@ -166,8 +168,12 @@ def train_step(
     over every rank (Megatron's loss_func and its dp-cp reduction).
     `tensor_parallel_size`: the ranks of `group` that compute each micro-batch together: their lm and MTP losses are
     copies (the lm's token sums and counts both tp times, the same mean), their router losses shares of the
-    micro-batch's."""
+    micro-batch's.
+    `batch_group` (ParallelGroups.batch_agreement_group): the ranks that read the same micro-batches (tp x cp); they
+    agree on each one's place, shape and token ids before the step's first collective (parallel/batch_agreement.py).
+    """
     model.train()
+    shared_batches = SharedBatchCheck(batch_group, iteration, micro_batches)  # launched now, checked below
     n = len(micro_batches)
     cp_size = 1 if context_parallel is None else context_parallel.size
     whole_tokens: List[Optional[torch.Tensor]] = [None] * n
@@ -176,6 +182,7 @@ def train_step(
         splits = [context_parallel.split_micro_batch(batch, depths) for batch in micro_batches]
         micro_batches = [split.batch for split in splits]
         whole_tokens = [split.whole_tokens for split in splits]
+    shared_batches.check()
     tokens = _GlobalTokens.count(micro_batches, group) if per_token_loss else None
     per_micro: List[torch.Tensor] = []  # metrics stay on the device; one host transfer per step
     packed = None
@@ -324,20 +331,25 @@ def evaluate(
     iteration: int = 0,
     split: str = "valid",
     context_parallel: Optional[ContextParallel] = None,
+    batch_group=None,
 ) -> float:
     """The lm loss of the given (loaded) micro-batches of every rank as their token mean, Megatron's (a collective:
     all ranks call it). With `seed`, the router jitter and random logits, which Megatron's router draws in
     evaluation too, are keyed by (seed, `split`, `iteration`, sample) as training's are, so any layout draws the
     same; without it they come from torch's generator. `context_parallel`: each rank evaluates its part of the
-    micro-batches."""
+    micro-batches. `batch_group`: the ranks reading the same micro-batches agree on each, and on their count
+    (parallel/batch_agreement.py)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # (token sum of the loss, tokens)
-    for batch in micro_batches:
+    count = 0
+    for count, batch in enumerate(micro_batches, 1):
+        agree_evaluation_batch(batch_group, iteration, count - 1, batch)
         if context_parallel is not None and context_parallel.size > 1:
             batch = context_parallel.split_micro_batch(batch, 0).batch
         tokens = batch["loss_mask"].sum().double()
         keys = None if seed is None else evaluation_keys(seed, split, iteration, batch)
         totals += torch.stack([_micro_batch_losses(model, batch, keys)[0].double().cpu() * tokens, tokens])
+    agree_evaluation_end(batch_group, iteration, count)
     comm.all_reduce(totals, group)
     model.train()
     return _token_mean(totals[0], totals[1])

@@ -221,8 +221,10 @@ class Pretraining:
             # the ranks of a cp group read the same micro-batches, each its part of every sequence
             self.dp_rank, self.dp_size = self.groups.data_parallel_rank, self.groups.data_parallel_size
             self.context_parallel = ContextParallel(self.groups.cp, cfg.parallel.cp_comm_type)
+            self.batch_group = self.groups.batch_agreement_group()  # tp x cp ranks agree on their micro-batches
         else:
             self.context_parallel = None  # at pp > 1 the stage model holds its own (pipeline_run.py)
+            self.batch_group = None
             self.pipeline = PipelineRun.build(cfg)
             pipeline = self.pipeline.groups
             self.groups, self.control, self.log_rank = pipeline.stage, pipeline.world_control, self.pipeline.log_rank
@@ -380,6 +382,7 @@ class Pretraining:
                     overlap_moe_comm=interleaves_micro_batches(self.cfg),
                     context_parallel=self.context_parallel,
                     tensor_parallel_size=self.groups.tp_size,
+                    batch_group=self.batch_group,
                 )
             if self.heap is not None:
                 self.heap.after_step()
@@ -583,7 +586,14 @@ class Pretraining:
                 loss = self.pipeline_trainer.evaluate(batches, keyed_seed(t.seed, "evaluation", split), self.iteration)
             else:
                 loss = evaluate(  # the tp ranks' copies of each loss count alike in its token mean
-                    self.model, loader, self.every_rank, t.seed, self.iteration, split, self.context_parallel
+                    self.model,
+                    loader,
+                    self.every_rank,
+                    t.seed,
+                    self.iteration,
+                    split,
+                    self.context_parallel,
+                    batch_group=self.batch_group,
                 )
         finally:
             loader.close()

@@ -1,6 +1,7 @@
 import pytest
 
 from moezero.parallel import ParallelGroups, rank_layout
+from moezero.parallel.ranks import megatron_rank_layout
 
 
 @pytest.mark.parametrize(
@@ -71,3 +72,14 @@ def test_context_parallel_layout_is_megatrons(world, ep, cp, cp_groups, edp_grou
 def test_invalid_context_parallel_size(world, cp):
     with pytest.raises(ValueError, match=f"context parallel size {cp}"):
         rank_layout(world, 1, cp)
+
+
+@pytest.mark.parametrize(
+    "world,ep,cp,tp", [(2, 1, 1, 1), (4, 2, 2, 1), (4, 1, 1, 2), (8, 2, 2, 2), (8, 1, 2, 2), (8, 4, 1, 4)]
+)
+def test_batch_groups_are_megatrons_tp_cp_groups(world, ep, cp, tp):
+    """The ranks that read the same micro-batches (their records: parallel/batch_agreement.py) are Megatron's tp-cp
+    groups at pp 1."""
+    layout = rank_layout(world, ep, cp, tp, expert_tensor_parallel_size=1)
+    megatron = megatron_rank_layout(world, tp, cp, ep, expert_tensor_parallel_size=1).decoder["tp-cp"]
+    assert sorted(layout.batch_groups()) == sorted(megatron)
