@@ -3,7 +3,8 @@ point in-process on 2 gloo ranks): each rank reads from the Hub files exactly th
 every q/k/v/o, MLP and vocabulary tensor, no whole row of a row-parallel weight; at etp 2 half of each expert's
 gate/up rows and down columns) and the replicated tensors whole, the run follows the same run at tp 1 (float64,
 1e-10 relative), and the Hub folder it writes is the tp 1 run's, tensor by tensor: a Qwen3 dense model with GQA, a
-Qwen3-MoE with --sequence-parallel and etp 1 (ep folded), at Megatron's default etp (2), and at tp 1 etp 2."""
+Qwen3-MoE with --sequence-parallel and etp 1 (ep folded), at Megatron's default etp (2) under ZeRO 3, and at tp 1
+etp 2."""
 
 import json
 import os
@@ -25,7 +26,8 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {  # (family, its layout at 2 ranks)
     "qwen3 tp2": ("qwen3", TP2),
     "qwen3_moe tp2 sp etp1": ("qwen3_moe", TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
-    "qwen3_moe tp2 sp etp2": ("qwen3_moe", TP2 + ["--sequence-parallel"]),  # Megatron's default etp: tp
+    # Megatron's default etp (tp); ZeRO 3: the tensors written come unit by unit through the optimizer
+    "qwen3_moe tp2 sp etp2 zero3": ("qwen3_moe", TP2 + ["--sequence-parallel", "--zero-stage", "3"]),
     "qwen3_moe tp1 etp2": ("qwen3_moe", ["--expert-tensor-parallel-size", "2"]),
 }
 # the Hub tensors a tp rank holds half of: attention's, the dense MLPs', the vocabulary's (experts and router whole)
