@@ -18,6 +18,7 @@ import torch
 
 from moezero.config import GPTConfig, MoEConfig, is_moe_layer
 from moezero.hf.families import Family
+from moezero.parallel.tensor_marker import TensorShard
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,27 @@ class Link:
         if not self.per_expert:
             return _cat([hub.read(key) for key in self.keys])
         return torch.stack([_cat([hub.read(key.format(e=e)) for key in self.keys]).t() for e in experts])
+
+    def assemble_slices(self, hub, experts: range, item: TensorShard) -> torch.Tensor:
+        """The experts `experts` of a per-expert stack split over expert tensor parallelism, each expert's slice
+        `item` (the stack's TensorShard of one expert) read alone: a column slice of the moezero expert (fc1's,
+        both GLU halves) is rows of its Hub tensors, a row slice (fc2's) their columns."""
+        return torch.stack([self._expert_slices(hub, e, item) for e in experts])
+
+    def _expert_slices(self, hub, expert: int, item: TensorShard) -> torch.Tensor:
+        keys = [key.format(e=expert) for key in self.keys]
+        if item.dim == 1:  # moezero's columns: the rows of the Hub tensors, one after the other
+            rows = [hub.shape(key)[0] for key in keys]
+            starts = [sum(rows[:k]) for k in range(len(rows))]
+            parts = [
+                hub.read_rows(key, max(lo - start, 0), min(hi - start, n))
+                for lo, hi in item.blocks
+                for key, start, n in zip(keys, starts, rows)
+                if max(lo - start, 0) < min(hi - start, n)
+            ]
+            return _cat(parts).t()
+        (key,) = keys  # moezero's rows: the columns of the one Hub tensor
+        return torch.cat([hub.read_box(key, 0, hub.shape(key)[0], lo, hi) for lo, hi in item.blocks], dim=1).t()
 
     def read_range(self, hub, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
         """Elements [lo, hi) of the flattened moezero tensor of `shape`, reading only the Hub rows they lie in

@@ -211,9 +211,13 @@ def load_weights(
                 if shard
                 else range(0)
             )
-            value = table[name].assemble(hub, experts)
-            if tensor_shard_of(param) is not None and tuple(value.shape) == global_shape(param):
-                value = tensor_shard_of(param).local_of(value)  # the rank's slice of the global tensor
+            link, tensor_shard = table[name], tensor_shard_of(param)
+            if shard and tensor_shard is not None and not link.stacked:  # expert tp: each expert's slice alone
+                value = link.assemble_slices(hub, experts, tensor_shard.item_shard())
+            else:
+                value = link.assemble(hub, experts)
+            if tensor_shard is not None and tuple(value.shape) == global_shape(param):
+                value = tensor_shard.local_of(value)  # the rank's slice of the global tensor
             if value.shape != param.shape:
                 raise CheckpointMismatch(
                     f"{hub.file_of(table[name].keys[0])}: {name} is {tuple(param.shape)} in the "

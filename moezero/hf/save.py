@@ -27,6 +27,11 @@ from moezero.parallel import ParallelGroups
 from moezero.pipeline.stage_groups import PipelineGroups
 from moezero.deferred_values import read_values, values_source
 from moezero.parallel.expert_marker import expert_shard_of
+from moezero.parallel.tensor_marker import tensor_shard_of
+from moezero.hf.slice_gather import gather_slices, group_ranks
+
+# the tensors whose rows are the vocabulary
+VOCABULARY = ("embedding.weight", "output.weight")
 
 
 def save_pretrained(
@@ -40,6 +45,7 @@ def save_pretrained(
     overwrite: bool = False,
     token_ids: Optional[Dict[str, Optional[int]]] = None,
     tokenizer_files: Optional[Dict[str, str]] = None,
+    vocab_size: Optional[int] = None,
 ) -> None:
     """Write `model` as a Hugging Face Hub folder. Collective under torch.distributed: call it on every rank.
 
@@ -63,8 +69,14 @@ def save_pretrained(
         token_ids: the token ids of a model with no source folder (`run_tokenizer.tokenizer_token_ids` of its
             run).
         tokenizer_files: {name: path} of tokenizer files copied in with the weights (`run_tokenizer_files`).
+        vocab_size: the Hub model's vocabulary (default: the model's): the embedding's and output layer's rows
+            after it are not written (the padding of a run at tp > 1 beyond what the same run pads at tp 1).
     """
     gpt, moe = model.config, model.moe_config
+    if vocab_size is not None:
+        if not 0 < vocab_size <= gpt.vocab_size:
+            raise ValueError(f"vocab_size={vocab_size}: the model's vocabulary has {gpt.vocab_size} rows")
+        gpt = dataclasses.replace(gpt, vocab_size=vocab_size)
     if isinstance(family, str) and family not in FAMILIES:
         raise UnsupportedModel(f"family {family!r}: no such Hugging Face family (one of {', '.join(FAMILIES)})")
     family = FAMILIES[family] if isinstance(family, str) else family or family_for(gpt, moe)
@@ -72,11 +84,11 @@ def save_pretrained(
     if _rank() == 0:
         _warn_of_routing_transformers_lacks(moe, family)
     dtype = dtype or _model_dtype(model, groups)
-    config = _hub_config(model, family, dtype, token_ids)
+    config = _hub_config(model, gpt, family, dtype, token_ids)
     generation = _generation_config(model, token_ids)
     table = links(family, gpt, moe)
     tensors = model_tensors(model, table)
-    layout = _HubLayout(table, family, dtype, groups)
+    layout = _HubLayout(table, family, dtype, groups, gpt.vocab_size)
     plan = plan_writes(layout.pieces(tensors), _world_size(), max_shard_bytes)
     staging = _agreed_staging(path, overwrite)
     files = _ShareWriter(staging, plan.files(_rank()))
@@ -94,10 +106,22 @@ def save_pretrained(
 
 
 class _HubLayout:
-    """The Hub tensors of a model: which pieces there are, their bytes, and this rank's values of its own."""
+    """The Hub tensors of a model: which pieces there are, their bytes, and this rank's values of its own.
 
-    def __init__(self, table: Dict[str, Link], family: Family, dtype: torch.dtype, groups: Optional[ParallelGroups]):
+    A tensor-parallel slice (tp's, or an expert stack's etp's) is written as its global tensor: the ranks of the
+    writer's tp (etp) group gather that one tensor (slice_gather.py), and the writer keeps it; the vocabulary's
+    rows after `vocab_size` are left out."""
+
+    def __init__(
+        self,
+        table: Dict[str, Link],
+        family: Family,
+        dtype: torch.dtype,
+        groups: Optional[ParallelGroups],
+        vocab_size: int,
+    ):
         self.table, self.family, self.dtype, self.groups = table, family, dtype, groups
+        self.vocab_size = vocab_size
         self.total_bytes = 0
 
     def dtype_of(self, key: str) -> torch.dtype:
@@ -118,8 +142,15 @@ class _HubLayout:
         self.total_bytes = sum(piece.nbytes for piece in out)
         return out
 
+    def _hub_shape(self, name: str, tensor: torch.Tensor) -> Tuple[int, ...]:
+        """The shape of the tensor written for `tensor`: a slice's global one, the vocabulary's rows cut."""
+        slices = tensor_shard_of(tensor)
+        shape = slices.global_shape if slices is not None else tuple(tensor.shape)
+        return (self.vocab_size,) + tuple(shape[1:]) if name in VOCABULARY else shape
+
     def _piece(self, name: str, tensor: torch.Tensor, first: Optional[int], count: Optional[int], holders) -> Piece:
-        shape = (count,) + tuple(tensor.shape[1:]) if first is not None else tuple(tensor.shape)
+        shape = self._hub_shape(name, tensor)
+        shape = (count,) + shape[1:] if first is not None else shape
         parts = self.table[name].split(torch.empty(shape, device="meta"), first_expert=first or 0)
         keys = tuple((key, t.numel() * self.dtype_of(key).itemsize) for key, t in parts.items())
         return Piece(_piece_name(name, first), holders, keys)
@@ -191,12 +222,29 @@ class _HubLayout:
     def _take(self, name: str, tensor: torch.Tensor, plan: WritePlan, rank: int, put) -> None:
         shard = expert_shard_of(tensor)
         first = shard.first_global_expert if shard is not None and shard.ep_size > 1 else None
-        if plan.writer[_piece_name(name, first)] != rank:
+        writer = plan.writer[_piece_name(name, first)]
+        slices = tensor_shard_of(tensor)
+        if slices is not None:  # the writer's group gathers the tensor
+            group = self._slice_group(shard is not None)
+            if writer not in group_ranks(group):
+                return
+            tensor = gather_slices(tensor, slices, group)
+        if writer != rank:
             return
         link = self.table[name]
         for start, value in _values(tensor, per_expert=link.per_expert and not link.stacked):
+            if name in VOCABULARY:
+                value = value[: self.vocab_size]
             for key, part in link.split(value, first_expert=(first or 0) + start).items():
                 put(key, part.to(dtype=self.dtype_of(key), memory_format=torch.contiguous_format, copy=True))
+
+    def _slice_group(self, expert: bool) -> Any:
+        """The group holding the slices of a tensor-parallel param: the experts' etp group, else the tp group."""
+        groups = self.groups.stage if isinstance(self.groups, PipelineGroups) else self.groups
+        group = (groups.etp if expert else groups.tp) if groups is not None else None
+        if group is None:
+            raise ValueError("a tensor-parallel model: pass the ParallelGroups it was built with")
+        return group
 
 
 def _values(tensor: torch.Tensor, per_expert: bool) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -256,7 +304,7 @@ def _piece_name(name: str, first_expert: Optional[int]) -> str:
 
 
 def _hub_config(
-    model: GPTModel, family: Family, dtype: torch.dtype, token_ids: Optional[Dict[str, Optional[int]]]
+    model: GPTModel, gpt, family: Family, dtype: torch.dtype, token_ids: Optional[Dict[str, Optional[int]]]
 ) -> Dict:
     source = getattr(model, "hub_config", None)
     # token ids and the like of the source (what it omits keeps its class default); with none, or a source whose
@@ -269,13 +317,13 @@ def _hub_config(
     # the family writes rope_parameters; a source's rope_scaling would come first in transformers' reading
     for stale in ("rope_scaling", "original_max_position_embeddings"):
         config.pop(stale, None)
-    written = family.hf_config(model.config, model.moe_config, str(dtype).replace("torch.", ""))
+    written = family.hf_config(gpt, model.moe_config, str(dtype).replace("torch.", ""))
     for alias, attribute in attribute_aliases(family).items():  # a source's other name of a field written
         for name, other in ((alias, attribute), (attribute, alias)):  # would be the one transformers reads
             if name in written:
                 config.pop(other, None)
     config.update(written)
-    problem = next(family.config_differences(config, model.config, model.moe_config), None)
+    problem = next(family.config_differences(config, gpt, model.moe_config), None)
     if problem:
         raise UnsupportedModel(
             "the Hub config whose other fields the export keeps (--hf-config, or the model's "

@@ -62,17 +62,18 @@ def dataset_sizes(cfg: Configs, start_iteration: int, progress: Progress) -> Tup
     return train, valid, test
 
 
-def padded_vocab_size(cfg: Configs, tokenizer_vocab: int) -> int:
+def padded_vocab_size(cfg: Configs, tokenizer_vocab: int, tensor_parallel_size: Optional[int] = None) -> int:
     """The model's vocabulary: a config's own (a checkpoint's), or the tokenizer's (at least --vocab-size)
     rounded up to a multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size (Megatron's padding:
-    the padded vocabulary changes with tp unless it is already such a multiple; a checkpoint's is kept)."""
+    the padded vocabulary changes with tp unless it is already such a multiple; a checkpoint's is kept).
+    `tensor_parallel_size`: the one at another tp than the run's (--save-hf writes tp 1's)."""
     if cfg.model.vocab_size is not None:
         if cfg.model.vocab_size < tokenizer_vocab:
             raise ConfigError(
                 f"the model's vocabulary ({cfg.model.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab})"
             )
         return cfg.model.vocab_size
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_parallel_size
+    multiple = cfg.model.make_vocab_size_divisible_by * (tensor_parallel_size or cfg.parallel.tensor_parallel_size)
     return math.ceil(max(tokenizer_vocab, cfg.data.vocab_size or 0) / multiple) * multiple
 
 

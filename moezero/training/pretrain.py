@@ -693,6 +693,8 @@ class Pretraining:
             overwrite=True,
             token_ids=tokenizer_token_ids(self.data.tokenizer),
             tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)),
+            # the vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model
+            vocab_size=padded_vocab_size(self.cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1),
         )
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")

@@ -6,7 +6,8 @@ What runs at tp > 1 (training/tensor_parallel.py): any ZeRO stage, dense GPTs
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
 pipeline stages (each stage's modules swapped alike) all of it but MTP, or with context parallelism (not both:
 config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices
-of the Hub files (moezero/hf/shard_reads.py).
+of the Hub files (moezero/hf/shard_reads.py, an expert stack's etp slices Link.assemble_slices), --save-hf writes
+the tp 1 run's folder (moezero/hf/slice_gather.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
@@ -41,13 +42,12 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
     if world_size % tp:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
-    # --load-hf runs: each rank reads its slices (moezero/hf/shard_reads.py); --save-hf has a way round
-    whole = [flag for flag in _whole_matrix_flags(cfg) if flag not in ("--load-hf", "--save-hf")]
-    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in whole]
-    if cfg.checkpoint.save_hf:
+    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _whole_matrix_flags(cfg)]
+    if p.pipeline_parallel_size > 1 and cfg.checkpoint.save_hf:  # the stages' tp gathers are not built or tested
         problems.append(
-            f"--save-hf: not supported with {TP} > 1 yet ({TP}={tp}): save the run's checkpoint (--save; it holds "
-            "global coordinates) and write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
+            f"--save-hf: not supported with {TP} > 1 and pipeline stages yet ({TP}={tp}, "
+            f"--pipeline-model-parallel-size={p.pipeline_parallel_size}): save the run's checkpoint (--save) and "
+            "write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
         )
     if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
         problems.append(
@@ -97,16 +97,14 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         )
     if tp == 1:
         problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _whole_matrix_flags(cfg)]
-    elif cfg.checkpoint.load_hf:  # tp's slices are read and tested; the experts' etp slices are not yet
-        problems.append("--load-hf: " + UNSUPPORTED.format(flag=ETP, size=etp) + f" (pass {ETP} 1)")
     return problems
 
 
 def _whole_matrix_flags(cfg) -> List[str]:
-    """The flags of the run that need every weight whole on one rank (Hugging Face files, upcycling, Muon)."""
+    """The flags of the run that need every weight whole on one rank (upcycling, Muon). (--load-hf reads each rank's
+    slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over its
+    tp or etp group, moezero/hf/slice_gather.py.)"""
     flags = (
-        ("--load-hf", cfg.checkpoint.load_hf),
-        ("--save-hf", cfg.checkpoint.save_hf),
         ("--moe-use-upcycling", cfg.moe.use_upcycling),
         ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )

@@ -1,13 +1,18 @@
-"""--load-hf at --tensor-model-parallel-size 2 (the script's entry point in-process on 2 gloo ranks): each rank reads
-from the Hub files exactly the elements of its slices (half of every q/k/v/o, MLP and vocabulary tensor, no whole
-row of a row-parallel weight) and the replicated tensors whole, and the run follows the same run at tp 1 (float64,
-1e-10 relative): a Qwen3 dense model with GQA, a Qwen3-MoE with --sequence-parallel and etp 1, and a DeepSeek-V3
-(multi-latent attention: half of q_b_proj, kv_b_proj and o_proj, the latents' projections and norms whole) with
---sequence-parallel and etp 1."""
+"""--load-hf and --save-hf at --tensor-model-parallel-size 2 and --expert-tensor-parallel-size 2 (the script's entry
+point in-process on 2 gloo ranks): each rank reads from the Hub files exactly the elements of its slices (half of
+every q/k/v/o, MLP and vocabulary tensor, no whole row of a row-parallel weight; at etp 2 half of each expert's
+gate/up rows and down columns) and the replicated tensors whole, the run follows the same run at tp 1 (float64,
+1e-10 relative), and the Hub folder it writes is the tp 1 run's, tensor by tensor: a Qwen3 dense model with GQA, a
+Qwen3-MoE with --sequence-parallel and etp 1 (ep folded), at Megatron's default etp (2) under ZeRO 3, and at tp 1
+etp 2, and a DeepSeek-V3 (multi-latent attention: half of q_b_proj, kv_b_proj and o_proj, the latents' projections
+and norms whole) with --sequence-parallel and etp 1."""
 
+import json
+import os
 import re
 
 import pytest
+import torch
 
 from moezero.hf.files import HubDirectory
 from tests.dist_utils import run_distributed
@@ -18,13 +23,18 @@ from tests.integration.pretrain_utils import run_in_process
 RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--train-iters", "3"]
 RUN += ["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3"]
 RUN += ["--num-workers", "0", "--eval-iters", "1", "--eval-interval", "100", "--log-interval", "1", "--fp64"]
-TP2 = {
-    "qwen3": ["--tensor-model-parallel-size", "2"],
-    "qwen3_moe": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+TP2 = ["--tensor-model-parallel-size", "2"]
+LAYOUTS = {  # (family, its layout at 2 ranks)
+    "qwen3 tp2": ("qwen3", TP2),
+    "qwen3_moe tp2 sp etp1": ("qwen3_moe", TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+    # Megatron's default etp (tp); ZeRO 3: the tensors written come unit by unit through the optimizer
+    "qwen3_moe tp2 sp etp2 zero3": ("qwen3_moe", TP2 + ["--sequence-parallel", "--zero-stage", "3"]),
+    "qwen3_moe tp1 etp2": ("qwen3_moe", ["--expert-tensor-parallel-size", "2"]),
+    "deepseek_v3 tp2 sp etp1": ("deepseek_v3", TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
 }
-TP2["deepseek_v3"] = TP2["qwen3_moe"]
 # the Hub tensors a tp rank holds half of: attention's, the dense MLPs', the vocabulary's (experts and router whole)
-SPLIT = re.compile(r"self_attn\.([qkvo]|q_b|kv_b)_proj|\.mlp\.(gate|up|down)_proj|embed_tokens|lm_head")
+TP_SPLIT = r"self_attn\.([qkvo]|q_b|kv_b)_proj|\.mlp\.(gate|up|down)_proj|embed_tokens|lm_head"
+ETP_SPLIT = r"\.experts\.\d+\.(gate|up|down)_proj"  # an etp rank's: half of each expert's
 TOL = 1e-10
 
 
@@ -73,14 +83,26 @@ def _load_at_tp2(argv):
     return history, counts
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
-def test_load_hf_at_tp2_reads_each_ranks_slices_and_trains_as_tp1(tmp_path, family):
+def _split(layout):
+    """The Hub tensors each rank of `layout` holds half of."""
+    tp = "--tensor-model-parallel-size" in layout
+    etp = (
+        "--expert-tensor-parallel-size" not in layout
+        or layout[layout.index("--expert-tensor-parallel-size") + 1] != "1"
+    )
+    return re.compile("|".join(([TP_SPLIT] if tp else []) + ([ETP_SPLIT] if etp else [])))
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_hf_at_tp2_etp2_reads_each_ranks_slices_trains_and_writes_as_tp1(tmp_path, case):
+    family, layout = LAYOUTS[case]
     hub = str(tmp_path / "hub")
     tiny_model(family, seed=3, vocab_size=96).save_pretrained(hub)  # 4 heads, 2 query groups (GQA), float64
     argv = RUN + ["--load-hf", hub, "--data-cache-path", str(tmp_path / "cache")]
-    single, _ = run_in_process(argv)
-    ranks = run_distributed(_load_at_tp2, 2, argv + TP2[family], timeout=300)
+    single, _ = run_in_process(argv + ["--save-hf", str(tmp_path / "tp1")])
+    ranks = run_distributed(_load_at_tp2, 2, argv + layout + ["--save-hf", str(tmp_path / "tp2")], timeout=300)
     tensors = hub_tensors(hub)
+    SPLIT = _split(layout)
     assert any(SPLIT.search(key) for key in tensors) and any(not SPLIT.search(key) for key in tensors)
     for curve, counts in ranks:
         assert len(curve) == len(single) == 3
@@ -90,21 +112,70 @@ def test_load_hf_at_tp2_reads_each_ranks_slices_and_trains_as_tp1(tmp_path, fami
         # exactly its slices: half of a split tensor (a row-parallel weight's columns, not whole rows), else whole
         expected = {key: value.numel() // (2 if SPLIT.search(key) else 1) for key, value in tensors.items()}
         assert counts == expected, {k: (counts.get(k), n) for k, n in expected.items() if counts.get(k) != n}
+    _assert_same_hub_folder(str(tmp_path / "tp2" / "iter_0000003"), str(tmp_path / "tp1" / "iter_0000003"))
 
 
-def test_save_hf_at_tp2_is_one_line_naming_the_export(tmp_path):
-    """--load-hf runs at tp 2; --save-hf is refused in one line that says how to write the Hub folder instead."""
+def _assert_same_hub_folder(got, want):
+    """The folder a run at tp 2 wrote against the tp 1 run's: the same config and keys, each tensor of the same
+    shape and dtype and within the runs' agreement (the fused q/k/v and gate/up parts each in its place); the
+    files are the 2 ranks' (each writes its share), the tp 1 run's its one."""
+    with open(os.path.join(got, "config.json")) as f, open(os.path.join(want, "config.json")) as g:
+        assert json.load(f) == json.load(g)
+    mine, theirs = hub_tensors(got), hub_tensors(want)
+    assert sorted(mine) == sorted(theirs)
+    for key, value in theirs.items():
+        assert mine[key].shape == value.shape and mine[key].dtype == value.dtype, key
+        scale = value.abs().max().item()
+        assert (mine[key] - value).abs().max().item() <= TOL * max(scale, 1.0), key
+    index = HubDirectory(got).weight_map
+    assert sorted(set(index.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_hf_flags_at_tp2_and_etp2_are_no_refusal(tmp_path):
+    """--load-hf and --save-hf run at tp 2 and at etp 2 (Megatron's default at tp 2, and at tp 1); --save-hf at tp 2
+    with pipeline stages is one line naming the export tool."""
     from moezero.training.tensor_parallel_checks import tensor_parallel_refusals
     from tests.integration.pretrain_utils import configs
 
-    cfg = configs(RUN + TP2["qwen3"] + ["--load-hf", str(tmp_path), "--save-hf", str(tmp_path / "out")])
-    (line,) = tensor_parallel_refusals(cfg, world_size=2)
-    assert line.startswith("--save-hf: not supported with --tensor-model-parallel-size > 1") and "\n" not in line
-    assert "tools/hf_checkpoint.py export" in line
-    # a MoE model at Megatron's default etp (= tp): the experts' etp slices are not read from Hub files yet
     moe = ["--num-experts", "4", "--moe-expert-capacity-factor", "-1"]
-    cfg = configs(RUN + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--load-hf", str(tmp_path)] + moe)
-    assert tensor_parallel_refusals(cfg, world_size=2) == [
-        "--load-hf: not supported with --expert-tensor-parallel-size > 1 yet (--expert-tensor-parallel-size=2) "
-        "(pass --expert-tensor-parallel-size 1)"
-    ]
+    hf = ["--load-hf", str(tmp_path), "--save-hf", str(tmp_path / "out")]
+    for layout in (TP2, TP2 + ["--sequence-parallel"] + moe, ["--expert-tensor-parallel-size", "2"] + moe):
+        assert tensor_parallel_refusals(configs(RUN + layout + hf), world_size=2) == [], layout
+    (line,) = tensor_parallel_refusals(configs(RUN + TP2 + ["--pipeline-model-parallel-size", "2"] + hf), 4)
+    assert line.startswith("--save-hf: not supported with --tensor-model-parallel-size > 1 and pipeline stages yet")
+    assert "tools/hf_checkpoint.py export" in line and "\n" not in line
+
+
+# a dense Llama from scratch: its vocabulary is the tokenizer's 96 padded to 128 at tp 1, 256 at tp 2
+LLAMA = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--ffn-hidden-size", "32"]
+LLAMA += ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+LLAMA += ["--untie-embeddings-and-output-weights", "--max-position-embeddings", "16"]
+
+
+def _train_at_tp2(argv):
+    run_in_process(argv)
+
+
+def test_save_hf_at_tp2_leaves_out_the_vocabulary_rows_tp_pads(tmp_path):
+    """--save-hf of a run from scratch at tp 2 writes the vocabulary a tp 1 run pads to (128 rows), not tp 2's
+    (256): its tensors are the run's checkpoint's (tools' export of it keeps all 256 rows; its fp32 masters, so
+    within fp32's rounding of the float64 params), the embedding and output layer their first 128 rows."""
+    from moezero.hf.checkpoint_conversion import export_checkpoint
+
+    ckpt, saved = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    argv = (
+        RUN
+        + LLAMA
+        + TP2
+        + ["--train-iters", "1", "--save", ckpt, "--save-hf", saved, "--data-cache-path", str(tmp_path / "cache")]
+    )
+    run_distributed(_train_at_tp2, 2, argv, timeout=300)
+    export_checkpoint(ckpt, str(tmp_path / "whole"))
+    got, padded = hub_tensors(os.path.join(saved, "iter_0000001")), hub_tensors(str(tmp_path / "whole"))
+    assert sorted(got) == sorted(padded)
+    for key, value in padded.items():
+        want = value[:128] if key in ("model.embed_tokens.weight", "lm_head.weight") else value
+        assert value.shape[0] == 256 or want is value, key
+        torch.testing.assert_close(got[key], want, rtol=1e-6, atol=0, msg=key)  # the checkpoint's fp32 masters
+    with open(os.path.join(saved, "iter_0000001", "config.json")) as f:
+        assert json.load(f)["vocab_size"] == 128
