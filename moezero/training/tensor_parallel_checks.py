@@ -9,10 +9,10 @@ config/run.py); checkpoints at global coordinates (a tp's resumes at any other);
 of the Hub files (moezero/hf/shard_reads.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
-etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
-and context parallel size 1 (config/run.py); its expert slices are ZeRO params and checkpoint pieces at global
-coordinates (an etp's checkpoint resumes at any other). Unlike Megatron it keeps the experts' biases
-(--add-bias-linear): each etp rank adds its slice of the output bias, exact (tests/distributed/
+etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py; with pipeline
+stages each stage's, pipeline/stage_groups.py), with context parallelism too; its expert slices are ZeRO params
+and checkpoint pieces at global coordinates (an etp's checkpoint resumes at any other). Unlike Megatron it keeps the
+experts' biases (--add-bias-linear): each etp rank adds its slice of the output bias, exact (tests/distributed/
 test_moe_expert_tensor_parallel.py).
 """
 
@@ -76,19 +76,6 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             problems.append(str(error))
     if moe.num_experts is None:  # a dense GPT: the experts' split has nothing to split (Megatron's too)
         return problems
-    others = [
-        f"{flag}={size}"
-        for flag, size in (
-            ("--pipeline-model-parallel-size", p.pipeline_parallel_size),
-            ("--context-parallel-size", p.context_parallel_size),
-        )
-        if size > 1
-    ]
-    if p.expert_tensor_parallel_size is None and others:  # given: config/run.py refuses it
-        problems.append(
-            f"{ETP}={etp} (Megatron's default, {TP}): not supported with {' and '.join(others)} yet; pass {ETP} 1 "
-            "(the experts whole, ep folded over the tp ranks)"
-        )
     ffn, hidden = moe.ffn_hidden_size or cfg.model.ffn_hidden_size, cfg.model.hidden_size  # the experts' widths
     if ffn % etp or hidden % etp:  # each rank holds its columns of fc1 (GLU: of both halves), its rows of fc2
         problems.append(

@@ -7,7 +7,9 @@ float64, ZeRO 1: a dense GPT (untied output, RoPE) without sequence parallelism,
 stages, experts split over ep 2 folded over the tp ranks, aux and z losses, jitter, dropout, tied output, learned
 positions) with --sequence-parallel and --calculate-per-token-loss (the routers' token weights count a rank's
 sequence shard); the lm loss, router losses, gradient norm and validation loss of every iteration to 1e-10
-relative. The MoE run's checkpoint at iteration 2 resumes in one process (tp 1, pp 1) on the uninterrupted curve."""
+relative. A third run is the MoE one at Megatron's default expert tensor parallelism (etp = tp = 2, ep 1: each
+expert's ffn split over the tp ranks, etp {0,1} {2,3} per stage). The MoE runs' checkpoints at iteration 2 resume in
+one process (tp 1, pp 1) on the uninterrupted curve."""
 
 import os
 
@@ -26,25 +28,32 @@ DENSE = [flag for i, flag in enumerate(TINY) if flag not in MOE_ONLY and TINY[i 
 DENSE += ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 MOE_LAYOUT = LAYOUT + ["--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+ETP_LAYOUT = LAYOUT + ["--sequence-parallel"]  # Megatron's default etp: tp
 
 
-def _tppp_runs(dense, moe, saved):
-    """At tp 2 x pp 2: the dense run, then the MoE run under sequence parallelism, saved at iteration 2."""
+def _tppp_runs(dense, moe, saved, saved_etp):
+    """At tp 2 x pp 2: the dense run, then the MoE runs under sequence parallelism (ep 2, then etp 2), saved at
+    iteration 2."""
     dense_history, output = run_in_process(dense + LAYOUT)
     moe_history, _ = run_in_process(moe + MOE_LAYOUT + ["--save", saved, "--save-interval", "2"])
-    return dense_history, moe_history, output
+    etp_history, etp_output = run_in_process(moe + ETP_LAYOUT + ["--save", saved_etp, "--save-interval", "2"])
+    return dense_history, moe_history, output, etp_history, etp_output
 
 
 def test_tp2_x_pp2_equals_one_process_and_resumes_at_tp1_pp1(tmp_path):
     dense, moe = (argv + ["--data-cache-path", str(tmp_path)] for argv in (DENSE, MOE))
-    saved = str(tmp_path / "tp2pp2")
-    ranks = run_distributed(_tppp_runs, 4, dense, moe, saved, timeout=600)
+    saved, saved_etp = str(tmp_path / "tp2pp2"), str(tmp_path / "tp2pp2etp2")
+    ranks = run_distributed(_tppp_runs, 4, dense, moe, saved, saved_etp, timeout=600)
     single_dense, single_moe = run_in_process(dense)[0], run_in_process(moe)[0]
     resumed, _ = run_in_process(moe + ["--load", os.path.join(saved, "iter_0000002")])
+    resumed_etp, _ = run_in_process(moe + ["--load", os.path.join(saved_etp, "iter_0000002")])
     assert [h.get("validation_loss") is not None for h in single_dense] == [False, True, True]  # and at the end
     assert single_moe[0]["router_aux_loss"] > 0 and "moe" not in str(DENSE)
-    for dense_history, moe_history, _ in ranks:  # every rank reports the step's metrics of every pipeline
+    for dense_history, moe_history, _, etp_history, _ in ranks:  # every rank reports every pipeline's step metrics
         assert_same_curve("dense, tp 2 x pp 2", dense_history, single_dense)
         assert_same_curve("MoE, tp 2 (sequence parallel) x pp 2", moe_history, single_moe)
+        assert_same_curve("MoE, tp 2 x pp 2, etp 2", etp_history, single_moe)
     assert_same_curve("MoE, tp 2 x pp 2 -> tp 1 x pp 1", ranks[0][1][:2] + resumed, single_moe)
+    assert_same_curve("MoE, tp 2 x pp 2, etp 2 -> tp 1 x pp 1", ranks[0][3][:2] + resumed_etp, single_moe)
     assert "pp 2 (1F1B), tp 2" in ranks[3][2], ranks[3][2]
+    assert "pp 2 (1F1B), tp 2 with sequence parallelism, ep 1, etp 2," in ranks[3][4], ranks[3][4]

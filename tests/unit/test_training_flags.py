@@ -105,28 +105,24 @@ def _launch_error_of(argv, capsys):
     return [line.split("error: ", 1)[1] for line in capsys.readouterr().err.strip().splitlines()]
 
 
-ETP_WITH = "not supported with"
 TP_WITH = "not supported with"
 
 
 def test_one_launch_names_every_refused_value(capsys):
-    """Issue 77: tp, cp and etp > 1 took three launches to list; now one error, headed by how many (tp x cp, tp x pp
-    and cp x pp run, not the three together; etp runs at cp 1 and pp 1)."""
-    argv = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    """Issue 77: refused values of the parallel section took several launches to list; now one error, headed by how
+    many (tp x cp, tp x pp and cp x pp run, with etp too, not the three together)."""
+    argv = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"]
     lines = _launch_error_of(argv + ["--sequence-parallel", "--pipeline-model-parallel-size", "2"], capsys)
     assert lines[0] == "2 flags of this launch line are not supported:" and len(lines) == 3, lines
-    assert lines[1].startswith(f"--expert-tensor-parallel-size=2: {ETP_WITH} --pipeline-model-parallel-size=2 and"), (
-        lines
-    )
+    assert lines[1].startswith("--cp-comm-type=['a2a+p2p']: not supported by moezero: a2a+p2p"), lines
     tp_line = (
         f"--tensor-model-parallel-size=2: {TP_WITH} --context-parallel-size=2 and --pipeline-model-parallel-size=2"
     )
     assert lines[2].startswith(tp_line + " together yet"), lines
     assert lines[-1].endswith("(see --help)")
     # one alone: the one line it always was
-    lines = _launch_error_of(["--expert-tensor-parallel-size", "4", "--pipeline-model-parallel-size", "2"], capsys)
-    expected = f"--expert-tensor-parallel-size=4: {ETP_WITH} --pipeline-model-parallel-size=2 yet"
-    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    lines = _launch_error_of(["--cp-comm-type", "a2a+p2p", "--context-parallel-size", "2"], capsys)
+    assert len(lines) == 1 and lines[0].startswith("--cp-comm-type=['a2a+p2p']: not supported by moezero"), lines
 
 
 def test_one_launch_names_what_context_parallelism_does_not_run(capsys):
@@ -172,8 +168,8 @@ def test_context_parallel_rules_are_megatrons_one_line_each(argv, world, needle)
 
 
 def test_tensor_x_context_parallel_rules_one_line_each():
-    """tp 2 x cp 2 runs; a2a splits each tp rank's heads over cp (Megatron's heads / tp % cp), and the experts' default
-    tensor parallelism (etp = tp) is refused at cp > 1 with the flag that runs."""
+    """tp 2 x cp 2 runs, with the experts' default tensor parallelism (etp = tp) too; a2a splits each tp rank's heads
+    over cp (Megatron's heads / tp % cp)."""
     from moezero.training.configs import validate
     from tests.integration.pretrain_utils import TINY, configs
 
@@ -183,9 +179,9 @@ def test_tensor_x_context_parallel_rules_one_line_each():
     )
     tpcp += ["--sequence-parallel"]
     assert validate(configs(tpcp + ["--expert-tensor-parallel-size", "1"]), world_size=4) == 4  # dp 1: 8 / 2
+    assert validate(configs(tpcp), world_size=4) == 4
     for argv, needle in (
         (["--cp-comm-type", "a2a"], "--cp-comm-type a2a: needs the attention heads (1) and query groups (1) of a rank"),
-        ([], "--expert-tensor-parallel-size=2 (Megatron's default, --tensor-model-parallel-size): not supported with "),
     ):
         with pytest.raises(ConfigError) as info:
             validate(configs(tpcp + argv), world_size=4)
@@ -263,8 +259,7 @@ def test_megatron_parallel_and_optimizer_flags():
     assert ParallelConfig(tensor_parallel_size=2).tensor_parallel_size == 2
     assert ParallelConfig(expert_tensor_parallel_size=2).expert_tensor_parallel == 2
     assert ParallelConfig(tensor_parallel_size=2).expert_tensor_parallel == 2  # Megatron's default: tp
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --context-parallel"):
-        ParallelConfig(expert_tensor_parallel_size=2, context_parallel_size=2)
+    assert ParallelConfig(expert_tensor_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).pipeline_parallel_size == 2
     assert ParallelConfig(tensor_parallel_size=2, context_parallel_size=2).context_parallel_size == 2
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: not supported with --context-parallel"):
