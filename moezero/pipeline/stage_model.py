@@ -343,7 +343,10 @@ class StageModel(nn.Module):
             raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
         config = self.config
         recompute = recomputes_mtp(config) and recomputing(self)
-        loss = functools.partial(language_model_loss, fused=config.cross_entropy_loss_fusion)
+        # at tp > 1 each depth's logits are the rank's vocabulary shard, as the lm's
+        loss = functools.partial(
+            language_model_loss, fused=config.cross_entropy_loss_fusion, token_losses=self.token_losses
+        )
         logits = []
         shifted = None if split is None else split.batch["mtp_tokens"]
         for k in depths:

@@ -4,9 +4,9 @@ line each, naming the flags).
 What runs at tp > 1 (training/tensor_parallel.py): any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
-pipeline stages (each stage's modules swapped alike) all of it but MTP, or with context parallelism (not both:
-config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices
-of the Hub files (moezero/hf/shard_reads.py).
+pipeline stages (each stage's modules swapped alike, MTP on the last stage) all of it, or with context parallelism
+(not both: config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each
+rank's slices of the Hub files (moezero/hf/shard_reads.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py; with pipeline
@@ -48,11 +48,6 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         problems.append(
             f"--save-hf: not supported with {TP} > 1 yet ({TP}={tp}): save the run's checkpoint (--save; it holds "
             "global coordinates) and write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
-        )
-    if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
-        problems.append(
-            f"--mtp-num-layers={cfg.model.mtp_num_layers}: not supported with {TP} > 1 and pipeline stages yet "
-            f"({TP}={tp}, --pipeline-model-parallel-size={p.pipeline_parallel_size})"
         )
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)

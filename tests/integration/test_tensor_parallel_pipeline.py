@@ -3,12 +3,14 @@ entry point in-process in each rank) against the same command in one process. Me
 tp {0,1} {2,3}, pp {0,2} {1,3}: each tp coordinate's pipeline sends its own hidden states ((mbs, S, D), under
 --sequence-parallel its sequence shard (mbs, S/2, D)), a stage's gradient norm is summed over tp then over the
 stages, and the tied word embedding's vocabulary shard has its copy per tp coordinate. Two runs of 3 iterations,
-float64, ZeRO 1: a dense GPT (untied output, RoPE) without sequence parallelism, and a GPT-MoE (MoE layers on both
+float64, ZeRO 1: a dense GPT (untied output, RoPE, an MTP depth on the last stage: its input embedding the last
+stage's vocabulary-parallel copy of the word embedding) without sequence parallelism, and a GPT-MoE (MoE layers on both
 stages, experts split over ep 2 folded over the tp ranks, aux and z losses, jitter, dropout, tied output, learned
 positions) with --sequence-parallel and --calculate-per-token-loss (the routers' token weights count a rank's
 sequence shard); the lm loss, router losses, gradient norm and validation loss of every iteration to 1e-10
 relative. A third run is the MoE one at Megatron's default expert tensor parallelism (etp = tp = 2, ep 1: each
-expert's ffn split over the tp ranks, etp {0,1} {2,3} per stage). The MoE runs' checkpoints at iteration 2 resume in
+expert's ffn split over the tp ranks, etp {0,1} {2,3} per stage), with RoPE and an MTP depth (MoE too, under
+sequence parallelism: its embedded tokens the rank's sequence shard). The MoE runs' checkpoints at iteration 2 resume in
 one process (tp 1, pp 1) on the uninterrupted curve."""
 
 import os
@@ -25,10 +27,11 @@ COMMON += ["--log-interval", "1", "--make-vocab-size-divisible-by", "256"]
 MOE = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]] + COMMON
 MOE += ["--calculate-per-token-loss"]
 DENSE = [flag for i, flag in enumerate(TINY) if flag not in MOE_ONLY and TINY[i - 1] not in MOE_ONLY] + COMMON
-DENSE += ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"]
+DENSE += ["--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--mtp-num-layers", "1"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 MOE_LAYOUT = LAYOUT + ["--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
 ETP_LAYOUT = LAYOUT + ["--sequence-parallel"]  # Megatron's default etp: tp
+ETP_MODEL = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]  # MTP needs RoPE (Megatron's rule)
 
 
 def _tppp_runs(dense, moe, saved, saved_etp):
@@ -36,7 +39,9 @@ def _tppp_runs(dense, moe, saved, saved_etp):
     iteration 2."""
     dense_history, output = run_in_process(dense + LAYOUT)
     moe_history, _ = run_in_process(moe + MOE_LAYOUT + ["--save", saved, "--save-interval", "2"])
-    etp_history, etp_output = run_in_process(moe + ETP_LAYOUT + ["--save", saved_etp, "--save-interval", "2"])
+    etp_history, etp_output = run_in_process(
+        moe + ETP_MODEL + ETP_LAYOUT + ["--save", saved_etp, "--save-interval", "2"]
+    )
     return dense_history, moe_history, output, etp_history, etp_output
 
 
@@ -45,15 +50,17 @@ def test_tp2_x_pp2_equals_one_process_and_resumes_at_tp1_pp1(tmp_path):
     saved, saved_etp = str(tmp_path / "tp2pp2"), str(tmp_path / "tp2pp2etp2")
     ranks = run_distributed(_tppp_runs, 4, dense, moe, saved, saved_etp, timeout=600)
     single_dense, single_moe = run_in_process(dense)[0], run_in_process(moe)[0]
+    single_etp = run_in_process(moe + ETP_MODEL)[0]
     resumed, _ = run_in_process(moe + ["--load", os.path.join(saved, "iter_0000002")])
-    resumed_etp, _ = run_in_process(moe + ["--load", os.path.join(saved_etp, "iter_0000002")])
+    resumed_etp, _ = run_in_process(moe + ETP_MODEL + ["--load", os.path.join(saved_etp, "iter_0000002")])
     assert [h.get("validation_loss") is not None for h in single_dense] == [False, True, True]  # and at the end
     assert single_moe[0]["router_aux_loss"] > 0 and "moe" not in str(DENSE)
+    assert single_dense[0]["mtp_1_loss"] > 0 and single_etp[0]["mtp_1_loss"] > 0
     for dense_history, moe_history, _, etp_history, _ in ranks:  # every rank reports every pipeline's step metrics
         assert_same_curve("dense, tp 2 x pp 2", dense_history, single_dense)
         assert_same_curve("MoE, tp 2 (sequence parallel) x pp 2", moe_history, single_moe)
-        assert_same_curve("MoE, tp 2 x pp 2, etp 2", etp_history, single_moe)
+        assert_same_curve("MoE with MTP, tp 2 x pp 2, etp 2", etp_history, single_etp)
     assert_same_curve("MoE, tp 2 x pp 2 -> tp 1 x pp 1", ranks[0][1][:2] + resumed, single_moe)
-    assert_same_curve("MoE, tp 2 x pp 2, etp 2 -> tp 1 x pp 1", ranks[0][3][:2] + resumed_etp, single_moe)
+    assert_same_curve("MoE, tp 2 x pp 2, etp 2 -> tp 1 x pp 1", ranks[0][3][:2] + resumed_etp, single_etp)
     assert "pp 2 (1F1B), tp 2" in ranks[3][2], ranks[3][2]
     assert "pp 2 (1F1B), tp 2 with sequence parallelism, ep 1, etp 2," in ranks[3][4], ranks[3][4]

@@ -150,20 +150,13 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_megatrons_warning():
     assert sequence_parallel_notice(configs(TINY)) == []
 
 
-def test_tp_with_pipeline_stages_deals_batches_and_refuses_mtp_in_one_line():
+def test_tp_with_pipeline_stages_deals_batches_and_runs_mtp():
     """tp 2 x pp 2 on 4 processes: one data-parallel rank deals TINY's batch of 8 (4 micro-batches of 2); MTP depths
-    are not run there yet: one line naming both sizes."""
-    from moezero.config import ConfigError
-
+    run there (on the last stage: tests/integration/test_tensor_parallel_pipeline.py)."""
     argv = TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "-1"]
     argv += ["--pipeline-model-parallel-size", "2"]
     assert _validate(argv, 4) == 4
-    with pytest.raises(ConfigError) as info:
-        _validate(argv + ["--mtp-num-layers", "1"], 4)
-    assert str(info.value) == (
-        "--mtp-num-layers=1: not supported with --tensor-model-parallel-size > 1 and pipeline stages yet "
-        "(--tensor-model-parallel-size=2, --pipeline-model-parallel-size=2)"
-    )
+    assert _validate(argv + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], 4) == 4
 
 
 def test_expert_tensor_parallel_validates_with_pipeline_stages_and_context_parallelism():
