@@ -22,7 +22,7 @@ class ParallelConfig(Validated):
     tensor_parallel_size: int = option(
         1,
         "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
-        "the vocabulary split; with pipeline stages or context parallelism too, not both yet)",
+        "the vocabulary split; with pipeline stages and context parallelism too)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
@@ -112,7 +112,7 @@ class ParallelConfig(Validated):
             "expert_tensor_parallel_size",
             "must be >= 1",
         )
-        refused = self._context_parallel_refusals() + self._tensor_parallel_refusals()
+        refused = self._context_parallel_refusals()
         if refused:  # last: the rest of the section is valid without them
             lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {why}" for name, why in refused]
             raise ConfigError("\n".join(lines), refused=tuple(name for name, _ in refused))
@@ -122,14 +122,6 @@ class ParallelConfig(Validated):
         """The experts' tensor-parallel size: --expert-tensor-parallel-size, by default (Megatron's) the tp size."""
         etp = self.expert_tensor_parallel_size
         return self.tensor_parallel_size if etp is None else etp
-
-    def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
-        """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
-        cp, pp = self.context_parallel_size, self.pipeline_parallel_size
-        if self.tensor_parallel_size == 1 or cp == 1 or pp == 1:  # tp x cp and tp x pp run, not the three
-            return []
-        why = f"not supported with --context-parallel-size={cp} and --pipeline-model-parallel-size={pp} together yet"
-        return [("tensor_parallel_size", why + " (tp runs with either)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

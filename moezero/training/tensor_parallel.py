@@ -144,10 +144,6 @@ def apply_tensor_parallel_to_stage(stage: nn.Module, group: Optional[Any], seque
     lines = refusals(stage.config, stage.moe_config, tp, sequence_parallel)
     if lines:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
-    if stage.context_parallel is not None:  # config/run.py refuses the three at start
-        raise ConfigError(
-            f"--tensor-model-parallel-size={tp}: not supported with context parallelism and pipeline stages yet"
-        )
     plan = _Plan(group, sequence_parallel)
     for layer in stage.layers.values():
         plan.layer(layer, stage.config)

@@ -4,8 +4,8 @@ line each, naming the flags).
 What runs at tp > 1 (training/tensor_parallel.py): any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
-pipeline stages (each stage's modules swapped alike, MTP on the last stage) all of it, or with context parallelism
-(not both: config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each
+pipeline stages (each stage's modules swapped alike, MTP on the last stage) all of it, with context parallelism and
+with both; checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each
 rank's slices of the Hub files (moezero/hf/shard_reads.py).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over

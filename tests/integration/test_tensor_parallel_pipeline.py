@@ -64,3 +64,32 @@ def test_tp2_x_pp2_equals_one_process_and_resumes_at_tp1_pp1(tmp_path):
     assert_same_curve("MoE, tp 2 x pp 2, etp 2 -> tp 1 x pp 1", ranks[0][3][:2] + resumed_etp, single_etp)
     assert "pp 2 (1F1B), tp 2" in ranks[3][2], ranks[3][2]
     assert "pp 2 (1F1B), tp 2 with sequence parallelism, ep 1, etp 2," in ranks[3][4], ranks[3][4]
+
+
+# tp x cp x pp: 4 heads (a2a splits each tp rank's 2 over cp), RoPE and an MTP depth, 2 micro-batches a step
+THREE_D = MOE + ["--num-attention-heads", "4", "--global-batch-size", "4"] + ETP_MODEL
+THREE_D_LAYOUT = LAYOUT + ["--context-parallel-size", "2", "--sequence-parallel", "--cp-comm-type", "all_gather", "a2a"]
+THREE_D_LAYOUT += ["--expert-model-parallel-size", "2"]  # etp 2 (Megatron's default) x ep 2 x pp 2: the 8 ranks
+
+
+def _three_d_run(argv, saved):
+    return run_in_process(argv + THREE_D_LAYOUT + ["--save", saved, "--save-interval", "2"])
+
+
+def test_tp2_x_cp2_x_pp2_equals_one_process_and_resumes_at_one(tmp_path):
+    """tp 2 x cp 2 x pp 2 on 8 gloo ranks (Megatron's tp {0,1}, cp {0,2}, pp {0,4}; the experts' etp {0,1}, ep {0,2},
+    edp singletons): a GPT-MoE under sequence parallelism (each cp rank's part of the sequence sharded over tp, the
+    pipeline sending that shard), cp all_gather then a2a, ep 2 x etp 2, an MTP depth on the last stage; its losses,
+    gradient norm and validation loss of 3 iterations equal one process's in float64 to 1e-10 relative, and its
+    checkpoint at iteration 2 resumes there on the uninterrupted curve."""
+    argv = THREE_D + ["--data-cache-path", str(tmp_path)]
+    saved = str(tmp_path / "tp2cp2pp2")
+    ranks = run_distributed(_three_d_run, 8, argv, saved, timeout=600, isolated=True)
+    single = run_in_process(argv)[0]
+    resumed, _ = run_in_process(argv + ["--load", os.path.join(saved, "iter_0000002")])
+    assert single[0]["mtp_1_loss"] > 0 and single[0]["router_aux_loss"] > 0
+    for history, _ in ranks:
+        assert_same_curve("MoE, tp 2 x cp 2 x pp 2", history, single)
+    assert_same_curve("MoE, tp 2 x cp 2 x pp 2 -> one process", ranks[0][0][:2] + resumed, single)
+    banner = "world 8, pp 2 (1F1B), cp 2, tp 2 with sequence parallelism, ep 2, etp 2,"
+    assert banner in ranks[7][1], ranks[7][1]
