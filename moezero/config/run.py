@@ -22,7 +22,7 @@ class ParallelConfig(Validated):
     tensor_parallel_size: int = option(
         1,
         "ranks holding shards of one model replica (Megatron's tensor parallelism: attention heads, MLP columns and "
-        "the vocabulary split; with pipeline stages or context parallelism too, not both yet)",
+        "the vocabulary split; with pipeline stages and context parallelism too)",
         flag="--tensor-model-parallel-size",
     )
     pipeline_parallel_size: int = option(
@@ -91,7 +91,7 @@ class ParallelConfig(Validated):
     expert_tensor_parallel_size: Optional[int] = option(
         None,
         "ranks splitting each expert's ffn (Megatron's expert tensor parallelism; default: "
-        "--tensor-model-parallel-size; pipeline and context parallel size 1)",
+        "--tensor-model-parallel-size)",
         flag="--expert-tensor-parallel-size",
     )
     distributed_backend: str = option(
@@ -112,8 +112,7 @@ class ParallelConfig(Validated):
             "expert_tensor_parallel_size",
             "must be >= 1",
         )
-        refused = self._expert_tensor_parallel_refusals()
-        refused += self._context_parallel_refusals() + self._tensor_parallel_refusals()
+        refused = self._context_parallel_refusals()
         if refused:  # last: the rest of the section is valid without them
             lines = [f"{flag_of(self, name)}={getattr(self, name)!r}: {why}" for name, why in refused]
             raise ConfigError("\n".join(lines), refused=tuple(name for name, _ in refused))
@@ -123,30 +122,6 @@ class ParallelConfig(Validated):
         """The experts' tensor-parallel size: --expert-tensor-parallel-size, by default (Megatron's) the tp size."""
         etp = self.expert_tensor_parallel_size
         return self.tensor_parallel_size if etp is None else etp
-
-    def _expert_tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
-        """(field, why) of the layouts expert tensor parallelism does not run with yet (one line)."""
-        others = [
-            f"{flag}={size}"
-            for flag, size in (
-                ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
-                ("--context-parallel-size", self.context_parallel_size),
-            )
-            if size > 1
-        ]
-        if self.expert_tensor_parallel_size in (None, 1) or not others:  # by default tp's rules refuse them
-            return []
-        return [
-            ("expert_tensor_parallel_size", f"not supported with {' and '.join(others)} yet (etp runs at 1 of each)")
-        ]
-
-    def _tensor_parallel_refusals(self) -> List[Tuple[str, str]]:
-        """(field, why) of the layouts tensor parallelism does not run with yet (one line)."""
-        cp, pp = self.context_parallel_size, self.pipeline_parallel_size
-        if self.tensor_parallel_size == 1 or cp == 1 or pp == 1:  # tp x cp and tp x pp run, not the three
-            return []
-        why = f"not supported with --context-parallel-size={cp} and --pipeline-model-parallel-size={pp} together yet"
-        return [("tensor_parallel_size", why + " (tp runs with either)")]
 
     def _context_parallel_refusals(self) -> List[Tuple[str, str]]:
         """(field, why) of the context-parallel flags and values moezero does not run."""

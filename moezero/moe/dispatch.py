@@ -129,7 +129,7 @@ class TokenDispatcher(SharesProcessGroups):
         if record is None:
             return received
         record.check_received(received[:, counts_PL.numel() :])
-        return received[:, : counts_PL.numel()]
+        return received[:, : counts_PL.numel()].contiguous()  # its rows are viewed as (etp rank x source) rows
 
     def combine_steps(self, y_MD: torch.Tensor, meta: DispatchMeta) -> phases.Steps:
         """combine() in phases: yields after launching the rows' all-to-all back."""

@@ -40,9 +40,12 @@ class StepRecorder:
         num_layers: int,
         mtp_depths: int = 0,
         cp_size: int = 1,
+        tp_rank: int = 0,
     ):
         self.moe_layers, self.num_layers = tuple(moe_layers), num_layers
         self.cp_size = cp_size  # a cp rank's drop fraction is its own: a cp-th share of the micro-batch's mean
+        # the MTP depths' losses are replicated over the tp ranks (the vocab-parallel loss's): counted once
+        self.counts_replicated = tp_rank == 0
         self._slot = {layer: k for k, layer in enumerate(self.moe_layers)}
         layers = len(self.moe_layers)
         self.totals: Dict[str, torch.Tensor] = {
@@ -84,7 +87,7 @@ class StepRecorder:
                     totals[f"tracked_{name}"][k] += value.detach().double().cpu()
                 totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu() / self.cp_size
                 totals["tokens_per_expert"][k] += s.tokens_per_expert.detach().double().cpu()
-            for k, loss in enumerate(depth_losses):
+            for k, loss in enumerate(depth_losses if self.counts_replicated else ()):
                 totals["mtp_losses"][k] += loss.detach().double().cpu()
             if lm is not None:
                 tokens = loss_mask.sum().double().cpu()

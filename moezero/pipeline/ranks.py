@@ -15,10 +15,12 @@ experts fold cp into edp; a stage's cp ranks share each micro-batch:
 
   world 4, cp 2, pp 2, default order:  cp {0,1} {2,3}   dp-cp {0,1} {2,3}   dp {0} {1} {2} {3}   pp {0,2} {1,3}
 
-With tensor parallelism (tp > 1, expert-tensor-parallel size 1) each dp-cp group is one tp coordinate's, a stage's
-ranks are its tp-dp-cp group, and each tp coordinate has pipelines of its own:
+With tensor parallelism (tp > 1) each dp-cp group is one tp coordinate's, a stage's ranks are its tp-dp-cp group,
+and each tp coordinate has pipelines of its own; with expert tensor parallelism (etp > 1, Megatron's default: tp)
+the experts' etp, ep and edp groups lie within the stage too (pp outermost in both foldings):
 
   world 4, tp 2, pp 2, default order:  tp {0,1} {2,3}   dp-cp {0} {1} {2} {3}   pp {0,2} {1,3}   stage {0,1} {2,3}
+                                       etp 2: etp {0,1} {2,3}   edp {0} {1} {2} {3}
 
 At pp = 1 the groups are `rank_layout`'s (dp: the world). The embedding group of each pp group is its first and
 last rank (default_embedding_ranks: where the word embedding and the output layer live), the position embedding
@@ -45,6 +47,7 @@ class PipelineRankLayout:
     use_tp_pp_dp_mapping: bool
     context_parallel_size: int
     tensor_parallel_size: int
+    expert_tensor_parallel_size: int
     stage_groups: Partition  # every rank of one stage (Megatron's tp-dp-cp; dp_groups at tp 1)
     tp_groups: Partition  # ranks holding shards of one model replica (singletons at tp 1)
     dp_groups: Partition  # dense params' reduce group (Megatron's dp-cp), one per pp coordinate
@@ -53,6 +56,7 @@ class PipelineRankLayout:
     pp_groups: Partition  # the stages of one pipeline, in stage order
     ep_groups: Partition
     edp_groups: Partition  # expert data parallel (Megatron's expert 'dp')
+    etp_groups: Partition  # ranks holding ffn slices of the same experts (Megatron's expert 'tp')
     embedding_groups: Tuple[Ranks, ...]  # per pp group: its first and last rank (one rank at pp 1)
     position_embedding_groups: Tuple[Ranks, ...]  # per pp group: its first rank
 
@@ -82,15 +86,16 @@ def pipeline_rank_layout(
     use_tp_pp_dp_mapping: bool = False,
     context_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> PipelineRankLayout:
-    """The stage, tp, dp(-cp), dp, cp, pp, ep, edp partitions and the embedding groups (`megatron_rank_layout`'s at
-    etp = 1); Megatron's refusals as one-line ConfigErrors."""
+    """The stage, tp, dp(-cp), dp, cp, pp, ep, edp, etp partitions and the embedding groups (`megatron_rank_layout`'s);
+    Megatron's refusals as one-line ConfigErrors."""
     layout = megatron_rank_layout(
         world_size,
         tensor_parallel_size=tensor_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_parallel_size=expert_parallel_size,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         use_tp_pp_dp_mapping=use_tp_pp_dp_mapping,
     )
@@ -101,6 +106,7 @@ def pipeline_rank_layout(
         use_tp_pp_dp_mapping,
         context_parallel_size,
         tensor_parallel_size,
+        expert_tensor_parallel_size,
         stage_groups=layout.decoder["tp-dp-cp"],
         tp_groups=layout.decoder["tp"],
         dp_groups=layout.decoder["dp-cp"],
@@ -109,6 +115,7 @@ def pipeline_rank_layout(
         pp_groups=layout.decoder["pp"],
         ep_groups=layout.expert["ep"],
         edp_groups=layout.expert["dp"],
+        etp_groups=layout.expert["tp"],
         embedding_groups=layout.embedding_groups,
         position_embedding_groups=layout.position_embedding_groups,
     )

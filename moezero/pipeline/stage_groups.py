@@ -9,7 +9,7 @@ layers, the cp exchanges, the ZeRO families (dense over dp-cp, experts over edp)
 agreement records all work per stage unchanged. With tensor parallelism (tp > 1) the stage's ranks are its tp-dp-cp
 group, its `ParallelGroups` that of a world of the stage's size at the run's tp (`dp` and `control` the dp-cp group
 of the rank's tp coordinate, as at pp 1, `tp` its tp group): each tp coordinate has pipelines and an embedding group
-of its own. Its
+of its own. At etp > 1 its `etp` is the stage's expert tensor-parallel group (Megatron's expert folding). Its
 agreement group (gloo, the stage's ranks) is given at construction: `ParallelGroups.agreement_group()` would make
 one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel on gloo (no local pipes yet).
 
@@ -109,6 +109,7 @@ class PipelineGroups:
         timeout: Optional[datetime.timedelta] = None,
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
     ) -> "PipelineGroups":
         """Create the groups; every rank calls this in the same order (after init_process_group). Raises
         ConfigError (one line) for sizes Megatron refuses."""
@@ -120,6 +121,7 @@ class PipelineGroups:
             use_tp_pp_dp_mapping,
             context_parallel_size,
             tensor_parallel_size,
+            expert_tensor_parallel_size,
         )
         dp = _own_group(layout.dp_groups, rank, timeout)
         control = _own_group(layout.dp_groups, rank, timeout)  # the optimizer's: it adds the sums over tp itself
@@ -128,11 +130,22 @@ class PipelineGroups:
         edp = _own_group(layout.edp_groups, rank, timeout)
         cp = _own_group(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
         tp = _own_group(layout.tp_groups, rank, timeout) if tensor_parallel_size > 1 else None
+        etp = _own_group(layout.etp_groups, rank, timeout) if expert_tensor_parallel_size > 1 else None
         pp = _own_group(layout.pp_groups, rank, timeout)
         embedding = _own_group(layout.embedding_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
         stage = stage_parallel_groups(
-            layout, rank, dp=dp, ep=ep, edp=edp, cp=cp, tp=tp, control=control, agreement=agreement, timeout=timeout
+            layout,
+            rank,
+            dp=dp,
+            ep=ep,
+            edp=edp,
+            cp=cp,
+            tp=tp,
+            etp=etp,
+            control=control,
+            agreement=agreement,
+            timeout=timeout,
         )
         return cls(layout, rank, stage, pp, world_control, timeout, embedding)
 
@@ -178,6 +191,7 @@ def stage_parallel_groups(
     timeout: Optional[datetime.timedelta] = None,
     cp: Optional[Any] = None,
     tp: Optional[Any] = None,
+    etp: Optional[Any] = None,
 ) -> ParallelGroups:
     """A `ParallelGroups` for this rank's stage, in stage-local coordinates (see the module's docstring)."""
     local, me = stage_coordinates(layout, rank)
@@ -189,6 +203,7 @@ def stage_parallel_groups(
         edp=edp,
         cp=cp,
         tp=tp,
+        etp=etp,
         control=control,
         timeout=timeout,
         local_records=False,
@@ -197,18 +212,20 @@ def stage_parallel_groups(
 
 
 def stage_coordinates(layout: PipelineRankLayout, rank: int) -> Tuple[RankLayout, int]:
-    """(the layout of a world of the stage's size with the run's ep, cp and tp, this rank's place in its stage),
-    checking that the stage-local ep/edp/cp/tp/dp-cp groups, mapped to global ranks through the stage's ranks, are
+    """(the layout of a world of the stage's size with the run's ep, cp, tp and etp, this rank's place in its stage),
+    checking that the stage-local ep/edp/cp/tp/etp/dp-cp groups, mapped to global ranks through the stage's ranks, are
     Megatron's (pure)."""
     members = layout.group_of(layout.stage_groups, rank)
     tp = layout.tensor_parallel_size
-    local = rank_layout(len(members), layout.expert_parallel_size, layout.context_parallel_size, tp)
+    etp = layout.expert_tensor_parallel_size
+    local = rank_layout(len(members), layout.expert_parallel_size, layout.context_parallel_size, tp, etp)
     me = members.index(rank)
     for name, partition, expected in (
         ("ep", layout.ep_groups, local.ep_group_of(me)),
         ("edp", layout.edp_groups, local.edp_group_of(me)),
         ("cp", layout.cp_groups, local.cp_group_of(me)),
         ("tp", layout.tp_groups, local.tp_group_of(me)),
+        ("etp", layout.etp_groups, local.etp_group_of(me)),
         ("dp-cp", layout.dp_groups, local.dense_group_of(me)),
     ):
         mapped = tuple(members[i] for i in expected)

@@ -246,9 +246,10 @@ class StageModel(nn.Module):
             aux = x.new_zeros((), dtype=self.aux_dtype(x.dtype))
         else:
             x, aux = inputs
-            keys = keys if cp is None else cp.keys(keys, x.shape[1])
-            if self.sequence_keys is not None:  # the hidden states hold the rank's sequence shard
-                keys = self.sequence_keys(keys, x.shape[1] * self.sequence_shards)
+            local = x.shape[1] * self.sequence_shards  # the cp rank's part; the hidden states hold its tp shard
+            keys = keys if cp is None else cp.keys(keys, local)
+            if self.sequence_keys is not None:
+                keys = self.sequence_keys(keys, local)
         x, stats = self._run_layers(piece.layers, x, keys)
         if piece.final_norm:
             x = self.final_norm(x)
@@ -343,7 +344,10 @@ class StageModel(nn.Module):
             raise ValueError("the MTP stage needs the micro-batch's tokens (the `tokens` keyword)")
         config = self.config
         recompute = recomputes_mtp(config) and recomputing(self)
-        loss = functools.partial(language_model_loss, fused=config.cross_entropy_loss_fusion)
+        # at tp > 1 each depth's logits are the rank's vocabulary shard, as the lm's
+        loss = functools.partial(
+            language_model_loss, fused=config.cross_entropy_loss_fusion, token_losses=self.token_losses
+        )
         logits = []
         shifted = None if split is None else split.batch["mtp_tokens"]
         for k in depths:

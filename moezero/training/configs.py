@@ -730,6 +730,7 @@ def validate(
             cfg.parallel.use_tp_pp_dp_mapping,
             cfg.parallel.context_parallel_size,
             cfg.parallel.tensor_parallel_size,
+            cfg.parallel.expert_tensor_parallel if cfg.moe.num_experts is not None else 1,
         )
     # ranks reading distinct micro-batches
     dp_size = world_size // plan.pp // cfg.parallel.context_parallel_size // cfg.parallel.tensor_parallel_size

@@ -48,6 +48,7 @@ class PipelineRun:
             timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
             context_parallel_size=p.context_parallel_size,
             tensor_parallel_size=p.tensor_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel if cfg.moe.num_experts is not None else 1,
         )
         return cls(groups, pipeline_plan(cfg))
 

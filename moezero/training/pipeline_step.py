@@ -112,6 +112,7 @@ class PipelineTrainer:
             model.config.num_layers,
             model.config.mtp_num_layers or 0,
             self.cp_size,
+            groups.stage.tp_rank,
         )
 
     # ---- the schedule ------------------------------------------------------------------------------

@@ -147,17 +147,14 @@ def apply_tensor_parallel_to_stage(stage: nn.Module, group: Optional[Any], seque
     if tp == 1:
         return stage
     lines = refusals(stage.config, stage.moe_config, tp, sequence_parallel)
-    if stage.mtp is not None:
-        lines.append("--mtp-num-layers is not supported with tensor parallelism and pipeline stages yet")
     if lines:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {'; '.join(lines)}")
-    if stage.context_parallel is not None:  # config/run.py refuses the three at start
-        raise ConfigError(
-            f"--tensor-model-parallel-size={tp}: not supported with context parallelism and pipeline stages yet"
-        )
     plan = _Plan(group, sequence_parallel)
     for layer in stage.layers.values():
         plan.layer(layer, stage.config)
+    for depth in (stage.mtp or {}).values():  # on the last stage: as apply_tensor_parallel's
+        plan.layer(depth.layer, stage.config)
+        plan.replicated(depth.enorm, depth.hnorm, depth.eh_proj, depth.final_norm)
     if stage.final_norm is not None:
         plan.replicated(stage.final_norm)
     if stage.embedding is not None:

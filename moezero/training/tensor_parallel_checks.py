@@ -4,16 +4,16 @@ line each, naming the flags).
 What runs at tp > 1 (training/tensor_parallel.py): any ZeRO stage, dense GPTs
 (MHA/GQA, RoPE or learned positions, per-head q/k norms, sinks, windows, keyed dropout, untied or tied output, MTP)
 with or without --sequence-parallel, and MoE layers with it (expert parallelism folded over the same ranks); with
-pipeline stages (each stage's modules swapped alike) all of it but MTP, or with context parallelism (not both:
-config/run.py); checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices
-of the Hub files (moezero/hf/shard_reads.py, an expert stack's etp slices Link.assemble_slices), --save-hf writes
-the tp 1 run's folder (moezero/hf/slice_gather.py).
+pipeline stages (each stage's modules swapped alike, MTP on the last stage) all of it, with context parallelism and
+with both; checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices of
+the Hub files (moezero/hf/shard_reads.py, an expert stack's etp slices Link.assemble_slices), --save-hf writes the
+tp 1 run's folder (moezero/hf/slice_gather.py; not with pipeline stages yet).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
-etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py), with pipeline
-and context parallel size 1 (config/run.py); its expert slices are ZeRO params and checkpoint pieces at global
-coordinates (an etp's checkpoint resumes at any other). Unlike Megatron it keeps the experts' biases
-(--add-bias-linear): each etp rank adds its slice of the output bias, exact (tests/distributed/
+etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py; with pipeline
+stages each stage's, pipeline/stage_groups.py), with context parallelism too; its expert slices are ZeRO params
+and checkpoint pieces at global coordinates (an etp's checkpoint resumes at any other). Unlike Megatron it keeps the
+experts' biases (--add-bias-linear): each etp rank adds its slice of the output bias, exact (tests/distributed/
 test_moe_expert_tensor_parallel.py).
 """
 
@@ -49,11 +49,6 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             f"--pipeline-model-parallel-size={p.pipeline_parallel_size}): save the run's checkpoint (--save) and "
             "write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
         )
-    if p.pipeline_parallel_size > 1 and cfg.model.mtp_num_layers:
-        problems.append(
-            f"--mtp-num-layers={cfg.model.mtp_num_layers}: not supported with {TP} > 1 and pipeline stages yet "
-            f"({TP}={tp}, --pipeline-model-parallel-size={p.pipeline_parallel_size})"
-        )
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)
     problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
@@ -76,19 +71,6 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             problems.append(str(error))
     if moe.num_experts is None:  # a dense GPT: the experts' split has nothing to split (Megatron's too)
         return problems
-    others = [
-        f"{flag}={size}"
-        for flag, size in (
-            ("--pipeline-model-parallel-size", p.pipeline_parallel_size),
-            ("--context-parallel-size", p.context_parallel_size),
-        )
-        if size > 1
-    ]
-    if p.expert_tensor_parallel_size is None and others:  # given: config/run.py refuses it
-        problems.append(
-            f"{ETP}={etp} (Megatron's default, {TP}): not supported with {' and '.join(others)} yet; pass {ETP} 1 "
-            "(the experts whole, ep folded over the tp ranks)"
-        )
     ffn, hidden = moe.ffn_hidden_size or cfg.model.ffn_hidden_size, cfg.model.hidden_size  # the experts' widths
     if ffn % etp or hidden % etp:  # each rank holds its columns of fc1 (GLU: of both halves), its rows of fc2
         problems.append(

@@ -57,3 +57,34 @@ def test_stage_local_groups_with_tensor_parallelism_are_megatrons(world, tp, ep,
     if (world, tp, pp, mapping) == (4, 2, 2, False):  # the task's layout: docs/megatron.md
         assert layout.tp_groups == ((0, 1), (2, 3)) and layout.pp_groups == ((0, 2), (1, 3))
         assert layout.stage_groups == ((0, 1), (2, 3)) and layout.embedding_groups == ((0, 2), (1, 3))
+
+
+@pytest.mark.parametrize(
+    "world, tp, cp, ep, etp, pp, mapping",
+    [
+        (4, 2, 1, 1, 2, 2, False),
+        (4, 1, 1, 1, 2, 2, False),
+        (8, 2, 1, 2, 2, 2, False),
+        (8, 2, 2, 1, 2, 2, False),
+        (8, 1, 2, 2, 2, 2, False),
+        (16, 2, 1, 1, 2, 2, True),
+        (16, 2, 2, 2, 2, 2, False),
+    ],
+)
+def test_stage_local_expert_tensor_parallel_groups_are_megatrons(world, tp, cp, ep, etp, pp, mapping):
+    """At etp > 1 a stage's local layout (Megatron's expert folding of a world of the stage's size) gives each rank
+    Megatron's etp, ep and edp groups, the experts' slices and ZeRO families of its stage."""
+    layout = pipeline_rank_layout(world, ep, pp, mapping, cp, tp, etp)
+    for rank in range(world):
+        local, me = stage_coordinates(layout, rank)  # raises where they differ
+        members = layout.group_of(layout.stage_groups, rank)
+        etp_group = layout.group_of(layout.etp_groups, rank)
+        assert len(etp_group) == etp and tuple(members[i] for i in local.etp_group_of(me)) == etp_group
+        assert set(layout.group_of(layout.edp_groups, rank)) <= set(members)
+    if (world, tp, etp, pp) == (4, 2, 2, 2):  # the task's layout: etp = tp, the experts' slices on the tp ranks
+        assert layout.etp_groups == layout.tp_groups == ((0, 1), (2, 3)) and layout.edp_groups == (
+            (0,),
+            (1,),
+            (2,),
+            (3,),
+        )

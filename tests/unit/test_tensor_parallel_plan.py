@@ -119,18 +119,6 @@ def test_expert_tensor_parallel_refusals_are_one_line_each(argv, world, expected
     assert str(info.value).splitlines() == expected
 
 
-def test_expert_tensor_parallel_with_pipeline_stages_is_refused_in_one_line():
-    from moezero.config import ConfigError
-    from tests.integration.pretrain_utils import TINY, configs
-
-    with pytest.raises(
-        ConfigError,
-        match=r"^--expert-tensor-parallel-size=2: not supported with "
-        r"--pipeline-model-parallel-size=2 yet \(etp runs at 1 of each\)$",
-    ):
-        configs(TINY + ["--expert-tensor-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
-
-
 def test_expert_tensor_parallel_runs_at_tp_1_and_at_tps_default():
     """tp 1 etp 2 and tp 2 with its default etp (2) validate on 2 and 4 processes: the micro-steps of their dp."""
     assert _validate(["--expert-tensor-parallel-size", "2", "--moe-expert-capacity-factor", "-1"], 2) == 2
@@ -161,38 +149,31 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_megatrons_warning():
     assert sequence_parallel_notice(configs(TINY)) == []
 
 
-def test_tp_with_pipeline_stages_deals_batches_and_refuses_mtp_in_one_line():
+def test_tp_with_pipeline_stages_deals_batches_and_runs_mtp():
     """tp 2 x pp 2 on 4 processes: one data-parallel rank deals TINY's batch of 8 (4 micro-batches of 2); MTP depths
-    are not run there yet: one line naming both sizes."""
-    from moezero.config import ConfigError
-
+    run there (on the last stage: tests/integration/test_tensor_parallel_pipeline.py)."""
     argv = TP2 + ["--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "-1"]
     argv += ["--pipeline-model-parallel-size", "2"]
     assert _validate(argv, 4) == 4
-    with pytest.raises(ConfigError) as info:
-        _validate(argv + ["--mtp-num-layers", "1"], 4)
-    assert str(info.value) == (
-        "--mtp-num-layers=1: not supported with --tensor-model-parallel-size > 1 and pipeline stages yet "
-        "(--tensor-model-parallel-size=2, --pipeline-model-parallel-size=2)"
-    )
+    assert _validate(argv + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], 4) == 4
 
 
-def test_the_default_expert_tensor_parallel_size_with_pipeline_stages_is_refused_in_one_line():
-    """Megatron's default etp is tp; expert tensor parallelism does not run with pipeline stages yet, so a MoE run at
-    tp 2 x pp 2 that leaves --expert-tensor-parallel-size out is told to pass 1 (not run with the experts whole
-    while its log and groups say etp 2); given explicitly, ParallelConfig refuses it."""
+def test_expert_tensor_parallel_validates_with_pipeline_stages_and_context_parallelism():
+    """Megatron's default etp (tp) and an explicit etp 2 validate at tp 2 x pp 2 and tp 2 x cp 2 on 4 processes (the
+    runs: tests/integration/test_tensor_parallel_pipeline.py and test_tensor_parallel_context.py); Megatron's
+    world % (etp x ep x pp) still refuses ep 2 beside them, in one line."""
     from moezero.config import ConfigError
 
-    argv = TP2 + ["--sequence-parallel", "--moe-expert-capacity-factor", "-1", "--pipeline-model-parallel-size", "2"]
+    tpsp = TP2 + ["--sequence-parallel", "--moe-expert-capacity-factor", "-1"]
+    for other, micro_steps in ((["--pipeline-model-parallel-size", "2"], 4), (["--context-parallel-size", "2"], 4)):
+        assert _validate(tpsp + other, 4) == micro_steps
+        assert _validate(tpsp + other + ["--expert-tensor-parallel-size", "2"], 4) == micro_steps
     with pytest.raises(ConfigError) as info:
-        _validate(argv, 4)
+        _validate(tpsp + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4)
     assert str(info.value) == (
-        "--expert-tensor-parallel-size=2 (Megatron's default, --tensor-model-parallel-size): not supported with "
-        "--pipeline-model-parallel-size=2 yet; pass --expert-tensor-parallel-size 1 (the experts whole, ep folded "
-        "over the tp ranks)"
+        "--expert-tensor-parallel-size=2, --expert-model-parallel-size=2, --pipeline-model-parallel-size=2: their "
+        "product (8) must divide the world size (4)"
     )
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size=2: not supported with --pipeline"):
-        _validate(argv + ["--expert-tensor-parallel-size", "2"], 4)
 
 
 def test_the_default_global_batch_counts_the_data_parallel_ranks_of_every_layout():
