@@ -91,13 +91,17 @@ class SequenceShares(SharesProcessGroups):
 
 class GlobalBalancing(SharesProcessGroups):
     """The global-batch aux loss's counts: each micro-batch's tokens per expert summed over the data-parallel
-    ranks (one all-reduce, in forward) and averaged over the step's micro-batches so far; `reset()` after each
-    optimizer step (the training loop's). Every rank must run the same forwards: the all-reduce is collective.
+    ranks (one all-reduce, in forward; under tensor parallelism first over the tp ranks' sequence shards) and
+    averaged over the step's micro-batches so far; `reset()` after each optimizer step (the training loop's). Every
+    rank must run the same forwards: the all-reduce is collective.
     A recompute in backward uses what its forward counted (counting again would count its tokens twice)."""
 
     def __init__(self, group: Optional[Any], cp_size: int = 1):
         self.group = group
         self.cp_size = cp_size  # ranks of the group that share each micro-batch (context parallelism)
+        # the sequence shards outside `group` (tensor parallelism under SP: the tp group, training/tensor_parallel.py);
+        # their counts are summed first, megatron-core's tp-dp-cp counting
+        self.shards = SequenceShares(None)
         self.reset()
 
     def reset(self) -> None:
@@ -117,6 +121,7 @@ class GlobalBalancing(SharesProcessGroups):
             return switch_aux_loss(probs_TE, average_E.to(probs_TE.dtype), top_k, total_tokens), self._ranks()
         E = map_TE.shape[1]
         local = torch.cat([map_TE.detach().sum(0), map_TE.new_full((1,), map_TE.shape[0])]).to(torch.float64)
+        local = self.shards.sum(local)
         wait = None
         if record is not None:
             stamp = torch.tensor(record.mine, dtype=torch.float64, device=local.device)

@@ -212,7 +212,8 @@ def train_step(
                     losses.append(
                         _micro_batch_loss(model, batch, lm, router, stats, depths, n, tokens, tensor_parallel_size)
                     )
-                named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size)
+                # a rank's drop fraction is its part's: a (cp x tp)-th share of the micro-batch's under SP
+                named = _named_metrics(lm, batch["loss_mask"], router, stats, depths, cp_size * tensor_parallel_size)
                 if tensor_parallel_size > 1:  # each tp rank's MTP losses are copies: their sum counts them once
                     named["mtp_losses"] = named["mtp_losses"] / tensor_parallel_size
                 packed = packed or _Packed(named)

@@ -42,13 +42,16 @@ moezero/context_parallel.py), then sequence parallelism shards the rank's cp par
 K/V of the rank's heads over cp (a2a: a block of the rank's heads), positions and keyed draws are the cp rank's
 (under SP each tp rank's shard of them: `_SequenceShardKeys`), and the routers count tokens over the tp-cp group.
 
+A router under sequence parallelism sees the rank's sequence shard, as megatron-core's: capacity drops and sinkhorn's
+balancing are decided on the shard's tokens (not those of the whole micro-batch one process decides on), the aux
+and sequence aux losses count tokens over the tp-cp group, the global-batch aux loss over tp-dp-cp.
+
 Without sequence parallelism megatron-core's MLA leaves the shared RoPE key's gradient the rank's heads' part (the
 kv down-projection's rows of it then differ over tp); here it is summed over tp, as one process computes it.
 
 What this does not build is refused in one line (`refusals`): full-width q/k norms,
 query groups not divisible by tp, a sequence not divisible by tp under sequence parallelism, and MoE layers without
-sequence parallelism, with a capacity factor, global or sinkhorn balancing; context parallelism with pipeline
-stages too (config/run.py).
+sequence parallelism; context parallelism with pipeline stages too (config/run.py).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
     if c.qk_layernorm and c.qk_layernorm_scope == "full_width":
         lines.append("full-width q/k norms are not supported with tensor parallelism (per-head ones are)")
     if moe is not None:
-        lines += _moe_refusals(moe, sequence_parallel)
+        lines += _moe_refusals(sequence_parallel)
     if sequence_parallel and c.seq_length % tp:  # each rank holds seq_length / tp positions
         lines.append(
             f"--seq-length {c.seq_length} must be divisible by tensor parallel size {tp} with --sequence-parallel"
@@ -100,19 +103,10 @@ def refusals(config: GPTConfig, moe: Optional[MoEConfig], tp: int, sequence_para
     return lines
 
 
-def _moe_refusals(moe: MoEConfig, sequence_parallel: bool) -> List[str]:
+def _moe_refusals(sequence_parallel: bool) -> List[str]:
     lines = []
     if not sequence_parallel:  # megatron-core's MoELayer raises in training
         lines.append("MoE layers with tensor parallelism need --sequence-parallel (as Megatron's)")
-    if moe.capacity_factor is not None:  # decided on each rank's tokens: a sequence shard's capacity differs
-        lines.append(
-            f"--moe-expert-capacity-factor {moe.capacity_factor}: tensor parallelism runs dropless MoE layers only "
-            "(capacity would be decided on each rank's sequence shard)"
-        )
-    if "global_aux_loss" in moe.balancing_coefficients():
-        lines.append("--moe-router-load-balancing-type global_aux_loss is not supported with tensor parallelism yet")
-    if moe.load_balancing_type == "sinkhorn":
-        lines.append("--moe-router-load-balancing-type sinkhorn is not supported with tensor parallelism")
     return lines
 
 
@@ -270,6 +264,7 @@ class _Plan:
         layer that is whole on each rank (router, shared expert and its gate) gets a partial gradient. Routed
         experts stay whole, split over ep (folded over the tp ranks, ParallelGroups), reduced over edp."""
         moe.router.cp = _TensorContextShares(SequenceShares(self.group), moe.router.cp)
+        moe.router.global_balancing.shards = SequenceShares(self.group)  # then over dp-cp: megatron-core's tp-dp-cp
         for module in (moe.router, moe.shared_expert, moe.shared_expert_gate):
             if module is not None:
                 self.replicated(module)

@@ -6,7 +6,9 @@ process training the same global model on the same micro-batches: float64, every
 coordinates). The tp model is built as the one-process model (its experts split over ep) and then has its modules
 swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and ep 2 (ep folded over tp); on 4 ranks
 tp 2 x dp 2, each data-parallel rank its own micro-batches. Multi-latent attention (YaRN, latent norms) runs in a
-dense GPT without SP (queries from q_proj) and in the GPT-MoE with SP (queries through the q latent)."""
+dense GPT without SP (queries from q_proj) and in the GPT-MoE with SP (queries through the q latent). The GPT-MoE's
+routing options decided on the tokens a router sees (capacity drops, sinkhorn) run against one process deciding them
+on each tp rank's sequence shard, global_aux_loss against one process; every step metric compared."""
 
 import dataclasses
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from moezero.config import GPTConfig
 from moezero.models import GPTModel
 from moezero.moe import expert_parallel
+from moezero.moe.router import TopKRouter
 from moezero.parallel import ParallelGroups, expert_shard_of
 from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.training.loop import train_step
@@ -246,3 +249,138 @@ def test_tp2_by_dp2_on_four_ranks_equals_one_process():
     assert all(r == results[0] for r in results)
     for case, (curve, weights, moments) in results[0].items():
         assert curve < 1e-10 and weights < 1e-12 and moments < 1e-12, (case, curve, weights, moments)
+
+
+# Routing options decided on the tokens a router sees: at tp with SP megatron-core's router sees the rank's sequence
+# shard, so capacity drops and sinkhorn's balancing are the shard's. The one-process oracle decides them on each
+# contiguous 1/tp block of Megatron's sequence-major [S * B] tokens: block r holds positions r S/tp .. (r+1) S/tp - 1
+# of every sequence, the SP shard of tp rank r (checked on the routers' inputs).
+def _moe_flags(balancing, coefficients=(), extra=()):
+    """MOE_FLAGS with `balancing` (and its coefficients) for its aux and sequence aux losses, and `extra`."""
+    at, end = MOE_FLAGS.index("--moe-aux-loss-coeff"), MOE_FLAGS.index("--moe-z-loss-coeff")
+    flags = MOE_FLAGS[:at] + MOE_FLAGS[end:] + ["--moe-router-load-balancing-type", *balancing]
+    return flags + (["--moe-aux-loss-coeff", *coefficients] if coefficients else []) + list(extra)
+
+
+ROUTING_CASES = {
+    "capacity probs": _moe_flags(["aux_loss"], ["1e-2"], ["--moe-expert-capacity-factor", "1.0"]),
+    "capacity position padded": _moe_flags(
+        ["aux_loss"],
+        ["1e-2"],
+        ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position"]
+        + ["--moe-pad-expert-input-to-capacity"],
+    ),
+    "global_aux_loss": _moe_flags(["global_aux_loss", "aux_loss"], ["1e-2", "1e-2"]),
+    "sinkhorn": _moe_flags(["sinkhorn"]),
+}
+
+
+def _blocks(x, tp):
+    """Each tp rank's sequence shard of batch-major tokens `x` (MB sequences of SEQ), batch-major as it sees it."""
+    return [block.reshape(-1, *x.shape[1:]) for block in x.view(MB, SEQ, *x.shape[1:]).chunk(tp, dim=1)]
+
+
+def _joined(blocks):
+    return torch.cat([b.view(MB, -1, *b.shape[1:]) for b in blocks], dim=1).reshape(-1, *blocks[0].shape[1:])
+
+
+def _decide_per_shard(router, tp, differs):
+    """Patch one process's `router` to drop over capacity and route by sinkhorn on each shard's tokens; `differs`
+    gets whether the whole micro-batch's decision would have been another."""
+    drop, select = router._drop_over_capacity, router._select_sinkhorn
+
+    def drop_per_shard(ids_TK, weights_TK, num_sequences):
+        assert num_sequences == MB
+        shards = [drop(i, w, MB) for i, w in zip(_blocks(ids_TK, tp), _blocks(weights_TK, tp))]
+        ids = _joined([s[0] for s in shards])
+        differs.append(not torch.equal(ids, drop(ids_TK, weights_TK, MB)[0]))
+        return ids, _joined([s[1] for s in shards]), sum(s[2] for s in shards) / tp
+
+    def select_per_shard(logits_TE):
+        shards = [select(block) for block in _blocks(logits_TE, tp)]
+        ids = _joined([s[0] for s in shards])
+        differs.append(not torch.equal(ids, select(logits_TE)[0]))
+        return ids, _joined([s[1] for s in shards])
+
+    router._drop_over_capacity, router._select_sinkhorn = drop_per_shard, select_per_shard
+
+
+def _first_router_inputs(model):
+    """The inputs of the first MoE layer's router, call by call."""
+    inputs = []
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    router.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
+    return inputs
+
+
+def _routing_case(groups, flags):
+    """tp 2 with SP against the per-shard oracle over STEPS steps: the largest difference of every step metric
+    (losses, grad norm, router losses, tracked losses, dropped fraction, tokens per expert), of the final weights
+    and moments, of the first router's inputs against the oracle's block; the drop fractions; whether the oracle's
+    shard decisions ever differed from the whole micro-batch's."""
+    cfg = configs(flags)
+    gpt, moe = dataclasses.replace(cfg.model, vocab_size=VOCAB, untie_embeddings_and_output_weights=True), cfg.moe
+    reference = GPTModel(gpt, moe, seed=SEED).double().train()
+    model = GPTModel(gpt, moe, seed=SEED, moe_layer=expert_parallel(groups)).double().train()
+    model = apply_tensor_parallel(model, groups.tp, True)
+    differs = []
+    for router in (m for m in reference.modules() if isinstance(m, TopKRouter)):
+        _decide_per_shard(router, TP, differs)
+    ref_inputs, inputs = _first_router_inputs(reference), _first_router_inputs(model)
+    ref_opt, opt = _optimizer(reference, ParallelGroups.single(), 1), _optimizer(model, groups, 1)
+    expected, actual = [], []
+    for step in range(STEPS):
+        batches = _micro_batches(step)
+        expected.append(train_step(reference, ref_opt, batches, step, KEY_SEED, None))
+        actual.append(train_step(model, opt, batches, step, KEY_SEED, groups.world_control, tensor_parallel_size=TP))
+    rank = dist.get_rank(groups.tp)
+    shards = max(float((_blocks(r, TP)[rank] - x).abs().max()) for r, x in zip(ref_inputs, inputs))
+    metrics = max(_metric_differences(a, e) for a, e in zip(actual, expected))
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, opt.state_dict())
+    full, ref_full = consolidate(states), consolidate([ref_opt.state_dict()])
+    weights = max(float((full["params"][n] - p).abs().max()) for n, p in ref_full["params"].items())
+    moments = max(float((full["state"][n]["exp_avg"] - s["exp_avg"]).abs().max()) for n, s in ref_full["state"].items())
+    dropped = [float(m.dropped_fraction.sum()) for m in actual]
+    return dict(metrics=metrics, weights=weights, moments=moments, shards=shards, dropped=dropped, differs=any(differs))
+
+
+def _metric_differences(actual, expected):
+    scalars = [(actual.lm_loss, expected.lm_loss), (actual.grad_norm, expected.grad_norm)]
+    scalars += [(actual.router_losses[k], v) for k, v in expected.router_losses.items()]
+    tensors = [(actual.dropped_fraction, expected.dropped_fraction)]
+    tensors += [(actual.tokens_per_expert, expected.tokens_per_expert)]
+    tensors += [(actual.layer_tracked_losses[k], v) for k, v in expected.layer_tracked_losses.items()]
+    assert set(actual.layer_tracked_losses) == set(expected.layer_tracked_losses)
+    return max([abs(a - e) for a, e in scalars] + [float((a - e).abs().max()) for a, e in tensors])
+
+
+def _routing_cases():
+    """Every case at etp 1 (experts whole on both ranks), capacity drops also at Megatron's default etp = tp."""
+    groups = ParallelGroups.build(tensor_parallel_size=TP)
+    try:
+        results = {name: _routing_case(groups, flags) for name, flags in ROUTING_CASES.items()}
+    finally:
+        groups.destroy()
+    groups = ParallelGroups.build(tensor_parallel_size=TP, expert_tensor_parallel_size=TP)
+    try:
+        results["capacity probs, etp 2"] = _routing_case(groups, ROUTING_CASES["capacity probs"])
+    finally:
+        groups.destroy()
+    return results
+
+
+def test_moe_routing_options_at_tp2_sp_equal_the_per_shard_oracle():
+    """Capacity drops (both policies, padded), global_aux_loss and sinkhorn at tp 2 with SP: the run of one process
+    whose router decides on each shard's tokens (megatron-core's semantics), every step metric counted once."""
+    results = run_distributed(_routing_cases, TP)
+    for name, r in results[0].items():
+        assert all(rank[name]["shards"] < 1e-12 for rank in results), name  # the oracle's blocks: the shards
+        assert {k: v for k, v in r.items() if k != "shards"} == {
+            k: v for k, v in results[1][name].items() if k != "shards"
+        }
+        assert r["metrics"] < 1e-10 and r["weights"] < 1e-12 and r["moments"] < 1e-12, (name, r)
+        if name.startswith("capacity"):  # drops happen, and decided per shard they are not the whole batch's
+            assert min(r["dropped"]) > 0 and r["differs"], (name, r)
+        if name == "sinkhorn":
+            assert r["differs"], (name, r)

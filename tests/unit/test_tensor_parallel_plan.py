@@ -34,7 +34,6 @@ def test_a_gqa_gpt_runs_at_tp2():
         (dict(seq_length=15), False, True, "--seq-length 15 must be divisible"),
         (dict(qk_layernorm=True, qk_layernorm_scope="full_width"), False, False, "full-width q/k norms"),
         ({}, True, False, "MoE layers with tensor parallelism need --sequence-parallel"),
-        ({}, dict(capacity_factor=1.5), True, "--moe-expert-capacity-factor 1.5"),
     ],
 )
 def test_refusals_name_the_setting(changes, moe, sp, needle):
@@ -42,6 +41,20 @@ def test_refusals_name_the_setting(changes, moe, sp, needle):
     moe_config = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, **(moe if isinstance(moe, dict) else {}))
     lines = refusals(config, moe_config if moe else None, 2, sp)
     assert lines and needle in lines[0], lines  # heads not divisible: their query groups are not either
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(capacity_factor=1.5),
+        dict(load_balancing_type=["global_aux_loss"], aux_loss_coeff=[1e-2]),
+        dict(load_balancing_type="sinkhorn"),
+    ],
+)
+def test_moe_routing_options_run_at_tp2_with_sp(routing):
+    """Decided on the rank's sequence shard, as megatron-core's router (test_tp_model_exactness.py)."""
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=64, num_experts=4, **routing)
+    assert refusals(GPT, moe, 2, sequence_parallel=True) == []
 
 
 def _validate(argv, world):
@@ -55,16 +68,16 @@ TP2 = ["--tensor-model-parallel-size", "2", "--position-embedding-type", "rope"]
 
 
 def test_a_tp_run_lists_every_refusal_at_once():
-    """TINY's MoE layers at tp 2 without --sequence-parallel, with its capacity factor (and Megatron's default
-    --expert-tensor-parallel-size = tp, which runs), on 3 processes: one ConfigError, a line each."""
+    """TINY's MoE layers at tp 2 without --sequence-parallel (with its capacity factor and Megatron's default
+    --expert-tensor-parallel-size = tp, which run), on 3 processes: one ConfigError, a line each."""
     from moezero.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
         _validate(TP2, 3)
     lines = str(info.value).splitlines()
     assert lines[0] == "--tensor-model-parallel-size=2: must divide the number of processes (3)", lines
-    assert "need --sequence-parallel" in lines[1] and "--moe-expert-capacity-factor 1.5" in lines[2], lines
-    assert len(lines) == 3, lines
+    assert "need --sequence-parallel" in lines[1], lines
+    assert len(lines) == 2, lines
 
 
 SP = ["--sequence-parallel", "--moe-expert-capacity-factor", "-1"]
