@@ -4,12 +4,17 @@ init, everything else is the dense model's. When a token's top-k weights sum to 
 or sigmoid scores over k > 1) and nothing is dropped, its MoE output is the dense MLP's output, so the
 upcycled model's logits start as the dense model's. Model surgery only: which checkpoint a run upcycles and
 where it starts is the training layer's (`moezero.training.resume.upcycling_point`).
+
+At tensor or expert-tensor parallelism each rank's params are slices of the global ones (their TensorShard, which
+for an etp-split expert stack describes one expert's slice of the dense MLP too): each rank copies in the slice
+of the dense tensor that a one-process upcycle puts there, as megatron-core's upcycling_utils copies local shards.
+The caller passes how to read a param's shard (`shard_of`: the model knows no parallel layout).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -48,23 +53,45 @@ def check_upcyclable(model: GPTConfig, moe: MoEConfig) -> None:
             raise ConfigError(f"--moe-use-upcycling: {what}")
 
 
-def upcycle(model: GPTModel, dense: Dict[str, torch.Tensor]) -> None:
-    """Fill `model` (this rank's experts) from the dense model's tensors `dense` (consolidated names)."""
+# a param's tensor-parallel shard (parallel/tensor_marker.py's TensorShard: global_shape, local_of, item_shard), None
+# for a whole param
+ShardOf = Callable[[torch.Tensor], Optional[Any]]
+
+
+def upcycle(model: GPTModel, dense: Dict[str, torch.Tensor], shard_of: ShardOf = lambda param: None) -> None:
+    """Fill `model` (this rank's experts and slices) from the dense model's global tensors `dense` (consolidated
+    names); `shard_of` tells which slice of its global tensor a param holds."""
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
-            source = _dense_tensor(name, dense, model)
+            source = _dense_tensor(name, dense)
             if source is not None:
-                tensor.copy_(source.to(tensor.dtype))
+                tensor.copy_(_local_values(name, tensor, source, shard_of(tensor)).to(tensor.dtype))
 
 
-def _dense_tensor(name: str, dense: Dict[str, torch.Tensor], model: GPTModel):
+def _dense_tensor(name: str, dense: Dict[str, torch.Tensor]):
+    """The global dense tensor `name` starts from (of an expert stack: one expert's), None for a router."""
     expert = _EXPERT.match(name)
     if expert:  # every local expert: the dense MLP (its weights transposed into the (in, out) stack layout)
         key, transpose = _DENSE[expert.group(2)]
         weight = dense[f"{expert.group(1)}.{key}"]
-        return (weight.t() if transpose else weight).unsqueeze(0)
+        return weight.t() if transpose else weight
     if ".mlp.router." in name:
         return None  # a new router
     if name not in dense:
         raise ConfigError(f"--moe-use-upcycling: the dense checkpoint has no {name}")
     return dense[name]
+
+
+def _local_values(name: str, tensor: torch.Tensor, source: torch.Tensor, shard: Optional[Any]) -> torch.Tensor:
+    """This rank's part of the global `source`: its tp / etp slice (`shard`), each local expert a copy."""
+    expert = _EXPERT.match(name) is not None
+    if shard is not None:
+        shard = shard.item_shard() if expert else shard  # an expert stack's shard: one expert's slice
+    wanted = shard.global_shape if shard is not None else tuple(tensor.shape[1:] if expert else tensor.shape)
+    if tuple(source.shape) != wanted:
+        raise ConfigError(
+            f"--moe-use-upcycling: the dense checkpoint's tensor for {name} is shaped {tuple(source.shape)}, "
+            f"the model needs {wanted}"
+        )
+    local = shard.local_of(source) if shard is not None else source
+    return local.unsqueeze(0) if expert else local

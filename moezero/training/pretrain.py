@@ -32,6 +32,7 @@ from moezero.keyed_random import keyed_seed
 from moezero.models.upcycling import upcycle
 from moezero.moe.expert_bias import ExpertBiasUpdater
 from moezero.parallel import ParallelGroups
+from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.context_parallel import ContextParallel
 from moezero.training.args import flag_values
 from moezero.training.batch_schedule import BatchSchedule
@@ -172,7 +173,7 @@ class Pretraining:
         self.model = self._build_model(cfg, point)
         if dense_source is not None:  # before the optimizer copies the params into its masters
             dense = checkpoint.consolidate_checkpoint(dense_source.path)  # a QAT run's under plain names
-            upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()})
+            upcycle(self.model, {plain_param_name(name): value for name, value in dense.items()}, tensor_shard_of)
         # before the optimizer: a plug-in may reparametrize weights (the Parameters themselves stay)
         self.plugins = attach_plugins(
             plugins, self.model, self.groups if self.pipeline is None else self.pipeline.groups, cfg

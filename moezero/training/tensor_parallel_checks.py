@@ -87,7 +87,8 @@ def _whole_matrix_flags(cfg) -> List[str]:
     slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over its
     tp or etp group, moezero/hf/slice_gather.py.)"""
     flags = (
-        ("--moe-use-upcycling", cfg.moe.use_upcycling),
+        # upcycling copies each rank's slices (models/upcycling.py); with pipeline stages that is untested
+        ("--moe-use-upcycling with pipeline stages", cfg.moe.use_upcycling and cfg.parallel.pipeline_parallel_size > 1),
         ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )
     return [flag for flag, given in flags if given]
