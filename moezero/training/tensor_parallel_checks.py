@@ -83,13 +83,11 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
 
 
 def _whole_matrix_flags(cfg) -> List[str]:
-    """The flags of the run that need every weight whole on one rank (upcycling, Muon). (--load-hf reads each rank's
+    """The flags of the run that need every weight whole on one rank (upcycling). (--load-hf reads each rank's
     slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over its
-    tp or etp group, moezero/hf/slice_gather.py.)"""
-    flags = (
-        ("--moe-use-upcycling", cfg.moe.use_upcycling),
-        ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
-    )
+    tp or etp group, moezero/hf/slice_gather.py; --optimizer muon orthogonalises the tp shards or gathers the whole
+    matrices per --muon-tp-mode, moezero/zero/muon.py.)"""
+    flags = (("--moe-use-upcycling", cfg.moe.use_upcycling),)
     return [flag for flag, given in flags if given]
 
 
@@ -98,6 +96,21 @@ def check_tensor_parallel_run(cfg, world_size: int) -> None:
     problems = tensor_parallel_refusals(cfg, world_size)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def muon_tp_mode_notice(cfg) -> List[str]:
+    """The run's log line where Muon's distributed tp mode is asked for at tp or etp > 1: it runs duplicated."""
+    p, t = cfg.parallel, cfg.train
+    if (
+        t.optimizer != "muon"
+        or t.muon_tp_mode != "distributed"
+        or p.tensor_parallel_size * p.expert_tensor_parallel == 1
+    ):
+        return []
+    return [
+        " --muon-tp-mode distributed: each tp rank gathers a weight's update and orthogonalises it whole, as "
+        "duplicated does (the same numbers; megatron-core splits the Newton-Schulz matmuls over the tp group)"
+    ]
 
 
 def sequence_parallel_notice(cfg) -> List[str]:
