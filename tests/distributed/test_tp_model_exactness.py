@@ -443,7 +443,8 @@ def _muon_case(groups, mode, stage, config=GPT, moe=None):
     weights and optimizer state (Muon's momentum buffers, Adam's moments), tp 2 in `mode` against the oracle."""
     reference = GPTModel(config, moe, seed=SEED).double().train()
     model = GPTModel(config, moe, seed=SEED, moe_layer=expert_parallel(groups)).double().train()
-    model = apply_tensor_parallel(model, groups.tp, moe is not None)
+    if groups.tp is not None:
+        model = apply_tensor_parallel(model, groups.tp, moe is not None)
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, {n: tensor_shard_of(p) for n, p in model.named_parameters()})
     if mode == "blockwise":
@@ -471,7 +472,8 @@ def _muon_case(groups, mode, stage, config=GPT, moe=None):
 
 def _muon_cases():
     """The dense GPT (GQA's split QKV, SwiGLU's fused fc1) at tp 2, each mode, ZeRO 1-3; the GPT-MoE at tp 2 and
-    etp 2 with SP (expert stacks split over etp), blockwise and duplicated."""
+    etp 2 with SP (expert stacks split over etp), blockwise and duplicated, and at tp 1 etp 2 (the experts' gathers
+    over etp, the dense weights whole)."""
     results, weights = {}, {}
     groups = ParallelGroups.build(tensor_parallel_size=TP)
     try:
@@ -485,6 +487,11 @@ def _muon_cases():
     try:
         for mode, stage in (("blockwise", 3), ("duplicated", 1)):
             *results[("moe", mode, stage)], _ = _muon_case(groups, mode, stage, gpt, cfg.moe)
+    finally:
+        groups.destroy()
+    groups = ParallelGroups.build(expert_tensor_parallel_size=TP)
+    try:
+        *results[("moe etp only", "duplicated", 2)], _ = _muon_case(groups, "duplicated", 2, gpt, cfg.moe)
     finally:
         groups.destroy()
     modes_differ = max(float((weights["blockwise"][n] - w).abs().max()) for n, w in weights["duplicated"].items())
