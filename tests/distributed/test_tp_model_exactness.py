@@ -471,13 +471,13 @@ def _muon_case(groups, mode, stage, config=GPT, moe=None):
 
 
 def _muon_cases():
-    """The dense GPT (GQA's split QKV, SwiGLU's fused fc1) at tp 2, each mode, ZeRO 1-3; the GPT-MoE at tp 2 and
+    """The dense GPT (GQA's split QKV, SwiGLU's fused fc1) at tp 2, each mode, ZeRO 0, 1 and 3; the GPT-MoE at tp 2 and
     etp 2 with SP (expert stacks split over etp), blockwise and duplicated, and at tp 1 etp 2 (the experts' gathers
-    over etp, the dense weights whole)."""
+    over etp, the dense weights whole) at ZeRO 2."""
     results, weights = {}, {}
     groups = ParallelGroups.build(tensor_parallel_size=TP)
     try:
-        for mode, stage in (("blockwise", 1), ("duplicated", 2), ("distributed", 3)):
+        for mode, stage in (("blockwise", 1), ("duplicated", 0), ("distributed", 3)):
             *results[(mode, stage)], weights[mode] = _muon_case(groups, mode, stage)
     finally:
         groups.destroy()
