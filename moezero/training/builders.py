@@ -185,6 +185,7 @@ def optimizer_class(cfg: Configs) -> Tuple[type, Dict]:
                 num_ns_steps=t.muon_num_ns_steps,
                 coefficient_type=t.muon_coefficient_type,
                 fp32_matmul_prec=t.muon_fp32_matmul_prec,
+                tp_mode=t.muon_tp_mode,
             ),
         )
     else:

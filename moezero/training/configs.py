@@ -198,8 +198,8 @@ class TrainConfig(Validated):
     )
     muon_tp_mode: str = option(
         "blockwise",
-        "accepted: how Muon splits tensor-parallel weights; at --tensor-model-parallel-size 1, the only size here, "
-        "every mode is the whole matrix",
+        "Muon at tensor parallelism: blockwise orthogonalises each rank's shard, duplicated the whole weight gathered "
+        "over tp (experts over etp), distributed runs as duplicated; at tp 1 every mode is the whole matrix",
         flag="--muon-tp-mode",
         choices=("blockwise", "duplicated", "distributed"),
     )

@@ -60,7 +60,7 @@ from moezero.training.loop import (
     train_step,
 )
 from moezero.training.context_parallel_checks import comm_type_notice
-from moezero.training.tensor_parallel_checks import sequence_parallel_notice
+from moezero.training.tensor_parallel_checks import muon_tp_mode_notice, sequence_parallel_notice
 from moezero.training.pipeline_checks import check_pipeline_run, resolve_pipeline_zero_stage
 from moezero.training.pipeline_run import PipelineRun
 from moezero.training.plugin import PluginFactory, attach_plugins
@@ -117,7 +117,7 @@ class Pretraining:
         check_pipeline_run(cfg)  # again with the model a Hub folder or checkpoint gave (--load-hf, ...)
         if stage_notice is not None:
             notices.append(f" {stage_notice}")
-        notices += comm_type_notice(cfg) + sequence_parallel_notice(cfg)
+        notices += comm_type_notice(cfg) + sequence_parallel_notice(cfg) + muon_tp_mode_notice(cfg)
         self.hub_config, self.hub_generation_config = start.hub_config, start.hub_generation_config
         self.cfg = cfg
         if cfg.checkpoint.save:

@@ -42,7 +42,7 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
     if world_size % tp:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
-    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _whole_matrix_flags(cfg)]
+    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _unbuilt_flags(cfg)]
     if p.pipeline_parallel_size > 1 and cfg.checkpoint.save_hf:  # the stages' tp gathers are not built or tested
         problems.append(
             f"--save-hf: not supported with {TP} > 1 and pipeline stages yet ({TP}={tp}, "
@@ -78,18 +78,19 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             f"({hidden})"
         )
     if tp == 1:
-        problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _whole_matrix_flags(cfg)]
+        problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _unbuilt_flags(cfg)]
     return problems
 
 
-def _whole_matrix_flags(cfg) -> List[str]:
-    """The flags of the run that need every weight whole on one rank (upcycling, Muon). (--load-hf reads each rank's
-    slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over its
-    tp or etp group, moezero/hf/slice_gather.py.)"""
+def _unbuilt_flags(cfg) -> List[str]:
+    """The flags of the run that tp or etp > 1 do not run yet: upcycling with pipeline stages. (--load-hf reads each
+    rank's slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over
+    its tp or etp group, moezero/hf/slice_gather.py; --optimizer muon orthogonalises the tp shards or gathers the
+    whole matrices per --muon-tp-mode, moezero/zero/muon.py; upcycling copies each rank's slices,
+    models/upcycling.py.)"""
+    # upcycling with pipeline stages at tp or etp > 1 is untested
     flags = (
-        # upcycling copies each rank's slices (models/upcycling.py); with pipeline stages that is untested
         ("--moe-use-upcycling with pipeline stages", cfg.moe.use_upcycling and cfg.parallel.pipeline_parallel_size > 1),
-        ("--optimizer muon", cfg.train.optimizer == "muon"),  # it orthogonalises whole matrices
     )
     return [flag for flag, given in flags if given]
 
@@ -99,6 +100,21 @@ def check_tensor_parallel_run(cfg, world_size: int) -> None:
     problems = tensor_parallel_refusals(cfg, world_size)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def muon_tp_mode_notice(cfg) -> List[str]:
+    """The run's log line where Muon's distributed tp mode is asked for at tp or etp > 1: it runs duplicated."""
+    p, t = cfg.parallel, cfg.train
+    if (
+        t.optimizer != "muon"
+        or t.muon_tp_mode != "distributed"
+        or p.tensor_parallel_size * p.expert_tensor_parallel == 1
+    ):
+        return []
+    return [
+        " --muon-tp-mode distributed: each tp rank gathers a weight's update and orthogonalises it whole, as "
+        "duplicated does (the same numbers; megatron-core splits the Newton-Schulz matmuls over the tp group)"
+    ]
 
 
 def sequence_parallel_notice(cfg) -> List[str]:

@@ -14,6 +14,11 @@ update's shards are then summed over the family's reduce group into whole params
 every element is held by exactly one rank, the others add exact zeros), each rank orthogonalises the matrices it
 holds a piece of (a stacked expert tensor one expert at a time, as Megatron's per-expert weights) and applies its
 piece. Stage 0 holds whole buckets: nothing to sum. Stage 3 steps the same shards.
+
+At tensor parallelism a whole update is the rank's tp shard of the weight; `tp_mode` is megatron-core's
+muon_tp_mode: "blockwise" orthogonalises the shard (scaled by its shape), "duplicated" (and "distributed", the same
+numbers) all-gathers the shards over the tp group (experts' over etp) and orthogonalises the whole weight (scaled by
+its global shape), each rank keeping its part.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.parallel import comm, is_expert_parallel
+from moezero.parallel.tensor_marker import TensorShard, tensor_shard_of
+from moezero.parallel.tp_linear import ColumnParallelLinear
+from moezero.parallel.vocab_parallel import VocabParallelEmbedding
 from moezero.zero.param_groups import weight_decay_groups
 
 # emerging_optimizers' muon_utils (the release megatron-core 0.16.1 runs with)
@@ -57,6 +65,9 @@ COEFFICIENT_SETS: Dict[str, List[Tuple[float, float, float]]] = {
     ],
 }
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+# megatron-core's muon_tp_mode: blockwise orthogonalises each tp rank's own shard; duplicated the whole matrix,
+# gathered over tp; distributed the same with distributed matmuls (run here as duplicated)
+TP_MODES = ("blockwise", "duplicated", "distributed")
 MATMUL_PRECISIONS = ("medium", "high")  # torch's set_float32_matmul_precision takes no "low"
 NS_EPS = 1e-7
 
@@ -108,7 +119,7 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
 class Muon(torch.optim.AdamW):
     """Megatron's Muon for the groups marked `"muon": True`, torch's AdamW for the others (the lr, betas, eps and
     weight_decay of a group are its optimizer's). Muon keywords: momentum (Megatron's --muon-momentum), nesterov,
-    scale_mode, extra_scale_factor, num_ns_steps, coefficient_type, fp32_matmul_prec. A Muon group may carry
+    scale_mode, extra_scale_factor, num_ns_steps, coefficient_type, fp32_matmul_prec, tp_mode. A Muon group may carry
     "muon_split_rows": its weights' rows are orthogonalised in blocks of these sizes (Megatron's split of the
     fused QKV weight into queries, keys and values).
 
@@ -128,10 +139,13 @@ class Muon(torch.optim.AdamW):
         num_ns_steps: int = 5,
         coefficient_type: str = "quintic",
         fp32_matmul_prec: str = "medium",
+        tp_mode: str = "blockwise",
         whole_params: Optional["WholeParams"] = None,
         **adamw_kwargs,
     ):
         check_muon_settings(momentum, scale_mode, num_ns_steps, coefficient_type, fp32_matmul_prec)
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"--muon-tp-mode {tp_mode!r}: choose one of {', '.join(TP_MODES)}")
         super().__init__(params, lr=lr, **adamw_kwargs)
         if not any(g.get("muon") for g in self.param_groups):
             raise ValueError('Muon got no group marked "muon": True: pass param_groups=muon_param_groups(model, wd)')
@@ -139,6 +153,7 @@ class Muon(torch.optim.AdamW):
         self.scale_mode, self.extra_scale_factor = scale_mode, extra_scale_factor
         self.coeffs = coefficients(coefficient_type, num_ns_steps)
         self.fp32_matmul_prec = fp32_matmul_prec
+        self.whole_matrices = tp_mode != "blockwise"
         self.whole_params = whole_params
 
     @torch.no_grad()
@@ -153,7 +168,11 @@ class Muon(torch.optim.AdamW):
         for group in groups:
             if group.get("muon"):
                 updates.update(self._momentum_updates(group))
-        whole = self.whole_params.assemble(updates, groups) if self.whole_params else _unsharded(updates)
+        whole = (
+            self.whole_params.assemble(updates, groups, gather_tp=self.whole_matrices)
+            if self.whole_params
+            else _unsharded(updates)
+        )
         with matmul_precision(self.fp32_matmul_prec):  # emerging_optimizers' context around the orthogonalisation
             for group in groups:
                 if group.get("muon"):
@@ -179,29 +198,39 @@ class Muon(torch.optim.AdamW):
         return out
 
     def _orthogonalised(self, p: torch.Tensor, whole: "WholeUpdate", group: Dict) -> torch.Tensor:
-        """The scaled NS of the whole matrices, this piece's elements of it."""
+        """The scaled NS of the whole matrices (or of the tp shards, blockwise), this piece's elements of it."""
+        tp = whole.tp_peers
         if whole.expert_stack:  # (experts, in, out): Megatron's per-expert (out, in) weights, transposed
-            out = torch.stack([self._scaled_ns(m.mT, group).mT for m in whole.value])
+            peers = [None] * len(whole.value) if tp is None else list(zip(*[v.mT.unbind(0) for v in tp.values]))
+            out = torch.stack([self._scaled_ns(m.mT, group, tp, ps).mT for m, ps in zip(whole.value, peers)])
         else:
-            out = self._scaled_ns(whole.value, group)
+            out = self._scaled_ns(whole.value, group, tp, None if tp is None else tp.values)
         return out.reshape(-1)[whole.piece_range[0] : whole.piece_range[1]].view_as(p)
 
-    def _scaled_ns(self, matrix: torch.Tensor, group: Dict) -> torch.Tensor:
-        """Megatron's scaled_orthogonalize_fn on an (out, in) matrix, in row blocks where the group splits it."""
+    def _scaled_ns(
+        self, matrix: torch.Tensor, group: Dict, tp: Optional["TpPeers"], peers: Optional[Sequence[torch.Tensor]]
+    ) -> torch.Tensor:
+        """Megatron's scaled_orthogonalize_fn on an (out, in) matrix, in row blocks where the group splits it (the
+        rank's shard of each block: QKV split per shard as Megatron's). With `tp`, `peers` are the tp ranks' shards
+        of the matrix: each block is orthogonalised and scaled as the whole block, joined along the partition dim
+        (NS is equivariant under permutations of rows and columns, so the order of a fused weight's parts is
+        immaterial), and this rank's part is kept."""
         if matrix.ndim != 2:
             raise ValueError(f"Muon orthogonalises 2-D weights, got a {matrix.ndim}-D one")
         splits = group.get("muon_split_rows")
         blocks = torch.split(matrix, list(splits)) if splits else [matrix]
         bf16 = self.fp32_matmul_prec == "medium" and matrix.dtype == torch.float32
-        return (
-            torch.cat(
-                [
-                    newton_schulz(b, self.coeffs, bf16) * scale_factor(b.size(0), b.size(1), self.scale_mode)
-                    for b in blocks
-                ]
-            )
-            * self.extra_scale_factor
-        )
+        out = []
+        for i, block in enumerate(blocks):
+            if tp is None:
+                out.append(newton_schulz(block, self.coeffs, bf16) * scale_factor(*block.shape, self.scale_mode))
+                continue
+            dim = tp.partition_dim
+            joined = torch.cat([torch.split(m, list(splits))[i] if splits else m for m in peers], dim)
+            orth = newton_schulz(joined, self.coeffs, bf16) * scale_factor(*joined.shape, self.scale_mode)
+            width = block.size(dim)
+            out.append(orth.narrow(dim, tp.rank * width, width))
+        return torch.cat(out) * self.extra_scale_factor
 
 
 def check_muon_settings(momentum, scale_mode, num_ns_steps, coefficient_type, fp32_matmul_prec) -> None:
@@ -219,11 +248,30 @@ def check_muon_settings(momentum, scale_mode, num_ns_steps, coefficient_type, fp
         )
 
 
-class WholeUpdate:
-    """One piece's param, whole: its update (param-shaped) and where the piece lies in it."""
+class TpPeers:
+    """A tensor-parallel param's whole updates on every rank of its tp (or etp) group, in group order: `rank` is
+    this rank's place, `partition_dim` the dim of the (out, in) matrix the shards split (0: column-parallel, 1:
+    row-parallel)."""
 
-    def __init__(self, value: torch.Tensor, piece_range: Tuple[int, int], expert_stack: bool):
+    def __init__(self, values: List[torch.Tensor], rank: int, shard: TensorShard, expert_stack: bool):
+        self.values, self.rank = values, rank
+        # an expert stack is (experts, in, out): its shard's dim 1 or 2 is the (out, in) matrix's 1 or 0
+        self.partition_dim = 2 - shard.dim if expert_stack else shard.dim
+
+
+class WholeUpdate:
+    """One piece's param, whole: its update (param-shaped), where the piece lies in it, and at tp (modes other than
+    blockwise) the tp ranks' updates of the param."""
+
+    def __init__(
+        self,
+        value: torch.Tensor,
+        piece_range: Tuple[int, int],
+        expert_stack: bool,
+        tp_peers: Optional[TpPeers] = None,
+    ):
         self.value, self.piece_range, self.expert_stack = value, piece_range, expert_stack
+        self.tp_peers = tp_peers
 
 
 class WholeParams:
@@ -231,16 +279,28 @@ class WholeParams:
 
     `families`: the trainable ParamFamilies (one order on every rank); `pieces`: this rank's MasterPieces;
     `group_index`: {id(param): its param group's index}; `sharded`: whether the pieces are shards (stages 1-3)
-    rather than whole buckets (stage 0)."""
+    rather than whole buckets (stage 0); `tp`, `etp`: the tensor-parallel groups of the dense and expert params
+    (None at size 1)."""
 
-    def __init__(self, families: Sequence, pieces: Iterable, group_index: Dict[int, int], sharded: bool):
+    def __init__(
+        self,
+        families: Sequence,
+        pieces: Iterable,
+        group_index: Dict[int, int],
+        sharded: bool,
+        tp: Optional[object] = None,
+        etp: Optional[object] = None,
+    ):
         self.families = list(families)
         self.piece_of = {piece.master: piece for piece in pieces}
         self.group_index, self.sharded = group_index, sharded
+        self.tp, self.etp = tp, etp
 
-    def assemble(self, updates: Dict[torch.Tensor, torch.Tensor], groups: List[Dict]) -> Dict:
+    def assemble(self, updates: Dict[torch.Tensor, torch.Tensor], groups: List[Dict], gather_tp: bool = False) -> Dict:
         """{piece: WholeUpdate} for every piece in `updates`. Collective over each family's group when sharded:
-        every rank sums the same params (the family's Muon params that got a gradient on some rank)."""
+        every rank sums the same params (the family's Muon params that got a gradient on some rank). With
+        `gather_tp`, collective over the family's tp group too where it holds tp shards: every rank of it gathers
+        the others' updates of those params (the tp ranks of one dp rank hold the same families' members)."""
         by_param: Dict[int, List[torch.Tensor]] = {}
         for p in updates:
             by_param.setdefault(id(self.piece_of[p].param), []).append(p)
@@ -265,11 +325,29 @@ class WholeParams:
                 at += zp.param.numel()
             if self.sharded:
                 comm.all_reduce(flat, family.group)  # nothing where the group is this rank alone
+            tp_group = self.etp if family.kind == "expert" else self.tp
+            gathered = _tp_gathered(flat, members, tp_group) if gather_tp else None
             for zp in members:
-                value = flat[starts[id(zp)] : starts[id(zp)] + zp.param.numel()].view(zp.param.shape)
+                at, numel, shape = starts[id(zp)], zp.param.numel(), zp.param.shape
+                stack, shard = is_expert_parallel(zp.param), tensor_shard_of(zp.param)
+                peers = None
+                if gathered is not None and shard is not None:
+                    values = [g[at : at + numel].view(shape) for g in gathered]
+                    peers = TpPeers(values, comm.group_rank(tp_group), shard, stack)
+                value = flat[at : at + numel].view(shape)
                 for p in by_param.get(id(zp), []):
-                    out[p] = WholeUpdate(value, self.piece_of[p].param_range, is_expert_parallel(zp.param))
+                    out[p] = WholeUpdate(value, self.piece_of[p].param_range, stack, peers)
         return out
+
+
+def _tp_gathered(flat: torch.Tensor, members: Sequence, tp_group) -> Optional[List[torch.Tensor]]:
+    """Every tp rank's `flat` (the same members' updates, in group order), None where no member is a tp shard."""
+    size = comm.group_size(tp_group)
+    if size == 1 or not any(tensor_shard_of(zp.param) is not None for zp in members):
+        return None
+    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    comm.all_gather(out, flat, tp_group)
+    return list(out.view(size, -1).unbind(0))
 
 
 def _unsharded(updates: Dict[torch.Tensor, torch.Tensor]) -> Dict[torch.Tensor, WholeUpdate]:
@@ -311,15 +389,20 @@ def muon_param_groups(
 def _muon_params(model: nn.Module, split_qkv: bool) -> Dict[int, Optional[Tuple[int, ...]]]:
     """{id(param): its row split or None} of the params Muon takes (megatron-core's get_megatron_muon_optimizer:
     2-D, not an embedding or the output layer, which it marks is_embedding_or_output_parameter)."""
-    adam_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # at tp the tables are vocab-parallel, the output and qkv column-parallel: the rank's heads' split
+    adam_only = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
     output = getattr(model, "output", None)
-    if isinstance(output, nn.Linear):
+    if isinstance(getattr(output, "weight", None), nn.Parameter):
         adam_only.add(id(output.weight))
     qkv_splits = {}
     if split_qkv:
         for module in model.modules():
             qkv = getattr(module, "qkv", None)
-            if isinstance(qkv, nn.Linear) and hasattr(module, "heads") and hasattr(module, "groups"):
+            if (
+                isinstance(qkv, (nn.Linear, ColumnParallelLinear))
+                and hasattr(module, "heads")
+                and hasattr(module, "groups")
+            ):
                 q, kv = module.heads * module.head_dim, module.groups * module.head_dim
                 qkv_splits[id(qkv.weight)] = (q, kv, kv)
     out = {}

@@ -203,7 +203,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if getattr(self.optimizer_cls, "needs_whole_params", False):  # Muon: assembles whole matrices (muon.py)
             families = [p.family for p in engine.parts if p.family.trainable]
             sharded = "optimizer_state" in engine.stage.shards
-            kwargs = dict(kwargs, whole_params=WholeParams(families, engine.master_pieces(), group_of, sharded))
+            whole = WholeParams(families, engine.master_pieces(), group_of, sharded, self.groups.tp, self.groups.etp)
+            kwargs = dict(kwargs, whole_params=whole)
         return engine, _inner_optimizer(self.optimizer_cls, piece_groups, kwargs)
 
     def rebuild(self, user_groups: List[Dict]) -> None:

@@ -8,7 +8,8 @@ swapped (training/tensor_parallel.py). A GPT-MoE runs at tp 2 with SP, ep 1 and 
 tp 2 x dp 2, each data-parallel rank its own micro-batches. Multi-latent attention (YaRN, latent norms) runs in a
 dense GPT without SP (queries from q_proj) and in the GPT-MoE with SP (queries through the q latent). The GPT-MoE's
 routing options decided on the tokens a router sees (capacity drops, sinkhorn) run against one process deciding them
-on each tp rank's sequence shard, global_aux_loss against one process; every step metric compared."""
+on each tp rank's sequence shard, global_aux_loss against one process; every step metric compared. Muon at tp 2 (and
+etp 2) in each --muon-tp-mode against one process orthogonalising the whole weights or each tp rank's blocks."""
 
 import dataclasses
 
@@ -24,6 +25,7 @@ from moezero.parallel.tensor_marker import tensor_shard_of
 from moezero.training.loop import train_step
 from moezero.training.tensor_parallel import apply_tensor_parallel
 from moezero.zero import ZeroOptimizer, consolidate
+from moezero.zero.muon import Muon, WholeUpdate, muon_param_groups
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import configs
 
@@ -384,3 +386,124 @@ def test_moe_routing_options_at_tp2_sp_equal_the_per_shard_oracle():
             assert min(r["dropped"]) > 0 and r["differs"], (name, r)
         if name == "sinkhorn":
             assert r["differs"], (name, r)
+
+
+# Muon at tp (megatron-core's TensorParallelMuon): blockwise orthogonalises each tp rank's shard of a weight (its
+# own QKV blocks, the fused fc1's [gate | up] shard together), scaled by the shard's shape; duplicated (and
+# distributed) the whole weight, scaled by its global shape; expert weights over the etp group
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, scale_mode="unit_rms_norm", extra_scale_factor=1.5)
+
+
+class BlockwiseOracleMuon(Muon):
+    """One process's Muon that orthogonalises each weight in the tp ranks' blocks of it (`tp_shards`: {id(param):
+    each tp rank's TensorShard of it}), each block as Muon orthogonalises a whole weight (its QKV rows split at
+    1/TP of the global heads' sizes)."""
+
+    def __init__(self, *args, tp_shards, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp_shards = tp_shards
+
+    def _orthogonalised(self, p, whole, group):
+        shards = self.tp_shards.get(id(self.whole_params.piece_of[p].param.param))
+        if shards is None:
+            return super()._orthogonalised(p, whole, group)
+        splits = group.get("muon_split_rows")
+        local_group = dict(group, muon_split_rows=tuple(n // TP for n in splits)) if splits else group
+        out = torch.empty_like(whole.value)
+        for shard in shards:
+            local = shard.local_of(whole.value)
+            orth = super()._orthogonalised(
+                local, WholeUpdate(local, (0, local.numel()), whole.expert_stack), local_group
+            )
+            at = 0
+            for lo, hi in shard.blocks:
+                out.narrow(shard.dim, lo, hi - lo).copy_(orth.narrow(shard.dim, at, hi - lo))
+                at += hi - lo
+        return out.reshape(-1)[whole.piece_range[0] : whole.piece_range[1]].view_as(p)
+
+
+def _muon_optimizer(model, groups, stage, cls=Muon, **kwargs):
+    return ZeroOptimizer(
+        model,
+        cls,
+        groups,
+        stage=stage,
+        bucket_size=2000,
+        grad_reduce_dtype=torch.float64,
+        clip_grad=CLIP,
+        param_groups=muon_param_groups(model, MUON["weight_decay"]),
+        fp32_matmul_prec="high",
+        **{k: v for k, v in MUON.items() if k != "weight_decay"},
+        **kwargs,
+    )
+
+
+def _muon_case(groups, mode, stage, config=GPT, moe=None):
+    """The largest relative difference of the losses and norms and the largest absolute one of the consolidated
+    weights and optimizer state (Muon's momentum buffers, Adam's moments), tp 2 in `mode` against the oracle."""
+    reference = GPTModel(config, moe, seed=SEED).double().train()
+    model = GPTModel(config, moe, seed=SEED, moe_layer=expert_parallel(groups)).double().train()
+    if groups.tp is not None:
+        model = apply_tensor_parallel(model, groups.tp, moe is not None)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, {n: tensor_shard_of(p) for n, p in model.named_parameters()})
+    if mode == "blockwise":
+        named = dict(reference.named_parameters())
+        tp_shards = {id(named[n]): [s[n] for s in shards] for n, shard in shards[0].items() if shard is not None}
+        ref_opt = _muon_optimizer(reference, ParallelGroups.single(), stage, BlockwiseOracleMuon, tp_shards=tp_shards)
+    else:
+        ref_opt = _muon_optimizer(reference, ParallelGroups.single(), stage)
+    opt = _muon_optimizer(model, groups, stage, tp_mode=mode)
+    expected, actual = _train(reference, ref_opt, None), _train(model, opt, groups.dp)
+    _check_replicas_identical(model, opt, groups.tp)
+    curve = max(abs(a - e) / abs(e) for pair_a, pair_e in zip(actual, expected) for a, e in zip(pair_a, pair_e))
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, opt.state_dict())
+    full, ref_full = consolidate(states), consolidate([ref_opt.state_dict()])
+    weights = max(float((full["params"][n] - p).abs().max()) for n, p in ref_full["params"].items())
+    state = max(
+        float((full["state"][n][k] - t).abs().max())
+        for n, s in ref_full["state"].items()
+        for k, t in s.items()
+        if k != "step"
+    )
+    return curve, weights, state, ref_full["params"]
+
+
+def _muon_cases():
+    """The dense GPT (GQA's split QKV, SwiGLU's fused fc1) at tp 2, each mode, ZeRO 0, 1 and 3; the GPT-MoE at tp 2 and
+    etp 2 with SP (expert stacks split over etp), blockwise and duplicated, and at tp 1 etp 2 (the experts' gathers
+    over etp, the dense weights whole) at ZeRO 2."""
+    results, weights = {}, {}
+    groups = ParallelGroups.build(tensor_parallel_size=TP)
+    try:
+        for mode, stage in (("blockwise", 1), ("duplicated", 0), ("distributed", 3)):
+            *results[(mode, stage)], weights[mode] = _muon_case(groups, mode, stage)
+    finally:
+        groups.destroy()
+    cfg = configs(MOE_FLAGS)
+    gpt = dataclasses.replace(cfg.model, vocab_size=VOCAB, untie_embeddings_and_output_weights=True)
+    groups = ParallelGroups.build(tensor_parallel_size=TP, expert_tensor_parallel_size=TP)
+    try:
+        for mode, stage in (("blockwise", 3), ("duplicated", 1)):
+            *results[("moe", mode, stage)], _ = _muon_case(groups, mode, stage, gpt, cfg.moe)
+    finally:
+        groups.destroy()
+    groups = ParallelGroups.build(expert_tensor_parallel_size=TP)
+    try:
+        *results[("moe etp only", "duplicated", 2)], _ = _muon_case(groups, "duplicated", 2, gpt, cfg.moe)
+    finally:
+        groups.destroy()
+    modes_differ = max(float((weights["blockwise"][n] - w).abs().max()) for n, w in weights["duplicated"].items())
+    return results, modes_differ
+
+
+def test_muon_at_tp2_equals_megatrons_modes():
+    """--muon-tp-mode at tp 2 (and etp 2): duplicated and distributed equal one process's Muon, blockwise one process
+    orthogonalising each tp rank's blocks; loss curve, norms, weights and optimizer state to float64 rounding."""
+    results = run_distributed(_muon_cases, TP)
+    assert results[0] == results[1]
+    cases, modes_differ = results[0]
+    for case, (curve, weights, state) in cases.items():
+        assert curve < 1e-10 and weights < 1e-12 and state < 1e-12, (case, curve, weights, state)
+    assert modes_differ > 1e-4  # the two oracles differ: each mode is pinned

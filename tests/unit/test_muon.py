@@ -104,3 +104,18 @@ def test_adam_gets_what_megatron_gives_adam():
     model.output = model["output"]
     muon = {id(p) for g in muon_param_groups(model, 0.1) if g["muon"] for p in g["params"]}
     assert muon == {id(model["proj"].weight)}
+
+
+def test_the_tp_mode_flag_reaches_muon_and_a_bad_mode_is_one_line():
+    """--muon-tp-mode is Muon's tp_mode (its runs at tp 2: tests/distributed/test_tp_model_exactness.py)."""
+    import pytest
+
+    from moezero.training.builders import optimizer_class
+    from tests.integration.pretrain_utils import TINY, configs
+
+    cls, kwargs = optimizer_class(configs(TINY + ["--optimizer", "muon", "--muon-tp-mode", "duplicated"]))
+    assert cls is Muon and kwargs["tp_mode"] == "duplicated"
+    with pytest.raises(
+        ValueError, match="^--muon-tp-mode 'rowwise': choose one of blockwise, duplicated, distributed$"
+    ):
+        Muon(muon_param_groups(Attention(), 0.0), tp_mode="rowwise")

@@ -108,14 +108,6 @@ SP = ["--sequence-parallel", "--moe-expert-capacity-factor", "-1"]
             ],
         ),
         (
-            ["--expert-tensor-parallel-size", "2", "--save-hf", "out", "--optimizer", "muon"],
-            2,
-            [  # --save-hf runs at etp 2 (moezero/hf/slice_gather.py)
-                "--optimizer muon: not supported with --expert-tensor-parallel-size > 1 yet "
-                "(--expert-tensor-parallel-size=2)",
-            ],
-        ),
-        (
             TP2 + SP + ["--expert-tensor-parallel-size", "4"],
             2,
             ["--expert-tensor-parallel-size=4: must divide the world size (2)"],
@@ -135,6 +127,10 @@ def test_expert_tensor_parallel_refusals_are_one_line_each(argv, world, expected
 def test_expert_tensor_parallel_runs_at_tp_1_and_at_tps_default():
     """tp 1 etp 2 and tp 2 with its default etp (2) validate on 2 and 4 processes: the micro-steps of their dp."""
     assert _validate(["--expert-tensor-parallel-size", "2", "--moe-expert-capacity-factor", "-1"], 2) == 2
+    # --save-hf (moezero/hf/slice_gather.py) and Muon (per --muon-tp-mode) run at etp 2 and tp 2
+    muon = ["--save-hf", "out", "--optimizer", "muon", "--muon-tp-mode", "duplicated"]
+    assert _validate(["--expert-tensor-parallel-size", "2", "--moe-expert-capacity-factor", "-1"] + muon, 2) == 2
+    assert _validate(TP2 + SP + muon, 4) == 2
     assert _validate(TP2 + SP, 4) == 2
     assert configs_etp(TP2 + SP) == 2 and configs_etp([]) == 1
 
@@ -220,3 +216,15 @@ def test_qat_on_tensor_parallel_shards_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="not supported with --expert-tensor-parallel-size=2 yet"):
         attach_qat(None, None, configs(TINY + qat + ["--expert-tensor-parallel-size", "2"]))
     refuse_qat_on_shards(configs(TINY + qat + ["--expert-model-parallel-size", "2"]))  # ep splits whole experts
+
+
+def test_muons_distributed_tp_mode_is_logged_as_run_duplicated():
+    from moezero.training.tensor_parallel_checks import muon_tp_mode_notice
+    from tests.integration.pretrain_utils import TINY, configs
+
+    distributed = ["--optimizer", "muon", "--muon-tp-mode", "distributed"]
+    (line,) = muon_tp_mode_notice(configs(TINY + TP2 + distributed))
+    assert line.startswith(" --muon-tp-mode distributed: ") and "as duplicated does" in line
+    assert muon_tp_mode_notice(configs(TINY + ["--expert-tensor-parallel-size", "2"] + distributed)) == [line]
+    assert muon_tp_mode_notice(configs(TINY + distributed)) == []  # tp 1: every mode is the whole matrix
+    assert muon_tp_mode_notice(configs(TINY + TP2 + distributed[:2])) == []  # blockwise, Megatron's default
