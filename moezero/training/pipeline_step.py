@@ -119,7 +119,7 @@ class PipelineTrainer:
             tracked_loss_names(moe),
             model.config.num_layers,
             model.config.mtp_num_layers or 0,
-            self.cp_size,
+            self.cp_size * model.sequence_shards,  # the parts of a micro-batch's sequence the routers see
             groups.stage.tp_rank,
         )
 
