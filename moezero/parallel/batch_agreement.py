@@ -19,7 +19,10 @@ collective. What the exchanges do with agreed inputs (the same on every rank) is
 
 An evaluation reads its micro-batches one at a time (their count is the loader's): each is agreed before its forward
 (`EVALUATION` in the count's place), and its end too (`EVALUATION_END`, the micro-batches it read), so a rank that
-reads one more than its peers meets their end record and every rank raises.
+reads one more than its peers meets their end record and every rank raises. A pipeline's evaluation
+(training/pipeline_step.py) reads a global batch's micro-batches at once and runs them through the stages together:
+their records, each stating the global batch's count too (`evaluation_count`), are agreed before its schedule, so a
+rank given one more meets its peers' differing count before any exchange of the schedule.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ _DIGEST_MASK = (1 << 64) - 1
 _MULTIPLIER = 0x9E3779B1  # odd: distinct positions weigh a token differently (a swap changes the digest)
 EVALUATION = -1  # a record's count: an evaluation's micro-batch (their count unknown ahead)
 EVALUATION_END = -2  # a record's count: an evaluation ended, after `index` micro-batches
+_EVALUATION_GLOBAL_BATCH = -3  # a record's count at or below it: an evaluation's global batch of (it - count) ones
+
+
+def evaluation_count(global_batch: int) -> int:
+    """A record's count for a micro-batch of an evaluation's global batch of `global_batch` micro-batches."""
+    return _EVALUATION_GLOBAL_BATCH - global_batch
 
 
 def token_digest(tokens: torch.Tensor) -> int:
@@ -54,7 +63,12 @@ def describe_micro_batch(record: Sequence[int]) -> str:
     iteration, index, count, rows, sequence, digest = record
     if count == EVALUATION_END:
         return f"had ended the evaluation at iteration {iteration} after {index} micro-batches"
-    place = f"evaluation micro-batch {index + 1}" if count == EVALUATION else f"micro-batch {index + 1} of {count}"
+    if count == EVALUATION:
+        place = f"evaluation micro-batch {index + 1}"
+    elif count <= _EVALUATION_GLOBAL_BATCH:
+        place = f"evaluation micro-batch {index + 1} (of a global batch of {_EVALUATION_GLOBAL_BATCH - count})"
+    else:
+        place = f"micro-batch {index + 1} of {count}"
     return (
         f"was at iteration {iteration}, {place}: tokens ({rows}, {sequence}) token digest {digest & _DIGEST_MASK:#018x}"
     )
@@ -64,12 +78,21 @@ class SharedBatchCheck:
     """The records of a step's micro-batches, launched now on `group` (the ranks sharing them; None or one rank:
     nothing to check); `check()` waits for every rank's and raises `RanksDisagree` on a difference."""
 
-    def __init__(self, group: Optional[Any], iteration: int, micro_batches: Sequence[Dict[str, torch.Tensor]]):
+    def __init__(
+        self,
+        group: Optional[Any],
+        iteration: int,
+        micro_batches: Sequence[Dict[str, torch.Tensor]],
+        evaluated_before: Optional[int] = None,
+    ):
+        """`evaluated_before`: the micro-batches are an evaluation's global batch, after that many of its
+        micro-batches (their records count on from it and state the global batch's count: `evaluation_count`)."""
         self.agreements: List[Agreement] = []
         if group is None:
             return
         n = len(micro_batches)
-        records = [micro_batch_record(iteration, j, n, batch) for j, batch in enumerate(micro_batches)]
+        first, count = (0, n) if evaluated_before is None else (evaluated_before, evaluation_count(n))
+        records = [micro_batch_record(iteration, first + j, count, batch) for j, batch in enumerate(micro_batches)]
         for first in range(0, n, RECORDS_PER_MESSAGE):
             chunk = records[first : first + RECORDS_PER_MESSAGE]
             self.agreements.append(Agreement(chunk, group, describe_micro_batch))

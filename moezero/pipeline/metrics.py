@@ -39,11 +39,12 @@ class StepRecorder:
         tracked: Sequence[str],
         num_layers: int,
         mtp_depths: int = 0,
-        cp_size: int = 1,
+        sequence_parts: int = 1,
         tp_rank: int = 0,
     ):
         self.moe_layers, self.num_layers = tuple(moe_layers), num_layers
-        self.cp_size = cp_size  # a cp rank's drop fraction is its own: a cp-th share of the micro-batch's mean
+        # a rank's drop fraction is its own part's (cp, under SP its tp shard of it): a share of the micro-batch's
+        self.sequence_parts = sequence_parts
         # the MTP depths' losses are replicated over the tp ranks (the vocab-parallel loss's): counted once
         self.counts_replicated = tp_rank == 0
         self._slot = {layer: k for k, layer in enumerate(self.moe_layers)}
@@ -85,7 +86,7 @@ class StepRecorder:
                     totals[name] += value.detach().double().cpu()
                 for name, value in s.tracked.items():
                     totals[f"tracked_{name}"][k] += value.detach().double().cpu()
-                totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu() / self.cp_size
+                totals["dropped_fraction"][k] += s.dropped_fraction.detach().double().cpu() / self.sequence_parts
                 totals["tokens_per_expert"][k] += s.tokens_per_expert.detach().double().cpu()
             for k, loss in enumerate(depth_losses if self.counts_replicated else ()):
                 totals["mtp_losses"][k] += loss.detach().double().cpu()

@@ -53,6 +53,7 @@ class PipelineRankLayout:
     dp_groups: Partition  # dense params' reduce group (Megatron's dp-cp), one per pp coordinate
     data_parallel_groups: Partition  # Megatron's dp: ranks reading distinct micro-batches (dp_groups at cp 1)
     cp_groups: Partition  # ranks sharing one micro-batch's sequence
+    batch_groups: Partition  # ranks of one stage reading the same micro-batches (Megatron's tp-cp)
     pp_groups: Partition  # the stages of one pipeline, in stage order
     ep_groups: Partition
     edp_groups: Partition  # expert data parallel (Megatron's expert 'dp')
@@ -112,6 +113,7 @@ def pipeline_rank_layout(
         dp_groups=layout.decoder["dp-cp"],
         data_parallel_groups=layout.decoder["dp"],
         cp_groups=layout.decoder["cp"],
+        batch_groups=layout.decoder["tp-cp"],
         pp_groups=layout.decoder["pp"],
         ep_groups=layout.expert["ep"],
         edp_groups=layout.expert["dp"],

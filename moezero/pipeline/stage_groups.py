@@ -11,7 +11,8 @@ group, its `ParallelGroups` that of a world of the stage's size at the run's tp 
 of the rank's tp coordinate, as at pp 1, `tp` its tp group): each tp coordinate has pipelines and an embedding group
 of its own. At etp > 1 its `etp` is the stage's expert tensor-parallel group (Megatron's expert folding). Its
 agreement group (gloo, the stage's ranks) is given at construction: `ParallelGroups.agreement_group()` would make
-one over ranks 0..dp_size-1 of the world. Records and short all-reduces travel on gloo (no local pipes yet).
+one over ranks 0..dp_size-1 of the world; so is its batch agreement group (gloo, the stage's tp-cp group: the ranks
+reading the same micro-batches, None at tp = cp = 1). Records and short all-reduces travel on gloo (no local pipes yet).
 
     groups = PipelineGroups.build(pipeline_parallel_size=2, expert_parallel_size=1, context_parallel_size=1)
     groups.stage   # ParallelGroups of this rank's stage
@@ -131,6 +132,8 @@ class PipelineGroups:
         cp = _own_group(layout.cp_groups, rank, timeout) if context_parallel_size > 1 else None
         tp = _own_group(layout.tp_groups, rank, timeout) if tensor_parallel_size > 1 else None
         etp = _own_group(layout.etp_groups, rank, timeout) if expert_tensor_parallel_size > 1 else None
+        shared_batches = context_parallel_size * tensor_parallel_size > 1
+        batch = _own_group(layout.batch_groups, rank, timeout, backend="gloo") if shared_batches else None
         pp = _own_group(layout.pp_groups, rank, timeout)
         embedding = _own_group(layout.embedding_groups, rank, timeout)
         world_control = dist.new_group(list(range(world)), timeout=timeout)
@@ -145,6 +148,7 @@ class PipelineGroups:
             etp=etp,
             control=control,
             agreement=agreement,
+            batch=batch,
             timeout=timeout,
         )
         return cls(layout, rank, stage, pp, world_control, timeout, embedding)
@@ -188,6 +192,7 @@ def stage_parallel_groups(
     edp: Any,
     control: Any,
     agreement: Any,
+    batch: Optional[Any] = None,
     timeout: Optional[datetime.timedelta] = None,
     cp: Optional[Any] = None,
     tp: Optional[Any] = None,
@@ -207,7 +212,7 @@ def stage_parallel_groups(
         control=control,
         timeout=timeout,
         local_records=False,
-        _lazy={"agreement": agreement},
+        _lazy={"agreement": agreement, "batch": batch},
     )
 
 

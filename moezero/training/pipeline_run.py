@@ -71,8 +71,10 @@ class PipelineRun:
                 context_parallel=ContextParallel(self.groups.stage.cp, cfg.parallel.cp_comm_type),
             )
         model = model.to(dtype)
-        # the stage's modules swapped for the tensor-parallel ones (their slices of its keyed init)
-        model = apply_tensor_parallel_to_stage(model, self.groups.stage.tp, cfg.implementation.sequence_parallel)
+        # the stage's modules swapped for the tensor-parallel ones (their slices of its keyed init; --load-hf: on the
+        # meta device too, as build_model's, the slices unread: moving a slice there would drop its shard's mark)
+        with torch.device("meta") if hub_dir else contextlib.nullcontext():
+            model = apply_tensor_parallel_to_stage(model, self.groups.stage.tp, cfg.implementation.sequence_parallel)
         if hub_dir:
             if model.embedding_copy is not None:  # not a param: the first stage's loaded values reach it (tied.py)
                 allocate(model.embedding_copy.weight)

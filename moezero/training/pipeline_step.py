@@ -35,6 +35,12 @@ moezero/pipeline/, which the training layer builds on: the metrics are the loop'
 - Evaluation: the same stages' forwards without a backward (torch's schedule.eval on a GPipe schedule, or the
   interleaved one with virtual stages, whose backward actions do nothing then, with stage objects of its own:
   torch sizes a stage's buffers for one kind of step), the lm loss recorded by the last stage.
+- Shared batches: a stage's tp and cp ranks (its tp-cp group) each load the same micro-batches; they agree on each
+  one's place, shape and token ids (parallel/batch_agreement.py) before the step's first collective (the records
+  launched as the step begins), and in evaluation on each global batch's micro-batches (their count
+  included) before its schedule, and on their total at the end. Every stage agrees, its
+  middle ones too: each stage's exchanges are sized by the micro-batches' shape and count. A difference raises
+  RanksDisagree, which ends as the failure below (its line names it) on every rank of the pipeline.
 - Failure: an error anywhere in the step (this rank's or a neighbour's closed connection) ends as one PipelineFailed
   line on every rank of the pipeline (failure.py).
 """
@@ -49,6 +55,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from moezero.context_parallel import split_sequence
 from moezero.moe import reset_global_load_balancing
 from moezero.parallel import comm
+from moezero.parallel.batch_agreement import SharedBatchCheck, agree_evaluation_end
 from moezero.pipeline.chunk import ActivationShape, StageChunk, stage_metas
 from moezero.pipeline.failure import FailureGuard, PipelineFailed, agreed_run_key, first_line
 from moezero.pipeline.metrics import StepRecorder, tracked_loss_names
@@ -100,6 +107,7 @@ class PipelineTrainer:
             model.sequence_shards,
         )
         self.pieces = model.pieces  # one per virtual stage
+        self.batch_group = groups.stage.batch_agreement_group()  # the stage's ranks reading the same micro-batches
         self.device = next(model.parameters()).device
         self.guard = FailureGuard(agreed_run_key(groups.world_control), groups.rank, self.pieces[0].stage_index)
         self._schedules: Dict[int, object] = {}  # training's, by micro-batch count
@@ -111,7 +119,7 @@ class PipelineTrainer:
             tracked_loss_names(moe),
             model.config.num_layers,
             model.config.mtp_num_layers or 0,
-            self.cp_size,
+            self.cp_size * model.sequence_shards,  # the parts of a micro-batch's sequence the routers see
             groups.stage.tp_rank,
         )
 
@@ -180,9 +188,11 @@ class PipelineTrainer:
 
     def _train_step(self, micro_batches, iteration: int, seed: int) -> StepMetrics:
         self.model.train()
+        shared_batches = SharedBatchCheck(self.batch_group, iteration, micro_batches)  # launched now, checked below
         n = len(micro_batches)
         schedule = self._schedule(n)
         args, kwargs = self._inputs(micro_batches, iteration, seed)
+        shared_batches.check()  # before the step's first collective (the token count's, the schedule's exchanges)
         if self.per_token_loss:
             kwargs["token_weight"] = self._token_weight(micro_batches)
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
@@ -228,11 +238,17 @@ class PipelineTrainer:
     def _evaluate(self, global_batches, seed: int, iteration: int) -> float:
         recorder = self.model.recorder = StepRecorder(*self._recorder_args)
         self.model.eval()
+        count = 0  # the micro-batches read, agreed over the stage's tp-cp ranks (their end as training.loop's)
         try:
             with torch.no_grad():
                 for micro_batches in global_batches:
+                    # agreed before the schedule's exchanges, their count too (tp peers pair inside the stages)
+                    shared_batches = SharedBatchCheck(self.batch_group, iteration, micro_batches, count)
+                    count += len(micro_batches)
                     args, kwargs = self._inputs(micro_batches, iteration, seed)
+                    shared_batches.check()
                     self._schedule(len(micro_batches), evaluation=True).eval(*args, return_outputs=False, **kwargs)
+            agree_evaluation_end(self.batch_group, iteration, count)
         finally:
             self.model.recorder = None
             self.model.train()

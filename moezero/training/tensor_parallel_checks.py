@@ -7,7 +7,8 @@ with or without --sequence-parallel, and MoE layers with it (expert parallelism 
 pipeline stages (each stage's modules swapped alike, MTP on the last stage) all of it, with context parallelism and
 with both; checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices of
 the Hub files (moezero/hf/shard_reads.py, an expert stack's etp slices Link.assemble_slices), --save-hf writes the
-tp 1 run's folder (moezero/hf/slice_gather.py; not with pipeline stages yet).
+tp 1 run's folder (moezero/hf/slice_gather.py; with pipeline stages each stage's tp and etp groups gather its
+tensors).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py; with pipeline
@@ -43,12 +44,6 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
     problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _unbuilt_flags(cfg)]
-    if p.pipeline_parallel_size > 1 and cfg.checkpoint.save_hf:  # the stages' tp gathers are not built or tested
-        problems.append(
-            f"--save-hf: not supported with {TP} > 1 and pipeline stages yet ({TP}={tp}, "
-            f"--pipeline-model-parallel-size={p.pipeline_parallel_size}): save the run's checkpoint (--save) and "
-            "write the Hub folder with `tools/hf_checkpoint.py export CHECKPOINT_DIR HF_DIR`"
-        )
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)
     problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]

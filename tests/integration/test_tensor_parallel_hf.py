@@ -83,6 +83,24 @@ def _load_at_tp2(argv):
     return history, counts
 
 
+def _run_at_tp2_pp2(argv):
+    return run_in_process(argv)[0]
+
+
+def test_save_hf_at_tp2_x_pp2_writes_the_tp1_pp1_folder(tmp_path):
+    """A Qwen3-MoE (2 layers, tied embeddings) at tp 2 (sequence parallel, etp 2) x pp 2 on 4 ranks: each stage's tp
+    and etp groups gather its tensors, and the folder is a tp 1 pp 1 run's, tensor by tensor."""
+    hub = str(tmp_path / "hub")
+    tiny_model("qwen3_moe", seed=3, vocab_size=96, num_hidden_layers=2).save_pretrained(hub)
+    argv = RUN + ["--load-hf", hub, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "1"]
+    single, _ = run_in_process(argv + ["--save-hf", str(tmp_path / "tp1")])
+    layout = TP2 + ["--sequence-parallel", "--pipeline-model-parallel-size", "2"]
+    ranks = run_distributed(_run_at_tp2_pp2, 4, argv + layout + ["--save-hf", str(tmp_path / "tp2pp2")], timeout=300)
+    for curve in ranks:
+        assert abs(curve[0]["lm_loss"] - single[0]["lm_loss"]) <= TOL * abs(single[0]["lm_loss"]), (curve, single)
+    _assert_same_hub_folder(str(tmp_path / "tp2pp2" / "iter_0000001"), str(tmp_path / "tp1" / "iter_0000001"), 4)
+
+
 def _split(layout):
     """The Hub tensors each rank of `layout` holds half of."""
     tp = "--tensor-model-parallel-size" in layout
@@ -115,10 +133,10 @@ def test_hf_at_tp2_etp2_reads_each_ranks_slices_trains_and_writes_as_tp1(tmp_pat
     _assert_same_hub_folder(str(tmp_path / "tp2" / "iter_0000003"), str(tmp_path / "tp1" / "iter_0000003"))
 
 
-def _assert_same_hub_folder(got, want):
+def _assert_same_hub_folder(got, want, writers=2):
     """The folder a run at tp 2 wrote against the tp 1 run's: the same config and keys, each tensor of the same
     shape and dtype and within the runs' agreement (the fused q/k/v and gate/up parts each in its place); the
-    files are the 2 ranks' (each writes its share), the tp 1 run's its one."""
+    files are the `writers` ranks' (each writes its share), the tp 1 run's its one."""
     with open(os.path.join(got, "config.json")) as f, open(os.path.join(want, "config.json")) as g:
         assert json.load(f) == json.load(g)
     mine, theirs = hub_tensors(got), hub_tensors(want)
@@ -128,12 +146,12 @@ def _assert_same_hub_folder(got, want):
         scale = value.abs().max().item()
         assert (mine[key] - value).abs().max().item() <= TOL * max(scale, 1.0), key
     index = HubDirectory(got).weight_map
-    assert sorted(set(index.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(set(index.values())) == [f"model-{k:05d}-of-{writers:05d}.safetensors" for k in range(1, writers + 1)]
 
 
 def test_hf_flags_at_tp2_and_etp2_are_no_refusal(tmp_path):
-    """--load-hf and --save-hf run at tp 2 and at etp 2 (Megatron's default at tp 2, and at tp 1); --save-hf at tp 2
-    with pipeline stages is one line naming the export tool."""
+    """--load-hf and --save-hf run at tp 2 and at etp 2 (Megatron's default at tp 2, and at tp 1), with pipeline
+    stages too."""
     from moezero.training.tensor_parallel_checks import tensor_parallel_refusals
     from tests.integration.pretrain_utils import configs
 
@@ -141,9 +159,7 @@ def test_hf_flags_at_tp2_and_etp2_are_no_refusal(tmp_path):
     hf = ["--load-hf", str(tmp_path), "--save-hf", str(tmp_path / "out")]
     for layout in (TP2, TP2 + ["--sequence-parallel"] + moe, ["--expert-tensor-parallel-size", "2"] + moe):
         assert tensor_parallel_refusals(configs(RUN + layout + hf), world_size=2) == [], layout
-    (line,) = tensor_parallel_refusals(configs(RUN + TP2 + ["--pipeline-model-parallel-size", "2"] + hf), 4)
-    assert line.startswith("--save-hf: not supported with --tensor-model-parallel-size > 1 and pipeline stages yet")
-    assert "tools/hf_checkpoint.py export" in line and "\n" not in line
+    assert tensor_parallel_refusals(configs(RUN + TP2 + ["--pipeline-model-parallel-size", "2"] + hf), 4) == []
 
 
 # a dense Llama from scratch: its vocabulary is the tokenizer's 96 padded to 128 at tp 1, 256 at tp 2
