@@ -3,7 +3,7 @@
 A quantization row (quantizer.py) is a contiguous run of the *global* flattened weight; a rank's shard holds
 pieces of rows: whole rows or runs of them for a column-parallel weight, a column block of every global row for a
 row-parallel one, several blocks for a fused weight ([q | k | v], [gate | up]). `ShardRows` maps each local element
-to its global row once. Each forward every rank takes its elements' max (min) per global row, a MAX all-reduce over
+to its global row. Each forward every rank takes its elements' max (min) per global row, a MAX all-reduce over
 the weight's tp (etp) group gives the rows' ranges, and every rank quantizes its own elements on the grid one
 process computes from the whole weight: the same scales, the same codes.
 
@@ -32,13 +32,11 @@ class ShardRows:
         self.shard = shard
         self.num_rows = units * groups
         self.row_length = math.prod(shard.global_shape) // self.num_rows
-        self._ids: Optional[torch.Tensor] = None
 
     def ids(self, device: torch.device) -> torch.Tensor:
-        """(numel,) int64: the global row of each element of the contiguous local tensor."""
-        if self._ids is None or self._ids.device != device:
-            self._ids = (self._global_flat_index(device) // self.row_length).reshape(-1)
-        return self._ids
+        """(numel,) int64: the global row of each element of the contiguous local tensor. Rebuilt at each call
+        rather than kept: 8 bytes an element would outweigh the weight itself."""
+        return (self._global_flat_index(device) // self.row_length).reshape(-1)
 
     def _global_flat_index(self, device: torch.device) -> torch.Tensor:
         shape, dim = self.shard.global_shape, self.shard.dim
@@ -56,10 +54,12 @@ class ShardRows:
         return flat
 
 
-def shard_grid(w_flat: torch.Tensor, rows: ShardRows, bits: int, symmetric: bool, group: Any) -> RowGrid:
-    """The global rows' grid from the rank's fp32 elements (collective over `group`, the ranks of the shards)."""
-    ids = rows.ids(w_flat.device)
-    zeros = torch.zeros(rows.num_rows, dtype=w_flat.dtype, device=w_flat.device)
+def shard_grid(
+    w_flat: torch.Tensor, ids: torch.Tensor, num_rows: int, bits: int, symmetric: bool, group: Any
+) -> RowGrid:
+    """The grid of the `num_rows` global rows from the rank's fp32 elements and their rows `ids` (collective over
+    `group`, the ranks of the shards)."""
+    zeros = torch.zeros(num_rows, dtype=w_flat.dtype, device=w_flat.device)
     # initial 0s: the range always includes 0 (quantizer.py), and a row this rank has no element of stays neutral
     if symmetric:
         ranges = zeros.scatter_reduce(0, ids, w_flat.abs(), "amax")
@@ -67,7 +67,7 @@ def shard_grid(w_flat: torch.Tensor, rows: ShardRows, bits: int, symmetric: bool
         w_max = zeros.scatter_reduce(0, ids, w_flat, "amax")
         ranges = torch.cat([w_max, -zeros.scatter_reduce(0, ids, w_flat, "amin")])
     comm.all_reduce(ranges, group, op=dist.ReduceOp.MAX)
-    w_max, w_min = (ranges, zeros) if symmetric else (ranges[: rows.num_rows], -ranges[rows.num_rows :])
+    w_max, w_min = (ranges, zeros) if symmetric else (ranges[:num_rows], -ranges[num_rows:])
     return RowGrid.of_range(w_max, w_min, bits, symmetric)
 
 
@@ -76,8 +76,8 @@ def quantize_shard(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(w_hat fp32 shaped like w, and w in fp32) on the whole weight's grid; collective over `group`."""
     w_flat = w.detach().reshape(-1).float()
-    grid = shard_grid(w_flat, rows, bits, symmetric, group)
     ids = rows.ids(w.device)
+    grid = shard_grid(w_flat, ids, rows.num_rows, bits, symmetric, group)
     scale, zero = grid.scale_R[ids], grid.zero_point_R[ids]
     q = grid.codes(w_flat, scale, zero, None if noise is None else noise.reshape(-1))
     return ((q - zero) * scale).view(w.shape), w_flat.view(w.shape)
