@@ -45,16 +45,17 @@ def attach_qat(
 
 
 def refuse_qat_on_shards(cfg: RecipeConfigs) -> None:
-    """QAT's scales are each weight's (or each group's of it): on a tensor-parallel shard they would be the shard's,
-    a different quantization from one process's, silently. One line until they are computed over the shards."""
+    """Weights' scales are computed over their shards (compression/shard_quant.py); activations' are per token, and a
+    row-parallel layer's input token is split over tp (an expert's second matmul's over etp): each rank would scale
+    its own slice of the token, a different quantization from one process's, silently. One line until then."""
     p = cfg.parallel
     etp = p.expert_tensor_parallel if cfg.moe.num_experts else 1
     sizes = (("--tensor-model-parallel-size", p.tensor_parallel_size), ("--expert-tensor-parallel-size", etp))
     sharded = [f"{flag}={size}" for flag, size in sizes if size > 1]
-    if sharded:
+    if sharded and cfg.qat.activation_bits is not None:
         raise ConfigError(
-            f"--qat-weight-bits={cfg.qat.weight_bits}: not supported with {', '.join(sharded)} yet (its scales "
-            "would be each shard's, not the weight's)"
+            f"--qat-activation-bits={cfg.qat.activation_bits}: not supported with {', '.join(sharded)} yet (a "
+            "row-parallel layer's per-token scales would be each shard's slice of the token's)"
         )
 
 

@@ -15,7 +15,7 @@ so the optimizer's fp32 master shards stay full precision and keep accumulating 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from moezero.compression.config import ACTIVATION_GROUPS, MODULE_GROUPS, QATConfig
 from moezero.compression.fake_quant import ActivationFakeQuant, FakeQuantWeight, QATState
 from moezero.compression.quantizer import quantize_rows, to_rows
+from moezero.compression.shard_quant import ShardRows, quantize_shard
 from moezero.compression.bits_schedule import bits_at
 from moezero.compression.targets import QuantTarget, check_groups_divide, quant_targets
 from moezero.metrics import tag
@@ -42,6 +43,8 @@ class QATController:
         state: the QATState the model's fake-quant modules read.
         ep_group: process group over which the experts are split (None: a world of one); the
             quantization error of expert weights is summed over it.
+        shard_groups: (tp, etp) process groups: a tensor-parallel weight's scales and error are computed over the
+            first, an expert stack split over etp over the second (None: whole weights).
         sum_over_stages: with pipeline stages (each holding its own layers' targets), the in-place sum of a
             tensor over the rank's pipeline (PipelineGroups.sum_over_stages): the error and the module groups are
             the whole model's. A collective at construction.
@@ -54,8 +57,10 @@ class QATController:
         state: QATState,
         ep_group: Optional[object] = None,
         sum_over_stages: Optional[Callable[[torch.Tensor], None]] = None,
+        shard_groups: Tuple[Optional[object], Optional[object]] = (None, None),
     ):
         self.config = config
+        self.shard_groups = shard_groups
         self.targets = list(targets)
         self.state = state
         self.ep_group = ep_group
@@ -103,13 +108,13 @@ class QATController:
     def quantization_error(self) -> Dict[str, float]:
         """Mean relative error ||w_hat - w|| / ||w|| per module group, over its tensors (each global
         expert counted as one tensor), at the current bits with nearest rounding. Collective over ep (and the
-        pipeline: each stage's own weights)."""
+        pipeline: each stage's own weights; tp and etp: each weight's shards)."""
         groups = self.module_groups()
         sums = torch.zeros(2 * len(groups), dtype=torch.float64)  # dense part: identical on every rank
         expert_sums = torch.zeros_like(sums)  # expert part: summed over ep
         if self.bits is not None:
             for t in self.targets:
-                ratios = _relative_errors(t, self.bits, self.config)
+                ratios = _relative_errors(t, self.bits, self.config, shard_group(t, self.shard_groups))
                 target = expert_sums if t.shard is not None else sums
                 i = groups.index(t.group)
                 target[2 * i] += ratios.sum()
@@ -138,12 +143,28 @@ class QATController:
         self._set_step(int(state["step"]))
 
 
-def _relative_errors(t: QuantTarget, bits: int, config: QATConfig) -> torch.Tensor:
-    """||w_hat - w|| / ||w|| of each unit (the tensor, or each local expert) of one target."""
-    w_RN = to_rows(t.parameter().detach(), t.units, config.groups)
-    err_RN = quantize_rows(w_RN, bits, config.symmetric).dequantize() - w_RN
-    err_U = err_RN.view(t.units, -1).double().norm(dim=1)
-    norm_U = w_RN.view(t.units, -1).double().norm(dim=1)
+def shard_group(t: QuantTarget, shard_groups: Tuple[Optional[object], Optional[object]]) -> Optional[object]:
+    """The ranks holding the other shards of a target's weight: etp's for an expert stack, else tp's."""
+    tp, etp = shard_groups
+    return etp if t.shard is not None else tp
+
+
+def _relative_errors(t: QuantTarget, bits: int, config: QATConfig, group: Optional[object]) -> torch.Tensor:
+    """||w_hat - w|| / ||w|| of each unit (the tensor, or each local expert) of one target; collective over
+    `group` for a tensor-parallel shard."""
+    w = t.parameter().detach()
+    shard = t.tensor_shard
+    if shard is None:
+        w_RN = to_rows(w, t.units, config.groups)
+        w_hat = quantize_rows(w_RN, bits, config.symmetric).dequantize()
+    else:
+        w_hat, w_RN = quantize_shard(w, bits, ShardRows(shard, t.units, config.groups), config.symmetric, group)
+    squares_2U = torch.stack(
+        [(w_hat - w_RN).view(t.units, -1).double().square().sum(dim=1), w_RN.view(t.units, -1).double().square().sum(1)]
+    )
+    if shard is not None:
+        comm.all_reduce(squares_2U, group)
+    err_U, norm_U = squares_2U.sqrt()
     return torch.where(norm_U > 0, err_U / norm_U.clamp(min=1e-30), torch.zeros_like(err_U))
 
 
@@ -166,22 +187,25 @@ def apply_qat(
     targets = quant_targets(model, config.module_groups)
     check_groups_divide(targets, config.groups)
     state = QATState()
-    controller = QATController(config, targets, state, groups.ep, sum_over_stages)
+    shard_groups = (groups.tp, groups.etp)
+    controller = QATController(config, targets, state, groups.ep, sum_over_stages, shard_groups)
     for t in targets:
-        _register(t, config, seed, state)
+        _register(t, config, seed, state, shard_group(t, shard_groups))
     copy = getattr(model, "embedding_copy", None)
     if copy is not None and "embedding" in config.module_groups:
-        _register(QuantTarget("embedding", "embedding.weight", copy, "weight", None), config, seed, state)
+        copy_target = QuantTarget("embedding", "embedding.weight", copy, "weight", None)
+        _register(copy_target, config, seed, state, groups.tp)
     if config.activation_bits is not None:
         add_activation_quant(targets, config.activation_bits, state)
     return controller
 
 
-def _register(t: QuantTarget, config: QATConfig, seed: int, state: QATState) -> None:
+def _register(t: QuantTarget, config: QATConfig, seed: int, state: QATState, group: Optional[object]) -> None:
     param = getattr(t.module, t.attr)
     storage = param.data_ptr()
+    stochastic = config.rounding == "stochastic"
     fq = FakeQuantWeight(
-        t.name, t.units, config.groups, config.symmetric, config.rounding == "stochastic", seed, t.shard, state
+        t.name, t.units, config.groups, config.symmetric, stochastic, seed, t.shard, state, t.tensor_shard, group
     )
     parametrize.register_parametrization(t.module, t.attr, fq)
     kept = t.module.parametrizations[t.attr].original

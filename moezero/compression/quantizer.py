@@ -52,23 +52,48 @@ def qmax_symmetric(bits: int) -> int:
 
 def quantize_rows(w_RN: torch.Tensor, bits: int, symmetric: bool, noise_RN: Optional[torch.Tensor] = None) -> RowQuant:
     """Quantize each row of fp32 w_RN; `noise_RN` (uniform in [0, 1)) selects stochastic rounding."""
+    zeros = torch.zeros(w_RN.shape[0], dtype=w_RN.dtype, device=w_RN.device)
     if symmetric:
-        qmax = qmax_symmetric(bits)
-        scale = w_RN.abs().amax(dim=1) / qmax
-        lo, hi, zero = -qmax, qmax, torch.zeros_like(scale)
+        w_max, w_min = w_RN.abs().amax(dim=1), zeros
     else:
-        lo, hi = 0, 2**bits - 1
-        w_min = w_RN.amin(dim=1).clamp(max=0.0)
-        w_max = w_RN.amax(dim=1).clamp(min=0.0)
-        scale = (w_max - w_min) / hi
-    # an all-zero row has scale 0: any positive scale gives q = z and w_hat = 0 exactly
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if not symmetric:
-        zero = torch.round(-w_min / scale).clamp(lo, hi)
-    x = w_RN / scale[:, None]
-    x = torch.floor(x + noise_RN) if noise_RN is not None else torch.round(x)
-    q = (x + zero[:, None]).clamp(lo, hi)
-    return RowQuant(q, scale, zero, bits, symmetric)
+        w_max, w_min = w_RN.amax(dim=1).clamp(min=0.0), w_RN.amin(dim=1).clamp(max=0.0)
+    grid = RowGrid.of_range(w_max, w_min, bits, symmetric)
+    q = grid.codes(w_RN, grid.scale_R[:, None], grid.zero_point_R[:, None], noise_RN)
+    return RowQuant(q, grid.scale_R, grid.zero_point_R, bits, symmetric)
+
+
+@dataclass(frozen=True)
+class RowGrid:
+    """The quantization grid of each row: its scale, zero point and code range (see the module docstring)."""
+
+    scale_R: torch.Tensor
+    zero_point_R: torch.Tensor
+    lo: int
+    hi: int
+
+    @classmethod
+    def of_range(cls, w_max_R: torch.Tensor, w_min_R: torch.Tensor, bits: int, symmetric: bool) -> "RowGrid":
+        """From each row's max (of |w| when symmetric) and min, both already including 0."""
+        if symmetric:
+            qmax = qmax_symmetric(bits)
+            scale = w_max_R / qmax
+            lo, hi, zero = -qmax, qmax, torch.zeros_like(scale)
+        else:
+            lo, hi = 0, 2**bits - 1
+            scale = (w_max_R - w_min_R) / hi
+        # an all-zero row has scale 0: any positive scale gives q = z and w_hat = 0 exactly
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if not symmetric:
+            zero = torch.round(-w_min_R / scale).clamp(lo, hi)
+        return cls(scale, zero, lo, hi)
+
+    def codes(
+        self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, noise: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The codes of `w` given each element's scale and zero point (broadcast against w)."""
+        x = w / scale
+        x = torch.floor(x + noise) if noise is not None else torch.round(x)
+        return (x + zero).clamp(self.lo, self.hi)
 
 
 def fake_quantize(

@@ -19,6 +19,7 @@ model carries the fake-quant parametrizations.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -33,6 +34,7 @@ from moezero.moe import MoELayer
 from moezero.moe.experts import DenseMLP
 from moezero.pipeline.stage_model import StageModel
 from moezero.parallel.expert_marker import ExpertShard, expert_shard_of
+from moezero.parallel.tensor_marker import TensorShard, tensor_shard_of
 
 _PARAMETRIZED = re.compile(r"(^|\.)parametrizations\.([^.]+)\.original$")
 
@@ -56,6 +58,16 @@ class QuantTarget:
     def units(self) -> int:
         """Quantization units: each local expert of a stacked expert tensor, else the whole tensor."""
         return self.shard.num_local_experts if self.shard is not None else 1
+
+    @property
+    def tensor_shard(self) -> Optional[TensorShard]:
+        """The weight's tensor-parallel shard (over tp; an expert stack's over etp), None when whole here."""
+        return tensor_shard_of(self.parameter())
+
+    def numel(self) -> int:
+        """Elements of the weight (the rank's experts of an expert stack) whole, over its tensor-parallel shards."""
+        shard = self.tensor_shard
+        return self.parameter().numel() if shard is None else math.prod(shard.global_shape)
 
     def parameter(self) -> nn.Parameter:
         """The trainable Parameter itself (under a parametrization: its `original`)."""
@@ -122,7 +134,7 @@ def quant_targets(model: nn.Module, module_groups: Sequence[str]) -> List[QuantT
 def check_groups_divide(targets: Sequence[QuantTarget], groups: int) -> None:
     """Every unit (tensor, or expert) of every target must split into `groups` equal groups."""
     for t in targets:
-        numel = t.parameter().numel() // t.units
+        numel = t.numel() // t.units
         if numel % groups:
             unit = " per expert" if t.shard is not None else ""
             raise ConfigError(

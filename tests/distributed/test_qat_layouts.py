@@ -10,7 +10,8 @@ from moezero.compression.source import load_checkpoint_model
 from moezero.data import load_micro_batch
 from moezero.parallel import ParallelGroups
 from tests.dist_utils import run_distributed
-from tests.integration.pretrain_utils import TINY, configs, train
+from moezero.recipe import pretraining
+from tests.integration.pretrain_utils import TINY, assert_same_curve, configs, train
 
 QAT = ["--qat-weight-bits", "4", "--qat-groups", "16", "--qat-modules", "attention,experts,router"]
 ITERS = ["--train-iters", "8", "--fp64"]
@@ -136,3 +137,80 @@ def test_quantized_export_from_a_stage3_checkpoint(tmp_path):
                 )
     for name, value in stage2["tensors"].items():
         torch.testing.assert_close(stage3["tensors"][name], value, rtol=1e-9, atol=1e-13)
+
+
+# ---- tensor and expert tensor parallelism: each group's scale over the weight's shards --------------------------
+# a dense SwiGLU layer (fused [gate | up] fc1) and a MoE one; 16 groups straddle the shards' blocks: qkv's groups are
+# 6 rows, a column-parallel rank's blocks 16; a row-parallel rank holds half of each of proj's 2-row groups
+QAT_TP = ["--qat-weight-bits", "4", "--qat-groups", "16", "--qat-modules", "attention,mlp,experts,router,embedding"]
+ASYMMETRIC_STOCHASTIC = ["--no-qat-symmetric", "--qat-rounding", "stochastic"]
+TP_ARGV = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capacity" not in TINY[i - 1]]
+TP_ARGV += ["--moe-layer-freq", "[0,1]", "--swiglu", "--train-iters", "3", "--fp64", "--zero-stage", "1"]
+TP_ARGV += ["--make-vocab-size-divisible-by", "256"]  # one vocabulary at tp 1 and 2 (padded to this x tp)
+TP_LAYOUTS = {
+    "tp 2 sp, ep 2 folded, etp 1": (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+        + ["--expert-tensor-parallel-size", "1"]
+    ),
+    "tp 2 sp, etp 2 (tp's)": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "tp 1, etp 2": ["--expert-tensor-parallel-size", "2"],
+}
+
+
+def _qat_run(argv, save):
+    """(history, quantization error per module group) of a run, its last step saved to `save`."""
+    run = pretraining(configs(argv + ["--save", save]))
+    run.train()
+    errors = run.plugins["qat"].quantization_error()
+    run.destroy_groups()
+    return run.history, errors
+
+
+def _tp_runs(argv, tmp):
+    return {
+        (name, rounding): _qat_run(argv + QAT_TP + extra + layout, f"{tmp}/{rank_dir(name, rounding)}")
+        for name, layout in TP_LAYOUTS.items()
+        for rounding, extra in (("nearest", []), ("asymmetric stochastic", ASYMMETRIC_STOCHASTIC))
+        if rounding == "nearest" or "etp 2" in name
+    }
+
+
+def rank_dir(name, rounding):
+    return "".join(c for c in name + rounding if c.isalnum())
+
+
+def _assert_same_export(ckpt, expected_ckpt):
+    """The quantized files exported from two checkpoints: the same codes, scales and other weights."""
+    got, expected = (export_quantized(s, s.qat) for s in map(load_checkpoint_model, (ckpt, expected_ckpt)))
+    assert got["quantized"].keys() == expected["quantized"].keys() and len(expected["quantized"]) > 0
+    for name, entry in expected["quantized"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tol = dict(rtol=0, atol=0) if not value.is_floating_point() else dict(rtol=1e-12, atol=0)
+                torch.testing.assert_close(
+                    got["quantized"][name][key], value, **tol, msg=lambda m: f"{name}.{key}: {m}"
+                )
+    for name, value in expected["tensors"].items():
+        torch.testing.assert_close(got["tensors"][name], value, rtol=1e-10, atol=1e-13)
+
+
+def test_qat_at_tensor_and_expert_tensor_parallelism_equals_one_process(tmp_path):
+    """tp 2 with sequence parallelism (experts whole over ep 2, or split over etp 2) and tp 1 etp 2, in float64 over
+    3 steps: the losses and gradient norms of one process's QAT run, the same quantization errors, and checkpoints
+    exporting the same codes and scales (each group's scale from the whole weight's group, on every rank)."""
+    argv = TP_ARGV + ["--data-cache-path", str(tmp_path)]
+    single = {
+        rounding: _qat_run(argv + QAT_TP + extra, str(tmp_path / rank_dir("single", rounding)))
+        for rounding, extra in (("nearest", []), ("asymmetric stochastic", ASYMMETRIC_STOCHASTIC))
+    }
+    plain = train(argv, str(tmp_path))
+    assert _worst([h["lm_loss"] for h in single["nearest"][0]], [h["lm_loss"] for h in plain]) > 1e-4
+    ranks = run_distributed(_tp_runs, 2, argv, str(tmp_path), timeout=300)
+    for (name, rounding), (curve, errors) in ranks[0].items():
+        expected_curve, expected_errors = single[rounding]
+        assert_same_curve(f"{name}, {rounding}", curve, expected_curve, tol=1e-9)
+        assert errors.keys() == expected_errors.keys() and len(errors) == 5, (name, errors)
+        for group, error in errors.items():
+            assert abs(error - expected_errors[group]) <= 1e-12 * expected_errors[group], (name, group, error)
+        _assert_same_export(str(tmp_path / rank_dir(name, rounding)), str(tmp_path / rank_dir("single", rounding)))
+    assert ranks[1] == ranks[0]  # every rank logs the same curves and errors

@@ -199,23 +199,25 @@ def test_the_default_global_batch_counts_the_data_parallel_ranks_of_every_layout
     )
 
 
-def test_qat_on_tensor_parallel_shards_is_refused_in_one_line():
-    """QAT's scales are each weight's: on a tp or etp shard they would be the shard's (not one process's
-    quantization), so --qat-weight-bits is refused there in one line, before the plugin touches the model."""
+def test_qat_activation_bits_on_tensor_parallel_shards_are_refused_in_one_line():
+    """Weight scales are computed over the shards, but an activation's are per token, and a row-parallel layer's
+    token is split over tp (etp): --qat-activation-bits is refused there in one line, before the plugin touches
+    the model; weight-only QAT passes."""
     from moezero.config import ConfigError
     from moezero.recipe import attach_qat, refuse_qat_on_shards
     from tests.integration.pretrain_utils import TINY, configs
 
-    qat = ["--qat-weight-bits", "8"]
+    qat = ["--qat-weight-bits", "8", "--qat-activation-bits", "8"]
     with pytest.raises(ConfigError) as info:
         attach_qat(None, None, configs(TINY + qat + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]))
     assert str(info.value) == (
-        "--qat-weight-bits=8: not supported with --tensor-model-parallel-size=2, --expert-tensor-parallel-size=2 "
-        "yet (its scales would be each shard's, not the weight's)"
+        "--qat-activation-bits=8: not supported with --tensor-model-parallel-size=2, --expert-tensor-parallel-size=2 "
+        "yet (a row-parallel layer's per-token scales would be each shard's slice of the token's)"
     )
     with pytest.raises(ConfigError, match="not supported with --expert-tensor-parallel-size=2 yet"):
         attach_qat(None, None, configs(TINY + qat + ["--expert-tensor-parallel-size", "2"]))
     refuse_qat_on_shards(configs(TINY + qat + ["--expert-model-parallel-size", "2"]))  # ep splits whole experts
+    refuse_qat_on_shards(configs(TINY + qat[:2] + ["--expert-tensor-parallel-size", "2"]))  # weights: over etp
 
 
 def test_muons_distributed_tp_mode_is_logged_as_run_duplicated():
