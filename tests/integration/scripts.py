@@ -4,10 +4,14 @@ Every run has a timeout and runs in its own session, so a test that fails half-w
 whole process tree (torchrun and its workers)."""
 
 import contextlib
+import functools
+import importlib.util
+import io
 import os
 import signal
 import subprocess
 import sys
+import warnings
 from typing import Iterator, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,3 +74,30 @@ def script_in_process(argv: List[str], capsys) -> subprocess.CompletedProcess:
         code = stop.code
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(["pretrain_gpt_moe.py"] + argv, code, captured.out, captured.err)
+
+
+def tool_in_process(name: str, argv: List[str]) -> subprocess.CompletedProcess:
+    """tools/<name>.py's main(argv) in this process: the exit code, stdout and stderr (its warnings written there as
+    Python prints them), without a Python start and a torch import each. The command lines themselves run for real in
+    the docs' tests and in the tests of a tool's refusals that run it as a script."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = functools.partial(_print_warning, err)  # where they come, as Python prints them
+        try:
+            code = _tool_module(name).main(argv)
+        except SystemExit as stop:  # argparse's exit(2), as in the script
+            code = stop.code
+    return subprocess.CompletedProcess([tool(name)] + argv, code or 0, out.getvalue(), err.getvalue())
+
+
+def _print_warning(stream, message, category, filename, lineno, file=None, line=None) -> None:
+    stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+@functools.lru_cache(maxsize=None)
+def _tool_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"moezero_tool_{name}", tool(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

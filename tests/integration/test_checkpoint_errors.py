@@ -22,12 +22,7 @@ FP64 = ["--fp64"]
 def saved(tmp_path_factory):
     """A checkpoint of iteration 2 (and of 1), one process."""
     root = tmp_path_factory.mktemp("ckpt")
-    proc = run(
-        [sys.executable, PRETRAIN]
-        + RUN
-        + ["--train-iters", "2", "--save", str(root / "ckpt"), "--save-interval", "1", "--data-cache-path", str(root)]
-    )
-    assert proc.returncode == 0, proc.stderr
+    train(RUN + ["--train-iters", "2", "--save", str(root / "ckpt"), "--save-interval", "1"], str(root))
     return root
 
 
@@ -155,24 +150,22 @@ def test_a_bad_resume_exits_with_one_line(case, saved, tmp_path, capsys):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_load_must_exist_unless_it_is_also_save(saved, tmp_path):
+def test_load_must_exist_unless_it_is_also_save(saved, tmp_path, capsys):
     missing = str(tmp_path / "typo")
-    proc = run([sys.executable, PRETRAIN] + RUN + ["--train-iters", "1", "--load", missing])
+    proc = script_in_process(RUN + ["--train-iters", "1", "--load", missing], capsys)
     assert (
         proc.returncode == 2
         and proc.stderr.strip()
         == f"[rank 0] error: --load={missing}: does not exist (for a first run, give the same path to --save)"
     )
-    proc = run(
-        [sys.executable, PRETRAIN]
-        + RUN
-        + ["--train-iters", "1", "--load", missing, "--save", missing, "--data-cache-path", str(saved)]
+    proc = script_in_process(
+        RUN + ["--train-iters", "1", "--load", missing, "--save", missing, "--data-cache-path", str(saved)], capsys
     )
     assert proc.returncode == 0 and f"no checkpoint in --load={missing} yet (it is also --save)" in proc.stdout
     assert checkpoint.latest_iteration(missing) == 1
 
 
-def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
+def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path, capsys):
     """A first save whose pointer write failed (or folders copied in) leaves complete iter folders and no
     pointer: a relaunch with --load = --save once trained from scratch and wrote over them; it is refused in one
     line naming them (as is such a --save of another --load), and --ckpt-step or --load DIR/iter_N resumes one.
@@ -181,10 +174,8 @@ def test_iter_folders_no_pointer_names_are_not_trained_over(saved, tmp_path):
 
     path = _copy(saved, tmp_path)
     os.remove(os.path.join(path, checkpoint.POINTER))
-    proc = run(
-        [sys.executable, PRETRAIN]
-        + RUN
-        + ["--train-iters", "4", "--load", path, "--save", path, "--data-cache-path", str(saved)]
+    proc = script_in_process(
+        RUN + ["--train-iters", "4", "--load", path, "--save", path, "--data-cache-path", str(saved)], capsys
     )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"[rank 0] error: --load={path}: holds iter folders [1, 2] but no {checkpoint.POINTER} naming one: resume "
@@ -352,10 +343,7 @@ def test_an_unwritable_save_is_one_line_at_start(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for save in (str(blocker / "ckpt"), "/proc/moezero-ckpt"):  # under a file; a read-only filesystem
-        argv = RUN + ["--train-iters", "2", "--save", save]
-        proc = (
-            run([sys.executable, PRETRAIN] + argv) if save != "/proc/moezero-ckpt" else script_in_process(argv, capsys)
-        )
+        proc = script_in_process(RUN + ["--train-iters", "2", "--save", save], capsys)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert f"error: --save={save}: cannot write there (" in lines[0] and "iteration" not in proc.stdout

@@ -10,7 +10,7 @@ from moezero.models import generate
 from moezero.recipe import pretraining
 from tests.dist_utils import run_distributed
 from tests.integration.pretrain_utils import TINY, configs
-from tests.integration.scripts import run, tool
+from tests.integration.scripts import run, tool, tool_in_process
 
 PROMPT = "def main("
 SAMPLING = dict(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, seed=5)
@@ -54,7 +54,7 @@ def _train_two_stages_and_generate_live(cache, root):
 
 def _generate(load):
     flags = [x for k, v in SAMPLING.items() for x in ("--" + k.replace("_", "-"), str(v))]
-    proc = run([sys.executable, tool("generate"), "--load", load, "--prompt", PROMPT] + flags, timeout=120)
+    proc = tool_in_process("generate", ["--load", load, "--prompt", PROMPT] + flags)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.rstrip("\n")
 
@@ -64,6 +64,7 @@ def test_generate_continues_a_prompt_from_any_layout_and_stage(tmp_path):
     live = run_distributed(_train_two_stages_and_generate_live, 2, str(tmp_path), root, timeout=300)
     assert live[0] == live[1] and live[0].startswith(PROMPT) and len(live[0]) > len(PROMPT)
     consolidated = str(tmp_path / "model.pt")
+    # the tool as a script (its success path: test_checkpoint_errors runs its refusals)
     proc = run([sys.executable, tool("consolidate_checkpoint"), "--load", f"{root}/stage3", "--output", consolidated])
     assert proc.returncode == 0, proc.stderr
     for load in (f"{root}/stage2", f"{root}/stage3", consolidated):

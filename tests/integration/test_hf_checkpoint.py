@@ -14,9 +14,12 @@ import torch
 
 from moezero.compression.inference import load_checkpoint_weights
 from moezero.compression.source import load_checkpoint_model
+from moezero.config import ConfigError
 from tests.bpe_files import CORPUS_JSONL, write_bpe_files
+from tests.dist_utils import run_distributed
 from tests.hf_oracle import add_mtp_layer, hf_logits, hub_tensors, load_with_transformers, tiny_model
-from tests.integration.scripts import PRETRAIN, run, tool, torchrun
+from tests.integration.pretrain_utils import configs, run_in_process
+from tests.integration.scripts import run, tool, tool_in_process
 
 RUN = [
     "--use-checkpoint-args",
@@ -49,18 +52,44 @@ PROBE = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(0)
 
 
 def _tool(*args):
-    proc = run([sys.executable, tool("hf_checkpoint"), *args], timeout=120)
+    proc = tool_in_process("hf_checkpoint", list(args))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def _on_two_ranks(argv):
+    """The pretraining script's run on the 2 ranks of a pooled gloo world: rank 0's console output. (The torchrun
+    launch itself is pinned by test_megatron_launch and test_preemption; this saves a launch's start per run.)"""
+    return run_distributed(_console_of_a_run, 2, argv, timeout=240)[0]
+
+
+def _console_of_a_run(argv):
+    return run_in_process(argv)[1]
+
+
+def _refusal_on_two_ranks(argv):
+    """The ConfigError the run's start raises on the 2 ranks of a pooled gloo world (the same on both)."""
+    messages = run_distributed(_refusal_of_a_run, 2, argv, timeout=240)
+    assert messages[0] == messages[1], messages
+    return messages[0]
+
+
+def _refusal_of_a_run(argv):
+    from moezero.recipe import pretraining
+
+    try:
+        pretraining(configs(argv))
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError(f"the run started: {argv}")
 
 
 def _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt):
     """FINETUNE on 2 ranks (ep 2, ZeRO stage 3) from the imported `ckpt`, then its checkpoint exported: the folder
     transformers loads gives moezero's logits of the checkpoint, not the source's. (the run, the folder)"""
     tuned, out = str(tmp_path / "tuned"), str(tmp_path / "out")
-    proc = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save", tuned] + FINETUNE, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "world 2, ep 2, ZeRO stage 3" in proc.stdout
+    stdout = _on_two_ranks(["--load", ckpt, "--save", tuned] + FINETUNE)
+    assert "world 2, ep 2, ZeRO stage 3" in stdout
     _tool("export", tuned, out)
     model = load_checkpoint_weights(load_checkpoint_model(tuned)).double()
     with torch.no_grad():
@@ -68,7 +97,7 @@ def _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt):
     theirs = hf_logits(load_with_transformers(out), PROBE)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-8)
     assert (theirs - hf_logits(load_with_transformers(hub), PROBE)).abs().max() > 1e-3, "the run trained it"
-    return proc, out
+    return stdout, out
 
 
 def test_import_finetune_on_two_ranks_and_export(tmp_path):
@@ -81,25 +110,30 @@ def test_import_finetune_on_two_ranks_and_export(tmp_path):
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
-    proc, out = _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
+    tuned, out = _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
     # the checkpoint's model (3 layers), not said as a command-line value: --num-layers was not typed (issue 71)
-    assert "--num-layers 3 (command line" not in proc.stdout and "| mtp_1 loss: " in proc.stdout
+    assert "--num-layers 3 (command line" not in tuned and "| mtp_1 loss: " in tuned
 
     # the same run straight from the Hub folder, saving Hub folders itself (each rank writes its share),
     # stopped after 2 iterations and requeued: the run's own checkpoint wins over the Hub folder
     direct, own = str(tmp_path / "direct"), str(tmp_path / "own")
-    command = (
-        torchrun(2, PRETRAIN)
-        + [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")]
-        + ["--load-hf", hub, "--save-hf", direct, "--save-hf-interval", "2", "--save", own, "--load", own]
-    )
-    first = run(command + ["--exit-interval", "2"], timeout=240)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    assert "--num-layers 3 (command line" not in first.stdout  # the Hub folder's; --num-layers was not typed
-    requeued = run(command, timeout=240)
-    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-3000:]
-    assert "resuming from the run's own checkpoint" in requeued.stdout
-    assert len(_losses(proc.stdout)) == 3 and _losses(first.stdout) + _losses(requeued.stdout) == _losses(proc.stdout)
+    command = [a for a in FINETUNE if a not in ("--use-checkpoint-args", "--finetune")] + [
+        "--load-hf",
+        hub,
+        "--save-hf",
+        direct,
+        "--save-hf-interval",
+        "2",
+        "--save",
+        own,
+        "--load",
+        own,
+    ]
+    first = _on_two_ranks(command + ["--exit-interval", "2"])
+    assert "--num-layers 3 (command line" not in first  # the Hub folder's; --num-layers was not typed
+    requeued = _on_two_ranks(command)
+    assert "resuming from the run's own checkpoint" in requeued
+    assert len(_losses(tuned)) == 3 and _losses(first) + _losses(requeued) == _losses(tuned)
     saved, final = hub_tensors(str(tmp_path / "direct" / "iter_0000003")), hub_tensors(out)
     assert sorted(saved) == sorted(final) and all(torch.equal(saved[k], final[k]) for k in final)
     index = json.loads((tmp_path / "direct" / "iter_0000002" / "model.safetensors.index.json").read_text())
@@ -112,7 +146,7 @@ def _consolidated_loads_strictly(ckpt, out):
     from moezero.config import GPTConfig, MoEConfig, upgrade_stored_configs
     from moezero.models import GPTModel
 
-    proc = run([sys.executable, tool("consolidate_checkpoint"), "--load", ckpt, "--output", out])
+    proc = tool_in_process("consolidate_checkpoint", ["--load", ckpt, "--output", out])
     assert proc.returncode == 0, proc.stderr
     blob = torch.load(out, weights_only=True)
     stored = upgrade_stored_configs(blob["configs"])
@@ -132,8 +166,8 @@ def test_gpt_oss_imports_trains_on_two_ranks_and_exports(tmp_path):
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], original[k]) for k in original)
     _consolidated_loads_strictly(ckpt, str(tmp_path / "consolidated.pt"))
     _finetune_on_two_ranks_and_export(tmp_path, hub, ckpt)
-    refused = run(torchrun(2, PRETRAIN) + ["--load", ckpt, "--save-hf", str(tmp_path / "hf")] + FINETUNE, timeout=240)
-    assert refused.returncode != 0 and "holds all experts of a layer in one tensor" in refused.stdout + refused.stderr
+    refused = _refusal_on_two_ranks(["--load", ckpt, "--save-hf", str(tmp_path / "hf")] + FINETUNE)
+    assert "holds all experts of a layer in one tensor" in refused
 
 
 def test_a_directory_moezero_cannot_read_is_one_line(tmp_path):
@@ -157,11 +191,9 @@ def test_upcycling_an_imported_qwen3_dense_model(tmp_path):
     tiny_model("qwen3", seed=5).float().save_pretrained(hub)
     _tool("import", hub, dense)
     common = ["--load", dense] + RUN + ["--hidden-dropout", "0", "--attention-dropout", "0"]
-    base = run(torchrun(2, PRETRAIN) + common + ["--finetune"], timeout=240)
-    assert base.returncode == 0, base.stderr[-3000:]
-    upcycled = run(
-        torchrun(2, PRETRAIN)
-        + common
+    base = _on_two_ranks(common + ["--finetune"])
+    upcycled = _on_two_ranks(
+        common
         + [
             "--moe-use-upcycling",
             "--num-experts",
@@ -172,15 +204,13 @@ def test_upcycling_an_imported_qwen3_dense_model(tmp_path):
             "2",
             "--zero-stage",
             "3",
-        ],
-        timeout=240,
+        ]
     )
-    assert upcycled.returncode == 0, upcycled.stderr[-3000:]
-    assert "--moe-use-upcycling: the experts start as the dense MLPs of" in upcycled.stdout
-    assert "world 2, ep 2, ZeRO stage 3" in upcycled.stdout
+    assert "--moe-use-upcycling: the experts start as the dense MLPs of" in upcycled
+    assert "world 2, ep 2, ZeRO stage 3" in upcycled
     # fp32: the MoE sums two equal expert outputs weighted 1/2 + 1/2 where the dense MLP has one (ulps apart)
-    assert _first_loss(upcycled.stdout) == pytest.approx(_first_loss(base.stdout), rel=1e-5)
-    assert re.search(r"iteration +3/ +3 .*moe max/mean load", upcycled.stdout)
+    assert _first_loss(upcycled) == pytest.approx(_first_loss(base), rel=1e-5)
+    assert re.search(r"iteration +3/ +3 .*moe max/mean load", upcycled)
 
 
 def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
@@ -194,10 +224,9 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
     tiny_model("qwen3_moe", seed=6, vocab_size=512).float().save_pretrained(hub)
     write_bpe_files(hub, vocab_size=400)
     prefix = str(tmp_path / "corpus")
-    prep = run(
+    prep = tool_in_process(
+        "preprocess_data",
         [
-            sys.executable,
-            tool("preprocess_data"),
             "--input",
             CORPUS_JSONL,
             "--output-prefix",
@@ -207,14 +236,12 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
             "--tokenizer-model",
             hub,
             "--append-eod",
-        ]
+        ],
     )
     assert prep.returncode == 0, prep.stderr
     _tool("import", hub, ckpt)
-    proc = run(
+    _, stdout = run_in_process(
         [
-            sys.executable,
-            PRETRAIN,
             "--load",
             ckpt,
             "--use-checkpoint-args",
@@ -241,13 +268,11 @@ def test_the_tokenizer_of_a_hub_directory_comes_with_the_import(tmp_path):
             tuned,
             "--data-cache-path",
             str(tmp_path),
-        ],
-        timeout=180,
+        ]
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the data's tokenizer record names the folder's tokenizer: a run with another would have been refused
-    assert "tokenizer record" not in proc.stdout
-    assert re.search(r"iteration +2/ +2 .*lm loss", proc.stdout)
+    assert "tokenizer record" not in stdout
+    assert re.search(r"iteration +2/ +2 .*lm loss", stdout)
     _tool("export", tuned, out)
     theirs, ours = (transformers.AutoTokenizer.from_pretrained(d) for d in (hub, out))
     text = "def tokenize(self, text):"
@@ -276,7 +301,7 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     with open(os.path.join(used, "adapter_config.json"), "w") as f:  # a PEFT adapter's: its base model would load
         f.write("{}")
     before = sorted(os.listdir(used))
-    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, used])
+    refused = tool_in_process("hf_checkpoint", ["export", ckpt, used])
     lines = refused.stderr.strip().splitlines()
     assert (
         refused.returncode == 2
@@ -306,7 +331,7 @@ def test_an_export_leaves_exactly_its_own_weights_and_an_import_keeps_a_run(tmp_
     shutil.copytree(os.path.join(ckpt, "iter_0000000"), os.path.join(run_dir, "iter_0000002"))
     with open(os.path.join(run_dir, checkpoint.POINTER), "w") as f:
         f.write("2")
-    refused = run([sys.executable, tool("hf_checkpoint"), "import", hub, run_dir])
+    refused = tool_in_process("hf_checkpoint", ["import", hub, run_dir])
     assert refused.returncode == 2 and "holds a run's checkpoints (iterations 2)" in refused.stderr
     assert checkpoint.latest_iteration(run_dir) == 2 and checkpoint.saved_iterations(run_dir) == [2]
 
@@ -453,7 +478,7 @@ def test_a_qat_checkpoint_exports_its_fp32_masters_only_when_asked(tmp_path):
     )
     run_.train()
     run_.groups.destroy()
-    refused = run([sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "hf")], timeout=120)
+    refused = tool_in_process("hf_checkpoint", ["export", ckpt, str(tmp_path / "hf")])
     assert refused.returncode == 2 and "trained with QAT (--qat-weight-bits 4)" in refused.stderr, refused.stderr
     _tool("export", ckpt, str(tmp_path / "hf"), "--qat-masters")
     assert os.path.isfile(tmp_path / "hf" / "config.json")
@@ -510,17 +535,8 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
     base = dict(config, mlp_bias=True)
     with open(tmp_path / "base.json", "w") as f:
         json.dump(base, f)
-    refused = run(
-        [
-            sys.executable,
-            tool("hf_checkpoint"),
-            "export",
-            ckpt,
-            str(tmp_path / "other"),
-            "--hf-config",
-            str(tmp_path / "base.json"),
-        ],
-        timeout=120,
+    refused = tool_in_process(
+        "hf_checkpoint", ["export", ckpt, str(tmp_path / "other"), "--hf-config", str(tmp_path / "base.json")]
     )
     lines = refused.stderr.strip().splitlines()
     assert (
@@ -530,10 +546,7 @@ def test_an_export_of_a_run_from_scratch_names_the_runs_tokens(tmp_path):
         and "Traceback" not in refused.stderr
     ), refused.stderr
     assert not (tmp_path / "other").exists()
-    refused = run(
-        [sys.executable, tool("hf_checkpoint"), "export", ckpt, str(tmp_path / "other"), "--family", "mixtrall"],
-        timeout=120,
-    )
+    refused = tool_in_process("hf_checkpoint", ["export", ckpt, str(tmp_path / "other"), "--family", "mixtrall"])
     assert (
         refused.returncode == 2
         and "family 'mixtrall': no such Hugging Face family (one of mixtral," in refused.stderr.strip().splitlines()[-1]

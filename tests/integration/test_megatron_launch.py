@@ -8,7 +8,7 @@ import pytest
 
 from moezero import checkpoint
 from tests.bpe_files import CORPUS_JSONL, write_bpe_files, write_sentencepiece_model
-from tests.integration.scripts import PRETRAIN, run, tool, torchrun
+from tests.integration.scripts import PRETRAIN, run, script_in_process, tool_in_process, torchrun
 
 MEGATRON_FLAGS = """
 # the parallelism Megatron scripts spell out
@@ -36,10 +36,9 @@ def run_lrs(out):
 def test_a_megatron_launch_line_runs_unchanged(tmp_path):
     files = write_bpe_files(str(tmp_path / "bpe"))
     prefix = str(tmp_path / "corpus")
-    prep = run(
+    prep = tool_in_process(
+        "preprocess_data",
         [
-            sys.executable,
-            tool("preprocess_data"),
             "--input",
             CORPUS_JSONL,
             "--output-prefix",
@@ -51,7 +50,7 @@ def test_a_megatron_launch_line_runs_unchanged(tmp_path):
             "--merge-file",
             files["merges"],
             "--append-eod",
-        ]
+        ],
     )
     assert prep.returncode == 0, prep.stderr
     args = tmp_path / "megatron_args.txt"
@@ -113,14 +112,13 @@ MIXTRAL_AND_GPT3 = """
 """
 
 
-def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path):
+def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path, capsys):
     pytest.importorskip("sentencepiece")  # Llama2Tokenizer's (the dev extra has it)
     tokenizer = write_sentencepiece_model(str(tmp_path / "spm"))
     prefix = str(tmp_path / "corpus")
-    prep = run(
+    prep = tool_in_process(
+        "preprocess_data",
         [
-            sys.executable,
-            tool("preprocess_data"),
             "--input",
             CORPUS_JSONL,
             "--output-prefix",
@@ -130,7 +128,7 @@ def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path):
             "--tokenizer-model",
             tokenizer,
             "--append-eod",
-        ]
+        ],
     )
     assert prep.returncode == 0, prep.stderr
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
@@ -151,7 +149,7 @@ def test_the_mixtral_and_gpt3_scripts_train_on_two_ranks(tmp_path):
         "resumed from" in again.stdout and "44 samples consumed (fresh optimizer state and RNG states)" in again.stdout
     )
     assert re.search(r"iteration +7/ +7 \| consumed samples: +52 ", again.stdout)
-    fp8 = run([sys.executable, PRETRAIN, f"@{args}", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"])
+    fp8 = script_in_process([f"@{args}", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"], capsys)
     lines = fp8.stderr.strip().splitlines()  # one line per flag moezero lacks, all in one launch
     assert fp8.returncode == 2 and len(lines) == 3, fp8.stderr
     assert lines[0].endswith("error: 2 flags of this launch line are not supported:")

@@ -11,8 +11,9 @@ import torch
 
 from moezero import checkpoint
 from moezero.checkpoint.lock import LOCK
-from tests.integration.pretrain_utils import TINY
-from tests.integration.scripts import PRETRAIN, run, started, torchrun
+from tests.dist_utils import run_distributed
+from tests.integration.pretrain_utils import TINY, run_in_process
+from tests.integration.scripts import PRETRAIN, started, torchrun
 
 # 1000 planned iterations with a fixed decay length: the schedule and the data order do not depend on
 # where a run stops, so runs stopped at different points are comparable
@@ -30,6 +31,31 @@ PLAN = TINY + [
 
 def _launch(extra, cache):
     return torchrun(2, PRETRAIN) + PLAN + extra + ["--data-cache-path", cache]
+
+
+def _on_two_ranks(extra, cache):
+    """The run of PLAN + `extra` on the 2 ranks of a pooled gloo world: rank 0's console output (the launch under
+    torchrun and its signals is the stopped run's, the one this file is about)."""
+    return run_distributed(_console_of_a_run, 2, PLAN + extra + ["--data-cache-path", cache], timeout=180)[0]
+
+
+def _console_of_a_run(argv):
+    return run_in_process(argv)[1]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """(checkpoint folder, console output) of the run never stopped, saved at the --exit-interval asked: run once
+    for each interval, whichever test asks first."""
+    root, runs = tmp_path_factory.mktemp("straight"), {}
+
+    def straight(end):
+        if end not in runs:
+            save = str(root / f"exit_{end}")
+            runs[end] = save, _on_two_ranks(["--save", save, "--exit-interval", str(end)], str(root))
+        return runs[end]
+
+    return straight
 
 
 def _losses(text):
@@ -58,11 +84,13 @@ def _signal_every_process(pid, sig):
 
 
 @pytest.mark.parametrize("to_the_process_tree", [False, True], ids=["torchrun", "process-tree"])
-def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(tmp_path, to_the_process_tree):
+def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_run(
+    tmp_path, to_the_process_tree, straight_run
+):
     """SIGTERM to torchrun only (it forwards it to its workers), or to every process as Slurm's scancel sends it,
     DataLoader workers included (--num-workers 2, the default): they must not die before the save, and a rank
     that gets the scheduler's SIGTERM and torchrun's forwarded one must still save."""
-    cache, ckpt, straight = str(tmp_path), str(tmp_path / "ckpt"), str(tmp_path / "straight")
+    cache, ckpt = str(tmp_path), str(tmp_path / "ckpt")
     workers = ["--num-workers", "2"] if to_the_process_tree else []
     cmd = _launch(["--save", ckpt, "--exit-signal-handler"] + workers, cache)
     with started(cmd) as proc:
@@ -86,18 +114,16 @@ def test_sigterm_saves_the_iteration_reached_and_the_resume_equals_a_straight_ru
     assert not os.path.exists(os.path.join(ckpt, LOCK))  # released on the signal-driven exit
 
     end = str(stopped + 2)  # --exit-interval: both runs stop (and save) at the first multiple after `stopped`
-    resumed = run(_launch(["--load", ckpt, "--save", ckpt, "--exit-interval", end], cache), timeout=180)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {checkpoint.iteration_dir(ckpt, stopped)} at iteration {stopped}" in resumed.stdout
-    reference = run(_launch(["--save", straight, "--exit-interval", end], cache), timeout=180)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    resumed = _on_two_ranks(["--load", ckpt, "--save", ckpt, "--exit-interval", end], cache)
+    assert f"resumed from {checkpoint.iteration_dir(ckpt, stopped)} at iteration {stopped}" in resumed
+    straight, reference = straight_run(int(end))
 
     a = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(ckpt, int(end)))
     b = checkpoint.consolidate_checkpoint(checkpoint.iteration_dir(straight, int(end)))
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name  # bitwise: masters after the same steps
-    losses, reference_losses = {**_losses(text), **_losses(resumed.stdout)}, _losses(reference.stdout)
+    losses, reference_losses = {**_losses(text), **_losses(resumed)}, _losses(reference)
     steps = [str(i) for i in range(1, int(end) + 1)]
     assert [losses[i] for i in steps] == [reference_losses[i] for i in steps]
 

@@ -19,6 +19,31 @@ ITERS = ["--train-iters", "20"]
 FP64 = ["--fp64"]  # exactness claims run in float64: a capacity or rounding decision cannot flip between layouts
 
 
+class _SharedRuns:
+    """Runs that several tests compare with, each run once for the module when a test first asks for it."""
+
+    def __init__(self, cache_dir):
+        self.cache_dir, self._runs = cache_dir, {}
+
+    def one_process_fp64(self):
+        """The float64 loss curve of one process: the layouts' and the resumes' reference."""
+        if "fp64" not in self._runs:
+            self._runs["fp64"] = [h["lm_loss"] for h in train(TINY + ITERS + FP64, self.cache_dir)]
+        return self._runs["fp64"]
+
+    def fp32_ep2_on_two_ranks(self):
+        """The history of the fp32 run on 2 ranks at ep 2, not stopped."""
+        if "fp32 ep2" not in self._runs:
+            argv = TINY + ITERS + ["--expert-model-parallel-size", "2"]
+            self._runs["fp32 ep2"] = run_distributed(train, 2, argv, self.cache_dir, timeout=400)[0]
+        return self._runs["fp32 ep2"]
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    return _SharedRuns(str(tmp_path_factory.mktemp("shared_runs")))
+
+
 # ---- layout invariance ---------------------------------------------------------------------------
 FP32_BOUND = 1e-3  # fp32 curves only reassociate sums too, but rounding grows over 20 AdamW steps and depends on
 # the CPU's kernels: 2.7e-8 measured on an AMD EPYC (AVX-512), 3.2e-5 reported on another
@@ -66,7 +91,6 @@ def _two_rank_layouts(cache_dir, save_dir):
         h["lm_loss"]
         for h in train(TINY + ITERS + FP64 + ep2 + ["--exit-interval", "10", "--save", save_dir], cache_dir)
     ]
-    runs["fp32 2 ranks ep2"] = [h["lm_loss"] for h in train(TINY + ITERS + ep2, cache_dir)]
     return runs
 
 
@@ -87,11 +111,11 @@ def _worst(curve, reference):
     return max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
 
 
-def test_loss_curve_is_layout_invariant(tmp_path):
+def test_loss_curve_is_layout_invariant(tmp_path, shared_runs):
     """float64: every layout (1, 2 and 4 ranks, ep 1/2/4, every stage, recompute, a resume on another layout)
     agrees with one process to 1e-10 relative (layouts only reassociate sums); fp32 to FP32_BOUND."""
     cache, save = str(tmp_path), str(tmp_path / "half")
-    single = [h["lm_loss"] for h in train(TINY + ITERS + FP64, cache)]
+    single = shared_runs.one_process_fp64()
     curves = run_distributed(_two_rank_layouts, 2, cache, save, timeout=400)[0]
     curves.update(run_distributed(_four_rank_layouts, 4, cache, timeout=400)[0])
     first_half = curves.pop("2 ranks ep2, first half")
@@ -99,7 +123,7 @@ def test_loss_curve_is_layout_invariant(tmp_path):
     curves["2 ranks ep2, resumed on 1 process"] = first_half + [
         h["lm_loss"] for h in train(TINY + ITERS + FP64 + ["--load", save], cache)
     ]
-    fp32 = curves.pop("fp32 2 ranks ep2")
+    fp32 = [h["lm_loss"] for h in shared_runs.fp32_ep2_on_two_ranks()]
     assert single[-1] < single[0] - 0.2, "the loss must fall"
     for name, curve in curves.items():
         assert _worst(curve, single) < 1e-10, (name, curve, single)
@@ -108,19 +132,17 @@ def test_loss_curve_is_layout_invariant(tmp_path):
 
 
 # ---- exact resume ---------------------------------------------------------------------------------
-def _straight_and_resumed(cache_dir, save_dir):
-    straight = train(TINY + ITERS + ["--expert-model-parallel-size", "2"], cache_dir)
+def _stopped_and_resumed(cache_dir, save_dir):
     first = train(
         TINY + ITERS + ["--expert-model-parallel-size", "2", "--exit-interval", "10", "--save", save_dir], cache_dir
     )
     second = train(TINY + ITERS + ["--expert-model-parallel-size", "2", "--load", save_dir], cache_dir)
-    return straight, first, second
+    return first, second
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
-    straight, first, second = run_distributed(
-        _straight_and_resumed, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400
-    )[0]
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, shared_runs):
+    straight = shared_runs.fp32_ep2_on_two_ranks()
+    first, second = run_distributed(_stopped_and_resumed, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400)[0]
     assert [h["iteration"] for h in second] == list(range(11, 21))
     resumed = first + second
     assert [h["lm_loss"] for h in resumed] == [h["lm_loss"] for h in straight]
@@ -129,7 +151,6 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
 
 def _resume_across_stages(cache_dir, save_dir):
     ep2 = ["--expert-model-parallel-size", "2"]
-    straight = train(TINY + ITERS + FP64 + ep2, cache_dir)
     curves = {}
     for first_stage, second_stage in ((2, 3), (3, 2)):
         path = f"{save_dir}/{first_stage}to{second_stage}"
@@ -139,11 +160,14 @@ def _resume_across_stages(cache_dir, save_dir):
         )
         second = train(TINY + ITERS + FP64 + ep2 + ["--zero-stage", str(second_stage), "--load", path], cache_dir)
         curves[(first_stage, second_stage)] = [h["lm_loss"] for h in first + second]
-    return [h["lm_loss"] for h in straight], curves
+    return curves
 
 
-def test_a_stage2_checkpoint_resumes_at_stage3_and_back(tmp_path):
-    straight, curves = run_distributed(_resume_across_stages, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400)[0]
+def test_a_stage2_checkpoint_resumes_at_stage3_and_back(tmp_path, shared_runs):
+    """float64: stopped at one stage and resumed at the other, the curve is the one process's (which every 2-rank
+    layout's is, to 1e-10: test_loss_curve_is_layout_invariant)."""
+    straight = shared_runs.one_process_fp64()
+    curves = run_distributed(_resume_across_stages, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=400)[0]
     for name, curve in curves.items():
         assert len(curve) == len(straight)
         assert max(abs(a - b) / b for a, b in zip(curve, straight)) < 1e-10, (name, curve, straight)

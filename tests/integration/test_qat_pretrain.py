@@ -3,8 +3,6 @@ and evaluation tools, and one-line errors for bad QAT flags."""
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from moezero.checkpoint.keys import plain_param_name
 from moezero.config import ConfigError
 from moezero.recipe import pretraining
 from tests.integration.pretrain_utils import ASSETS, CORPUS, TINY, configs
+from tests.integration.scripts import script_in_process
 
 ROOT = os.path.dirname(os.path.dirname(ASSETS))
 QAT = ["--qat-weight-bits", "4", "--qat-groups", "16"]
@@ -124,17 +123,11 @@ def test_export_and_eval_tools(tmp_path, capsys):
     assert losses["fp model"] != losses["exported model"]
 
 
-def test_bad_qat_flags_fail_with_one_clear_message(tmp_path):
+def test_bad_qat_flags_fail_with_one_clear_message(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--qat-weight-bits=17: must be between 2 and 16"):
         configs(TINY + ["--qat-weight-bits", "17"])
-    script = os.path.join(ROOT, "examples_moe", "pretrain_gpt_moe.py")
-    proc = subprocess.run(
-        [sys.executable, script]
-        + TINY
-        + ["--qat-weight-bits", "4", "--qat-groups", "5", "--data-cache-path", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = script_in_process(
+        TINY + ["--qat-weight-bits", "4", "--qat-groups", "5", "--data-cache-path", str(tmp_path)], capsys
     )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line]

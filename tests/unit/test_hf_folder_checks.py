@@ -20,6 +20,7 @@ from moezero.hf.checkpoint_conversion import import_hub
 from tests.bpe_files import write_bpe_files, write_sentencepiece_model
 from tests.hf_oracle import tiny_model
 from tests.integration.pretrain_utils import CORPUS, configs
+from tests.integration.scripts import tool_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a run of a tiny Qwen3-MoE folder (512 ids: room for the byte-level corpus) on the committed byte-level corpus
@@ -127,13 +128,7 @@ def test_a_tokenizer_that_cannot_be_read_or_is_missing_is_refused_naming_the_fil
         ConfigError, match=f"--load-hf={hub}: {hub}/tokenizer.json is not a Hugging Face tokenizer.json"
     ):
         pretraining(configs(RUN + ["--load-hf", str(hub)]))
-    refused = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "hf_checkpoint.py"), "import", str(hub), str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    refused = tool_in_process("hf_checkpoint", ["import", str(hub), str(tmp_path / "ckpt")])
     lines = refused.stderr.strip().splitlines()
     assert (
         refused.returncode == 2

@@ -35,24 +35,51 @@ print(max(rss[:3]), max(rss[3:]), heap.trims)
 """
 
 
-def _rss(env_extra, gelu="torch_gelu"):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+def _rss(*envs_extra, gelu="torch_gelu"):
+    """(ceiling, peak, trims) of the loop in a process of its own for each of `envs_extra`, the processes side by
+    side (one thread each, as the 2 ranks of a distributed test: each measures its own RSS)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", LOOP, gelu], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=True
-    )
-    return tuple(map(int, out.stdout.split()))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOOP, gelu],
+            env=dict(os.environ, OMP_NUM_THREADS="1", **extra),
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for extra in envs_extra
+    ]
+    return [tuple(map(int, out.split())) for out in _outputs(procs, 300)]
+
+
+def _outputs(procs, timeout):
+    """The stdout of each of `procs` once finished (all killed after `timeout` or a failure); a failure fails the
+    test with its stderr."""
+    try:
+        outputs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, err[-3000:]
+            outputs.append(out)
+        return outputs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_resident_set_stays_under_the_warmed_up_ceiling_plus_the_slack():
     """The ceiling is the largest step-end RSS of the first 3 steps; a step may grow it by at most one
     step's fragmentation (under 48 MB for this layer) before the trim at its end."""
     bound = 64 * 2**20 + 48 * 2**20
-    ceiling, peak, trims = _rss({})
+    trimmed, kept = _rss({}, {"MOEZERO_KEEP_MALLOC": "1"})
+    ceiling, peak, trims = trimmed
     assert peak - ceiling < bound and trims > 0, (ceiling, peak, trims)
     # glibc alone lets it creep past that bound (the allocator keeps the holes; how far varies: 139 MB in one
     # fresh-clone run, 160-204 MB in the others)
-    ceiling, peak, trims = _rss({"MOEZERO_KEEP_MALLOC": "1"})
+    ceiling, peak, trims = kept
     assert trims == 0 and peak - ceiling > bound, (ceiling, peak)
 
 
@@ -61,7 +88,7 @@ def test_the_fused_gelu_leaves_no_creep_to_trim():
     glibc alone, stayed within 31 MB of its ceiling (torch's GELU: 139-204 MB)."""
     if _loader.load("cpu") is None:
         pytest.skip("moezero._C is not built (or MOEZERO_DISABLE_EXT=1): the GELU is torch's")
-    ceiling, peak, trims = _rss({"MOEZERO_KEEP_MALLOC": "1"}, gelu="fused")
+    [(ceiling, peak, trims)] = _rss({"MOEZERO_KEEP_MALLOC": "1"}, gelu="fused")
     assert trims == 0 and peak - ceiling < 64 * 2**20 + 48 * 2**20, (ceiling, peak)
 
 
@@ -76,11 +103,21 @@ print(resident_bytes() - before)
 """
 
 
-def _kept_after_free(env_extra):
+def _kept_after_free(*envs_extra):
+    """The bytes a freed 20 MB tensor leaves resident, in a process of its own for each of `envs_extra` (side by
+    side: each measures its own RSS)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    env.update(OMP_NUM_THREADS="1", **env_extra)
-    out = subprocess.run([sys.executable, "-c", KEEP], env=env, capture_output=True, text=True, timeout=120, check=True)
-    return int(out.stdout.split()[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", KEEP],
+            env=dict(env, OMP_NUM_THREADS="1", **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for extra in envs_extra
+    ]
+    return [int(out.split()[-1]) for out in _outputs(procs, 120)]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
@@ -88,9 +125,10 @@ def test_freed_tensors_stay_in_the_heap_unless_the_user_tunes_malloc():
     """With the trimmer's thresholds a freed 20 MB tensor stays resident for the next step's reuse (glibc's
     defaults map it on its own and unmap it at free); a MALLOC_* variable or MOEZERO_KEEP_MALLOC=1 keeps
     glibc's behaviour."""
-    assert _kept_after_free({}) > 16 * 2**20
-    assert _kept_after_free({"MALLOC_ARENA_MAX": "8"}) < 4 * 2**20
-    assert _kept_after_free({"MOEZERO_KEEP_MALLOC": "1"}) < 4 * 2**20
+    default, tuned, kept = _kept_after_free({}, {"MALLOC_ARENA_MAX": "8"}, {"MOEZERO_KEEP_MALLOC": "1"})
+    assert default > 16 * 2**20
+    assert tuned < 4 * 2**20
+    assert kept < 4 * 2**20
 
 
 def _pretraining_heap_steps(cache_dir):

@@ -6,8 +6,6 @@ and vocabulary size; preprocessing writes those ids; bad files and flags are one
 import base64
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from moezero.config import DataConfig
 from moezero.data import DataError, build_tokenizer
 from moezero.data.tiktoken_tokenizer import PATTERNS
 from tests.bpe_files import CORPUS_JSONL, write_sentencepiece_model
+from tests.integration.scripts import tool_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = [
@@ -88,25 +87,9 @@ def test_preprocessing_writes_megatron_cores_ids(tiktoken_vocab, tmp_path):
     from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
 
     prefix = str(tmp_path / "corpus")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "tools", "preprocess_data.py"),
-            "--input",
-            CORPUS_JSONL,
-            "--output-prefix",
-            prefix,
-            "--tokenizer-type",
-            "TikTokenizer",
-            "--tokenizer-model",
-            tiktoken_vocab,
-            "--vocab-size",
-            "1400",
-            "--append-eod",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    argv = ["--input", CORPUS_JSONL, "--output-prefix", prefix, "--tokenizer-type", "TikTokenizer", "--append-eod"]
+    prep = tool_in_process("preprocess_data", argv + ["--tokenizer-model", tiktoken_vocab, "--vocab-size", "1400"])
+    assert prep.returncode == 0, prep.stderr
     theirs = TikTokenTokenizer(tiktoken_vocab, vocab_size=1400)
     with open(CORPUS_JSONL) as f:
         texts = [json.loads(line)["text"] for line in f if line.strip()]
