@@ -649,7 +649,13 @@ class Pretraining:
             configs["hf"] = self.hub_config
         if self.hub_generation_config is not None:
             configs["hf_generation"] = self.hub_generation_config
+        # an export of the checkpoint writes the rows --save-hf writes, whatever tp it was saved at
+        configs["vocabulary"] = {"tokenizer": self.data.tokenizer.vocab_size, "exported": self._exported_vocab_size()}
         return configs
+
+    def _exported_vocab_size(self) -> int:
+        """The vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model."""
+        return padded_vocab_size(self.cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1)
 
     def _check_exportable(self) -> None:
         """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""
@@ -694,8 +700,7 @@ class Pretraining:
             overwrite=True,
             token_ids=tokenizer_token_ids(self.data.tokenizer),
             tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)),
-            # the vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model
-            vocab_size=padded_vocab_size(self.cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1),
+            vocab_size=self._exported_vocab_size(),
         )
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")
