@@ -164,6 +164,7 @@ class Pretraining:
         for line in self.data.notices:
             self.logger.print(f" {line}")
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        self._recorded_vocabulary = (point.configs.get("vocabulary") or {}) if point is not None else {}
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:
                 split.vocab_limit = self.vocab_size
@@ -654,8 +655,13 @@ class Pretraining:
         return configs
 
     def _exported_vocab_size(self) -> int:
-        """The vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model."""
-        return padded_vocab_size(self.cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1)
+        """The vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model. A run resumed from a
+        checkpoint that records its own for this tokenizer keeps it (one saved at tp 2 resumed at tp 1 with its
+        rows: the first run's tp 1 padding, not the resumed run's)."""
+        recorded, tokenizer = self._recorded_vocabulary, self.data.tokenizer.vocab_size
+        if recorded.get("tokenizer") == tokenizer and tokenizer <= recorded.get("exported", 0) <= self.vocab_size:
+            return recorded["exported"]
+        return padded_vocab_size(self.cfg, tokenizer, tensor_parallel_size=1)
 
     def _check_exportable(self) -> None:
         """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""

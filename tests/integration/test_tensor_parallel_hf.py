@@ -175,8 +175,9 @@ def _train_at_tp2(argv):
 def test_save_hf_at_tp2_leaves_out_the_vocabulary_rows_tp_pads(tmp_path):
     """--save-hf of a run from scratch at tp 2 writes the vocabulary a tp 1 run pads to (128 rows), not tp 2's
     (256), and tools/hf_checkpoint.py export of the run's checkpoint writes that folder: the same tensors
-    (within fp32's rounding: the checkpoint holds fp32 masters of the float64 params) and config; a checkpoint of
-    an older moezero (no vocabulary recorded) keeps all 256 rows, and the tool says so."""
+    (within fp32's rounding: the checkpoint holds fp32 masters of the float64 params) and config, and so does the
+    run resumed from it at tp 1; a checkpoint of an older moezero (no vocabulary recorded) keeps all 256 rows, and
+    the tool says so."""
     from moezero.hf.checkpoint_conversion import exported_vocab_size
     from moezero.checkpoint import read_train_state, resolve_checkpoint
     from tools.hf_checkpoint import main as hf_checkpoint
@@ -199,6 +200,16 @@ def test_save_hf_at_tp2_leaves_out_the_vocabulary_rows_tp_pads(tmp_path):
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=0, msg=key)  # fp32 masters of float64 params
     with open(os.path.join(saved, "config.json")) as f, open(os.path.join(exported, "config.json")) as g:
         assert json.load(g) == json.load(f)
+    # resumed at tp 1 (its 256 rows fit --make-vocab-size-divisible-by 256): --save-hf still writes the 128 rows
+    resumed = str(tmp_path / "resumed")
+    run_in_process(
+        RUN
+        + LLAMA
+        + ["--train-iters", "2", "--load", ckpt, "--override-opt_param-scheduler", "--save-hf", resumed]
+        + ["--make-vocab-size-divisible-by", "256", "--data-cache-path", str(tmp_path / "cache")]
+    )
+    resumed_tensors = hub_tensors(os.path.join(resumed, "iter_0000002"))
+    assert resumed_tensors["model.embed_tokens.weight"].shape[0] == resumed_tensors["lm_head.weight"].shape[0] == 128
     # what an older moezero's checkpoint exports: all its rows, with one notice
     configs = dict(read_train_state(resolve_checkpoint(ckpt))["configs"])
     assert configs.pop("vocabulary") == {"tokenizer": 96, "exported": 128}
