@@ -33,7 +33,7 @@ from moezero.compression.inference import load_checkpoint_weights
 from moezero.compression.source import load_checkpoint_model
 from moezero.config import ConfigError
 from moezero.hf import CheckpointMismatch, UnsupportedModel, save_pretrained
-from moezero.hf.checkpoint_conversion import export_checkpoint, export_sources, import_hub
+from moezero.hf.checkpoint_conversion import export_checkpoint, export_sources, exported_vocab_size, import_hub
 from moezero.hf.load import hub_dtype
 from moezero.training.args import ArgumentParser
 
@@ -97,6 +97,7 @@ def export(
             overwrite=overwrite,
             max_shard_bytes=max_shard_bytes,
             generation_config=base_generation,
+            report=print,
         )
         return
     source = load_checkpoint_model(ckpt)  # a consolidated file holds the whole model anyway
@@ -118,6 +119,7 @@ def export(
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
         tokenizer_files=tokenizer,
+        vocab_size=exported_vocab_size(source.configs, model.config.vocab_size, print),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,12 +108,14 @@ def export_checkpoint(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     generation_config: Optional[Dict] = None,
+    report: Callable[[str], None] = lambda line: None,
 ) -> None:
     """The Hub folder of checkpoint `path`'s fp32 masters (a --save root, an iter_N folder), in `dtype` (default:
     an imported model's source dtype, else the run's params'), as `family` (default: the one that holds it);
     `hub_config`, `generation_config`: a Hub config whose other fields (token ids) to keep and the generation
     config to write (default: an imported model's; a run from scratch names its tokenizer's tokens); a run's
-    Hugging Face tokenizer is copied in."""
+    Hugging Face tokenizer is copied in. The vocabulary is the one --save-hf writes (`exported_vocab_size`);
+    `report` gets the notice of a checkpoint that does not record it."""
     reader = checkpoint.CheckpointReader(checkpoint.resolve_checkpoint(path))
     configs = upgrade_stored_configs(reader.train_state["configs"])
     saved_names = {canonical_name(n): n for n in reader.train_state["param_shapes"]}
@@ -131,7 +133,25 @@ def export_checkpoint(
         max_shard_bytes=max_shard_bytes,
         token_ids=token_ids,
         tokenizer_files=tokenizer,
+        vocab_size=exported_vocab_size(configs, model.config.vocab_size, report),
     )
+
+
+def exported_vocab_size(configs: Dict, rows: int, report: Callable[[str], None]) -> Optional[int]:
+    """The vocabulary an export of a run with stored `configs` (`rows` in its embedding) writes: the tp 1 run's
+    padding, as --save-hf writes it (Megatron pads to --make-vocab-size-divisible-by x tp: the rows tp adds are
+    no part of the model). A checkpoint of an older moezero records none: all its rows (None), said where tp
+    padded them."""
+    recorded = (configs.get("vocabulary") or {}).get("exported")
+    if recorded is not None:
+        return recorded
+    tp = (configs.get("parallel") or {}).get("tensor_parallel_size") or 1
+    if tp > 1 and (configs.get("model") or {}).get("vocab_size") is None:
+        report(
+            f"notice: the checkpoint records no vocabulary (an older moezero's): all {rows} rows written, with "
+            f"the padding of --tensor-model-parallel-size {tp} (--save-hf writes the rows a tp 1 run pads to)"
+        )
+    return None
 
 
 def export_sources(configs: Dict, hub_config: Optional[Dict] = None, generation_config: Optional[Dict] = None):

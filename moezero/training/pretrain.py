@@ -164,6 +164,7 @@ class Pretraining:
         for line in self.data.notices:
             self.logger.print(f" {line}")
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        self._recorded_vocabulary = (point.configs.get("vocabulary") or {}) if point is not None else {}
         for split in (self.data.train, self.data.valid, self.data.test):
             if split is not None:
                 split.vocab_limit = self.vocab_size
@@ -649,7 +650,18 @@ class Pretraining:
             configs["hf"] = self.hub_config
         if self.hub_generation_config is not None:
             configs["hf_generation"] = self.hub_generation_config
+        # an export of the checkpoint writes the rows --save-hf writes, whatever tp it was saved at
+        configs["vocabulary"] = {"tokenizer": self.data.tokenizer.vocab_size, "exported": self._exported_vocab_size()}
         return configs
+
+    def _exported_vocab_size(self) -> int:
+        """The vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model. A run resumed from a
+        checkpoint that records its own for this tokenizer keeps it (one saved at tp 2 resumed at tp 1 with its
+        rows: the first run's tp 1 padding, not the resumed run's)."""
+        recorded, tokenizer = self._recorded_vocabulary, self.data.tokenizer.vocab_size
+        if recorded.get("tokenizer") == tokenizer and tokenizer <= recorded.get("exported", 0) <= self.vocab_size:
+            return recorded["exported"]
+        return padded_vocab_size(self.cfg, tokenizer, tensor_parallel_size=1)
 
     def _check_exportable(self) -> None:
         """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""
@@ -694,8 +706,7 @@ class Pretraining:
             overwrite=True,
             token_ids=tokenizer_token_ids(self.data.tokenizer),
             tokenizer_files=run_tokenizer_files(dataclasses.asdict(self.cfg.data)),
-            # the vocabulary as a tp 1 run pads it: the rows tp adds are no part of the model
-            vocab_size=padded_vocab_size(self.cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1),
+            vocab_size=self._exported_vocab_size(),
         )
         self._saved_hf_at = self.iteration
         self.logger.print(f" saved Hugging Face model {path}")

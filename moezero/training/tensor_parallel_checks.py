@@ -8,7 +8,8 @@ pipeline stages (each stage's modules swapped alike, MTP on the last stage) all 
 with both; checkpoints at global coordinates (a tp's resumes at any other); --load-hf reads each rank's slices of
 the Hub files (moezero/hf/shard_reads.py, an expert stack's etp slices Link.assemble_slices), --save-hf writes the
 tp 1 run's folder (moezero/hf/slice_gather.py; with pipeline stages each stage's tp and etp groups gather its
-tensors).
+tensors); --moe-use-upcycling copies each rank's slices of the dense tensors (models/upcycling.py), with pipeline
+stages too (each stage's).
 
 Expert tensor parallelism (--expert-tensor-parallel-size, by default tp as Megatron's) splits each expert's ffn over
 etp ranks (moe/experts.py, moe/dispatch.py) at any tp, Megatron's expert groups (parallel/groups.py; with pipeline
@@ -29,7 +30,6 @@ from moezero.training.tensor_parallel import refusals
 
 TP = "--tensor-model-parallel-size"
 ETP = "--expert-tensor-parallel-size"
-UNSUPPORTED = "not supported with {flag} > 1 yet ({flag}={size})"
 
 
 def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
@@ -43,7 +43,6 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
     if world_size % tp:
         problems.insert(0, f"{TP}={tp}: must divide the number of processes ({world_size})")
     moe = cfg.moe if cfg.moe.num_experts is not None else None
-    problems += [f"{flag}: " + UNSUPPORTED.format(flag=TP, size=tp) for flag in _unbuilt_flags(cfg)]
     # the model's vocabulary is the tokenizer's padded to a multiple of tp (builders.padded_vocab_size): no refusal
     model = dataclasses.replace(cfg.model, vocab_size=None)
     problems += [f"{TP}={tp}: {line}" for line in refusals(model, moe, tp, cfg.implementation.sequence_parallel)]
@@ -51,8 +50,7 @@ def tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
 
 
 def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
-    """At etp > 1, a line for each size or flag that expert tensor parallelism does not run (none at etp 1); at tp > 1
-    the flags tp refuses too are left to tp's lines."""
+    """At etp > 1, a line for each size that expert tensor parallelism does not run (none at etp 1)."""
     p, moe = cfg.parallel, cfg.moe
     etp, tp = p.expert_tensor_parallel, p.tensor_parallel_size
     if etp == 1:
@@ -72,22 +70,7 @@ def expert_tensor_parallel_refusals(cfg, world_size: int) -> List[str]:
             f"{ETP}={etp}: must divide the experts' ffn size ({ffn}, --moe-ffn-hidden-size) and --hidden-size "
             f"({hidden})"
         )
-    if tp == 1:
-        problems += [f"{flag}: " + UNSUPPORTED.format(flag=ETP, size=etp) for flag in _unbuilt_flags(cfg)]
     return problems
-
-
-def _unbuilt_flags(cfg) -> List[str]:
-    """The flags of the run that tp or etp > 1 do not run yet: upcycling with pipeline stages. (--load-hf reads each
-    rank's slices, moezero/hf/shard_reads.py and Link.assemble_slices; --save-hf gathers one tensor at a time over
-    its tp or etp group, moezero/hf/slice_gather.py; --optimizer muon orthogonalises the tp shards or gathers the
-    whole matrices per --muon-tp-mode, moezero/zero/muon.py; upcycling copies each rank's slices,
-    models/upcycling.py.)"""
-    # upcycling with pipeline stages at tp or etp > 1 is untested
-    flags = (
-        ("--moe-use-upcycling with pipeline stages", cfg.moe.use_upcycling and cfg.parallel.pipeline_parallel_size > 1),
-    )
-    return [flag for flag, given in flags if given]
 
 
 def check_tensor_parallel_run(cfg, world_size: int) -> None:

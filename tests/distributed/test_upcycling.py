@@ -5,7 +5,7 @@ SwiGLU, and dense layers left in place; the settings under which it would not ar
 At tensor and expert-tensor parallelism each rank copies in its slices of the dense tensors: the script's upcycled
 run at tp 2 with sequence parallelism (ep 2 folded at etp 1, and Megatron's default etp = tp) and at tp 1 etp 2,
 from a tp 1 or a tp 2 dense checkpoint, follows one process's upcycled run (float64, 1e-10), whose first loss is
-the dense model's."""
+the dense model's; so does tp 2 x pp 2 on 4 ranks, each stage's ranks filling their slices of its layers."""
 
 import dataclasses
 
@@ -79,7 +79,13 @@ RUN = [flag for i, flag in enumerate(TINY) if "capacity" not in flag and "capaci
 RUN += ["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--zero-stage", "1", "--fp64", "--log-interval", "1"]
 RUN += ["--swiglu", "--make-vocab-size-divisible-by", "256", "--train-iters", "3"]
 MOE_FLAGS = {"--num-experts", "--moe-router-topk"}
-DENSE_RUN = [a for i, a in enumerate(RUN) if a not in MOE_FLAGS and RUN[i - 1] not in MOE_FLAGS]
+
+
+def _dense(run):
+    return [a for i, a in enumerate(run) if a not in MOE_FLAGS and run[i - 1] not in MOE_FLAGS]
+
+
+DENSE_RUN = _dense(RUN)
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # etp: tp's (Megatron's default)
 LAYOUTS = {  # the layout and where its dense checkpoint was saved
     "tp 2, ep 2 folded, etp 1": (TP2 + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 1),
@@ -159,26 +165,33 @@ def test_the_mtp_depths_mlps_are_upcycled_too():
     torch.testing.assert_close(depths[0], dense_depths[0], rtol=0, atol=1e-12)
 
 
-def test_tp_and_etp_upcycling_validate_and_with_pipeline_stages_is_refused_in_one_line():
-    """Upcycling runs at tp 2 and tp 1 etp 2 (above); with pipeline stages at tp or etp > 1 it is untested, refused
-    by name."""
+# 4 layers over 2 stages, the first dense; tp 2 with SP, the experts at Megatron's default etp (tp)
+PP_RUN = RUN + ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"]
+TP2_PP2 = TP2 + ["--pipeline-model-parallel-size", "2"]
+
+
+def test_upcycling_at_tp2_x_pp2_follows_one_process(tmp_path):
+    """With pipeline stages each stage's ranks copy in their tp and etp slices of its layers' dense tensors: the
+    script's upcycled run at tp 2 (SP, etp 2) x pp 2 on 4 ranks follows one process's (float64, 1e-10)."""
+    cache, dense = ["--data-cache-path", str(tmp_path)], str(tmp_path / "dense")
+    run_in_process(_dense(PP_RUN) + cache + ["--train-iters", "2", "--save", dense])
+    upcycled = PP_RUN + cache + ["--load", dense, "--moe-use-upcycling"]
+    single, _ = run_in_process(upcycled)
+    ranks = run_distributed(run_in_process, 4, upcycled + TP2_PP2, timeout=400)
+    assert any("--moe-use-upcycling: the experts start as the dense MLPs of" in output for _, output in ranks)
+    for history, _ in ranks:
+        assert_same_curve("tp 2 x pp 2", history, single)
+
+
+def test_tp_and_etp_upcycling_validate_with_and_without_pipeline_stages():
+    """Upcycling runs at tp 2 and tp 1 etp 2 (above), with pipeline stages too."""
     from moezero.training.configs import validate
     from tests.integration.pretrain_utils import configs
 
-    upcycled = RUN + ["--moe-use-upcycling"]
     pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"]
     for flags, _ in LAYOUTS.values():
-        validate(configs(upcycled + flags), world_size=2)
-    for flags, size in (
-        (TP2, "--tensor-model-parallel-size=2"),
-        (LAYOUTS["tp 1, etp 2"][0], "--expert-tensor-parallel-size=2"),
-    ):
-        with pytest.raises(ConfigError) as info:
-            validate(configs(upcycled + flags + pp2), world_size=4)
-        flag = size.split("=")[0]
-        assert str(info.value).splitlines() == [
-            f"--moe-use-upcycling with pipeline stages: not supported with {flag} > 1 yet ({size})"
-        ]
+        validate(configs(RUN + ["--moe-use-upcycling"] + flags), world_size=2)
+        validate(configs(RUN + ["--moe-use-upcycling"] + flags + pp2), world_size=4)
 
 
 def test_a_dense_tensor_of_another_shape_is_refused_by_name():

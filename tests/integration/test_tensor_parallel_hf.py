@@ -174,11 +174,15 @@ def _train_at_tp2(argv):
 
 def test_save_hf_at_tp2_leaves_out_the_vocabulary_rows_tp_pads(tmp_path):
     """--save-hf of a run from scratch at tp 2 writes the vocabulary a tp 1 run pads to (128 rows), not tp 2's
-    (256): its tensors are the run's checkpoint's (tools' export of it keeps all 256 rows; its fp32 masters, so
-    within fp32's rounding of the float64 params), the embedding and output layer their first 128 rows."""
-    from moezero.hf.checkpoint_conversion import export_checkpoint
+    (256), and tools/hf_checkpoint.py export of the run's checkpoint writes that folder: the same tensors
+    (within fp32's rounding: the checkpoint holds fp32 masters of the float64 params) and config, and so does the
+    run resumed from it at tp 1; a checkpoint of an older moezero (no vocabulary recorded) keeps all 256 rows, and
+    the tool says so."""
+    from moezero.hf.checkpoint_conversion import exported_vocab_size
+    from moezero.checkpoint import read_train_state, resolve_checkpoint
+    from tools.hf_checkpoint import main as hf_checkpoint
 
-    ckpt, saved = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    ckpt, saved, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "exported")
     argv = (
         RUN
         + LLAMA
@@ -186,12 +190,29 @@ def test_save_hf_at_tp2_leaves_out_the_vocabulary_rows_tp_pads(tmp_path):
         + ["--train-iters", "1", "--save", ckpt, "--save-hf", saved, "--data-cache-path", str(tmp_path / "cache")]
     )
     run_distributed(_train_at_tp2, 2, argv, timeout=300)
-    export_checkpoint(ckpt, str(tmp_path / "whole"))
-    got, padded = hub_tensors(os.path.join(saved, "iter_0000001")), hub_tensors(str(tmp_path / "whole"))
-    assert sorted(got) == sorted(padded)
-    for key, value in padded.items():
-        want = value[:128] if key in ("model.embed_tokens.weight", "lm_head.weight") else value
-        assert value.shape[0] == 256 or want is value, key
-        torch.testing.assert_close(got[key], want, rtol=1e-6, atol=0, msg=key)  # the checkpoint's fp32 masters
-    with open(os.path.join(saved, "iter_0000001", "config.json")) as f:
-        assert json.load(f)["vocab_size"] == 128
+    assert hf_checkpoint(["export", ckpt, exported]) == 0
+    saved = os.path.join(saved, "iter_0000001")
+    got, want = hub_tensors(exported), hub_tensors(saved)
+    assert sorted(got) == sorted(want)
+    assert got["model.embed_tokens.weight"].shape[0] == got["lm_head.weight"].shape[0] == 128
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype, key
+        torch.testing.assert_close(got[key], value, rtol=1e-6, atol=0, msg=key)  # fp32 masters of float64 params
+    with open(os.path.join(saved, "config.json")) as f, open(os.path.join(exported, "config.json")) as g:
+        assert json.load(g) == json.load(f)
+    # resumed at tp 1 (its 256 rows fit --make-vocab-size-divisible-by 256): --save-hf still writes the 128 rows
+    resumed = str(tmp_path / "resumed")
+    run_in_process(
+        RUN
+        + LLAMA
+        + ["--train-iters", "2", "--load", ckpt, "--override-opt_param-scheduler", "--save-hf", resumed]
+        + ["--make-vocab-size-divisible-by", "256", "--data-cache-path", str(tmp_path / "cache")]
+    )
+    resumed_tensors = hub_tensors(os.path.join(resumed, "iter_0000002"))
+    assert resumed_tensors["model.embed_tokens.weight"].shape[0] == resumed_tensors["lm_head.weight"].shape[0] == 128
+    # what an older moezero's checkpoint exports: all its rows, with one notice
+    configs = dict(read_train_state(resolve_checkpoint(ckpt))["configs"])
+    assert configs.pop("vocabulary") == {"tokenizer": 96, "exported": 128}
+    notices = []
+    assert exported_vocab_size(configs, 256, notices.append) is None
+    assert len(notices) == 1 and "all 256 rows" in notices[0] and "--tensor-model-parallel-size 2" in notices[0]
