@@ -68,6 +68,7 @@ from moezero.training.profiling import StepProfiler
 from moezero.checkpoint.keys import plain_param_name
 from moezero.training.resume import (
     ResumePoint,
+    adopted_vocabulary,
     check_shapes,
     data_differences,
     is_import,
@@ -163,6 +164,9 @@ class Pretraining:
         self.data = build_data(cfg, sizes)
         for line in self.data.notices:
             self.logger.print(f" {line}")
+        # the rows tp 1 pads to (an export's), whatever vocabulary the model adopts from its checkpoint
+        self._tp1_vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size, tensor_parallel_size=1)
+        cfg = self.cfg = self._with_checkpoint_vocabulary(cfg, point)
         self.vocab_size = padded_vocab_size(cfg, self.data.tokenizer.vocab_size)
         self._recorded_vocabulary = (point.configs.get("vocabulary") or {}) if point is not None else {}
         for split in (self.data.train, self.data.valid, self.data.test):
@@ -234,6 +238,23 @@ class Pretraining:
             self.rank = pipeline.rank  # a stage's cp ranks read the same micro-batches, as at pp 1
             self.dp_rank, self.dp_size = pipeline.data_parallel_rank, pipeline.data_parallel_size
         self.logs = self.rank == self.log_rank
+
+    def _with_checkpoint_vocabulary(self, cfg: Configs, point: Optional[ResumePoint]) -> Configs:
+        """`cfg` with the checkpoint's padded vocabulary where this run's tp pads the tokenizer's to other rows
+        (a checkpoint saved at another tp: its padded rows are logits too), said as Megatron's padding line."""
+        tokenizer = self.data.tokenizer.vocab_size
+        if point is None or cfg.model.vocab_size is not None:  # a config's own vocabulary is checked by shape
+            return cfg
+        padded = padded_vocab_size(cfg, tokenizer)
+        rows = adopted_vocabulary(point, tokenizer, padded, cfg.parallel.tensor_parallel_size)
+        if rows is None:
+            return cfg
+        self.logger.print(
+            f" padded vocab (size: {tokenizer}) with {rows - tokenizer} dummy tokens (new size: {rows}): the "
+            f"checkpoint's, not the {padded} of --make-vocab-size-divisible-by {cfg.model.make_vocab_size_divisible_by}"
+            f" x tp {cfg.parallel.tensor_parallel_size}"
+        )
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=rows))
 
     def _build_model(self, cfg: Configs, point: Optional[ResumePoint]):
         """The GPT (build_model), or at pp > 1 this rank's stages of it."""
@@ -661,7 +682,7 @@ class Pretraining:
         recorded, tokenizer = self._recorded_vocabulary, self.data.tokenizer.vocab_size
         if recorded.get("tokenizer") == tokenizer and tokenizer <= recorded.get("exported", 0) <= self.vocab_size:
             return recorded["exported"]
-        return padded_vocab_size(self.cfg, tokenizer, tensor_parallel_size=1)
+        return min(self._tp1_vocab_size, self.vocab_size)  # (an adopted vocabulary may have fewer rows)
 
     def _check_exportable(self) -> None:
         """--save-hf: a model no Hugging Face family holds is refused now, not after the training."""

@@ -8,6 +8,7 @@
                                                                # MoE run's (which starts at 0, as --finetune)
     cfg = apply_checkpoint_args(cfg, point, print)   # --use-checkpoint-args
     check_same_model(cfg, point)                     # else: each differing flag, old and new value
+    rows = adopted_vocabulary(point, tokenizer, padded, tp)  # the checkpoint's padded vocabulary, saved at another tp
     check_shapes(model, point)                       # the built model against the saved global shapes
 
 Every rank reads the same files and decides the same, so a refusal is raised on all ranks alike
@@ -365,6 +366,41 @@ def apply_checkpoint_args(
     if changes:
         report(f" {source}: {', '.join(changes)}")
     return dataclasses.replace(cfg, **sections)
+
+
+def saved_vocabulary(point: ResumePoint) -> Optional[int]:
+    """The rows of the checkpoint's word embedding: its padded vocabulary (None: not recorded)."""
+    for name, shape in point.param_shapes.items():
+        if plain_param_name(name) == "embedding.weight":
+            return int(shape[0])
+    return None
+
+
+def adopted_vocabulary(
+    point: ResumePoint, tokenizer_vocab: int, padded: int, tensor_parallel_size: int
+) -> Optional[int]:
+    """The checkpoint's padded vocabulary where this run's (`padded`: the tokenizer's padded for its tp) differs:
+    Megatron pads to --make-vocab-size-divisible-by x tp, so a checkpoint saved at another tp has other rows, and
+    its padded rows are logits of the softmax (the uninterrupted run's curve needs them). None: the run's own fits.
+    Refused in one line where the rows hold fewer tokens than the tokenizer or do not split over this tp."""
+    rows = saved_vocabulary(point)
+    if rows is None or rows == padded:
+        return None
+    if rows < tokenizer_vocab:
+        raise ConfigError(
+            f"--load: {point.path} has a vocabulary of {rows} rows, fewer than the tokenizer's {tokenizer_vocab} "
+            "tokens; give the checkpoint's tokenizer (or --use-checkpoint-args)"
+        )
+    if rows % tensor_parallel_size:
+        saved = point.configs.get("parallel") or {}
+        divisor = (point.configs.get("model") or {}).get("make_vocab_size_divisible_by", "?")
+        raise ConfigError(
+            f"--load: the padded vocabulary of {point.path} ({rows} rows: the tokenizer's {tokenizer_vocab} padded "
+            f"to a multiple of --make-vocab-size-divisible-by {divisor} x tp "
+            f"{saved.get('tensor_parallel_size', '?')}) does not split over --tensor-model-parallel-size "
+            f"{tensor_parallel_size}; resume at a tp that divides {rows}"
+        )
+    return rows
 
 
 def check_shapes(model: nn.Module, point: ResumePoint, elsewhere: Iterable[str] = ()) -> None:

@@ -9,7 +9,8 @@ import torch
 
 from moezero.checkpoint import CheckpointError
 from moezero.models import GPTModel
-from moezero.training.resume import ResumePoint, check_same_model, check_shapes
+from moezero.config import ConfigError
+from moezero.training.resume import ResumePoint, adopted_vocabulary, check_same_model, check_shapes
 from tests.integration.pretrain_utils import TINY, configs
 
 ROPE = ["--position-embedding-type", "rope"]
@@ -151,3 +152,29 @@ def test_an_mla_checkpoint_with_down_projection_biases_is_named_as_such():
     ):
         load_checkpoint_weights(source)
     load_checkpoint_weights(dataclasses.replace(source, state=model.state_dict()))
+
+
+def _saved_at(rows: int, tp: int, divisor: int = 128) -> ResumePoint:
+    """A checkpoint of `rows` padded vocabulary rows, saved at tp `tp` (its embedding's global shape)."""
+    configs = {"model": {"make_vocab_size_divisible_by": divisor}, "parallel": {"tensor_parallel_size": tp}}
+    shapes = {"embedding.weight": (rows, 16), "output_layer.weight": (rows, 16)}
+    return ResumePoint("ckpt/iter_0000002", 2, configs, shapes)
+
+
+def test_a_checkpoint_padded_at_another_tp_gives_its_vocabulary_or_one_line_why_not():
+    """Vocabulary 95: 128 rows at tp 1, 256 at tp 2 (Megatron's padding). The checkpoint's rows are adopted where
+    they split over this tp; rows that do not, or fewer than the tokenizer's, are refused in one line."""
+    assert adopted_vocabulary(_saved_at(256, 2), 95, 128, 1) == 256  # saved at tp 2, resumed at tp 1
+    assert adopted_vocabulary(_saved_at(128, 1), 95, 256, 2) == 128  # and the reverse
+    assert adopted_vocabulary(_saved_at(128, 1), 95, 128, 1) is None  # the run's own padding
+    with pytest.raises(ConfigError) as refused:
+        adopted_vocabulary(_saved_at(95, 1, divisor=1), 95, 256, 2)  # saved unpadded
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message == (
+        "--load: the padded vocabulary of ckpt/iter_0000002 (95 rows: the tokenizer's 95 padded to a multiple of "
+        "--make-vocab-size-divisible-by 1 x tp 1) does not split over --tensor-model-parallel-size 2; resume at a "
+        "tp that divides 95"
+    )
+    with pytest.raises(ConfigError, match=r"^--load: ckpt/iter_0000002 has a vocabulary of 128 rows, fewer than "):
+        adopted_vocabulary(_saved_at(128, 1), 200, 256, 2)
