@@ -12,8 +12,12 @@ from moezero.moe import MoEConfig, MoELayer, reset_global_load_balancing
 from moezero.parallel import ParallelGroups
 from tests.dist_utils import run_distributed
 
-moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 E, K, T, COEFF = 8, 2, 6, 1e-2
+
+
+def moe_utils():
+    """megatron-core's moe_utils, imported by the tests that call it rather than at collection."""
+    return pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 
 
 def _global_loss_is_megatrons():
@@ -43,7 +47,7 @@ def _global_loss_is_megatrons():
                 seen += sum(
                     torch.zeros(T, E, dtype=torch.float64).scatter_(1, p.topk(K).indices, 1.0).sum(0) for p in probs
                 )
-                local = moe_utils.switch_load_balancing_loss_func(
+                local = moe_utils().switch_load_balancing_loss_func(
                     probs[rank],
                     torch.zeros(T, E, dtype=torch.float64).scatter_(1, probs[rank].topk(K).indices, 1.0).sum(0),
                     T,
@@ -51,7 +55,9 @@ def _global_loss_is_megatrons():
                     E,
                     1.0,
                 )
-                glob = moe_utils.switch_load_balancing_loss_func(probs[rank], seen / (micro + 1), T * world, K, E, 1.0)
+                glob = moe_utils().switch_load_balancing_loss_func(
+                    probs[rank], seen / (micro + 1), T * world, K, E, 1.0
+                )
             torch.testing.assert_close(stats.aux_loss.detach(), 1e-3 * local + COEFF * glob, rtol=1e-12, atol=0)
             # logged as Megatron's tracker does: summed over the data-parallel ranks, not averaged
             torch.testing.assert_close(stats.tracked["global_load_balancing_loss"], glob * world, rtol=1e-12, atol=0)

@@ -35,9 +35,9 @@ print(max(rss[:3]), max(rss[3:]), heap.trims)
 """
 
 
-def _rss(*envs_extra, gelu="torch_gelu"):
-    """(ceiling, peak, trims) of the loop in a process of its own for each of `envs_extra`, the processes side by
-    side (one thread each, as the 2 ranks of a distributed test: each measures its own RSS)."""
+def _rss(*runs):
+    """(ceiling, peak, trims) of the loop in a process of its own for each (extra environment, gelu) of `runs`,
+    the processes side by side (one thread each, as the ranks of a distributed test: each measures its own RSS)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs = [
         subprocess.Popen(
@@ -48,9 +48,20 @@ def _rss(*envs_extra, gelu="torch_gelu"):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for extra in envs_extra
+        for extra, gelu in runs
     ]
     return [tuple(map(int, out.split())) for out in _outputs(procs, 300)]
+
+
+@pytest.fixture(scope="module")
+def loop_runs():
+    """The loop's runs the next two tests read, started together so the single fused run does not leave a core
+    idle: torch's GELU with the heap policy and with glibc alone, and the fused GELU with glibc alone (when
+    moezero._C is built)."""
+    runs = {"trimmed": ({}, "torch_gelu"), "kept": ({"MOEZERO_KEEP_MALLOC": "1"}, "torch_gelu")}
+    if _loader.load("cpu") is not None:
+        runs["fused, kept"] = ({"MOEZERO_KEEP_MALLOC": "1"}, "fused")
+    return dict(zip(runs, _rss(*runs.values())))
 
 
 def _outputs(procs, timeout):
@@ -70,25 +81,24 @@ def _outputs(procs, timeout):
                 proc.wait()
 
 
-def test_resident_set_stays_under_the_warmed_up_ceiling_plus_the_slack():
+def test_resident_set_stays_under_the_warmed_up_ceiling_plus_the_slack(loop_runs):
     """The ceiling is the largest step-end RSS of the first 3 steps; a step may grow it by at most one
     step's fragmentation (under 48 MB for this layer) before the trim at its end."""
     bound = 64 * 2**20 + 48 * 2**20
-    trimmed, kept = _rss({}, {"MOEZERO_KEEP_MALLOC": "1"})
-    ceiling, peak, trims = trimmed
+    ceiling, peak, trims = loop_runs["trimmed"]
     assert peak - ceiling < bound and trims > 0, (ceiling, peak, trims)
     # glibc alone lets it creep past that bound (the allocator keeps the holes; how far varies: 139 MB in one
     # fresh-clone run, 160-204 MB in the others)
-    ceiling, peak, trims = kept
+    ceiling, peak, trims = loop_runs["kept"]
     assert trims == 0 and peak - ceiling > bound, (ceiling, peak)
 
 
-def test_the_fused_gelu_leaves_no_creep_to_trim():
+def test_the_fused_gelu_leaves_no_creep_to_trim(loop_runs):
     """The fused bias + GELU (moezero/ops/gelu.py) allocates no odd-sized temporaries in backward: the same loop,
     glibc alone, stayed within 31 MB of its ceiling (torch's GELU: 139-204 MB)."""
     if _loader.load("cpu") is None:
         pytest.skip("moezero._C is not built (or MOEZERO_DISABLE_EXT=1): the GELU is torch's")
-    [(ceiling, peak, trims)] = _rss({"MOEZERO_KEEP_MALLOC": "1"}, gelu="fused")
+    ceiling, peak, trims = loop_runs["fused, kept"]
     assert trims == 0 and peak - ceiling < 64 * 2**20 + 48 * 2**20, (ceiling, peak)
 
 

@@ -11,8 +11,12 @@ from moezero.moe import MoELayer
 from moezero.moe.router import TopKRouter, sinkhorn
 from tests.integration.pretrain_utils import TINY, configs, train
 
-moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 E, K, D = 8, 2, 16
+
+
+def moe_utils():
+    """megatron-core's moe_utils, imported by the tests that call it rather than at collection."""
+    return pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 
 
 def _router(**kwargs) -> TopKRouter:
@@ -27,15 +31,15 @@ def _megatron_losses(logits_BSE, score_function, coefficients):
     as Megatron lays tokens out, without their coefficients."""
     B, S, _ = logits_BSE.shape
     logits = logits_BSE.transpose(0, 1).reshape(S * B, E)
-    routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, K, score_function)
+    routing_map, scores = moe_utils().compute_routing_scores_for_aux_loss(logits, K, score_function)
     out = {}
     if "aux_loss" in coefficients:
-        out["load_balancing_loss"] = moe_utils.switch_load_balancing_loss_func(
+        out["load_balancing_loss"] = moe_utils().switch_load_balancing_loss_func(
             scores, routing_map.sum(0), S * B, K, E, 1.0
         )
     if "seq_aux_loss" in coefficients:
         out["seq_load_balancing_loss"] = (
-            moe_utils.switch_load_balancing_loss_func(
+            moe_utils().switch_load_balancing_loss_func(
                 scores.reshape(S, -1), routing_map.reshape(S, -1).sum(0), S, K, E, 1.0
             )
             / B
@@ -94,13 +98,13 @@ def test_the_flags_take_megatrons_lists_and_its_rules():
 
 def test_sinkhorn_routing_is_megatrons():
     cost = torch.randn(20, E, dtype=torch.float32, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(sinkhorn(cost), moe_utils.sinkhorn(cost), rtol=0, atol=0)
+    torch.testing.assert_close(sinkhorn(cost), moe_utils().sinkhorn(cost), rtol=0, atol=0)
     router = _router(load_balancing_type="sinkhorn")
     x = torch.randn(20, D, generator=torch.Generator().manual_seed(3))
     logits = x @ router.wg.weight.t()
     router.train()
     routing = router(x)
-    expected_ids = torch.topk(moe_utils.sinkhorn(logits), K, dim=1).indices  # training: balanced assignment
+    expected_ids = torch.topk(moe_utils().sinkhorn(logits), K, dim=1).indices  # training: balanced assignment
     assert torch.equal(routing.topk_ids_TK.sort(1).values, expected_ids.sort(1).values)
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(routing.topk_weights_TK, probs.gather(1, routing.topk_ids_TK), rtol=1e-6, atol=0)
@@ -167,7 +171,7 @@ def test_the_selection_and_weights_are_megatrons(kwargs):
     """Megatron's topk_routing_with_score_function: after the top-k the softmax selects on the logits, groups
     scored by their logits too (a softmax's sum of the top probabilities ranks groups otherwise)."""
     logits = torch.randn(64, E, generator=torch.Generator().manual_seed(5)) * 2
-    theirs, _ = moe_utils.topk_routing_with_score_function(
+    theirs, _ = moe_utils().topk_routing_with_score_function(
         logits,
         kwargs["top_k"],
         use_pre_softmax=kwargs.get("pre_softmax", False),
