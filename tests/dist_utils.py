@@ -1,11 +1,9 @@
 """Run test functions on N gloo ranks.
 
 `run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a spawned gloo
-world and returns the per-rank results (rank order). Starting Python and importing torch is the
+world and returns the per-rank results (rank order). Spawning and importing torch is the
 slow part on 2 cores, so a world of each size is kept alive and reused by later calls; any
-failure or hang tears it down, so the next call starts from a fresh world. The ranks are forked
-from a forkserver that imported torch once (a new world costs no torch import per rank); each
-rank takes the test process's environment of the moment it starts, as a spawned one would.
+failure or hang tears it down, so the next call starts from a fresh world.
 
 - A failure on any rank fails the call with that rank's traceback.
 - A rank that does not finish within `timeout` fails the call with a message naming the
@@ -37,8 +35,7 @@ class RankPool:
     """N spawned processes in one gloo world, each running tasks from its queue."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])  # takes effect when the server starts
+        ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._tmpdir = tempfile.TemporaryDirectory(prefix="moezero-dist-")
         init_file = os.path.join(self._tmpdir.name, "store")
@@ -53,7 +50,7 @@ class RankPool:
                     target=_worker,
                     name=f"moezero-rank{r}",
                     daemon=True,
-                    args=(r, world_size, init_file, self._tasks[r], self._results, dict(os.environ)),
+                    args=(r, world_size, init_file, self._tasks[r], self._results),
                 )
                 for r in range(world_size)
             ]
@@ -126,9 +123,7 @@ def _failure_message(fn: Callable, errors: Dict[int, str], stuck: List[int], tim
     return "\n".join(lines)
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results, environ: Dict[str, str]) -> None:
-    os.environ.clear()  # the test process's, not the forkserver's (started with the first world)
-    os.environ.update(environ)
+def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     import datetime
 
     import torch
