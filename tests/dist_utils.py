@@ -14,6 +14,7 @@ failure or hang tears it down, so the next call starts from a fresh world.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import itertools
 import multiprocessing as mp
 import os
@@ -65,7 +66,7 @@ class RankPool:
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> List[Any]:
         task_id = next(self._ids)
         for q in self._tasks:
-            q.put((task_id, fn, args, kwargs))
+            q.put((task_id, fn, args, kwargs, timeout))
         results: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -141,14 +142,18 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             break
-        task_id, fn, args, kwargs = task
+        task_id, fn, args, kwargs, timeout = task
         groups_before = set(_live_groups())
+        # a rank still running just before the caller gives up prints where each of its threads is (stderr, which
+        # the test's report shows): a hang names its place
+        faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0))
         try:
             out = fn(*args, **kwargs)
             results.put((task_id, rank, "ok", out))
         except BaseException:
             results.put((task_id, rank, "error", traceback.format_exc()))
         finally:
+            faulthandler.cancel_dump_traceback_later()
             for group in set(_live_groups()) - groups_before:
                 dist.destroy_process_group(group)
     dist.destroy_process_group()
