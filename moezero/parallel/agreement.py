@@ -156,9 +156,20 @@ def watched_wait(work: Any, check_arrived: Callable[[], None]) -> None:
             return
         except RuntimeError:
             if work.is_completed():  # it ended meanwhile, or failed: wait() says which
-                work.wait()
+                _finish(work, check_arrived)
                 return
             check_arrived()
+
+
+def _finish(work: Any, check_arrived: Callable[[], None]) -> None:
+    """A watched collective that ended: return, or raise why it failed. A peer that went elsewhere, raised and
+    left closes its connections: its record, stated before it left, names the cause (RanksDisagree), not the
+    closed connection."""
+    try:
+        work.wait()
+    except RuntimeError:
+        check_arrived()
+        raise
 
 
 def agree(record: Sequence[int], group: Optional[Any], describe: Describe) -> None:
